@@ -1,0 +1,105 @@
+"""What a caller hands the engine (``SamplingParams``) and what it gets back (``StreamEvent``,
+``Completion``).
+
+Vocabulary: *prompt tokens* are the rendered chat prompt; *completion tokens* are tokens the
+engine delivered to the caller (a stop string's tokens and an end-of-turn token are not
+delivered, so they are not counted).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from flm_runtime.errors import InvalidRequestError
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Attributes:
+        temperature: softmax temperature; 0 means greedy (argmax). Range [0, 2].
+        top_k: keep the k most likely tokens; 0 disables. Range >= 0.
+        top_p: nucleus mass to keep, (0, 1]; 1 disables.
+        min_p: drop tokens whose probability is below ``min_p * p(top-1)``; [0, 1); 0 disables.
+        seed: seed of the request's own RNG (numpy PCG64); None draws one from the OS.
+        max_tokens: completion tokens at most; None means up to the context length.
+        stop: strings that end the output; the stop string itself is not delivered.
+        ignore_eos: keep generating past EOS / end-of-turn tokens (benchmarks).
+
+    Raises:
+        InvalidRequestError: a value out of range, naming the parameter.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.temperature, "temperature", 0.0, 2.0)
+        _check(self.top_p, "top_p", 0.0, 1.0, low_open=True)
+        _check(self.min_p, "min_p", 0.0, 1.0, high_open=True)
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}", param="top_k")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise InvalidRequestError(
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens"
+            )
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidRequestError(f"seed must be an integer >= 0, got {self.seed!r}", param="seed")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError(f"stop must hold non-empty strings, got {self.stop!r}", param="stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check(value, name: str, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+        raise InvalidRequestError(f"{name} must lie in {lo}{low}, {high}{hi}, got {value!r}", param=name)
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One delivery to a streaming caller.
+
+    Attributes:
+        text: new text, whole UTF-8 characters only (may be "" on the final event).
+        token_ids: the completion tokens this event delivers.
+        finish_reason: None until the last event; then "stop" (EOS, end-of-turn, stop string) or
+            "length" (``max_tokens`` or the context length reached).
+        prompt_tokens: prompt length (tokens).
+        completion_tokens: completion tokens delivered so far, this event included.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request: the join of its stream events."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    stats: dict = field(default_factory=dict)

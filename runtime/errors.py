@@ -1,0 +1,67 @@
+"""Typed errors of the runtime.
+
+The runtime never imports litellm; ``litellm_flm.errors`` maps each class below to the LiteLLM
+exception a client expects (see DESIGN.md §8). Every error carries enough structured data for that
+mapping (the offending parameter, the token counts) and a message a user can act on.
+"""
+
+from __future__ import annotations
+
+
+class FlmError(Exception):
+    """Base class of every error raised on purpose by ``flm_runtime``."""
+
+
+class InvalidRequestError(FlmError, ValueError):
+    """A request parameter is missing, of the wrong type or out of range.
+
+    Attributes:
+        param: name of the offending parameter as the caller spelled it (e.g. ``"top_p"``).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    """Prompt tokens + ``max_tokens`` exceed the model's context length (tokens)."""
+
+    def __init__(self, *, prompt_tokens: int, max_tokens: int, context_length: int):
+        super().__init__(
+            f"this model's context length is {context_length} tokens; the prompt has "
+            f"{prompt_tokens} tokens and max_tokens asks for {max_tokens} more "
+            f"({prompt_tokens + max_tokens} in all)",
+            param="messages",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context_length = context_length
+
+
+class UnknownModelError(FlmError, LookupError):
+    """A model tag that no registry (built-in, user file, entry point) defines."""
+
+
+class ModelFilesMissingError(FlmError, FileNotFoundError):
+    """A registered model whose files are not installed and cannot be pulled automatically."""
+
+
+class ModelDownloadError(FlmError):
+    """Fetching or verifying a model file failed; nothing was left in the model cache."""
+
+
+class ModelFormatError(FlmError, ValueError):
+    """A model file is unreadable, of an unsupported architecture or quantization, or inconsistent."""
+
+
+class EngineOverloadedError(FlmError):
+    """The engine's queue or KV memory budget is full; retry later."""
+
+
+class RequestTimeoutError(FlmError, TimeoutError):
+    """A request ran past its deadline (seconds) and was cancelled."""
+
+
+class BackendUnavailableError(FlmError):
+    """The chosen backend cannot run (no device, failed kernel load, engine stopped)."""
