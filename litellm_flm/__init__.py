@@ -1,0 +1,84 @@
+"""litellm_flm: run ``flm/<tag>`` models locally through LiteLLM.
+
+Importing the package registers the provider (``register()``), so either of these is enough::
+
+    import litellm, litellm_flm
+    litellm.completion(model="flm/smollm2:135m", messages=[...])
+
+and, in a LiteLLM proxy ``config.yaml`` (the proxy imports this package to resolve the handler,
+which registers the models' context windows and zero costs as a side effect)::
+
+    litellm_settings:
+      custom_provider_map: [{provider: flm, custom_handler: litellm_flm.handler}]
+
+Registration on import is deliberate: LiteLLM has no entry-point discovery, and the proxy only
+ever imports the handler, so an explicit ``register()`` call would have no place to live there.
+It is cheap (no model is loaded) and idempotent.
+
+``reasoning_effort`` / ``thinking`` are refused by this provider; other OpenAI parameters LiteLLM
+does not forward to custom providers by default can be let through with ``allowed_openai_params``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import litellm
+
+from .llm import FlmLLM
+
+__all__ = ["FlmLLM", "handler", "register", "PROVIDER"]
+
+PROVIDER = "flm"
+
+# The CustomLLM instance LiteLLM calls (custom_provider_map needs an instance, not the class).
+handler = FlmLLM()
+
+_log = logging.getLogger(__name__)
+
+
+def _registry_entries() -> list:
+    """Every registered model (tag, context length); empty if the registry module is absent."""
+    try:
+        from flm_runtime.registry import list_entries
+    except ModuleNotFoundError as e:
+        if e.name != "flm_runtime.registry":
+            raise
+        _log.warning("flm_runtime.registry is not installed: no flm/<tag> model metadata registered")
+        return []
+    return list(list_entries())
+
+
+def model_info(context_length: int) -> dict:
+    """LiteLLM's model-cost entry of a local model: free, chat, the context shared by prompt and output."""
+    return {
+        "max_tokens": context_length,
+        "max_input_tokens": context_length,
+        "max_output_tokens": context_length,
+        "input_cost_per_token": 0.0,
+        "output_cost_per_token": 0.0,
+        # Without these litellm warns, for every tag, that cache costs "will default to 0".
+        "cache_creation_input_token_cost": 0.0,
+        "cache_read_input_token_cost": 0.0,
+        "litellm_provider": PROVIDER,
+        "mode": "chat",
+    }
+
+
+def register() -> None:
+    """Make ``flm/<tag>`` models callable in this process's LiteLLM. Idempotent.
+
+    Adds ``{"provider": "flm", "custom_handler": handler}`` to ``litellm.custom_provider_map``
+    (replacing any other ``flm`` entry, so there is never more than one), adds the provider to
+    LiteLLM's provider lists, and registers every registry tag as ``flm/<tag>`` with zero costs
+    and its context length.
+    """
+    others = [item for item in litellm.custom_provider_map if item.get("provider") != PROVIDER]
+    litellm.custom_provider_map = [*others, {"provider": PROVIDER, "custom_handler": handler}]
+    litellm.utils.custom_llm_setup()
+    entries = _registry_entries()
+    if entries:
+        litellm.register_model({f"{PROVIDER}/{e.tag}": model_info(e.context_length) for e in entries})
+
+
+register()

@@ -1,0 +1,67 @@
+"""Runtime errors -> the LiteLLM exceptions clients, the Router and the proxy act on.
+
+The choice of class decides what LiteLLM does next (DESIGN.md §8):
+
+- ``ContextWindowExceededError`` fires the Router's ``context_window_fallbacks``;
+- ``RateLimitError`` (429) and ``ServiceUnavailableError`` (503) are retried and put the deployment
+  in cooldown, so a full queue or a backend that is down sends traffic elsewhere for a while;
+- ``BadRequestError`` / ``NotFoundError`` are the caller's to fix: no retry helps.
+
+LiteLLM passes its own exception types through unchanged (``exception_type`` returns them as they
+are), so what we raise here is what the caller catches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import litellm
+
+from flm_runtime import errors as rt
+
+PROVIDER = "flm"
+
+
+def to_litellm(error: rt.FlmError, model: str) -> Exception:
+    """The LiteLLM exception for one runtime error (not raised: the caller raises it ``from error``).
+
+    Args:
+        error: what the runtime raised.
+        model: the model as LiteLLM names it to the handler (the tag, e.g. ``"smollm2:135m"``).
+    """
+    msg = str(error)
+    kw = {"message": msg, "model": model, "llm_provider": PROVIDER}
+    # Order matters: ContextLengthError is an InvalidRequestError.
+    if isinstance(error, rt.ContextLengthError):
+        body = {"message": msg, "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
+        return litellm.ContextWindowExceededError(**kw, body=body)
+    if isinstance(error, rt.InvalidRequestError):
+        if error.param and error.param not in msg:
+            kw["message"] = f"{error.param}: {msg}"
+        # The OpenAI error body's "param" (openai's APIError reads it into ``exc.param``).
+        body = {"message": kw["message"], "type": "invalid_request_error", "param": error.param, "code": None}
+        return litellm.BadRequestError(**kw, body=body)
+    if isinstance(error, rt.RequestTimeoutError):
+        return litellm.Timeout(**kw)
+    if isinstance(error, rt.EngineOverloadedError):
+        # 429: the engine is healthy but its queue / KV budget is full; retry after a while.
+        return litellm.RateLimitError(**kw)
+    if isinstance(error, (rt.BackendUnavailableError, rt.ModelDownloadError)):
+        return litellm.ServiceUnavailableError(**kw)
+    if isinstance(error, rt.UnknownModelError):
+        return litellm.NotFoundError(**{**kw, "message": f"{msg} (`litellm-flm list` shows the known tags)"})
+    if isinstance(error, rt.ModelFilesMissingError):
+        # Installed nowhere and not pullable: a retry cannot help, so not a 503.
+        return litellm.NotFoundError(**{**kw, "message": f"{msg} (`litellm-flm pull <tag>` installs a model)"})
+    # ModelFormatError and anything else: our side is broken, and retrying will not mend it.
+    return litellm.InternalServerError(**kw)
+
+
+@contextmanager
+def litellm_errors(model: str) -> Iterator[None]:
+    """Re-raise any ``FlmError`` raised inside the block as its LiteLLM exception, chained."""
+    try:
+        yield
+    except rt.FlmError as e:
+        raise to_litellm(e, model) from e

@@ -1,0 +1,179 @@
+"""``FlmLLM``: the LiteLLM ``CustomLLM`` that runs ``flm/<tag>`` models on ``flm_runtime``.
+
+A request travels (DESIGN.md §3): LiteLLM strips the ``flm/`` prefix and calls one of the four
+methods below with ``optional_params``; ``params`` validates them into ``SamplingParams`` and the
+messages into template input; the engine of the tag renders the model's own chat template, counts
+the prompt tokens and admits the request (or raises ``ContextLengthError`` / ``EngineOverloadedError``);
+its events become a ``ModelResponse`` or ``GenericStreamingChunk``s here. Nothing deeper: sampling,
+stop strings, UTF-8-safe detokenizing and token counting are the engine's.
+
+Blocking work (loading a model, tokenizing, waiting for tokens) never runs on the event loop: the
+async methods hand it to a worker thread or to the engine's own async iterator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+from litellm import CustomLLM
+from litellm.types.utils import GenericStreamingChunk, ModelResponse, Usage
+
+from flm_runtime.engine.request import Completion, StreamEvent
+
+from .errors import litellm_errors
+from .params import normalize_messages, request_fields
+
+
+def _get_engine(tag: str):
+    """The process-wide engine of ``tag`` (loaded, and pulled if need be, on first use).
+
+    Imported lazily so that ``import litellm_flm`` (what the proxy does at startup) stays cheap;
+    tests replace this function with a fake engine.
+    """
+    from flm_runtime.api import get_engine
+
+    return get_engine(tag)
+
+
+def _timeout_seconds(timeout: float | httpx.Timeout | None) -> float | None:
+    """LiteLLM's ``timeout`` (seconds, 600 by default, or an httpx.Timeout) -> the engine's deadline.
+
+    LiteLLM does not enforce timeouts for custom handlers: the engine does. Of an httpx.Timeout
+    only ``read`` (time without new data) has a local meaning.
+    """
+    if isinstance(timeout, httpx.Timeout):
+        return timeout.read
+    return None if timeout is None else float(timeout)
+
+
+def _start(model: str, messages: list, optional_params: dict, timeout: Any):
+    """Validate, render, tokenize and submit one request (blocking: may load the model).
+
+    Returns:
+        The engine's RequestHandle.
+
+    Raises:
+        flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
+    """
+    fields = request_fields(optional_params)  # before loading the model: a bad request fails fast
+    chat = normalize_messages(messages)
+    engine = _get_engine(model)
+    params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
+    prompt = engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    prompt_ids = engine.tokenizer.encode(prompt)
+    return engine.submit(prompt_ids, params, timeout=_timeout_seconds(timeout))
+
+
+def build_response(model_response: ModelResponse, model: str, done: Completion) -> ModelResponse:
+    """Fill LiteLLM's pre-made ``ModelResponse`` from a finished request.
+
+    LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
+    LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
+    """
+    choice = model_response.choices[0]
+    choice.message.content = done.text
+    choice.message.role = "assistant"
+    choice.finish_reason = done.finish_reason
+    model_response.model = model
+    model_response.created = int(time.time())
+    usage = Usage(
+        prompt_tokens=done.prompt_tokens,
+        completion_tokens=done.completion_tokens,
+        total_tokens=done.prompt_tokens + done.completion_tokens,
+    )
+    setattr(model_response, "usage", usage)  # not a declared field of ModelResponse
+    model_response._hidden_params["flm_stats"] = dict(done.stats)
+    return model_response
+
+
+def build_chunk(event: StreamEvent) -> GenericStreamingChunk:
+    """One engine event -> one LiteLLM chunk; the final one (finish_reason set) carries the usage."""
+    finished = event.finish_reason is not None
+    usage = None
+    if finished:
+        usage = {
+            "prompt_tokens": event.prompt_tokens,
+            "completion_tokens": event.completion_tokens,
+            "total_tokens": event.prompt_tokens + event.completion_tokens,
+        }
+    return GenericStreamingChunk(
+        text=event.text,
+        is_finished=finished,
+        finish_reason=event.finish_reason or "",
+        index=0,
+        tool_use=None,
+        usage=usage,
+    )
+
+
+class FlmLLM(CustomLLM):
+    """LiteLLM entry points. ``model`` is the tag with the ``flm/`` prefix already stripped.
+
+    The signatures take what LiteLLM passes by keyword and ignore the rest (api_base, api_key,
+    headers, client, ...: a local engine has no use for them).
+    """
+
+    def completion(
+        self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None, **_: Any
+    ) -> ModelResponse:
+        with litellm_errors(model):
+            handle = _start(model, messages, optional_params, timeout)
+            try:
+                done = handle.result()
+            except BaseException:  # KeyboardInterrupt, or an engine error: free the sequence
+                handle.cancel()
+                raise
+        return build_response(model_response, model, done)
+
+    async def acompletion(
+        self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None, **_: Any
+    ) -> ModelResponse:
+        with litellm_errors(model):
+            handle = await asyncio.to_thread(_start, model, messages, optional_params, timeout)
+            try:
+                done = await handle.aresult()
+            except BaseException:  # CancelledError: the client went away
+                handle.cancel()
+                raise
+        return build_response(model_response, model, done)
+
+    def streaming(
+        self, model: str, messages: list, optional_params: dict, timeout=None, **_: Any
+    ) -> Iterator[GenericStreamingChunk]:
+        # A plain function returning a generator: a bad request or a full context raises here, at
+        # call time, not at the first next().
+        with litellm_errors(model):
+            handle = _start(model, messages, optional_params, timeout)
+        return self._stream(model, handle)
+
+    @staticmethod
+    def _stream(model: str, handle) -> Iterator[GenericStreamingChunk]:
+        finished = False
+        try:
+            with litellm_errors(model):
+                for event in handle:
+                    finished = event.finish_reason is not None
+                    yield build_chunk(event)
+        finally:
+            if not finished:  # the caller stopped reading, or an error: free the sequence now
+                handle.cancel()
+
+    async def astreaming(
+        self, model: str, messages: list, optional_params: dict, timeout=None, **_: Any
+    ) -> AsyncIterator[GenericStreamingChunk]:
+        # Must be an async generator (DESIGN §8): litellm iterates the object it gets back.
+        finished = False
+        handle = None
+        try:
+            with litellm_errors(model):
+                handle = await asyncio.to_thread(_start, model, messages, optional_params, timeout)
+                async for event in handle.aiter():
+                    finished = event.finish_reason is not None
+                    yield build_chunk(event)
+        finally:
+            if handle is not None and not finished:
+                handle.cancel()

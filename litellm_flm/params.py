@@ -1,0 +1,204 @@
+"""OpenAI chat parameters -> the runtime's ``SamplingParams``, and chat messages -> template input.
+
+LiteLLM hands a custom provider the caller's parameters in ``optional_params``, already partly
+rewritten (checked on litellm 1.110.2):
+
+- ``max_completion_tokens`` arrives renamed to ``max_tokens``;
+- non-OpenAI keys (``top_k``, ``min_p``) arrive at the top level, but keys sent through
+  ``extra_body`` (the OpenAI SDK's way, and the proxy's) arrive nested in ``extra_body``;
+- the Router adds ``stream`` and ``max_retries``; ``user`` and ``metadata`` go elsewhere, but may
+  still show up from other callers.
+
+Every key is then one of: *mapped* (``OPENAI_TO_RUNTIME``), *ignored* (``IGNORED``), *accepted only
+at its neutral value* (``NEUTRAL_ONLY``), or rejected. Anything rejected raises
+``InvalidRequestError`` naming the parameter, which ``litellm_flm.errors`` turns into
+``litellm.BadRequestError``. Range checks live in ``SamplingParams`` itself and the default sampler
+in the runtime (``SamplingDefaults``, per model): one place each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flm_runtime.engine.request import SamplingParams
+from flm_runtime.engine.sampler import CARD_DEFAULT, SamplingDefaults
+from flm_runtime.errors import InvalidRequestError
+
+# OpenAI (or extra_body) name -> SamplingParams field. Everything the runtime acts on.
+OPENAI_TO_RUNTIME: dict[str, str] = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",  # not OpenAI; vLLM / Ollama spelling, via extra_body or litellm's passthrough
+    "min_p": "min_p",  # same
+    "seed": "seed",
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens",  # litellm renames it, but other callers may not
+    "stop": "stop",
+    "ignore_eos": "ignore_eos",  # not OpenAI; for benchmarks (vLLM spelling)
+}
+
+# Keys that carry no meaning for a local model, or that LiteLLM / the Router handles itself.
+IGNORED: frozenset[str] = frozenset(
+    {"stream", "stream_options", "user", "metadata", "max_retries", "store", "service_tier"}
+)
+
+# Known OpenAI parameters we do not implement: accepted only at the value that means "off", so a
+# client that always sends the default still works; anything else is refused rather than ignored.
+NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "only n=1 is supported"),
+    "presence_penalty": ((0, 0.0), "presence_penalty is not supported; send 0 or leave it out"),
+    "frequency_penalty": ((0, 0.0), "frequency_penalty is not supported; send 0 or leave it out"),
+    "logprobs": ((False,), "logprobs are not supported yet"),
+    "top_logprobs": ((0,), "top_logprobs is not supported yet (logprobs are not supported yet)"),
+    "logit_bias": (({},), "logit_bias is not supported"),
+    "response_format": (({"type": "text"},), "response_format (JSON mode, structured output) is not supported"),
+    "tools": (([],), "tools (function calling) are not supported"),
+    "tool_choice": (("none",), "tool_choice is not supported (tools are not supported)"),
+    "functions": (([],), "functions (function calling) are not supported"),
+    "function_call": (("none",), "function_call is not supported (functions are not supported)"),
+    "parallel_tool_calls": ((), "parallel_tool_calls is not supported (tools are not supported)"),
+    "reasoning_effort": ((), "reasoning_effort is not supported by this provider"),
+    "thinking": ((), "thinking is not supported by this provider"),
+}
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit: a request valid here stays valid for a cloud fallback model
+
+
+class ChatParams(BaseModel):
+    """The mapped parameters, type-checked (strict: no "0.5" strings, no floats for integers)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = Field(default=None)
+    ignore_eos: bool | None = None
+
+
+def merge_extra_body(optional_params: Mapping[str, Any]) -> dict[str, Any]:
+    """Flatten ``extra_body`` into the top level; a key given in both places with two values is an error."""
+    flat = {k: v for k, v in optional_params.items() if k != "extra_body"}
+    extra = optional_params.get("extra_body") or {}
+    if not isinstance(extra, Mapping):
+        raise InvalidRequestError(f"extra_body must be an object, got {type(extra).__name__}", param="extra_body")
+    for key, value in extra.items():
+        if key in flat and flat[key] != value:
+            raise InvalidRequestError(
+                f"{key} is given twice with different values ({flat[key]!r} and {value!r} in extra_body)",
+                param=key,
+            )
+        flat[key] = value
+    return flat
+
+
+def request_fields(optional_params: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate LiteLLM's ``optional_params`` into the ``SamplingParams`` fields the request sets.
+
+    Args:
+        optional_params: as LiteLLM passes them to a ``CustomLLM`` (``extra_body`` nested).
+
+    Returns:
+        ``SamplingParams`` keyword arguments, runtime names, only those the request gave (``stop``
+        as a tuple). The model's default sampler fills the rest: ``Engine.sampling_params``, field
+        by field (a request setting only ``temperature=0.7`` keeps the model's top_k / top_p).
+        ``max_tokens`` left unset means up to the context: no hidden cap (DESIGN §9.4).
+
+    Raises:
+        InvalidRequestError: an unknown, unsupported or mistyped parameter; ``param`` names it as the
+            caller spelled it. Ranges are checked later, by ``SamplingParams`` itself.
+    """
+    flat = {k: v for k, v in merge_extra_body(optional_params).items() if v is not None and k not in IGNORED}
+    mapped: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in OPENAI_TO_RUNTIME:
+            mapped[key] = value
+        elif key in NEUTRAL_ONLY:
+            neutral, why = NEUTRAL_ONLY[key]
+            if not _is_neutral(value, neutral):
+                raise InvalidRequestError(f"{why}; got {key}={value!r}", param=key)
+        else:
+            raise InvalidRequestError(f"unknown or unsupported parameter {key!r} for provider flm", param=key)
+    renamed = "max_completion_tokens" in mapped
+    if renamed:
+        if "max_tokens" in mapped:
+            raise InvalidRequestError("give max_tokens or max_completion_tokens, not both", param="max_tokens")
+        mapped["max_tokens"] = mapped.pop("max_completion_tokens")
+
+    try:
+        checked = ChatParams(**mapped)
+    except ValidationError as e:
+        raise _first_error(e, "max_completion_tokens" if renamed else "max_tokens") from e
+    fields = checked.model_dump(exclude_none=True)
+    if "stop" in fields:
+        fields["stop"] = _stop_tuple(checked.stop)
+    return fields
+
+
+def to_sampling_params(optional_params: Mapping[str, Any], defaults: SamplingDefaults | None = None) -> SamplingParams:
+    """``request_fields`` resolved against a default sampler (the card's when None).
+
+    Raises:
+        InvalidRequestError: as ``request_fields``, or a value out of range, naming the parameter.
+    """
+    return (defaults or CARD_DEFAULT).resolve(**request_fields(optional_params))
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # bool is an int in Python: make sure logprobs=False does not accept n=False and n=1 not True.
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
+def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+    if any(s == "" for s in stops):
+        raise InvalidRequestError("stop strings must not be empty", param="stop")
+    return stops
+
+
+def _first_error(e: ValidationError, max_tokens_name: str) -> InvalidRequestError:
+    """The first pydantic error, named as the caller spelled the parameter."""
+    err = e.errors()[0]
+    param = str(err["loc"][0]) if err["loc"] else "request"
+    if param == "max_tokens":
+        param = max_tokens_name
+    return InvalidRequestError(f"{param}: {err['msg']}, got {err.get('input')!r}", param=param)
+
+
+ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> ``[{"role", "content"}]`` for the model's chat template.
+
+    ``developer`` is OpenAI's newer name for ``system``. Tool and function messages and tool calls
+    are refused: the models here have no tool-call template. Content is passed on as given: the
+    runtime's template renderer flattens text parts and refuses images and audio.
+
+    Raises:
+        InvalidRequestError: with ``param`` naming the message, e.g. ``messages[2].role``.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, Mapping):
+            raise InvalidRequestError(f"{where} must be an object with role and content", param=where)
+        role = msg.get("role")
+        if role not in ROLE_ALIASES:
+            raise InvalidRequestError(
+                f"{where}.role {role!r} is not supported; use one of {sorted(ROLE_ALIASES)}", param=f"{where}.role"
+            )
+        if msg.get("tool_calls") or msg.get("function_call"):
+            raise InvalidRequestError(f"{where} carries tool calls, which are not supported", param=f"{where}.tool_calls")
+        out.append({"role": ROLE_ALIASES[role], "content": msg.get("content")})
+    return out

@@ -1,0 +1,104 @@
+"""A scripted stand-in for ``flm_runtime``'s Engine, for the translation-layer tests.
+
+It follows the engine contract (``tokenizer``, ``context_length``, ``submit`` -> handle with sync
+and async iteration, ``result``/``aresult``, ``cancel``) but "generates" a fixed reply, one
+character per token, so the tests can predict every chunk and count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
+from flm_runtime.engine.sampler import CARD_DEFAULT
+from flm_runtime.errors import ContextLengthError
+
+
+class FakeTokenizer:
+    def __init__(self) -> None:
+        self.encode_threads: list[int] = []
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}</s>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode(self, text: str) -> list[int]:
+        self.encode_threads.append(threading.get_ident())
+        return [ord(c) for c in text]
+
+
+@dataclass
+class FakeHandle:
+    events: list[StreamEvent]
+    fail_after: int | None = None  # raise ``error`` after this many events
+    error: BaseException | None = None
+    cancelled: bool = False
+
+    def __iter__(self):
+        for i, event in enumerate(self.events):
+            if self.fail_after == i:
+                raise self.error
+            yield event
+
+    async def aiter(self):
+        for event in self:
+            await asyncio.sleep(0)
+            yield event
+
+    def result(self) -> Completion:
+        events = list(self)
+        return Completion(
+            text="".join(e.text for e in events),
+            token_ids=tuple(t for e in events for t in e.token_ids),
+            finish_reason=events[-1].finish_reason,
+            prompt_tokens=events[-1].prompt_tokens,
+            completion_tokens=events[-1].completion_tokens,
+            stats={"fake": True},
+        )
+
+    async def aresult(self) -> Completion:
+        await asyncio.sleep(0)
+        return self.result()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
+class FakeEngine:
+    reply: str = "Paris is the capital of France."
+    context_length: int = 256
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    submit_error: BaseException | None = None
+    stream_error: BaseException | None = None  # raised mid-stream, after one event
+    submitted: list[tuple[list[int], SamplingParams, float | None]] = field(default_factory=list)
+    handles: list[FakeHandle] = field(default_factory=list)
+
+    def sampling_params(self, **given) -> SamplingParams:
+        return CARD_DEFAULT.resolve(**given)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, timeout: float | None) -> FakeHandle:
+        self.submitted.append((prompt_ids, params, timeout))
+        if self.submit_error is not None:
+            raise self.submit_error
+        n_prompt = len(prompt_ids)
+        if n_prompt + (params.max_tokens or 0) > self.context_length:
+            raise ContextLengthError(
+                prompt_tokens=n_prompt, max_tokens=params.max_tokens or 0, context_length=self.context_length
+            )
+        text, finish = self.reply, "stop"
+        for s in params.stop:
+            if s in text:
+                text = text[: text.index(s)]
+        budget = min(params.max_tokens or self.context_length, self.context_length - n_prompt)
+        if len(text) > budget:
+            text, finish = text[:budget], "length"
+        events = [
+            StreamEvent(ch, (ord(ch),), finish if i == len(text) - 1 else None, n_prompt, i + 1)
+            for i, ch in enumerate(text)
+        ] or [StreamEvent("", (), finish, n_prompt, 0)]
+        handle = FakeHandle(events, fail_after=1 if self.stream_error else None, error=self.stream_error)
+        self.handles.append(handle)
+        return handle

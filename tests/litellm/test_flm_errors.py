@@ -1,0 +1,65 @@
+"""Runtime errors -> LiteLLM exceptions: class, status, model, provider, chaining."""
+
+from __future__ import annotations
+
+import litellm
+import pytest
+
+from flm_runtime import errors as rt
+from litellm_flm.errors import litellm_errors, to_litellm
+
+CASES = [
+    (rt.ContextLengthError(prompt_tokens=9000, max_tokens=10, context_length=8192), litellm.ContextWindowExceededError, 400),
+    (rt.InvalidRequestError("top_p must lie in (0.0, 1.0], got 0", param="top_p"), litellm.BadRequestError, 400),
+    (rt.RequestTimeoutError("deadline of 3.0 s passed"), litellm.Timeout, 408),
+    (rt.EngineOverloadedError("queue full (64 requests)"), litellm.RateLimitError, 429),
+    (rt.BackendUnavailableError("npu: no device"), litellm.ServiceUnavailableError, 503),
+    (rt.ModelDownloadError("sha256 mismatch"), litellm.ServiceUnavailableError, 503),
+    (rt.UnknownModelError("no model 'nope:1b'"), litellm.NotFoundError, 404),
+    (rt.ModelFilesMissingError("missing model.gguf"), litellm.NotFoundError, 404),
+    (rt.ModelFormatError("unsupported quant Q2_K"), litellm.InternalServerError, 500),
+    (rt.FlmError("something else"), litellm.InternalServerError, 500),
+]
+
+
+@pytest.mark.parametrize("error, cls, status", CASES, ids=[type(c[0]).__name__ for c in CASES])
+def test_mapping(error, cls, status):
+    exc = to_litellm(error, "smollm2:135m")
+    assert type(exc) is cls
+    assert exc.status_code == status
+    assert exc.model == "smollm2:135m" and exc.llm_provider == "flm"
+    assert str(error) in str(exc)
+
+
+def test_context_window_error_is_a_bad_request_with_the_counts():
+    exc = to_litellm(rt.ContextLengthError(prompt_tokens=9000, max_tokens=10, context_length=8192), "m")
+    assert isinstance(exc, litellm.BadRequestError)
+    assert "9000" in str(exc) and "8192" in str(exc)
+    assert exc.code == "context_length_exceeded"
+
+
+def test_bad_request_carries_the_param():
+    exc = to_litellm(rt.InvalidRequestError("must be >= 1, got 0", param="max_tokens"), "m")
+    assert exc.param == "max_tokens"
+    assert "max_tokens" in str(exc)  # named in the message even when the runtime's message does not
+
+
+def test_context_manager_chains_and_lets_other_errors_through():
+    with pytest.raises(litellm.RateLimitError) as info:
+        with litellm_errors("m"):
+            raise rt.EngineOverloadedError("full")
+    assert isinstance(info.value.__cause__, rt.EngineOverloadedError)
+    with pytest.raises(KeyError):
+        with litellm_errors("m"):
+            raise KeyError("not ours")
+
+
+def test_litellm_passes_our_exceptions_through_unchanged():
+    # litellm's exception_type() returns its own exception types as they are: what we raise is
+    # what the caller catches.
+    from litellm.litellm_core_utils.exception_mapping_utils import exception_type
+
+    exc = to_litellm(rt.EngineOverloadedError("full"), "m")
+    with pytest.raises(litellm.RateLimitError) as info:
+        raise exception_type(model="m", custom_llm_provider="flm", original_exception=exc)
+    assert info.value is exc

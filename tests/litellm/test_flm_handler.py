@@ -1,0 +1,188 @@
+"""The handler through litellm's public API, against the scripted FakeEngine (no model loaded).
+
+These test the translation layer only: what litellm hands the handler, and what the caller gets
+back from litellm. The real model runs in test_flm_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+
+import litellm
+import pytest
+
+import litellm_flm
+from flm_runtime import errors as rt
+from litellm_flm.llm import FlmLLM, build_chunk
+from flm_runtime.engine.request import StreamEvent
+
+MODEL = "flm/smollm2:135m"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_astreaming_is_an_async_generator():
+    assert inspect.isasyncgenfunction(FlmLLM.astreaming)
+
+
+def test_completion(fake_engine):
+    r = litellm.completion(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=100)
+    assert fake_engine.requested_tags == ["smollm2:135m"]  # litellm strips the provider prefix
+    assert r.choices[0].message.content == fake_engine.reply
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "stop"
+    prompt_ids, params, _ = fake_engine.submitted[0]
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.completion_tokens == len(fake_engine.reply)
+    assert r.usage.total_tokens == len(prompt_ids) + len(fake_engine.reply)
+    assert r.model == "smollm2:135m"
+    assert params.temperature == 0.0 and params.max_tokens == 100
+
+
+def test_prompt_is_the_chat_template_of_the_messages(fake_engine):
+    litellm.completion(model=MODEL, messages=[{"role": "system", "content": "S"}, *MESSAGES], max_tokens=5)
+    rendered = fake_engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "S"}, MESSAGES[0]], add_generation_prompt=True
+    )
+    assert fake_engine.submitted[0][0] == fake_engine.tokenizer.encode(rendered)
+
+
+def test_max_tokens_gives_length(fake_engine):
+    r = litellm.completion(model=MODEL, messages=MESSAGES, max_tokens=5)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5
+    assert r.choices[0].message.content == fake_engine.reply[:5]
+
+
+def test_extra_body_and_top_k_reach_the_engine(fake_engine):
+    litellm.completion(model=MODEL, messages=MESSAGES, top_k=7, extra_body={"min_p": 0.05, "seed": 11})
+    params = fake_engine.submitted[0][1]
+    assert (params.top_k, params.min_p, params.seed) == (7, 0.05, 11)
+
+
+def test_timeout_reaches_the_engine(fake_engine):
+    litellm.completion(model=MODEL, messages=MESSAGES, timeout=3)
+    litellm.completion(model=MODEL, messages=MESSAGES)
+    assert [t for _, _, t in fake_engine.submitted] == [3.0, 600.0]  # litellm's default is 600 s
+
+
+def test_engine_timeout_is_litellm_timeout(fake_engine):
+    fake_engine.stream_error = rt.RequestTimeoutError("deadline of 3.0 s passed")
+    with pytest.raises(litellm.Timeout) as info:
+        litellm.completion(model=MODEL, messages=MESSAGES, timeout=3)
+    assert isinstance(info.value.__cause__, rt.RequestTimeoutError)
+
+
+def test_context_overflow(fake_engine):
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(model=MODEL, messages=[{"role": "user", "content": "x" * 300}])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_param_is_bad_request_at_call_time(fake_engine, stream):
+    with pytest.raises(litellm.BadRequestError) as info:
+        litellm.completion(model=MODEL, messages=MESSAGES, presence_penalty=0.5, stream=stream)
+    assert "presence_penalty" in str(info.value)
+    assert not fake_engine.submitted
+
+
+def test_overloaded_engine_is_rate_limit(fake_engine):
+    fake_engine.submit_error = rt.EngineOverloadedError("queue full")
+    with pytest.raises(litellm.RateLimitError):
+        litellm.completion(model=MODEL, messages=MESSAGES)
+
+
+def test_build_chunk():
+    mid = build_chunk(StreamEvent("Pa", (1, 2), None, 10, 2))
+    assert mid == {
+        "text": "Pa", "is_finished": False, "finish_reason": "", "index": 0, "tool_use": None, "usage": None
+    }
+    last = build_chunk(StreamEvent("", (), "length", 10, 5))
+    assert last["is_finished"] and last["finish_reason"] == "length"
+    assert last["usage"] == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+
+
+def test_stream(fake_engine):
+    chunks = list(
+        litellm.completion(
+            model=MODEL, messages=MESSAGES, stream=True, max_tokens=12, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == fake_engine.reply[:12]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(fake_engine.submitted[0][0]), 12)
+
+
+def test_closing_a_stream_early_cancels_the_request(fake_engine):
+    stream = litellm.completion(model=MODEL, messages=MESSAGES, stream=True)
+    next(iter(stream))
+    stream.completion_stream.close()
+    assert fake_engine.handles[0].cancelled
+
+
+async def test_acompletion_runs_blocking_work_off_the_event_loop(fake_engine):
+    r = await litellm.acompletion(model=MODEL, messages=MESSAGES, temperature=0)
+    assert r.choices[0].message.content == fake_engine.reply
+    assert r.usage.completion_tokens == len(fake_engine.reply)
+    assert threading.get_ident() not in fake_engine.tokenizer.encode_threads
+
+
+async def test_astream_equals_acompletion(fake_engine):
+    full = await litellm.acompletion(model=MODEL, messages=MESSAGES, temperature=0)
+    stream = await litellm.acompletion(
+        model=MODEL, messages=MESSAGES, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert threading.get_ident() not in fake_engine.tokenizer.encode_threads
+
+
+async def test_astream_errors_are_mapped(fake_engine):
+    fake_engine.stream_error = rt.RequestTimeoutError("deadline passed")
+    stream = await litellm.acompletion(model=MODEL, messages=MESSAGES, stream=True, timeout=1)
+    with pytest.raises(litellm.Timeout):
+        async for _ in stream:
+            pass
+
+
+async def test_astream_context_overflow(fake_engine):
+    with pytest.raises(litellm.ContextWindowExceededError):
+        stream = await litellm.acompletion(model=MODEL, messages=[{"role": "user", "content": "x" * 300}], stream=True)
+        async for _ in stream:
+            pass
+
+
+async def test_cancelled_acompletion_cancels_the_request(fake_engine, monkeypatch):
+    started = asyncio.Event()
+    handles = []
+
+    class SlowHandle:
+        cancelled = False
+
+        async def aresult(self):
+            started.set()
+            await asyncio.sleep(60)
+
+        def cancel(self):
+            self.cancelled = True
+
+    def submit(prompt_ids, params, *, timeout):
+        handles.append(SlowHandle())
+        return handles[-1]
+
+    monkeypatch.setattr(fake_engine, "submit", submit)
+    task = asyncio.create_task(litellm.acompletion(model=MODEL, messages=MESSAGES))
+    await asyncio.wait_for(started.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert handles[0].cancelled
+
+
+def test_handler_instance_is_registered():
+    entries = [e for e in litellm.custom_provider_map if e["provider"] == "flm"]
+    assert entries == [{"provider": "flm", "custom_handler": litellm_flm.handler}]

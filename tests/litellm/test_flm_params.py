@@ -1,0 +1,145 @@
+"""OpenAI parameters -> SamplingParams, on payloads shaped the way litellm 1.110.2 passes them."""
+
+from __future__ import annotations
+
+import pytest
+
+from flm_runtime.errors import InvalidRequestError
+from flm_runtime.engine.sampler import CARD_DEFAULT, SamplingDefaults
+from litellm_flm.params import OPENAI_TO_RUNTIME, normalize_messages, request_fields, to_sampling_params
+
+
+def test_empty_request_sets_nothing_and_gets_the_default_sampler_with_no_token_cap():
+    assert request_fields({}) == {}
+    p = to_sampling_params({})
+    assert (p.temperature, p.top_k, p.top_p, p.min_p) == (
+        CARD_DEFAULT.temperature, CARD_DEFAULT.top_k, CARD_DEFAULT.top_p, CARD_DEFAULT.min_p
+    )
+    assert p.max_tokens is None and p.stop == () and p.seed is None
+
+
+def test_a_model_default_sampler_fills_only_unset_fields():
+    p = to_sampling_params({"top_p": 0.5}, SamplingDefaults(temperature=0.2, top_k=10, top_p=0.9, min_p=0.05))
+    assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.2, 10, 0.5, 0.05)
+
+
+def test_every_mapped_param_reaches_the_runtime():
+    # What litellm hands a custom provider for: temperature=0, max_completion_tokens=7, stop="END",
+    # seed=3, top_p=0.5, top_k=5, extra_body={"min_p": 0.1, "ignore_eos": True}, stream=True (Router).
+    p = to_sampling_params(
+        {
+            "temperature": 0,
+            "max_tokens": 7,
+            "stop": "END",
+            "seed": 3,
+            "top_p": 0.5,
+            "top_k": 5,
+            "extra_body": {"min_p": 0.1, "ignore_eos": True},
+            "stream": True,
+            "max_retries": 0,
+        }
+    )
+    assert p == type(p)(
+        temperature=0.0, top_k=5, top_p=0.5, min_p=0.1, seed=3, max_tokens=7, stop=("END",), ignore_eos=True
+    )
+
+
+def test_request_values_override_the_default_per_field():
+    p = to_sampling_params({"temperature": 0.7})
+    assert p.temperature == 0.7 and p.top_k == CARD_DEFAULT.top_k and p.top_p == CARD_DEFAULT.top_p
+
+
+def test_max_completion_tokens_is_max_tokens():
+    assert OPENAI_TO_RUNTIME["max_completion_tokens"] == "max_tokens"
+    assert to_sampling_params({"max_completion_tokens": 9}).max_tokens == 9
+
+
+def test_stop_list_and_none():
+    assert to_sampling_params({"stop": ["a", "b"]}).stop == ("a", "b")
+    assert to_sampling_params({"stop": None}).stop == ()
+
+
+def test_neutral_values_of_unsupported_params_are_accepted():
+    to_sampling_params(
+        {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "response_format": {"type": "text"}}
+    )
+
+
+def test_ignored_params_are_ignored():
+    to_sampling_params({"user": "u1", "metadata": {"k": "v"}, "max_retries": 2, "stream_options": {"include_usage": True}})
+
+
+@pytest.mark.parametrize(
+    "params, name",
+    [
+        ({"n": 2}, "n"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"thinking": {"type": "enabled"}}, "thinking"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"min_p": 1.0}, "min_p"),
+        ({"seed": -1}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 10.0}, "max_tokens"),
+        ({"max_completion_tokens": "5"}, "max_completion_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"extra_body": "min_p=0.1"}, "extra_body"),
+        ({"top_p": 0.5, "extra_body": {"top_p": 0.9}}, "top_p"),
+    ],
+)
+def test_rejected_params_are_named(params, name):
+    with pytest.raises(InvalidRequestError) as info:
+        to_sampling_params(params)
+    assert info.value.param == name
+    assert name in str(info.value)
+
+
+def test_messages_are_normalized():
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+    out = normalize_messages(
+        [
+            {"role": "developer", "content": "be brief", "name": "ignored"},
+            {"role": "user", "content": parts},
+            {"role": "assistant", "content": None},
+        ]
+    )
+    # Content goes on as given: the runtime's template renderer flattens parts.
+    assert out == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": None},
+    ]
+
+
+@pytest.mark.parametrize(
+    "messages, name",
+    [
+        ([], "messages"),
+        ("hi", "messages"),
+        (["hi"], "messages[0]"),
+        ([{"role": "tool", "content": "42", "tool_call_id": "x"}], "messages[0].role"),
+        ([{"content": "no role"}], "messages[0].role"),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{"id": "x"}]}], "messages[1].tool_calls"),
+    ],
+)
+def test_bad_messages_are_named(messages, name):
+    with pytest.raises(InvalidRequestError) as info:
+        normalize_messages(messages)
+    assert info.value.param == name

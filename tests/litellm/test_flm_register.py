@@ -1,0 +1,81 @@
+"""register(): idempotent, model metadata in litellm, and the Router path (FakeEngine)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import litellm
+import pytest
+
+import litellm_flm
+
+ENTRIES = [SimpleNamespace(tag="smollm2:135m", context_length=8192), SimpleNamespace(tag="tiny-test:1m", context_length=512)]
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):
+    monkeypatch.setattr(litellm_flm, "_registry_entries", lambda: list(ENTRIES))
+
+
+def test_register_is_idempotent(fake_registry, monkeypatch):
+    other = {"provider": "someone-else", "custom_handler": object()}
+    monkeypatch.setattr(litellm, "custom_provider_map", [other, {"provider": "flm", "custom_handler": object()}])
+    for _ in range(3):
+        litellm_flm.register()
+    assert litellm.custom_provider_map == [other, {"provider": "flm", "custom_handler": litellm_flm.handler}]
+    assert litellm._custom_providers.count("flm") == 1
+    assert litellm.provider_list.count("flm") == 1
+
+
+def test_registered_models_are_free_chat_models_with_their_context(fake_registry):
+    litellm_flm.register()
+    for entry in ENTRIES:
+        info = litellm.get_model_info(f"flm/{entry.tag}")
+        assert info["max_input_tokens"] == entry.context_length
+        assert info["max_output_tokens"] == entry.context_length
+        assert info["input_cost_per_token"] == 0.0 and info["output_cost_per_token"] == 0.0
+        assert info["litellm_provider"] == "flm" and info["mode"] == "chat"
+
+
+def test_completion_cost_is_zero(fake_registry, fake_engine):
+    litellm_flm.register()
+    r = litellm.completion(model="flm/smollm2:135m", messages=[{"role": "user", "content": "hi"}])
+    assert litellm.completion_cost(r) == 0.0
+
+
+def test_router(fake_registry, fake_engine):
+    litellm_flm.register()
+    router = litellm.Router(
+        model_list=[{"model_name": "smollm2", "litellm_params": {"model": "flm/smollm2:135m"}}], num_retries=0
+    )
+    r = router.completion(model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert r.choices[0].message.content == fake_engine.reply[:4]
+    assert r.usage.completion_tokens == 4
+    stream = router.completion(model="smollm2", messages=[{"role": "user", "content": "hi"}], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == fake_engine.reply
+
+
+async def test_router_async_and_context_window_fallback(fake_registry, fake_engine):
+    litellm_flm.register()
+    router = litellm.Router(
+        model_list=[
+            {"model_name": "small", "litellm_params": {"model": "flm/tiny-test:1m"}},
+            {"model_name": "big", "litellm_params": {"model": "flm/smollm2:135m"}},
+        ],
+        context_window_fallbacks=[{"small": ["big"]}],
+        num_retries=0,
+    )
+    fake_engine.context_length = 40  # the FakeEngine serves both tags; make "small" overflow first
+    calls = []
+    original = fake_engine.submit
+
+    def submit(prompt_ids, params, *, timeout):
+        calls.append(fake_engine.requested_tags[-1])
+        if len(calls) == 2:
+            fake_engine.context_length = 1000  # the fallback model has room
+        return original(prompt_ids, params, timeout=timeout)
+
+    fake_engine.submit = submit
+    r = await router.acompletion(model="small", messages=[{"role": "user", "content": "x" * 30}])
+    assert calls == ["tiny-test:1m", "smollm2:135m"]
+    assert r.choices[0].message.content == fake_engine.reply
