@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.sampler import CARD_DEFAULT, SamplingDefaults
@@ -40,9 +40,15 @@ OPENAI_TO_RUNTIME: dict[str, str] = {
     "ignore_eos": "ignore_eos",  # not OpenAI; for benchmarks (vLLM spelling)
 }
 
-# Keys that carry no meaning for a local model, or that LiteLLM / the Router handles itself.
+# Keys that carry no meaning for a local model, or that LiteLLM / the Router handles itself
+# (the Router adds max_retries to every call; stream is decided by which method LiteLLM calls;
+# usage is always on the last chunk, whatever stream_options says). parallel_tool_calls means
+# nothing without tools, which are refused.
 IGNORED: frozenset[str] = frozenset(
-    {"stream", "stream_options", "user", "metadata", "max_retries", "store", "service_tier"}
+    {
+        "stream", "stream_options", "max_retries", "user", "safety_identifier", "metadata", "store",
+        "service_tier", "prompt_cache_key", "prompt_cache_retention", "parallel_tool_calls",
+    }
 )
 
 # Known OpenAI parameters we do not implement: accepted only at the value that means "off", so a
@@ -59,7 +65,9 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "tool_choice": (("none",), "tool_choice is not supported (tools are not supported)"),
     "functions": (([],), "functions (function calling) are not supported"),
     "function_call": (("none",), "function_call is not supported (functions are not supported)"),
-    "parallel_tool_calls": ((), "parallel_tool_calls is not supported (tools are not supported)"),
+    "modalities": ((["text"],), "only text output is supported (modalities=['text'])"),
+    "audio": ((), "audio output is not supported"),
+    # LiteLLM refuses these itself (UnsupportedParamsError) unless allowed_openai_params lets them by.
     "reasoning_effort": ((), "reasoning_effort is not supported by this provider"),
     "thinking": ((), "thinking is not supported by this provider"),
 }
@@ -78,7 +86,7 @@ class ChatParams(BaseModel):
     min_p: float | None = None
     seed: int | None = None
     max_tokens: int | None = None
-    stop: str | list[str] | None = Field(default=None)
+    stop: str | list[str] | None = None
     ignore_eos: bool | None = None
 
 

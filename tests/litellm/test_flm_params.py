@@ -61,12 +61,20 @@ def test_stop_list_and_none():
 
 def test_neutral_values_of_unsupported_params_are_accepted():
     to_sampling_params(
-        {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "response_format": {"type": "text"}}
+        {
+            "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "top_logprobs": 0,
+            "response_format": {"type": "text"}, "modalities": ["text"], "tools": [], "logit_bias": {},
+        }
     )
 
 
 def test_ignored_params_are_ignored():
-    to_sampling_params({"user": "u1", "metadata": {"k": "v"}, "max_retries": 2, "stream_options": {"include_usage": True}})
+    # Each of these reached a custom handler's optional_params in a probe of litellm 1.110.2.
+    ignored = {
+        "user": "u1", "metadata": {"k": "v"}, "max_retries": 2, "stream": True, "stream_options": {"include_usage": True},
+        "safety_identifier": "s", "store": True, "parallel_tool_calls": False,
+    }
+    assert request_fields(ignored) == {}
 
 
 @pytest.mark.parametrize(
@@ -83,6 +91,7 @@ def test_ignored_params_are_ignored():
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
         ({"thinking": {"type": "enabled"}}, "thinking"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),

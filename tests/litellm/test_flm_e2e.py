@@ -1,0 +1,135 @@
+"""End to end on the real embedded model (smollm2:135m), through litellm's public API.
+
+Slow on CPU (tens of tokens/s): few tests, small ``max_tokens``, one engine for the whole process
+(``get_engine`` caches it), and the greedy reference computed once per module. The independent
+side of each comparison is the engine itself, driven directly (prompt ids from the model's own
+chat template and tokenizer; delivered token ids from the engine's ``Completion``).
+"""
+
+from __future__ import annotations
+
+import litellm
+import pytest
+
+pytest.importorskip("flm_runtime.api", reason="flm_runtime.api (get_engine) is not there yet")
+
+from flm_runtime.api import get_engine  # noqa: E402
+
+TAG = "smollm2:135m"
+MODEL = f"flm/{TAG}"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0, "max_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_gguf):
+    return get_engine(TAG)
+
+
+def prompt_ids(engine, messages):
+    return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """The greedy answer to QUESTION, straight from the engine."""
+    params = engine.sampling_params(temperature=0.0, max_tokens=GREEDY["max_tokens"])
+    return engine.submit(prompt_ids(engine, QUESTION), params, timeout=300).result()
+
+
+def test_completion_answers_and_counts_real_tokens(engine, reference):
+    r = litellm.completion(model=MODEL, messages=QUESTION, **GREEDY)
+    text = r.choices[0].message.content
+    assert "Paris" in text
+    assert text == reference.text
+    assert r.usage.prompt_tokens == len(prompt_ids(engine, QUESTION))
+    assert r.usage.completion_tokens == len(reference.token_ids) == reference.completion_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.choices[0].finish_reason == reference.finish_reason
+
+
+def _joined(chunks) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_stream_equals_non_stream(reference):
+    chunks = list(
+        litellm.completion(model=MODEL, messages=QUESTION, stream=True, stream_options={"include_usage": True}, **GREEDY)
+    )
+    assert _joined(chunks) == reference.text
+    assert chunks[-1].usage.completion_tokens == reference.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        reference.finish_reason
+    ]
+
+
+async def test_async_stream_and_acompletion_equal_non_stream(reference):
+    r = await litellm.acompletion(model=MODEL, messages=QUESTION, **GREEDY)
+    assert r.choices[0].message.content == reference.text
+    stream = await litellm.acompletion(model=MODEL, messages=QUESTION, stream=True, **GREEDY)
+    assert _joined([c async for c in stream]) == reference.text
+
+
+def test_max_tokens_gives_length():
+    r = litellm.completion(model=MODEL, messages=QUESTION, temperature=0, max_tokens=3)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 3
+
+
+def test_stop_string(reference):
+    words = reference.text.split()
+    assert len(words) >= 3, reference.text
+    stop = " " + words[2]  # a stop string the greedy answer reaches
+    cut = reference.text[: reference.text.index(stop)]
+    r = litellm.completion(model=MODEL, messages=QUESTION, stop=[stop], **GREEDY)
+    assert r.choices[0].message.content == cut
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(litellm.completion(model=MODEL, messages=QUESTION, stop=[stop], stream=True, **GREEDY))
+    assert _joined(chunks) == cut
+
+
+def test_every_chunk_is_whole_characters(engine):
+    # Byte-level BPE splits CJK and emoji over several tokens: a chunk must never hold half a
+    # character (U+FFFD would show it) and the stream must join to the non-stream text.
+    messages = [{"role": "user", "content": "Copy this text exactly: 你好，世界！안녕하세요 😀🎉 café"}]
+    full = litellm.completion(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    text = full.choices[0].message.content
+    assert any(ord(ch) > 0x7F for ch in text), f"the model wrote no multi-byte character: {text!r}"
+    pieces = [
+        c.choices[0].delta.content
+        for c in litellm.completion(model=MODEL, messages=messages, temperature=0, max_tokens=24, stream=True)
+        if c.choices and c.choices[0].delta.content
+    ]
+    assert "".join(pieces) == text
+    for piece in pieces:
+        assert "\ufffd" not in piece
+        piece.encode("utf-8")  # no lone surrogates
+
+
+def test_same_seed_same_sample():
+    kw = {"temperature": 1.0, "max_tokens": 8, "seed": 1234}
+    a = litellm.completion(model=MODEL, messages=QUESTION, **kw).choices[0].message.content
+    b = litellm.completion(model=MODEL, messages=QUESTION, **kw).choices[0].message.content
+    assert a == b
+
+
+def test_context_overflow(engine):
+    long = [{"role": "user", "content": "hello " * engine.context_length}]
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(model=MODEL, messages=long, max_tokens=4)
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(model=MODEL, messages=QUESTION, max_tokens=engine.context_length)
+
+
+@pytest.mark.parametrize("bad, name", [({"temperature": 5}, "temperature"), ({"n": 2}, "n"), ({"top_k": -3}, "top_k")])
+def test_bad_param_names_it(engine, bad, name):
+    with pytest.raises(litellm.BadRequestError) as info:
+        litellm.completion(model=MODEL, messages=QUESTION, **bad)
+    assert name in str(info.value)
+
+
+def test_image_content_is_refused(engine):
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}]
+    with pytest.raises(litellm.BadRequestError) as info:
+        litellm.completion(model=MODEL, messages=messages, max_tokens=2)
+    assert "messages" in str(info.value)
