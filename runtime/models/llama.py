@@ -10,6 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
+
+from flm_runtime.backends import cpu
+from flm_runtime.engine.kv_cache import KVCache
+from flm_runtime.errors import ModelFormatError
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -56,3 +62,153 @@ class LlamaConfig:
     def n_rep(self) -> int:
         """Query heads per key/value head."""
         return self.num_attention_heads // self.num_key_value_heads
+
+
+@dataclass(frozen=True)
+class LlamaLayer:
+    """One decoder layer's weights, fused for fewer matrix products per step.
+
+    Attributes:
+        attn_norm, ffn_norm: ``[E]`` RMSNorm weights.
+        wqkv: ``[(H + 2*Hkv) * D, E]`` q, k and v projections stacked (rows in that order).
+        wo: ``[E, H * D]`` attention output projection.
+        w_gate_up: ``[2F, E]`` gate and up projections stacked (gate first).
+        w_down: ``[E, F]``.
+    """
+
+    attn_norm: np.ndarray
+    wqkv: np.ndarray
+    wo: np.ndarray
+    ffn_norm: np.ndarray
+    w_gate_up: np.ndarray
+    w_down: np.ndarray
+
+
+class LlamaModel:
+    """A Llama-family target model on the cpu backend.
+
+    Args:
+        config: hyper-parameters.
+        weights: float32 arrays keyed by Hugging Face names, HF layout and RoPE convention (see
+            module docstring); consumed (the dict may be emptied to free memory).
+
+    Raises:
+        ModelFormatError: a tensor is missing or has the wrong shape.
+    """
+
+    prefill_chunk = 256  # positions per prefill forward; bounds the [Hkv, R*T, N] score buffer
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray]):
+        self.config = config
+        c = config
+        take = _Taker(weights)
+        q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))  # [V, E]
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(
+                LlamaLayer(
+                    attn_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
+                    wqkv=np.concatenate(
+                        [
+                            take(p + "self_attn.q_proj.weight", (q_rows, c.hidden_size)),
+                            take(p + "self_attn.k_proj.weight", (kv_rows, c.hidden_size)),
+                            take(p + "self_attn.v_proj.weight", (kv_rows, c.hidden_size)),
+                        ]
+                    ),
+                    wo=take(p + "self_attn.o_proj.weight", (c.hidden_size, q_rows)),
+                    ffn_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
+                    w_gate_up=np.concatenate(
+                        [
+                            take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
+                            take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
+                        ]
+                    ),
+                    w_down=take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)),
+                )
+            )
+        self.norm = take("model.norm.weight", (c.hidden_size,))
+        if c.tie_word_embeddings:
+            self.lm_head = self.embed  # [V, E]
+        else:
+            self.lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))
+        self.rope_cos, self.rope_sin = cpu.rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
+
+    @property
+    def nbytes_per_token(self) -> int:
+        """Weight bytes read by one decode step (every layer + final norm + LM head, not the embedding row)."""
+        n = sum(a.nbytes for layer in self.layers for a in vars(layer).values())
+        return n + self.norm.nbytes + self.lm_head.nbytes
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        """An empty KV cache for one sequence; ``capacity`` (tokens) is a hint, it grows on demand."""
+        c = self.config
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings, capacity)
+
+    def forward(self, token_ids: np.ndarray, cache: KVCache, *, all_logits: bool = False) -> np.ndarray:
+        """Run ``T`` new positions through the model, appending them to ``cache``.
+
+        Args:
+            token_ids: ``[T]`` int token ids at positions ``cache.length .. cache.length + T - 1``.
+            cache: the sequence's KV cache.
+            all_logits: return logits for all ``T`` positions (verify, perplexity) instead of the last.
+        Returns:
+            ``[T, V]`` if ``all_logits`` else ``[1, V]`` float32 logits.
+        """
+        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [T]
+        t = token_ids.shape[0]
+        start = cache.length
+        cache.reserve(t)
+        x = self.embed[token_ids]  # [T, E]
+        cos = self.rope_cos[start : start + t]  # [T, D/2]
+        sin = self.rope_sin[start : start + t]
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, cache, start, cos, sin)
+        cache.commit(t)
+        if not all_logits:
+            x = x[-1:]
+        x = cpu.rms_norm(x, self.norm, self.config.rms_norm_eps)  # [T or 1, E]
+        return x @ self.lm_head.T  # [T or 1, V]
+
+    def prefill(self, token_ids: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Chunked prefill of a prompt; returns the logits ``[V]`` of its last position."""
+        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        assert token_ids.size > 0, "prefill needs at least one token"
+        for s in range(0, token_ids.size, self.prefill_chunk):
+            logits = self.forward(token_ids[s : s + self.prefill_chunk], cache)
+        return logits[0]
+
+    def decode(self, token_id: int, cache: KVCache) -> np.ndarray:
+        """One plain decode step (the 1-token layer); returns logits ``[V]`` of the new position."""
+        return self.forward(np.array([token_id]), cache)[0]
+
+    def _layer(self, i: int, w: LlamaLayer, x: np.ndarray, cache: KVCache, start: int, cos, sin) -> np.ndarray:
+        """One decoder layer over ``x`` ``[T, E]`` at positions ``start ..``; returns ``[T, E]``."""
+        c = self.config
+        t, h, hkv, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv = cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps) @ w.wqkv.T  # [T, (H+2Hkv)*D]
+        q = cpu.apply_rope(qkv[:, : h * d].reshape(t, h, d), cos, sin)  # [T, H, D]
+        k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(t, hkv, d), cos, sin)  # [T, Hkv, D]
+        v = qkv[:, (h + hkv) * d :].reshape(t, hkv, d)  # [T, Hkv, D]
+        cache.write(i, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+        n = start + t
+        attn = cpu.attention(q, cache.k[i, :, :n], cache.v[i, :, :n], start)  # [T, H*D]
+        x = x + attn @ w.wo.T
+        gate_up = cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps) @ w.w_gate_up.T  # [T, 2F]
+        return x + cpu.swiglu(gate_up) @ w.w_down.T
+
+
+class _Taker:
+    """Pops named tensors from a weights dict, checking shape and dtype."""
+
+    def __init__(self, weights: dict[str, np.ndarray]):
+        self.weights = weights
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.weights:
+            raise ModelFormatError(f"tensor {name!r} is missing from the model file")
+        a = self.weights.pop(name)
+        if tuple(a.shape) != shape:
+            raise ModelFormatError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {shape}")
+        return np.ascontiguousarray(a, dtype=np.float32)

@@ -1,0 +1,96 @@
+"""numpy kernels of the cpu backend: small pure functions, weights passed in, no hidden state.
+
+Axis legend: T positions in this step, N positions attended (cache + new), H query heads,
+Hkv key/value heads, R = H / Hkv query heads per key/value head, D head dim, E hidden size,
+F FFN width, V vocabulary. All arrays are float32 unless stated.
+
+This backend is the numerical reference every other backend is compared against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    Args:
+        x: ``[T, E]``.
+        weight: ``[E]``.
+    Returns:
+        ``[T, E]``.
+    """
+    ms = np.einsum("te,te->t", x, x)[:, None] / x.shape[-1]  # [T, 1]
+    return x * (1.0 / np.sqrt(ms + eps)) * weight
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """Cosine and sine tables of rotary position embeddings (Su et al. 2021, RoFormer).
+
+    Frequencies ``theta^(-2i/D)`` for ``i in 0..D/2-1``, as Hugging Face's Llama computes them.
+
+    Returns:
+        ``(cos, sin)``, each ``[max_positions, D/2]`` float32.
+    """
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [D/2]
+    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)  # [P, D/2]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate pairs ``(i, i + D/2)`` ("rotate half", Hugging Face's convention).
+
+    Args:
+        x: ``[T, heads, D]``.
+        cos, sin: ``[T, D/2]`` rows of ``rope_tables`` at the positions of ``x``.
+    Returns:
+        ``[T, heads, D]``.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # [T, heads, D/2] each
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Causal grouped-query attention of ``T`` new queries over ``N = start + T`` cached positions.
+
+    Query ``t`` sits at position ``start + t`` and attends keys ``0 .. start + t``. Query head
+    ``h`` reads key/value head ``h // R`` (Hugging Face's ``repeat_kv`` order).
+
+    Args:
+        q: ``[T, H, D]`` (RoPE applied).
+        k, v: ``[Hkv, N, D]`` (keys with RoPE applied).
+        start: position of the first query (tokens already in the cache before this step).
+    Returns:
+        ``[T, H * D]``.
+    """
+    t, h, d = q.shape
+    hkv, n, _ = k.shape
+    r = h // hkv
+    qg = q.reshape(t, hkv, r, d).transpose(1, 2, 0, 3).reshape(hkv, r * t, d)  # [Hkv, R*T, D]
+    scores = np.matmul(qg, k.transpose(0, 2, 1)) * np.float32(d**-0.5)  # [Hkv, R*T, N]
+    if t > 1:
+        scores = scores.reshape(hkv, r, t, n)  # [Hkv, R, T, N]
+        future = np.arange(n)[None, :] > (start + np.arange(t))[:, None]  # [T, N]
+        scores[:, :, future] = -np.inf
+        scores = scores.reshape(hkv, r * t, n)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, v)  # [Hkv, R*T, D]
+    return out.reshape(hkv, r, t, d).transpose(2, 0, 1, 3).reshape(t, h * d)
+
+
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """SwiGLU activation (Shazeer 2020): ``silu(gate) * up``.
+
+    Args:
+        gate_up: ``[T, 2F]``, the fused gate and up projections (gate first).
+    Returns:
+        ``[T, F]``.
+    """
+    f = gate_up.shape[-1] // 2
+    gate, up = gate_up[:, :f], gate_up[:, f:]
+    return gate / (1.0 + np.exp(-gate)) * up
