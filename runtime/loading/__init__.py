@@ -1,0 +1,89 @@
+"""Model files -> config, float32 weights, tokenizer and chat template.
+
+Two formats, one result (``ModelBundle``):
+
+- a ``.gguf`` file (llama.cpp; weights dequantized, Q/K rows un-permuted; tokenizer and chat
+  template from the metadata): ``flm_runtime.loading.gguf``;
+- a Hugging Face directory (config.json, *.safetensors, tokenizer.json, tokenizer_config.json):
+  ``flm_runtime.loading.safetensors_loader``.
+
+Weights use Hugging Face names, ``[out_features, in_features]`` layout and the rotate-half RoPE
+convention whatever the source (see ``flm_runtime.loading.weights``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from flm_runtime.errors import ModelFormatError
+from flm_runtime.loading.gguf import load_gguf
+from flm_runtime.loading.safetensors_loader import load_hf_dir
+from flm_runtime.loading.tokenizer import Tokenizer
+from flm_runtime.models.llama import LlamaConfig
+
+__all__ = ["ModelBundle", "Tokenizer", "load_model_files"]
+
+
+@dataclass
+class ModelBundle:
+    """Everything the engine needs from a model's files.
+
+    Attributes:
+        config: hyper-parameters.
+        weights: Hugging Face name -> float32 C-contiguous array (``[out, in]`` for matrices);
+            ``lm_head.weight`` only when the model does not tie it to the embedding.
+        tokenizer: encoder/decoder, special tokens and chat template.
+        source: the file or directory loaded.
+    """
+
+    config: LlamaConfig
+    weights: dict[str, np.ndarray]
+    tokenizer: Tokenizer
+    source: Path
+
+
+def load_model_files(path: str | Path) -> ModelBundle:
+    """Load a model from a ``.gguf`` file or a Hugging Face directory.
+
+    Args:
+        path: a GGUF file (any name; its magic is checked) or a directory with config.json.
+
+    Returns:
+        The ``ModelBundle`` (weights fully in memory as float32: ~540 MB for SmolLM2-135M).
+
+    Raises:
+        FileNotFoundError: ``path`` (or a file the directory needs) does not exist.
+        ModelFormatError: unreadable or unsupported files (architecture, quantization,
+            tokenizer type, inconsistent shapes); the message names the file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return _load_hf_dir(path)
+    if path.is_file():
+        return _load_gguf(path)
+    raise FileNotFoundError(2, "model file or directory not found", str(path))
+
+
+def _load_gguf(path: Path) -> ModelBundle:
+    model = load_gguf(path)
+    tokenizer = Tokenizer.from_gguf(model.metadata, source=str(path))
+    _check_vocab(model.config, tokenizer, path)
+    return ModelBundle(model.config, model.weights, tokenizer, path)
+
+
+def _load_hf_dir(path: Path) -> ModelBundle:
+    model = load_hf_dir(path)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    _check_vocab(model.config, tokenizer, path)
+    return ModelBundle(model.config, model.weights, tokenizer, path)
+
+
+def _check_vocab(config: LlamaConfig, tokenizer: Tokenizer, path: Path) -> None:
+    # The embedding may have padding rows beyond the tokenizer, never fewer rows.
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelFormatError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding only "
+            f"{config.vocab_size} rows")

@@ -1,0 +1,153 @@
+"""Render a model's own Jinja chat template, the way Hugging Face ``apply_chat_template`` does.
+
+The environment mirrors transformers' (``transformers/utils/chat_template_utils.py``): a sandboxed
+immutable Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
+extension, a ``tojson`` filter that keeps non-ASCII text, and the globals ``raise_exception(msg)``
+and ``strftime_now(fmt)``. Variables: ``messages``, ``add_generation_prompt``, ``bos_token``,
+``eos_token`` and any extra keyword (``tools``, ``enable_thinking`` ...).
+
+A model without a template gets ``CHATML_FALLBACK``:
+``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``
+when a generation prompt is asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from flm_runtime.errors import InvalidRequestError
+
+CHATML_FALLBACK = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# How the text parts of one OpenAI content list are joined (vLLM's "string" content format does
+# the same); a text-only model has no better place for part boundaries.
+TEXT_PART_SEPARATOR = "\n"
+
+
+class _TemplateRaised(jinja2.TemplateError):
+    """What ``raise_exception(msg)`` inside a template raises."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters and forces ASCII; chat templates want plain JSON.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a template once (cached by its source text).
+
+    Raises:
+        InvalidRequestError: the template has a syntax error (``param="messages"``).
+    """
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidRequestError(f"the model's chat template is invalid: {e}",
+                                  param="messages") from e
+
+
+def render_chat_template(
+    template: str | None,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    **extra: Any,
+) -> str:
+    """Render ``messages`` into the prompt text the model was trained on.
+
+    Args:
+        template: Jinja source (GGUF ``tokenizer.chat_template`` or tokenizer_config.json's
+            ``chat_template``); ``None`` or empty -> ``CHATML_FALLBACK``.
+        messages: OpenAI-style messages, ``{"role": ..., "content": str | list[part] | None}``;
+            list content is flattened to text (parts joined by ``TEXT_PART_SEPARATOR``), ``None``
+            becomes ``""``; other keys (``name``, ``tool_calls`` ...) pass through unchanged.
+        add_generation_prompt: end with the header of an assistant turn.
+        bos_token, eos_token: the tokens' text, as templates expect them.
+        **extra: more template variables (``tools``, ``enable_thinking`` ...).
+
+    Returns:
+        The prompt text, special tokens written out (``<|im_start|>``...).
+
+    Raises:
+        InvalidRequestError: (``param="messages"``) malformed messages, a non-text content part,
+            or the template rejected the conversation (its own message is kept).
+    """
+    compiled = compile_chat_template(template or CHATML_FALLBACK)
+    context = dict(extra, messages=normalize_messages(messages),
+                   add_generation_prompt=add_generation_prompt,
+                   bos_token=bos_token, eos_token=eos_token)
+    try:
+        return compiled.render(**context)
+    except (jinja2.TemplateError, TypeError) as e:
+        # TypeError: the template did arithmetic on a missing or non-string field.
+        raise InvalidRequestError(f"chat template error: {e}", param="messages") from e
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``messages`` whose ``content`` is always a string.
+
+    Raises:
+        InvalidRequestError: (``param="messages"``) not a list of dicts with a string ``role``,
+            or a content part whose type is not ``"text"``.
+    """
+    if not isinstance(messages, list):
+        raise InvalidRequestError(
+            f"messages must be a list, got {type(messages).__name__}", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequestError(
+                f"messages[{i}] must be an object with a string 'role'", param="messages")
+        out.append(dict(message, content=_content_text(message.get("content"), i)))
+    return out
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(
+            f"messages[{index}].content must be a string or a list of content parts, "
+            f"got {type(content).__name__}", param="messages")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(
+                f"messages[{index}].content[{j}] has type {kind!r}; this model reads text only "
+                f"(parts of type 'text' with a string 'text')", param="messages")
+        texts.append(part["text"])
+    return TEXT_PART_SEPARATOR.join(texts)

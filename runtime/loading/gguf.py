@@ -1,0 +1,284 @@
+"""GGUF reader for Llama-architecture models: float32 weights under Hugging Face names.
+
+The file is memory-mapped with ``gguf.GGUFReader`` (gguf-py, llama.cpp's reference Python reader)
+and each tensor is dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, the K-quants and what else gguf-py implements in numpy).
+
+Layout. GGUF lists dimensions fastest-first (``ne[0]`` = in_features), so a tensor whose GGUF
+shape is ``[in, out]`` is the row-major numpy array ``[out, in]``: Hugging Face's layout.
+
+RoPE. llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders the rows of every
+``q_proj``/``k_proj`` head so that llama.cpp can rotate adjacent pairs ``(2i, 2i+1)``; Hugging Face
+rotates ``(i, i + D/2)`` ("rotate half"). ``unpermute_rope`` restores Hugging Face's order, which
+is what ``flm_runtime.models.llama`` expects. Mixing the conventions gives fluent-looking text with
+about 2.5x the perplexity (DESIGN.md §4), so the raw order is available only on request.
+
+Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from flm_runtime.errors import ModelFormatError
+from flm_runtime.loading.weights import check_llama_weights
+from flm_runtime.models.llama import LlamaConfig
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+class GGUFModel(NamedTuple):
+    """What ``load_gguf`` returns.
+
+    Attributes:
+        config: hyper-parameters from the ``llama.*`` metadata.
+        weights: Hugging Face name -> float32 array (see ``flm_runtime.loading.weights``).
+        metadata: every key/value of the file (``tokenizer.ggml.tokens`` is a ``list[str]`` ...).
+    """
+
+    config: LlamaConfig
+    weights: dict[str, np.ndarray]
+    metadata: dict[str, Any]
+
+
+def load_gguf(path: str | Path, *, unpermute_qk: bool = True) -> GGUFModel:
+    """Read a Llama GGUF file into float32 Hugging Face weights, its config and its metadata.
+
+    Args:
+        path: the ``.gguf`` file.
+        unpermute_qk: undo llama.cpp's Q/K row permutation (default). ``False`` returns the rows
+            as stored (interleaved-pair RoPE order); for tests and comparisons only.
+
+    Returns:
+        ``GGUFModel(config, weights, metadata)``; the weights are copies (the file is unmapped
+        when the reader is garbage-collected).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ModelFormatError: not a GGUF file, an architecture other than llama, an unsupported
+            quantization type or tensor, or shapes inconsistent with the metadata.
+    """
+    reader = open_gguf(path)
+    metadata = read_gguf_metadata(reader)
+    config = llama_config_from_gguf(metadata, [t.name for t in reader.tensors], source=str(path))
+    weights = load_gguf_weights(reader, config, unpermute_qk=unpermute_qk)
+    check_llama_weights(config, weights, source=str(path))
+    return GGUFModel(config, weights, metadata)
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """Memory-map a GGUF file (read-only).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ModelFormatError: the file is not a readable GGUF (bad magic, version, truncated).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(2, "GGUF model file not found", str(path))
+    try:
+        return GGUFReader(path, "r")
+    except (ValueError, IndexError, KeyError, OSError) as e:
+        # gguf-py signals bad magic / version with ValueError and a truncated file with
+        # IndexError or a short read inside numpy.
+        raise ModelFormatError(f"{path}: not a readable GGUF file ({e})") from e
+
+
+def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file as Python values.
+
+    Strings are ``str``, arrays ``list`` (``tokenizer.ggml.tokens`` -> ``list[str]``), numbers
+    ``int``/``float``/``bool``. The reader's own ``GGUF.*`` header pseudo-fields are left out.
+    """
+    return {
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if not name.startswith("GGUF.")
+    }
+
+
+def llama_config_from_gguf(
+    metadata: dict[str, Any], tensor_names: list[str], *, source: str = "GGUF"
+) -> LlamaConfig:
+    """Build the ``LlamaConfig`` of a GGUF file from its ``llama.*`` keys.
+
+    ``head_dim`` is ``llama.attention.key_length`` if present, else ``llama.rope.dimension_count``,
+    else hidden / heads. The embedding is tied to the LM head exactly when the file has no
+    ``output.weight`` tensor (llama.cpp then reuses ``token_embd.weight``).
+
+    Raises:
+        ModelFormatError: another architecture, a missing key, RoPE scaling, partial rotary
+            embedding or mixture-of-experts (none of which our Llama kernels implement).
+    """
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelFormatError(
+            f"{source}: architecture {arch!r} is not supported "
+            f"(supported: {SUPPORTED_ARCHITECTURES})"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelFormatError(f"{source}: metadata key {arch}.{name} is missing")
+        return value
+
+    _reject_unsupported_features(metadata, arch, source)
+    hidden, n_head = int(key("embedding_length")), int(key("attention.head_count"))
+    rope_dim = int(key("rope.dimension_count", hidden // n_head))
+    head_dim = int(key("attention.key_length", rope_dim))
+    if rope_dim != head_dim:
+        raise ModelFormatError(
+            f"{source}: partial rotary embedding (rope.dimension_count={rope_dim} < "
+            f"head_dim={head_dim}) is not supported"
+        )
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    return LlamaConfig(
+        vocab_size=int(key("vocab_size", len(tokens) or None)),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=n_head,
+        num_key_value_heads=int(key("attention.head_count_kv", n_head)),
+        max_position_embeddings=int(key("context_length")),
+        rope_theta=_decimal(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=_decimal(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        head_dim=head_dim,
+    )
+
+
+def _decimal(value: float) -> float:
+    # GGUF stores float32: 1e-5 reads back as 9.99999974738e-06. The shortest decimal that
+    # round-trips through float32 is the value the config.json had.
+    return float(str(np.float32(value)))
+
+
+def _reject_unsupported_features(metadata: dict[str, Any], arch: str, source: str) -> None:
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ModelFormatError(f"{source}: RoPE scaling {scaling!r} is not supported")
+    if int(metadata.get(f"{arch}.expert_count", 0) or 0) > 0:
+        raise ModelFormatError(f"{source}: mixture-of-experts Llama models are not supported")
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """Map a llama.cpp tensor name to Hugging Face's (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``).
+
+    Raises:
+        ModelFormatError: a tensor our Llama model has no place for (biases, ``rope_freqs``...).
+    """
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK_RE.fullmatch(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.weight"
+    raise ModelFormatError(f"GGUF tensor {name!r} is not supported by the llama model")
+
+
+def load_gguf_weights(
+    reader: GGUFReader, config: LlamaConfig, *, unpermute_qk: bool = True
+) -> dict[str, np.ndarray]:
+    """Dequantize every tensor to float32 under its Hugging Face name.
+
+    Args:
+        reader: an open GGUF file.
+        config: its config (head counts for the Q/K un-permutation).
+        unpermute_qk: restore Hugging Face's rotate-half row order in q_proj / k_proj.
+
+    Returns:
+        name -> C-contiguous float32 array, ``[out_features, in_features]`` for matrices.
+
+    Raises:
+        ModelFormatError: an unsupported tensor name or quantization type.
+    """
+    weights: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        name = gguf_to_hf_name(tensor.name)
+        w = dequantize_tensor(tensor)
+        if unpermute_qk and name.endswith("self_attn.q_proj.weight"):
+            w = unpermute_rope(w, config.num_attention_heads)
+        elif unpermute_qk and name.endswith("self_attn.k_proj.weight"):
+            w = unpermute_rope(w, config.num_key_value_heads)
+        weights[name] = w
+    return weights
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+    """One GGUF tensor as a float32 numpy array in row-major order (GGUF shape reversed).
+
+    Raises:
+        ModelFormatError: gguf-py cannot dequantize the tensor's type (names tensor and type).
+    """
+    qtype = tensor.tensor_type
+    try:
+        w = dequantize(tensor.data, qtype)
+    except NotImplementedError as e:
+        raise ModelFormatError(
+            f"GGUF tensor {tensor.name!r}: quantization type {qtype.name} is not supported"
+        ) from e
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    w = w.reshape(shape)
+    if np.may_share_memory(w, tensor.data):
+        w = w.copy()  # F32 comes back as a view of the read-only memory map
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Hugging Face (rotate-half) row order -> llama.cpp (interleaved pairs) row order.
+
+    The forward permutation of llama.cpp ``convert_hf_to_gguf.py`` ``LlamaModel.permute``: inside
+    each head, row ``i`` (i < D/2) moves to ``2i`` and row ``D/2 + i`` to ``2i + 1``.
+
+    Args:
+        w: ``[n_head*D, in]`` (or ``[n_head*D]`` for a bias) q_proj / k_proj weight.
+        n_head: heads of this projection (H for q_proj, Hkv for k_proj).
+
+    Returns:
+        A new array of the same shape.
+    """
+    d = w.shape[0] // n_head
+    assert d * n_head == w.shape[0] and d % 2 == 0, f"rows {w.shape[0]} vs {n_head} heads"
+    return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp (interleaved pairs) row order -> Hugging Face (rotate-half) row order.
+
+    The inverse of ``permute_rope``: per head, ``[H, D/2, 2, in] -> [H, 2, D/2, in]``.
+
+    Args:
+        w: ``[n_head*D, in]`` q or k weight as stored in a GGUF file.
+        n_head: heads of this projection (H for q_proj, Hkv for k_proj).
+
+    Returns:
+        A new C-contiguous array of the same shape.
+    """
+    d = w.shape[0] // n_head
+    assert d * n_head == w.shape[0] and d % 2 == 0, f"rows {w.shape[0]} vs {n_head} heads"
+    return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

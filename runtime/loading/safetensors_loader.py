@@ -1,0 +1,167 @@
+"""Hugging Face model directory (config.json + *.safetensors) -> float32 Llama weights.
+
+Checkpoints are usually bfloat16, which numpy has no dtype for: ``safetensors.numpy.load_file``
+and ``safe_open(framework="np")`` raise ``TypeError: data type 'bfloat16' not understood``
+(checked on safetensors 0.8.0). So this module reads the format directly, which is small and
+documented (https://github.com/huggingface/safetensors#format): an 8-byte little-endian header
+length N, N bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}`` (plus an
+optional ``"__metadata__"``), then the byte buffer the offsets point into. The buffer is
+memory-mapped; each tensor is cast to float32 (bfloat16 = the upper 16 bits of a float32).
+
+Sharded checkpoints are found through ``model.safetensors.index.json`` (its ``weight_map``).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from flm_runtime.errors import ModelFormatError
+from flm_runtime.loading.hf_files import load_json
+from flm_runtime.loading.weights import check_llama_weights
+from flm_runtime.models.llama import LlamaConfig
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+# Tensors some checkpoints carry that the model computes itself.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
+
+
+class HFModel(NamedTuple):
+    """What ``load_hf_dir`` returns: config, Hugging Face weights (float32), raw config.json."""
+
+    config: LlamaConfig
+    weights: dict[str, np.ndarray]
+    config_dict: dict[str, Any]
+
+
+def load_hf_dir(path: str | Path) -> HFModel:
+    """Read a Hugging Face Llama checkpoint directory.
+
+    Args:
+        path: directory with config.json and model.safetensors (or shards + index).
+
+    Returns:
+        ``HFModel``; a tied model's redundant ``lm_head.weight`` is dropped.
+
+    Raises:
+        FileNotFoundError: no config.json or no safetensors file.
+        ModelFormatError: model_type other than llama, unsupported features, malformed files,
+            tensors missing or of the wrong shape.
+    """
+    path = Path(path)
+    config_dict = load_json(path / "config.json")
+    config = llama_config_from_hf(config_dict, source=str(path))
+    weights: dict[str, np.ndarray] = {}
+    for file in safetensors_files(path):
+        weights.update(read_safetensors(file))
+    weights = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    check_llama_weights(config, weights, source=str(path))
+    return HFModel(config, weights, config_dict)
+
+
+def llama_config_from_hf(config: dict[str, Any], *, source: str = "config.json") -> LlamaConfig:
+    """``LlamaConfig`` from a config.json mapping, with Hugging Face's defaults.
+
+    Raises:
+        ModelFormatError: another model_type, RoPE scaling, attention/MLP biases, or missing keys.
+    """
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelFormatError(
+            f"{source}: model_type {model_type!r} is not supported (supported: "
+            f"{SUPPORTED_MODEL_TYPES})")
+    scaling = config.get("rope_scaling")
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
+        raise ModelFormatError(f"{source}: rope_scaling {scaling} is not supported")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ModelFormatError(f"{source}: attention/MLP biases are not supported")
+    values = dict(config)
+    values.setdefault("num_key_value_heads", values.get("num_attention_heads"))
+    values.setdefault("max_position_embeddings", 2048)  # transformers' LlamaConfig default
+    try:
+        return LlamaConfig.from_dict(values)
+    except TypeError as e:
+        raise ModelFormatError(f"{source}: incomplete Llama config ({e})") from e
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The checkpoint's safetensors files, in load order.
+
+    Raises:
+        FileNotFoundError: none found, or the index names a file that is absent.
+    """
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(load_json(index).get("weight_map", {}).values()))
+        files = [directory / n for n in names]
+    elif (directory / "model.safetensors").is_file():
+        files = [directory / "model.safetensors"]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(2, "no .safetensors file in model directory", str(directory))
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(2, "safetensors shard listed in the index is missing", str(f))
+    return files
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file, cast to float32 (C-contiguous copies).
+
+    Raises:
+        ModelFormatError: malformed header, offsets past the end, or a non-float dtype.
+    """
+    header, data_start = _read_header(path)
+    size = path.stat().st_size - data_start
+    # np.asarray: a plain ndarray view, so the casts below do not come back as np.memmap.
+    buffer = (np.asarray(np.memmap(path, dtype=np.uint8, mode="r", offset=data_start,
+                                   shape=(size,)))
+              if size > 0 else np.zeros(0, np.uint8))
+    out = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        if not 0 <= begin <= end <= size:
+            raise ModelFormatError(f"{path}: tensor {name} has offsets {begin}..{end} past "
+                                   f"the {size}-byte buffer")
+        raw = buffer[begin:end]  # [nbytes] uint8, a view into the memory map
+        out[name] = _to_float32(raw, info["dtype"], f"{path}: tensor {name}").reshape(info["shape"])
+    return out
+
+
+def _read_header(path: Path) -> tuple[dict[str, Any], int]:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelFormatError(f"{path}: too short for a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER_BYTES:
+            raise ModelFormatError(f"{path}: header length {n} is not plausible")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelFormatError(f"{path}: invalid safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise ModelFormatError(f"{path}: invalid safetensors header")
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _to_float32(raw: np.ndarray, dtype: str, what: str) -> np.ndarray:
+    """``raw`` bytes ([nbytes] uint8, little-endian) of ``dtype`` as a new float32 array."""
+    if dtype == "BF16":
+        # bfloat16 is the top half of an IEEE float32: shift it into place.
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    numpy_dtype = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}.get(dtype)
+    if numpy_dtype is None:
+        raise ModelFormatError(f"{what}: dtype {dtype} is not supported (F32, F16, BF16, F64)")
+    return raw.view(numpy_dtype).astype(np.float32)

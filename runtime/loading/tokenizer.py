@@ -1,0 +1,304 @@
+"""Byte-level BPE tokenizer built from a model's own files (GGUF metadata or tokenizer.json).
+
+Encoding runs in Hugging Face ``tokenizers`` (Rust). Decoding is ours: every token id maps to the
+exact bytes it stands for (``token_bytes``, precomputed), and ``decode`` joins those bytes. The
+engine's incremental detokenizer uses the same table, so streamed text and ``decode`` agree by
+construction.
+
+Byte-level BPE (GPT-2, Radford et al. 2019) writes each byte as one printable character:
+printable Latin-1 bytes stand for themselves, the 68 others for ``chr(256 + n)`` in byte order
+(space -> ``Ġ``, newline -> ``Ċ``). Added/special tokens (``<|im_start|>``) are plain UTF-8 text.
+
+Only byte-level BPE vocabularies are supported (GGUF ``tokenizer.ggml.model == "gpt2"``;
+tokenizer.json with a ``ByteLevel`` decoder); SentencePiece ones raise ``ModelFormatError``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from flm_runtime.errors import ModelFormatError
+from flm_runtime.loading.chat_template import render_chat_template
+from flm_runtime.loading.gguf import read_gguf_metadata
+from flm_runtime.loading.hf_files import read_hf_tokenizer_files
+
+# GGUF tokenizer.ggml.token_type values (llama.cpp llama_token_type).
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# Tokens that end a turn in some chat format; each that exists as an added token stops generation.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+    "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+)
+
+# Llama-3's split regex (tokenizer.json of meta-llama/Meta-Llama-3-8B; llama.cpp "llama-bpe").
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> character table (the 188 printable Latin-1 bytes keep their code point)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in table)
+    table.update({b: chr(256 + n) for n, b in enumerate(shifted)})
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+
+
+def byte_level_to_bytes(token: str) -> bytes:
+    """The bytes a byte-level BPE token stands for (``"Ġworld"`` -> ``b" world"``).
+
+    A character outside the table (possible only in a malformed vocabulary) is kept as UTF-8.
+    """
+    table = _UNICODE_TO_BYTE
+    if all(c in table for c in token):
+        return bytes(table[c] for c in token)
+    return b"".join(bytes([table[c]]) if c in table else c.encode() for c in token)
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its special tokens and chat template.
+
+    Attributes:
+        vocab_size: number of token ids (V); ids are ``0 .. V-1``.
+        bos_token_id, eos_token_id: ``None`` when the model has none.
+        add_bos: ``encode`` prepends BOS (the model's ``add_bos_token``).
+        stop_token_ids: ids that end generation: EOS plus the end-of-turn tokens present
+            (``END_OF_TURN_TOKENS``, GGUF ``eot``/``eom`` ids, every generation_config EOS).
+        special_token_ids: control tokens, dropped by ``decode(skip_special_tokens=True)``.
+        missing_bytes: byte values no token stands for; ``encode`` drops them, as the model's
+            Hugging Face tokenizer does (SmolLM2 lacks 0x04, 0x06, 0x13, 0x14, 0x16, 0x1D and
+            bytes never seen in UTF-8). Text without them round-trips exactly.
+        chat_template: Jinja source, or ``None`` (the ChatML fallback is used).
+    """
+
+    def __init__(self, hf: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: list[int],
+                 add_bos: bool, chat_template: str | None, source: str):
+        self._hf = hf
+        self.source = source
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.add_bos = add_bos
+        self.chat_template = chat_template or None
+        added = hf.get_added_tokens_decoder()  # id -> AddedToken
+        self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
+        self._token_bytes = _token_bytes_table(hf, added)
+        self.vocab_size = len(self._token_bytes)
+        self.missing_bytes = _missing_bytes(self._token_bytes, added)
+        eot = {i for i, t in added.items() if t.content in END_OF_TURN_TOKENS}
+        self.stop_token_ids = frozenset({*eos_token_ids, *eot})
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, reader_or_metadata: Any, *, source: str = "GGUF") -> "Tokenizer":
+        """Build from the ``tokenizer.*`` metadata of a GGUF file.
+
+        Args:
+            reader_or_metadata: a ``gguf.GGUFReader`` or the dict of
+                ``flm_runtime.loading.gguf.read_gguf_metadata``.
+            source: file name for error messages.
+
+        Raises:
+            ModelFormatError: not a byte-level BPE vocabulary (``tokenizer.ggml.model != "gpt2"``),
+                an unknown ``tokenizer.ggml.pre``, or missing tokens / merges.
+        """
+        meta = reader_or_metadata
+        if not isinstance(meta, dict):
+            meta = read_gguf_metadata(reader_or_metadata)
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelFormatError(
+                f"{source}: tokenizer model {kind!r} is not supported "
+                f"(only byte-level BPE, 'gpt2')")
+        tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            raise ModelFormatError(f"{source}: tokenizer.ggml.tokens or .merges is missing")
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        hf = HFTokenizer(models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            ignore_merges=pre == "llama-bpe",  # Llama-3 looks whole words up first (as llama.cpp)
+        ))
+        hf.pre_tokenizer = gguf_pre_tokenizer(pre, source)
+        hf.decoder = decoders.ByteLevel()
+        _add_gguf_special_tokens(hf, tokens, meta.get("tokenizer.ggml.token_type") or [])
+        eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                 "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+        return cls(hf, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                   eos_token_ids=list(dict.fromkeys(eos)),
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=meta.get("tokenizer.chat_template"), source=source)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
+        """Build from a Hugging Face model directory.
+
+        Reads ``tokenizer.json`` (required), ``tokenizer_config.json`` (chat template, BOS/EOS
+        text, ``add_bos_token``), ``chat_template.jinja``, ``generation_config.json`` and
+        ``config.json`` (EOS ids; generation_config's list wins).
+
+        Raises:
+            FileNotFoundError: no ``tokenizer.json`` in ``path``.
+            ModelFormatError: not a byte-level BPE tokenizer, or unreadable JSON.
+        """
+        files = read_hf_tokenizer_files(Path(path))
+        hf = HFTokenizer.from_str(files.tokenizer_json)
+        bos = hf.token_to_id(files.bos_token) if files.bos_token else None
+        bos = files.bos_token_id if bos is None else bos
+        # The tokenizer's own EOS first (HF's tokenizer.eos_token_id), then generation_config's.
+        eos_text_id = hf.token_to_id(files.eos_token) if files.eos_token else None
+        eos = [i for i in (eos_text_id, *files.eos_token_ids) if i is not None]
+        add_bos = files.add_bos_token
+        if add_bos is None:
+            add_bos = _post_processor_adds_bos(hf, bos)
+        return cls(hf, bos_token_id=bos, eos_token_ids=list(dict.fromkeys(eos)),
+                   add_bos=add_bos, chat_template=files.chat_template, source=str(path))
+
+    # -- encoding / decoding -----------------------------------------------------------------
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text become their single id.
+
+        Args:
+            text: any Unicode string.
+            add_bos: prepend BOS; ``None`` -> the model's own setting (``self.add_bos``). BOS is
+                never doubled: text that already starts with the BOS token keeps only that one.
+
+        Returns:
+            ids, each in ``0 .. vocab_size-1``.
+        """
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        want_bos = self.add_bos if add_bos is None else add_bos
+        if want_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; bytes that are not valid UTF-8 become U+FFFD.
+
+        Equal to ``b"".join(token_bytes(i)).decode("utf-8", "replace")``.
+        """
+        table = self._token_bytes
+        if skip_special_tokens:
+            special = self.special_token_ids
+            data = b"".join([table[i] for i in ids if i not in special])
+        else:
+            data = b"".join([table[i] for i in ids])
+        return data.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` stands for (a special token: its UTF-8 text).
+
+        A single token may hold part of a multi-byte character (emoji are often 2-4 tokens).
+        """
+        return self._token_bytes[token_id]
+
+    @property
+    def token_bytes_table(self) -> list[bytes]:
+        """``token_bytes`` for every id, as one list (index = token id); do not mutate."""
+        return self._token_bytes
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string of a token (byte-level form, ``"Ġworld"``)."""
+        return self._hf.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary string, or ``None``."""
+        return self._hf.token_to_id(token)
+
+    @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (its own ``decode`` is an independent check)."""
+        return self._hf
+
+    # -- chat ------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        """Render ``messages`` with the model's chat template (see ``chat_template``).
+
+        Raises:
+            InvalidRequestError: ``param="messages"``; the template or the messages are invalid.
+        """
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(self.eos_token_id), **extra)
+
+    def _token_text(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return self._token_bytes[token_id].decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
+                f"eos={self.eos_token_id}, stop={sorted(self.stop_token_ids)})")
+
+
+def gguf_pre_tokenizer(pre: str, source: str = "GGUF") -> Any:
+    """The ``tokenizers`` pre-tokenizer matching llama.cpp's ``tokenizer.ggml.pre`` name.
+
+    - ``default``, ``gpt2``, ``gpt-2``: GPT-2's byte-level regex.
+    - ``smollm``: digits split one by one, then GPT-2's regex (SmolLM2's tokenizer.json).
+    - ``llama-bpe``: Llama-3's regex (numbers in groups of up to 3), then byte-level mapping.
+
+    Raises:
+        ModelFormatError: any other name.
+    """
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("default", "gpt2", "gpt-2"):
+        return byte_level
+    if pre == "smollm":
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre == "llama-bpe":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    raise ModelFormatError(
+        f"{source}: pre-tokenizer {pre!r} is not supported (supported: default, gpt2, smollm, "
+        f"llama-bpe)")
+
+
+def _add_gguf_special_tokens(hf: HFTokenizer, tokens: list[str], token_types: list[int]) -> None:
+    # CONTROL tokens are special (skippable); USER_DEFINED are matched whole but kept in text.
+    control = [t for t, k in zip(tokens, token_types) if k == TOKEN_TYPE_CONTROL]
+    user = [t for t, k in zip(tokens, token_types) if k == TOKEN_TYPE_USER_DEFINED]
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+
+def _token_bytes_table(hf: HFTokenizer, added: dict[int, AddedToken]) -> list[bytes]:
+    vocab = hf.get_vocab(with_added_tokens=False)  # byte-level string -> id
+    size = max([*vocab.values(), *added.keys()]) + 1
+    table = [b""] * size  # ids the vocabulary skips stand for nothing
+    for token, i in vocab.items():
+        table[i] = byte_level_to_bytes(token)
+    for i, t in added.items():
+        table[i] = t.content.encode("utf-8")
+    return table
+
+
+def _missing_bytes(table: list[bytes], added: dict[int, AddedToken]) -> frozenset[int]:
+    single = {t[0] for i, t in enumerate(table) if len(t) == 1 and i not in added}
+    return frozenset(set(range(256)) - single)
+
+
+def _post_processor_adds_bos(hf: HFTokenizer, bos: int | None) -> bool:
+    if bos is None:
+        return False
+    with_special = hf.encode("a", add_special_tokens=True).ids
+    without = hf.encode("a", add_special_tokens=False).ids
+    return with_special[:1] == [bos] and without[:1] != [bos]

@@ -1,0 +1,80 @@
+"""Chat template rendering: HF-compatible environment, content parts, errors, ChatML fallback."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from flm_runtime.errors import InvalidRequestError
+from flm_runtime.loading.chat_template import CHATML_FALLBACK, render_chat_template
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_missing_template_falls_back_to_chatml():
+    expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    assert render_chat_template(None, MESSAGES) == expected
+    assert render_chat_template("", MESSAGES) == expected
+    assert render_chat_template(CHATML_FALLBACK, MESSAGES, add_generation_prompt=False) == (
+        expected.removesuffix("<|im_start|>assistant\n"))
+
+
+def test_trim_and_lstrip_blocks_like_transformers():
+    template = ("{% for m in messages %}\n"
+                "    {% if m.role == 'user' %}\n"
+                "[{{ m.content }}]\n"
+                "    {% endif %}\n"
+                "{% endfor %}")
+    assert render_chat_template(template, MESSAGES) == "[Hi]\n"
+
+
+def test_variables_and_globals():
+    template = ("{{ bos_token }}{{ messages | length }}{{ eos_token }}|{{ extra_flag }}|"
+                "{{ strftime_now('%Y') }}|{{ {'k': 'é'} | tojson }}")
+    out = render_chat_template(template, MESSAGES, bos_token="<s>", eos_token="</s>",
+                               extra_flag=True)
+    assert out == f'<s>2</s>|True|{datetime.datetime.now().year}|{{"k": "é"}}'
+
+
+def test_content_parts_are_flattened():
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None, "tool_calls": []}]
+    out = render_chat_template(None, messages, add_generation_prompt=False)
+    assert out == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+    assert messages[0]["content"][0] == {"type": "text", "text": "a"}  # caller's list untouched
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    [{"role": "user", "content": [{"type": "text"}]}],
+    [{"role": "user", "content": 3}],
+    [{"content": "no role"}],
+    "not a list",
+])
+def test_bad_messages_raise_invalid_request(messages):
+    with pytest.raises(InvalidRequestError) as e:
+        render_chat_template(None, messages)
+    assert e.value.param == "messages"
+
+
+def test_raise_exception_in_template_becomes_invalid_request():
+    template = ("{% if messages[0].role != 'user' %}"
+                "{{ raise_exception('Conversation must start with a user message') }}{% endif %}")
+    with pytest.raises(InvalidRequestError, match="must start with a user message") as e:
+        render_chat_template(template, MESSAGES)
+    assert e.value.param == "messages"
+
+
+def test_syntax_error_and_type_error_become_invalid_request():
+    with pytest.raises(InvalidRequestError, match="chat template"):
+        render_chat_template("{% for %}", MESSAGES)
+    with pytest.raises(InvalidRequestError):
+        render_chat_template("{{ messages[0].content + 1 }}", MESSAGES)
+
+
+def test_sandbox_blocks_attribute_escapes():
+    with pytest.raises(InvalidRequestError):
+        render_chat_template("{{ messages.__class__.__mro__[1].__subclasses__() }}", MESSAGES)

@@ -1,0 +1,151 @@
+"""GGUF loading: tiny files written here with gguf.GGUFWriter, and the embedded SmolLM2 file."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from tiny_llama_files import hand_permute, random_hf_weights, tiny_config, write_tiny_gguf
+
+from flm_runtime.errors import ModelFormatError
+from flm_runtime.loading.gguf import load_gguf, permute_rope, unpermute_rope
+from flm_runtime.loading.weights import llama_weight_shapes
+
+Q = gguf.GGMLQuantizationType
+
+
+def test_tiny_f32_round_trip_undoes_qk_permutation(tmp_path):
+    config = tiny_config()
+    weights = random_hf_weights(config)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", config, weights)
+
+    model = load_gguf(path)
+
+    assert model.config == config
+    assert set(model.weights) == set(weights)
+    for name, w in weights.items():
+        got = model.weights[name]
+        assert got.dtype == np.float32 and got.flags.c_contiguous and got.flags.writeable, name
+        np.testing.assert_array_equal(got, w, err_msg=name)
+
+
+def test_raw_mode_keeps_llama_cpp_order(tmp_path):
+    config = tiny_config()
+    weights = random_hf_weights(config)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", config, weights)
+
+    raw = load_gguf(path, unpermute_qk=False).weights
+
+    q, k = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"
+    np.testing.assert_array_equal(raw[q], hand_permute(weights[q], config.num_attention_heads))
+    np.testing.assert_array_equal(raw[k], hand_permute(weights[k], config.num_key_value_heads))
+    assert not np.array_equal(raw[q], weights[q])
+
+
+@pytest.mark.parametrize("n_head,d", [(1, 2), (3, 8), (2, 64)])
+def test_permute_helpers_match_hand_permutation(n_head, d):
+    w = np.random.default_rng(1).standard_normal((n_head * d, 5)).astype(np.float32)
+    np.testing.assert_array_equal(permute_rope(w, n_head), hand_permute(w, n_head))
+    np.testing.assert_array_equal(unpermute_rope(hand_permute(w, n_head), n_head), w)
+
+
+def _rope_half(x, pos, theta=10000.0):
+    """HF rotate-half RoPE on [D] (pairs i, i+D/2)."""
+    d = x.shape[-1]
+    ang = pos * theta ** (-np.arange(d // 2) / (d // 2))
+    x1, x2 = x[: d // 2], x[d // 2:]
+    cos, sin = np.cos(ang), np.sin(ang)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin])
+
+
+def _rope_interleaved(x, pos, theta=10000.0):
+    """llama.cpp normal RoPE on [D] (pairs 2i, 2i+1)."""
+    d = x.shape[-1]
+    ang = pos * theta ** (-np.arange(d // 2) / (d // 2))
+    a, b = x[0::2], x[1::2]
+    out = np.empty_like(x)
+    out[0::2], out[1::2] = a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)
+    return out
+
+
+def test_unpermuted_weights_give_the_same_attention_scores_under_rotate_half():
+    # The point of the permutation: llama.cpp's interleaved RoPE on stored weights must give the
+    # same q.k score as HF's rotate-half RoPE on un-permuted weights (float64 to compare tightly).
+    rng = np.random.default_rng(2)
+    d, hidden = 16, 12
+    wq, wk = rng.standard_normal((d, hidden)), rng.standard_normal((d, hidden))
+    xm, xn = rng.standard_normal(hidden), rng.standard_normal(hidden)
+    gq, gk = permute_rope(wq, 1), permute_rope(wk, 1)  # as stored in GGUF
+    llama_cpp = _rope_interleaved(gq @ xm, 7) @ _rope_interleaved(gk @ xn, 3)
+    hf = _rope_half(unpermute_rope(gq, 1) @ xm, 7) @ _rope_half(unpermute_rope(gk, 1) @ xn, 3)
+    wrong = _rope_half(gq @ xm, 7) @ _rope_half(gk @ xn, 3)
+    assert hf == pytest.approx(llama_cpp, rel=1e-12)
+    assert wrong != pytest.approx(llama_cpp, rel=1e-3)
+
+
+@pytest.mark.parametrize("qtype,tol", [(Q.F16, 1e-2), (Q.BF16, 2e-2), (Q.Q8_0, 0.05),
+                                       (Q.Q4_0, 0.5), (Q.Q4_1, 0.5)])
+def test_quantized_matrices_dequantize_to_the_right_shape_and_values(tmp_path, qtype, tol):
+    config = tiny_config(tie_word_embeddings=False)
+    weights = random_hf_weights(config)
+    path = write_tiny_gguf(tmp_path / "q.gguf", config, weights, qtype=qtype)
+
+    got = load_gguf(path).weights
+
+    assert "lm_head.weight" in got
+    for name, shape in llama_weight_shapes(config).items():
+        assert got[name].shape == shape and got[name].dtype == np.float32, name
+        # Quantization error is per block; un-permuted rows line up with the originals.
+        assert np.abs(got[name] - weights[name]).max() < tol * np.abs(weights[name]).max(), name
+
+
+def test_unsupported_quantization_names_tensor_and_type(tmp_path):
+    config = tiny_config()
+    # Q8_1 has no numpy dequantizer in gguf-py: 32 values per 40-byte block.
+    q8_1 = np.zeros((64, 2 * 40), dtype=np.uint8)
+    path = write_tiny_gguf(tmp_path / "bad.gguf", config, random_hf_weights(config),
+                           replace={"blk.0.attn_q.weight": (q8_1, Q.Q8_1)})
+    with pytest.raises(ModelFormatError, match=r"blk\.0\.attn_q\.weight.*Q8_1"):
+        load_gguf(path)
+
+
+def test_other_architecture_is_rejected(tmp_path):
+    config = tiny_config()
+    path = write_tiny_gguf(tmp_path / "q.gguf", config, random_hf_weights(config), arch="qwen2")
+    with pytest.raises(ModelFormatError, match="qwen2"):
+        load_gguf(path)
+
+
+def test_unknown_tensor_is_rejected(tmp_path):
+    config = tiny_config()
+    extra = {"rope_freqs.weight": (np.ones(8, np.float32), Q.F32)}
+    path = write_tiny_gguf(tmp_path / "r.gguf", config, random_hf_weights(config),
+                           extra_tensors=extra)
+    with pytest.raises(ModelFormatError, match="rope_freqs"):
+        load_gguf(path)
+
+
+def test_missing_and_garbage_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_gguf(tmp_path / "nope.gguf")
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelFormatError, match="garbage.gguf"):
+        load_gguf(garbage)
+
+
+def test_smollm2_config_matches_design_facts(smollm2_bundle):
+    c = smollm2_bundle.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (
+        30, 576, 9, 3, 64, 1536, 49152, 8192)
+    assert c.rope_theta == 100000.0 and c.rms_norm_eps == 1e-5 and c.tie_word_embeddings
+
+
+def test_smollm2_weights_are_complete_float32_hf_layout(smollm2_bundle):
+    weights = smollm2_bundle.weights
+    assert "lm_head.weight" not in weights
+    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert weights["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
+    assert sum(w.nbytes for w in weights.values()) == 538_060_032  # ~540 MB, DESIGN.md §4
+    assert all(np.isfinite(w).all() for w in weights.values())
