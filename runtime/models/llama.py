@@ -90,7 +90,7 @@ class LlamaModel:
     Args:
         config: hyper-parameters.
         weights: float32 arrays keyed by Hugging Face names, HF layout and RoPE convention (see
-            module docstring); consumed (the dict may be emptied to free memory).
+            module docstring). Matrices are fused into new arrays; the dict is not modified.
 
     Raises:
         ModelFormatError: a tensor is missing or has the wrong shape.
@@ -200,7 +200,7 @@ class LlamaModel:
 
 
 class _Taker:
-    """Pops named tensors from a weights dict, checking shape and dtype."""
+    """Looks up named tensors in a weights dict, checking shape and making them float32 C-contiguous."""
 
     def __init__(self, weights: dict[str, np.ndarray]):
         self.weights = weights
@@ -208,7 +208,7 @@ class _Taker:
     def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.weights:
             raise ModelFormatError(f"tensor {name!r} is missing from the model file")
-        a = self.weights.pop(name)
+        a = self.weights[name]
         if tuple(a.shape) != shape:
             raise ModelFormatError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {shape}")
         return np.ascontiguousarray(a, dtype=np.float32)

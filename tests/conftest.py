@@ -1,0 +1,56 @@
+"""Fixtures shared by the whole suite.
+
+The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) is pulled once into the model cache
+(``$FLM_MODEL_PATH`` or the user cache dir) by the registry, exactly as a user's first run does.
+Loading it takes a few seconds and ~540 MB, so the model is loaded once per session and shared
+through the process-wide engine of ``flm_runtime.api``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# litellm fetches its model price map from the network at import; we have no network in CI.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+DEFAULT_TAG = "smollm2:135m"
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the embedded default model's GGUF file (pulled on first use)."""
+    from flm_runtime import registry
+
+    return registry.locate(DEFAULT_TAG)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_gguf):
+    """The process-wide engine serving ``smollm2:135m`` (the same one LiteLLM calls use)."""
+    from flm_runtime.api import get_engine
+
+    return get_engine(DEFAULT_TAG)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_engine):
+    """The loaded SmolLM2 target model (``LlamaModel``), shared with the engine: read only."""
+    return smollm2_engine.model
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_engine):
+    return smollm2_engine.tokenizer
+
+
+@pytest.fixture(scope="session")
+def mt_bench_path() -> Path:
+    """The MT-Bench questions of ../shared/data (skips where that folder is absent)."""
+    path = SHARED_DATA / "mt_bench_questions.jsonl"
+    if not path.exists():
+        pytest.skip(f"{path} not present (it exists on the project's machines, not on a user's)")
+    return path

@@ -1,0 +1,42 @@
+"""KV cache growth and rollback."""
+
+import numpy as np
+
+from flm_runtime.engine.kv_cache import GROWTH_QUANTUM, KVCache
+
+
+def test_growth_keeps_contents_and_trim_rolls_back():
+    cache = KVCache(n_layers=2, n_kv_heads=3, head_dim=4, max_length=1000)
+    assert cache.capacity == GROWTH_QUANTUM and cache.length == 0
+    rng = np.random.default_rng(0)
+    written = rng.standard_normal((2, 3, 600, 4)).astype(np.float32)
+    for start in range(0, 600, 200):  # three appends of 200 positions force two reallocations
+        cache.reserve(200)
+        for layer in range(2):
+            block = written[layer, :, start : start + 200]
+            cache.write(layer, block, -block)
+        cache.commit(200)
+    assert cache.length == 600 and cache.capacity == 1000  # 256 -> 512 -> min(1024, context 1000)
+    np.testing.assert_array_equal(cache.k[:, :, :600], written)
+    np.testing.assert_array_equal(cache.v[:, :, :600], -written)
+
+    cache.trim(590)  # a rejected speculative block: the next write overwrites from 590
+    cache.reserve(1)
+    for layer in range(2):
+        cache.write(layer, np.ones((3, 1, 4), np.float32), np.ones((3, 1, 4), np.float32))
+    cache.commit(1)
+    assert cache.length == 591
+    np.testing.assert_array_equal(cache.k[:, :, 590], 1.0)
+    np.testing.assert_array_equal(cache.k[:, :, :590], written[:, :, :590])
+
+
+def test_capacity_never_exceeds_context_length():
+    cache = KVCache(n_layers=1, n_kv_heads=1, head_dim=2, max_length=300, capacity=10_000)
+    assert cache.capacity == 300
+    cache.reserve(300)
+    try:
+        cache.reserve(301)
+    except AssertionError as e:
+        assert "context length 300" in str(e)
+    else:
+        raise AssertionError("reserving past the context length must fail")

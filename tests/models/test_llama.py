@@ -1,0 +1,162 @@
+"""The numpy Llama forward pass: perplexity against an independent reference, path equalities
+(chunked prefill, 1-token decode, 8-position verify), and a tiny random model against a naive
+per-head implementation written independently in this file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flm_runtime.loading.gguf import load_gguf
+from flm_runtime.models.llama import LlamaConfig, LlamaModel
+
+PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
+# Golden value: tests/reference/perplexity_transformers.py (Hugging Face transformers 5.24.0,
+# torch 2.13.0 CPU, loading the same GGUF), run 2026-11-30: tokens=338, perplexity=20.2241.
+REFERENCE_TOKENS = 338
+REFERENCE_PERPLEXITY = 20.2241
+
+
+def perplexity(model: LlamaModel, ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of ids[1:] given their prefixes, in float64."""
+    logits = model.forward(np.array(ids), model.new_cache(), all_logits=True)[:-1].astype(np.float64)
+    logits -= logits.max(axis=-1, keepdims=True)
+    logprobs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    return float(np.exp(-logprobs[np.arange(len(ids) - 1), ids[1:]].mean()))
+
+
+def test_perplexity_matches_transformers_reference(smollm2_model, smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode(PASSAGE.read_text())
+    assert len(ids) == REFERENCE_TOKENS
+    ppl = perplexity(smollm2_model, ids)
+    # The issue asks for 10%; we hold 1%: both sides compute in float32 from the same weights.
+    assert abs(ppl / REFERENCE_PERPLEXITY - 1) < 0.01, ppl
+
+
+def test_wrong_rope_convention_fails_perplexity(smollm2_gguf, smollm2_tokenizer):
+    """Keeping llama.cpp's interleaved-pair Q/K layout under our rotate-half RoPE breaks the model."""
+    raw = load_gguf(smollm2_gguf, unpermute_qk=False)
+    ppl = perplexity(LlamaModel(raw.config, raw.weights), smollm2_tokenizer.encode(PASSAGE.read_text()))
+    assert ppl > 2 * REFERENCE_PERPLEXITY, ppl
+
+
+def test_prefill_decode_and_verify_paths_agree(smollm2_model, smollm2_tokenizer):
+    """Chunked prefill, token-by-token decode and one 8-position forward give the same logits."""
+    ids = np.array(smollm2_tokenizer.encode(PASSAGE.read_text())[:300])
+    full = smollm2_model.forward(ids, smollm2_model.new_cache(), all_logits=True)  # [300, V]
+
+    cache = smollm2_model.new_cache()
+    last = smollm2_model.prefill(ids[:292], cache)  # two chunks of 256 and 36
+    np.testing.assert_allclose(last, full[291], rtol=0, atol=2e-3)
+    verify = smollm2_model.forward(ids[292:], cache, all_logits=True)  # the 8-position path
+    np.testing.assert_allclose(verify, full[292:], rtol=0, atol=2e-3)
+
+    cache.trim(292)  # roll back the 8 positions, then decode them one by one
+    for j, token in enumerate(ids[292:]):
+        np.testing.assert_allclose(smollm2_model.decode(int(token), cache), full[292 + j], rtol=0, atol=2e-3)
+    assert cache.length == 300
+    assert np.array_equal(np.argmax(verify, axis=-1), np.argmax(full[292:], axis=-1))
+
+
+TINY = LlamaConfig(
+    vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+    num_key_value_heads=2, max_position_embeddings=300, rope_theta=500.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    c, d = config, config.head_dim
+
+    def w(*shape, scale=0.2):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    weights = {"model.embed_tokens.weight": w(c.vocab_size, c.hidden_size, scale=1.0),
+               "model.norm.weight": 1 + w(c.hidden_size), "lm_head.weight": w(c.vocab_size, c.hidden_size)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": 1 + w(c.hidden_size),
+            p + "post_attention_layernorm.weight": 1 + w(c.hidden_size),
+            p + "self_attn.q_proj.weight": w(c.num_attention_heads * d, c.hidden_size),
+            p + "self_attn.k_proj.weight": w(c.num_key_value_heads * d, c.hidden_size),
+            p + "self_attn.v_proj.weight": w(c.num_key_value_heads * d, c.hidden_size),
+            p + "self_attn.o_proj.weight": w(c.hidden_size, c.num_attention_heads * d),
+            p + "mlp.gate_proj.weight": w(c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": w(c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": w(c.hidden_size, c.intermediate_size),
+        }
+    return weights
+
+
+def naive_forward(c: LlamaConfig, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+    """Float64, position by position and head by head, straight from the Llama paper's equations."""
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    d, n = c.head_dim, len(ids)
+
+    def norm(x, g):
+        return x / np.sqrt(np.mean(x * x) + c.rms_norm_eps) * g
+
+    def rope(vec, pos):
+        out = vec.copy()
+        for i in range(d // 2):
+            angle = pos / c.rope_theta ** (2 * i / d)
+            a, b = vec[i], vec[i + d // 2]
+            out[i], out[i + d // 2] = a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)
+        return out
+
+    xs = [w["model.embed_tokens.weight"][t] for t in ids]
+    for layer in range(c.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        hs = [norm(x, w[p + "input_layernorm.weight"]) for x in xs]
+        qs = [(w[p + "self_attn.q_proj.weight"] @ h).reshape(-1, d) for h in hs]
+        ks = [(w[p + "self_attn.k_proj.weight"] @ h).reshape(-1, d) for h in hs]
+        vs = [(w[p + "self_attn.v_proj.weight"] @ h).reshape(-1, d) for h in hs]
+        new = []
+        for t in range(n):
+            heads = []
+            for head in range(c.num_attention_heads):
+                kv = head // c.n_rep
+                q = rope(qs[t][head], t)
+                scores = np.array([rope(ks[s][kv], s) @ q / np.sqrt(d) for s in range(t + 1)])
+                probs = np.exp(scores - scores.max())
+                probs /= probs.sum()
+                heads.append(sum(probs[s] * vs[s][kv] for s in range(t + 1)))
+            x = xs[t] + w[p + "self_attn.o_proj.weight"] @ np.concatenate(heads)
+            h = norm(x, w[p + "post_attention_layernorm.weight"])
+            g, u = w[p + "mlp.gate_proj.weight"] @ h, w[p + "mlp.up_proj.weight"] @ h
+            new.append(x + w[p + "mlp.down_proj.weight"] @ (g / (1 + np.exp(-g)) * u))
+        xs = new
+    return np.stack([w["lm_head.weight"] @ norm(x, w["model.norm.weight"]) for x in xs])
+
+
+def test_tiny_model_matches_naive_reference():
+    weights = tiny_weights(TINY)
+    model = LlamaModel(TINY, weights)
+    ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
+    expected = naive_forward(TINY, weights, ids)  # [12, V]
+
+    got = model.forward(np.array(ids), model.new_cache(), all_logits=True)
+    assert got.dtype == np.float32 and got.shape == (len(ids), TINY.vocab_size)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
+
+    model.prefill_chunk = 5  # chunks of 5, 5, 2 must give the same last logits
+    cache = model.new_cache()
+    np.testing.assert_allclose(model.prefill(np.array(ids), cache), expected[-1], rtol=0, atol=1e-4)
+    assert cache.length == len(ids)
+
+
+def test_missing_and_misshapen_tensors_are_named():
+    from flm_runtime.errors import ModelFormatError
+
+    weights = tiny_weights(TINY)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ModelFormatError, match="model.layers.1.mlp.up_proj.weight"):
+        LlamaModel(TINY, weights)
+    weights = tiny_weights(TINY)
+    weights["model.norm.weight"] = weights["model.norm.weight"][:-1]
+    with pytest.raises(ModelFormatError, match=r"model.norm.weight.*\(47,\).*\(48,\)"):
+        LlamaModel(TINY, weights)
