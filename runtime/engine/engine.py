@@ -1,0 +1,499 @@
+"""The engine: a background thread that runs requests on one model and streams their tokens.
+
+A caller ``submit``s prompt ids and ``SamplingParams`` and gets a ``RequestHandle``; sync
+iteration, ``aiter()``, ``result()`` and ``aresult()`` all consume the same stream of
+``StreamEvent``s, so streamed and non-streamed outputs are the same by construction. The engine
+thread admits queued requests as ``Sequence``s and calls ``_step``, which advances each active
+sequence by one model call (prefill on its first step, then one decode step), round robin, so
+concurrent requests progress together. ``_step`` is the piece a batched scheduler (and the
+speculative step) replaces; a ``Sequence`` holds everything that is per request.
+
+Per-request stats (``Completion.stats``): ``prompt_tokens``, ``completion_tokens`` (delivered, see
+``stop.py``), ``generated_tokens`` (including an end-of-turn token or stop-string tokens),
+``queue_s`` (submit to admission, seconds), ``ttft_s`` (submit to the first generated token,
+seconds), ``decode_tokens_per_s`` (tokens after the first / seconds after the first; 0.0 with a
+single token), ``total_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import queue
+import threading
+import time
+
+import numpy as np
+
+from flm_runtime.engine import sampler
+from flm_runtime.engine.detokenizer import Detokenizer
+from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
+from flm_runtime.engine.stop import StopChecker
+from flm_runtime.errors import (BackendUnavailableError, ContextLengthError, EngineOverloadedError,
+                                FlmError, InvalidRequestError, RequestTimeoutError)
+
+_END = object()   # stream terminator, after the final event or instead of it on failure
+# Positions a new cache reserves beyond the prompt (a hint: caches grow on demand), so that a
+# request with max_tokens None does not allocate the whole context up front.
+INITIAL_DECODE_ROOM = 256
+
+
+class RequestCancelledError(FlmError, concurrent.futures.CancelledError):
+    """``result()`` / ``aresult()`` of a request its caller cancelled."""
+
+
+class RequestHandle:
+    """The caller's side of one request. Its stream can be consumed once (sync or async);
+    ``result()`` / ``aresult()`` work alongside or instead.
+
+    Abandoning a stream (``break`` out of the loop and dropping the iterator, or cancelling the
+    asyncio task that iterates) cancels the request, freeing its sequence at the next step.
+    A cancelled stream just ends; ``result()`` then raises ``RequestCancelledError``.
+
+    Attributes:
+        timeout: seconds from submit, or None.
+        deadline: ``time.monotonic()`` value past which the engine cancels the request.
+        t_submit: ``time.perf_counter()`` at submit.
+    """
+
+    def __init__(self, timeout: float | None = None):
+        self.t_submit = time.perf_counter()
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self._lock = threading.Lock()
+        self._items: queue.SimpleQueue = queue.SimpleQueue()   # sync consumer's events
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None
+        self._done = threading.Event()
+        self._callbacks: list = []
+        self._completion: Completion | None = None
+        self._error: BaseException | None = None
+        self._cancel = False
+        self._claimed = False
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel
+
+    def cancel(self) -> None:
+        """Ask the engine to drop the request at its next step (no-op once done)."""
+        self._cancel = True
+
+    def __iter__(self):
+        """Yields ``StreamEvent``s until the final one (``finish_reason`` set).
+
+        Raises:
+            RequestTimeoutError: the deadline passed.
+            RuntimeError: the stream was already consumed.
+            Exception: whatever failed inside the engine for this request.
+        """
+        with self._lock:
+            self._claim()
+        return self._iter_sync()
+
+    def _iter_sync(self):
+        try:
+            while (item := self._items.get()) is not _END:
+                yield item
+            self._raise_error()
+        finally:
+            if not self.done:
+                self.cancel()
+
+    async def aiter(self):
+        """Async form of iteration; hands events from the engine thread to this event loop
+        without blocking it. Same events and errors as sync iteration."""
+        loop = asyncio.get_running_loop()
+        aqueue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._claim()
+            while not self._items.empty():        # events that arrived before we attached
+                aqueue.put_nowait(self._items.get_nowait())
+            self._async = (loop, aqueue)
+        try:
+            while (item := await aqueue.get()) is not _END:
+                yield item
+            self._raise_error()
+        finally:
+            if not self.done:
+                self.cancel()
+
+    def __aiter__(self):
+        return self.aiter()
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Block until the request ends; returns the join of its events.
+
+        Args:
+            timeout: seconds to wait here (not the request's own timeout); None waits forever.
+
+        Raises:
+            TimeoutError: ``timeout`` passed before the request ended (the request goes on).
+            RequestCancelledError, RequestTimeoutError, or the engine-side error of this request.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the request did not end within {timeout} s")
+        return self._outcome()
+
+    async def aresult(self) -> Completion:
+        """Async ``result()``; cancelling the awaiting task cancels the request."""
+        if not self.done:
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+
+            def wake() -> None:
+                try:
+                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+                except RuntimeError:              # the loop is closed: nobody is waiting
+                    pass
+
+            self._on_done(wake)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+        return self._outcome()
+
+    # ---- engine side ------------------------------------------------------------------------
+
+    def _put(self, item) -> None:
+        with self._lock:
+            self._route(item)
+
+    def _end(self, event: StreamEvent | None, completion: Completion | None, error: BaseException | None) -> None:
+        """The request is over: deliver the final event (or the error), then wake waiters."""
+        with self._lock:
+            if self.done:
+                return
+            if event is not None:
+                self._route(event)
+            self._completion, self._error = completion, error
+            self._route(_END)
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb()
+
+    def _route(self, item) -> None:
+        """To the async consumer's loop if one attached, else to the sync queue (lock held)."""
+        if self._async is None:
+            self._items.put(item)
+            return
+        loop, aqueue = self._async
+        try:
+            loop.call_soon_threadsafe(aqueue.put_nowait, item)
+        except RuntimeError:                     # the consumer's loop is gone: nobody listens
+            self._cancel = True
+
+    def _claim(self) -> None:
+        if self._claimed:
+            raise RuntimeError("a RequestHandle's stream can be consumed only once")
+        self._claimed = True
+
+    def _on_done(self, cb) -> None:
+        with self._lock:
+            if not self.done:
+                self._callbacks.append(cb)
+                return
+        cb()
+
+    def _raise_error(self) -> None:
+        if self._error is not None and not isinstance(self._error, RequestCancelledError):
+            raise self._error
+
+    def _outcome(self) -> Completion:
+        if self._error is not None:
+            raise self._error
+        return self._completion
+
+
+class Sequence:
+    """One admitted request: its prompt, KV cache, RNG, output pipeline and timing.
+
+    Args:
+        handle: where its events go.
+        prompt_ids: ``[T]`` int64 prompt token ids.
+        params: sampling parameters.
+        budget: generated tokens at most (``max_tokens`` folded with the context length).
+        tokenizer: for ``token_bytes`` and ``stop_token_ids``.
+    """
+
+    def __init__(self, handle: RequestHandle, prompt_ids: np.ndarray, params: SamplingParams,
+                 budget: int, tokenizer):
+        self.handle = handle
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.budget = budget
+        self.cache = None                      # allocated at admission
+        self.rng = sampler.new_rng(params.seed)
+        stop_ids = frozenset(tokenizer.stop_token_ids)
+        # Special tokens are markers, not text (as decode(skip_special_tokens=True)): delivered
+        # and counted when generated, but they add no text.
+        detok = Detokenizer(tokenizer.token_bytes, skip_ids=stop_ids | frozenset(tokenizer.special_token_ids))
+        self.checker = StopChecker(detok, stop=params.stop, stop_token_ids=stop_ids, max_tokens=budget,
+                                   ignore_eos=params.ignore_eos)
+        self.last_token: int | None = None     # the token the next decode step feeds
+        self.final: StreamEvent | None = None  # the last event, held until the engine retires us
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.t_admit = self.t_first = self.t_last = None
+
+    @property
+    def kv_tokens(self) -> int:
+        return 0 if self.cache is None else int(self.cache.length)
+
+    def step(self, model) -> None:
+        """One model call (prefill or one decode step), one sampled token, its delivery."""
+        if self.last_token is None:
+            logits = model.prefill(self.prompt_ids, self.cache)         # [V]
+        else:
+            logits = model.decode(self.last_token, self.cache)          # [V]
+        self.accept(sampler.sample(logits, self.params, self.rng))
+
+    def accept(self, token: int) -> bool:
+        """Take one generated token: stop checks, then delivery. True once the sequence is
+        finished (its final event waits in ``final``); a speculative step calls this for each
+        token of an accepted block until it returns True."""
+        assert self.final is None, "token accepted after the sequence finished"
+        self.t_last = time.perf_counter()
+        self.t_first = self.t_first or self.t_last
+        self.last_token = token
+        d = self.checker.push(token)
+        if not (d.text or d.token_ids or d.finish_reason):
+            return False
+        self.text_parts.append(d.text)
+        self.token_ids.extend(d.token_ids)
+        event = StreamEvent(d.text, d.token_ids, d.finish_reason, len(self.prompt_ids), self.checker.delivered)
+        if d.finish_reason is None:
+            self.handle._put(event)
+        else:
+            self.final = event
+        return self.final is not None
+
+    def completion(self) -> Completion:
+        """The join of the delivered events, with per-request stats."""
+        return Completion("".join(self.text_parts), tuple(self.token_ids), self.checker.finish_reason,
+                          len(self.prompt_ids), self.checker.delivered, self.stats())
+
+    def stats(self) -> dict:
+        t0 = self.handle.t_submit
+        decode_s = (self.t_last - self.t_first) if self.t_first else 0.0
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": self.checker.delivered,
+            "generated_tokens": self.checker.generated,
+            "queue_s": (self.t_admit - t0) if self.t_admit else None,
+            "ttft_s": (self.t_first - t0) if self.t_first else None,
+            "decode_tokens_per_s": (self.checker.generated - 1) / decode_s if decode_s > 0 else 0.0,
+            "total_s": time.perf_counter() - t0,
+        }
+
+
+class Engine:
+    """Runs requests on one model in a background daemon thread.
+
+    Args:
+        model: implements ``config`` (``max_position_embeddings``, ``vocab_size``),
+            ``new_cache(capacity) -> cache`` (capacity: a hint in tokens, the cache grows on
+            demand up to the context; ``cache.length``: tokens held),
+            ``prefill(ids [T] int64, cache) -> [V] float32`` and ``decode(id, cache) -> [V]``.
+        tokenizer: implements ``token_bytes(id) -> bytes``, ``stop_token_ids`` and
+            ``special_token_ids``.
+        name: the model's name (thread name, stats, messages).
+        default_sampling: the model entry's default sampler, applied by ``sampling_params``;
+            None -> ``sampler.CARD_DEFAULT``.
+        max_queue: requests waiting for admission at most; one more -> ``EngineOverloadedError``.
+        max_active: sequences running at once; the others wait in the queue.
+    """
+
+    def __init__(self, model, tokenizer, *, name: str, default_sampling: sampler.SamplingDefaults | None = None,
+                 max_queue: int = 64, max_active: int = 16):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.default_sampling = sampler.default_sampling(default_sampling)
+        self.max_queue = max_queue
+        self.max_active = max_active
+        self.context_length = int(model.config.max_position_embeddings)
+        self._cv = threading.Condition()      # guards _waiting, _active, _counts, _closed
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._active: list[Sequence] = []
+        self._counts = collections.Counter()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"flm-engine-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- caller side ------------------------------------------------------------------------
+
+    def sampling_params(self, **given) -> SamplingParams:
+        """``SamplingParams`` with this model's default sampler for the fields given as None."""
+        return self.default_sampling.resolve(**given)
+
+    def submit(self, prompt_ids, params: SamplingParams, *, timeout: float | None = None) -> RequestHandle:
+        """Queue a request.
+
+        Args:
+            prompt_ids: the rendered prompt's token ids (non-empty sequence of ints < vocab).
+            params: sampling parameters; ``max_tokens`` None means up to the context length.
+            timeout: seconds from now after which the engine cancels the request and its stream
+                raises ``RequestTimeoutError``; None for no limit.
+
+        Returns:
+            the request's handle.
+
+        Raises:
+            InvalidRequestError: empty or out-of-vocabulary prompt (param "messages"), a bad
+                timeout (param "timeout"), params not a ``SamplingParams`` (param "params").
+            ContextLengthError: prompt tokens + ``max_tokens`` over the context length.
+            EngineOverloadedError: ``max_queue`` requests are already waiting.
+            BackendUnavailableError: the engine is closed.
+        """
+        prompt = self._check_prompt(prompt_ids)
+        budget = self._budget(len(prompt), params)
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}",
+                                      param="timeout")
+        seq = Sequence(RequestHandle(timeout), prompt, params, budget, self.tokenizer)
+        with self._cv:
+            if self._closed:
+                raise BackendUnavailableError(f"engine {self.name!r} is closed")
+            if len(self._waiting) >= self.max_queue:
+                raise EngineOverloadedError(f"engine {self.name!r} has {len(self._waiting)} requests "
+                                            f"waiting (max_queue={self.max_queue}); retry later")
+            self._waiting.append(seq)
+            self._cv.notify()
+        return seq.handle
+
+    def stats(self) -> dict:
+        """Engine-wide counters: ``active`` and ``queued`` requests, ``kv_tokens`` (KV positions
+        held by active sequences; 0 when idle), ``finished`` (ended with a finish reason),
+        ``failed``, ``cancelled``, ``timed_out``."""
+        with self._cv:
+            return {"name": self.name, "active": len(self._active), "queued": len(self._waiting),
+                    "kv_tokens": sum(s.kv_tokens for s in self._active),
+                    **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out")}}
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop the thread (waits up to ``timeout`` s for the current step); requests still
+        waiting or running fail with ``BackendUnavailableError``."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_prompt(self, prompt_ids) -> np.ndarray:
+        ids = np.asarray(prompt_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise InvalidRequestError("the prompt is empty: it must hold at least one token", param="messages")
+        vocab = int(self.model.config.vocab_size)
+        if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="messages")
+        return ids.astype(np.int64)
+
+    def _budget(self, n_prompt: int, params) -> int:
+        """Generated tokens allowed: ``max_tokens``, or all the context leaves when None.
+
+        Raises:
+            InvalidRequestError: params of the wrong type.
+            ContextLengthError: ``n_prompt + max_tokens > context`` (a prompt filling the whole
+                context counts as asking for 1 token).
+        """
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
+                                      param="params")
+        room = self.context_length - n_prompt
+        wanted = params.max_tokens if params.max_tokens is not None else max(room, 1)
+        if wanted > room:
+            raise ContextLengthError(prompt_tokens=n_prompt, max_tokens=wanted,
+                                     context_length=self.context_length)
+        return wanted
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._closed or self._waiting or self._active):
+                    self._cv.wait()
+                if self._closed:
+                    break
+                self._drop_waiting()
+                self._admit()
+            self._step()
+        self._shutdown()
+
+    def _drop_waiting(self) -> None:
+        """Queued requests cancelled or past their deadline leave the queue."""
+        now = time.monotonic()
+        for seq in list(self._waiting):
+            self._abort_if_needed(seq, now)
+
+    def _admit(self) -> None:
+        """Move queued requests into the active set while there is room."""
+        while self._waiting and len(self._active) < self.max_active:
+            seq = self._waiting.popleft()
+            seq.t_admit = time.perf_counter()
+            self._active.append(seq)
+            try:
+                seq.cache = self.model.new_cache(len(seq.prompt_ids) + min(seq.budget, INITIAL_DECODE_ROOM))
+            except Exception as e:       # noqa: BLE001 - one request's failure, not the engine's
+                self._end(seq, error=e)
+
+    def _step(self) -> None:
+        """Advance every active sequence by one model call, round robin."""
+        now = time.monotonic()
+        for seq in list(self._active):
+            if self._abort_if_needed(seq, now):
+                continue
+            try:
+                seq.step(self.model)
+            except Exception as e:       # noqa: BLE001 - fail this request, keep serving others
+                self._end(seq, error=e)
+                continue
+            if seq.final is not None:
+                self._end(seq)
+
+    def _abort_if_needed(self, seq: Sequence, now: float) -> bool:
+        """End ``seq`` if its caller cancelled it or its deadline passed; True if it ended."""
+        handle = seq.handle
+        if handle.cancel_requested:
+            self._end(seq, error=RequestCancelledError("the request was cancelled"), count="cancelled")
+        elif handle.deadline is not None and now >= handle.deadline:
+            error = RequestTimeoutError(f"the request ran past its timeout of {handle.timeout} s")
+            self._end(seq, error=error, count="timed_out")
+        else:
+            return False
+        return True
+
+    def _end(self, seq: Sequence, *, error: BaseException | None = None, count: str = "failed") -> None:
+        """Forget ``seq`` and free its cache, then tell its caller. Under the lock, so that a
+        caller who sees the end of its stream also sees it gone from ``stats()``."""
+        with self._cv:
+            if seq in self._active:
+                self._active.remove(seq)
+            elif seq in self._waiting:
+                self._waiting.remove(seq)
+            seq.cache = None
+            if error is not None:
+                self._counts[count] += 1
+                seq.handle._end(None, None, error)
+            else:
+                self._counts["finished"] += 1
+                seq.handle._end(seq.final, seq.completion(), None)
+
+    def _shutdown(self) -> None:
+        with self._cv:
+            for seq in list(self._waiting) + list(self._active):
+                self._end(seq, error=BackendUnavailableError(f"engine {self.name!r} was closed"))

@@ -1,0 +1,29 @@
+"""Fixtures of the engine tests: a fake tokenizer, fake models, and engines that get closed."""
+
+from __future__ import annotations
+
+import pytest
+from engine_fakes import FakeTokenizer
+
+from flm_runtime.engine.engine import Engine
+
+
+@pytest.fixture
+def tok() -> FakeTokenizer:
+    """The fake tokenizer padded to the fake models' vocabulary (300)."""
+    return FakeTokenizer(vocab_size=300)
+
+
+@pytest.fixture
+def make_engine():
+    """``make_engine(model, tokenizer, **kw) -> Engine``; every engine is closed at teardown."""
+    engines = []
+
+    def make(model, tokenizer, **kw):
+        engine = Engine(model, tokenizer, name=kw.pop("name", "fake"), **kw)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()

@@ -1,0 +1,151 @@
+"""Tiny stand-ins for the tokenizer and the model the engine drives (same interfaces, no weights).
+
+Tokenizer: ids 0..255 are the bytes themselves; 256 ``<eos>`` and 257 ``<|im_end|>`` are stop
+tokens, 258 ``<|im_start|>`` a special that is not a stop; 259.. are extra byte strings given by
+the test (whole words, or fragments of a multi-byte character).
+
+Models: ``HashModel`` gives logits that are a fixed pseudo-random function of (last token,
+position); ``ScriptModel`` emits a given list of tokens after any prompt. Both own a real-looking
+cache (``length``, ``capacity``) and keep weak references to the caches they made, so tests can
+see a cache being freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from flm_runtime.models.llama import LlamaConfig
+
+EOS, EOT, BOT = 256, 257, 258
+SPECIALS = {EOS: b"<eos>", EOT: b"<|im_end|>", BOT: b"<|im_start|>"}
+
+
+PAD_TEXT = "the quick brown fox 你好世界 안녕 😀🎉 jumps".encode()
+
+
+class FakeTokenizer:
+    """``extra``: byte strings given ids 259..; ``vocab_size``: pad up to it with 2-3 byte pieces
+    of ``PAD_TEXT`` (some of them fragments of a multi-byte character)."""
+
+    def __init__(self, extra: list[bytes] = (), vocab_size: int = 0):
+        self.vocab = [bytes([i]) for i in range(256)] + [SPECIALS[i] for i in (EOS, EOT, BOT)] + list(extra)
+        pad = dict.fromkeys(PAD_TEXT[i:i + n] for n in (2, 3) for i in range(len(PAD_TEXT) - n))
+        self.vocab += [p for p in pad if p not in self.vocab][: max(vocab_size - len(self.vocab), 0)]
+        assert len(self.vocab) >= vocab_size, "PAD_TEXT too short for this vocab_size"
+        self.stop_token_ids = frozenset({EOS, EOT})
+        self.special_token_ids = frozenset(SPECIALS)
+
+    def id_of(self, piece: bytes | str) -> int:
+        piece = piece.encode() if isinstance(piece, str) else piece
+        return self.vocab.index(piece, 259) if len(piece) > 1 else piece[0]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.vocab[token_id]
+
+    def encode(self, text: str) -> list[int]:
+        """Greedy longest match over the non-special vocabulary."""
+        data, ids, i = text.encode(), [], 0
+        longest = sorted(range(259, len(self.vocab)), key=lambda t: -len(self.vocab[t]))
+        while i < len(data):
+            t = next((t for t in longest if data.startswith(self.vocab[t], i)), data[i])
+            ids.append(t)
+            i += len(self.vocab[t])
+        return ids
+
+    def decode(self, ids) -> str:
+        return b"".join(self.vocab[i] for i in ids if i not in self.special_token_ids).decode("utf-8", "replace")
+
+
+class FakeCache:
+    """Grows on demand like the real ``KVCache``; ``capacity`` is the hint it was created with."""
+
+    def __init__(self, capacity: int, max_length: int):
+        self.capacity = capacity
+        self.max_length = max_length
+        self.length = 0
+        self.prompt_length = 0
+        self.tokens: list[int] = []
+
+    def append(self, ids) -> None:
+        assert self.length + len(ids) <= self.max_length, "KV cache overflow: past the context length"
+        self.tokens.extend(int(i) for i in ids)
+        self.length += len(ids)
+
+
+def fake_config(vocab: int, context: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=context)
+
+
+class FakeModelBase:
+    """Cache bookkeeping and hooks shared by the fakes: ``delay`` seconds per call, and
+    ``fail_when(cache) -> bool`` to make a call raise (to fail one sequence)."""
+
+    def __init__(self, vocab: int, context: int, delay: float = 0.0, fail_when=None):
+        self.config = fake_config(vocab, context)
+        self.delay = delay
+        self.fail_when = fail_when
+        self.caches: list[weakref.ref] = []
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def new_cache(self, capacity: int) -> FakeCache:
+        cache = FakeCache(capacity, self.config.max_position_embeddings)
+        with self._lock:
+            self.caches.append(weakref.ref(cache))
+        return cache
+
+    def live_caches(self) -> int:
+        return sum(r() is not None for r in self.caches)
+
+    def prefill(self, token_ids: np.ndarray, cache: FakeCache) -> np.ndarray:
+        assert token_ids.dtype == np.int64 and token_ids.ndim == 1
+        cache.append(token_ids)
+        cache.prompt_length = cache.length
+        return self._call(cache)
+
+    def decode(self, token_id: int, cache: FakeCache) -> np.ndarray:
+        cache.append([token_id])
+        return self._call(cache)
+
+    def _call(self, cache: FakeCache) -> np.ndarray:
+        self.calls += 1
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail_when is not None and self.fail_when(cache):
+            raise RuntimeError("injected model failure")
+        logits = self.logits(cache)
+        assert logits.shape == (self.config.vocab_size,) and logits.dtype == np.float32
+        return logits
+
+
+class HashModel(FakeModelBase):
+    """Logits = fixed pseudo-random function of (last token, position); ``banned`` ids get -inf."""
+
+    def __init__(self, vocab: int = 300, context: int = 2048, banned=(EOS, EOT), **kw):
+        super().__init__(vocab, context, **kw)
+        self.banned = list(banned)
+
+    def logits(self, cache: FakeCache) -> np.ndarray:
+        rng = np.random.default_rng([cache.tokens[-1], cache.length])
+        out = (3.0 * rng.standard_normal(self.config.vocab_size)).astype(np.float32)
+        out[self.banned] = -np.inf
+        return out
+
+
+class ScriptModel(FakeModelBase):
+    """After any prompt, emits ``script`` token by token (greedy), then ``EOS`` forever."""
+
+    def __init__(self, script: list[int], vocab: int = 300, context: int = 2048, **kw):
+        super().__init__(vocab, context, **kw)
+        self.script = list(script)
+
+    def logits(self, cache: FakeCache) -> np.ndarray:
+        i = cache.length - cache.prompt_length
+        out = np.zeros(self.config.vocab_size, dtype=np.float32)
+        out[self.script[i] if i < len(self.script) else EOS] = 10.0
+        return out
