@@ -40,14 +40,31 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     logits = np.asarray(logits)
     if params.greedy:
         return _one_hot(np.argmax(logits, axis=-1), logits.shape[-1])
-    z = logits.astype(np.float64) / params.temperature            # [..., V]
-    if params.top_k and params.top_k < z.shape[-1]:
-        z = _filter_top_k(z, params.top_k)
+    rows = logits.reshape(-1, logits.shape[-1])                     # [R, V]
+    out = np.zeros(rows.shape, dtype=np.float64)
+    for r in range(rows.shape[0]):                                  # R is small (1, or T <= 8)
+        ids, probs = _warp_sparse(rows[r], params)
+        out[r, ids] = probs
+    return out.reshape(logits.shape)
+
+
+def _warp_sparse(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """``warp`` of one ``[V]`` row as (ids ``[C]`` ascending int64, probs ``[C]`` float64) of the
+    tokens left with mass; works on those candidates only (a few dozen after top-k)."""
+    # Top-k on the raw logits: dividing by T > 0 keeps their order, and then only the C
+    # candidates are converted and exponentiated.
+    ids = _top_k_candidates(logits, params.top_k)                   # [C] ascending token ids
+    zc = logits[ids].astype(np.float64) / params.temperature        # [C]
+    assert zc.size, "every row needs at least one finite logit"
     if params.top_p < 1.0:
-        z = _filter_top_p(z, params.top_p)
+        keep = _top_p_keep(_softmax(zc), params.top_p)
+        ids, zc = ids[keep], zc[keep]
     if params.min_p > 0.0:
-        z = _filter_min_p(z, params.min_p)
-    return _softmax(z)
+        # Min-p (Nguyen et al. 2024): drop tokens below min_p * p(top-1) of what is left.
+        probs = _softmax(zc)
+        keep = probs >= params.min_p * probs.max()
+        ids, zc = ids[keep], zc[keep]
+    return ids, _softmax(zc)
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
@@ -65,7 +82,9 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     assert logits.ndim == 1, f"sample takes one row [V], got shape {logits.shape}"
     if params.greedy:
         return int(np.argmax(logits))
-    return int(sample_from_probs(warp(logits, params), rng.random()))
+    # Same token as sample_from_probs(warp(logits), u): the zeros warp adds change no cdf value.
+    ids, probs = _warp_sparse(logits, params)
+    return int(ids[sample_from_probs(probs, rng.random())])
 
 
 def sample_from_probs(probs: np.ndarray, u) -> np.ndarray:
@@ -99,39 +118,41 @@ def _one_hot(ids: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
-    """``[..., V]`` float64 scores (``-inf`` allowed) -> probabilities."""
-    m = np.max(z, axis=-1, keepdims=True)
-    assert np.all(np.isfinite(m)), "every row needs at least one finite logit"
-    e = np.exp(z - m)
+    """``[..., C]`` float64 scores (``-inf`` allowed, one finite per row) -> probabilities."""
+    e = np.exp(z - np.max(z, axis=-1, keepdims=True))
     return e / np.sum(e, axis=-1, keepdims=True)
 
 
-def _filter_top_k(z: np.ndarray, k: int) -> np.ndarray:
-    """Keep the tokens scoring at least the k-th largest score (ties at the boundary all kept, as
-    HF's ``TopKLogitsWarper`` does); the rest become ``-inf``."""
-    kth = np.partition(z, z.shape[-1] - k, axis=-1)[..., -k, None]   # [..., 1]
-    return np.where(z >= kth, z, -np.inf)
+def _top_k_candidates(z: np.ndarray, k: int) -> np.ndarray:
+    """Ids (ascending) of the tokens of ``z`` ``[V]`` scoring at least the k-th largest score,
+    ties at the boundary all kept as HF's ``TopKLogitsWarper`` does; k = 0 or >= V: every token
+    that is possible (finite)."""
+    if 0 < k < z.size:
+        kth = np.partition(z, z.size - k)[z.size - k]
+        return np.flatnonzero(z >= kth)
+    return np.flatnonzero(z > -np.inf)
 
 
-def _filter_top_p(z: np.ndarray, top_p: float) -> np.ndarray:
-    """Nucleus (Holtzman et al. 2019): keep the smallest most-likely set whose mass reaches
-    ``top_p``, i.e. each token whose more-likely predecessors hold less than ``top_p``; the top-1
-    is always kept. Equal scores are ordered by token id (stable sort)."""
-    order = np.argsort(-z, axis=-1, kind="stable")                  # [..., V] most likely first
-    probs = np.take_along_axis(_softmax(z), order, axis=-1)         # [..., V] sorted
-    before = np.cumsum(probs, axis=-1) - probs                      # [..., V] mass strictly before
-    keep_sorted = before < top_p
-    keep_sorted[..., 0] = True
-    keep = np.empty_like(keep_sorted)
-    np.put_along_axis(keep, order, keep_sorted, axis=-1)
-    return np.where(keep, z, -np.inf)
+def _top_p_keep(probs: np.ndarray, top_p: float, first_look: int = 512) -> np.ndarray:
+    """Nucleus (Holtzman et al. 2019) mask over ``probs`` ``[C]``: keep each token whose more
+    likely predecessors hold less than ``top_p`` (the smallest most-likely set reaching
+    ``top_p``; the top-1 always). Equal probabilities are ordered by position (= token id).
 
-
-def _filter_min_p(z: np.ndarray, min_p: float) -> np.ndarray:
-    """Min-p (Nguyen et al. 2024): drop tokens whose probability is below ``min_p * p(top-1)``."""
-    probs = _softmax(z)
-    floor = min_p * np.max(probs, axis=-1, keepdims=True)           # [..., 1]
-    return np.where(probs >= floor, z, -np.inf)
+    Sorting all 49k tokens costs milliseconds, so the ``first_look`` most likely are sorted first;
+    that answer is exact when the kept prefix ends before them and strictly above their lowest
+    probability (no tie can reach across the boundary); otherwise everything is sorted.
+    """
+    n = probs.size
+    m = min(n, first_look)
+    top = np.argpartition(-probs, m - 1)[:m] if m < n else np.arange(n)
+    top = top[np.lexsort((top, -probs[top]))]                       # [m] most likely first
+    before = np.cumsum(probs[top]) - probs[top]                     # mass strictly before
+    n_keep = max(int(np.count_nonzero(before < top_p)), 1)
+    if m < n and (n_keep == m or probs[top[n_keep - 1]] <= probs[top[-1]]):
+        return _top_p_keep(probs, top_p, first_look=n)
+    keep = np.zeros(n, dtype=bool)
+    keep[top[:n_keep]] = True
+    return keep
 
 
 @dataclass(frozen=True)
