@@ -387,12 +387,6 @@ class Engine:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def __enter__(self) -> "Engine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _check_prompt(self, prompt_ids) -> np.ndarray:
         ids = np.asarray(prompt_ids)
         if ids.ndim != 1 or ids.size == 0:
@@ -431,8 +425,11 @@ class Engine:
                     break
                 self._drop_waiting()
                 self._admit()
-            self._step()
-        self._shutdown()
+            try:
+                self._step()
+            except Exception as e:               # noqa: BLE001 - an engine bug: fail, don't hang
+                self._fail_all(e)
+        self._fail_all(BackendUnavailableError(f"engine {self.name!r} was closed"))
 
     def _drop_waiting(self) -> None:
         """Queued requests cancelled or past their deadline leave the queue."""
@@ -459,11 +456,10 @@ class Engine:
                 continue
             try:
                 seq.step(self.model)
+                if seq.final is not None:
+                    self._end(seq)
             except Exception as e:       # noqa: BLE001 - fail this request, keep serving others
                 self._end(seq, error=e)
-                continue
-            if seq.final is not None:
-                self._end(seq)
 
     def _abort_if_needed(self, seq: Sequence, now: float) -> bool:
         """End ``seq`` if its caller cancelled it or its deadline passed; True if it ended."""
@@ -486,14 +482,14 @@ class Engine:
             elif seq in self._waiting:
                 self._waiting.remove(seq)
             seq.cache = None
-            if error is not None:
-                self._counts[count] += 1
-                seq.handle._end(None, None, error)
-            else:
-                self._counts["finished"] += 1
+            if error is None:
                 seq.handle._end(seq.final, seq.completion(), None)
+                self._counts["finished"] += 1
+            else:
+                seq.handle._end(None, None, error)
+                self._counts[count] += 1
 
-    def _shutdown(self) -> None:
+    def _fail_all(self, error: BaseException) -> None:
         with self._cv:
             for seq in list(self._waiting) + list(self._active):
-                self._end(seq, error=BackendUnavailableError(f"engine {self.name!r} was closed"))
+                self._end(seq, error=error)

@@ -227,6 +227,18 @@ def test_failing_sequence_fails_only_its_request(make_engine, tok):
     assert engine.stats()["failed"] == 1 and engine.stats()["finished"] == 4
 
 
+def test_a_bug_while_finishing_fails_the_request_not_the_engine(make_engine, tok, monkeypatch):
+    from flm_runtime.engine import engine as engine_module
+
+    engine = make_engine(HashModel(), tok)
+    with monkeypatch.context() as m:
+        m.setattr(engine_module.Sequence, "completion", lambda self: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            engine.submit([1], SamplingParams(max_tokens=3)).result(timeout=10)
+    assert engine.submit([1], SamplingParams(max_tokens=3)).result(timeout=10).completion_tokens == 3
+    assert engine.stats()["failed"] == 1 and idle(engine)
+
+
 def _prompts():
     return [[1, 2, 3], [40, 41], [7] * 9, [200, 100, 50, 25]]
 
