@@ -1,0 +1,170 @@
+"""The ``litellm-flm`` command: ``pull``, ``list`` (and ``run``, ``bench``, ... as they are added).
+
+Each subcommand is one function ``cmd_<name>(args) -> int`` (the exit status) registered with
+``@command(name, help, configure)``, where ``configure(parser)`` adds its arguments. Errors the
+runtime raises on purpose (``FlmError``) print one line and exit 1; ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from flm_runtime import registry
+from flm_runtime.errors import FlmError
+
+PROG = "litellm-flm"
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace], int]
+    configure: Callable[[argparse.ArgumentParser], None] | None = None
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None] | None = None):
+    """Register the decorated ``cmd_<name>(args) -> int`` as subcommand ``name``."""
+
+    def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        assert name not in COMMANDS, name
+        COMMANDS[name] = Command(name, help, run, configure)
+        return run
+
+    return register
+
+
+# --- pull ---------------------------------------------------------------------------------------
+
+def _pull_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("tag", help="model tag, e.g. smollm2:135m")
+    p.add_argument("--force", action="store_true", help="download again even if installed")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+@command("pull", "download a model into the model cache", _pull_args)
+def cmd_pull(args: argparse.Namespace) -> int:
+    from flm_runtime.pull import pull
+
+    path = pull(args.tag, progress=not args.quiet, force=args.force)
+    print(f"{registry.resolve(args.tag).tag}: {path}")
+    return 0
+
+
+# --- list ---------------------------------------------------------------------------------------
+
+def _list_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+
+
+def _size_text(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def list_rows() -> list[dict]:
+    """One dict per known tag: tag, format, size (bytes or None), installed, path, origin."""
+    entries = {e.tag: e for e in registry.list_entries()}
+    rows = []
+    for e in entries.values():
+        base = entries.get(e.base) if e.base else e
+        size = e.total_size()
+        if e.is_dflash and base is not None:
+            base_size = base.total_size()
+            size = None if size is None or base_size is None else size + base_size
+        try:
+            installed = registry.is_installed(e)
+        except FlmError:  # e.g. a DFlash entry whose base is unknown
+            installed = False
+        rows.append({
+            "tag": e.tag,
+            "format": (f"{base.format}+dflash" if e.is_dflash else e.format) if base else "?",
+            "size": size,
+            "installed": installed,
+            "path": str(e.location()),
+            "origin": e.origin,
+        })
+    return rows
+
+
+@command("list", "list known model tags and whether they are installed", _list_args)
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = list_rows()
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    table = [("TAG", "FORMAT", "SIZE", "INSTALLED", "PATH")]
+    table += [(r["tag"], r["format"], _size_text(r["size"]), "yes" if r["installed"] else "no", r["path"])
+              for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    return 0
+
+
+# --- run, bench, validate: the lead adds them here ------------------------------------------------
+# Pattern: def _run_args(p): p.add_argument(...)
+#          @command("run", "generate text for a prompt", _run_args)
+#          def cmd_run(args) -> int: ...; return 0
+# Import heavy modules inside the function so `litellm-flm list` stays fast.
+
+
+# --- entry point --------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Run LLMs locally for LiteLLM (flm/<tag>).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--debug", action="store_true", help="debug logging; show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in COMMANDS.values():
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        if cmd.configure is not None:
+            cmd.configure(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("litellm-flm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
+                        format=f"{PROG}: %(levelname)s: %(message)s")
+    try:
+        return args._run(args)
+    except (FlmError, OSError) as e:
+        if args.debug:
+            raise
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Where the runtime keeps and finds model files.
+
+Every function reads the environment when called (not at import), so a test or a long-running
+process that changes ``FLM_MODEL_PATH`` or ``FLM_MODELS_FILE`` sees the change at once.
+
+Environment:
+    FLM_MODEL_PATH: the model cache directory. Default: the platform's user cache directory for
+        ``litellm-flm`` plus ``models`` (``~/.cache/litellm-flm/models`` on Linux).
+    FLM_MODELS_FILE: the user models file (YAML; see ``flm_runtime.registry``). Default:
+        ``models.yaml`` in the platform's user config directory for ``litellm-flm``
+        (``~/.config/litellm-flm/models.yaml`` on Linux).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP_NAME = "litellm-flm"
+MODEL_PATH_ENV = "FLM_MODEL_PATH"
+MODELS_FILE_ENV = "FLM_MODELS_FILE"
+
+
+def model_dir() -> Path:
+    """The model cache directory (absolute; not created here)."""
+    override = os.environ.get(MODEL_PATH_ENV)
+    if override:
+        return Path(override).expanduser().resolve()
+    return platformdirs.user_cache_path(APP_NAME) / "models"
+
+
+def config_dir() -> Path:
+    """The user config directory of litellm-flm (not created here)."""
+    return platformdirs.user_config_path(APP_NAME)
+
+
+def models_file() -> Path:
+    """The user models file: ``$FLM_MODELS_FILE`` or ``<config dir>/models.yaml`` (may not exist)."""
+    override = os.environ.get(MODELS_FILE_ENV)
+    if override:
+        return Path(override).expanduser().resolve()
+    return config_dir() / "models.yaml"
+
+
+def package_dir() -> Path:
+    """The installed ``flm_runtime`` package directory (drafts shipped with the package live here)."""
+    return Path(__file__).resolve().parent
+
+
+def tag_dir(tag: str) -> Path:
+    """The cache sub-directory of a ``family:size`` tag: ``<model dir>/<family>/<size>``.
+
+    Two levels instead of one name with ``:`` (not allowed in Windows file names) and without
+    joining family and size with a character that a family name may itself contain.
+    """
+    family, _, size = tag.partition(":")
+    assert family and size, tag
+    return model_dir() / family / size

