@@ -25,6 +25,8 @@ import logging
 
 import litellm
 
+from flm_runtime.errors import FlmError
+
 from .llm import FlmLLM
 
 __all__ = ["FlmLLM", "handler", "register", "PROVIDER"]
@@ -38,7 +40,11 @@ _log = logging.getLogger(__name__)
 
 
 def _registry_entries() -> list:
-    """Every registered model (tag, context length); empty if the registry module is absent."""
+    """Every registered model (``.tag``, ``.context_length``, ``.base``).
+
+    A broken user models file must not break ``import litellm_flm`` (nor the proxy's startup): it
+    is logged here, and each request for a tag then raises the runtime's own error naming the file.
+    """
     try:
         from flm_runtime.registry import list_entries
     except ModuleNotFoundError as e:
@@ -46,15 +52,27 @@ def _registry_entries() -> list:
             raise
         _log.warning("flm_runtime.registry is not installed: no flm/<tag> model metadata registered")
         return []
-    return list(list_entries())
+    try:
+        return list(list_entries())
+    except FlmError as e:
+        _log.error("flm models were not registered with litellm: %s", e)
+        return []
 
 
-def model_info(context_length: int) -> dict:
-    """LiteLLM's model-cost entry of a local model: free, chat, the context shared by prompt and output."""
+def _context_lengths(entries: list) -> dict[str, int | None]:
+    """tag -> context length (tokens); a DFlash entry has its base's; None when not recorded."""
+    own = {e.tag: e.context_length for e in entries}
+    return {e.tag: own[e.tag] or own.get(getattr(e, "base", None) or "") for e in entries}
+
+
+def model_info(context_length: int | None) -> dict:
+    """LiteLLM's model-cost entry of a local model: free, chat, the context shared by prompt and
+    output (left out when the registry does not record it: it is read from the model files)."""
+    window = {}
+    if context_length:
+        window = {"max_tokens": context_length, "max_input_tokens": context_length, "max_output_tokens": context_length}
     return {
-        "max_tokens": context_length,
-        "max_input_tokens": context_length,
-        "max_output_tokens": context_length,
+        **window,
         "input_cost_per_token": 0.0,
         "output_cost_per_token": 0.0,
         # Without these litellm warns, for every tag, that cache costs "will default to 0".
@@ -76,9 +94,9 @@ def register() -> None:
     others = [item for item in litellm.custom_provider_map if item.get("provider") != PROVIDER]
     litellm.custom_provider_map = [*others, {"provider": PROVIDER, "custom_handler": handler}]
     litellm.utils.custom_llm_setup()
-    entries = _registry_entries()
-    if entries:
-        litellm.register_model({f"{PROVIDER}/{e.tag}": model_info(e.context_length) for e in entries})
+    contexts = _context_lengths(_registry_entries())
+    if contexts:
+        litellm.register_model({f"{PROVIDER}/{tag}": model_info(n) for tag, n in contexts.items()})
 
 
 register()

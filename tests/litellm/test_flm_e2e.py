@@ -8,6 +8,8 @@ chat template and tokenizer; delivered token ids from the engine's ``Completion`
 
 from __future__ import annotations
 
+import asyncio
+
 import litellm
 import pytest
 
@@ -70,6 +72,24 @@ async def test_async_stream_and_acompletion_equal_non_stream(reference):
     assert _joined([c async for c in stream]) == reference.text
 
 
+async def test_concurrent_requests_match_alone_and_leave_the_loop_free(reference):
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    tick_task = asyncio.create_task(ticker())
+    try:
+        results = await asyncio.gather(*(litellm.acompletion(model=MODEL, messages=QUESTION, **GREEDY) for _ in range(2)))
+    finally:
+        tick_task.cancel()
+    assert [r.choices[0].message.content for r in results] == [reference.text] * 2
+    assert ticks >= 5  # the event loop kept running while the engine worked (a blocked loop: ~1)
+
+
 def test_max_tokens_gives_length():
     r = litellm.completion(model=MODEL, messages=QUESTION, temperature=0, max_tokens=3)
     assert r.choices[0].finish_reason == "length"
@@ -88,22 +108,32 @@ def test_stop_string(reference):
     assert _joined(chunks) == cut
 
 
-def test_every_chunk_is_whole_characters(engine):
-    # Byte-level BPE splits CJK and emoji over several tokens: a chunk must never hold half a
-    # character (U+FFFD would show it) and the stream must join to the non-stream text.
-    messages = [{"role": "user", "content": "Copy this text exactly: 你好，世界！안녕하세요 😀🎉 café"}]
-    full = litellm.completion(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+# Prompts on which greedy smollm2:135m writes characters of 2-3 tokens each (checked by hand on
+# the engine: Hangul, emoji, and Chinese cut by max_tokens in the middle of a character).
+MULTIBYTE_PROMPTS = {
+    "korean": [{"role": "user", "content": "Translate to Korean: thank you"}],
+    "emoji": [{"role": "user", "content": "Give me three emoji that show happiness."}],
+    "chinese": [{"role": "system", "content": "You always answer in Chinese."}, {"role": "user", "content": "你好"}],
+}
+
+
+@pytest.mark.parametrize("messages", MULTIBYTE_PROMPTS.values(), ids=MULTIBYTE_PROMPTS.keys())
+def test_every_chunk_is_whole_characters(engine, messages):
+    # Byte-level BPE splits CJK and emoji over several tokens: a chunk must never hold part of a
+    # character, and the stream must join to the non-stream text.
+    kw = {"temperature": 0, "max_tokens": 24}
+    full = litellm.completion(model=MODEL, messages=messages, **kw)
     text = full.choices[0].message.content
     assert any(ord(ch) > 0x7F for ch in text), f"the model wrote no multi-byte character: {text!r}"
-    pieces = [
-        c.choices[0].delta.content
-        for c in litellm.completion(model=MODEL, messages=messages, temperature=0, max_tokens=24, stream=True)
-        if c.choices and c.choices[0].delta.content
-    ]
+    chunks = list(litellm.completion(model=MODEL, messages=messages, stream=True, **kw))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert "".join(pieces) == text
-    for piece in pieces:
-        assert "\ufffd" not in piece
+    cut_short = full.choices[0].finish_reason == "length"
+    for i, piece in enumerate(pieces):
         piece.encode("utf-8")  # no lone surrogates
+        # U+FFFD only as the very last character, where max_tokens cut a character short.
+        body = piece[:-1] if cut_short and i == len(pieces) - 1 else piece
+        assert "\ufffd" not in body, (i, piece)
 
 
 def test_same_seed_same_sample():
@@ -133,3 +163,9 @@ def test_image_content_is_refused(engine):
     with pytest.raises(litellm.BadRequestError) as info:
         litellm.completion(model=MODEL, messages=messages, max_tokens=2)
     assert "messages" in str(info.value)
+
+
+def test_timeout_is_enforced_by_the_engine(engine):
+    # litellm does not enforce timeouts for custom handlers: the engine's deadline does.
+    with pytest.raises(litellm.Timeout):
+        litellm.completion(model=MODEL, messages=QUESTION, temperature=0, max_tokens=200, timeout=0.05)

@@ -8,6 +8,7 @@ terminates the proxy. Skipped when the proxy's own dependencies are not installe
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -54,14 +55,15 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
 def proxy_url(smollm2_gguf, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("proxy") / "proxy.log"
-    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", OPENAI_API_KEY="sk-dummy-not-used")
+    key = f"sk-{secrets.token_hex(32)}"
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", OPENAI_API_KEY="sk-dummy-not-used", LITELLM_MASTER_KEY=key)
     litellm_cli = Path(sys.executable).with_name("litellm")
     cmd = [str(litellm_cli), "--config", str(CONFIG), "--host", "127.0.0.1", "--port", str(port), "--telemetry", "False"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_ready(proc, f"http://127.0.0.1:{port}/health/liveliness", log)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}/v1", key
     finally:
         proc.terminate()
         try:
@@ -73,7 +75,8 @@ def proxy_url(smollm2_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(proxy_url):
-    return openai.OpenAI(base_url=proxy_url, api_key="sk-anything", timeout=REQUEST_S, max_retries=0)
+    url, key = proxy_url
+    return openai.OpenAI(base_url=url, api_key=key, timeout=REQUEST_S, max_retries=0)
 
 
 def test_chat_completion_through_the_proxy(client):

@@ -9,12 +9,17 @@ import pytest
 
 import litellm_flm
 
-ENTRIES = [SimpleNamespace(tag="smollm2:135m", context_length=8192), SimpleNamespace(tag="tiny-test:1m", context_length=512)]
+ENTRIES = [
+    SimpleNamespace(tag="smollm2:135m", context_length=8192, base=None),
+    SimpleNamespace(tag="tiny-test:1m", context_length=512, base=None),
+]
+DFLASH = SimpleNamespace(tag="smollm2-dflash:135m", context_length=None, base="smollm2:135m")
+UNKNOWN_CONTEXT = SimpleNamespace(tag="byo:7b", context_length=None, base=None)
 
 
 @pytest.fixture
 def fake_registry(monkeypatch):
-    monkeypatch.setattr(litellm_flm, "_registry_entries", lambda: list(ENTRIES))
+    monkeypatch.setattr(litellm_flm, "_registry_entries", lambda: [*ENTRIES, DFLASH, UNKNOWN_CONTEXT])
 
 
 def test_register_is_idempotent(fake_registry, monkeypatch):
@@ -35,6 +40,30 @@ def test_registered_models_are_free_chat_models_with_their_context(fake_registry
         assert info["max_output_tokens"] == entry.context_length
         assert info["input_cost_per_token"] == 0.0 and info["output_cost_per_token"] == 0.0
         assert info["litellm_provider"] == "flm" and info["mode"] == "chat"
+
+
+def test_dflash_tags_get_their_base_context_and_unknown_contexts_stay_unset(fake_registry):
+    litellm_flm.register()
+    assert litellm.get_model_info(f"flm/{DFLASH.tag}")["max_input_tokens"] == 8192
+    info = litellm.get_model_info(f"flm/{UNKNOWN_CONTEXT.tag}")
+    assert info["max_input_tokens"] is None and info["input_cost_per_token"] == 0.0
+
+
+def test_a_broken_models_file_does_not_break_registration(monkeypatch):
+    import flm_runtime.registry
+    from flm_runtime.errors import ModelFormatError
+
+    def broken():
+        raise ModelFormatError("~/.config/litellm-flm/models.yaml: line 3: bad indentation")
+
+    monkeypatch.setattr(flm_runtime.registry, "list_entries", broken)
+    litellm_flm.register()
+    assert litellm_flm.handler in [e["custom_handler"] for e in litellm.custom_provider_map]
+
+
+def test_the_real_registry_is_registered():
+    litellm_flm.register()
+    assert litellm.get_model_info("flm/smollm2:135m")["max_input_tokens"] == 8192
 
 
 def test_completion_cost_is_zero(fake_registry, fake_engine):
