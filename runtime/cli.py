@@ -112,7 +112,7 @@ def cmd_list(args: argparse.Namespace) -> int:
               for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(4)]
     for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4])
     return 0
 
 

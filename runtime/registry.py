@@ -340,7 +340,7 @@ def _entries_from_object(obj: Any, *, origin: str, base_dir: Path) -> list[Model
     if isinstance(obj, (list, tuple)):
         out = []
         for item in obj:
-            tag = item.tag if isinstance(item, ModelEntry) else (item.get("tag") if isinstance(item, Mapping) else None)
+            tag = getattr(item, "tag", None) or (item.get("tag") if isinstance(item, Mapping) else None)
             if not tag:
                 raise ValueError(f"list items must be ModelEntry or mappings with a 'tag', got {item!r}")
             out.append(entry_from_spec(str(tag), item, origin=origin, base_dir=base_dir))
