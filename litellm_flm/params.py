@@ -207,6 +207,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                 f"{where}.role {role!r} is not supported; use one of {sorted(ROLE_ALIASES)}", param=f"{where}.role"
             )
         if msg.get("tool_calls") or msg.get("function_call"):
-            raise InvalidRequestError(f"{where} carries tool calls, which are not supported", param=f"{where}.tool_calls")
+            raise InvalidRequestError(
+                f"{where} carries tool calls, which are not supported", param=f"{where}.tool_calls"
+            )
         out.append({"role": ROLE_ALIASES[role], "content": msg.get("content")})
     return out
