@@ -116,11 +116,39 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- run, bench, validate: the lead adds them here ------------------------------------------------
-# Pattern: def _run_args(p): p.add_argument(...)
-#          @command("run", "generate text for a prompt", _run_args)
-#          def cmd_run(args) -> int: ...; return 0
-# Import heavy modules inside the function so `litellm-flm list` stays fast.
+# --- run ----------------------------------------------------------------------------------------
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("tag", help="model tag, e.g. smollm2:135m")
+    p.add_argument("prompt", help="the user message")
+    p.add_argument("--system", help="a system message (default: the chat template's own)")
+    p.add_argument("--max-tokens", type=int, default=256, help="completion tokens at most (default 256)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: the model's sampler)")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+
+
+@command("run", "chat once with a model: stream the reply, then the request's stats", _run_args)
+def cmd_run(args: argparse.Namespace) -> int:
+    from flm_runtime.api import get_engine
+
+    engine = get_engine(args.tag)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.prompt})
+    prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+    given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
+             "top_p": args.top_p, "seed": args.seed}
+    params = engine.sampling_params(**{k: v for k, v in given.items() if v is not None})
+    handle = engine.submit(prompt_ids, params)
+    for event in handle:
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+    stats = handle.result().stats
+    print(f"\n[{args.tag}: {stats['prompt_tokens']} prompt tokens, {stats['completion_tokens']} completion "
+          f"tokens, TTFT {stats['ttft_s']:.2f} s, decode {stats['decode_tokens_per_s']:.1f} tokens/s]",
+          file=sys.stderr)
+    return 0
 
 
 # --- entry point --------------------------------------------------------------------------------
