@@ -80,14 +80,29 @@ def build_response(model_response: ModelResponse, model: str, done: Completion) 
     choice.finish_reason = done.finish_reason
     model_response.model = model
     model_response.created = int(time.time())
-    usage = Usage(
-        prompt_tokens=done.prompt_tokens,
-        completion_tokens=done.completion_tokens,
-        total_tokens=done.prompt_tokens + done.completion_tokens,
-    )
+    usage = Usage(**usage_fields(done.prompt_tokens, done.completion_tokens, done.stats))
     setattr(model_response, "usage", usage)  # not a declared field of ModelResponse
     model_response._hidden_params["flm_stats"] = dict(done.stats)
     return model_response
+
+
+def usage_fields(prompt_tokens: int, completion_tokens: int, stats: dict | None) -> dict:
+    """OpenAI usage fields of a finished request.
+
+    With speculative decoding (stats with ``drafted_tokens``) ``completion_tokens_details`` says
+    how the draft's proposals fared: ``accepted_prediction_tokens`` = drafted tokens the target
+    kept, ``rejected_prediction_tokens`` = the other drafted tokens. These are OpenAI's "predicted
+    outputs" fields applied to the draft's predictions; unlike OpenAI's, rejected tokens are not
+    part of ``completion_tokens`` (always the tokens delivered). The full per-request stats
+    (acceptance length and all) are in ``_hidden_params["flm_stats"]``.
+    """
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if stats and "drafted_tokens" in stats:
+        accepted = stats["accepted_tokens"]
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": stats["drafted_tokens"] - accepted}
+    return usage
 
 
 def build_chunk(event: StreamEvent) -> GenericStreamingChunk:
@@ -95,11 +110,7 @@ def build_chunk(event: StreamEvent) -> GenericStreamingChunk:
     finished = event.finish_reason is not None
     usage = None
     if finished:
-        usage = {
-            "prompt_tokens": event.prompt_tokens,
-            "completion_tokens": event.completion_tokens,
-            "total_tokens": event.prompt_tokens + event.completion_tokens,
-        }
+        usage = usage_fields(event.prompt_tokens, event.completion_tokens, event.stats)
     return GenericStreamingChunk(
         text=event.text,
         is_finished=finished,

@@ -53,16 +53,19 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
-    """Causal grouped-query attention of ``T`` new queries over ``N = start + T`` cached positions.
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, *, causal: bool = True) -> np.ndarray:
+    """Grouped-query attention of ``T`` new queries over ``N = start + T`` cached positions.
 
-    Query ``t`` sits at position ``start + t`` and attends keys ``0 .. start + t``. Query head
-    ``h`` reads key/value head ``h // R`` (Hugging Face's ``repeat_kv`` order).
+    Causal (the target): query ``t`` sits at position ``start + t`` and attends keys
+    ``0 .. start + t``. Non-causal (the DFlash draft's block, docs/dflash.md): every query attends
+    all ``N`` keys, i.e. the whole context and the whole block (bidirectional inside the block).
+    Query head ``h`` reads key/value head ``h // R`` (Hugging Face's ``repeat_kv`` order).
 
     Args:
         q: ``[T, H, D]`` (RoPE applied).
         k, v: ``[Hkv, N, D]`` (keys with RoPE applied).
         start: position of the first query (tokens already in the cache before this step).
+        causal: mask keys after each query's own position.
     Returns:
         ``[T, H * D]``.
     """
@@ -71,7 +74,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     r = h // hkv
     qg = q.reshape(t, hkv, r, d).transpose(1, 2, 0, 3).reshape(hkv, r * t, d)  # [Hkv, R*T, D]
     scores = np.matmul(qg, k.transpose(0, 2, 1)) * np.float32(d**-0.5)  # [Hkv, R*T, N]
-    if t > 1:
+    if causal and t > 1:
         scores = scores.reshape(hkv, r, t, n)  # [Hkv, R, T, N]
         future = np.arange(n)[None, :] > (start + np.arange(t))[:, None]  # [T, N]
         scores[:, :, future] = -np.inf

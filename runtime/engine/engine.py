@@ -12,7 +12,14 @@ Per-request stats (``Completion.stats``): ``prompt_tokens``, ``completion_tokens
 ``stop.py``), ``generated_tokens`` (including an end-of-turn token or stop-string tokens),
 ``queue_s`` (submit to admission, seconds), ``ttft_s`` (submit to the first generated token,
 seconds), ``decode_tokens_per_s`` (tokens after the first / seconds after the first; 0.0 with a
-single token), ``total_s``.
+single token), ``total_s``; with speculative decoding also ``spec_steps``, ``drafted_tokens``,
+``accepted_tokens`` and ``acceptance_length`` (AL, tokens per step including the bonus token; see
+``speculative.SpecState.stats``). The final ``StreamEvent`` carries the same stats.
+
+Speculative decoding: an engine given a ``SpeculativeDecoder`` runs every sequence's decoding as
+speculative steps (draft K, verify K+1, greedy or sampled), each kept token pushed through
+``Sequence.accept`` one by one so that EOS, stop strings and ``max_tokens`` cut a block exactly;
+near the context end (no room for a block) it decodes plainly.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import queue
 import threading
 import time
@@ -29,6 +37,7 @@ import numpy as np
 from flm_runtime.engine import sampler
 from flm_runtime.engine.detokenizer import Detokenizer
 from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
+from flm_runtime.engine.speculative import SpecState, SpeculativeDecoder
 from flm_runtime.engine.stop import StopChecker
 from flm_runtime.errors import (BackendUnavailableError, ContextLengthError, EngineOverloadedError,
                                 FlmError, InvalidRequestError, RequestTimeoutError)
@@ -230,6 +239,7 @@ class Sequence:
         self.params = params
         self.budget = budget
         self.cache = None                      # allocated at admission
+        self.spec: SpecState | None = None     # speculative state, allocated at admission
         self.rng = sampler.new_rng(params.seed)
         stop_ids = frozenset(tokenizer.stop_token_ids)
         # Special tokens are markers, not text (as decode(skip_special_tokens=True)): delivered
@@ -247,12 +257,25 @@ class Sequence:
     def kv_tokens(self) -> int:
         return 0 if self.cache is None else int(self.cache.length)
 
-    def step(self, model) -> None:
-        """One model call (prefill or one decode step), one sampled token, its delivery."""
+    def step(self, model, speculative: SpeculativeDecoder | None = None) -> None:
+        """One model call (prefill or one decode step), one sampled token, its delivery; with
+        ``speculative``, decoding steps are speculative steps (several tokens each)."""
+        if speculative is not None:
+            return self._step_speculative(speculative)
         if self.last_token is None:
             logits = model.prefill(self.prompt_ids, self.cache)         # [V]
         else:
             logits = model.decode(self.last_token, self.cache)          # [V]
+        self.accept(sampler.sample(logits, self.params, self.rng))
+
+    def _step_speculative(self, spec: SpeculativeDecoder) -> None:
+        if self.last_token is None:
+            logits = spec.prefill(self.prompt_ids, self.cache, self.spec)           # [V]
+        elif spec.can_speculate(self.cache):
+            spec.step(self.last_token, self.cache, self.spec, self.params, self.rng, self.accept)
+            return
+        else:                                  # no room for a block before the context end
+            logits = spec.decode(self.last_token, self.cache, self.spec)            # [V]
         self.accept(sampler.sample(logits, self.params, self.rng))
 
     def accept(self, token: int) -> bool:
@@ -291,6 +314,7 @@ class Sequence:
             "ttft_s": (self.t_first - t0) if self.t_first else None,
             "decode_tokens_per_s": (self.checker.generated - 1) / decode_s if decode_s > 0 else 0.0,
             "total_s": time.perf_counter() - t0,
+            **(self.spec.stats() if self.spec is not None else {}),
         }
 
 
@@ -309,11 +333,15 @@ class Engine:
             None -> ``sampler.CARD_DEFAULT``.
         max_queue: requests waiting for admission at most; one more -> ``EngineOverloadedError``.
         max_active: sequences running at once; the others wait in the queue.
+        speculative: decode with this ``SpeculativeDecoder`` (its target must be ``model``);
+            None decodes plainly.
     """
 
     def __init__(self, model, tokenizer, *, name: str, default_sampling: sampler.SamplingDefaults | None = None,
-                 max_queue: int = 64, max_active: int = 16):
+                 max_queue: int = 64, max_active: int = 16, speculative: SpeculativeDecoder | None = None):
+        assert speculative is None or speculative.target is model, "the decoder's target must be the model"
         self.model = model
+        self.speculative = speculative
         self.tokenizer = tokenizer
         self.name = name
         self.default_sampling = sampler.default_sampling(default_sampling)
@@ -444,7 +472,10 @@ class Engine:
             seq.t_admit = time.perf_counter()
             self._active.append(seq)
             try:
-                seq.cache = self.model.new_cache(len(seq.prompt_ids) + min(seq.budget, INITIAL_DECODE_ROOM))
+                capacity = len(seq.prompt_ids) + min(seq.budget, INITIAL_DECODE_ROOM)
+                seq.cache = self.model.new_cache(capacity)
+                if self.speculative is not None:
+                    seq.spec = self.speculative.new_state(capacity)
             except Exception as e:       # noqa: BLE001 - one request's failure, not the engine's
                 self._end(seq, error=e)
 
@@ -455,7 +486,7 @@ class Engine:
             if self._abort_if_needed(seq, now):
                 continue
             try:
-                seq.step(self.model)
+                seq.step(self.model, self.speculative)
                 if seq.final is not None:
                     self._end(seq)
             except Exception as e:       # noqa: BLE001 - fail this request, keep serving others
@@ -483,11 +514,13 @@ class Engine:
                 self._waiting.remove(seq)
             seq.cache = None
             if error is None:
-                seq.handle._end(seq.final, seq.completion(), None)
+                done = seq.completion()       # before freeing seq.spec: it holds the spec stats
+                seq.handle._end(dataclasses.replace(seq.final, stats=done.stats), done, None)
                 self._counts["finished"] += 1
             else:
                 seq.handle._end(None, None, error)
                 self._counts[count] += 1
+            seq.spec = None
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:

@@ -84,6 +84,7 @@ class StreamEvent:
             "length" (``max_tokens`` or the context length reached).
         prompt_tokens: prompt length (tokens).
         completion_tokens: completion tokens delivered so far, this event included.
+        stats: on the final event only, the request's stats (``Completion.stats``); else None.
     """
 
     text: str
@@ -91,6 +92,7 @@ class StreamEvent:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    stats: dict | None = None
 
 
 @dataclass(frozen=True)

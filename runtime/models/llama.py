@@ -8,7 +8,9 @@ Weights follow Hugging Face's names and layout (``model.layers.{i}.self_attn.q_p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import numpy as np
 
@@ -62,6 +64,18 @@ class LlamaConfig:
     def n_rep(self) -> int:
         """Query heads per key/value head."""
         return self.num_attention_heads // self.num_key_value_heads
+
+
+class ForwardOutput(NamedTuple):
+    """``LlamaModel.forward`` with taps requested.
+
+    Attributes:
+        logits: ``[T, V]`` (``all_logits``) or ``[1, V]`` float32.
+        taps: ``[T, n_taps * E]`` float32, the tapped layers' outputs concatenated per position.
+    """
+
+    logits: np.ndarray
+    taps: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -146,38 +160,65 @@ class LlamaModel:
         c = self.config
         return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings, capacity)
 
-    def forward(self, token_ids: np.ndarray, cache: KVCache, *, all_logits: bool = False) -> np.ndarray:
+    def forward(self, token_ids: np.ndarray, cache: KVCache, *, all_logits: bool = False,
+                taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
         """Run ``T`` new positions through the model, appending them to ``cache``.
 
         Args:
             token_ids: ``[T]`` int token ids at positions ``cache.length .. cache.length + T - 1``.
             cache: the sequence's KV cache.
             all_logits: return logits for all ``T`` positions (verify, perplexity) instead of the last.
+            taps: 0-based layer indices whose output (the residual stream after that layer, before
+                the final norm) to return for all ``T`` positions, concatenated in this order: the
+                DFlash draft's context features (docs/dflash.md). Costs one concatenation.
         Returns:
-            ``[T, V]`` if ``all_logits`` else ``[1, V]`` float32 logits.
+            Without ``taps``: ``[T, V]`` if ``all_logits`` else ``[1, V]`` float32 logits. With
+            ``taps``: a ``ForwardOutput`` of those logits and the taps ``[T, len(taps) * E]`` float32.
         """
         token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [T]
         t = token_ids.shape[0]
+        assert all(0 <= i < len(self.layers) for i in taps), f"tap layers {taps} out of range"
         start = cache.length
         cache.reserve(t)
         x = self.embed[token_ids]  # [T, E]
         cos = self.rope_cos[start : start + t]  # [T, D/2]
         sin = self.rope_sin[start : start + t]
+        tapped = {}
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, cache, start, cos, sin)
+            x = self._layer(i, layer, x, cache, start, cos, sin)  # a new array each layer: no copy
+            if i in taps:
+                tapped[i] = x
         cache.commit(t)
-        if not all_logits:
-            x = x[-1:]
-        x = cpu.rms_norm(x, self.norm, self.config.rms_norm_eps)  # [T or 1, E]
-        return x @ self.lm_head.T  # [T or 1, V]
+        h = x if all_logits else x[-1:]
+        logits = cpu.rms_norm(h, self.norm, self.config.rms_norm_eps) @ self.lm_head.T  # [T or 1, V]
+        if not taps:
+            return logits
+        return ForwardOutput(logits, np.concatenate([tapped[i] for i in taps], axis=-1))  # [T, n*E]
 
-    def prefill(self, token_ids: np.ndarray, cache: KVCache) -> np.ndarray:
-        """Chunked prefill of a prompt; returns the logits ``[V]`` of its last position."""
+    def prefill(self, token_ids: np.ndarray, cache: KVCache, *,
+                taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
+        """Chunked prefill of a prompt.
+
+        Returns:
+            the logits ``[V]`` of its last position; with ``taps``, a ``ForwardOutput`` of those
+            logits and the taps of every prompt position ``[T, len(taps) * E]`` (see ``forward``).
+        """
+        if not taps:
+            for out in self.prefill_chunks(token_ids, cache):
+                pass
+            return out[0]
+        outs = list(self.prefill_chunks(token_ids, cache, taps=taps))
+        return ForwardOutput(outs[-1].logits[0], np.concatenate([o.taps for o in outs]))
+
+    def prefill_chunks(self, token_ids: np.ndarray, cache: KVCache, *,
+                       taps: tuple[int, ...] = ()) -> Iterator[np.ndarray | ForwardOutput]:
+        """Prefill ``prefill_chunk`` positions per forward; yields each chunk's ``forward`` output
+        (last-position logits ``[1, V]``, and its taps ``[T_chunk, n*E]`` when asked), so that a
+        caller can consume the taps chunk by chunk instead of holding a whole prompt's."""
         token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         assert token_ids.size > 0, "prefill needs at least one token"
         for s in range(0, token_ids.size, self.prefill_chunk):
-            logits = self.forward(token_ids[s : s + self.prefill_chunk], cache)
-        return logits[0]
+            yield self.forward(token_ids[s : s + self.prefill_chunk], cache, taps=taps)
 
     def decode(self, token_id: int, cache: KVCache) -> np.ndarray:
         """One plain decode step (the 1-token layer); returns logits ``[V]`` of the new position."""

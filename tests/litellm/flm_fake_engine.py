@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
 from flm_runtime.engine.sampler import CARD_DEFAULT
@@ -55,7 +55,7 @@ class FakeHandle:
             finish_reason=events[-1].finish_reason,
             prompt_tokens=events[-1].prompt_tokens,
             completion_tokens=events[-1].completion_tokens,
-            stats={"fake": True},
+            stats=events[-1].stats or {"fake": True},
         )
 
     async def aresult(self) -> Completion:
@@ -73,6 +73,7 @@ class FakeEngine:
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     submit_error: BaseException | None = None
     stream_error: BaseException | None = None  # raised mid-stream, after one event
+    stats: dict | None = None  # engine stats of every request (on the final event and the result)
     submitted: list[tuple[list[int], SamplingParams, float | None]] = field(default_factory=list)
     handles: list[FakeHandle] = field(default_factory=list)
 
@@ -99,6 +100,7 @@ class FakeEngine:
             StreamEvent(ch, (ord(ch),), finish if i == len(text) - 1 else None, n_prompt, i + 1)
             for i, ch in enumerate(text)
         ] or [StreamEvent("", (), finish, n_prompt, 0)]
+        events[-1] = replace(events[-1], stats=self.stats)
         handle = FakeHandle(events, fail_after=1 if self.stream_error else None, error=self.stream_error)
         self.handles.append(handle)
         return handle

@@ -116,6 +116,33 @@ def test_stream(fake_engine):
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(fake_engine.submitted[0][0]), 12)
 
 
+SPEC_STATS = {"prompt_tokens": 9, "completion_tokens": 12, "spec_steps": 4, "drafted_tokens": 28,
+              "accepted_tokens": 9, "acceptance_length": 3.25}
+
+
+def test_speculative_stats_reach_the_usage(fake_engine):
+    """A speculative engine's stats: all in _hidden_params["flm_stats"]; drafted tokens kept and
+    rejected in usage.completion_tokens_details (completion_tokens stays the tokens delivered)."""
+    fake_engine.stats = SPEC_STATS
+    r = litellm.completion(model=MODEL, messages=MESSAGES, max_tokens=12)
+    assert r._hidden_params["flm_stats"] == SPEC_STATS
+    details = r.usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (9, 19)
+    assert r.usage.completion_tokens == 12
+    chunks = list(litellm.completion(model=MODEL, messages=MESSAGES, stream=True, max_tokens=12,
+                                     stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 12
+    assert usage.completion_tokens_details.accepted_prediction_tokens == 9
+    assert usage.completion_tokens_details.rejected_prediction_tokens == 19
+
+
+def test_plain_engine_usage_has_no_prediction_details(fake_engine):
+    r = litellm.completion(model=MODEL, messages=MESSAGES, max_tokens=12)
+    details = r.usage.completion_tokens_details
+    assert details is None or details.accepted_prediction_tokens is None
+
+
 def test_closing_a_stream_early_cancels_the_request(fake_engine):
     stream = litellm.completion(model=MODEL, messages=MESSAGES, stream=True)
     next(iter(stream))

@@ -149,6 +149,34 @@ def test_tiny_model_matches_naive_reference():
     assert cache.length == len(ids)
 
 
+def test_taps_are_the_residual_stream_after_the_layers():
+    """Taps (the DFlash draft's context features), checked through the final norm and LM head:
+    the last layer's tap gives the model's logits, layer 0's those of a 1-layer model."""
+    from dataclasses import replace
+
+    from flm_runtime.backends.cpu import rms_norm
+
+    weights = tiny_weights(TINY)
+    model = LlamaModel(TINY, weights)
+    ids = np.array([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26])
+    e, eps = TINY.hidden_size, TINY.rms_norm_eps
+    plain = model.forward(ids, model.new_cache(), all_logits=True)  # [12, V]
+    out = model.forward(ids, model.new_cache(), all_logits=True, taps=(1, 0))
+    np.testing.assert_array_equal(out.logits, plain)
+    assert out.taps.dtype == np.float32 and out.taps.shape == (len(ids), 2 * e)
+    np.testing.assert_allclose(rms_norm(out.taps[:, :e], model.norm, eps) @ model.lm_head.T, plain, rtol=0, atol=1e-5)
+    one = LlamaModel(replace(TINY, num_hidden_layers=1), weights)
+    np.testing.assert_allclose(rms_norm(out.taps[:, e:], model.norm, eps) @ model.lm_head.T,
+                               one.forward(ids, one.new_cache(), all_logits=True), rtol=0, atol=1e-5)
+
+    last = model.forward(ids, model.new_cache(), taps=(0,))  # last-position logits, every position's taps
+    assert last.logits.shape == (1, TINY.vocab_size) and last.taps.shape == (len(ids), e)
+    model.prefill_chunk = 5  # chunks of 5, 5, 2: taps of every prompt position
+    pre = model.prefill(ids, model.new_cache(), taps=(1, 0))
+    np.testing.assert_allclose(pre.taps, out.taps, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(pre.logits, plain[-1], rtol=0, atol=1e-5)
+
+
 def test_missing_and_misshapen_tensors_are_named():
     from flm_runtime.errors import ModelFormatError
 

@@ -1,0 +1,361 @@
+"""The DFlash draft model in numpy: a few Llama layers that draft a whole block in one forward pass.
+
+DFlash (Jian Chen, Yesheng Liang, Zhijian Liu, "DFlash: Block Diffusion for Flash Speculative
+Decoding", arXiv:2602.06036, 2026) drafts ``block_size - 1`` tokens at once: the block
+``[anchor, MASK x 7]`` runs through a small decoder whose every layer also attends, through its own
+``Wk``/``Wv`` ("KV injection"), to context features fused from hidden states of the target. This
+module implements the contract of ``docs/dflash.md`` (architecture, file format, the draft's side
+of a speculative step); the training pipeline implements the same contract in torch.
+
+Axis legend: E hidden size (the target's), n taps, T positions, B block size (anchor + masks),
+K = B - 1 drafted tokens, H / Hkv query / key-value heads, D head dim, F FFN width, V vocabulary,
+Ld draft layers, S cache capacity (positions). All arrays are float32 unless stated.
+
+The draft has no embedding or LM head of its own: it reads the target's arrays (the same objects,
+not copies). Its per-sequence cache (``DraftCache``) holds the projected context K/V of every
+committed token, one position per target position; the block's own K/V are written past
+``length`` as scratch and never committed, so the next ``add_context`` overwrites them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from flm_runtime.backends import cpu
+from flm_runtime.engine.kv_cache import KVCache
+from flm_runtime.errors import ModelFormatError
+from flm_runtime.models.llama import LlamaConfig, LlamaLayer, _Taker
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "dflash-llama"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+# The draft's context K/V cache: a KVCache with one "layer" per draft layer (growable, ``trim``,
+# ``length`` = context positions held). A named alias, not a new class: same bookkeeping.
+DraftCache = KVCache
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """A draft directory's ``config.json`` (docs/dflash.md, "Files"); unknown keys are ignored.
+
+    Attributes:
+        target_layer_ids: 0-based target layers tapped, in concatenation order (n of them).
+        num_hidden_layers: draft layers (Ld, 1-3).
+        hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+            rms_norm_eps, rope_theta: as in a Llama ``config.json``; equal to the target's.
+        mask_token_id: the target vocabulary id whose embedding initialised ``mask_embedding``.
+        block_size: B, the anchor plus B - 1 masks (8).
+        architecture: must be ``"dflash-llama"``.
+        target: registry tag of the target it was trained for (e.g. ``"smollm2:135m"``).
+        target_sha256: sha256 of the target's weight file, or None.
+        training: free-form provenance.
+    """
+
+    target_layer_ids: tuple[int, ...]
+    num_hidden_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mask_token_id: int
+    block_size: int = 8
+    architecture: str = ARCHITECTURE
+    target: str = ""
+    target_sha256: str | None = None
+    training: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        problems = []
+        if self.architecture != ARCHITECTURE:
+            problems.append(f"architecture is {self.architecture!r}, expected {ARCHITECTURE!r}")
+        if not self.target_layer_ids:
+            problems.append("target_layer_ids is empty")
+        if self.block_size < 2:
+            problems.append(f"block_size must be >= 2, got {self.block_size}")
+        if self.num_hidden_layers < 1:
+            problems.append(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, config: dict) -> DFlashConfig:
+        """Build from a ``config.json`` mapping.
+
+        Raises:
+            ValueError: a required key is missing or a value is out of range (naming it).
+        """
+        names = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in config.items() if k in names and v is not None})
+        except TypeError as e:  # a missing required key
+            raise ValueError(str(e).replace("__init__()", "config.json")) from e
+
+    @property
+    def n_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def n_draft(self) -> int:
+        """K: tokens drafted per step (``block_size - 1``)."""
+        return self.block_size - 1
+
+
+def check_target(config: DFlashConfig, target: LlamaConfig, *, target_sha256: str | None = None,
+                 source: str = "draft") -> None:
+    """Refuse a draft that does not fit ``target``.
+
+    Geometry (hidden size, heads, KV heads, head dim, FFN width, RoPE base, RMSNorm eps, tapped
+    layers and mask id in range) is always checked. ``target_sha256`` (the target weight file's
+    hash, when the caller knows it cheaply) is compared with the draft's ``target_sha256`` when both
+    are known; otherwise only the geometry is checked, and that is logged.
+
+    Raises:
+        ModelFormatError: a mismatch, naming the key and both values.
+    """
+    problems = [f"{k} is {getattr(config, k)} but the target's is {getattr(target, k)}"
+                for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                          "head_dim")
+                if getattr(config, k) != getattr(target, k)]
+    for k in ("rope_theta", "rms_norm_eps"):
+        if not math.isclose(getattr(config, k), getattr(target, k), rel_tol=1e-6):
+            problems.append(f"{k} is {getattr(config, k)} but the target's is {getattr(target, k)}")
+    if not all(0 <= i < target.num_hidden_layers for i in config.target_layer_ids):
+        problems.append(f"target_layer_ids {list(config.target_layer_ids)} fall outside the target's "
+                        f"{target.num_hidden_layers} layers")
+    if not 0 <= config.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary "
+                        f"of {target.vocab_size}")
+    if config.target_sha256 and target_sha256:
+        if config.target_sha256.lower() != target_sha256.lower():
+            problems.append(f"it was trained for a target file with sha256 {config.target_sha256}, "
+                            f"this target's is {target_sha256}")
+    else:
+        log.info("%s: target weight hash not compared (draft's: %s, target's: %s); geometry only",
+                 source, config.target_sha256, target_sha256)
+    if problems:
+        raise ModelFormatError(f"{source} does not fit its target: {'; '.join(problems)}")
+
+
+class DFlashDraft:
+    """A DFlash draft on the cpu backend.
+
+    Args:
+        config: the draft's hyper-parameters.
+        weights: float32-convertible arrays keyed by the names of docs/dflash.md ("Files").
+        embed: ``[V, E]`` the target's embedding (shared, not copied).
+        lm_head: ``[V, E]`` the target's LM head (shared, not copied).
+        max_positions: the target's context length (tokens): caches and RoPE tables span it.
+
+    Raises:
+        ModelFormatError: a tensor is missing, unexpected or misshapen.
+    """
+
+    def __init__(self, config: DFlashConfig, weights: dict[str, np.ndarray], *, embed: np.ndarray,
+                 lm_head: np.ndarray, max_positions: int):
+        c = config
+        e, d = c.hidden_size, c.head_dim
+        assert embed.shape[1] == e and lm_head.shape == embed.shape, "target embedding/LM head width != E"
+        self.config = c
+        self.embed, self.lm_head = embed, lm_head  # [V, E] each, the target's own arrays
+        self.max_positions = max_positions
+        expected = set(draft_weight_shapes(c))
+        if unexpected := sorted(set(weights) - expected):
+            raise ModelFormatError(f"unexpected tensors in the draft: {', '.join(unexpected[:8])} "
+                                   f"(names carry no model prefix; {c.num_hidden_layers} layers)")
+        take = _Taker(weights)
+        self.fc = take("fc.weight", (e, c.n_taps * e))  # [E, n*E]
+        self.hidden_norm = take("hidden_norm.weight", (e,))
+        self.mask_embedding = take("mask_embedding", (e,))
+        self.norm = take("norm.weight", (e,))
+        q_rows, kv_rows = c.num_attention_heads * d, c.num_key_value_heads * d
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"layers.{i}."
+            self.layers.append(LlamaLayer(
+                attn_norm=take(p + "input_layernorm.weight", (e,)),
+                wqkv=np.concatenate([take(p + "self_attn.q_proj.weight", (q_rows, e)),
+                                     take(p + "self_attn.k_proj.weight", (kv_rows, e)),
+                                     take(p + "self_attn.v_proj.weight", (kv_rows, e))]),
+                wo=take(p + "self_attn.o_proj.weight", (e, q_rows)),
+                ffn_norm=take(p + "post_attention_layernorm.weight", (e,)),
+                w_gate_up=np.concatenate([take(p + "mlp.gate_proj.weight", (c.intermediate_size, e)),
+                                          take(p + "mlp.up_proj.weight", (c.intermediate_size, e))]),
+                w_down=take(p + "mlp.down_proj.weight", (e, c.intermediate_size)),
+            ))
+        self.rope_cos, self.rope_sin = cpu.rope_tables(d, max_positions, c.rope_theta)  # [P, D/2]
+
+    @classmethod
+    def load(cls, path: str | Path, target, *, target_sha256: str | None = None) -> DFlashDraft:
+        """Load a draft directory (``config.json`` + ``model.safetensors``) for ``target``.
+
+        Args:
+            path: the draft directory.
+            target: the loaded target (``LlamaModel``): its config is checked against the draft's
+                and its ``embed`` / ``lm_head`` arrays are shared.
+            target_sha256: sha256 of the target's weight file when known cheaply (the registry's
+                recorded, verified hash); None checks geometry only (see ``check_target``).
+
+        Raises:
+            FileNotFoundError: a file is missing.
+            ModelFormatError: unreadable or mismatched files, naming the file.
+        """
+        path = Path(path)
+        config = read_config(path / CONFIG_FILE)
+        check_target(config, target.config, target_sha256=target_sha256, source=f"draft {path}")
+        weights = read_weights(path / WEIGHTS_FILE)
+        try:
+            return cls(config, weights, embed=target.embed, lm_head=target.lm_head,
+                       max_positions=target.config.max_position_embeddings)
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{path / WEIGHTS_FILE}: {e}") from e
+
+    def new_cache(self, capacity: int = 0) -> DraftCache:
+        """An empty context K/V cache for one sequence (``capacity`` in tokens is a hint)."""
+        c = self.config
+        return DraftCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.max_positions, capacity)
+
+    def add_context(self, cache: DraftCache, taps: np.ndarray, start_position: int) -> None:
+        """Project committed tokens' taps to context K/V once and append them to ``cache``.
+
+        ``c = RMSNorm_hidden(taps @ fc^T)``; per draft layer the context keys are ``RoPE(c Wk^T)``
+        at the tokens' own positions and the values ``c Wv^T`` (no input norm: docs/dflash.md).
+
+        Args:
+            cache: the sequence's draft cache; ``cache.length == start_position``.
+            taps: ``[T, n*E]`` the target's taps at positions ``start_position ..`` (T may be 0).
+            start_position: position of the first of them.
+        """
+        c = self.config
+        t, hkv, d = taps.shape[0], c.num_key_value_heads, c.head_dim
+        assert taps.shape == (t, c.n_taps * c.hidden_size), f"taps {taps.shape} != [T, {c.n_taps}*E]"
+        assert cache.length == start_position, f"draft cache holds {cache.length}, taps start at {start_position}"
+        if t == 0:
+            return
+        ctx = cpu.rms_norm(taps @ self.fc.T, self.hidden_norm, c.rms_norm_eps)  # [T, E]
+        cos = self.rope_cos[start_position : start_position + t]  # [T, D/2]
+        sin = self.rope_sin[start_position : start_position + t]
+        q_rows = c.num_attention_heads * d
+        cache.reserve(t)
+        for i, layer in enumerate(self.layers):
+            kv = ctx @ layer.wqkv[q_rows:].T  # [T, 2*Hkv*D]
+            k = cpu.apply_rope(kv[:, : hkv * d].reshape(t, hkv, d), cos, sin)  # [T, Hkv, D]
+            v = kv[:, hkv * d :].reshape(t, hkv, d)  # [T, Hkv, D]
+            cache.write(i, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+        cache.commit(t)
+
+    def draft_logits(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:
+        """Logits of block rows ``1 .. B-1``, the predictions of ``d1 .. dK`` (row k predicts the
+        token at block index k: no shift).
+
+        Args:
+            cache: holds the context of positions ``0 .. start-1`` (``cache.length == start``).
+            anchor_id: the last committed token, at position ``start``.
+            start: the anchor's position.
+        Returns:
+            ``[K, V]`` float32.
+        """
+        c = self.config
+        b, h, hkv, d = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        assert cache.length == start, f"draft cache holds {cache.length} positions, the anchor is at {start}"
+        assert start + b <= self.max_positions, "the block runs past the context"
+        x = np.empty((b, c.hidden_size), dtype=np.float32)  # [B, E]
+        x[0] = self.embed[anchor_id]
+        x[1:] = self.mask_embedding
+        cos, sin = self.rope_cos[start : start + b], self.rope_sin[start : start + b]  # [B, D/2]
+        cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
+        for i, w in enumerate(self.layers):
+            qkv = cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps) @ w.wqkv.T  # [B, (H+2Hkv)*D]
+            q = cpu.apply_rope(qkv[:, : h * d].reshape(b, h, d), cos, sin)  # [B, H, D]
+            k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(b, hkv, d), cos, sin)  # [B, Hkv, D]
+            v = qkv[:, (h + hkv) * d :].reshape(b, hkv, d)  # [B, Hkv, D]
+            cache.write(i, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+            n = start + b
+            attn = cpu.attention(q, cache.k[i, :, :n], cache.v[i, :, :n], start, causal=False)  # [B, H*D]
+            x = x + attn @ w.wo.T
+            gate_up = cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps) @ w.w_gate_up.T  # [B, 2F]
+            x = x + cpu.swiglu(gate_up) @ w.w_down.T
+        return cpu.rms_norm(x[1:], self.norm, c.rms_norm_eps) @ self.lm_head.T  # [K, V]
+
+    def propose(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:
+        """Greedy draft: ``d1 .. dK`` = argmax of block rows ``1 .. K`` (see ``draft_logits``).
+
+        Returns:
+            ``[K]`` int64 token ids.
+        """
+        return np.argmax(self.draft_logits(cache, anchor_id, start), axis=-1).astype(np.int64)
+
+
+def draft_weight_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a draft's ``model.safetensors`` holds, with its shape (docs/dflash.md)."""
+    c = config
+    e, q_rows, kv_rows = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"fc.weight": (e, c.n_taps * e), "hidden_norm.weight": (e,), "mask_embedding": (e,),
+              "norm.weight": (e,)}
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,),
+            p + "self_attn.q_proj.weight": (q_rows, e), p + "self_attn.k_proj.weight": (kv_rows, e),
+            p + "self_attn.v_proj.weight": (kv_rows, e), p + "self_attn.o_proj.weight": (e, q_rows),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, e), p + "mlp.up_proj.weight": (c.intermediate_size, e),
+            p + "mlp.down_proj.weight": (e, c.intermediate_size),
+        }
+    return shapes
+
+
+def read_config(path: Path) -> DFlashConfig:
+    """Parse a draft's ``config.json``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ModelFormatError: not JSON, or not a valid DFlash config (naming the problem).
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: not a JSON file: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object")
+    try:
+        return DFlashConfig.from_dict(data)
+    except ValueError as e:
+        raise ModelFormatError(f"{path}: {e}") from e
+
+
+def read_weights(path: Path) -> dict[str, np.ndarray]:
+    """Read a draft's ``model.safetensors`` as float32 arrays (float16 is widened).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ModelFormatError: unreadable, or a dtype other than float32/float16.
+    """
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(2, "draft weights not found", str(path))
+    try:
+        raw = load_file(str(path))
+    except (SafetensorError, ValueError, TypeError) as e:  # bfloat16 has no numpy dtype
+        raise ModelFormatError(f"{path}: cannot read it as float32/float16 safetensors: {e}") from e
+    out = {}
+    for name, a in raw.items():
+        if a.dtype not in (np.float16, np.float32):
+            raise ModelFormatError(f"{path}: tensor {name!r} is {a.dtype}, expected float32 or float16")
+        out[name] = a.astype(np.float32)
+    return out

@@ -1,0 +1,114 @@
+"""Stand-ins for the speculative tests: a scripted target, tiny random targets and drafts, replaying
+proposers, and a hand-driven speculative generation loop.
+
+``ScriptTarget`` predicts ``script[i]`` as output token ``i`` whatever it is fed (one-hot logits
+of 10.0; EOS after the script) and writes each fed token id into its KV cache, so a test can read
+back what the cache holds after rollbacks. Its taps are zeros.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from engine_fakes import EOS
+
+from flm_runtime.engine import sampler
+from flm_runtime.engine.kv_cache import KVCache
+from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
+from flm_runtime.models.llama import ForwardOutput, LlamaConfig
+
+# The tiny-model and draft-file helpers live beside the model tests (tests/models).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from dflash_files import draft_config_dict, random_draft_weights, write_draft_dir  # noqa: E402, F401
+
+
+class ScriptTarget:
+    """Target whose output token ``i`` (at position ``prompt_len + i``) is ``script[i]``."""
+
+    def __init__(self, script: list[int], prompt_len: int, vocab: int = 300, context: int = 2048):
+        self.config = LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=context)
+        rng = np.random.default_rng(0)
+        self.embed = rng.standard_normal((vocab, 8)).astype(np.float32)  # [V, E]
+        self.lm_head = rng.standard_normal((vocab, 8)).astype(np.float32)
+        self.script, self.prompt_len = list(script), prompt_len
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        return KVCache(1, 1, 1, self.config.max_position_embeddings, capacity)
+
+    def fed(self, cache: KVCache) -> list[int]:
+        """The token ids the cache holds, positions ``0 .. length-1``."""
+        return cache.k[0, 0, : cache.length, 0].astype(int).tolist()
+
+    def forward(self, token_ids, cache: KVCache, *, all_logits: bool = False, taps: tuple[int, ...] = ()):
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        t, start = ids.size, cache.length
+        cache.reserve(t)
+        cache.write(0, ids.astype(np.float32).reshape(1, t, 1), np.zeros((1, t, 1), np.float32))
+        cache.commit(t)
+        logits = np.zeros((t, self.config.vocab_size), dtype=np.float32)
+        for j in range(t):
+            i = start + j + 1 - self.prompt_len  # the output index this row predicts
+            logits[j, self.script[i] if 0 <= i < len(self.script) else EOS] = 10.0
+        logits = logits if all_logits else logits[-1:]
+        return ForwardOutput(logits, np.zeros((t, len(taps) * 8), np.float32)) if taps else logits
+
+    def prefill_chunks(self, token_ids, cache: KVCache, *, taps: tuple[int, ...] = ()):
+        yield self.forward(token_ids, cache, taps=taps)
+
+    def prefill(self, token_ids, cache: KVCache) -> np.ndarray:
+        return self.forward(token_ids, cache)[0]
+
+    def decode(self, token_id: int, cache: KVCache) -> np.ndarray:
+        return self.forward([token_id], cache)[0]
+
+
+def random_draft(target, *, taps: list[int], layers: int = 1, seed: int = 0) -> DFlashDraft:
+    """A random-weight draft for ``target`` (shares its embedding and LM head)."""
+    cfg = draft_config_dict(target.config, layers=layers, taps=taps, mask_token_id=1)
+    return DFlashDraft(DFlashConfig.from_dict(cfg), random_draft_weights(cfg, seed=seed), embed=target.embed,
+                       lm_head=target.lm_head, max_positions=target.config.max_position_embeddings)
+
+
+def replay_proposer(truth, vocab: int, corrupt=lambda pos: False):
+    """A proposer that drafts ``truth(pos)`` for positions ``start+1 .. start+7`` (a token another
+    run produced there), replaced by ``(token + 1) % vocab`` where ``corrupt(pos)``."""
+    def propose(draft_cache, anchor_id: int, start: int) -> np.ndarray:
+        out = [truth(p) for p in range(start + 1, start + 8)]
+        return np.array([(t + 1) % vocab if corrupt(p) else t for p, t in zip(range(start + 1, start + 8), out)])
+    return propose
+
+
+def plain_generate(model, prompt, n: int, params, seed: int | None = None) -> list[int]:
+    """The baseline: prefill, then ``n - 1`` 1-token decodes, one draw per token (no engine)."""
+    rng = sampler.new_rng(seed)
+    cache = model.new_cache(len(prompt) + n)
+    out = [sampler.sample(model.prefill(np.asarray(prompt, dtype=np.int64), cache), params, rng)]
+    while len(out) < n:
+        out.append(sampler.sample(model.decode(out[-1], cache), params, rng))
+    return out
+
+
+def spec_generate(decoder: SpeculativeDecoder, prompt, n: int, params, seed: int | None = None, on_step=None):
+    """Speculative generation of ``n`` tokens by hand (no engine). ``on_step(out, cache, state)``
+    runs after every step that did not finish. Returns (tokens, cache, state)."""
+    rng = sampler.new_rng(seed)
+    cache = decoder.target.new_cache(len(prompt) + n + 8)
+    state = decoder.new_state()
+    out = [sampler.sample(decoder.prefill(np.asarray(prompt, dtype=np.int64), cache, state), params, rng)]
+
+    def emit(token: int) -> bool:
+        out.append(token)
+        return len(out) >= n
+
+    while len(out) < n:
+        if decoder.can_speculate(cache):
+            decoder.step(out[-1], cache, state, params, rng, emit)
+        else:
+            emit(sampler.sample(decoder.decode(out[-1], cache, state), params, rng))
+        if len(out) < n and on_step is not None:
+            on_step(out, cache, state)
+    return out, cache, state

@@ -1,0 +1,216 @@
+"""The speculative verifier (hand-built logits, statistics) and step (invariants, rollback,
+equivalence with plain decoding) on tiny random models, and the engine's speculative path on a
+scripted target (EOS, max_tokens and stop strings inside an accepted block, stats)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from engine_fakes import EOS, FakeTokenizer
+from spec_fakes import ScriptTarget, plain_generate, random_draft, replay_proposer, spec_generate
+
+from flm_runtime.engine import sampler
+from flm_runtime.engine.request import SamplingParams
+from flm_runtime.engine.speculative import SpeculativeDecoder, verify, verify_greedy, verify_sampled
+from flm_runtime.models.llama import LlamaConfig, LlamaModel
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11)
+DRAFT = np.array([11, 12, 13, 14, 15, 16, 17])
+
+
+# ---- verifier ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", range(8))
+def test_verify_greedy_rejects_at_k(k):
+    logits = np.random.default_rng(k).standard_normal((8, 50)).astype(np.float32)  # [K+1, V]
+    logits[np.arange(k), DRAFT[:k]] = 10.0  # the target agrees with d1..dk
+    if k < 7:
+        logits[k, DRAFT[k]] = -10.0  # and not with d(k+1)
+    assert verify_greedy(DRAFT, logits) == (k, int(np.argmax(logits[k])))  # k == 7: bonus from row 7
+    assert verify(DRAFT, logits, GREEDY, np.random.default_rng(0)) == (k, int(np.argmax(logits[k])))
+
+
+@pytest.mark.parametrize("k", range(8))
+def test_verify_sampled_rejects_at_k_with_one_draw_per_emitted_token(k):
+    logits = np.random.default_rng(k).standard_normal((8, 50)).astype(np.float32)
+    logits[:k] = -np.inf
+    logits[np.arange(k), DRAFT[:k]] = 0.0  # warp(row j) is one-hot on d(j+1): accepted surely
+    if k < 7:
+        logits[k, DRAFT[k]] = -np.inf  # d(k+1) impossible: rejected surely
+    rng, twin = sampler.new_rng(5), sampler.new_rng(5)
+    n, token = verify_sampled(DRAFT, logits, SAMPLED, rng)
+    assert n == k
+    assert sampler.warp(logits[k], SAMPLED)[token] > 0 and (k == 7 or token != DRAFT[k])
+    twin.random(k + 1)  # k + 1 tokens emitted: exactly k + 1 draws
+    assert rng.random() == twin.random()
+
+
+def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's chi-square test of ``counts`` against ``probs`` (over the support), p-value for an
+    even number of degrees of freedom: ``Q(df/2, x/2) = exp(-x/2) * sum_{i<df/2} (x/2)^i / i!``."""
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a token of probability 0 was emitted"
+    n, expected = counts.sum(), probs[support] * counts.sum()
+    x = float(((counts[support] - expected) ** 2 / expected).sum())
+    df = int(support.sum()) - 1
+    assert df % 2 == 0, "the closed form needs an even df"
+    return math.exp(-x / 2) * sum((x / 2) ** i / math.factorial(i) for i in range(df // 2)) if n else 1.0
+
+
+def test_verify_sampled_emits_the_target_distribution():
+    """Lossless: the first emitted token ~ warp(row 0) and, when d1 was accepted, the second ~
+    warp(row 1), with a draft that is right about a quarter of the time. Pearson chi-square over
+    20,000 seeded trials; the test passes at p > 0.001 (it is deterministic: fixed seeds)."""
+    logits = (np.random.default_rng(3).standard_normal((8, 12)) * 0.5).astype(np.float32)
+    params = SamplingParams(temperature=0.8, top_k=5)  # 5 tokens keep mass: df = 4
+    p0, p1 = sampler.warp(logits[0], params), sampler.warp(logits[1], params)
+    draft = np.array([np.argsort(-p0)[1], np.argsort(-p1)[0], 0, 1, 2, 3, 4])
+    rng = sampler.new_rng(1234)
+    first, second = np.zeros(12, int), np.zeros(12, int)
+    for _ in range(20_000):
+        n, token = verify_sampled(draft, logits, params, rng)
+        emitted = [*draft[:n], token]
+        first[emitted[0]] += 1
+        if n >= 1:
+            second[emitted[1]] += 1
+    assert 0.15 < first[draft[0]] / first.sum() < 0.5 and second.sum() > 3000  # both branches exercised
+    assert chi_square_p_value(first, p0) > 0.001
+    assert chi_square_p_value(second, p1) > 0.001
+
+
+# ---- the step on tiny random models ------------------------------------------------------------
+
+TINY300 = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=300,
+                      rope_theta=500.0, rms_norm_eps=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from test_llama import tiny_weights  # tests/models is on sys.path (spec_fakes)
+
+    return LlamaModel(TINY300, tiny_weights(TINY300, seed=4))
+
+
+PROMPT = [5, 17, 200, 33, 9, 140, 71, 2, 250, 64]
+
+
+def check_caches(model, decoder, prompt):
+    """``on_step`` check: the invariant, and target and draft caches equal to those of a fresh
+    prefill of everything committed (the rollback left nothing of rejected tokens behind)."""
+    def check(out, cache, state):
+        assert state.draft_cache.length + len(state.pending) == cache.length == len(prompt) + len(out) - 1
+        fresh = model.new_cache()
+        full = model.forward(np.array(prompt + out[:-1]), fresh, taps=decoder.taps).taps  # [N, n*E]
+        np.testing.assert_allclose(cache.k[:, :, : cache.length], fresh.k[:, :, : fresh.length], atol=1e-4)
+        np.testing.assert_allclose(cache.v[:, :, : cache.length], fresh.v[:, :, : fresh.length], atol=1e-4)
+        np.testing.assert_allclose(state.pending, full[state.draft_cache.length :], atol=1e-4)
+        dc = decoder.draft.new_cache()
+        decoder.draft.add_context(dc, full[: state.draft_cache.length], 0)
+        np.testing.assert_allclose(state.draft_cache.k[:, :, : dc.length], dc.k[:, :, : dc.length], atol=1e-4)
+    return check
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("proposer", ["random", "replay"])
+def test_speculative_equals_plain_decoding(tiny, params, proposer):
+    """Token for token, greedy and seeded-sampled (one draw per emitted token in both), with a
+    random draft (AL ~ 1) and with one replaying the baseline with every third position wrong."""
+    base = plain_generate(tiny, PROMPT, 40, params, seed=7)
+    truth = dict(enumerate(base, start=len(PROMPT)))
+    propose = replay_proposer(lambda p: truth.get(p, 0), 300, corrupt=lambda p: p % 3 == 0)
+    decoder = SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]),
+                                 proposer=propose if proposer == "replay" else None)
+    out, _, state = spec_generate(decoder, PROMPT, 40, params, seed=7, on_step=check_caches(tiny, decoder, PROMPT))
+    assert out == base
+    al = state.stats()["acceptance_length"]
+    assert (al > 2.0) if proposer == "replay" else (1.0 <= al < 1.5), al
+
+
+def test_near_the_context_end_decoding_is_plain(tiny):
+    prompt = (PROMPT * 30)[:285]  # 15 positions left in a context of 300
+    decoder = SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]))
+    out, cache, state = spec_generate(decoder, prompt, 15, GREEDY, on_step=check_caches(tiny, decoder, prompt))
+    assert out == plain_generate(tiny, prompt, 15, GREEDY)
+    assert 1 <= state.steps <= 7 and cache.length <= 300
+
+
+# ---- the engine on a scripted target ------------------------------------------------------------
+
+def script_engine(make_engine, script, prompt_len=3, perfect=True, **kw):
+    target = ScriptTarget(script, prompt_len)
+    truth = (lambda p: script[p - prompt_len] if p - prompt_len < len(script) else EOS)
+    proposer = replay_proposer(truth, 300, corrupt=(lambda p: False) if perfect else (lambda p: p % 4 == 0))
+    decoder = SpeculativeDecoder(target, random_draft(target, taps=[0, 1]), proposer=proposer)
+    return make_engine(target, FakeTokenizer(vocab_size=300), speculative=decoder, **kw)
+
+
+LETTERS = [ord(c) for c in "abcdefghijklmnopqrstuvwxyz"]
+
+
+def test_eos_inside_an_accepted_block_ends_the_output(make_engine):
+    engine = script_engine(make_engine, LETTERS[:4] + [EOS] + LETTERS[4:])
+    handle = engine.submit([1, 2, 3], SamplingParams(max_tokens=50))
+    events = list(handle)
+    done = handle.result()
+    assert (done.text, done.finish_reason, done.completion_tokens) == ("abcd", "stop", 4)
+    assert done.token_ids == tuple(LETTERS[:4]) and sum(len(e.token_ids) for e in events) == 4
+    s = done.stats
+    # prefill gave "a"; one step drafted 7, all right; "b c d EOS" pushed, the rest never.
+    assert (s["spec_steps"], s["drafted_tokens"], s["accepted_tokens"], s["generated_tokens"]) == (1, 7, 4, 5)
+    assert s["acceptance_length"] == 4.0
+    assert events[-1].stats == s
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 8, 9, 13, 16, 17, 25])
+@pytest.mark.parametrize("perfect", [True, False])
+def test_max_tokens_is_exact_inside_a_block(make_engine, max_tokens, perfect):
+    engine = script_engine(make_engine, LETTERS, perfect=perfect)
+    done = engine.submit([1, 2, 3], SamplingParams(max_tokens=max_tokens)).result()
+    assert done.text == "abcdefghijklmnopqrstuvwxyz"[:max_tokens] and done.finish_reason == "length"
+    assert done.completion_tokens == len(done.token_ids) == done.stats["generated_tokens"] == max_tokens
+    s = done.stats
+    assert s["accepted_tokens"] + s["spec_steps"] >= max_tokens - 1 >= s["accepted_tokens"]
+    if perfect and max_tokens == 25:  # 1 from prefill + 3 steps of 8: AL = 8 (the bonus included)
+        assert (s["spec_steps"], s["accepted_tokens"], s["acceptance_length"]) == (3, 21, 8.0)
+
+
+def test_stop_string_inside_a_block(make_engine):
+    script = [ord(c) for c in "hello world, goodbye"]
+    engine = script_engine(make_engine, script)
+    params = SamplingParams(max_tokens=6, stop=("o w",))  # completes at token 7 > max_tokens: "length"
+    assert engine.submit([1, 2, 3], params).result().text == "hello "
+    params = SamplingParams(max_tokens=7, stop=("o w",))  # completes in the token that reaches max_tokens
+    handle = engine.submit([1, 2, 3], params)
+    streamed = "".join(e.text for e in handle)
+    done = handle.result()
+    assert streamed == done.text == "hell" and done.finish_reason == "stop"
+    assert done.completion_tokens == len(done.token_ids) == 4  # "o" lies wholly in the stop string
+
+
+def test_rollback_leaves_only_committed_tokens():
+    """A target cache written with the fed ids: after every step (some drafts rejected) it holds
+    exactly prompt + emitted tokens but the last (the anchor, not fed yet)."""
+    target = ScriptTarget(LETTERS, 3)
+    proposer = replay_proposer(lambda p: LETTERS[(p - 3) % 26], 300, corrupt=lambda p: p % 5 == 0)
+    decoder = SpeculativeDecoder(target, random_draft(target, taps=[0, 1]), proposer=proposer)
+
+    def check(out, cache, state):
+        assert target.fed(cache) == [1, 2, 3] + out[:-1]
+
+    out, _, state = spec_generate(decoder, [1, 2, 3], 20, GREEDY, on_step=check)
+    assert out == LETTERS[:20] and state.steps >= 3
+
+
+def test_seeded_sampled_speculative_is_reproducible_and_equals_plain(make_engine, tiny):
+    tok = FakeTokenizer(vocab_size=300)
+    spec = make_engine(tiny, tok, speculative=SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2])))
+    plain = make_engine(tiny, tok)
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=42, max_tokens=24, ignore_eos=True)
+    first, second = (spec.submit(PROMPT, params).result() for _ in range(2))
+    assert first.token_ids == second.token_ids and first.text == second.text
+    assert first.token_ids == plain.submit(PROMPT, params).result().token_ids
+    assert first.stats["spec_steps"] >= 1 and "spec_steps" not in plain.submit(PROMPT, params).result().stats

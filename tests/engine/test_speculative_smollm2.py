@@ -1,0 +1,122 @@
+"""Speculative decoding on the embedded SmolLM2-135M with random DFlash drafts (the trained draft
+does not exist in the test suite): greedy output equals the baseline token for token, through
+``get_engine`` of a DFlash tag (sharing the base tag's model object) and with a proposer that
+replays the baseline with corrupted positions (long acceptances and rollbacks).
+
+Comparison rule (DESIGN §9.1): the outputs must agree except where the baseline's top-1/top-2
+logit margin is below ``MARGIN_TOL``: the verify pass and a decode step differ by float rounding
+(~1e-3 on a logit, tests/models/test_llama.py), which may flip a near-tie. Such positions are
+counted and reported (``record_property`` "near_ties"); comparison of that prompt stops there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+from spec_fakes import draft_config_dict, random_draft_weights, replay_proposer, spec_generate, write_draft_dir
+
+from flm_runtime import api, registry
+from flm_runtime.engine.request import SamplingParams
+from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.errors import ModelFormatError
+
+MARGIN_TOL = 5e-3  # logits; 2.5x the per-logit tolerance between the verify and decode paths
+N_TOKENS = 24
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+DFLASH_TAG = "smollm2-testdraft-dflash:135m"
+
+
+def baseline(model, prompt, n):
+    """Greedy tokens and the top-1/top-2 logit margin at each, from plain prefill + decode."""
+    cache = model.new_cache(len(prompt) + n)
+    logits = model.prefill(np.asarray(prompt, dtype=np.int64), cache)
+    tokens, margins = [], []
+    for _ in range(n):
+        top2 = np.partition(logits, -2)[-2:]
+        tokens.append(int(np.argmax(logits)))
+        margins.append(float(top2[1] - top2[0]))
+        logits = model.decode(tokens[-1], cache)
+    return tokens, margins
+
+
+def compare(got, want, margins) -> int:
+    """Assert agreement up to the first near-tie; returns 1 if one cut the comparison, else 0."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            assert margins[i] < MARGIN_TOL, f"token {i}: {g} != {w} with a baseline margin of {margins[i]:.4f}"
+            return 1
+    assert len(got) == len(want)
+    return 0
+
+
+@pytest.fixture(scope="module")
+def chats(smollm2_tokenizer, smollm2_model):
+    tok = smollm2_tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True))
+               for c in CHATS]
+    return [(p, *baseline(smollm2_model, p, N_TOKENS)) for p in prompts]
+
+
+def smollm2_draft_dir(path, model, sha256):
+    cfg = draft_config_dict(model.config, layers=1, mask_token_id=0, target_tag="smollm2:135m", target_sha256=sha256)
+    return write_draft_dir(path, cfg, random_draft_weights(cfg, seed=3, scale=0.05))
+
+
+@pytest.fixture
+def dflash_tag(tmp_path, monkeypatch, smollm2_model):
+    """A DFlash tag over smollm2:135m with a random draft, through a user models file."""
+    sha = registry.resolve("smollm2:135m").files[0].sha256
+
+    def define(draft_sha=sha):
+        draft = smollm2_draft_dir(tmp_path / "draft", smollm2_model, draft_sha)
+        models = tmp_path / "models.yaml"
+        models.write_text(yaml.safe_dump({DFLASH_TAG: {"base": "smollm2:135m", "draft": str(draft)}}))
+        monkeypatch.setenv("FLM_MODELS_FILE", str(models))
+        return DFLASH_TAG
+
+    yield define
+    engine = api._engines.pop(DFLASH_TAG, None)
+    if engine is not None:
+        engine.close()
+
+
+def test_dflash_engine_shares_the_target_and_equals_greedy_baseline(dflash_tag, smollm2_engine, chats,
+                                                                    record_property):
+    engine = api.get_engine(dflash_tag())
+    assert engine.model is smollm2_engine.model  # one copy of the target's weights per process
+    assert engine.speculative.draft.embed is engine.model.embed
+    near_ties = 0
+    for prompt, want, margins in chats:
+        done = engine.submit(prompt, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)).result()
+        near_ties += compare(list(done.token_ids), want, margins)
+        s = done.stats
+        assert s["spec_steps"] >= 1 and s["drafted_tokens"] == 7 * s["spec_steps"]
+        assert 1.0 <= s["acceptance_length"] <= 8.0
+    record_property("near_ties", near_ties)
+    print(f"greedy equivalence, random draft: {near_ties} near-tie cut(s) in {len(chats)} prompts")
+
+
+def test_dflash_tag_refuses_a_draft_for_another_target_file(dflash_tag):
+    with pytest.raises(ModelFormatError, match="sha256"):
+        api.get_engine(dflash_tag(draft_sha="0" * 64))
+
+
+def test_replaying_proposer_accepts_blocks_and_stays_exact(smollm2_model, chats, tmp_path, record_property):
+    """Drafts of baseline tokens with every fourth position corrupted: multi-token acceptances and
+    rollbacks of the target KV cache, still the baseline's output."""
+    from flm_runtime.models.dflash import DFlashDraft
+
+    draft = DFlashDraft.load(smollm2_draft_dir(tmp_path / "d", smollm2_model, None), smollm2_model)
+    near_ties, steps, emitted = 0, 0, 0
+    for prompt, want, margins in chats:
+        truth = dict(enumerate(want, start=len(prompt)))
+        proposer = replay_proposer(lambda p, truth=truth: truth.get(p, 0), smollm2_model.config.vocab_size,
+                                   corrupt=lambda p: p % 4 == 0)
+        decoder = SpeculativeDecoder(smollm2_model, draft, proposer=proposer)
+        got, _, state = spec_generate(decoder, prompt, N_TOKENS, SamplingParams())
+        near_ties += compare(got, want, margins)
+        steps, emitted = steps + state.steps, emitted + state.emitted
+    assert emitted / steps > 2.5, emitted / steps  # AL, bonus included
+    record_property("near_ties", near_ties)
+    print(f"greedy equivalence, replaying proposer: AL {emitted / steps:.2f}, {near_ties} near-tie cut(s)")

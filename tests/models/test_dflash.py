@@ -1,0 +1,157 @@
+"""The DFlash draft (numpy): against a naive float64 implementation written independently here from
+docs/dflash.md, its cache (context added in pieces, block scratch never committed), loading a draft
+directory (float16, shared target arrays) and refusing drafts that do not fit the target."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from dflash_files import draft_config_dict, random_draft_weights, tap_layers, write_draft_dir
+from test_llama import TINY, tiny_weights
+
+from flm_runtime.errors import ModelFormatError
+from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
+from flm_runtime.models.llama import LlamaModel
+
+
+def naive_draft_logits(cfg: dict, w: dict, embed: np.ndarray, lm_head: np.ndarray, taps: np.ndarray,
+                       anchor: int, start: int) -> np.ndarray:
+    """Rows 1..7 of the block, float64, position by position and head by head (docs/dflash.md)."""
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    d, h, eps, theta = cfg["head_dim"], cfg["num_attention_heads"], cfg["rms_norm_eps"], cfg["rope_theta"]
+    rep = h // cfg["num_key_value_heads"]
+
+    def norm(x, g):
+        return x / np.sqrt(np.mean(x * x) + eps) * g
+
+    def rope(vec, pos):
+        out = vec.copy()
+        for i in range(d // 2):
+            angle = pos / theta ** (2 * i / d)
+            a, b = vec[i], vec[i + d // 2]
+            out[i], out[i + d // 2] = a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)
+        return out
+
+    context = [norm(w["fc.weight"] @ taps[p].astype(np.float64), w["hidden_norm.weight"]) for p in range(start)]
+    xs = [embed[anchor].astype(np.float64)] + [w["mask_embedding"]] * 7
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"layers.{layer}."
+        wq, wk, wv = (w[p + f"self_attn.{n}_proj.weight"] for n in "qkv")
+        hs = [norm(x, w[p + "input_layernorm.weight"]) for x in xs]
+        sources = [(c, pos) for pos, c in enumerate(context)] + [(hb, start + b) for b, hb in enumerate(hs)]
+        keys = [np.stack([rope(k, pos) for k in (wk @ s).reshape(-1, d)]) for s, pos in sources]  # [Hkv, D] each
+        values = [(wv @ s).reshape(-1, d) for s, _ in sources]
+        new = []
+        for b in range(8):
+            q = (wq @ hs[b]).reshape(-1, d)
+            heads = []
+            for head in range(h):
+                qr = rope(q[head], start + b)
+                scores = np.array([k[head // rep] @ qr / np.sqrt(d) for k in keys])  # all keys: no mask
+                probs = np.exp(scores - scores.max())
+                probs /= probs.sum()
+                heads.append(sum(pr * v[head // rep] for pr, v in zip(probs, values)))
+            x = xs[b] + w[p + "self_attn.o_proj.weight"] @ np.concatenate(heads)
+            h2 = norm(x, w[p + "post_attention_layernorm.weight"])
+            g, u = w[p + "mlp.gate_proj.weight"] @ h2, w[p + "mlp.up_proj.weight"] @ h2
+            new.append(x + w[p + "mlp.down_proj.weight"] @ (g / (1 + np.exp(-g)) * u))
+        xs = new
+    return np.stack([lm_head.astype(np.float64) @ norm(x, w["norm.weight"]) for x in xs[1:]])
+
+
+@pytest.fixture(scope="module")
+def tiny_target() -> LlamaModel:
+    return LlamaModel(TINY, tiny_weights(TINY))
+
+
+def tiny_draft(target: LlamaModel, layers: int = 2, seed: int = 1) -> tuple[dict, dict, DFlashDraft]:
+    cfg = draft_config_dict(TINY, layers=layers, taps=[1, 0], mask_token_id=5)
+    weights = random_draft_weights(cfg, seed=seed, scale=0.3)
+    draft = DFlashDraft(DFlashConfig.from_dict(cfg), weights, embed=target.embed, lm_head=target.lm_head,
+                        max_positions=TINY.max_position_embeddings)
+    return cfg, weights, draft
+
+
+def test_draft_matches_naive_reference(tiny_target):
+    cfg, weights, draft = tiny_draft(tiny_target)
+    ids = np.array([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 53, 58])
+    taps = tiny_target.forward(ids, tiny_target.new_cache(), taps=(1, 0)).taps  # [14, 2E]
+    cache = draft.new_cache()
+    draft.add_context(cache, taps[:6], 0)  # context added in two pieces, as decoding does
+    draft.add_context(cache, taps[6:10], 6)
+    expected = naive_draft_logits(cfg, weights, tiny_target.embed, tiny_target.lm_head, taps, int(ids[10]), 10)
+    got = draft.draft_logits(cache, int(ids[10]), 10)
+    assert got.dtype == np.float32 and got.shape == (7, TINY.vocab_size)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
+    assert np.array_equal(draft.propose(cache, int(ids[10]), 10), np.argmax(expected, axis=-1))
+
+    # The block's K/V are scratch: drafting again, or adding context over them, sees no trace.
+    np.testing.assert_allclose(draft.draft_logits(cache, int(ids[10]), 10), got, rtol=0, atol=1e-6)
+    assert cache.length == 10
+    draft.add_context(cache, taps[10:13], 10)
+    expected = naive_draft_logits(cfg, weights, tiny_target.embed, tiny_target.lm_head, taps, int(ids[13]), 13)
+    np.testing.assert_allclose(draft.draft_logits(cache, int(ids[13]), 13), expected, rtol=0, atol=1e-4)
+
+
+def test_draft_with_empty_context(tiny_target):
+    """At position 0 the block attends only to itself."""
+    cfg, weights, draft = tiny_draft(tiny_target, layers=1, seed=2)
+    expected = naive_draft_logits(cfg, weights, tiny_target.embed, tiny_target.lm_head,
+                                  np.zeros((0, 2 * TINY.hidden_size)), 7, 0)
+    np.testing.assert_allclose(draft.draft_logits(draft.new_cache(), 7, 0), expected, rtol=0, atol=1e-4)
+
+
+def test_tap_layers_formula_matches_the_contract():
+    assert tap_layers(30, 5) == [1, 8, 14, 20, 27]  # docs/dflash.md's example for SmolLM2's 30 layers
+
+
+def test_config_ignores_unknown_keys_and_names_problems():
+    cfg = DFlashConfig.from_dict(draft_config_dict(TINY, taps=[0, 1], something_new=True))
+    assert cfg.target_layer_ids == (0, 1) and cfg.n_taps == 2 and cfg.n_draft == 7
+    with pytest.raises(ValueError, match="architecture"):
+        DFlashConfig.from_dict(draft_config_dict(TINY, architecture="eagle3"))
+    no_mask = draft_config_dict(TINY)
+    del no_mask["mask_token_id"]
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DFlashConfig.from_dict(no_mask)
+
+
+def test_load_float16_dir_shares_the_target_arrays(tiny_target, tmp_path):
+    cfg = draft_config_dict(TINY, taps=[0, 1])
+    weights = random_draft_weights(cfg)
+    draft = DFlashDraft.load(write_draft_dir(tmp_path / "d", cfg, weights, dtype=np.float16), tiny_target)
+    assert draft.embed is tiny_target.embed and draft.lm_head is tiny_target.lm_head  # shared, not copied
+    assert draft.fc.dtype == np.float32
+    np.testing.assert_array_equal(draft.fc, weights["fc.weight"].astype(np.float16).astype(np.float32))
+    assert draft.config.target_layer_ids == (0, 1)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"intermediate_size": 81}, "intermediate_size is 81"),
+    ({"rope_theta": 10000.0}, "rope_theta"),
+    ({"target_layer_ids": [0, 2]}, "target_layer_ids"),
+    ({"mask_token_id": 97}, "mask_token_id"),
+    ({"target_sha256": "ab" * 32}, "sha256"),
+])
+def test_load_refuses_a_draft_that_does_not_fit(tiny_target, tmp_path, change, message):
+    cfg = draft_config_dict(TINY, taps=[0, 1]) | change
+    path = write_draft_dir(tmp_path / "d", cfg, random_draft_weights(cfg))
+    with pytest.raises(ModelFormatError, match=message):
+        DFlashDraft.load(path, tiny_target, target_sha256="cd" * 32)
+
+
+def test_load_names_missing_and_unexpected_tensors(tiny_target, tmp_path):
+    cfg = draft_config_dict(TINY, taps=[0, 1])
+    weights = random_draft_weights(cfg)
+    del weights["layers.0.mlp.up_proj.weight"]
+    with pytest.raises(ModelFormatError, match="layers.0.mlp.up_proj.weight"):
+        DFlashDraft.load(write_draft_dir(tmp_path / "a", cfg, weights), tiny_target)
+    weights = {f"model.{k}": v for k, v in random_draft_weights(cfg).items()}
+    with pytest.raises(ModelFormatError, match="unexpected tensors.*model.fc.weight"):
+        DFlashDraft.load(write_draft_dir(tmp_path / "b", cfg, weights), tiny_target)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.json").write_text(json.dumps(cfg)[:-3])
+    with pytest.raises(ModelFormatError, match="not a JSON file"):
+        DFlashDraft.load(tmp_path / "c", tiny_target)
