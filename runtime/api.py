@@ -91,7 +91,9 @@ def get_engine(tag: str) -> Engine:
                 speculative = SpeculativeDecoder(loaded.model, load_draft(tag, loaded.model))
             else:
                 loaded, speculative = _target(entry.tag), None
-            engine = Engine(loaded.model, loaded.tokenizer, name=tag, speculative=speculative)
+            sampling = registry.resolve(entry.base or entry.tag).sampling  # a draft keeps its target's
+            engine = Engine(loaded.model, loaded.tokenizer, name=tag, speculative=speculative,
+                            default_sampling=sampling)
             _engines[tag] = engine
         return engine
 
