@@ -1,0 +1,121 @@
+"""``Sequence``: one admitted request inside the engine, with everything that is per request (prompt,
+KV caches, RNG, stop checker, delivered text and tokens, timing, speculation state and stats).
+
+A step advances it by one model call: prefill, then plain 1-token decodes or, when the engine has a
+``SpeculativeDecoder``, speculative steps whose kept tokens go through ``accept`` one by one (so EOS,
+stop strings and ``max_tokens`` cut a block exactly); near the context end (no room for a block)
+decoding is plain.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from flm_runtime.engine import sampler
+from flm_runtime.engine.detokenizer import Detokenizer
+from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
+from flm_runtime.engine.speculative import SpecState, SpeculativeDecoder
+from flm_runtime.engine.stop import StopChecker
+
+if TYPE_CHECKING:
+    from flm_runtime.engine.engine import RequestHandle
+
+
+class Sequence:
+    """One admitted request: its prompt, KV cache, RNG, output pipeline and timing.
+
+    Args:
+        handle: where its events go.
+        prompt_ids: ``[T]`` int64 prompt token ids.
+        params: sampling parameters.
+        budget: generated tokens at most (``max_tokens`` folded with the context length).
+        tokenizer: for ``token_bytes`` and ``stop_token_ids``.
+    """
+
+    def __init__(self, handle: RequestHandle, prompt_ids: np.ndarray, params: SamplingParams,
+                 budget: int, tokenizer):
+        self.handle = handle
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.budget = budget
+        self.cache = None                      # allocated at admission
+        self.spec: SpecState | None = None     # speculative state, allocated at admission
+        self.rng = sampler.new_rng(params.seed)
+        stop_ids = frozenset(tokenizer.stop_token_ids)
+        # Special tokens are markers, not text (as decode(skip_special_tokens=True)): delivered
+        # and counted when generated, but they add no text.
+        detok = Detokenizer(tokenizer.token_bytes, skip_ids=stop_ids | frozenset(tokenizer.special_token_ids))
+        self.checker = StopChecker(detok, stop=params.stop, stop_token_ids=stop_ids, max_tokens=budget,
+                                   ignore_eos=params.ignore_eos)
+        self.last_token: int | None = None     # the token the next decode step feeds
+        self.final: StreamEvent | None = None  # the last event, held until the engine retires us
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.t_admit = self.t_first = self.t_last = None
+
+    @property
+    def kv_tokens(self) -> int:
+        return 0 if self.cache is None else int(self.cache.length)
+
+    def step(self, model, speculative: SpeculativeDecoder | None = None) -> None:
+        """One model call (prefill or one decode step), one sampled token, its delivery; with
+        ``speculative``, decoding steps are speculative steps (several tokens each)."""
+        if speculative is not None:
+            return self._step_speculative(speculative)
+        if self.last_token is None:
+            logits = model.prefill(self.prompt_ids, self.cache)         # [V]
+        else:
+            logits = model.decode(self.last_token, self.cache)          # [V]
+        self.accept(sampler.sample(logits, self.params, self.rng))
+
+    def _step_speculative(self, spec: SpeculativeDecoder) -> None:
+        if self.last_token is None:
+            logits = spec.prefill(self.prompt_ids, self.cache, self.spec)           # [V]
+        elif spec.can_speculate(self.cache):
+            spec.step(self.last_token, self.cache, self.spec, self.params, self.rng, self.accept)
+            return
+        else:                                  # no room for a block before the context end
+            logits = spec.decode(self.last_token, self.cache, self.spec)            # [V]
+        self.accept(sampler.sample(logits, self.params, self.rng))
+
+    def accept(self, token: int) -> bool:
+        """Take one generated token: stop checks, then delivery. True once the sequence is
+        finished (its final event waits in ``final``); a speculative step calls this for each
+        token of an accepted block until it returns True."""
+        assert self.final is None, "token accepted after the sequence finished"
+        self.t_last = time.perf_counter()
+        self.t_first = self.t_first or self.t_last
+        self.last_token = token
+        d = self.checker.push(token)
+        if not (d.text or d.token_ids or d.finish_reason):
+            return False
+        self.text_parts.append(d.text)
+        self.token_ids.extend(d.token_ids)
+        event = StreamEvent(d.text, d.token_ids, d.finish_reason, len(self.prompt_ids), self.checker.delivered)
+        if d.finish_reason is None:
+            self.handle._put(event)
+        else:
+            self.final = event
+        return self.final is not None
+
+    def completion(self) -> Completion:
+        """The join of the delivered events, with per-request stats."""
+        return Completion("".join(self.text_parts), tuple(self.token_ids), self.checker.finish_reason,
+                          len(self.prompt_ids), self.checker.delivered, self.stats())
+
+    def stats(self) -> dict:
+        t0 = self.handle.t_submit
+        decode_s = (self.t_last - self.t_first) if self.t_first else 0.0
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": self.checker.delivered,
+            "generated_tokens": self.checker.generated,
+            "queue_s": (self.t_admit - t0) if self.t_admit else None,
+            "ttft_s": (self.t_first - t0) if self.t_first else None,
+            "decode_tokens_per_s": (self.checker.generated - 1) / decode_s if decode_s > 0 else 0.0,
+            "total_s": time.perf_counter() - t0,
+            **(self.spec.stats() if self.spec is not None else {}),
+        }
