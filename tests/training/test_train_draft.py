@@ -1,0 +1,87 @@
+"""The torch draft (flm_train.draft) against the numpy draft that serves it (flm_runtime.models.dflash),
+on random weights of a tiny geometry: same logits for the same block, through the file format.
+
+Also: the training forward (many anchors in one pass, blocks isolated by the attention mask) equals
+one block at a time, and the exported float16 file loads back to the same tensors.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
+
+from flm_runtime.models.dflash import DFlashConfig, read_weights
+from flm_runtime.models.dflash import DFlashDraft as NumpyDraft
+from flm_train.draft import DFlashDraft, DraftConfig
+from flm_train.export import write_draft
+
+V, E, T = 101, 64, 23  # vocabulary, hidden size, context positions
+
+
+def tiny_draft(layers: int = 2, seed: int = 0) -> DFlashDraft:
+    torch.manual_seed(seed)
+    c = DraftConfig(hidden_size=E, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, num_hidden_layers=layers, target_layer_ids=(1, 3, 5),
+                    block_size=8, mask_token_id=7, max_position_embeddings=256)
+    embed = torch.randn(V, E)
+    draft = DFlashDraft(c, embed, embed)  # tied, like SmolLM2
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.2)  # norms away from 1, linears away from init scale
+    return draft
+
+
+def numpy_twin(draft: DFlashDraft, tmp_path) -> NumpyDraft:
+    out = write_draft(tmp_path / "draft", draft.c, draft.export_state(), target="tiny:test", target_sha256=None,
+                      training={"note": "random"})
+    config = DFlashConfig.from_dict(json.loads((out / "config.json").read_text()))
+    embed = draft.embed.numpy()
+    return NumpyDraft(config, read_weights(out / "model.safetensors"), embed=embed, lm_head=embed,
+                      max_positions=draft.c.max_position_embeddings)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_torch_and_numpy_drafts_give_the_same_logits(tmp_path, layers):
+    draft = tiny_draft(layers)
+    # The file is float16: round the torch side's weights the same way before comparing.
+    draft.load_export_state({k: v.half().float() for k, v in draft.export_state().items()})
+    twin = numpy_twin(draft, tmp_path)
+    rng = np.random.default_rng(1)
+    taps = rng.standard_normal((T, 3 * E)).astype(np.float32)  # [T, n*E]
+    for start in (0, 5, T):
+        cache = twin.new_cache()
+        twin.add_context(cache, taps[:start], 0)
+        want = twin.draft_logits(cache, anchor_id=42, start=start)  # [7, V]
+        got = draft.block_logits(torch.from_numpy(taps[:start]), 42, start)[1:].detach().numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        assert (got.argmax(-1) == twin.propose(cache, 42, start)).all()
+
+
+def test_many_anchors_in_one_pass_equal_one_block_at_a_time():
+    draft = tiny_draft(2)
+    taps = torch.randn(2, T, 3 * E)
+    tokens = torch.randint(0, V, (2, T))
+    anchors = torch.tensor([[3, 4, 15], [0, 9, 20]])  # overlapping blocks must not see each other
+    together = draft.hidden(taps, tokens, anchors)  # [2, 3, 8, E]
+    for b in range(2):
+        for m in range(3):
+            a = int(anchors[b, m])
+            alone = draft.hidden(taps[b:b + 1, :a], tokens[b:b + 1, : a + 1], anchors[b:b + 1, m:m + 1])
+            torch.testing.assert_close(together[b, m], alone[0, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_export_roundtrip_float16(tmp_path):
+    draft = tiny_draft(1)
+    out = write_draft(tmp_path / "d", draft.c, draft.export_state(), target="tiny:test", target_sha256=None,
+                      training={})
+    config = json.loads((out / "config.json").read_text())
+    assert config["architecture"] == "dflash-llama" and config["target_layer_ids"] == [1, 3, 5]
+    assert DraftConfig.from_dict(config) == draft.c
+    back = read_weights(out / "model.safetensors")
+    for k, v in draft.export_state().items():
+        np.testing.assert_allclose(back[k], v.numpy(), rtol=1e-3, atol=1e-3)

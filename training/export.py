@@ -1,0 +1,81 @@
+"""Write a trained draft in the format of docs/dflash.md: ``config.json`` + ``model.safetensors``.
+
+The tensors are stored as float16 (the runtime loads them as float32): a 1-layer draft for
+SmolLM2-135M is ~17 MB in float32, half that in float16. The directory defaults to where the
+registry expects the draft of ``<family>-dflash:<size>`` (for ``smollm2:135m``:
+``flm_runtime/drafts/smollm2-135m-dflash/``, shipped inside the package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from flm_train.draft import DFlashDraft, DraftConfig
+from safetensors.numpy import save_file
+
+
+def dflash_tag(target: str) -> str:
+    """``smollm2:135m`` -> ``smollm2-dflash:135m`` (the registry's naming of DFlash tags)."""
+    family, size = target.split(":", 1)
+    return f"{family}-dflash:{size}"
+
+
+def default_export_dir(target: str) -> Path:
+    from flm_runtime import registry
+
+    entry = registry.resolve(dflash_tag(target))
+    assert entry.draft_dir is not None
+    return entry.draft_dir
+
+
+def write_draft(out_dir: Path, config: DraftConfig, state: dict[str, torch.Tensor], *, target: str,
+                target_sha256: str | None, training: dict) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (float16) atomically-enough (tmp + rename each)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {"architecture": "dflash-llama", "target": target, "target_sha256": target_sha256,
+           **config.to_dict(), "training": training}
+    tensors = {k: v.detach().cpu().numpy().astype(np.float16) for k, v in state.items()}
+    tmp = out_dir / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "dflash-llama"})
+    os.replace(tmp, out_dir / "model.safetensors")
+    tmp = out_dir / "config.json.tmp"
+    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    os.replace(tmp, out_dir / "config.json")
+    return out_dir
+
+
+def _target_sha256(target: str) -> str | None:
+    from flm_runtime import registry
+
+    entry = registry.resolve(target)
+    return entry.files[0].sha256 if entry.files else None
+
+
+def export_from_checkpoint(a: argparse.Namespace) -> Path:
+    """Export the best draft (by held-out simulated AL) of ``<out>/ckpt/last.pt``, else its last state."""
+    ck = torch.load(a.out / "ckpt" / "last.pt", weights_only=False)
+    config = DraftConfig.from_dict(ck["draft_config"])
+    best = ck.get("best")
+    if best is not None:
+        state, chosen = best["state"], {"step": best["step"], "sim_al": round(best["sim_al"], 3)}
+    else:  # no held-out evaluation ran: the last state
+        dummy = torch.zeros(config.mask_token_id + 1, config.hidden_size)  # the frozen target parts are not exported
+        draft = DFlashDraft(config, dummy, dummy)
+        draft.load_state_dict(ck["model"])
+        state, chosen = draft.export_state(), {"step": ck["step"], "sim_al": None}
+    last_eval = ck["history"][-1] if ck.get("history") else None
+    training = {
+        "data": "self-distilled: SmolLM2's own responses to flm_train.prompts templates (not MT-Bench)",
+        "train_tokens": ck.get("train_tokens"), "steps_trained": ck["step"], "exported": chosen,
+        "last_eval": last_eval, "command": "python -m flm_train.pipeline --target " + a.target + " --out <dir>",
+        "args": ck.get("args"),
+    }
+    out = a.export_dir or default_export_dir(a.target)
+    return write_draft(Path(out), config, state, target=a.target, target_sha256=_target_sha256(a.target),
+                       training=training)
+

@@ -1,0 +1,275 @@
+"""Train the DFlash draft on the self-distilled shards (docs/dflash.md, "Training").
+
+One step: ``--batch-seqs`` sequences, ``--anchors`` anchors each, sampled uniformly among the
+response positions that have at least one token after them; every block ``[token at anchor,
+MASK x 7]`` sees the context taps strictly before its anchor and its own 8 positions; cross-entropy
+against the target's tokens at offsets ``k = 1..7``, weighted ``exp(-(k-1)/gamma)``. AdamW, linear
+warmup then cosine decay to 10%, gradient clipping. The frozen LM head runs in bfloat16 (2.3x
+faster here; the logits are float32 for the loss); evaluation uses float32 like serving.
+
+Checkpoints (``<out>/ckpt/last.pt``, written atomically every ``--ckpt-minutes`` and at the end)
+hold the draft, the optimizer, the step, the RNG states and the data cursor; a rerun resumes from
+them. The best draft by held-out simulated AL is kept inside the checkpoint for export.
+
+Simulated AL (acceptance length, *including the bonus token*): on held-out greedy sequences,
+anchors every 8th response position; the draft's argmax tokens d1..d7 are compared with the
+target's own greedy continuation; AL = 1 + the longest agreeing prefix (tokens past the end of the
+sequence never agree). That is the greedy serving AL for the same context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flm_train.draft import DFlashDraft, DraftConfig
+from flm_train.target import default_tap_layers
+from tqdm import tqdm
+
+log = logging.getLogger("flm_train")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("train")
+    g.add_argument("--layers", type=int, default=1, help="draft layers (1-3)")
+    g.add_argument("--block-size", type=int, default=8)
+    g.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence per step")
+    g.add_argument("--batch-seqs", type=int, default=4, help="sequences per step")
+    g.add_argument("--steps", type=int, default=3000)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup", type=int, default=100)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip", type=float, default=1.0)
+    g.add_argument("--gamma", type=float, default=4.0, help="loss weight exp(-(k-1)/gamma) at offset k")
+    g.add_argument("--threads", type=int, default=2, help="torch threads")
+    g.add_argument("--ckpt-minutes", type=float, default=4.0)
+    g.add_argument("--eval-every", type=int, default=200)
+    g.add_argument("--eval-seqs", type=int, default=32, help="held-out greedy sequences for simulated AL")
+    g.add_argument("--mask-token-id", type=int, default=16, help="<empty_output> in SmolLM2")
+
+
+# --- data ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Seq:
+    shard: int
+    start: int  # offset of the sequence in its shard's token/taps arrays
+    length: int  # tokens (prompt + response)
+    prompt_len: int
+    greedy: bool
+
+
+class Shards:
+    """Shards held in memory (taps stay float16 until a batch is built)."""
+
+    def __init__(self, paths: list[Path]):
+        self.tokens, self.taps, self.seqs = [], [], []
+        for i, p in enumerate(paths):
+            z = np.load(p)
+            self.tokens.append(z["tokens"].astype(np.int64))
+            self.taps.append(z["taps"])
+            off, pl, gr = z["offsets"], z["prompt_lens"], z["greedy"]
+            for j in range(len(pl)):
+                if off[j + 1] - off[j] - pl[j] >= 2:  # at least an anchor and one target
+                    self.seqs.append(Seq(i, int(off[j]), int(off[j + 1] - off[j]), int(pl[j]), bool(gr[j])))
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    def batch(self, seqs: list[Seq], anchors: list[np.ndarray]) -> tuple[torch.Tensor, ...]:
+        """taps ``[B, T, n*E]`` f32, tokens ``[B, T]``, lengths ``[B]``, anchors ``[B, M]``, anchor valid ``[B, M]``."""
+        t = max(s.length for s in seqs)
+        m = max(len(a) for a in anchors)
+        taps = torch.zeros(len(seqs), t, self.taps[0].shape[1])
+        tokens = torch.zeros(len(seqs), t, dtype=torch.long)
+        anc = torch.zeros(len(seqs), m, dtype=torch.long)
+        valid = torch.zeros(len(seqs), m, dtype=torch.bool)
+        for i, (s, a) in enumerate(zip(seqs, anchors)):
+            taps[i, : s.length] = torch.from_numpy(self.taps[s.shard][s.start: s.start + s.length].astype(np.float32))
+            tokens[i, : s.length] = torch.from_numpy(self.tokens[s.shard][s.start: s.start + s.length])
+            anc[i, : len(a)] = torch.from_numpy(a)
+            anc[i, len(a):] = s.prompt_len
+            valid[i, : len(a)] = True
+        lengths = torch.tensor([s.length for s in seqs])
+        return taps, tokens, lengths, anc, valid
+
+
+def sample_anchors(s: Seq, m: int, rng: np.random.Generator) -> np.ndarray:
+    """Up to ``m`` distinct anchors in ``[prompt_len, length-2]`` (sorted)."""
+    n = s.length - 1 - s.prompt_len
+    pick = rng.choice(n, size=min(m, n), replace=False)
+    return np.sort(pick + s.prompt_len).astype(np.int64)
+
+
+def block_targets(tokens: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets ``[B, M, k-1]`` (the tokens at anchor+1..anchor+k-1) and their validity."""
+    pos = anchors[:, :, None] + torch.arange(1, k)  # [B, M, k-1]
+    ok = (pos < lengths[:, None, None]) & valid[:, :, None]
+    tgt = torch.gather(tokens, 1, pos.clamp(max=tokens.shape[1] - 1).flatten(1)).view_as(pos)
+    return tgt, ok
+
+
+def draft_loss(draft: DFlashDraft, batch: tuple, gamma: float) -> tuple[torch.Tensor, dict]:
+    taps, tokens, lengths, anchors, valid = batch
+    k = draft.c.block_size
+    h = draft.hidden(taps, tokens, anchors)[:, :, 1:]  # [B, M, k-1, E]
+    tgt, ok = block_targets(tokens, lengths, anchors, valid, k)
+    logits = draft.logits(h[ok], bf16=True)  # [N, V]
+    ce = F.cross_entropy(logits, tgt[ok], reduction="none")  # [N]
+    w = torch.exp(-torch.arange(k - 1, dtype=torch.float32) / gamma).expand_as(ok)[ok]  # [N]
+    loss = (ce * w).sum() / w.sum()
+    with torch.no_grad():
+        acc1 = (logits.argmax(-1) == tgt[ok])[torch.arange(k - 1).expand_as(ok)[ok] == 0].float().mean()
+    return loss, {"acc1": float(acc1)}
+
+
+@torch.no_grad()
+def simulated_al(draft: DFlashDraft, data: Shards, seqs: list[Seq], max_blocks: int = 24) -> dict:
+    """Greedy simulated AL (includes the bonus token) over anchors every K-th response position."""
+    k = draft.c.block_size
+    accepted, per_k = [], np.zeros(k - 1)
+    for s in seqs:
+        anchors = np.arange(s.prompt_len, s.length - 1, k)[:max_blocks]
+        taps, tokens, lengths, anc, valid = data.batch([s], [anchors])
+        logits = draft.logits(draft.hidden(taps, tokens, anc)[:, :, 1:])  # [1, M, k-1, V]
+        tgt, ok = block_targets(tokens, lengths, anc, valid, k)
+        agree = ((logits.argmax(-1) == tgt) & ok)[0].int()  # [M, k-1]
+        prefix = torch.cumprod(agree, dim=1)  # 1 while every earlier one agreed
+        accepted.extend(prefix.sum(1).tolist())
+        per_k += prefix.sum(0).numpy()
+    return {"sim_al": 1 + float(np.mean(accepted)), "blocks": len(accepted),
+            "accept_at_k": [round(float(x) / len(accepted), 3) for x in per_k]}
+
+
+# --- checkpointing -----------------------------------------------------------------------------
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def lr_at(step: int, a: argparse.Namespace) -> float:
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    frac = (step - a.warmup) / max(1, a.steps - a.warmup)
+    return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def build_draft(a: argparse.Namespace, target_config, embed: torch.Tensor, lm_head: torch.Tensor,
+                target_norm: torch.Tensor | None) -> DFlashDraft:
+    c = target_config
+    dc = DraftConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                     num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                     head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                     num_hidden_layers=a.layers, target_layer_ids=tuple(default_tap_layers(c.num_hidden_layers)),
+                     block_size=a.block_size, mask_token_id=a.mask_token_id,
+                     max_position_embeddings=c.max_position_embeddings)
+    draft = DFlashDraft(dc, embed, lm_head)
+    with torch.no_grad():
+        for mod in draft.modules():
+            if isinstance(mod, torch.nn.Linear):
+                torch.nn.init.normal_(mod.weight, std=0.02)
+        if target_norm is not None:
+            # The target's final-norm gains, scaled down: with the tied LM head a draft output near
+            # the anchor/MASK embedding would otherwise start with logits of std ~20 (CE ~100).
+            draft.norm.copy_(0.1 * target_norm)
+    return draft
+
+
+def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Path]) -> None:
+    from flm_runtime import registry
+    from flm_runtime.loading import load_model_files
+
+    ckpt_dir = a.out / "ckpt"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    last = ckpt_dir / "last.pt"
+    ck = torch.load(last, weights_only=False) if last.exists() else None
+    if ck is not None and ck["step"] >= a.steps:
+        log.info("train: done (step %d >= --steps %d)", ck["step"], a.steps)
+        return
+    torch.set_num_threads(a.threads)
+    bundle = load_model_files(registry.locate(a.target))
+    embed = torch.from_numpy(bundle.weights["model.embed_tokens.weight"])
+    lm_head = embed if bundle.config.tie_word_embeddings else torch.from_numpy(bundle.weights["lm_head.weight"])
+    torch.manual_seed(a.seed)
+    draft = build_draft(a, bundle.config, embed, lm_head, torch.from_numpy(bundle.weights["model.norm.weight"]))
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=a.lr, betas=(0.9, 0.95),
+                            weight_decay=a.weight_decay)
+    data, held = Shards(train_paths), Shards(heldout_paths) if heldout_paths else None
+    log.info("train: %d sequences / %d tokens; held out %d sequences", len(data.seqs), data.n_tokens,
+             len(held.seqs) if held else 0)
+    eval_seqs = [s for s in held.seqs if s.greedy][: a.eval_seqs] if held else []
+    rng = np.random.default_rng(a.seed)
+    step, epoch, cursor, perm, best = 0, 0, 0, rng.permutation(len(data.seqs)), None
+    history: list[dict] = []
+    if ck is not None:
+        draft.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        step, epoch, cursor, perm = ck["step"], ck["epoch"], ck["cursor"], np.asarray(ck["perm"])
+        rng.bit_generator.state = ck["rng_numpy"]
+        torch.set_rng_state(ck["rng_torch"])
+        random.setstate(ck["rng_python"])
+        best, history = ck.get("best"), ck.get("history", [])
+        if len(perm) != len(data.seqs):  # the data grew (a larger --n-prompts): a new epoch over all of it
+            epoch, cursor, perm = epoch + 1, 0, rng.permutation(len(data.seqs))
+        log.info("train: resumed at step %d (epoch %d, cursor %d)", step, epoch, cursor)
+
+    def checkpoint() -> None:
+        save_checkpoint(last, {"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
+                               "cursor": cursor, "perm": perm, "rng_numpy": rng.bit_generator.state,
+                               "rng_torch": torch.get_rng_state(), "rng_python": random.getstate(),
+                               "best": best, "history": history, "args": {k: str(v) for k, v in vars(a).items()},
+                               "draft_config": draft.c.to_dict(), "train_tokens": data.n_tokens})
+
+    def metric(rec: dict) -> None:
+        with open(a.out / "train_metrics.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    t_ckpt, t0, steps_run, loss_avg = time.time(), time.time(), 0, None
+    bar = tqdm(total=a.steps, initial=step, desc="train", unit="step", mininterval=30)
+    while step < a.steps:
+        if cursor + a.batch_seqs > len(perm):
+            epoch, cursor, perm = epoch + 1, 0, rng.permutation(len(data.seqs))
+        seqs = [data.seqs[i] for i in perm[cursor: cursor + a.batch_seqs]]
+        cursor += a.batch_seqs
+        batch = data.batch(seqs, [sample_anchors(s, a.anchors, rng) for s in seqs])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, a)
+        loss, info = draft_loss(draft, batch, a.gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), a.clip)
+        opt.step()
+        step, steps_run = step + 1, steps_run + 1
+        lv = loss.item()
+        loss_avg = lv if loss_avg is None else 0.98 * loss_avg + 0.02 * lv
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_avg:.3f}", acc1=f"{info['acc1']:.2f}")
+        if step % 10 == 0:
+            metric({"step": step, "loss": round(lv, 4), "loss_ema": round(loss_avg, 4),
+                    "acc1": round(info["acc1"], 3), "lr": lr_at(step, a), "grad_norm": float(gnorm), "epoch": epoch,
+                    "s_per_step": round((time.time() - t0) / steps_run, 3)})
+        if eval_seqs and (step % a.eval_every == 0 or step == a.steps):
+            ev = {"step": step, "loss_ema": round(loss_avg, 4), **simulated_al(draft, held, eval_seqs)}
+            history.append(ev)
+            log.info("eval: %s", ev)
+            metric({"eval": ev})
+            if best is None or ev["sim_al"] > best["sim_al"]:
+                best = {"sim_al": ev["sim_al"], "step": step, "loss_ema": loss_avg, "state": draft.export_state()}
+        if time.time() - t_ckpt > 60 * a.ckpt_minutes or step == a.steps:
+            checkpoint()
+            t_ckpt = time.time()
+    bar.close()
+    log.info("train: finished %d steps (%.3f s/step this run)", step, (time.time() - t0) / max(1, steps_run))
