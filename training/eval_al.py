@@ -1,0 +1,84 @@
+"""Acceptance length of a draft with the *serving* runtime (numpy; no torch) on MT-Bench first turns.
+
+    python -m flm_train.eval_al --draft runtime/drafts/smollm2-135m-dflash \\
+        --questions ../shared/data/mt_bench_questions.jsonl [--n 80] [--max-new 256]
+
+Greedy, each first turn through the target's chat template, ``--max-new`` tokens or the end of
+turn; the runtime's ``SpeculativeDecoder`` does the steps. AL = tokens emitted by speculative steps
+/ steps (includes the bonus token), pooled over all questions; per-category ALs too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+STOP_IDS = (0, 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flm_train.eval_al", description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="smollm2:135m")
+    p.add_argument("--draft", type=Path, required=True)
+    p.add_argument("--questions", type=Path, required=True, help="MT-Bench question.jsonl")
+    p.add_argument("--n", type=int, default=80, help="questions (the first n)")
+    p.add_argument("--max-new", type=int, default=256)
+    p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    a = p.parse_args(argv)
+
+    from flm_runtime import registry
+    from flm_runtime.api import load_model
+    from flm_runtime.engine.request import SamplingParams
+    from flm_runtime.engine.speculative import SpeculativeDecoder
+    from flm_runtime.models.dflash import DFlashDraft
+
+    loaded = load_model(a.target)
+    entry = registry.resolve(a.target)
+    draft = DFlashDraft.load(a.draft, loaded.model, target_sha256=entry.files[0].sha256 if entry.files else None)
+    decoder = SpeculativeDecoder(loaded.model, draft)
+    params = SamplingParams(max_tokens=a.max_new, temperature=0.0)
+    rng = np.random.default_rng(0)
+    tok = loaded.tokenizer
+    questions = [json.loads(line) for line in a.questions.read_text().splitlines() if line.strip()][: a.n]
+    by_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> [emitted, steps]
+    t0, n_tokens = time.time(), 0
+    for q in questions:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}]))
+        cache = loaded.model.new_cache(len(ids) + a.max_new + 8)
+        state = decoder.new_state()
+        out = [int(np.argmax(decoder.prefill(np.asarray(ids, dtype=np.int64), cache, state)))]
+
+        def emit(token: int, out=out) -> bool:
+            out.append(token)
+            return token in STOP_IDS or len(out) >= a.max_new
+
+        done = out[0] in STOP_IDS
+        while not done:
+            if decoder.can_speculate(cache):
+                done = decoder.step(out[-1], cache, state, params, rng, emit)
+            else:
+                done = emit(int(np.argmax(decoder.decode(out[-1], cache, state))))
+        n_tokens += len(out)
+        by_cat[q["category"]][0] += state.emitted
+        by_cat[q["category"]][1] += state.steps
+        s = state.stats()
+        print(f"q{q['question_id']} {q['category']}: {len(out)} tokens, AL {s['acceptance_length']:.2f}", flush=True)
+    emitted = sum(v[0] for v in by_cat.values())
+    steps = sum(v[1] for v in by_cat.values())
+    result = {"acceptance_length": emitted / max(1, steps), "questions": len(questions), "tokens": n_tokens,
+              "seconds": round(time.time() - t0, 1), "tokens_per_s": round(n_tokens / (time.time() - t0), 1),
+              "per_category": {k: round(v[0] / max(1, v[1]), 3) for k, v in sorted(by_cat.items())},
+              "draft": str(a.draft), "max_new": a.max_new}
+    print(json.dumps(result, indent=1))
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
