@@ -246,13 +246,13 @@ class DFlashDraft:
         assert cache.length == start_position, f"draft cache holds {cache.length}, taps start at {start_position}"
         if t == 0:
             return
-        ctx = cpu.rms_norm(taps @ self.fc.T, self.hidden_norm, c.rms_norm_eps)  # [T, E]
+        ctx = cpu.rms_norm(cpu.linear(taps, self.fc), self.hidden_norm, c.rms_norm_eps)  # [T, E]
         cos = self.rope_cos[start_position : start_position + t]  # [T, D/2]
         sin = self.rope_sin[start_position : start_position + t]
         q_rows = c.num_attention_heads * d
         cache.reserve(t)
         for i, layer in enumerate(self.layers):
-            kv = ctx @ layer.wqkv[q_rows:].T  # [T, 2*Hkv*D]
+            kv = cpu.linear(ctx, layer.wqkv[q_rows:])  # [T, 2*Hkv*D]
             k = cpu.apply_rope(kv[:, : hkv * d].reshape(t, hkv, d), cos, sin)  # [T, Hkv, D]
             v = kv[:, hkv * d :].reshape(t, hkv, d)  # [T, Hkv, D]
             cache.write(i, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
@@ -279,17 +279,18 @@ class DFlashDraft:
         cos, sin = self.rope_cos[start : start + b], self.rope_sin[start : start + b]  # [B, D/2]
         cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
         for i, w in enumerate(self.layers):
-            qkv = cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps) @ w.wqkv.T  # [B, (H+2Hkv)*D]
+            qkv = cpu.linear(cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps), w.wqkv)  # [B, (H+2Hkv)*D]
             q = cpu.apply_rope(qkv[:, : h * d].reshape(b, h, d), cos, sin)  # [B, H, D]
             k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(b, hkv, d), cos, sin)  # [B, Hkv, D]
             v = qkv[:, (h + hkv) * d :].reshape(b, hkv, d)  # [B, Hkv, D]
             cache.write(i, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
             n = start + b
             attn = cpu.attention(q, cache.k[i, :, :n], cache.v[i, :, :n], start, causal=False)  # [B, H*D]
-            x = x + attn @ w.wo.T
-            gate_up = cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps) @ w.w_gate_up.T  # [B, 2F]
-            x = x + cpu.swiglu(gate_up) @ w.w_down.T
-        return cpu.rms_norm(x[1:], self.norm, c.rms_norm_eps) @ self.lm_head.T  # [K, V]
+            x = x + cpu.linear(attn, w.wo)
+            gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps), w.w_gate_up)  # [B, 2F]
+            x = x + cpu.linear(cpu.swiglu(gate_up), w.w_down)
+        h = cpu.rms_norm(x[1:], self.norm, c.rms_norm_eps)  # [K, E]: rows 1..K predict d1..dK
+        return np.ascontiguousarray(cpu.linear(h, self.lm_head))  # [K, V]
 
     def propose(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:
         """Greedy draft: ``d1 .. dK`` = argmax of block rows ``1 .. K`` (see ``draft_logits``).

@@ -190,7 +190,8 @@ class LlamaModel:
                 tapped[i] = x
         cache.commit(t)
         h = x if all_logits else x[-1:]
-        logits = cpu.rms_norm(h, self.norm, self.config.rms_norm_eps) @ self.lm_head.T  # [T or 1, V]
+        logits = np.ascontiguousarray(cpu.linear(cpu.rms_norm(h, self.norm, self.config.rms_norm_eps),
+                                                 self.lm_head))  # [T or 1, V]
         if not taps:
             return logits
         return ForwardOutput(logits, np.concatenate([tapped[i] for i in taps], axis=-1))  # [T, n*E]
@@ -228,16 +229,16 @@ class LlamaModel:
         """One decoder layer over ``x`` ``[T, E]`` at positions ``start ..``; returns ``[T, E]``."""
         c = self.config
         t, h, hkv, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps) @ w.wqkv.T  # [T, (H+2Hkv)*D]
+        qkv = cpu.linear(cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps), w.wqkv)  # [T, (H+2Hkv)*D]
         q = cpu.apply_rope(qkv[:, : h * d].reshape(t, h, d), cos, sin)  # [T, H, D]
         k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(t, hkv, d), cos, sin)  # [T, Hkv, D]
         v = qkv[:, (h + hkv) * d :].reshape(t, hkv, d)  # [T, Hkv, D]
         cache.write(i, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
         n = start + t
         attn = cpu.attention(q, cache.k[i, :, :n], cache.v[i, :, :n], start)  # [T, H*D]
-        x = x + attn @ w.wo.T
-        gate_up = cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps) @ w.w_gate_up.T  # [T, 2F]
-        return x + cpu.swiglu(gate_up) @ w.w_down.T
+        x = x + cpu.linear(attn, w.wo)
+        gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps), w.w_gate_up)  # [T, 2F]
+        return x + cpu.linear(cpu.swiglu(gate_up), w.w_down)
 
 
 class _Taker:

@@ -97,6 +97,16 @@ def test_dflash_engine_shares_the_target_and_equals_greedy_baseline(dflash_tag, 
     print(f"greedy equivalence, random draft: {near_ties} near-tie cut(s) in {len(chats)} prompts")
 
 
+def test_dflash_engine_seeded_sampling_is_reproducible_and_equals_plain(dflash_tag, smollm2_engine, chats):
+    """One draw per emitted token in both paths: the same seed gives the same tokens."""
+    engine = api.get_engine(dflash_tag())
+    prompt = chats[1][0]
+    params = engine.sampling_params(temperature=0.8, top_p=0.9, seed=2024, max_tokens=16, ignore_eos=True)
+    first, second = (engine.submit(prompt, params).result() for _ in range(2))
+    assert first.token_ids == second.token_ids
+    assert first.token_ids == smollm2_engine.submit(prompt, params).result().token_ids
+
+
 def test_dflash_tag_refuses_a_draft_for_another_target_file(dflash_tag):
     with pytest.raises(ModelFormatError, match="sha256"):
         api.get_engine(dflash_tag(draft_sha="0" * 64))
