@@ -1,4 +1,4 @@
-"""The ``litellm-flm`` command: ``pull``, ``list`` (and ``run``, ``bench``, ... as they are added).
+"""The ``litellm-flm`` command: ``pull``, ``list``, ``run``, ``validate`` (and ``bench``, ... as they are added).
 
 Each subcommand is one function ``cmd_<name>(args) -> int`` (the exit status) registered with
 ``@command(name, help, configure)``, where ``configure(parser)`` adds its arguments. Errors the
@@ -148,6 +148,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"\n[{args.tag}: {stats['prompt_tokens']} prompt tokens, {stats['completion_tokens']} completion "
           f"tokens, TTFT {stats['ttft_s']:.2f} s, decode {stats['decode_tokens_per_s']:.1f} tokens/s]",
           file=sys.stderr)
+    return 0
+
+
+# --- validate -----------------------------------------------------------------------------------
+
+def _validate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("tag", nargs="?", default="smollm2:135m",
+                   help="the model whose backend choice to explain (default smollm2:135m)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+
+
+@command("validate", "check the NPU, its driver and firmware, pyxrt, the xclbins, and which backend "
+                     "FLM_BACKEND=auto would choose", _validate_args)
+def cmd_validate(args: argparse.Namespace) -> int:
+    from flm_runtime.backends.validate import format_report, validate_report
+
+    entry = registry.resolve(args.tag)
+    report = validate_report(entry.base or entry.tag)  # a DFlash tag runs on its base's kernels
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 

@@ -16,7 +16,7 @@ What is read, all optional (a missing file means "not known", never an error):
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 AMD_VENDOR = 0x1022
@@ -62,7 +62,6 @@ class NpuDetection:
     accel_nodes: tuple[str, ...]
     driver_loaded: bool
     driver_version: str | None
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def present(self) -> bool:
