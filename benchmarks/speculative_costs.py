@@ -1,6 +1,8 @@
 """What one DFlash speculative step costs, as ratios to a 1-token decode, all measured in this run.
 
-Per context length, rounds interleave (so that machine noise hits all alike; medians reported):
+Per context length, rounds interleave (so that machine noise hits all alike). Medians are
+reported, and minima too: on a shared machine the fastest round of each operation is the one least
+disturbed by other processes, so the ratio of minima estimates the quiet-machine ratio.
 
 - decode: ``forward([token])`` on the target (the 1-token layer), then rolled back;
 - verify: ``forward(8 tokens, all_logits=True, taps=...)`` (the 8-token pass), then rolled back;
@@ -53,8 +55,8 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def measure(model, draft, prompt: np.ndarray, rounds: int) -> dict[str, float]:
-    """Median seconds of each operation at context ``len(prompt)``."""
+def measure(model, draft, prompt: np.ndarray, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each operation at context ``len(prompt)``, one per round."""
     taps = draft.config.target_layer_ids
     cache, dcache = model.new_cache(len(prompt) + 16), draft.new_cache(len(prompt) + 16)
     out = model.prefill(prompt, cache, taps=taps)
@@ -76,7 +78,7 @@ def measure(model, draft, prompt: np.ndarray, rounds: int) -> dict[str, float]:
         times["propose"].append(timed(lambda: draft.propose(dcache, int(block[0]), start)))
         times["add_context"].append(timed(lambda: draft.add_context(dcache, one_tap, start)))
         dcache.trim(start)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def main() -> None:
@@ -96,16 +98,18 @@ def main() -> None:
     filler = tok.encode(" The sea is wide and the waves are high." * 1000)
     print(f"model {args.tag}; draft: {args.draft or f'random, {args.draft_layers} layer(s)'} "
           f"({draft.config.num_hidden_layers} layers, taps {list(draft.config.target_layer_ids)})")
-    print("context | decode ms | verify8 ms | (x@w.T) | propose ms | add ms | verify/decode | propose/decode "
-          "| break-even AL")
+    print("context |  stat  | decode ms | verify8 ms | (x@w.T) | propose ms | add ms | verify/decode "
+          "| propose/decode | break-even AL")
     for extra in (int(c) for c in args.contexts.split(",")):
         prompt = np.array(filler[:extra] + chat, dtype=np.int64)
-        t = measure(model, draft, prompt, args.rounds)
-        d = t["decode"]
-        print(f"{len(prompt):7d} | {d * 1e3:9.1f} | {t['verify'] * 1e3:10.1f} | {t['verify_xwt'] * 1e3:7.1f} | "
-              f"{t['propose'] * 1e3:10.1f} | "
-              f"{t['add_context'] * 1e3:6.2f} | {t['verify'] / d:13.2f} | {t['propose'] / d:14.2f} | "
-              f"{(t['verify'] + t['propose'] + t['add_context']) / d:13.2f}")
+        times = measure(model, draft, prompt, args.rounds)
+        for stat, agg in (("median", statistics.median), ("min", min)):
+            t = {k: agg(v) for k, v in times.items()}
+            d = t["decode"]
+            print(f"{len(prompt):7d} | {stat:6s} | {d * 1e3:9.1f} | {t['verify'] * 1e3:10.1f} | "
+                  f"{t['verify_xwt'] * 1e3:7.1f} | {t['propose'] * 1e3:10.1f} | {t['add_context'] * 1e3:6.2f} | "
+                  f"{t['verify'] / d:13.2f} | {t['propose'] / d:14.2f} | "
+                  f"{(t['verify'] + t['propose'] + t['add_context']) / d:13.2f}")
     unset = [v for v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if v not in os.environ]
     print(f"OPENBLAS_CORETYPE/L2_SIZE unset in this run: {', '.join(unset) or 'neither'}; "
           f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
