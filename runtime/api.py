@@ -11,8 +11,14 @@ One engine per tag per process, created on first use and shared by every caller 
 handler, the CLI, tests). Loading holds a lock so concurrent first calls load once.
 
 A DFlash tag (``X-dflash:size``) gets its own engine that decodes speculatively with the draft of
-``registry.locate_draft(tag)``, over the *same* ``LlamaModel`` object as the base tag's engine: a
-target is loaded once per process whichever of the two tags comes first.
+``registry.locate_draft(tag)``, over the *same* target object as the base tag's engine: a target is
+loaded once per process whichever of the two tags comes first.
+
+Backends (``flm_runtime.backends``): ``get_engine(tag, backend=...)`` with ``auto`` (default, or
+``$FLM_BACKEND``), ``cpu`` or ``npu``. The cpu target is the ``LlamaModel``; an npu target is an
+``NpuModel`` built on top of it (it keeps the cpu model's embedding and LM head on the host). The
+choice for a (model, requested backend) pair is made once per process; ``auto`` falls back to cpu
+when the npu backend is not there or fails to start, logging why once.
 """
 
 from __future__ import annotations
@@ -21,26 +27,37 @@ import threading
 from dataclasses import dataclass
 
 from flm_runtime import registry
+from flm_runtime.backends import TargetModel
+from flm_runtime.backends.select import log_once, requested_backend, select_backend
 from flm_runtime.engine.engine import Engine
 from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.errors import BackendUnavailableError
 from flm_runtime.loading import Tokenizer, load_model_files
 from flm_runtime.models.dflash import DFlashDraft
 from flm_runtime.models.llama import LlamaModel
 
 _lock = threading.Lock()
-_engines: dict[str, Engine] = {}
+_engines: dict[str, Engine] = {}  # engine name (the tag; "tag[npu]" on the npu backend) -> engine
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A target model ready to run, with its tokenizer (chat template included)."""
+    """A target model ready to run, with its tokenizer (chat template included).
+
+    ``model`` is a ``LlamaModel`` (``backend`` "cpu") or an ``NpuModel`` ("npu"); both implement
+    ``flm_runtime.backends.TargetModel``.
+    """
 
     tag: str
-    model: LlamaModel
+    model: TargetModel
     tokenizer: Tokenizer
+    backend: str = "cpu"
 
 
-_targets: dict[str, LoadedModel] = {}  # canonical plain tag -> its loaded model, shared by engines
+_targets: dict[str, LoadedModel] = {}  # canonical plain tag -> its cpu model, shared by engines
+_npu_targets: dict[str, LoadedModel] = {}  # canonical plain tag -> its npu model
+_choices: dict[tuple[str, str], str] = {}  # (plain tag, requested backend) -> backend that runs it
+_keys: dict[tuple[str, str], str] = {}  # (tag as asked, requested backend) -> engine name
 
 
 def load_model(tag: str) -> LoadedModel:
@@ -74,33 +91,91 @@ def load_draft(tag: str, target: LlamaModel) -> DFlashDraft:
     return DFlashDraft.load(registry.locate_draft(tag), target, target_sha256=sha)
 
 
-def get_engine(tag: str) -> Engine:
-    """The process-wide engine serving ``tag``, loading the model on first use.
+def load_npu_model(tag: str, cpu_model: LlamaModel):
+    """The ``NpuModel`` of plain ``tag`` over its loaded cpu model, from the kernel build that
+    ``xclbins/manifest.json`` (or ``$FLM_XCLBIN_PATH``) has for it.
 
     Raises:
+        BackendUnavailableError: no valid build for ``tag``, no pyxrt or device, or a kernel or
+            buffer that fails to load; the message says which.
+    """
+    from flm_runtime.backends import manifest as mf
+    from flm_runtime.backends.npu import NpuModel
+
+    manifest = mf.load_manifest()
+    check = mf.validate_build(manifest, tag)
+    if not check.ok:
+        raise BackendUnavailableError(f"no usable NPU kernel build for {tag}: {check.summary()}")
+    return NpuModel(cpu_model, manifest, check.build)
+
+
+def get_engine(tag: str, backend: str | None = None) -> Engine:
+    """The process-wide engine serving ``tag`` on ``backend``, loading the model on first use.
+
+    Args:
+        tag: a registry tag.
+        backend: ``auto``, ``cpu`` or ``npu``; None reads ``$FLM_BACKEND`` (default ``auto``).
+
+    Raises:
+        InvalidRequestError: ``backend`` (or ``$FLM_BACKEND``) is not auto, cpu or npu.
+        BackendUnavailableError: ``npu`` was asked for and cannot run (says what is missing).
         the errors of ``load_model`` (and of ``load_draft`` for a DFlash tag).
     """
+    requested = requested_backend(backend)
     with _lock:
-        engine = _engines.get(tag)
+        key = _keys.get((tag, requested))
+        engine = _engines.get(key) if key is not None else None
         if engine is None:
             entry = registry.resolve(tag)
+            base = entry.base or entry.tag
+            name = _backend_for(base, requested)
+            key = _keys[(tag, requested)] = tag if name == "cpu" else f"{tag}[{name}]"
+            engine = _engines.get(key)
+        if engine is None:
             if entry.is_dflash:
-                assert entry.base is not None
                 registry.locate(tag)  # the draft's and the base's files, pulling the base if need be
-                loaded = _target(entry.base)
+                loaded = _target(base, name)
                 speculative = SpeculativeDecoder(loaded.model, load_draft(tag, loaded.model))
             else:
-                loaded, speculative = _target(entry.tag), None
-            sampling = registry.resolve(entry.base or entry.tag).sampling  # a draft keeps its target's
-            engine = Engine(loaded.model, loaded.tokenizer, name=tag, speculative=speculative,
+                loaded, speculative = _target(base, name), None
+            sampling = registry.resolve(base).sampling  # a draft keeps its target's
+            engine = Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
                             default_sampling=sampling)
-            _engines[tag] = engine
+            _engines[key] = engine
         return engine
 
 
-def _target(tag: str) -> LoadedModel:
-    """The loaded model of plain ``tag`` (canonical), loaded once per process (lock held)."""
-    loaded = _targets.get(tag)
+def _backend_for(tag: str, requested: str) -> str:
+    """The backend that runs plain ``tag`` for ``requested``, decided once per process (lock held).
+
+    ``auto`` that selects npu but whose npu model then fails to start falls back to cpu; ``npu``
+    raises instead, and is not remembered (a later call tries again).
+    """
+    name = _choices.get((tag, requested))
+    if name is None:
+        name = select_backend(requested, tag).name
+        if name == "npu":
+            try:
+                _target(tag, "npu")
+            except BackendUnavailableError as e:
+                if requested == "npu":
+                    raise
+                log_once(f"backend auto chose cpu for {tag}: the npu backend failed to start: {e}")
+                name = "cpu"
+        _choices[(tag, requested)] = name
+    return name
+
+
+def _target(tag: str, backend: str = "cpu") -> LoadedModel:
+    """The loaded model of plain ``tag`` (canonical) on ``backend``, once per process (lock held)."""
+    if backend == "cpu":
+        loaded = _targets.get(tag)
+        if loaded is None:
+            loaded = _targets[tag] = load_model(tag)
+        return loaded
+    assert backend == "npu", backend
+    loaded = _npu_targets.get(tag)
     if loaded is None:
-        loaded = _targets[tag] = load_model(tag)
+        cpu = _target(tag)
+        loaded = _npu_targets[tag] = LoadedModel(tag, load_npu_model(tag, cpu.model), cpu.tokenizer, "npu")
     return loaded
