@@ -25,18 +25,19 @@ from litellm.types.utils import GenericStreamingChunk, ModelResponse, Usage
 from flm_runtime.engine.request import Completion, StreamEvent
 
 from .errors import litellm_errors
-from .params import normalize_messages, request_fields
+from .params import backend_of, normalize_messages, request_fields
 
 
-def _get_engine(tag: str):
-    """The process-wide engine of ``tag`` (loaded, and pulled if need be, on first use).
+def _get_engine(tag: str, backend: str | None = None):
+    """The process-wide engine of ``tag`` on ``backend`` (auto / cpu / npu; None: ``$FLM_BACKEND``),
+    loaded, and pulled if need be, on first use.
 
     Imported lazily so that ``import litellm_flm`` (what the proxy does at startup) stays cheap;
     tests replace this function with a fake engine.
     """
     from flm_runtime.api import get_engine
 
-    return get_engine(tag)
+    return get_engine(tag, backend)
 
 
 def _timeout_seconds(timeout: float | httpx.Timeout | None) -> float | None:
@@ -61,7 +62,7 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any):
     """
     fields = request_fields(optional_params)  # before loading the model: a bad request fails fast
     chat = normalize_messages(messages)
-    engine = _get_engine(model)
+    engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
     prompt = engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
     prompt_ids = engine.tokenizer.encode(prompt)

@@ -10,7 +10,8 @@ rewritten (checked on litellm 1.110.2):
   still show up from other callers.
 
 Every key is then one of: *mapped* (``OPENAI_TO_RUNTIME``), *ignored* (``IGNORED``), *accepted only
-at its neutral value* (``NEUTRAL_ONLY``), or rejected. Anything rejected raises
+at its neutral value* (``NEUTRAL_ONLY``), a *deployment* key that chooses where the model runs
+rather than how it samples (``DEPLOYMENT_KEYS``: ``backend``, read by ``backend_of``), or rejected. Anything rejected raises
 ``InvalidRequestError`` naming the parameter, which ``litellm_flm.errors`` turns into
 ``litellm.BadRequestError``. Range checks live in ``SamplingParams`` itself and the default sampler
 in the runtime (``SamplingDefaults``, per model): one place each.
@@ -23,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from flm_runtime.backends.select import requested_backend
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.sampler import CARD_DEFAULT, SamplingDefaults
 from flm_runtime.errors import InvalidRequestError
@@ -71,6 +73,10 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "reasoning_effort": ((), "reasoning_effort is not supported by this provider"),
     "thinking": ((), "thinking is not supported by this provider"),
 }
+
+# Keys that choose where the model runs: a Router deployment's litellm_params (they arrive at the
+# top level of optional_params) or a request's extra_body. backend: auto | cpu | npu, as FLM_BACKEND.
+DEPLOYMENT_KEYS: frozenset[str] = frozenset({"backend"})
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit: a request valid here stays valid for a cloud fallback model
 
@@ -122,7 +128,8 @@ def request_fields(optional_params: Mapping[str, Any]) -> dict[str, Any]:
         InvalidRequestError: an unknown, unsupported or mistyped parameter; ``param`` names it as the
             caller spelled it. Ranges are checked later, by ``SamplingParams`` itself.
     """
-    flat = {k: v for k, v in merge_extra_body(optional_params).items() if v is not None and k not in IGNORED}
+    flat = {k: v for k, v in merge_extra_body(optional_params).items()
+            if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS}
     mapped: dict[str, Any] = {}
     for key, value in flat.items():
         if key in OPENAI_TO_RUNTIME:
@@ -147,6 +154,17 @@ def request_fields(optional_params: Mapping[str, Any]) -> dict[str, Any]:
     if "stop" in fields:
         fields["stop"] = _stop_tuple(checked.stop)
     return fields
+
+
+def backend_of(optional_params: Mapping[str, Any]) -> str | None:
+    """The ``backend`` the deployment or request names (``auto``, ``cpu``, ``npu``), or None
+    (then ``$FLM_BACKEND``, default ``auto``, decides).
+
+    Raises:
+        InvalidRequestError: another value (``param`` is ``backend``).
+    """
+    value = merge_extra_body(optional_params).get("backend")
+    return None if value is None else requested_backend(value)
 
 
 def to_sampling_params(optional_params: Mapping[str, Any], defaults: SamplingDefaults | None = None) -> SamplingParams:
