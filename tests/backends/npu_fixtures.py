@@ -12,6 +12,7 @@ from flm_runtime.backends import manifest as mf
 from flm_runtime.backends import npu_reference
 from flm_runtime.backends.npu_layout import from_bf16, to_bf16, unpack
 from flm_runtime.loading.weights import llama_weight_shapes
+from flm_runtime.models.dflash import DFlashConfig, DFlashDraft, draft_weight_shapes
 from flm_runtime.models.llama import LlamaConfig, LlamaModel
 
 from fake_pyxrt import make_fake_pyxrt
@@ -32,6 +33,31 @@ def tiny_model(*, max_positions: int = 128, seed: int = 0) -> LlamaModel:
         w = w + 1.0 if name.endswith("norm.weight") else w
         weights[name] = from_bf16(to_bf16(w))
     return LlamaModel(config, weights)
+
+
+class ByteTokenizer:
+    """Token i is the byte 32 + i: printable, no stop tokens (the runs use ignore_eos anyway)."""
+
+    stop_token_ids = frozenset()
+    special_token_ids = frozenset()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([32 + token_id])
+
+
+def random_draft(target) -> DFlashDraft:
+    """A random one-layer DFlash draft for ``target`` (taps 0 and 2, mask id 1)."""
+    c = target.config
+    config = DFlashConfig(target_layer_ids=(0, 2), num_hidden_layers=1, hidden_size=c.hidden_size,
+                          intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+                          num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                          rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, mask_token_id=1)
+    rng = np.random.default_rng(7)
+    weights = {name: rng.standard_normal(shape).astype(np.float32) * (0.2 if len(shape) == 2 else 0.05)
+               + (1.0 if name.endswith("norm.weight") else 0.0)
+               for name, shape in draft_weight_shapes(config).items()}
+    return DFlashDraft(config, weights, embed=target.embed, lm_head=target.lm_head,
+                       max_positions=c.max_position_embeddings)
 
 
 def write_tiny_build(folder: Path, model: LlamaModel, **build_kwargs) -> mf.Manifest:

@@ -14,17 +14,7 @@ from flm_runtime.backends.npu import NpuModel
 from flm_runtime.errors import BackendUnavailableError, InvalidRequestError
 from flm_runtime.models.llama import LlamaModel
 
-from npu_fixtures import TAG, fake_pyxrt_for, tiny_model, write_tiny_build
-
-
-class ByteTokenizer:
-    """Token i is the byte 32 + i: printable, no stop tokens (the runs use ignore_eos anyway)."""
-
-    stop_token_ids = frozenset()
-    special_token_ids = frozenset()
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return bytes([32 + token_id])
+from npu_fixtures import TAG, ByteTokenizer, fake_pyxrt_for, tiny_model, write_tiny_build
 
 
 @pytest.fixture

@@ -14,10 +14,12 @@ import pytest
 from flm_runtime.backends import TargetModel, npu
 from flm_runtime.backends.npu import NpuModel
 from flm_runtime.backends.npu_layout import from_bf16, to_bf16
+from flm_runtime.engine.engine import Engine
 from flm_runtime.engine.kv_cache import KVCache
+from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import BackendUnavailableError
 
-from npu_fixtures import TAG, fake_pyxrt_for, tiny_model, write_tiny_build
+from npu_fixtures import TAG, ByteTokenizer, fake_pyxrt_for, random_draft, tiny_model, write_tiny_build
 
 PROMPT = np.array([5, 17, 42, 3, 88, 61, 7, 7, 30, 2, 95, 14, 50])  # 13 tokens: chunks of 8 + 5
 
@@ -87,6 +89,23 @@ def test_accuracy_against_the_float32_cpu_backend(tmp_path):
     top2 = np.sort(b, axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 0.05  # margins above the bf16 error of this random model
     assert clear.sum() >= 10 and np.array_equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
+def test_dflash_on_the_npu_target_equals_plain_greedy(tmp_path):
+    """The speculative step (taps, 8-position verify, trim) on an NpuModel: greedy output equals
+    the same target's plain greedy output (DESIGN §9.1), with a random draft."""
+    _, model, _ = build(tmp_path)
+    outputs = []
+    for speculative in (None, SpeculativeDecoder(model, random_draft(model))):
+        engine = Engine(model, ByteTokenizer(), name="tiny", speculative=speculative)
+        try:
+            params = engine.sampling_params(temperature=0.0, max_tokens=24, ignore_eos=True)
+            done = engine.submit(PROMPT[:11], params).result(timeout=60)
+        finally:
+            engine.close()
+        outputs.append(list(done.token_ids))
+    assert outputs[0] == outputs[1]
+    assert done.stats["spec_steps"] >= 3 and done.stats["drafted_tokens"] == 7 * done.stats["spec_steps"]
 
 
 def test_runlists_buffers_and_syncs(tmp_path):
