@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.resources
 import json
 import operator
 import os
@@ -42,11 +43,12 @@ class ManifestError(FlmError, ValueError):
 
 
 def xclbin_dir() -> Path:
-    """The xclbin folder: ``$FLM_XCLBIN_PATH`` or ``xclbins/`` next to the ``runtime`` package."""
+    """The xclbin folder: ``$FLM_XCLBIN_PATH``, or the repository's ``xclbins/`` (installed as the
+    package ``flm_runtime.xclbins``, so a wheel carries it too)."""
     override = os.environ.get(XCLBIN_PATH_ENV)
     if override:
         return Path(override).expanduser().resolve()
-    return Path(__file__).resolve().parents[2] / "xclbins"
+    return Path(str(importlib.resources.files("flm_runtime.xclbins")))
 
 
 @dataclass(frozen=True)

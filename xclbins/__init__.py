@@ -1,0 +1,1 @@
+"""Package marker: installs this folder (manifest.json, kernel builds) as ``flm_runtime.xclbins``."""
