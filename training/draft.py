@@ -104,6 +104,8 @@ class DFlashDraft(nn.Module):
         self.mask_embedding = nn.Parameter(embed[c.mask_token_id].clone())
         self.layers = nn.ModuleList([DraftLayer(c) for _ in range(c.num_hidden_layers)])
         self.norm = nn.Parameter(torch.ones(e))
+        # Training-time preconditioning of the taps (see ``set_tap_scale``); folded into fc at export.
+        self.register_buffer("tap_scale", torch.ones(n * e))
         self.register_buffer("embed", embed, persistent=False)
         self.register_buffer("lm_head", lm_head, persistent=False)
         cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
@@ -113,9 +115,20 @@ class DFlashDraft(nn.Module):
 
     # -- file names of docs/dflash.md -----------------------------------------------------------
 
+    def set_tap_scale(self, tap_rms: torch.Tensor) -> None:
+        """Train on ``taps / tap_rms`` (per column ``[n*E]``), exported as ``fc.weight / tap_rms``.
+
+        The target's residual stream has a few "massive" dimensions (RMS ~1500 where the median is
+        ~5 in SmolLM2's later layers): unscaled, they dominate ``taps @ fc^T`` and Adam's equal
+        per-weight steps move the output mostly along them. Dividing by the per-column RMS is an
+        exact reparametrisation: ``(taps / s) @ fc^T == taps @ (fc / s)^T``.
+        """
+        with torch.no_grad():
+            self.tap_scale.copy_(1.0 / tap_rms.clamp(min=1e-3))
+
     def export_state(self) -> dict[str, torch.Tensor]:
-        """The draft's tensors under the file-format names (float32, contiguous)."""
-        out = {"fc.weight": self.fc.weight, "hidden_norm.weight": self.hidden_norm,
+        """The draft's tensors under the file-format names (float32, contiguous; tap scale folded in)."""
+        out = {"fc.weight": self.fc.weight * self.tap_scale[None, :], "hidden_norm.weight": self.hidden_norm,
                "mask_embedding": self.mask_embedding, "norm.weight": self.norm}
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
@@ -144,6 +157,7 @@ class DFlashDraft(nn.Module):
             for k, v in state.items():
                 assert own[k].shape == v.shape, f"{k}: {tuple(v.shape)} != {tuple(own[k].shape)}"
                 own[k].copy_(v.float())
+            self.tap_scale.fill_(1.0)  # exported fc already has the scale folded in
 
     # -- forward --------------------------------------------------------------------------------
 
@@ -159,7 +173,7 @@ class DFlashDraft(nn.Module):
         c, kk = self.c, self.c.block_size
         b, t, _ = taps.shape
         m = anchors.shape[1]
-        ctx = rms_norm(self.fc(taps), self.hidden_norm, c.rms_norm_eps)  # [B, T, E]
+        ctx = rms_norm(self.fc(taps * self.tap_scale), self.hidden_norm, c.rms_norm_eps)  # [B, T, E]
         first = self.embed[torch.gather(tokens, 1, anchors)]  # [B, M, E]
         x = torch.cat([first[:, :, None], self.mask_embedding.expand(b, m, kk - 1, -1)], dim=2)  # [B, M, K, E]
         x = x.reshape(b, m * kk, -1)  # [B, MK, E]

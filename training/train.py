@@ -82,6 +82,18 @@ class Shards:
                 if off[j + 1] - off[j] - pl[j] >= 2:  # at least an anchor and one target
                     self.seqs.append(Seq(i, int(off[j]), int(off[j + 1] - off[j]), int(pl[j]), bool(gr[j])))
 
+    def tap_rms(self, max_tokens: int = 200_000) -> torch.Tensor:
+        """Per-column RMS ``[n*E]`` of the taps over (up to) ``max_tokens`` positions, leaving out each
+        sequence's first position (the attention-sink token, whose massive values would set the scale)."""
+        acc, n = None, 0
+        for s in self.seqs:
+            x = self.taps[s.shard][s.start + 1: s.start + s.length - 1].astype(np.float64)
+            sq = (x * x).sum(0)
+            acc, n = (sq if acc is None else acc + sq), n + len(x)
+            if n >= max_tokens:
+                break
+        return torch.from_numpy(np.sqrt(acc / max(n, 1)).astype(np.float32))
+
     @property
     def n_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
@@ -208,6 +220,7 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=a.lr, betas=(0.9, 0.95),
                             weight_decay=a.weight_decay)
     data, held = Shards(train_paths), Shards(heldout_paths) if heldout_paths else None
+    draft.set_tap_scale(data.tap_rms())  # a checkpoint's own scale (a buffer) replaces it on resume
     log.info("train: %d sequences / %d tokens; held out %d sequences", len(data.seqs), data.n_tokens,
              len(held.seqs) if held else 0)
     eval_seqs = [s for s in held.seqs if s.greedy][: a.eval_seqs] if held else []
@@ -256,7 +269,7 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
         lv = loss.item()
         loss_avg = lv if loss_avg is None else 0.98 * loss_avg + 0.02 * lv
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_avg:.3f}", acc1=f"{info['acc1']:.2f}")
+        bar.set_postfix(loss=f"{loss_avg:.3f}", acc1=f"{info['acc1']:.2f}", refresh=False)
         if step % 10 == 0:
             metric({"step": step, "loss": round(lv, 4), "loss_ema": round(loss_avg, 4),
                     "acc1": round(info["acc1"], 3), "lr": lr_at(step, a), "grad_norm": float(gnorm), "epoch": epoch,

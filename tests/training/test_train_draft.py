@@ -85,3 +85,18 @@ def test_export_roundtrip_float16(tmp_path):
     back = read_weights(out / "model.safetensors")
     for k, v in draft.export_state().items():
         np.testing.assert_allclose(back[k], v.numpy(), rtol=1e-3, atol=1e-3)
+
+
+def test_tap_scale_is_folded_into_fc_at_export(tmp_path):
+    draft = tiny_draft(1)
+    draft.set_tap_scale(torch.rand(3 * E) * 100 + 0.5)
+    taps = torch.randn(T, 3 * E) * 50
+    want = draft.block_logits(taps, 42, T)[1:].detach().numpy()
+    twin = numpy_twin(draft, tmp_path)  # float16 file: compare loosely
+    cache = twin.new_cache()
+    twin.add_context(cache, taps.numpy(), 0)
+    got = twin.draft_logits(cache, anchor_id=42, start=T)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    again = DFlashDraft(draft.c, draft.embed, draft.lm_head)  # fresh weights, same target parts
+    again.load_export_state(draft.export_state())
+    torch.testing.assert_close(again.block_logits(taps, 42, T), draft.block_logits(taps, 42, T), rtol=1e-4, atol=1e-4)
