@@ -49,6 +49,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=100)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip", type=float, default=1.0)
+    g.add_argument("--norm-lr-mult", type=float, default=10.0,
+                   help="LR multiplier of the final norm (it alone sets the logit scale; starts at 0.1x)")
     g.add_argument("--gamma", type=float, default=4.0, help="loss weight exp(-(k-1)/gamma) at offset k")
     g.add_argument("--threads", type=int, default=2, help="torch threads")
     g.add_argument("--ckpt-minutes", type=float, default=4.0)
@@ -217,8 +219,12 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
     lm_head = embed if bundle.config.tie_word_embeddings else torch.from_numpy(bundle.weights["lm_head.weight"])
     torch.manual_seed(a.seed)
     draft = build_draft(a, bundle.config, embed, lm_head, torch.from_numpy(bundle.weights["model.norm.weight"]))
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=a.lr, betas=(0.9, 0.95),
-                            weight_decay=a.weight_decay)
+    # Adam moves every weight by ~lr per step: the final norm, which alone sets the logit scale
+    # (its input is normalised), would need ~1000 steps to grow from 0.1x to the target's gains.
+    rest = [p for n, p in draft.named_parameters() if n != "norm"]
+    opt = torch.optim.AdamW([{"params": rest, "lr_mult": 1.0},
+                             {"params": [draft.norm], "lr_mult": a.norm_lr_mult, "weight_decay": 0.0}],
+                            lr=a.lr, betas=(0.9, 0.95), weight_decay=a.weight_decay)
     data, held = Shards(train_paths), Shards(heldout_paths) if heldout_paths else None
     draft.set_tap_scale(data.tap_rms())  # a checkpoint's own scale (a buffer) replaces it on resume
     log.info("train: %d sequences / %d tokens; held out %d sequences", len(data.seqs), data.n_tokens,
@@ -259,7 +265,7 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
         cursor += a.batch_seqs
         batch = data.batch(seqs, [sample_anchors(s, a.anchors, rng) for s in seqs])
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, a)
+            g["lr"] = lr_at(step, a) * g["lr_mult"]
         loss, info = draft_loss(draft, batch, a.gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()
