@@ -1,4 +1,4 @@
-"""The ``litellm-flm`` command: ``pull``, ``list``, ``run``, ``validate`` (and ``bench``, ... as they are added).
+"""The ``litellm-flm`` command: ``pull``, ``list``, ``run``, ``validate``, ``bench``, ``agreement``, ``soak``.
 
 Each subcommand is one function ``cmd_<name>(args) -> int`` (the exit status) registered with
 ``@command(name, help, configure)``, where ``configure(parser)`` adds its arguments. Errors the
@@ -168,6 +168,50 @@ def cmd_validate(args: argparse.Namespace) -> int:
     report = validate_report(entry.base or entry.tag)  # a DFlash tag runs on its base's kernels
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
+
+
+# --- bench, agreement, soak: the benchmark card's tables (flm_runtime.bench) -------------------
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from flm_runtime.bench.options import bench_arguments
+
+    bench_arguments(p)
+
+
+@command("bench", "the decode-speed table: baseline tokens/s, DFlash speed-up and AL per prompt context "
+                  "(--quick: TTFT, prefill and decode tokens/s at 1k-8k)", _bench_args)
+def cmd_bench(args: argparse.Namespace) -> int:
+    from flm_runtime.bench import quick, speed
+
+    return (quick if args.quick else speed).main(args)
+
+
+def _agreement_args(p: argparse.ArgumentParser) -> None:
+    from flm_runtime.bench.options import agreement_arguments
+
+    agreement_arguments(p)
+
+
+@command("agreement", "the 8-token verify path against token-by-token decoding, teacher-forced on real text",
+         _agreement_args)
+def cmd_agreement(args: argparse.Namespace) -> int:
+    from flm_runtime.bench import agreement
+
+    return agreement.main(args)
+
+
+def _soak_args(p: argparse.ArgumentParser) -> None:
+    from flm_runtime.bench.options import soak_arguments
+
+    soak_arguments(p)
+
+
+@command("soak", "back-to-back requests through LiteLLM: tokens, requests, verify passes, errors, stalls",
+         _soak_args)
+def cmd_soak(args: argparse.Namespace) -> int:
+    from flm_runtime.bench import soak
+
+    return soak.main(args)
 
 
 # --- entry point --------------------------------------------------------------------------------

@@ -1,0 +1,82 @@
+"""Command-line options of ``litellm-flm bench`` (and ``bench --quick``), ``agreement`` and ``soak``.
+
+Kept apart from the commands themselves (and free of heavy imports) so that building the
+``litellm-flm`` parser loads no model code; ``flm_runtime.cli`` registers the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_TAG = "smollm2:135m"
+
+# Defaults that differ between the decode-speed table and ``--quick``.
+SPEED_CONTEXTS, SPEED_MAX_TOKENS = "short,1k,4k,max", 512
+QUICK_CONTEXTS, QUICK_MAX_TOKENS = "1k,2k,4k,8k", 32
+
+
+def _common(p: argparse.ArgumentParser, out: str) -> None:
+    p.add_argument("--tag", default=DEFAULT_TAG, help="the plain model tag (the baseline); its DFlash tag is "
+                                                       f"family-dflash:size (default {DEFAULT_TAG})")
+    p.add_argument("--documents", metavar="DIR", help="*.txt documents for the long prompts "
+                                                      "(default: the public-domain texts shipped in the package)")
+    p.add_argument("--out", default=out, metavar="DIR", help=f"where the files go (default ./{out})")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+def bench_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p, "flm-bench")
+    p.add_argument("--quick", action="store_true",
+                   help="the short table instead: TTFT, prefill and decode tokens/s per context length, "
+                        "about 30 decoded tokens, mean ± std over --iterations")
+    p.add_argument("--draft", metavar="DIR", help="decode the DFlash side with this draft directory "
+                                                  "(default: the DFlash tag's own draft)")
+    p.add_argument("--baseline-only", action="store_true",
+                   help="measure the plain tag alone (no draft needed; the DFlash columns stay empty)")
+    p.add_argument("--contexts", help=f"comma-separated prompt lengths: short (~30 tokens), N, Nk (N x 1024) "
+                                      f"or max (default {SPEED_CONTEXTS}; --quick: {QUICK_CONTEXTS})")
+    p.add_argument("--max-tokens", type=int,
+                   help=f"generated tokens per request (default {SPEED_MAX_TOKENS}; --quick: {QUICK_MAX_TOKENS})")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="stop at the end-of-turn token (default: generate exactly --max-tokens, as the card's runs)")
+    p.add_argument("--prompts-per-context", type=int, default=3, help="prompts per context length (default 3)")
+    p.add_argument("--modes", default="greedy,sampled",
+                   help="greedy and/or sampled (the model's default sampler) (default greedy,sampled)")
+    p.add_argument("--thinking", choices=("both", "on", "off"), default="both",
+                   help="thinking on/off, for models whose chat template has the switch (default both)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="short prompts: the first turns of an MT-Bench style question.jsonl (default: our own three)")
+    p.add_argument("--iterations", type=int, default=3, help="--quick: requests per context and tag (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first sampled request (default 0)")
+    p.add_argument("--no-plot", action="store_true", help="no PNG plot")
+
+
+def agreement_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p, "flm-bench")
+    p.add_argument("--contexts", default="1k,4k,max",
+                   help="comma-separated context lengths: N, Nk or max (default 1k,4k,max)")
+    p.add_argument("--positions", type=int, default=256,
+                   help="teacher-forced positions per document and context, a multiple of --block (default 256)")
+    p.add_argument("--block", type=int, default=8,
+                   help="positions per verify pass: the draft's block, anchor + 7 drafted (default 8)")
+
+
+def soak_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="flm/smollm2-dflash:135m",
+                   help="the LiteLLM model to soak (default flm/smollm2-dflash:135m)")
+    p.add_argument("--draft", metavar="DIR",
+                   help="serve the model's DFlash tag with this draft directory for the run (through a "
+                        "temporary models file that keeps your own entries)")
+    p.add_argument("--min-requests", type=int, default=20, help="run at least this many requests (default 20)")
+    p.add_argument("--min-tokens", type=int, default=8000,
+                   help="and at least this many completion tokens (default 8000)")
+    p.add_argument("--max-requests", type=int, default=100,
+                   help="stop after this many requests even if --min-tokens is not reached (default 100)")
+    p.add_argument("--long-tokens", type=int, default=2048, help="max_tokens of the long requests (default 2048)")
+    p.add_argument("--short-tokens", type=int, default=64, help="max_tokens of the short requests (default 64)")
+    p.add_argument("--stall-s", type=float, default=10.0,
+                   help="a stall: no token for more than this many seconds (default 10)")
+    p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout in seconds (default 900)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first sampled request (default 0)")
+    p.add_argument("--out", default="flm-bench", metavar="DIR", help="where the files go (default ./flm-bench)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")

@@ -1,0 +1,120 @@
+"""Each command end to end on tiny settings (few tokens, short contexts, a random draft): it runs,
+exits 0 and writes its files with the right columns. Figures are not checked here (a random draft
+is slower than plain decoding); only their shape and a few invariants (exact generated counts,
+AL of at least 1, the verify path agreeing with decoding).
+
+The soak goes through LiteLLM with the random draft behind the DFlash tag (``--draft``).
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+
+import pytest
+
+from flm_runtime.bench import agreement, quick, soak, speed
+
+
+def read_csv(path):
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def test_bench_writes_the_speed_table_csv_and_plot(run_cli, random_draft, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the plot must be skipped with a message
+    status, out, err = run_cli("bench", "--draft", random_draft, "--contexts", "short,48", "--max-tokens", 3,
+                               "--prompts-per-context", 1, "--out", tmp_path, "--quiet")
+    assert status == 0
+    columns, rows = read_csv(tmp_path / "speed.csv")
+    assert tuple(columns) == speed.COLUMNS
+    assert [(r["mode"], r["prompt_tokens"] == "48" or r["prompt"] == "short-1") for r in rows] == [
+        ("greedy", True), ("sampled", True)] * 2
+    assert all(r["baseline_tokens"] == r["dflash_tokens"] == "3" for r in rows)
+    assert all(float(r["acceptance_length"]) >= 1.0 and int(r["verify_steps"]) >= 1 for r in rows)
+    md = (tmp_path / "speed.md").read_text()
+    assert "| Prompt context | smollm2:135m (TPS, Greedy) | Greedy | Sampled |" in md and "AL " in md
+    assert "litellm-flm bench --tag smollm2:135m --draft" in md and "| machine |" in md
+    assert not (tmp_path / "speed.png").exists() and "no plot" in err
+
+
+def test_bench_plot_with_matplotlib(run_cli, random_draft, tmp_path):
+    pytest.importorskip("matplotlib")
+    status, *_ = run_cli("bench", "--draft", random_draft, "--contexts", "short", "--max-tokens", 2,
+                         "--prompts-per-context", 1, "--modes", "greedy", "--out", tmp_path, "--quiet")
+    assert status == 0 and (tmp_path / "speed.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_quick_writes_mean_and_std_per_context(run_cli, random_draft, tmp_path):
+    status, out, _ = run_cli("bench", "--quick", "--draft", random_draft, "--contexts", "64,9k", "--max-tokens", 3,
+                             "--iterations", 2, "--out", tmp_path, "--quiet")
+    assert status == 0
+    columns, rows = read_csv(tmp_path / "quick.csv")
+    assert tuple(columns) == quick.COLUMNS
+    assert sorted((r["tag"], r["iteration"]) for r in rows) == [
+        ("smollm2-dflash:135m", "1"), ("smollm2-dflash:135m", "2"), ("smollm2:135m", "1"), ("smollm2:135m", "2")]
+    assert all(r["context"] == "64" and r["prompt_tokens"] == "64" for r in rows)
+    md = (tmp_path / "quick.md").read_text()
+    assert "| Model | HW | 64 |" in md and " ± " in md and "DFlash / baseline" in md and "TTFT (s)" in md
+    assert "9k (9216 tokens) is over the model's context of 8192: skipped" in md
+
+
+def test_bench_quick_baseline_only_needs_no_draft(run_cli, tmp_path):
+    status, *_ = run_cli("bench", "--quick", "--baseline-only", "--contexts", "56", "--max-tokens", 2,
+                         "--iterations", 1, "--out", tmp_path, "--quiet")
+    assert status == 0
+    _, rows = read_csv(tmp_path / "quick.csv")
+    assert [r["tag"] for r in rows] == ["smollm2:135m"] and rows[0]["acceptance_length"] == ""
+
+
+def test_agreement_writes_the_accuracy_table(run_cli, tmp_path):
+    status, out, _ = run_cli("agreement", "--contexts", "24", "--positions", 8, "--out", tmp_path, "--quiet")
+    assert status == 0
+    columns, rows = read_csv(tmp_path / "agreement.csv")
+    assert tuple(columns) == agreement.COLUMNS
+    assert [r["document"] for r in rows][-1] == "all" and rows[-1]["positions"] == "24"
+    # The verify pass and decoding differ by float rounding only: never beyond a near-tie.
+    assert rows[-1]["beyond_near_tie"] == "0" and float(rows[-1]["mean_cosine"]) > 0.9999
+    md = (tmp_path / "agreement.md").read_text()
+    assert "| Context | Positions | Same top-1 token | Different by more than a near-tie |" in md
+    assert "near-tie" in md and "litellm-flm agreement --tag smollm2:135m" in md
+
+
+def test_soak_through_litellm_counts_requests_tokens_and_verify_passes(run_cli, random_draft, tmp_path,
+                                                                       forget_dflash_engine):
+    status, out, _ = run_cli("soak", "--draft", random_draft, "--min-requests", 3, "--min-tokens", 1,
+                             "--long-tokens", 4, "--short-tokens", 2, "--out", tmp_path, "--quiet")
+    assert status == 0, out
+    columns, rows = read_csv(tmp_path / "soak.csv")
+    assert tuple(columns) == soak.COLUMNS
+    assert [(r["kind"], r["mode"], r["completion_tokens"]) for r in rows] == [
+        ("long", "greedy", "4"), ("short", "sampled", "2"), ("long", "sampled", "4")]
+    # Every token after the first comes from a verify pass of a random draft (AL 1): passes = tokens - 1.
+    assert all(r["error"] == "" and r["stalls"] == "0" and int(r["verify_passes"]) >= 1 for r in rows)
+    md = (tmp_path / "soak.md").read_text()
+    assert "10 tokens over 3 back-to-back requests" in md and "Result: PASS" in md
+
+
+def test_soak_fails_when_the_minimum_is_not_reached(run_cli, tmp_path):
+    status, out, _ = run_cli("soak", "--model", "flm/smollm2:135m", "--min-requests", 1, "--min-tokens", 10**6,
+                             "--max-requests", 1, "--short-tokens", 2, "--long-tokens", 2, "--out", tmp_path, "--quiet")
+    assert status == 1 and "FAIL" in out
+    _, rows = read_csv(tmp_path / "soak.csv")
+    assert rows[0]["verify_passes"] == "0"  # a plain tag has no verify pass
+
+
+def test_soak_draft_models_file_keeps_the_users_entries(tmp_path, monkeypatch, random_draft):
+    from flm_runtime import registry
+
+    user = tmp_path / "models.yaml"
+    user.write_text(f"mine:1b: {{path: {tmp_path / 'mine.gguf'}, sha256: {'a' * 64}, size: 10}}\n")
+    monkeypatch.setenv("FLM_MODELS_FILE", str(user))
+    with soak.draft_models_file("smollm2-dflash:135m", random_draft):
+        assert registry.resolve("smollm2-dflash:135m").draft_dir == random_draft.resolve()
+        mine = registry.resolve("mine:1b")
+        assert mine.files[0].sha256 == "a" * 64 and mine.path == tmp_path / "mine.gguf"
+    assert registry.resolve("smollm2-dflash:135m").draft_dir != random_draft.resolve()
+    with pytest.raises(ValueError, match="not one"):
+        with soak.draft_models_file("smollm2:135m", random_draft):
+            pass
