@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", type=Path, required=True)
     p.add_argument("--questions", type=Path, required=True, help="MT-Bench question.jsonl")
     p.add_argument("--n", type=int, default=80, help="questions (the first n)")
+    p.add_argument("--per-category", type=int, default=0, help="instead: the first N questions of each category")
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     a = p.parse_args(argv)
@@ -44,7 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_tokens=a.max_new, temperature=0.0)
     rng = np.random.default_rng(0)
     tok = loaded.tokenizer
-    questions = [json.loads(line) for line in a.questions.read_text().splitlines() if line.strip()][: a.n]
+    questions = [json.loads(line) for line in a.questions.read_text().splitlines() if line.strip()]
+    if a.per_category:
+        kept: dict[str, list[dict]] = defaultdict(list)
+        for q in questions:
+            if len(kept[q["category"]]) < a.per_category:
+                kept[q["category"]].append(q)
+        questions = [q for qs in kept.values() for q in qs]
+    else:
+        questions = questions[: a.n]
     by_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> [emitted, steps]
     t0, n_tokens = time.time(), 0
     for q in questions:
