@@ -39,7 +39,7 @@ class KVCacheLike(Protocol):
 
 @runtime_checkable
 class TargetModel(Protocol):
-    """The step interface of a target model (DESIGN §6), per sequence.
+    """The step interface of a target model (DESIGN §6): per sequence, and batched for decode.
 
     Attributes:
         config: ``LlamaConfig`` (``vocab_size``, ``hidden_size``, ``max_position_embeddings``,
@@ -71,6 +71,11 @@ class TargetModel(Protocol):
 
     def decode(self, token_id: int, cache: KVCacheLike) -> np.ndarray:
         """One plain decode step (the 1-token layer); logits ``[V]``."""
+
+    def decode_batch(self, token_ids, caches: list[KVCacheLike]) -> np.ndarray:
+        """One plain decode step for ``B`` sequences (``token_ids`` ``[B]`` int, ``B`` distinct
+        caches): logits ``[B, V]``, row ``b`` as ``decode(token_ids[b], caches[b])``. The cpu
+        backend shares each matrix product across the rows (continuous batching)."""
 
 
 def select_backend(requested: str | None, tag: str):

@@ -20,10 +20,11 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """A linear layer without bias, ``x @ w.T``, with ``w`` in Hugging Face layout.
 
     One row (decode) and many rows (prefill) multiply as ``x @ w.T``. A few rows (2..FEW_ROWS,
-    the 8-token verify pass) compute ``(w @ x.T).T`` instead: the same product with the weight as
-    the left operand, which OpenBLAS runs 1.2-1.5x faster for these shapes on our 2-core machine
-    (benchmarks/speculative_costs.py); the result is a transposed view (F-ordered), equal up to
-    float rounding.
+    the 8-token verify pass, a batched decode step of B sequences) compute ``(w @ x.T).T``
+    instead: the same product with the weight as the left operand, which OpenBLAS runs 1.2-1.5x
+    faster for these shapes on our 2-core machine (benchmarks/speculative_costs.py,
+    benchmarks/batched_decode.py); the result is a transposed view (F-ordered), equal up to float
+    rounding.
 
     Args:
         x: ``[T, in]``.

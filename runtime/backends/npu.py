@@ -376,6 +376,18 @@ class NpuModel:
         """One plain decode step (``decode_layer``); logits ``[V]`` of the new position."""
         return self.forward(np.array([token_id]), cache)[0]
 
+    def decode_batch(self, token_ids, caches: list[NpuKVCache]) -> np.ndarray:
+        """``B`` plain decode steps, one ``decode_layer`` run per sequence (the kernel build has no
+        batched decode layer yet); logits ``[B, V]``. If a row raises, every cache is rolled
+        back to its length before the call (as the cpu backend leaves them)."""
+        lengths = [c.length for c in caches]
+        try:
+            return np.stack([self.decode(int(t), c) for t, c in zip(token_ids, caches)])  # [B, V]
+        except Exception:
+            for cache, n in zip(caches, lengths):
+                cache.trim(n)
+            raise
+
     # ---- one device step ----
 
     def _step(self, ids: np.ndarray, cache: NpuKVCache, *, all_logits: bool, need_logits: bool,

@@ -4,9 +4,11 @@ A caller ``submit``s prompt ids and ``SamplingParams`` and gets a ``RequestHandl
 iteration, ``aiter()``, ``result()`` and ``aresult()`` all consume the same stream of
 ``StreamEvent``s, so streamed and non-streamed outputs are the same by construction. The engine
 thread admits queued requests as ``Sequence``s and calls ``_step``, which advances each active
-sequence by one model call (prefill on its first step, then one decode step), round robin, so
-concurrent requests progress together. ``_step`` is the piece a batched scheduler (and the
-speculative step) replaces; a ``Sequence`` holds everything that is per request.
+sequence by one token: new sequences prefill one by one, then all decoding sequences share one
+batched decode step (continuous batching: requests join and leave between steps; see ``_step``).
+A ``Sequence`` holds everything that is per request (cache, RNG, output pipeline), so a request's
+output depends only on its own inputs and seed (DESIGN §9.6), up to the float rounding of a
+batched matrix product.
 
 Per-request stats (``Completion.stats``): ``prompt_tokens``, ``completion_tokens`` (delivered, see
 ``stop.py``), ``generated_tokens`` (including an end-of-turn token or stop-string tokens),
@@ -225,7 +227,9 @@ class Engine:
         model: implements ``config`` (``max_position_embeddings``, ``vocab_size``),
             ``new_cache(capacity) -> cache`` (capacity: a hint in tokens, the cache grows on
             demand up to the context; ``cache.length``: tokens held),
-            ``prefill(ids [T] int64, cache) -> [V] float32`` and ``decode(id, cache) -> [V]``.
+            ``prefill(ids [T] int64, cache) -> [V] float32``, ``decode(id, cache) -> [V]`` and
+            ``decode_batch(ids [B], caches) -> [B, V]`` (which leaves the caches as they were
+            when it raises).
         tokenizer: implements ``token_bytes(id) -> bytes``, ``stop_token_ids`` and
             ``special_token_ids``.
         name: the model's name (thread name, stats, messages).
@@ -380,17 +384,47 @@ class Engine:
                 self._end(seq, error=e)
 
     def _step(self) -> None:
-        """Advance every active sequence by one model call, round robin."""
+        """Advance every active sequence by one token (or one speculative block).
+
+        Sequences still to prefill run their prefill one by one (chunked inside the model); then
+        all the sequences in plain decode share ONE batched forward (``model.decode_batch``: one
+        matrix product per weight matrix for all their rows, attention per sequence), so new
+        requests join and finished or cancelled ones leave between steps (continuous batching).
+        With a ``SpeculativeDecoder`` every sequence still takes its own step (prefill, or a
+        speculative or plain decoding step); batching the verify rows is the next slice of issue #4.
+        """
         now = time.monotonic()
+        batch = []
         for seq in list(self._active):
             if self._abort_if_needed(seq, now):
                 continue
-            try:
-                seq.step(self.model, self.speculative)
-                if seq.final is not None:
-                    self._end(seq)
-            except Exception as e:       # noqa: BLE001 - fail this request, keep serving others
-                self._end(seq, error=e)
+            if self.speculative is None and seq.prefilled:
+                batch.append(seq)
+            else:
+                self._advance(seq, lambda s=seq: s.step(self.model, self.speculative))
+        if batch:
+            self._decode_batch(batch)
+
+    def _decode_batch(self, batch: list[Sequence]) -> None:
+        """One batched plain decode step of ``batch``; each row sampled with its own RNG."""
+        try:
+            logits = self.model.decode_batch([s.last_token for s in batch], [s.cache for s in batch])  # [B, V]
+        except Exception:               # noqa: BLE001 - maybe one sequence's fault: isolate it
+            # decode_batch left every cache as it was: retry one by one, so only the culprit fails
+            for seq in batch:
+                self._advance(seq, lambda s=seq: s.step(self.model))
+            return
+        for seq, row in zip(batch, logits):
+            self._advance(seq, lambda s=seq, row=row: s.take(row))
+
+    def _advance(self, seq: Sequence, step) -> None:
+        """Run ``step()`` for ``seq``; retire it when it finished, fail it alone when it raised."""
+        try:
+            step()
+            if seq.final is not None:
+                self._end(seq)
+        except Exception as e:           # noqa: BLE001 - fail this request, keep serving others
+            self._end(seq, error=e)
 
     def _abort_if_needed(self, seq: Sequence, now: float) -> bool:
         """End ``seq`` if its caller cancelled it or its deadline passed; True if it ended."""

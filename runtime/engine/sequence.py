@@ -60,16 +60,28 @@ class Sequence:
     def kv_tokens(self) -> int:
         return 0 if self.cache is None else int(self.cache.length)
 
+    @property
+    def prefilled(self) -> bool:
+        """The prompt is in the cache: the next step decodes ``last_token``."""
+        return self.last_token is not None
+
     def step(self, model, speculative: SpeculativeDecoder | None = None) -> None:
         """One model call (prefill or one decode step), one sampled token, its delivery; with
-        ``speculative``, decoding steps are speculative steps (several tokens each)."""
+        ``speculative``, decoding steps are speculative steps (several tokens each). The engine
+        batches plain decode steps across sequences instead (``model.decode_batch``, then
+        ``take``); this per-sequence form is what it falls back to."""
         if speculative is not None:
             return self._step_speculative(speculative)
         if self.last_token is None:
             logits = model.prefill(self.prompt_ids, self.cache)         # [V]
         else:
             logits = model.decode(self.last_token, self.cache)          # [V]
-        self.accept(sampler.sample(logits, self.params, self.rng))
+        self.take(logits)
+
+    def take(self, logits: np.ndarray) -> bool:
+        """Sample one token from ``logits`` ``[V]`` (this request's params and own RNG, so the
+        draw does not depend on other sequences) and ``accept`` it."""
+        return self.accept(sampler.sample(logits, self.params, self.rng))
 
     def _step_speculative(self, spec: SpeculativeDecoder) -> None:
         if self.last_token is None:
@@ -79,7 +91,7 @@ class Sequence:
             return
         else:                                  # no room for a block before the context end
             logits = spec.decode(self.last_token, self.cache, self.spec)            # [V]
-        self.accept(sampler.sample(logits, self.params, self.rng))
+        self.take(logits)
 
     def accept(self, token: int) -> bool:
         """Take one generated token: stop checks, then delivery. True once the sequence is

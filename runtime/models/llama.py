@@ -176,25 +176,61 @@ class LlamaModel:
             ``taps``: a ``ForwardOutput`` of those logits and the taps ``[T, len(taps) * E]`` float32.
         """
         token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [T]
-        t = token_ids.shape[0]
+        span = _Span(cache, cache.length, slice(0, token_ids.shape[0]))
+        logits, tapped = self._run(token_ids, [span], all_logits=all_logits, taps=taps)
+        return ForwardOutput(logits, tapped) if taps else logits
+
+    def decode_batch(self, token_ids: list[int] | np.ndarray, caches: list[KVCache]) -> np.ndarray:
+        """One plain decode step for ``B`` sequences at once (continuous batching).
+
+        The ``B`` rows (one new token per sequence, each at its own position ``caches[b].length``)
+        share every matrix product: one product per weight matrix for all rows, so the weights
+        are read once per step instead of once per sequence. Attention stays per sequence, over
+        its own cache. The rows are independent: row ``b`` equals ``decode(token_ids[b],
+        caches[b])`` up to float rounding (a product of ``B >= 2`` rows runs a different BLAS
+        kernel than a 1-row one).
+
+        Args:
+            token_ids: ``[B]`` int, the token each sequence feeds.
+            caches: ``B`` distinct KV caches, one per sequence; each gets one position appended.
+        Returns:
+            ``[B, V]`` float32 logits of the new positions. If it raises, no cache's length has changed.
+        """
+        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [B]
+        assert token_ids.shape[0] == len(caches) > 0, f"{token_ids.shape[0]} tokens for {len(caches)} caches"
+        assert len({id(c) for c in caches}) == len(caches), "a cache appears twice in the batch"
+        spans = [_Span(cache, cache.length, slice(b, b + 1)) for b, cache in enumerate(caches)]
+        return self._run(token_ids, spans, all_logits=True, taps=())[0]
+
+    def _run(self, token_ids: np.ndarray, spans: list[_Span], *, all_logits: bool,
+             taps: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
+        """The rows ``token_ids`` ``[R]`` through every layer and the LM head; ``spans`` say which
+        rows belong to which sequence (in row order, covering all rows). ``forward`` is one span of
+        ``T`` rows, ``decode_batch`` ``B`` spans of one row.
+
+        Returns:
+            logits ``[R, V]`` (``all_logits``) or of the last row ``[1, V]``; the taps
+            ``[R, len(taps) * E]`` or None without ``taps``.
+        """
         assert all(0 <= i < len(self.layers) for i in taps), f"tap layers {taps} out of range"
-        start = cache.length
-        cache.reserve(t)
-        x = self.embed[token_ids]  # [T, E]
-        cos = self.rope_cos[start : start + t]  # [T, D/2]
-        sin = self.rope_sin[start : start + t]
+        assert spans[0].rows.start == 0 and spans[-1].rows.stop == token_ids.shape[0]
+        assert all(a.rows.stop == b.rows.start for a, b in zip(spans, spans[1:])), "spans out of row order"
+        for s in spans:
+            s.cache.reserve(s.n_rows)
+        positions = np.concatenate([np.arange(s.start, s.start + s.n_rows) for s in spans])  # [R]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [R, D/2] each
+        x = self.embed[token_ids]  # [R, E]
         tapped = {}
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, cache, start, cos, sin)  # a new array each layer: no copy
+            x = self._layer(i, layer, x, spans, cos, sin)  # a new array each layer: no copy
             if i in taps:
                 tapped[i] = x
-        cache.commit(t)
         h = x if all_logits else x[-1:]
         logits = np.ascontiguousarray(cpu.linear(cpu.rms_norm(h, self.norm, self.config.rms_norm_eps),
-                                                 self.lm_head))  # [T or 1, V]
-        if not taps:
-            return logits
-        return ForwardOutput(logits, np.concatenate([tapped[i] for i in taps], axis=-1))  # [T, n*E]
+                                                 self.lm_head))  # [R or 1, V]
+        for s in spans:  # last: a step that raised has appended nothing
+            s.cache.commit(s.n_rows)
+        return logits, (np.concatenate([tapped[i] for i in taps], axis=-1) if taps else None)  # [R, n*E]
 
     def prefill(self, token_ids: np.ndarray, cache: KVCache, *,
                 taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
@@ -225,20 +261,37 @@ class LlamaModel:
         """One plain decode step (the 1-token layer); returns logits ``[V]`` of the new position."""
         return self.forward(np.array([token_id]), cache)[0]
 
-    def _layer(self, i: int, w: LlamaLayer, x: np.ndarray, cache: KVCache, start: int, cos, sin) -> np.ndarray:
-        """One decoder layer over ``x`` ``[T, E]`` at positions ``start ..``; returns ``[T, E]``."""
+    def _layer(self, i: int, w: LlamaLayer, x: np.ndarray, spans: list[_Span], cos, sin) -> np.ndarray:
+        """One decoder layer over the rows ``x`` ``[R, E]`` (``cos``, ``sin`` ``[R, D/2]`` at their
+        positions); the products cover all rows, attention runs per span. Returns ``[R, E]``."""
         c = self.config
-        t, h, hkv, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = cpu.linear(cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps), w.wqkv)  # [T, (H+2Hkv)*D]
-        q = cpu.apply_rope(qkv[:, : h * d].reshape(t, h, d), cos, sin)  # [T, H, D]
-        k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(t, hkv, d), cos, sin)  # [T, Hkv, D]
-        v = qkv[:, (h + hkv) * d :].reshape(t, hkv, d)  # [T, Hkv, D]
-        cache.write(i, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
-        n = start + t
-        attn = cpu.attention(q, cache.k[i, :, :n], cache.v[i, :, :n], start)  # [T, H*D]
+        r, h, hkv, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv = cpu.linear(cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps), w.wqkv)  # [R, (H+2Hkv)*D]
+        q = cpu.apply_rope(qkv[:, : h * d].reshape(r, h, d), cos, sin)  # [R, H, D]
+        k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(r, hkv, d), cos, sin)  # [R, Hkv, D]
+        v = qkv[:, (h + hkv) * d :].reshape(r, hkv, d)  # [R, Hkv, D]
+        attn = []
+        for s in spans:
+            s.cache.write(i, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
+            n = s.start + s.n_rows
+            attn.append(cpu.attention(q[s.rows], s.cache.k[i, :, :n], s.cache.v[i, :, :n], s.start))  # [T, H*D]
+        attn = attn[0] if len(attn) == 1 else np.concatenate(attn)  # [R, H*D]
         x = x + cpu.linear(attn, w.wo)
-        gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps), w.w_gate_up)  # [T, 2F]
+        gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps), w.w_gate_up)  # [R, 2F]
         return x + cpu.linear(cpu.swiglu(gate_up), w.w_down)
+
+
+class _Span(NamedTuple):
+    """The rows ``rows`` of a step that belong to one sequence: new positions ``start ..`` of its
+    ``cache`` (``start`` = the cache's length before the step)."""
+
+    cache: KVCache
+    start: int
+    rows: slice
+
+    @property
+    def n_rows(self) -> int:
+        return self.rows.stop - self.rows.start
 
 
 class _Taker:

@@ -77,6 +77,11 @@ def test_prefill_verify_and_decode_match_the_cpu_backend(tmp_path, same_xclbin, 
     chunks = list(model.prefill_chunks(PROMPT, model.new_cache(), taps=(1,)))
     assert [c.taps.shape[0] for c in chunks] == [8, 5]
 
+    caches = [model.new_cache(), model.new_cache()]  # a batched decode step: row b as decode b
+    model.prefill(PROMPT[:4], caches[0])
+    agree(model.decode_batch([int(PROMPT[4]), int(PROMPT[0])], caches), np.stack([ref.logits[4], ref.logits[0]]))
+    assert [c.length for c in caches] == [5, 1]
+
 
 def test_accuracy_against_the_float32_cpu_backend(tmp_path):
     """Against the plain cpu backend (float32 KV) the bf16 KV buffer costs a little: the card's

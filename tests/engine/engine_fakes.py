@@ -75,6 +75,10 @@ class FakeCache:
         self.tokens.extend(int(i) for i in ids)
         self.length += len(ids)
 
+    def trim(self, length: int) -> None:
+        del self.tokens[length:]
+        self.length = length
+
 
 def fake_config(vocab: int, context: int) -> LlamaConfig:
     return LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
@@ -91,6 +95,7 @@ class FakeModelBase:
         self.fail_when = fail_when
         self.caches: list[weakref.ref] = []
         self.calls = 0
+        self.batch_sizes: list[int] = []   # rows of each decode_batch call
         self._lock = threading.Lock()
 
     def new_cache(self, capacity: int) -> FakeCache:
@@ -111,6 +116,18 @@ class FakeModelBase:
     def decode(self, token_id: int, cache: FakeCache) -> np.ndarray:
         cache.append([token_id])
         return self._call(cache)
+
+    def decode_batch(self, token_ids, caches: list[FakeCache]) -> np.ndarray:
+        """Row by row through ``decode``; like the real one, leaves the caches as they were if
+        one row raises."""
+        self.batch_sizes.append(len(caches))
+        lengths = [c.length for c in caches]
+        try:
+            return np.stack([self.decode(int(t), c) for t, c in zip(token_ids, caches)])  # [B, V]
+        except Exception:
+            for cache, n in zip(caches, lengths):
+                cache.trim(n)
+            raise
 
     def _call(self, cache: FakeCache) -> np.ndarray:
         self.calls += 1

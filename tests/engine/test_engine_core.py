@@ -252,6 +252,22 @@ def test_concurrent_requests_equal_each_alone(make_engine, tok, params):
     assert together == alone and len(set(alone)) == 4
 
 
+def test_decoding_sequences_share_one_batched_step(make_engine, tok):
+    """Continuous batching: each step decodes every prefilled sequence in one ``decode_batch``
+    call; a finished sequence leaves the batch and a late one joins it."""
+    model = HashModel(delay=0.002)
+    engine = make_engine(model, tok)
+    budgets = [6, 12, 18]
+    handles = [engine.submit([i + 1], SamplingParams(max_tokens=n)) for i, n in enumerate(budgets)]
+    wait_until(lambda: 3 in model.batch_sizes)
+    late = engine.submit([9], SamplingParams(max_tokens=5))
+    assert [h.result().completion_tokens for h in handles + [late]] == budgets + [5]
+    # every token but the first of each request (sampled from its prefill's logits) is one batch row
+    assert sum(model.batch_sizes) == sum(budgets) + 5 - 4
+    assert model.batch_sizes[-1] == 1 and max(model.batch_sizes) <= 4
+    assert idle(engine)
+
+
 def test_requests_progress_concurrently(make_engine, tok):
     model = HashModel(delay=0.002)
     engine = make_engine(model, tok)

@@ -6,12 +6,15 @@ Kept short: a decode step costs tens of milliseconds on the shared CPU.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from flm_runtime.engine.detokenizer import Detokenizer
 from flm_runtime.engine.request import SamplingParams
 
+PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"]
 
 
@@ -74,6 +77,29 @@ def test_four_concurrent_requests_equal_each_alone(engine, smollm2_tokenizer, pa
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
     assert [c.text for c in together] == [c.text for c in alone]
     assert engine.stats()["kv_tokens"] == 0
+
+
+def test_eight_batched_requests_equal_each_alone(engine, smollm2_tokenizer, monkeypatch):
+    """Isolation (DESIGN §9.6) under continuous batching: 8 concurrent requests of mixed prompt
+    lengths and budgets, greedy ones beside ones sampling with other seeds, give the tokens each
+    gives alone; and they did share decode steps (all 8 rows in one ``decode_batch``)."""
+    tok = smollm2_tokenizer
+    passage = tok.encode(PASSAGE.read_text())
+    prompts = [tok.encode(p) for p in PROMPTS] + [passage[:40], passage[100:220], [passage[7]], passage[:300]]
+    params = [SamplingParams(max_tokens=16 + 2 * (i % 4), ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(temperature=1.0, top_k=64, top_p=0.95, seed=10 + i, max_tokens=20, ignore_eos=True)
+              for i in range(8)]
+    alone = [engine.submit(p, q).result().token_ids for p, q in zip(prompts, params)]
+
+    sizes = []
+    decode_batch = engine.model.decode_batch
+    monkeypatch.setattr(engine.model, "decode_batch",
+                        lambda ids, caches: sizes.append(len(ids)) or decode_batch(ids, caches))
+    handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
+    together = [h.result().token_ids for h in handles]
+    assert max(sizes) == 8
+    assert together == alone
+    assert [len(t) for t in together] == [q.max_tokens for q in params]
 
 
 def test_stop_string_cut_on_real_output(engine, smollm2_tokenizer):

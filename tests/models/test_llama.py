@@ -177,6 +177,36 @@ def test_taps_are_the_residual_stream_after_the_layers():
     np.testing.assert_allclose(pre.logits, plain[-1], rtol=0, atol=1e-5)
 
 
+def test_decode_batch_rows_equal_single_decodes():
+    """Sequences at different lengths (one empty) decoded in one batched step give, row by row,
+    the logits of their own 1-token decode, and each cache grows by exactly one position."""
+    model = LlamaModel(TINY, tiny_weights(TINY))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, TINY.vocab_size, n) for n in (1, 7, 0, 23, 4)]
+    tokens = [5, 17, 42, 95, 0]
+    batch_caches, alone_caches, expected = [], [], []
+    for prompt, token in zip(prompts, tokens):
+        caches = model.new_cache(), model.new_cache()
+        for cache in caches:
+            if len(prompt):
+                model.prefill(prompt, cache)
+        batch_caches.append(caches[0])
+        alone_caches.append(caches[1])
+        expected.append(model.decode(token, caches[1]))  # [V]
+    got = model.decode_batch(tokens, batch_caches)
+    assert got.dtype == np.float32 and got.shape == (len(tokens), TINY.vocab_size)
+    np.testing.assert_allclose(got, np.stack(expected), rtol=0, atol=1e-5)
+    for batched, alone in zip(batch_caches, alone_caches):
+        assert batched.length == alone.length
+        np.testing.assert_allclose(batched.k[:, :, : batched.length], alone.k[:, :, : alone.length], rtol=0, atol=1e-5)
+
+    # a second batched step over a subset, in another order, still matches
+    order = [3, 0, 4]
+    got = model.decode_batch([tokens[b] + 1 for b in order], [batch_caches[b] for b in order])
+    expected = [model.decode(tokens[b] + 1, alone_caches[b]) for b in order]
+    np.testing.assert_allclose(got, np.stack(expected), rtol=0, atol=1e-5)
+
+
 def test_missing_and_misshapen_tensors_are_named():
     from flm_runtime.errors import ModelFormatError
 

@@ -45,21 +45,9 @@ def tiny():
 
 
 def numpy_taps(model: LlamaModel, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Logits ``[T, V]`` and taps ``[T, n, E]`` of one causal numpy forward (layer by layer)."""
-    cache = model.new_cache()
-    cache.reserve(len(ids))
-    x = model.embed[np.array(ids)]
-    cos, sin = model.rope_cos[: len(ids)], model.rope_sin[: len(ids)]
-    taps = []
-    for i, layer in enumerate(model.layers):
-        x = model._layer(i, layer, x, cache, 0, cos, sin)
-        if i in TAPS:
-            taps.append(x)
-    cache.commit(len(ids))
-    from flm_runtime.backends import cpu
-
-    logits = cpu.rms_norm(x, model.norm, model.config.rms_norm_eps) @ model.lm_head.T
-    return logits, np.stack(taps, axis=1)
+    """Logits ``[T, V]`` and taps ``[T, n, E]`` of one causal numpy forward."""
+    out = model.forward(np.array(ids), model.new_cache(), all_logits=True, taps=tuple(TAPS))
+    return out.logits, out.taps.reshape(len(ids), len(TAPS), -1)
 
 
 def test_prefill_decode_and_taps_match_numpy(tiny):
