@@ -136,12 +136,14 @@ def teacher_forced(model, ids: np.ndarray, context: int, positions: int, block: 
         context: tokens prefilled.
         positions: positions compared, a multiple of ``block``.
         block: positions per verify pass (8).
-        step: called with the number of positions done by each pass (progress).
+        step: called with the number of tokens each pass ran (progress: the prefill, then each
+            verify pass and each block of decode steps).
     """
     assert positions % block == 0, f"positions {positions} must be a multiple of the block {block}"
     assert ids.shape[0] >= context + positions, "the text is shorter than context + positions"
     cache = model.new_cache(context + positions)
     model.prefill(ids[:context], cache)
+    step(context)
     verify = []
     for s in range(context, context + positions, block):
         verify.append(model.forward(ids[s : s + block], cache, all_logits=True))  # [block, V]
@@ -167,8 +169,8 @@ def main(args: argparse.Namespace) -> int:
                                   param="--contexts")
     docs = load_documents(args.documents)
     info = report.machine_info()
-    bar = tqdm(total=2 * args.positions * len(docs) * len(contexts), desc="agreement", unit="pos",
-               disable=args.quiet, file=sys.stderr)
+    work = sum(c.tokens + 2 * args.positions for c in contexts) * len(docs)  # prefilled + compared twice
+    bar = tqdm(total=work, desc="agreement", unit="tok", disable=args.quiet, file=sys.stderr)
     rows, totals = [], []
     for ctx in contexts:
         total = Agreement()
@@ -205,7 +207,7 @@ def tables(args: argparse.Namespace, engine, totals: list[tuple[Context, Agreeme
     header = (f"## Agreement with token-by-token decoding\n\nThe verify path checks {args.block} positions in one "
               f"pass. Teacher-forced on real text ({n:,} positions at {where} tokens of context: {args.positions} "
               f"per document, {n_docs} documents), the token it picks at each position matches token-by-token "
-              f"decoding of `{args.tag}` ({engine.name}, {'npu' if engine.name.endswith('[npu]') else 'cpu'} backend):")
+              f"decoding of `{args.tag}` ({'npu' if engine.name.endswith('[npu]') else 'cpu'} backend):")
     table = report.markdown_table(
         ["Context", "Positions", "Same top-1 token", "Different by more than a near-tie", "Mean cosine of the logits",
          "Largest logit difference"],
