@@ -263,26 +263,31 @@ def plot(pairs: list[Pair], contexts: list[Context], engines: Engines, path: Pat
     has_dflash = engines.dflash is not None
     fig, axes = plt.subplots(1, 2 if has_dflash else 1, figsize=(11 if has_dflash else 6, 4), squeeze=False)
     ax = axes[0][0]
+    top = 0.0
     for k, col in enumerate(columns):
         cells = [Cell.of(groups[(col, lb)]) for lb in labels]
         ax.plot(labels, [c.baseline_tps for c in cells], "o--", color=f"C{k}",
                 label=f"{engines.base_tag} {_column_name(*col)}")
+        top = max(top, *(c.baseline_tps for c in cells))
         if has_dflash:
             ax.plot(labels, [c.dflash_tps for c in cells], "o-", color=f"C{k}",
                     label=f"{engines.dflash_tag} {_column_name(*col)}")
+            top = max(top, *(c.dflash_tps for c in cells))
     ax.set(xlabel="prompt context", ylabel="decode tokens/s", title="Decode speed")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.15 * top or 1.0)
     ax.legend(fontsize=7)
     if has_dflash:
         ax = axes[0][1]
+        top = 1.0
         for k, col in enumerate(columns):
             cells = [Cell.of(groups[(col, lb)]) for lb in labels]
+            top = max(top, *(c.speedup for c in cells))
             ax.plot(labels, [c.speedup for c in cells], "o-", color=f"C{k}", label=_column_name(*col))
             for x, c in zip(labels, cells, strict=True):
-                ax.annotate(f"AL {c.acceptance_length:.2f}", (x, c.speedup), fontsize=7,
-                            textcoords="offset points", xytext=(0, 6), ha="center")
+                ax.annotate(f"AL {c.acceptance_length:.2f}", (x, c.speedup), fontsize=7, color=f"C{k}",
+                            textcoords="offset points", xytext=(0, 6 + 9 * k), ha="center")
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.2 * top)
         ax.set(xlabel="prompt context", ylabel=f"speed-up over {engines.base_tag}", title="DFlash speed-up")
         ax.legend(fontsize=7)
     fig.tight_layout()
