@@ -126,9 +126,10 @@ class DFlashDraft(nn.Module):
         with torch.no_grad():
             self.tap_scale.copy_(1.0 / tap_rms.clamp(min=1e-3))
 
-    def export_state(self) -> dict[str, torch.Tensor]:
-        """The draft's tensors under the file-format names (float32, contiguous; tap scale folded in)."""
-        out = {"fc.weight": self.fc.weight * self.tap_scale[None, :], "hidden_norm.weight": self.hidden_norm,
+    def file_tensors(self) -> dict[str, torch.Tensor]:
+        """The live parameters under their file-format names (docs/dflash.md, "Files");
+        ``fc.weight`` without the tap scale."""
+        out = {"fc.weight": self.fc.weight, "hidden_norm.weight": self.hidden_norm,
                "mask_embedding": self.mask_embedding, "norm.weight": self.norm}
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
@@ -138,22 +139,18 @@ class DFlashDraft(nn.Module):
                 out[p + f"self_attn.{n}_proj.weight"] = getattr(layer, f"{n}_proj").weight
             for n in ("gate", "up", "down"):
                 out[p + f"mlp.{n}_proj.weight"] = getattr(layer, f"{n}_proj").weight
+        return out
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The draft's tensors under the file-format names (float32, contiguous; tap scale folded in)."""
+        out = self.file_tensors()
+        out["fc.weight"] = self.fc.weight * self.tap_scale[None, :]
         return {k: v.detach().float().contiguous() for k, v in out.items()}
 
     def load_export_state(self, state: dict[str, torch.Tensor]) -> None:
-        mine = self.export_state()
-        assert set(mine) == set(state), f"tensor names differ: {set(mine) ^ set(state)}"
+        own = self.file_tensors()
+        assert set(own) == set(state), f"tensor names differ: {set(own) ^ set(state)}"
         with torch.no_grad():
-            own = {"fc.weight": self.fc.weight, "hidden_norm.weight": self.hidden_norm,
-                   "mask_embedding": self.mask_embedding, "norm.weight": self.norm}
-            for i, layer in enumerate(self.layers):
-                p = f"layers.{i}."
-                own[p + "input_layernorm.weight"] = layer.input_layernorm
-                own[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
-                for n in "qkvo":
-                    own[p + f"self_attn.{n}_proj.weight"] = getattr(layer, f"{n}_proj").weight
-                for n in ("gate", "up", "down"):
-                    own[p + f"mlp.{n}_proj.weight"] = getattr(layer, f"{n}_proj").weight
             for k, v in state.items():
                 assert own[k].shape == v.shape, f"{k}: {tuple(v.shape)} != {tuple(own[k].shape)}"
                 own[k].copy_(v.float())

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
+if TYPE_CHECKING:
     from flm_runtime.models.llama import ForwardOutput, LlamaConfig
 
 
@@ -86,3 +86,18 @@ def select_backend(requested: str | None, tag: str):
 
 
 __all__ = ["KVCacheLike", "TargetModel", "select_backend"]
+
+
+def decode_rows(model, token_ids, caches: list) -> np.ndarray:
+    """``decode_batch`` for a backend without a batched decode: one ``model.decode`` per row.
+
+    Returns logits ``[B, V]``. If a row raises, every cache is rolled back to its length before
+    the call (as the cpu backend's batched decode leaves them) and the error propagates.
+    """
+    lengths = [c.length for c in caches]
+    try:
+        return np.stack([model.decode(int(t), c) for t, c in zip(token_ids, caches)])  # [B, V]
+    except Exception:
+        for cache, n in zip(caches, lengths):
+            cache.trim(n)
+        raise

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flm_runtime.backends import decode_rows
 from flm_runtime.backends.manifest import Build, KernelFiles, Manifest, RoleSpec, geometry_mismatch
 from flm_runtime.backends.npu_layout import layout_entries, pack, step_array
 from flm_runtime.engine.kv_cache import GROWTH_QUANTUM
@@ -380,13 +381,7 @@ class NpuModel:
         """``B`` plain decode steps, one ``decode_layer`` run per sequence (the kernel build has no
         batched decode layer yet); logits ``[B, V]``. If a row raises, every cache is rolled
         back to its length before the call (as the cpu backend leaves them)."""
-        lengths = [c.length for c in caches]
-        try:
-            return np.stack([self.decode(int(t), c) for t, c in zip(token_ids, caches)])  # [B, V]
-        except Exception:
-            for cache, n in zip(caches, lengths):
-                cache.trim(n)
-            raise
+        return decode_rows(self, token_ids, caches)
 
     # ---- one device step ----
 

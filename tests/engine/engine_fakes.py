@@ -18,6 +18,7 @@ import weakref
 
 import numpy as np
 
+from flm_runtime.backends import decode_rows
 from flm_runtime.models.llama import LlamaConfig
 
 EOS, EOT, BOT = 256, 257, 258
@@ -121,13 +122,7 @@ class FakeModelBase:
         """Row by row through ``decode``; like the real one, leaves the caches as they were if
         one row raises."""
         self.batch_sizes.append(len(caches))
-        lengths = [c.length for c in caches]
-        try:
-            return np.stack([self.decode(int(t), c) for t, c in zip(token_ids, caches)])  # [B, V]
-        except Exception:
-            for cache, n in zip(caches, lengths):
-                cache.trim(n)
-            raise
+        return decode_rows(self, token_ids, caches)
 
     def _call(self, cache: FakeCache) -> np.ndarray:
         self.calls += 1
