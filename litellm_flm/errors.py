@@ -2,7 +2,8 @@
 
 The choice of class decides what LiteLLM does next (DESIGN.md §8):
 
-- ``ContextWindowExceededError`` fires the Router's ``context_window_fallbacks``;
+- ``ContextWindowExceededError`` (over the context, or over the engine's whole KV memory budget)
+  fires the Router's ``context_window_fallbacks``;
 - ``RateLimitError`` (429) and ``ServiceUnavailableError`` (503) are retried and put the deployment
   in cooldown, so a full queue or a backend that is down sends traffic elsewhere for a while;
 - ``BadRequestError`` / ``NotFoundError`` are the caller's to fix: no retry helps.
@@ -32,9 +33,11 @@ def to_litellm(error: rt.FlmError, model: str) -> Exception:
     """
     msg = str(error)
     kw = {"message": msg, "model": model, "llm_provider": PROVIDER}
-    # Order matters: ContextLengthError is an InvalidRequestError.
-    if isinstance(error, rt.ContextLengthError):
-        body = {"message": msg, "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
+    # Order matters: both are InvalidRequestErrors. A request over the KV budget is over this
+    # deployment's effective context (its memory cannot hold it even alone), so it fires the
+    # Router's context_window_fallbacks too; with param "max_tokens", the value to lower.
+    if isinstance(error, (rt.ContextLengthError, rt.KVBudgetError)):
+        body = {"message": msg, "type": "invalid_request_error", "param": error.param, "code": "context_length_exceeded"}
         return litellm.ContextWindowExceededError(**kw, body=body)
     if isinstance(error, rt.InvalidRequestError):
         if error.param and error.param not in msg:

@@ -19,6 +19,12 @@ Backends (``flm_runtime.backends``): ``get_engine(tag, backend=...)`` with ``aut
 ``NpuModel`` built on top of it (it keeps the cpu model's embedding and LM head on the host). The
 choice for a (model, requested backend) pair is made once per process; ``auto`` falls back to cpu
 when the npu backend is not there or fails to start, logging why once.
+
+Engine limits (``flm_runtime.engine.admission``): ``$FLM_KV_BUDGET`` (KV bytes) and
+``$FLM_MAX_QUEUE`` (waiting requests), read when an engine is created. They are per process, not
+per LiteLLM deployment: every deployment of a tag shares its one engine (one copy of the weights,
+one batch), so a per-deployment value would have to either split that engine or contradict another
+deployment's. A proxy sets them in its config's ``environment_variables``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 from flm_runtime import registry
 from flm_runtime.backends import TargetModel
 from flm_runtime.backends.select import log_once, requested_backend, select_backend
+from flm_runtime.engine.admission import limits_from_env
 from flm_runtime.engine.engine import Engine
 from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import BackendUnavailableError
@@ -117,7 +124,9 @@ def get_engine(tag: str, backend: str | None = None) -> Engine:
         backend: ``auto``, ``cpu`` or ``npu``; None reads ``$FLM_BACKEND`` (default ``auto``).
 
     Raises:
-        InvalidRequestError: ``backend`` (or ``$FLM_BACKEND``) is not auto, cpu or npu.
+        InvalidRequestError: ``backend`` (or ``$FLM_BACKEND``) is not auto, cpu or npu; or
+            ``$FLM_KV_BUDGET`` / ``$FLM_MAX_QUEUE`` (the new engine's limits, see
+            ``flm_runtime.engine.admission``) is not a positive integer.
         BackendUnavailableError: ``npu`` was asked for and cannot run (says what is missing).
         the errors of ``load_model`` (and of ``load_draft`` for a DFlash tag).
     """
@@ -140,7 +149,7 @@ def get_engine(tag: str, backend: str | None = None) -> Engine:
                 loaded, speculative = _target(base, name), None
             sampling = registry.resolve(base).sampling  # a draft keeps its target's
             engine = Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
-                            default_sampling=sampling)
+                            default_sampling=sampling, **limits_from_env())
             _engines[key] = engine
         return engine
 

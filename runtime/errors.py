@@ -39,6 +39,31 @@ class ContextLengthError(InvalidRequestError):
         self.context_length = context_length
 
 
+class KVBudgetError(InvalidRequestError):
+    """A request whose KV cache could outgrow the engine's whole KV memory budget, even running
+    alone (``flm_runtime.engine.admission``): no wait can help, only a smaller ``max_tokens`` or a
+    larger budget (``FLM_KV_BUDGET``).
+
+    Attributes:
+        prompt_tokens, max_tokens: the request (tokens).
+        need_bytes: its KV cache at most (bytes); budget_bytes: the engine's budget (bytes).
+    """
+
+    def __init__(self, *, engine: str, prompt_tokens: int, max_tokens: int, need_bytes: int, budget_bytes: int,
+                 bytes_per_token: int):
+        super().__init__(
+            f"engine {engine!r}: the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) may need "
+            f"{need_bytes:,} bytes of KV cache ({bytes_per_token:,} bytes per token), more than the engine's "
+            f"whole KV budget of {budget_bytes:,} bytes ({budget_bytes // bytes_per_token} tokens); lower "
+            f"max_tokens or raise FLM_KV_BUDGET",
+            param="max_tokens",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.need_bytes = need_bytes
+        self.budget_bytes = budget_bytes
+
+
 class UnknownModelError(FlmError, LookupError):
     """A model tag that no registry (built-in, user file, entry point) defines."""
 

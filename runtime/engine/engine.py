@@ -18,6 +18,12 @@ single token), ``total_s``; with speculative decoding also ``spec_steps``, ``dra
 ``accepted_tokens`` and ``acceptance_length`` (AL, tokens per step including the bonus token; see
 ``speculative.SpecState.stats``). The final ``StreamEvent`` carries the same stats.
 
+Admission control (``admission.py``): at most ``max_queue`` requests wait and ``max_active`` run; a
+request is admitted only when its worst-case KV cache fits in what the running ones leave of
+``kv_budget`` (bytes), in arrival order. A request that cannot fit even alone is refused at submit
+(``KVBudgetError``); a full queue is refused at submit too (``EngineOverloadedError``), so no caller
+ever hangs on a full engine. ``stats()`` counts what is running, waiting and held.
+
 Speculative decoding: an engine given a ``SpeculativeDecoder`` runs every sequence's decoding as
 speculative steps (draft K, verify K+1, greedy or sampled; see ``sequence.py``).
 """
@@ -28,18 +34,22 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import json
+import logging
 import queue
 import threading
 import time
 
 import numpy as np
 
-from flm_runtime.engine import sampler
+from flm_runtime.engine import admission, sampler
 from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
 from flm_runtime.engine.sequence import Sequence
 from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import (BackendUnavailableError, ContextLengthError, EngineOverloadedError,
-                                FlmError, InvalidRequestError, RequestTimeoutError)
+                                FlmError, InvalidRequestError, KVBudgetError, RequestTimeoutError)
+
+log = logging.getLogger(__name__)
 
 _END = object()   # stream terminator, after the final event or instead of it on failure
 # Positions a new cache reserves beyond the prompt (a hint: caches grow on demand), so that a
@@ -237,21 +247,33 @@ class Engine:
             None -> ``sampler.CARD_DEFAULT``.
         max_queue: requests waiting for admission at most; one more -> ``EngineOverloadedError``.
         max_active: sequences running at once; the others wait in the queue.
+        kv_budget: bytes of KV cache the running sequences may reserve together (see
+            ``admission``); None: ``admission.default_kv_budget`` (4 full contexts).
         speculative: decode with this ``SpeculativeDecoder`` (its target must be ``model``);
             None decodes plainly.
+
+    Raises:
+        InvalidRequestError: ``max_queue``, ``max_active`` or ``kv_budget`` not a positive integer.
     """
 
     def __init__(self, model, tokenizer, *, name: str, default_sampling: sampler.SamplingDefaults | None = None,
-                 max_queue: int = 64, max_active: int = 16, speculative: SpeculativeDecoder | None = None):
+                 max_queue: int = 64, max_active: int = 16, kv_budget: int | None = None,
+                 speculative: SpeculativeDecoder | None = None):
         assert speculative is None or speculative.target is model, "the decoder's target must be the model"
         self.model = model
         self.speculative = speculative
         self.tokenizer = tokenizer
         self.name = name
         self.default_sampling = sampler.default_sampling(default_sampling)
-        self.max_queue = max_queue
-        self.max_active = max_active
+        self.max_queue = admission.positive_int(max_queue, "max_queue")
+        self.max_active = admission.positive_int(max_active, "max_active")
         self.context_length = int(model.config.max_position_embeddings)
+        draft_config = speculative.draft.config if speculative is not None else None
+        self.kv_bytes_per_token = admission.kv_bytes_per_token(model.config, draft_config)
+        # Positions a verify pass writes past the last kept token before rolling back.
+        self.kv_headroom = speculative.block_size - 1 if speculative is not None else 0
+        self.kv_budget = (admission.default_kv_budget(self.context_length, self.kv_bytes_per_token)
+                          if kv_budget is None else admission.positive_int(kv_budget, "kv_budget"))
         self._cv = threading.Condition()      # guards _waiting, _active, _counts, _closed
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._active: list[Sequence] = []
@@ -282,6 +304,7 @@ class Engine:
             InvalidRequestError: empty or out-of-vocabulary prompt (param "messages"), a bad
                 timeout (param "timeout"), params not a ``SamplingParams`` (param "params").
             ContextLengthError: prompt tokens + ``max_tokens`` over the context length.
+            KVBudgetError: the request's KV cache could outgrow ``kv_budget`` even alone.
             EngineOverloadedError: ``max_queue`` requests are already waiting.
             BackendUnavailableError: the engine is closed.
         """
@@ -295,19 +318,31 @@ class Engine:
             if self._closed:
                 raise BackendUnavailableError(f"engine {self.name!r} is closed")
             if len(self._waiting) >= self.max_queue:
-                raise EngineOverloadedError(f"engine {self.name!r} has {len(self._waiting)} requests "
-                                            f"waiting (max_queue={self.max_queue}); retry later")
+                raise EngineOverloadedError(
+                    f"engine {self.name!r} is full: {len(self._waiting)} requests waiting (max_queue="
+                    f"{self.max_queue}), {len(self._active)} running (max_active={self.max_active}), "
+                    f"{self._kv_reserved():,} of {self.kv_budget:,} KV bytes reserved; retry later")
             self._waiting.append(seq)
             self._cv.notify()
         return seq.handle
 
     def stats(self) -> dict:
-        """Engine-wide counters: ``active`` and ``queued`` requests, ``kv_tokens`` (KV positions
-        held by active sequences; 0 when idle), ``finished`` (ended with a finish reason),
-        ``failed``, ``cancelled``, ``timed_out``."""
+        """Engine-wide counters, one consistent snapshot:
+
+        - ``active``: sequences running; ``queued``: requests waiting for admission;
+        - ``kv_tokens``: KV positions the running sequences hold; ``kv_bytes``: their bytes
+          (``kv_tokens * kv_bytes_per_token``; the cache arrays grow in steps of 256 positions, but
+          numpy's zeroed pages past the held positions are not touched, so not resident);
+          ``kv_reserved_bytes``: the worst case the running sequences reserved at admission;
+          ``kv_budget_bytes``: ``kv_budget``. All 0 but the budget when nothing runs;
+        - ``finished`` (ended with a finish reason), ``failed``, ``cancelled``, ``timed_out``:
+          requests so far.
+        """
         with self._cv:
+            kv_tokens = sum(s.kv_tokens for s in self._active)
             return {"name": self.name, "active": len(self._active), "queued": len(self._waiting),
-                    "kv_tokens": sum(s.kv_tokens for s in self._active),
+                    "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * self.kv_bytes_per_token,
+                    "kv_reserved_bytes": self._kv_reserved(), "kv_budget_bytes": self.kv_budget,
                     **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out")}}
 
     def close(self, timeout: float | None = 10.0) -> None:
@@ -329,22 +364,41 @@ class Engine:
         return ids.astype(np.int64)
 
     def _budget(self, n_prompt: int, params) -> int:
-        """Generated tokens allowed: ``max_tokens``, or all the context leaves when None.
+        """Generated tokens allowed: ``max_tokens``; when None, all the context leaves (or all the
+        KV budget leaves, if that is less: only where ``kv_budget`` holds less than one context).
 
         Raises:
             InvalidRequestError: params of the wrong type.
             ContextLengthError: ``n_prompt + max_tokens > context`` (a prompt filling the whole
                 context counts as asking for 1 token).
+            KVBudgetError: the request's worst-case KV cache is over ``kv_budget``.
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
                                       param="params")
         room = self.context_length - n_prompt
-        wanted = params.max_tokens if params.max_tokens is not None else max(room, 1)
+        if params.max_tokens is None:
+            kv_room = self.kv_budget // self.kv_bytes_per_token - n_prompt - self.kv_headroom
+            wanted = max(min(room, kv_room), 1)
+        else:
+            wanted = params.max_tokens
         if wanted > room:
             raise ContextLengthError(prompt_tokens=n_prompt, max_tokens=wanted,
                                      context_length=self.context_length)
+        need = self._kv_need(n_prompt, wanted)
+        if need > self.kv_budget:
+            raise KVBudgetError(engine=self.name, prompt_tokens=n_prompt, max_tokens=wanted, need_bytes=need,
+                                budget_bytes=self.kv_budget, bytes_per_token=self.kv_bytes_per_token)
         return wanted
+
+    def _kv_need(self, n_prompt: int, budget: int) -> int:
+        """Bytes of KV cache a request of ``n_prompt`` prompt tokens and ``budget`` generated
+        tokens may hold at most (its reservation while it runs)."""
+        return min(self.context_length, n_prompt + budget + self.kv_headroom) * self.kv_bytes_per_token
+
+    def _kv_reserved(self) -> int:
+        """Bytes reserved by the running sequences (lock held)."""
+        return sum(self._kv_need(len(s.prompt_ids), s.budget) for s in self._active)
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -370,8 +424,18 @@ class Engine:
             self._abort_if_needed(seq, now)
 
     def _admit(self) -> None:
-        """Move queued requests into the active set while there is room."""
+        """Move queued requests into the active set, in arrival order, while a slot is free and the
+        first one's worst-case KV cache fits in what the running ones leave of ``kv_budget``.
+
+        The first in line waits rather than being overtaken, so small requests cannot starve a
+        large one; it always fits once nothing runs (``submit`` refused any that would not).
+        """
+        reserved = self._kv_reserved()
         while self._waiting and len(self._active) < self.max_active:
+            need = self._kv_need(len(self._waiting[0].prompt_ids), self._waiting[0].budget)
+            if reserved + need > self.kv_budget:
+                break
+            reserved += need
             seq = self._waiting.popleft()
             seq.t_admit = time.perf_counter()
             self._active.append(seq)
@@ -440,7 +504,11 @@ class Engine:
 
     def _end(self, seq: Sequence, *, error: BaseException | None = None, count: str = "failed") -> None:
         """Forget ``seq`` and free its cache, then tell its caller. Under the lock, so that a
-        caller who sees the end of its stream also sees it gone from ``stats()``."""
+        caller who sees the end of its stream also sees it gone from ``stats()``.
+
+        Logs ``request <outcome>; engine stats {...}`` (the ``stats()`` JSON after it) at INFO: the
+        way to watch an engine that runs in another process, such as a LiteLLM proxy's.
+        """
         with self._cv:
             if seq in self._active:
                 self._active.remove(seq)
@@ -455,6 +523,9 @@ class Engine:
                 seq.handle._end(None, None, error)
                 self._counts[count] += 1
             seq.spec = None
+            if log.isEnabledFor(logging.INFO):
+                log.info("request %s; engine stats %s", "finished" if error is None else count,
+                         json.dumps(self.stats()))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:

@@ -10,6 +10,8 @@ from litellm_flm.errors import litellm_errors, to_litellm
 
 CASES = [
     (rt.ContextLengthError(prompt_tokens=9000, max_tokens=10, context_length=8192), litellm.ContextWindowExceededError, 400),
+    (rt.KVBudgetError(engine="smollm2:135m", prompt_tokens=30, max_tokens=9000, need_bytes=416_102_400,
+                      budget_bytes=46_080_000, bytes_per_token=46_080), litellm.ContextWindowExceededError, 400),
     (rt.InvalidRequestError("top_p must lie in (0.0, 1.0], got 0", param="top_p"), litellm.BadRequestError, 400),
     (rt.RequestTimeoutError("deadline of 3.0 s passed"), litellm.Timeout, 408),
     (rt.EngineOverloadedError("queue full (64 requests)"), litellm.RateLimitError, 429),
@@ -38,6 +40,13 @@ def test_context_window_error_is_a_bad_request_with_the_counts():
     assert exc.code == "context_length_exceeded"
 
 
+def test_kv_budget_error_is_a_context_window_error_naming_max_tokens():
+    exc = to_litellm(rt.KVBudgetError(engine="e", prompt_tokens=30, max_tokens=9000, need_bytes=416_102_400,
+                                      budget_bytes=46_080_000, bytes_per_token=46_080), "m")
+    assert (exc.code, exc.param) == ("context_length_exceeded", "max_tokens")
+    assert "KV budget of 46,080,000 bytes (1000 tokens)" in str(exc)
+
+
 def test_bad_request_carries_the_param():
     exc = to_litellm(rt.InvalidRequestError("must be >= 1, got 0", param="max_tokens"), "m")
     assert exc.param == "max_tokens"
@@ -63,3 +72,41 @@ def test_litellm_passes_our_exceptions_through_unchanged():
     with pytest.raises(litellm.RateLimitError) as info:
         raise exception_type(model="m", custom_llm_provider="flm", original_exception=exc)
     assert info.value is exc
+
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def overloaded_for(fake_engine, tag: str, times: int | None = None) -> list[str]:
+    """Make ``fake_engine`` raise ``EngineOverloadedError`` for ``tag`` (the first ``times`` times,
+    or always); returns the list of tags it was asked for, in order."""
+    calls, submit = [], fake_engine.submit
+
+    def full_or_submit(prompt_ids, params, *, timeout):
+        calls.append(fake_engine.requested_tags[-1])
+        if calls[-1] == tag and (times is None or calls.count(tag) <= times):
+            raise rt.EngineOverloadedError(f"engine {tag!r} is full")
+        return submit(prompt_ids, params, timeout=timeout)
+
+    fake_engine.submit = full_or_submit
+    return calls
+
+
+async def test_router_falls_back_from_a_full_engine(fake_engine):
+    """A full engine is a 429 the Router acts on: the request goes to the fallback group."""
+    router = litellm.Router(model_list=[{"model_name": "local", "litellm_params": {"model": "flm/smollm2:135m"}},
+                                        {"model_name": "spare", "litellm_params": {"model": "flm/tiny-test:1m"}}],
+                            fallbacks=[{"local": ["spare"]}], num_retries=0)
+    calls = overloaded_for(fake_engine, "smollm2:135m")
+    r = await router.acompletion(model="local", messages=MSG)
+    assert calls == ["smollm2:135m", "tiny-test:1m"]
+    assert r.choices[0].message.content == fake_engine.reply
+
+
+async def test_router_retries_a_full_engine(fake_engine):
+    router = litellm.Router(model_list=[{"model_name": "local", "litellm_params": {"model": "flm/smollm2:135m"}}],
+                            num_retries=1, retry_after=0)
+    calls = overloaded_for(fake_engine, "smollm2:135m", times=1)
+    r = await router.acompletion(model="local", messages=MSG)
+    assert calls == ["smollm2:135m", "smollm2:135m"]
+    assert r.choices[0].message.content == fake_engine.reply

@@ -1,0 +1,85 @@
+"""Admission control: the KV memory budget of an engine and the limits read from the environment.
+
+An engine admits a queued request only when the KV memory the request may need at most fits in
+what the running sequences leave of the budget. What a request may need is known at submit time:
+``prompt + budget`` positions (``budget`` = ``max_tokens``, or the rest of the context), plus, with
+speculative decoding, the ``block_size - 1`` positions a verify pass writes past the last kept
+token before rolling back. Reserving that worst case up front (as Hugging Face TGI's
+``max_batch_total_tokens`` does) means a running sequence never runs out of memory and nothing is
+ever preempted. A request whose worst case exceeds the whole budget cannot run even alone and is
+refused at submit (``KVBudgetError``).
+
+Bytes per position count the float32 K and V of every target layer and, with speculative decoding,
+of every draft layer (``kv_bytes_per_token``). The npu backend keeps its cache in bfloat16, so there
+the budget is conservative by a factor of 2.
+
+Environment (read by ``flm_runtime.api.get_engine`` when it creates an engine, so a LiteLLM proxy
+sets them in its config's ``environment_variables``):
+
+    FLM_KV_BUDGET: KV memory budget per engine, bytes. Default: ``DEFAULT_KV_BUDGET_CONTEXTS``
+        full contexts of the model (``4 * 8192 * 46,080`` bytes = 1.51 GB for smollm2:135m).
+    FLM_MAX_QUEUE: requests waiting for admission at most, per engine (default 64); one more gets
+        ``EngineOverloadedError`` at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from flm_runtime.errors import InvalidRequestError
+
+KV_BUDGET_ENV = "FLM_KV_BUDGET"
+MAX_QUEUE_ENV = "FLM_MAX_QUEUE"
+# Full-context sequences the default budget holds at once (short requests pack many more).
+DEFAULT_KV_BUDGET_CONTEXTS = 4
+FLOAT32_BYTES = 4
+
+
+def kv_bytes_per_token(config, draft_config=None) -> int:
+    """Bytes of KV cache one position takes: float32 K and V of every layer (and draft layer).
+
+    Args:
+        config: the target's ``LlamaConfig`` (``num_hidden_layers``, ``num_key_value_heads``,
+            ``head_dim``).
+        draft_config: the DFlash draft's ``DFlashConfig`` (same fields), or None.
+
+    Returns:
+        ``2 * L * Hkv * D * 4`` bytes, plus the same for the draft's layers.
+    """
+    layers = [config] if draft_config is None else [config, draft_config]
+    return sum(2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * FLOAT32_BYTES for c in layers)
+
+
+def default_kv_budget(context_length: int, bytes_per_token: int) -> int:
+    """``DEFAULT_KV_BUDGET_CONTEXTS`` full contexts, bytes."""
+    return DEFAULT_KV_BUDGET_CONTEXTS * context_length * bytes_per_token
+
+
+def limits_from_env(environ: Mapping[str, str] = os.environ) -> dict[str, int]:
+    """``Engine`` keyword arguments set by ``FLM_KV_BUDGET`` (``kv_budget``) and ``FLM_MAX_QUEUE``
+    (``max_queue``); the unset ones are left out (the engine's defaults apply).
+
+    Raises:
+        InvalidRequestError: a value that is not a positive integer (``param`` names the variable).
+    """
+    limits = {}
+    for env, key in ((KV_BUDGET_ENV, "kv_budget"), (MAX_QUEUE_ENV, "max_queue")):
+        raw = environ.get(env, "").strip()
+        if raw:
+            limits[key] = positive_int(raw, env)
+    return limits
+
+
+def positive_int(value, name: str) -> int:
+    """``value`` (an int, or a string of decimal digits) as an int >= 1.
+
+    Raises:
+        InvalidRequestError: anything else, naming ``name``.
+    """
+    number = value
+    if isinstance(value, str) and value.strip().isdigit():
+        number = int(value)
+    if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+        raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+    return number
