@@ -34,6 +34,7 @@ class DraftConfig:
     block_size: int = 8
     mask_token_id: int = 16
     max_position_embeddings: int = 8192
+    draft_vocab_size: int = 0  # 0: the target's whole vocabulary
 
     @classmethod
     def from_dict(cls, d: dict) -> DraftConfig:
@@ -93,9 +94,13 @@ class DFlashDraft(nn.Module):
     Args:
         c: the draft's configuration.
         embed: ``[V, E]`` float32 target embedding; lm_head: ``[V, E]`` (the same tensor when tied).
+        draft_vocab: ``[Vd]`` int64 target token ids the draft can propose (docs/dflash.md, "Draft
+            vocabulary"), ``Vd == c.draft_vocab_size``; None with ``draft_vocab_size == 0`` (all ``V``).
+            Saved with the draft (a persistent buffer), so a resumed run keeps the same one.
     """
 
-    def __init__(self, c: DraftConfig, embed: torch.Tensor, lm_head: torch.Tensor):
+    def __init__(self, c: DraftConfig, embed: torch.Tensor, lm_head: torch.Tensor,
+                 draft_vocab: torch.Tensor | None = None):
         super().__init__()
         e, n = c.hidden_size, len(c.target_layer_ids)
         self.c = c
@@ -107,7 +112,17 @@ class DFlashDraft(nn.Module):
         # Training-time preconditioning of the taps (see ``set_tap_scale``); folded into fc at export.
         self.register_buffer("tap_scale", torch.ones(n * e))
         self.register_buffer("embed", embed, persistent=False)
-        self.register_buffer("lm_head", lm_head, persistent=False)
+        if c.draft_vocab_size:
+            assert draft_vocab is not None and draft_vocab.shape == (c.draft_vocab_size,), "draft_vocab != [Vd]"
+        else:
+            assert draft_vocab is None, "a draft vocabulary needs draft_vocab_size"
+            draft_vocab = torch.arange(lm_head.shape[0])
+        self.register_buffer("draft_vocab", draft_vocab.long(), persistent=bool(c.draft_vocab_size))  # [Vd]
+        head = lm_head[self.draft_vocab] if c.draft_vocab_size else lm_head  # [Vd, E] the draft's rows
+        self.register_buffer("lm_head", head, persistent=False)
+        to_draft = torch.full((lm_head.shape[0],), -1, dtype=torch.long)
+        to_draft[self.draft_vocab] = torch.arange(self.draft_vocab.shape[0])
+        self.register_buffer("to_draft", to_draft, persistent=False)  # [V] target id -> draft index or -1
         cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -142,13 +157,20 @@ class DFlashDraft(nn.Module):
         return out
 
     def export_state(self) -> dict[str, torch.Tensor]:
-        """The draft's tensors under the file-format names (float32, contiguous; tap scale folded in)."""
+        """The draft's tensors under the file-format names (float32, contiguous; tap scale folded in),
+        plus ``draft_vocab`` (int64) when the draft has its own vocabulary."""
         out = self.file_tensors()
         out["fc.weight"] = self.fc.weight * self.tap_scale[None, :]
-        return {k: v.detach().float().contiguous() for k, v in out.items()}
+        out = {k: v.detach().float().contiguous() for k, v in out.items()}
+        if self.c.draft_vocab_size:
+            out["draft_vocab"] = self.draft_vocab.clone()
+        return out
 
     def load_export_state(self, state: dict[str, torch.Tensor]) -> None:
         own = self.file_tensors()
+        state = dict(state)
+        if self.c.draft_vocab_size:
+            assert torch.equal(state.pop("draft_vocab").long(), self.draft_vocab), "a different draft vocabulary"
         assert set(own) == set(state), f"tensor names differ: {set(own) ^ set(state)}"
         with torch.no_grad():
             for k, v in state.items():
@@ -187,7 +209,8 @@ class DFlashDraft(nn.Module):
         return rms_norm(x, self.norm, c.rms_norm_eps).view(b, m, kk, -1)
 
     def logits(self, h: torch.Tensor, bf16: bool = False) -> torch.Tensor:
-        """``h`` ``[..., E]`` -> float32 logits ``[..., V]`` with the frozen LM head (bf16 matmul if asked)."""
+        """``h`` ``[..., E]`` -> float32 logits ``[..., Vd]`` over the draft vocabulary, with the
+        target's frozen LM head rows (bf16 matmul if asked)."""
         if not bf16:
             return h @ self.lm_head.T
         if self._head_bf16 is None:
@@ -197,7 +220,8 @@ class DFlashDraft(nn.Module):
     def block_logits(self, taps: torch.Tensor, anchor_token: int, start: int) -> torch.Tensor:
         """Serving semantics for one block: context ``taps`` ``[start, n*E]``, anchor at ``start``.
 
-        Returns ``[K, V]`` float32 logits (rows 1..K-1 give the drafted tokens d1..d7).
+        Returns ``[K, Vd]`` float32 logits over the draft vocabulary (rows 1..K-1 give the drafted
+        tokens ``draft_vocab[argmax]``).
         """
         assert taps.shape[0] == start
         tokens = torch.zeros(1, start + 1, dtype=torch.long)

@@ -35,11 +35,13 @@ def default_export_dir(target: str) -> Path:
 
 def write_draft(out_dir: Path, config: DraftConfig, state: dict[str, torch.Tensor], *, target: str,
                 target_sha256: str | None, training: dict) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (float16) atomically-enough (tmp + rename each)."""
+    """Write ``config.json`` and ``model.safetensors`` (float16; ``draft_vocab`` int64) atomically-enough
+    (tmp + rename each)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = {"architecture": "dflash-llama", "target": target, "target_sha256": target_sha256,
            **config.to_dict(), "training": training}
-    tensors = {k: v.detach().cpu().numpy().astype(np.float16) for k, v in state.items()}
+    tensors = {k: v.detach().cpu().numpy().astype(np.int64 if k == "draft_vocab" else np.float16)
+               for k, v in state.items()}
     tmp = out_dir / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "dflash-llama"})
     os.replace(tmp, out_dir / "model.safetensors")
@@ -64,8 +66,10 @@ def export_from_checkpoint(a: argparse.Namespace) -> Path:
     if best is not None:
         state, chosen = best["state"], {"step": best["step"], "sim_al": round(best["sim_al"], 3)}
     else:  # no held-out evaluation ran: the last state
-        dummy = torch.zeros(config.mask_token_id + 1, config.hidden_size)  # the frozen target parts are not exported
-        draft = DFlashDraft(config, dummy, dummy)
+        vocab = ck["model"].get("draft_vocab")
+        rows = 1 + max(config.mask_token_id, int(vocab.max()) if vocab is not None else 0)
+        dummy = torch.zeros(rows, config.hidden_size)  # the frozen target parts are not exported
+        draft = DFlashDraft(config, dummy, dummy, vocab)
         draft.load_state_dict(ck["model"])
         state, chosen = draft.export_state(), {"step": ck["step"], "sim_al": None}
     last_eval = ck["history"][-1] if ck.get("history") else None

@@ -57,6 +57,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-every", type=int, default=200)
     g.add_argument("--eval-seqs", type=int, default=32, help="held-out greedy sequences for simulated AL")
     g.add_argument("--mask-token-id", type=int, default=16, help="<empty_output> in SmolLM2")
+    g.add_argument("--draft-vocab", type=int, default=8192,
+                   help="tokens the draft can propose: the most frequent in the training responses (0: all)")
 
 
 # --- data ------------------------------------------------------------------------------------
@@ -95,6 +97,18 @@ class Shards:
             if n >= max_tokens:
                 break
         return torch.from_numpy(np.sqrt(acc / max(n, 1)).astype(np.float32))
+
+    def token_ranking(self, vocab_size: int) -> np.ndarray:
+        """Every target token id ``[V]`` int64 (``V = vocab_size``), most useful to draft first: by count in the training
+        responses, then by count in the prompts, then by id (BPE ids roughly follow merge order,
+        which follows frequency in the tokenizer's own corpus)."""
+        v = vocab_size
+        resp, prompt = np.zeros(v, np.int64), np.zeros(v, np.int64)
+        for s in self.seqs:
+            toks = self.tokens[s.shard][s.start: s.start + s.length]
+            np.add.at(prompt, toks[: s.prompt_len], 1)
+            np.add.at(resp, toks[s.prompt_len:], 1)
+        return np.lexsort((np.arange(v), -prompt, -resp)).astype(np.int64)
 
     @property
     def n_tokens(self) -> int:
@@ -139,7 +153,9 @@ def draft_loss(draft: DFlashDraft, batch: tuple, gamma: float) -> tuple[torch.Te
     k = draft.c.block_size
     h = draft.hidden(taps, tokens, anchors)[:, :, 1:]  # [B, M, k-1, E]
     tgt, ok = block_targets(tokens, lengths, anchors, valid, k)
-    logits = draft.logits(h[ok], bf16=True)  # [N, V]
+    tgt = draft.to_draft[tgt]  # [B, M, k-1] draft-vocabulary index, -1 outside it
+    ok &= tgt >= 0  # a token the draft cannot propose teaches it nothing
+    logits = draft.logits(h[ok], bf16=True)  # [N, Vd]
     ce = F.cross_entropy(logits, tgt[ok], reduction="none")  # [N]
     w = torch.exp(-torch.arange(k - 1, dtype=torch.float32) / gamma).expand_as(ok)[ok]  # [N]
     loss = (ce * w).sum() / w.sum()
@@ -156,9 +172,9 @@ def simulated_al(draft: DFlashDraft, data: Shards, seqs: list[Seq], max_blocks: 
     for s in seqs:
         anchors = np.arange(s.prompt_len, s.length - 1, k)[:max_blocks]
         taps, tokens, lengths, anc, valid = data.batch([s], [anchors])
-        logits = draft.logits(draft.hidden(taps, tokens, anc)[:, :, 1:])  # [1, M, k-1, V]
+        logits = draft.logits(draft.hidden(taps, tokens, anc)[:, :, 1:])  # [1, M, k-1, Vd]
         tgt, ok = block_targets(tokens, lengths, anc, valid, k)
-        agree = ((logits.argmax(-1) == tgt) & ok)[0].int()  # [M, k-1]
+        agree = ((draft.draft_vocab[logits.argmax(-1)] == tgt) & ok)[0].int()  # [M, k-1]
         prefix = torch.cumprod(agree, dim=1)  # 1 while every earlier one agreed
         accepted.extend(prefix.sum(1).tolist())
         per_k += prefix.sum(0).numpy()
@@ -182,15 +198,17 @@ def lr_at(step: int, a: argparse.Namespace) -> float:
 
 
 def build_draft(a: argparse.Namespace, target_config, embed: torch.Tensor, lm_head: torch.Tensor,
-                target_norm: torch.Tensor | None) -> DFlashDraft:
+                target_norm: torch.Tensor | None, draft_vocab: torch.Tensor | None) -> DFlashDraft:
+    """A freshly initialised draft for the target (``draft_vocab`` ``[Vd]`` or None: see ``DFlashDraft``)."""
     c = target_config
     dc = DraftConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                      head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
                      num_hidden_layers=a.layers, target_layer_ids=tuple(default_tap_layers(c.num_hidden_layers)),
                      block_size=a.block_size, mask_token_id=a.mask_token_id,
-                     max_position_embeddings=c.max_position_embeddings)
-    draft = DFlashDraft(dc, embed, lm_head)
+                     max_position_embeddings=c.max_position_embeddings,
+                     draft_vocab_size=0 if draft_vocab is None else len(draft_vocab))
+    draft = DFlashDraft(dc, embed, lm_head, draft_vocab)
     with torch.no_grad():
         for mod in draft.modules():
             if isinstance(mod, torch.nn.Linear):
@@ -217,18 +235,24 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
     bundle = load_model_files(registry.locate(a.target))
     embed = torch.from_numpy(bundle.weights["model.embed_tokens.weight"])
     lm_head = embed if bundle.config.tie_word_embeddings else torch.from_numpy(bundle.weights["lm_head.weight"])
+    data, held = Shards(train_paths), Shards(heldout_paths) if heldout_paths else None
+    if ck is not None:  # the checkpoint's own vocabulary (or none), whatever the data says now
+        draft_vocab = ck["model"].get("draft_vocab")
+    else:
+        vd = a.draft_vocab if 0 < a.draft_vocab < bundle.config.vocab_size else 0
+        draft_vocab = torch.from_numpy(np.sort(data.token_ranking(bundle.config.vocab_size)[:vd])) if vd else None
     torch.manual_seed(a.seed)
-    draft = build_draft(a, bundle.config, embed, lm_head, torch.from_numpy(bundle.weights["model.norm.weight"]))
+    draft = build_draft(a, bundle.config, embed, lm_head, torch.from_numpy(bundle.weights["model.norm.weight"]),
+                        draft_vocab)
     # Adam moves every weight by ~lr per step: the final norm, which alone sets the logit scale
     # (its input is normalised), would need ~1000 steps to grow from 0.1x to the target's gains.
     rest = [p for n, p in draft.named_parameters() if n != "norm"]
     opt = torch.optim.AdamW([{"params": rest, "lr_mult": 1.0},
                              {"params": [draft.norm], "lr_mult": a.norm_lr_mult, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95), weight_decay=a.weight_decay)
-    data, held = Shards(train_paths), Shards(heldout_paths) if heldout_paths else None
     draft.set_tap_scale(data.tap_rms())  # a checkpoint's own scale (a buffer) replaces it on resume
-    log.info("train: %d sequences / %d tokens; held out %d sequences", len(data.seqs), data.n_tokens,
-             len(held.seqs) if held else 0)
+    log.info("train: %d sequences / %d tokens; held out %d sequences; draft vocabulary %d", len(data.seqs),
+             data.n_tokens, len(held.seqs) if held else 0, len(draft.draft_vocab))
     eval_seqs = [s for s in held.seqs if s.greedy][: a.eval_seqs] if held else []
     rng = np.random.default_rng(a.seed)
     step, epoch, cursor, perm, best = 0, 0, 0, rng.permutation(len(data.seqs)), None

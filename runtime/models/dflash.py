@@ -54,6 +54,8 @@ class DFlashConfig:
             rms_norm_eps, rope_theta: as in a Llama ``config.json``; equal to the target's.
         mask_token_id: the target vocabulary id whose embedding initialised ``mask_embedding``.
         block_size: B, the anchor plus B - 1 masks (8).
+        draft_vocab_size: Vd, target tokens the draft can propose (its ``draft_vocab`` tensor);
+            0 means the target's whole vocabulary (docs/dflash.md, "Draft vocabulary").
         architecture: must be ``"dflash-llama"``.
         target: registry tag of the target it was trained for (e.g. ``"smollm2:135m"``).
         target_sha256: sha256 of the target's weight file, or None.
@@ -71,6 +73,7 @@ class DFlashConfig:
     rope_theta: float
     mask_token_id: int
     block_size: int = 8
+    draft_vocab_size: int = 0
     architecture: str = ARCHITECTURE
     target: str = ""
     target_sha256: str | None = None
@@ -85,6 +88,8 @@ class DFlashConfig:
             problems.append("target_layer_ids is empty")
         if self.block_size < 2:
             problems.append(f"block_size must be >= 2, got {self.block_size}")
+        if self.draft_vocab_size < 0:
+            problems.append(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
         if self.num_hidden_layers < 1:
             problems.append(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -137,6 +142,9 @@ def check_target(config: DFlashConfig, target: LlamaConfig, *, target_sha256: st
     if not all(0 <= i < target.num_hidden_layers for i in config.target_layer_ids):
         problems.append(f"target_layer_ids {list(config.target_layer_ids)} fall outside the target's "
                         f"{target.num_hidden_layers} layers")
+    if config.draft_vocab_size > target.vocab_size:
+        problems.append(f"draft_vocab_size {config.draft_vocab_size} exceeds the target's vocabulary "
+                        f"of {target.vocab_size}")
     if not 0 <= config.mask_token_id < target.vocab_size:
         problems.append(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary "
                         f"of {target.vocab_size}")
@@ -158,11 +166,17 @@ class DFlashDraft:
         config: the draft's hyper-parameters.
         weights: float32-convertible arrays keyed by the names of docs/dflash.md ("Files").
         embed: ``[V, E]`` the target's embedding (shared, not copied).
-        lm_head: ``[V, E]`` the target's LM head (shared, not copied).
+        lm_head: ``[V, E]`` the target's LM head (shared, not copied; with a draft vocabulary its
+            ``Vd`` rows are gathered once into ``head``).
         max_positions: the target's context length (tokens): caches and RoPE tables span it.
 
+    Attributes:
+        vocab: ``[Vd]`` int64 target ids of the draft vocabulary (ascending), or None (all ``V``).
+        head: ``[Vd, E]`` the LM head rows the draft scores.
+
     Raises:
-        ModelFormatError: a tensor is missing, unexpected or misshapen.
+        ModelFormatError: a tensor is missing, unexpected or misshapen, or ``draft_vocab`` is not
+            ascending distinct ids of the target's vocabulary.
     """
 
     def __init__(self, config: DFlashConfig, weights: dict[str, np.ndarray], *, embed: np.ndarray,
@@ -171,13 +185,15 @@ class DFlashDraft:
         e, d = c.hidden_size, c.head_dim
         assert embed.shape[1] == e and lm_head.shape == embed.shape, "target embedding/LM head width != E"
         self.config = c
-        self.embed, self.lm_head = embed, lm_head  # [V, E] each, the target's own arrays
+        self.embed = embed  # [V, E] the target's own array
         self.max_positions = max_positions
         expected = set(draft_weight_shapes(c))
         if unexpected := sorted(set(weights) - expected):
             raise ModelFormatError(f"unexpected tensors in the draft: {', '.join(unexpected[:8])} "
                                    f"(names carry no model prefix; {c.num_hidden_layers} layers)")
-        take = _Taker(weights)
+        self.vocab = _draft_vocab(weights, c, lm_head.shape[0])  # [Vd] int64 or None
+        self.head = lm_head if self.vocab is None else np.ascontiguousarray(lm_head[self.vocab])  # [Vd, E]
+        take = _Taker({k: v for k, v in weights.items() if k != "draft_vocab"})
         self.fc = take("fc.weight", (e, c.n_taps * e))  # [E, n*E]
         self.hidden_norm = take("hidden_norm.weight", (e,))
         self.mask_embedding = take("mask_embedding", (e,))
@@ -259,15 +275,16 @@ class DFlashDraft:
         cache.commit(t)
 
     def draft_logits(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:
-        """Logits of block rows ``1 .. B-1``, the predictions of ``d1 .. dK`` (row k predicts the
-        token at block index k: no shift).
+        """Logits of block rows ``1 .. B-1`` over the draft vocabulary, the predictions of
+        ``d1 .. dK`` (row k predicts the token at block index k: no shift; column j is target id
+        ``vocab[j]``, or j without a draft vocabulary).
 
         Args:
             cache: holds the context of positions ``0 .. start-1`` (``cache.length == start``).
             anchor_id: the last committed token, at position ``start``.
             start: the anchor's position.
         Returns:
-            ``[K, V]`` float32.
+            ``[K, Vd]`` float32.
         """
         c = self.config
         b, h, hkv, d = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -290,15 +307,17 @@ class DFlashDraft:
             gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps), w.w_gate_up)  # [B, 2F]
             x = x + cpu.linear(cpu.swiglu(gate_up), w.w_down)
         h = cpu.rms_norm(x[1:], self.norm, c.rms_norm_eps)  # [K, E]: rows 1..K predict d1..dK
-        return np.ascontiguousarray(cpu.linear(h, self.lm_head))  # [K, V]
+        return np.ascontiguousarray(cpu.linear(h, self.head))  # [K, Vd]
 
     def propose(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:
-        """Greedy draft: ``d1 .. dK`` = argmax of block rows ``1 .. K`` (see ``draft_logits``).
+        """Greedy draft: ``d1 .. dK`` = argmax of block rows ``1 .. K`` (see ``draft_logits``),
+        mapped to target ids.
 
         Returns:
-            ``[K]`` int64 token ids.
+            ``[K]`` int64 target token ids.
         """
-        return np.argmax(self.draft_logits(cache, anchor_id, start), axis=-1).astype(np.int64)
+        best = np.argmax(self.draft_logits(cache, anchor_id, start), axis=-1)  # [K] draft-vocabulary index
+        return (best if self.vocab is None else self.vocab[best]).astype(np.int64)
 
 
 def draft_weight_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -307,6 +326,8 @@ def draft_weight_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
     e, q_rows, kv_rows = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     shapes = {"fc.weight": (e, c.n_taps * e), "hidden_norm.weight": (e,), "mask_embedding": (e,),
               "norm.weight": (e,)}
+    if c.draft_vocab_size:
+        shapes["draft_vocab"] = (c.draft_vocab_size,)
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
         shapes |= {
@@ -317,6 +338,26 @@ def draft_weight_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (e, c.intermediate_size),
         }
     return shapes
+
+
+def _draft_vocab(weights: dict[str, np.ndarray], config: DFlashConfig, vocab_size: int) -> np.ndarray | None:
+    """The ``draft_vocab`` tensor checked against the config and the target's ``vocab_size``.
+
+    Raises:
+        ModelFormatError: missing, misshapen, not integer, or not ascending distinct ids in range.
+    """
+    if not config.draft_vocab_size:
+        return None
+    if "draft_vocab" not in weights:
+        raise ModelFormatError(f"tensor 'draft_vocab' is missing (draft_vocab_size is {config.draft_vocab_size})")
+    v = weights["draft_vocab"]
+    if v.shape != (config.draft_vocab_size,) or v.dtype.kind not in "iu":
+        raise ModelFormatError(f"tensor 'draft_vocab' is {v.dtype} {tuple(v.shape)}, expected integer "
+                               f"({config.draft_vocab_size},)")
+    v = v.astype(np.int64)
+    if v[0] < 0 or v[-1] >= vocab_size or (v.size > 1 and not (np.diff(v) > 0).all()):
+        raise ModelFormatError(f"tensor 'draft_vocab' must hold ascending distinct token ids in [0, {vocab_size})")
+    return v
 
 
 def read_config(path: Path) -> DFlashConfig:
@@ -339,11 +380,13 @@ def read_config(path: Path) -> DFlashConfig:
 
 
 def read_weights(path: Path) -> dict[str, np.ndarray]:
-    """Read a draft's ``model.safetensors`` as float32 arrays (float16 is widened).
+    """Read a draft's ``model.safetensors`` as float32 arrays (float16 is widened); ``draft_vocab``
+    is read as int64.
 
     Raises:
         FileNotFoundError: no such file.
-        ModelFormatError: unreadable, or a dtype other than float32/float16.
+        ModelFormatError: unreadable, a dtype other than float32/float16 (int32/int64 for
+            ``draft_vocab``).
     """
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
@@ -356,6 +399,9 @@ def read_weights(path: Path) -> dict[str, np.ndarray]:
         raise ModelFormatError(f"{path}: cannot read it as float32/float16 safetensors: {e}") from e
     out = {}
     for name, a in raw.items():
+        if name == "draft_vocab" and a.dtype in (np.int32, np.int64):
+            out[name] = a.astype(np.int64)
+            continue
         if a.dtype not in (np.float16, np.float32):
             raise ModelFormatError(f"{path}: tensor {name!r} is {a.dtype}, expected float32 or float16")
         out[name] = a.astype(np.float32)

@@ -62,8 +62,9 @@ def random_draft_weights(config: dict, seed: int = 0, scale: float = 0.2) -> dic
 
 
 def write_draft_dir(path: Path, config: dict, weights: dict[str, np.ndarray], dtype=np.float16) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (tensors cast to ``dtype``) into ``path``."""
+    """Write ``config.json`` and ``model.safetensors`` (float tensors cast to ``dtype``) into ``path``."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    save_file({k: np.ascontiguousarray(v, dtype=dtype) for k, v in weights.items()}, str(path / "model.safetensors"))
+    save_file({k: np.ascontiguousarray(v, dtype=dtype if v.dtype.kind == "f" else v.dtype) for k, v in weights.items()},
+              str(path / "model.safetensors"))
     return path

@@ -103,6 +103,40 @@ def test_draft_with_empty_context(tiny_target):
     np.testing.assert_allclose(draft.draft_logits(draft.new_cache(), 7, 0), expected, rtol=0, atol=1e-4)
 
 
+def test_draft_vocabulary_scores_only_its_rows(tiny_target, tmp_path):
+    """A draft vocabulary (docs/dflash.md): the logits are the full ones at those columns, and the
+    proposals are the best of those tokens, as target ids."""
+    vocab = np.array([0, 3, 5, 17, 40, 41, 90, 96], dtype=np.int64)
+    cfg = draft_config_dict(TINY, layers=1, taps=[1, 0], mask_token_id=5, draft_vocab_size=len(vocab))
+    weights = random_draft_weights(cfg, seed=4, scale=0.3) | {"draft_vocab": vocab}
+    draft = DFlashDraft.load(write_draft_dir(tmp_path / "d", cfg, weights), tiny_target)
+    ids = np.array([3, 14, 15, 92, 65, 35, 89, 79, 32, 38])
+    taps = tiny_target.forward(ids, tiny_target.new_cache(), taps=(1, 0)).taps  # [10, 2E]
+    cache = draft.new_cache()
+    draft.add_context(cache, taps[:9], 0)
+    stored = {k: v.astype(np.float16).astype(np.float32) for k, v in weights.items() if k != "draft_vocab"}
+    full = naive_draft_logits(cfg, stored, tiny_target.embed, tiny_target.lm_head, taps, int(ids[9]), 9)  # [7, V]
+    got = draft.draft_logits(cache, int(ids[9]), 9)
+    assert got.shape == (7, len(vocab))
+    np.testing.assert_allclose(got, full[:, vocab], rtol=0, atol=1e-4)
+    proposed = draft.propose(cache, int(ids[9]), 9)
+    np.testing.assert_array_equal(proposed, vocab[np.argmax(full[:, vocab], axis=-1)])
+    assert not np.array_equal(proposed, np.argmax(full, axis=-1))  # the restriction mattered here
+
+
+@pytest.mark.parametrize("vocab, message", [
+    (np.array([3, 1, 5, 7]), "ascending distinct"),
+    (np.array([1, 3, 5, 97]), r"ascending distinct token ids in \[0, 97\)"),
+    (np.array([1.0, 3.0, 5.0, 7.0], dtype=np.float32), "expected integer"),
+    (None, "'draft_vocab' is missing"),
+])
+def test_load_refuses_a_bad_draft_vocabulary(tiny_target, tmp_path, vocab, message):
+    cfg = draft_config_dict(TINY, taps=[0, 1], draft_vocab_size=4)
+    weights = random_draft_weights(cfg) | ({} if vocab is None else {"draft_vocab": vocab})
+    with pytest.raises(ModelFormatError, match=message):
+        DFlashDraft.load(write_draft_dir(tmp_path / "d", cfg, weights, dtype=np.float32), tiny_target)
+
+
 def test_tap_layers_formula_matches_the_contract():
     assert tap_layers(30, 5) == [1, 8, 14, 20, 27]  # docs/dflash.md's example for SmolLM2's 30 layers
 
@@ -122,7 +156,8 @@ def test_load_float16_dir_shares_the_target_arrays(tiny_target, tmp_path):
     cfg = draft_config_dict(TINY, taps=[0, 1])
     weights = random_draft_weights(cfg)
     draft = DFlashDraft.load(write_draft_dir(tmp_path / "d", cfg, weights, dtype=np.float16), tiny_target)
-    assert draft.embed is tiny_target.embed and draft.lm_head is tiny_target.lm_head  # shared, not copied
+    assert draft.embed is tiny_target.embed and draft.head is tiny_target.lm_head  # shared, not copied
+    assert draft.vocab is None
     assert draft.fc.dtype == np.float32
     np.testing.assert_array_equal(draft.fc, weights["fc.weight"].astype(np.float16).astype(np.float32))
     assert draft.config.target_layer_ids == (0, 1)

@@ -23,13 +23,14 @@ from flm_train.export import write_draft
 V, E, T = 101, 64, 23  # vocabulary, hidden size, context positions
 
 
-def tiny_draft(layers: int = 2, seed: int = 0) -> DFlashDraft:
+def tiny_draft(layers: int = 2, seed: int = 0, draft_vocab: torch.Tensor | None = None) -> DFlashDraft:
     torch.manual_seed(seed)
     c = DraftConfig(hidden_size=E, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     rms_norm_eps=1e-5, rope_theta=10000.0, num_hidden_layers=layers, target_layer_ids=(1, 3, 5),
-                    block_size=8, mask_token_id=7, max_position_embeddings=256)
+                    block_size=8, mask_token_id=7, max_position_embeddings=256,
+                    draft_vocab_size=0 if draft_vocab is None else len(draft_vocab))
     embed = torch.randn(V, E)
-    draft = DFlashDraft(c, embed, embed)  # tied, like SmolLM2
+    draft = DFlashDraft(c, embed, embed, draft_vocab)  # tied, like SmolLM2
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.2)  # norms away from 1, linears away from init scale
@@ -45,9 +46,9 @@ def numpy_twin(draft: DFlashDraft, tmp_path) -> NumpyDraft:
                       max_positions=draft.c.max_position_embeddings)
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_torch_and_numpy_drafts_give_the_same_logits(tmp_path, layers):
-    draft = tiny_draft(layers)
+@pytest.mark.parametrize("layers, draft_vocab", [(1, None), (2, None), (1, torch.tensor([2, 7, 11, 42, 60, 99]))])
+def test_torch_and_numpy_drafts_give_the_same_logits(tmp_path, layers, draft_vocab):
+    draft = tiny_draft(layers, draft_vocab=draft_vocab)
     # The file is float16: round the torch side's weights the same way before comparing.
     draft.load_export_state({k: v.half().float() for k, v in draft.export_state().items()})
     twin = numpy_twin(draft, tmp_path)
@@ -56,10 +57,10 @@ def test_torch_and_numpy_drafts_give_the_same_logits(tmp_path, layers):
     for start in (0, 5, T):
         cache = twin.new_cache()
         twin.add_context(cache, taps[:start], 0)
-        want = twin.draft_logits(cache, anchor_id=42, start=start)  # [7, V]
+        want = twin.draft_logits(cache, anchor_id=42, start=start)  # [7, Vd]
         got = draft.block_logits(torch.from_numpy(taps[:start]), 42, start)[1:].detach().numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-        assert (got.argmax(-1) == twin.propose(cache, 42, start)).all()
+        assert (draft.draft_vocab[got.argmax(-1)].numpy() == twin.propose(cache, 42, start)).all()
 
 
 def test_many_anchors_in_one_pass_equal_one_block_at_a_time():
