@@ -1,8 +1,14 @@
-"""The ``litellm-flm`` command: ``pull``, ``list``, ``run``, ``validate``, ``bench``, ``agreement``, ``soak``.
+"""The ``litellm-flm`` command: ``pull``, ``list``, ``run``, ``validate``, ``bench``, ``agreement``, and
+``soak`` from ``litellm_flm``.
 
 Each subcommand is one function ``cmd_<name>(args) -> int`` (the exit status) registered with
 ``@command(name, help, configure)``, where ``configure(parser)`` adds its arguments. Errors the
 runtime raises on purpose (``FlmError``) print one line and exit 1; ``--debug`` shows tracebacks.
+
+Other packages add subcommands through the entry-point group ``litellm_flm.commands`` (name: the
+subcommand; object: a ``Command``), so that the runtime never imports them: ``soak`` drives
+LiteLLM, so it is ``litellm_flm.soak.COMMAND``. A plugin is imported only when its subcommand runs:
+importing LiteLLM takes seconds that ``litellm-flm list`` should not pay.
 """
 
 from __future__ import annotations
@@ -11,13 +17,16 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+import entrypoints
 
 from flm_runtime import registry
 from flm_runtime.errors import FlmError
 
 PROG = "litellm-flm"
+COMMAND_GROUP = "litellm_flm.commands"
 
 
 @dataclass(frozen=True)
@@ -170,7 +179,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- bench, agreement, soak: the benchmark card's tables (flm_runtime.bench) -------------------
+# --- bench, agreement: the benchmark card's tables (flm_runtime.bench) -------------------------
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
     from flm_runtime.bench.options import bench_arguments
@@ -200,28 +209,42 @@ def cmd_agreement(args: argparse.Namespace) -> int:
     return agreement.main(args)
 
 
-def _soak_args(p: argparse.ArgumentParser) -> None:
-    from flm_runtime.bench.options import soak_arguments
+# --- plugins and entry point -------------------------------------------------------------------
 
-    soak_arguments(p)
+def plugin_commands(chosen: str | None) -> dict[str, Command]:
+    """The subcommands of the group ``litellm_flm.commands``: ``chosen`` loaded (its ``Command``),
+    the others as stand-ins that only list it in ``--help``. One named like a built-in command is
+    skipped, as is the whole group when an ``entry_points.txt`` on the path is malformed (logged).
+    """
+    try:
+        eps = entrypoints.get_group_all(COMMAND_GROUP)
+    except Exception as e:  # noqa: BLE001 - a malformed entry_points.txt anywhere on sys.path
+        logging.getLogger(__name__).warning("cannot read entry points %s: %s", COMMAND_GROUP, e)
+        return {}
+    found = {}
+    for ep in eps:
+        if ep.name in COMMANDS:
+            continue
+        if ep.name == chosen:
+            cmd = ep.load()
+            assert isinstance(cmd, Command) and cmd.name == ep.name, f"entry point {ep} is not Command {ep.name!r}"
+        else:
+            cmd = Command(ep.name, f"(from {ep.module_name}; `{PROG} {ep.name} --help` for more)", _not_chosen)
+        found[ep.name] = cmd
+    return found
 
 
-@command("soak", "back-to-back requests through LiteLLM: tokens, requests, verify passes, errors, stalls",
-         _soak_args)
-def cmd_soak(args: argparse.Namespace) -> int:
-    from flm_runtime.bench import soak
-
-    return soak.main(args)
+def _not_chosen(args: argparse.Namespace) -> int:
+    raise AssertionError(f"plugin subcommand {args.command!r} was not loaded")
 
 
-# --- entry point --------------------------------------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Mapping[str, Command] | None = None) -> argparse.ArgumentParser:
+    """The parser of ``commands`` (default: the built-in ones)."""
     parser = argparse.ArgumentParser(prog=PROG, description="Run LLMs locally for LiteLLM (flm/<tag>).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("--debug", action="store_true", help="debug logging; show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for cmd in COMMANDS.values():
+    for cmd in (COMMANDS if commands is None else commands).values():
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         if cmd.configure is not None:
             cmd.configure(p)
@@ -240,7 +263,9 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)  # global options take no value
+    args = build_parser({**COMMANDS, **plugin_commands(chosen)}).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format=f"{PROG}: %(levelname)s: %(message)s")
     try:

@@ -120,6 +120,44 @@ def test_a_new_subcommand_is_one_registered_function(monkeypatch, capsys):
     assert capsys.readouterr().out == "a b\n"
 
 
+class FakeEntryPoint:
+    """An ``entrypoints.EntryPoint`` stand-in that counts its loads."""
+
+    def __init__(self, name: str, command: cli.Command):
+        self.name, self.module_name, self.command, self.loads = name, f"plugin_{name}", command, 0
+
+    def load(self) -> cli.Command:
+        self.loads += 1
+        return self.command
+
+
+def test_a_plugin_subcommand_is_loaded_only_when_it_runs(monkeypatch, capsys):
+    echo = FakeEntryPoint("echo", cli.Command("echo", "print the words", lambda a: print(*a.words) or 4,
+                                              lambda p: p.add_argument("words", nargs="+")))
+    shadow = FakeEntryPoint("list", cli.Command("list", "a plugin may not replace a built-in", lambda a: 9))
+    monkeypatch.setattr(cli.entrypoints, "get_group_all",
+                        lambda group: [echo, shadow] if group == cli.COMMAND_GROUP else [])
+    assert cli.main(["list"]) == 0 and echo.loads == 0 and shadow.loads == 0
+    assert cli.main(["--debug", "echo", "a", "b"]) == 4 and echo.loads == 1
+    assert capsys.readouterr().out.endswith("a b\n")
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "(from plugin_echo; `litellm-flm echo --help` for more)" in capsys.readouterr().out
+    assert echo.loads == 1
+
+
+def test_soak_is_the_litellm_flm_plugin():
+    """The installed entry point (pyproject) names ``litellm_flm.soak.COMMAND``; the runtime itself
+    does not import LiteLLM to list its commands."""
+    commands = cli.plugin_commands("soak")
+    from litellm_flm import soak
+
+    assert commands["soak"] is soak.COMMAND
+    code = "import sys, flm_runtime.cli as c; c.build_parser(); c.plugin_commands(None); print('litellm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
 def test_the_console_script_runs_in_a_fresh_process(isolated):
     """``python -m flm_runtime.cli`` and the installed ``litellm-flm`` script, where present."""
     commands = [[sys.executable, "-m", "flm_runtime.cli"]]

@@ -1,4 +1,4 @@
-"""Command-line options of ``litellm-flm bench`` (and ``bench --quick``), ``agreement`` and ``soak``.
+"""Command-line options of ``litellm-flm bench`` (and ``bench --quick``) and ``agreement``.
 
 Kept apart from the commands themselves (and free of heavy imports) so that building the
 ``litellm-flm`` parser loads no model code; ``flm_runtime.cli`` registers the commands.
@@ -59,24 +59,3 @@ def agreement_arguments(p: argparse.ArgumentParser) -> None:
                    help="teacher-forced positions per document and context, a multiple of --block (default 256)")
     p.add_argument("--block", type=int, default=8,
                    help="positions per verify pass: the draft's block, anchor + 7 drafted (default 8)")
-
-
-def soak_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="flm/smollm2-dflash:135m",
-                   help="the LiteLLM model to soak (default flm/smollm2-dflash:135m)")
-    p.add_argument("--draft", metavar="DIR",
-                   help="serve the model's DFlash tag with this draft directory for the run (through a "
-                        "temporary models file that keeps your own entries)")
-    p.add_argument("--min-requests", type=int, default=20, help="run at least this many requests (default 20)")
-    p.add_argument("--min-tokens", type=int, default=8000,
-                   help="and at least this many completion tokens (default 8000)")
-    p.add_argument("--max-requests", type=int, default=100,
-                   help="stop after this many requests even if --min-tokens is not reached (default 100)")
-    p.add_argument("--long-tokens", type=int, default=2048, help="max_tokens of the long requests (default 2048)")
-    p.add_argument("--short-tokens", type=int, default=64, help="max_tokens of the short requests (default 64)")
-    p.add_argument("--stall-s", type=float, default=10.0,
-                   help="a stall: no token for more than this many seconds (default 10)")
-    p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout in seconds (default 900)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the first sampled request (default 0)")
-    p.add_argument("--out", default="flm-bench", metavar="DIR", help="where the files go (default ./flm-bench)")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")

@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from flm_runtime.bench import agreement, quick, soak, speed
+from flm_runtime.bench import agreement, quick, speed
+from litellm_flm import soak
 
 
 def read_csv(path):

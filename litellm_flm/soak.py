@@ -21,8 +21,9 @@ Per request, from the stream itself:
 The exit status is 0 only with zero errors, zero stalls and both minimums reached. Files in
 ``--out``: ``soak.md`` (summary, the command, the machine) and ``soak.csv`` (one row per request).
 
-This is the one command of the runtime that imports ``litellm`` (inside ``main``, at run time):
-driving the LiteLLM path is its purpose. ``flm_runtime`` itself still imports without LiteLLM.
+It lives here, not in ``flm_runtime.bench`` beside the other tables, because driving LiteLLM is its
+purpose and ``flm_runtime`` never imports LiteLLM; ``litellm-flm`` finds it through the entry point
+``soak`` of the group ``litellm_flm.commands`` (``COMMAND``; see ``flm_runtime.cli``).
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import litellm
 from tqdm import tqdm
 
 from flm_runtime import paths, registry
+from flm_runtime.api import get_engine
 from flm_runtime.bench import report
+from flm_runtime.cli import Command
 from flm_runtime.errors import InvalidRequestError
 
 PROVIDER_PREFIX = "flm/"
@@ -223,11 +227,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def soak(args: argparse.Namespace, tag: str) -> int:
-    import litellm  # the soak drives the LiteLLM path itself (see the module docstring)
-
-    import litellm_flm  # noqa: F401 - registers the flm provider
-    from flm_runtime.api import get_engine
-
     engine = get_engine(tag)  # load (and fail) before the clock starts; LiteLLM gets this same engine
     block_drafts = engine.speculative.block_size - 1 if engine.speculative is not None else 0
     info = report.machine_info()
@@ -292,3 +291,30 @@ def command(args: argparse.Namespace) -> str:
         ("--min-tokens", args.min_tokens), ("--max-requests", args.max_requests),
         ("--long-tokens", args.long_tokens), ("--short-tokens", args.short_tokens), ("--stall-s", args.stall_s),
         ("--timeout", args.timeout), ("--seed", args.seed), ("--out", args.out)])
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``litellm-flm soak``."""
+    p.add_argument("--model", default="flm/smollm2-dflash:135m",
+                   help="the LiteLLM model to soak (default flm/smollm2-dflash:135m)")
+    p.add_argument("--draft", metavar="DIR",
+                   help="serve the model's DFlash tag with this draft directory for the run (through a "
+                        "temporary models file that keeps your own entries)")
+    p.add_argument("--min-requests", type=int, default=20, help="run at least this many requests (default 20)")
+    p.add_argument("--min-tokens", type=int, default=8000,
+                   help="and at least this many completion tokens (default 8000)")
+    p.add_argument("--max-requests", type=int, default=100,
+                   help="stop after this many requests even if --min-tokens is not reached (default 100)")
+    p.add_argument("--long-tokens", type=int, default=2048, help="max_tokens of the long requests (default 2048)")
+    p.add_argument("--short-tokens", type=int, default=64, help="max_tokens of the short requests (default 64)")
+    p.add_argument("--stall-s", type=float, default=10.0,
+                   help="a stall: no token for more than this many seconds (default 10)")
+    p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout in seconds (default 900)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first sampled request (default 0)")
+    p.add_argument("--out", default="flm-bench", metavar="DIR", help="where the files go (default ./flm-bench)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+# The subcommand ``litellm-flm soak`` (entry point ``soak`` of the group ``litellm_flm.commands``).
+COMMAND = Command("soak", "back-to-back requests through LiteLLM: tokens, requests, verify passes, errors, stalls",
+                  main, arguments)
