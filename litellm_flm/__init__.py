@@ -17,11 +17,17 @@ It is cheap (no model is loaded) and idempotent.
 
 ``reasoning_effort`` / ``thinking`` are refused by this provider; other OpenAI parameters LiteLLM
 does not forward to custom providers by default can be let through with ``allowed_openai_params``.
+
+``$FLM_LOG_LEVEL`` (e.g. ``INFO``), read at import, sends the log records of ``flm_runtime`` and
+``litellm_flm`` of that level and up to stderr (``configure_logging``). A LiteLLM proxy sets up
+only its own loggers, so this is how its output shows the engine's lines, among them one per ended
+request with the engine's stats (``flm_runtime.engine.engine.Engine._end``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import litellm
 
@@ -29,9 +35,10 @@ from flm_runtime.errors import FlmError
 
 from .llm import FlmLLM
 
-__all__ = ["FlmLLM", "handler", "register", "PROVIDER"]
+__all__ = ["FlmLLM", "handler", "register", "configure_logging", "PROVIDER"]
 
 PROVIDER = "flm"
+LOG_LEVEL_ENV = "FLM_LOG_LEVEL"
 
 # The CustomLLM instance LiteLLM calls (custom_provider_map needs an instance, not the class).
 handler = FlmLLM()
@@ -99,4 +106,29 @@ def register() -> None:
         litellm.register_model({f"{PROVIDER}/{tag}": model_info(n) for tag, n in contexts.items()})
 
 
+_stderr = logging.StreamHandler()  # sys.stderr
+_stderr.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+
+
+def configure_logging(level: str | None) -> None:
+    """Send the ``flm_runtime`` and ``litellm_flm`` log records of ``level`` and up (a ``logging``
+    level name, any case) to stderr, and not on to the root logger (no line twice where the
+    application logs the root too). None or "" leaves logging alone. Idempotent.
+
+    Raises:
+        ValueError: ``level`` is not a level name; the message names ``FLM_LOG_LEVEL``.
+    """
+    if not level:
+        return
+    name = level.strip().upper()
+    if not isinstance(logging.getLevelName(name), int):
+        raise ValueError(f"{LOG_LEVEL_ENV} must be a logging level (DEBUG, INFO, WARNING, ERROR), got {level!r}")
+    for logger in map(logging.getLogger, ("flm_runtime", "litellm_flm")):
+        logger.setLevel(name)
+        logger.propagate = False
+        if _stderr not in logger.handlers:
+            logger.addHandler(_stderr)
+
+
+configure_logging(os.environ.get(LOG_LEVEL_ENV))
 register()

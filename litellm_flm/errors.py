@@ -37,7 +37,8 @@ def to_litellm(error: rt.FlmError, model: str) -> Exception:
     # deployment's effective context (its memory cannot hold it even alone), so it fires the
     # Router's context_window_fallbacks too; with param "max_tokens", the value to lower.
     if isinstance(error, (rt.ContextLengthError, rt.KVBudgetError)):
-        body = {"message": msg, "type": "invalid_request_error", "param": error.param, "code": "context_length_exceeded"}
+        body = {"message": msg, "type": "invalid_request_error", "param": error.param,
+                "code": "context_length_exceeded"}
         return litellm.ContextWindowExceededError(**kw, body=body)
     if isinstance(error, rt.InvalidRequestError):
         if error.param and error.param not in msg:

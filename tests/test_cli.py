@@ -153,7 +153,8 @@ def test_soak_is_the_litellm_flm_plugin():
     from litellm_flm import soak
 
     assert commands["soak"] is soak.COMMAND
-    code = "import sys, flm_runtime.cli as c; c.build_parser(); c.plugin_commands(None); print('litellm' in sys.modules)"
+    code = ("import sys, flm_runtime.cli as c; c.build_parser(); c.plugin_commands(None); "
+            "print('litellm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
 

@@ -324,6 +324,8 @@ class Engine:
                     f"{self._kv_reserved():,} of {self.kv_budget:,} KV bytes reserved; retry later")
             self._waiting.append(seq)
             self._cv.notify()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("request queued; engine stats %s", json.dumps(self.stats()))
         return seq.handle
 
     def stats(self) -> dict:
@@ -506,8 +508,9 @@ class Engine:
         """Forget ``seq`` and free its cache, then tell its caller. Under the lock, so that a
         caller who sees the end of its stream also sees it gone from ``stats()``.
 
-        Logs ``request <outcome>; engine stats {...}`` (the ``stats()`` JSON after it) at INFO: the
-        way to watch an engine that runs in another process, such as a LiteLLM proxy's.
+        Logs ``request <outcome>; engine stats {...}`` (the ``stats()`` JSON after it) at INFO, as
+        ``submit`` logs ``request queued; ...`` at DEBUG: the way to watch an engine that runs in
+        another process, such as a LiteLLM proxy's.
         """
         with self._cv:
             if seq in self._active:

@@ -3,11 +3,18 @@
 Starts ``litellm --config examples/proxy_config.yaml`` as a subprocess on a free local port (the
 proxy loads the model itself, in its own process), waits for ``/health/liveliness``, and always
 terminates the proxy. Skipped when the proxy's own dependencies are not installed.
+
+The engine runs inside the proxy's process, so the tests read its stats from the proxy's output:
+with ``FLM_LOG_LEVEL=DEBUG`` the engine logs a line with its stats (JSON) whenever a request is
+queued or ends (``Engine.submit`` and ``Engine._end``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -25,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "proxy_config.yaml"
 STARTUP_S = 180  # importing the proxy takes tens of seconds on this machine
 REQUEST_S = 300  # the first request also loads the model in the proxy process
+IN_FLIGHT = 100  # the disconnect test's requests; the proxy's engine queues them all (FLM_MAX_QUEUE)
 
 
 def _free_port() -> int:
@@ -56,14 +64,15 @@ def proxy_url(smollm2_gguf, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("proxy") / "proxy.log"
     key = f"sk-{secrets.token_hex(32)}"
-    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", OPENAI_API_KEY="sk-dummy-not-used", LITELLM_MASTER_KEY=key)
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", OPENAI_API_KEY="sk-dummy-not-used",
+               LITELLM_MASTER_KEY=key, FLM_LOG_LEVEL="DEBUG", FLM_MAX_QUEUE=str(IN_FLIGHT))
     litellm_cli = Path(sys.executable).with_name("litellm")
     cmd = [str(litellm_cli), "--config", str(CONFIG), "--host", "127.0.0.1", "--port", str(port), "--telemetry", "False"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_ready(proc, f"http://127.0.0.1:{port}/health/liveliness", log)
-        yield f"http://127.0.0.1:{port}/v1", key
+        yield f"http://127.0.0.1:{port}/v1", key, log
     finally:
         proc.terminate()
         try:
@@ -75,7 +84,7 @@ def proxy_url(smollm2_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(proxy_url):
-    url, key = proxy_url
+    url, key, _ = proxy_url
     return openai.OpenAI(base_url=url, api_key=key, timeout=REQUEST_S, max_retries=0)
 
 
@@ -111,3 +120,80 @@ def test_bad_param_is_a_400_naming_it(client):
             model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2, presence_penalty=1.0
         )
     assert "presence_penalty" in str(info.value)
+
+
+ENGINE_LINE = re.compile(r"flm_runtime\.engine\.engine (?:DEBUG|INFO): request (\w+); engine stats (\{.*\})")
+SYSTEM = {"role": "system", "content": "Be brief."}
+QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?", "Name a planet.",
+             "What do bees make?"]
+KEPT_TOKENS = 6
+DROPPED_TOKENS = 1000  # with ignore_eos: far more steps than the test takes before disconnecting
+
+
+def engine_stats(log: Path) -> dict | None:
+    """The engine's stats in the last engine line of the proxy's output (None before any)."""
+    lines = ENGINE_LINE.findall(log.read_text(errors="replace"))
+    return json.loads(lines[-1][1]) if lines else None
+
+
+def requests_ended(stats: dict) -> int:
+    return sum(stats[k] for k in ("finished", "failed", "cancelled", "timed_out"))
+
+
+def requests_seen(stats: dict | None) -> int:
+    """Requests the engine has taken: each is queued, running, or ended one way."""
+    return stats["queued"] + stats["active"] + requests_ended(stats) if stats else 0
+
+
+async def wait_for(cond, what: str, timeout: float = REQUEST_S) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"not reached within {timeout} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_client_disconnects_free_their_sequences(proxy_url):
+    """50 of 100 in-flight streams are dropped by their clients (the connection closes, queued or
+    mid-stream); the proxy's engine ends up with no sequence, queued request or KV byte, and the
+    other 50 give exactly what each gives alone."""
+    url, key, log = proxy_url
+    client = openai.AsyncOpenAI(base_url=url, api_key=key, timeout=REQUEST_S, max_retries=0)
+    mid_stream = asyncio.Event()
+
+    async def ask(question: str, max_tokens: int, **extra) -> tuple[str, int]:
+        stream = await client.chat.completions.create(
+            model="smollm2", messages=[SYSTEM, {"role": "user", "content": question}], temperature=0,
+            max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}, **extra)
+        async with stream:  # leaving it, by a cancelled task too, closes the connection
+            text, usage = "", None
+            async for chunk in stream:
+                text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+                usage = chunk.usage or usage
+                if max_tokens == DROPPED_TOKENS and text:
+                    mid_stream.set()
+        return text, usage.completion_tokens
+
+    alone = [await ask(q, KEPT_TOKENS) for q in QUESTIONS]
+    await wait_for(lambda: (s := engine_stats(log)) and s["active"] == s["queued"] == 0, "the engine idle")
+    before = engine_stats(log)
+
+    kept_args = {"max_tokens": KEPT_TOKENS}
+    dropped_args = {"max_tokens": DROPPED_TOKENS, "extra_body": {"ignore_eos": True}}
+    tasks = [asyncio.create_task(ask(QUESTIONS[i % len(QUESTIONS)], **(dropped_args if i % 2 else kept_args)))
+             for i in range(IN_FLIGHT)]
+    await wait_for(lambda: requests_seen(engine_stats(log)) == requests_seen(before) + IN_FLIGHT,
+                   "all requests in the engine")
+    await asyncio.wait_for(mid_stream.wait(), REQUEST_S)
+    for task in tasks[1::2]:
+        task.cancel()
+    kept = await asyncio.gather(*tasks[0::2])
+    assert kept == [alone[i % len(QUESTIONS)] for i in range(0, IN_FLIGHT, 2)]
+
+    # The line of the last of the 100 to end shows what is left: nothing.
+    await wait_for(lambda: requests_ended(engine_stats(log)) == requests_ended(before) + IN_FLIGHT,
+                   "all requests ended")
+    half = IN_FLIGHT // 2
+    assert engine_stats(log) == {**before, "finished": before["finished"] + half,
+                                 "cancelled": before["cancelled"] + half}
+    assert (before["active"], before["queued"], before["kv_tokens"], before["kv_bytes"],
+            before["kv_reserved_bytes"], before["failed"], before["timed_out"]) == (0, 0, 0, 0, 0, 0, 0)

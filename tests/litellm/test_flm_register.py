@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import logging
 from types import SimpleNamespace
 
 import litellm
@@ -108,3 +110,35 @@ async def test_router_async_and_context_window_fallback(fake_registry, fake_engi
     r = await router.acompletion(model="small", messages=[{"role": "user", "content": "x" * 30}])
     assert calls == ["tiny-test:1m", "smollm2:135m"]
     assert r.choices[0].message.content == fake_engine.reply
+
+
+@pytest.fixture
+def flm_loggers(monkeypatch):
+    """The flm_runtime and litellm_flm loggers, restored after the test."""
+    loggers = [logging.getLogger(name) for name in ("flm_runtime", "litellm_flm")]
+    for logger in loggers:
+        monkeypatch.setattr(logger, "handlers", list(logger.handlers))
+        monkeypatch.setattr(logger, "propagate", logger.propagate)
+        monkeypatch.setattr(logger, "level", logger.level)
+    return loggers
+
+
+def test_flm_log_level_sends_the_runtime_lines_to_stderr(flm_loggers, monkeypatch):
+    for _ in range(2):
+        litellm_flm.configure_logging(" info ")
+    assert [(lg.level, lg.propagate, len(lg.handlers)) for lg in flm_loggers] == [(logging.INFO, False, 1)] * 2
+    handler = flm_loggers[0].handlers[0]
+    assert handler is flm_loggers[1].handlers[0] and isinstance(handler, logging.StreamHandler)
+    monkeypatch.setattr(handler, "stream", io.StringIO())
+    logging.getLogger("flm_runtime.engine.engine").info("request finished; engine stats {}")
+    logging.getLogger("flm_runtime.engine.engine").debug("not at INFO")
+    out = handler.stream.getvalue()
+    assert out.endswith(" flm_runtime.engine.engine INFO: request finished; engine stats {}\n") and "not at" not in out
+
+
+def test_flm_log_level_unset_leaves_logging_alone_and_a_bad_one_is_named(flm_loggers):
+    before = [(lg.level, lg.propagate, list(lg.handlers)) for lg in flm_loggers]
+    litellm_flm.configure_logging("")
+    assert [(lg.level, lg.propagate, list(lg.handlers)) for lg in flm_loggers] == before
+    with pytest.raises(ValueError, match="FLM_LOG_LEVEL must be a logging level .* got 'loud'"):
+        litellm_flm.configure_logging("loud")
