@@ -166,6 +166,16 @@ def test_image_content_is_refused(engine):
 
 
 def test_timeout_is_enforced_by_the_engine(engine):
-    # litellm does not enforce timeouts for custom handlers: the engine's deadline does.
+    # litellm does not enforce timeouts for custom handlers: the engine's deadline does, and the
+    # request leaves nothing behind.
+    timed_out = engine.stats()["timed_out"]
     with pytest.raises(litellm.Timeout):
         litellm.completion(model=MODEL, messages=QUESTION, temperature=0, max_tokens=200, timeout=0.05)
+    stream = litellm.completion(model=MODEL, messages=QUESTION, temperature=0, max_tokens=200, timeout=0.3,
+                                stream=True)
+    with pytest.raises(litellm.Timeout):
+        for _ in stream:
+            pass
+    s = engine.stats()
+    assert s["timed_out"] == timed_out + 2
+    assert (s["active"], s["queued"], s["kv_tokens"], s["kv_reserved_bytes"]) == (0, 0, 0, 0)
