@@ -12,7 +12,8 @@ handler, the CLI, tests). Loading holds a lock so concurrent first calls load on
 
 A DFlash tag (``X-dflash:size``) gets its own engine that decodes speculatively with the draft of
 ``registry.locate_draft(tag)``, over the *same* target object as the base tag's engine: a target is
-loaded once per process whichever of the two tags comes first.
+loaded once per process whichever of the two tags comes first. Its speculation policy (when a
+speculative step pays, by context; ``flm_runtime.engine.policy``) is ``load_policy``'s table.
 
 Backends (``flm_runtime.backends``): ``get_engine(tag, backend=...)`` with ``auto`` (default, or
 ``$FLM_BACKEND``), ``cpu`` or ``npu``. The cpu target is the ``LlamaModel``; an npu target is an
@@ -32,11 +33,13 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from flm_runtime import registry
+from flm_runtime import paths, registry
 from flm_runtime.backends import TargetModel
 from flm_runtime.backends.select import log_once, requested_backend, select_backend
 from flm_runtime.engine.admission import limits_from_env
 from flm_runtime.engine.engine import Engine
+from flm_runtime.engine.policy import FILE_NAME as POLICY_FILE
+from flm_runtime.engine.policy import PolicyTable
 from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import BackendUnavailableError
 from flm_runtime.loading import Tokenizer, load_model_files
@@ -116,6 +119,20 @@ def load_npu_model(tag: str, cpu_model: LlamaModel):
     return NpuModel(cpu_model, manifest, check.build)
 
 
+def load_policy(tag: str, backend: str) -> PolicyTable | None:
+    """The speculation policy table of DFlash ``tag`` on ``backend``: the user's calibration
+    (``paths.policy_file``) if there is one, else the table shipped in the draft directory
+    (``policy-<backend>.json``), else None (always speculate).
+
+    Raises:
+        ValueError: a table file exists but is not a valid table (naming the file).
+    """
+    for path in (paths.policy_file(tag, backend), registry.locate_draft(tag) / POLICY_FILE.format(backend=backend)):
+        if path.is_file():
+            return PolicyTable.load(path)
+    return None
+
+
 def get_engine(tag: str, backend: str | None = None) -> Engine:
     """The process-wide engine serving ``tag`` on ``backend``, loading the model on first use.
 
@@ -144,7 +161,8 @@ def get_engine(tag: str, backend: str | None = None) -> Engine:
             if entry.is_dflash:
                 registry.locate(tag)  # the draft's and the base's files, pulling the base if need be
                 loaded = _target(base, name)
-                speculative = SpeculativeDecoder(loaded.model, load_draft(tag, loaded.model))
+                speculative = SpeculativeDecoder(loaded.model, load_draft(tag, loaded.model),
+                                                 policy=load_policy(tag, name))
             else:
                 loaded, speculative = _target(base, name), None
             sampling = registry.resolve(base).sampling  # a draft keeps its target's

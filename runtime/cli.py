@@ -209,6 +209,20 @@ def cmd_agreement(args: argparse.Namespace) -> int:
     return agreement.main(args)
 
 
+def _calibrate_args(p: argparse.ArgumentParser) -> None:
+    from flm_runtime.bench.calibrate import calibrate_arguments
+
+    calibrate_arguments(p)
+
+
+@command("calibrate", "measure when DFlash speculation pays per context (step costs, acceptance) and write "
+                      "the speculation policy table the engine reads", _calibrate_args)
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from flm_runtime.bench import calibrate
+
+    return calibrate.main(args)
+
+
 # --- plugins and entry point -------------------------------------------------------------------
 
 def plugin_commands(chosen: str | None) -> dict[str, Command]:

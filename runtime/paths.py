@@ -58,3 +58,12 @@ def tag_dir(tag: str) -> Path:
     family, _, size = tag.partition(":")
     assert family and size, tag
     return model_dir() / family / size
+
+
+def policy_file(tag: str, backend: str) -> Path:
+    """Where ``litellm-flm calibrate`` writes the speculation policy table of a DFlash ``tag`` on
+    ``backend``: ``<config dir>/policy/<family>/<size>-<backend>.json`` (may not exist; it
+    overrides the table shipped in the draft directory)."""
+    family, _, size = tag.partition(":")
+    assert family and size, tag
+    return config_dir() / "policy" / family / f"{size}-{backend}.json"

@@ -72,6 +72,14 @@ class TargetModel(Protocol):
     def decode(self, token_id: int, cache: KVCacheLike) -> np.ndarray:
         """One plain decode step (the 1-token layer); logits ``[V]``."""
 
+    def forward_batch(self, token_rows: list[np.ndarray], caches: list[KVCacheLike], *,
+                      taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
+        """One step for ``B`` sequences: ``token_rows[b]`` ``[T_b]`` appended to ``caches[b]``;
+        logits ``[sum T_b, V]`` of every row (plus the taps, as a ``ForwardOutput``, when asked),
+        rows ``b`` as ``forward(token_rows[b], caches[b], all_logits=True, taps=taps)``. Batched
+        plain decode and DFlash verify rows of several sequences go through it. If it raises, no
+        cache's length has changed."""
+
     def decode_batch(self, token_ids, caches: list[KVCacheLike]) -> np.ndarray:
         """One plain decode step for ``B`` sequences (``token_ids`` ``[B]`` int, ``B`` distinct
         caches): logits ``[B, V]``, row ``b`` as ``decode(token_ids[b], caches[b])``. The cpu
@@ -101,3 +109,23 @@ def decode_rows(model, token_ids, caches: list) -> np.ndarray:
         for cache, n in zip(caches, lengths):
             cache.trim(n)
         raise
+
+
+def forward_rows(model, token_rows: list[np.ndarray], caches: list, *, taps: tuple[int, ...] = ()):
+    """``forward_batch`` for a backend without a batched forward: one ``model.forward`` per
+    sequence. Same returns; if a sequence raises, every cache is rolled back to its length before
+    the call and the error propagates.
+    """
+    from flm_runtime.models.llama import ForwardOutput
+
+    lengths = [c.length for c in caches]
+    try:
+        outs = [model.forward(np.asarray(t, dtype=np.int64).reshape(-1), c, all_logits=True, taps=taps)
+                for t, c in zip(token_rows, caches)]
+    except Exception:
+        for cache, n in zip(caches, lengths):
+            cache.trim(n)
+        raise
+    if not taps:
+        return np.concatenate(outs)  # [R, V]
+    return ForwardOutput(np.concatenate([o.logits for o in outs]), np.concatenate([o.taps for o in outs]))

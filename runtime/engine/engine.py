@@ -24,8 +24,9 @@ request is admitted only when its worst-case KV cache fits in what the running o
 (``KVBudgetError``); a full queue is refused at submit too (``EngineOverloadedError``), so no caller
 ever hangs on a full engine. ``stats()`` counts what is running, waiting and held.
 
-Speculative decoding: an engine given a ``SpeculativeDecoder`` runs every sequence's decoding as
-speculative steps (draft K, verify K+1, greedy or sampled; see ``sequence.py``).
+Speculative decoding: an engine given a ``SpeculativeDecoder`` runs every sequence's decoding
+through it (draft K, verify K+1, greedy or sampled; or a plain step where its policy says a block
+does not pay), all decoding sequences in one batched target pass (``run_batch``).
 """
 
 from __future__ import annotations
@@ -453,18 +454,18 @@ class Engine:
         """Advance every active sequence by one token (or one speculative block).
 
         Sequences still to prefill run their prefill one by one (chunked inside the model); then
-        all the sequences in plain decode share ONE batched forward (``model.decode_batch``: one
-        matrix product per weight matrix for all their rows, attention per sequence), so new
-        requests join and finished or cancelled ones leave between steps (continuous batching).
-        With a ``SpeculativeDecoder`` every sequence still takes its own step (prefill, or a
-        speculative or plain decoding step); batching the verify rows is the next slice of issue #4.
+        all the decoding sequences share ONE batched forward (one matrix product per weight
+        matrix for all their rows, attention per sequence), so new requests join and finished or
+        cancelled ones leave between steps (continuous batching): ``model.decode_batch`` of one
+        row each, or with a ``SpeculativeDecoder`` its ``run_batch`` of each sequence's verify
+        rows (or single plain row, where the speculation policy says a block does not pay).
         """
         now = time.monotonic()
         batch = []
         for seq in list(self._active):
             if self._abort_if_needed(seq, now):
                 continue
-            if self.speculative is None and seq.prefilled:
+            if seq.prefilled:
                 batch.append(seq)
             else:
                 self._advance(seq, lambda s=seq: s.step(self.model, self.speculative))
@@ -472,16 +473,25 @@ class Engine:
             self._decode_batch(batch)
 
     def _decode_batch(self, batch: list[Sequence]) -> None:
-        """One batched plain decode step of ``batch``; each row sampled with its own RNG."""
+        """One batched decoding step of ``batch``; each sequence samples with its own RNG."""
+        spec = self.speculative
         try:
-            logits = self.model.decode_batch([s.last_token for s in batch], [s.cache for s in batch])  # [B, V]
+            if spec is None:
+                logits = self.model.decode_batch([s.last_token for s in batch], [s.cache for s in batch])  # [B, V]
+            else:
+                lanes = [s.lane() for s in batch]
+                outputs = spec.run_batch(lanes)
         except Exception:               # noqa: BLE001 - maybe one sequence's fault: isolate it
-            # decode_batch left every cache as it was: retry one by one, so only the culprit fails
+            # the batched pass left every cache as it was: retry one by one, so only the culprit fails
             for seq in batch:
-                self._advance(seq, lambda s=seq: s.step(self.model))
+                self._advance(seq, lambda s=seq: s.step(self.model, spec))
             return
-        for seq, row in zip(batch, logits):
-            self._advance(seq, lambda s=seq, row=row: s.take(row))
+        if spec is None:
+            for seq, row in zip(batch, logits):
+                self._advance(seq, lambda s=seq, row=row: s.take(row))
+        else:
+            for seq, lane, out in zip(batch, lanes, outputs):
+                self._advance(seq, lambda lane=lane, out=out: spec.finish(lane, out))
 
     def _advance(self, seq: Sequence, step) -> None:
         """Run ``step()`` for ``seq``; retire it when it finished, fail it alone when it raised."""

@@ -17,7 +17,7 @@ import numpy as np
 from flm_runtime.engine import sampler
 from flm_runtime.engine.detokenizer import Detokenizer
 from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
-from flm_runtime.engine.speculative import SpecState, SpeculativeDecoder
+from flm_runtime.engine.speculative import Lane, SpecState, SpeculativeDecoder
 from flm_runtime.engine.stop import StopChecker
 
 if TYPE_CHECKING:
@@ -67,9 +67,10 @@ class Sequence:
 
     def step(self, model, speculative: SpeculativeDecoder | None = None) -> None:
         """One model call (prefill or one decode step), one sampled token, its delivery; with
-        ``speculative``, decoding steps are speculative steps (several tokens each). The engine
-        batches plain decode steps across sequences instead (``model.decode_batch``, then
-        ``take``); this per-sequence form is what it falls back to."""
+        ``speculative``, decoding steps are the speculative decoder's (several tokens, or one
+        where its policy decodes plainly). The engine batches decoding steps across sequences
+        instead (``model.decode_batch`` then ``take``, or ``speculative.step_batch`` of their
+        ``lane``s); this per-sequence form is what it falls back to."""
         if speculative is not None:
             return self._step_speculative(speculative)
         if self.last_token is None:
@@ -85,13 +86,13 @@ class Sequence:
 
     def _step_speculative(self, spec: SpeculativeDecoder) -> None:
         if self.last_token is None:
-            logits = spec.prefill(self.prompt_ids, self.cache, self.spec)           # [V]
-        elif spec.can_speculate(self.cache):
-            spec.step(self.last_token, self.cache, self.spec, self.params, self.rng, self.accept)
-            return
-        else:                                  # no room for a block before the context end
-            logits = spec.decode(self.last_token, self.cache, self.spec)            # [V]
-        self.take(logits)
+            self.take(spec.prefill(self.prompt_ids, self.cache, self.spec))         # [V]
+        else:
+            spec.step(self.lane())
+
+    def lane(self) -> Lane:
+        """This sequence's part of a (batched) speculative decoding step."""
+        return Lane(self.last_token, self.cache, self.spec, self.params, self.rng, self.accept)
 
     def accept(self, token: int) -> bool:
         """Take one generated token: stop checks, then delivery. True once the sequence is

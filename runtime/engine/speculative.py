@@ -9,6 +9,13 @@ the anchor; the target runs ``[anchor, d1 .. dK]`` at positions ``start .. start
 target's own; the target KV cache is rolled back (``trim``) past what was kept, and the verify
 pass's taps of the kept positions become the draft's pending context.
 
+Batching: ``SpeculativeDecoder.step_batch`` advances several sequences ("lanes") with ONE target
+pass: each lane contributes its verify rows ``[anchor, d1 .. dK]``, or the single row
+``[anchor]`` of a plain decode step when the speculation policy (``policy.py``: a table of context
+buckets plus the request's own acceptance estimate) says a block does not pay; rows of all lanes
+share every matrix product (``TargetModel.forward_batch``). Plain steps still record taps, so the
+draft can resume at any step.
+
 Glossary (after vLLM's rejection sampler, ``vllm/v1/sample/rejection_sampler.py``):
 
 - **drafted** tokens: the K tokens the proposer offers each step;
@@ -34,12 +41,14 @@ seeded request gives the same tokens with or without speculation (up to float ro
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from flm_runtime.engine import sampler
 from flm_runtime.engine.kv_cache import KVCache
+from flm_runtime.engine.policy import AcceptanceTracker, PolicyTable
 from flm_runtime.engine.request import SamplingParams
 
 # proposer(draft_cache, anchor_id, start) -> [K] int64 drafted ids; the draft's own ``propose`` or
@@ -110,6 +119,7 @@ class SpecState:
     Attributes:
         draft_cache: the draft's context K/V.
         pending: ``[P, n*E]`` float32 taps of committed tokens not yet in ``draft_cache``.
+        tracker: the request's acceptance estimate and speculate / plain decision (policy.py).
         steps: speculative steps run.
         drafted: tokens drafted (K per step).
         accepted: drafted tokens kept and pushed into the output pipeline.
@@ -119,34 +129,74 @@ class SpecState:
 
     draft_cache: KVCache
     pending: np.ndarray
+    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
 
     def stats(self) -> dict:
-        """Per-request speculation stats: ``spec_steps``, ``drafted_tokens``, ``accepted_tokens``
-        and ``acceptance_length`` (tokens per step INCLUDING the bonus token; 0.0 before a step)."""
+        """Per-request speculation stats: ``spec_steps``, ``drafted_tokens``, ``accepted_tokens``,
+        ``acceptance_length`` (tokens per step INCLUDING the bonus token; 0.0 before a step), and
+        the policy's ``spec_switches_off`` and ``al_estimate`` (``AcceptanceTracker.stats``)."""
         return {"spec_steps": self.steps, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
-                "acceptance_length": self.emitted / self.steps if self.steps else 0.0}
+                "acceptance_length": self.emitted / self.steps if self.steps else 0.0, **self.tracker.stats()}
+
+
+class LaneOutput(NamedTuple):
+    """One lane's rows of a batched target pass (``SpeculativeDecoder.run_batch``).
+
+    Attributes:
+        draft_ids: ``[K]`` int64 drafted tokens (K = 0: a plain decode step).
+        logits: ``[K+1, V]`` float32 target logits of ``[anchor, d1 .. dK]``.
+        taps: ``[K+1, n*E]`` float32 taps of the same rows.
+    """
+
+    draft_ids: np.ndarray
+    logits: np.ndarray
+    taps: np.ndarray
+
+
+@dataclass
+class Lane:
+    """One sequence's part of a (batched) decoding step.
+
+    Attributes:
+        anchor_id: the last committed token (not yet in ``cache``).
+        cache: the target's KV cache of the sequence.
+        state: the sequence's ``SpecState``.
+        params, rng: the request's sampling parameters and own generator.
+        emit: pushes one token through the sequence's output pipeline (stop checks, delivery) and
+            returns True once the sequence is finished; tokens after that are not pushed.
+    """
+
+    anchor_id: int
+    cache: KVCache
+    state: SpecState
+    params: SamplingParams
+    rng: np.random.Generator
+    emit: Callable[[int], bool]
 
 
 class SpeculativeDecoder:
-    """Drives a target and a DFlash draft through prefill, plain and speculative steps.
+    """Drives a target and a DFlash draft through prefill and (batched) decoding steps.
 
     Args:
-        target: ``LlamaModel``-like: ``forward(ids, cache, all_logits=, taps=)``,
+        target: a ``TargetModel``: ``forward_batch(rows, caches, taps=)``,
             ``prefill_chunks(ids, cache, taps=)``, ``new_cache``, ``config``.
         draft: ``DFlashDraft``-like: ``config`` (``target_layer_ids``, ``block_size``),
             ``new_cache``, ``add_context``, ``propose``.
+        policy: the speculation policy table of this tag and backend; None speculates at every
+            context with the whole block (K = block_size - 1) and never switches off.
         proposer: replaces ``draft.propose`` (tests); the draft still keeps its context cache.
     """
 
-    def __init__(self, target, draft, *, proposer: Proposer | None = None):
+    def __init__(self, target, draft, *, policy: PolicyTable | None = None, proposer: Proposer | None = None):
         self.target = target
         self.draft = draft
         self.taps = tuple(draft.config.target_layer_ids)
         self.block_size = int(draft.config.block_size)
+        self.policy = policy
         self.proposer: Proposer = proposer or draft.propose
         self._tap_width = len(self.taps) * int(target.config.hidden_size)
 
@@ -166,55 +216,85 @@ class SpeculativeDecoder:
         self._check(cache, state)
         return out.logits[0]
 
-    def decode(self, token_id: int, cache: KVCache, state: SpecState) -> np.ndarray:
-        """A plain 1-token target step that keeps the draft in sync (its taps become pending).
+    def draft_length(self, lane: Lane) -> int:
+        """K for ``lane``'s next step: the policy's (bucket of its context, its own acceptance);
+        0 means a plain decode step, as near the context end where a whole block (the draft
+        always runs all ``block_size`` positions) does not fit."""
+        cache = lane.cache
+        if cache.length + self.block_size > cache.max_length:
+            return 0
+        if self.policy is None:
+            return self.block_size - 1
+        return min(lane.state.tracker.draft_length(self.policy.bucket(cache.length)), self.block_size - 1)
+
+    def step(self, lane: Lane) -> bool:
+        """One decoding step of one lane (``run_batch`` then ``finish``); True if it finished
+        the sequence."""
+        return self.finish(lane, self.run_batch([lane])[0])
+
+    def run_batch(self, lanes: list[Lane]) -> list[LaneOutput]:
+        """The target pass of one decoding step of every lane: ONE ``forward_batch``.
+
+        Per lane, from ``anchor_id`` at position ``start = cache.length``: with ``K =
+        draft_length(lane) > 0`` the draft catches up on the pending taps and proposes
+        ``d1 .. dK``, and the pass runs the verify rows ``[anchor, d1 .. dK]``; with ``K = 0``
+        it runs the plain decode row ``[anchor]``. ``finish`` then completes each lane.
 
         Returns:
-            ``[V]`` float32 logits of the new position.
+            per lane, its ``LaneOutput``. If the target pass raises, no target cache has changed
+            and every lane's invariant still holds (the draft's catch-up only moved taps from
+            pending into its cache): the caller may retry lanes one by one.
         """
-        self._check(cache, state)
-        out = self.target.forward(np.array([token_id]), cache, taps=self.taps)
-        state.pending = np.concatenate([state.pending, out.taps])
-        return out.logits[0]
+        rows, drafts = [], []
+        for lane in lanes:
+            self._check(lane.cache, lane.state)
+            k = self.draft_length(lane)
+            if k:
+                state = lane.state
+                self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
+                state.pending = self._no_taps()
+                proposed = np.asarray(self.proposer(state.draft_cache, lane.anchor_id, lane.cache.length),
+                                      dtype=np.int64)  # [B-1]
+                assert proposed.shape == (self.block_size - 1,), f"proposer gave {proposed.shape}"
+                drafts.append(proposed[:k])
+            else:
+                drafts.append(np.zeros(0, dtype=np.int64))
+            rows.append(np.concatenate([[lane.anchor_id], drafts[-1]]))  # [K+1]
+        out = self.target.forward_batch(rows, [lane.cache for lane in lanes], taps=self.taps)  # [R, V], [R, n*E]
+        ends = np.cumsum([len(row) for row in rows])
+        return [LaneOutput(d, out.logits[e - len(d) - 1 : e], out.taps[e - len(d) - 1 : e])
+                for d, e in zip(drafts, ends)]
 
-    def can_speculate(self, cache: KVCache) -> bool:
-        """Whether a whole block fits in the context (else the caller decodes plainly)."""
-        return cache.length + self.block_size <= cache.max_length
+    def finish(self, lane: Lane, output: LaneOutput) -> bool:
+        """Complete one lane's step from its rows of the target pass: verify (or sample the
+        plain step's token), roll the cache back past what was kept, make the kept positions'
+        taps pending, update the stats and the acceptance tracker, and emit the kept tokens one
+        by one through ``lane.emit``.
 
-    def step(self, anchor_id: int, cache: KVCache, state: SpecState, params: SamplingParams,
-             rng: np.random.Generator, emit: Callable[[int], bool]) -> bool:
-        """One speculative step from ``anchor_id`` at position ``cache.length``.
-
-        Args:
-            anchor_id: the last committed token (not yet in ``cache``).
-            cache: the target's KV cache of the sequence.
-            state: the sequence's ``SpecState``.
-            params, rng: the request's sampling parameters and own generator.
-            emit: pushes one token through the sequence's output pipeline (stop checks,
-                delivery) and returns True once the sequence is finished; tokens after that are
-                not pushed.
         Returns:
             True if ``emit`` finished the sequence.
         """
-        start = cache.length
-        self._check(cache, state)
-        assert self.can_speculate(cache), "no room for a block: decode plainly near the context end"
-        self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
-        state.pending = self._no_taps()
-        draft_ids = np.asarray(self.proposer(state.draft_cache, anchor_id, start), dtype=np.int64)  # [K]
-        assert draft_ids.shape == (self.block_size - 1,), f"proposer gave {draft_ids.shape}"
-        block = np.concatenate([[anchor_id], draft_ids])  # [B]
-        out = self.target.forward(block, cache, all_logits=True, taps=self.taps)  # [B, V], [B, n*E]
-        n_accepted, bonus = verify(draft_ids, out.logits, params, rng)
+        draft_ids, logits, taps = output
+        cache, state = lane.cache, lane.state
+        if not len(draft_ids):  # a plain decode step
+            state.pending = np.concatenate([state.pending, taps])
+            if self.policy is not None:
+                state.tracker.record_plain()
+            self._check(cache, state)
+            return lane.emit(sampler.sample(logits[0], lane.params, lane.rng))
+        start = cache.length - len(logits)
+        n_accepted, bonus = verify(draft_ids, logits, lane.params, lane.rng)
         cache.trim(start + n_accepted + 1)  # roll back the rejected positions
-        state.pending = out.taps[: n_accepted + 1]
+        state.pending = taps[: n_accepted + 1]
         state.steps += 1
         state.drafted += len(draft_ids)
+        if self.policy is not None:
+            state.tracker.record_step(self.policy.bucket(start), n_accepted + 1)
         self._check(cache, state)
         for j, token in enumerate([*draft_ids[:n_accepted].tolist(), bonus]):
             state.emitted += 1
             state.accepted += j < n_accepted
-            if emit(int(token)):
+            if lane.emit(int(token)):
                 return True
         return False
 

@@ -180,33 +180,51 @@ class LlamaModel:
         logits, tapped = self._run(token_ids, [span], all_logits=all_logits, taps=taps)
         return ForwardOutput(logits, tapped) if taps else logits
 
-    def decode_batch(self, token_ids: list[int] | np.ndarray, caches: list[KVCache]) -> np.ndarray:
-        """One plain decode step for ``B`` sequences at once (continuous batching).
+    def forward_batch(self, token_rows: list[np.ndarray], caches: list[KVCache], *,
+                      taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
+        """One step for ``B`` sequences at once (continuous batching): sequence ``b`` appends the
+        ``T_b`` positions ``token_rows[b]`` to ``caches[b]`` (a plain decode step is one row, a
+        DFlash verify pass is the anchor and the drafted tokens).
 
-        The ``B`` rows (one new token per sequence, each at its own position ``caches[b].length``)
-        share every matrix product: one product per weight matrix for all rows, so the weights
-        are read once per step instead of once per sequence. Attention stays per sequence, over
-        its own cache. The rows are independent: row ``b`` equals ``decode(token_ids[b],
-        caches[b])`` up to float rounding (a product of ``B >= 2`` rows runs a different BLAS
-        kernel than a 1-row one).
+        All ``R = sum T_b`` rows share every matrix product: one product per weight matrix, so
+        the weights are read once per step instead of once per sequence. Attention stays per
+        sequence, over its own cache. The sequences are independent: rows ``b`` equal
+        ``forward(token_rows[b], caches[b], all_logits=True, taps=taps)`` up to float rounding (a
+        product of more rows runs a different BLAS kernel).
+
+        Args:
+            token_rows: ``B`` int arrays ``[T_b]`` (``T_b >= 1``).
+            caches: ``B`` distinct KV caches, one per sequence.
+            taps: as ``forward``.
+        Returns:
+            logits ``[R, V]`` float32 of every row, sequence after sequence; with ``taps`` a
+            ``ForwardOutput`` of them and the taps ``[R, len(taps) * E]``. If it raises, no cache's
+            length has changed.
+        """
+        rows = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_rows]
+        assert len(rows) == len(caches) > 0 and all(r.size for r in rows), "one non-empty row group per cache"
+        assert len({id(c) for c in caches}) == len(caches), "a cache appears twice in the batch"
+        ends = np.cumsum([r.size for r in rows])
+        spans = [_Span(cache, cache.length, slice(int(e) - r.size, int(e))) for cache, r, e in zip(caches, rows, ends)]
+        logits, tapped = self._run(np.concatenate(rows), spans, all_logits=True, taps=taps)
+        return ForwardOutput(logits, tapped) if taps else logits
+
+    def decode_batch(self, token_ids: list[int] | np.ndarray, caches: list[KVCache]) -> np.ndarray:
+        """One plain decode step for ``B`` sequences: ``forward_batch`` with one row each.
 
         Args:
             token_ids: ``[B]`` int, the token each sequence feeds.
-            caches: ``B`` distinct KV caches, one per sequence; each gets one position appended.
+            caches: ``B`` distinct KV caches.
         Returns:
             ``[B, V]`` float32 logits of the new positions. If it raises, no cache's length has changed.
         """
-        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [B]
-        assert token_ids.shape[0] == len(caches) > 0, f"{token_ids.shape[0]} tokens for {len(caches)} caches"
-        assert len({id(c) for c in caches}) == len(caches), "a cache appears twice in the batch"
-        spans = [_Span(cache, cache.length, slice(b, b + 1)) for b, cache in enumerate(caches)]
-        return self._run(token_ids, spans, all_logits=True, taps=())[0]
+        return self.forward_batch([[t] for t in np.asarray(token_ids).reshape(-1)], caches)
 
     def _run(self, token_ids: np.ndarray, spans: list[_Span], *, all_logits: bool,
              taps: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
         """The rows ``token_ids`` ``[R]`` through every layer and the LM head; ``spans`` say which
         rows belong to which sequence (in row order, covering all rows). ``forward`` is one span of
-        ``T`` rows, ``decode_batch`` ``B`` spans of one row.
+        ``T`` rows, ``forward_batch`` one span per sequence.
 
         Returns:
             logits ``[R, V]`` (``all_logits``) or of the last row ``[1, V]``; the taps

@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 from engine_fakes import EOS
 
+from flm_runtime.backends import forward_rows
 from flm_runtime.engine import sampler
 from flm_runtime.engine.kv_cache import KVCache
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
 from flm_runtime.models.llama import ForwardOutput, LlamaConfig
 
@@ -65,6 +66,9 @@ class ScriptTarget:
     def decode(self, token_id: int, cache: KVCache) -> np.ndarray:
         return self.forward([token_id], cache)[0]
 
+    def forward_batch(self, token_rows, caches: list[KVCache], *, taps: tuple[int, ...] = ()):
+        return forward_rows(self, token_rows, caches, taps=taps)
+
 
 def random_draft(target, *, taps: list[int], layers: int = 1, seed: int = 0) -> DFlashDraft:
     """A random-weight draft for ``target`` (shares its embedding and LM head)."""
@@ -105,10 +109,7 @@ def spec_generate(decoder: SpeculativeDecoder, prompt, n: int, params, seed: int
         return len(out) >= n
 
     while len(out) < n:
-        if decoder.can_speculate(cache):
-            decoder.step(out[-1], cache, state, params, rng, emit)
-        else:
-            emit(sampler.sample(decoder.decode(out[-1], cache, state), params, rng))
+        decoder.step(Lane(out[-1], cache, state, params, rng, emit))
         if len(out) < n and on_step is not None:
             on_step(out, cache, state)
     return out, cache, state

@@ -1,0 +1,206 @@
+"""``litellm-flm calibrate``: measure when DFlash speculation pays, write the policy table.
+
+Two measurements, then one decision per context bucket (``flm_runtime.engine.policy``):
+
+1. **Acceptance profile**, greedy, on ``CALIBRATION_PROMPTS`` (our own chat prompts, not
+   MT-Bench, which stays a held-out evaluation set): from every speculative step with the whole
+   block, the number ``a`` of drafted tokens accepted. Greedy acceptance of the first ``j`` drafted
+   tokens does not depend on how many were drafted, so with draft length ``K`` a step yields
+   ``E_K = 1 + sum_{j=1..K} P(a >= j)`` tokens (the bonus included): the AL at ``K``.
+2. **Step costs** at each context of ``--contexts`` (a random-token prompt of that length in the
+   caches), in interleaved rounds, medians: ``t_decode`` (the 1-token layer), ``t_propose`` (the
+   draft catching up one position and drafting a block) and ``t_verify(K+1)`` for K = 1..7.
+
+Per bucket (contexts up to the measured one; a bucket's timing is its worst case, since attention
+grows with context): ``K* = argmax_K E_K * t_decode / (t_propose + t_verify(K+1))``; speculation is
+on when that expected speed-up exceeds 1. The acceptance profile is measured at short context and
+used for every bucket; each request's own acceptance then moves its decision online.
+
+    litellm-flm calibrate [--tag smollm2-dflash:135m] [--backend cpu] [--contexts 256,1024,4096,8192]
+        [--rounds 5] [--max-new 128] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from flm_runtime import paths
+from flm_runtime.engine import sampler
+from flm_runtime.engine.policy import Bucket, PolicyTable
+from flm_runtime.engine.request import SamplingParams
+from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
+
+# Our own prompts, one or two per kind of chat use (writing, roleplay, reasoning, math, coding,
+# extraction, STEM, humanities); none is from MT-Bench.
+CALIBRATION_PROMPTS = (
+    "Write a short thank-you note to a neighbour who watered my plants while I was away.",
+    "You are a tour guide in an old harbour town. Welcome a group of visitors in a few sentences.",
+    "If a train leaves at 3 pm and the trip takes 2 hours and 45 minutes, when does it arrive? Explain.",
+    "What is 15% of 240? Show the steps.",
+    "Write a Python function that returns the largest even number in a list, or None if there is none.",
+    "List the three colours and two animals mentioned here: 'A red fox and a grey owl watched the blue lake "
+    "under a yellow moon.'",
+    "Explain in simple terms why the sky looks blue during the day.",
+    "Summarise the main causes of the fall of the Western Roman Empire in a short paragraph.",
+)
+
+
+def acceptance_profile(decoder: SpeculativeDecoder, tokenizer, prompts, max_new: int,
+                       progress: tqdm | None = None) -> np.ndarray:
+    """``P(a >= j)`` for ``j = 1 .. K``: ``[K]`` float64, over the whole-block greedy speculative
+    steps of ``max_new`` tokens per prompt (a step cut short by ``max_new`` is left out).
+
+    Raises:
+        ValueError: no step ran (prompts too few or ``max_new`` too small).
+    """
+    k = decoder.block_size - 1
+    counts = np.zeros(k + 1, dtype=np.int64)  # steps that accepted exactly a = 0..K
+    greedy = SamplingParams(temperature=0.0)
+    for prompt in prompts:
+        ids = np.asarray(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}])),
+                         dtype=np.int64)
+        cache = decoder.target.new_cache(len(ids) + max_new + decoder.block_size)
+        state = decoder.new_state()
+        rng = sampler.new_rng(0)
+        out = [sampler.sample(decoder.prefill(ids, cache, state), greedy, rng)]
+        stop = set(tokenizer.stop_token_ids)
+
+        def emit(token: int) -> bool:
+            out.append(token)
+            return len(out) >= max_new or token in stop
+
+        while len(out) < max_new and out[-1] not in stop and cache.length + decoder.block_size <= cache.max_length:
+            before, produced = state.accepted, len(out)
+            done = decoder.step(Lane(out[-1], cache, state, greedy, rng, emit))
+            if not done:  # a whole step: accepted = emitted - 1
+                counts[state.accepted - before] += 1
+                assert len(out) - produced == state.accepted - before + 1
+            if progress is not None:
+                progress.update(len(out) - produced)
+    if counts.sum() == 0:
+        raise ValueError("no speculative step completed: give more prompts or a larger --max-new")
+    at_least = counts[::-1].cumsum()[::-1] / counts.sum()  # [K+1]: P(a >= j), j = 0..K
+    return at_least[1:]
+
+
+def step_costs(decoder: SpeculativeDecoder, context: int, rounds: int, rng: np.random.Generator) -> dict:
+    """Median seconds of ``decode``, ``propose`` and ``verify`` (a list, K = 1..7) at ``context``
+    tokens, measured in ``rounds`` interleaved rounds on a random-token prompt."""
+    target, draft, k = decoder.target, decoder.draft, decoder.block_size - 1
+    vocab = target.config.vocab_size
+    prompt = rng.integers(0, vocab, context)
+    cache, state = target.new_cache(context + decoder.block_size), decoder.new_state(context + decoder.block_size)
+    decoder.prefill(prompt, cache, state)
+    block = rng.integers(0, vocab, decoder.block_size)
+    one_tap = np.zeros((1, len(decoder.taps) * target.config.hidden_size), dtype=np.float32)
+
+    def decode():
+        target.forward(block[:1], cache)
+        cache.trim(context)
+
+    def propose():
+        draft.add_context(state.draft_cache, one_tap, context)
+        draft.propose(state.draft_cache, int(block[0]), context + 1)
+        state.draft_cache.trim(context)
+
+    def verify(n: int):
+        target.forward(block[: n + 1], cache, all_logits=True, taps=decoder.taps)
+        cache.trim(context)
+
+    ops = {"decode": decode, "propose": propose, **{f"verify{n + 1}": (lambda n=n: verify(n)) for n in range(1, k + 1)}}
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(rounds + 1):  # the first round warms up and is dropped
+        for name, op in ops.items():
+            t0 = time.perf_counter()
+            op()
+            times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(ts[1:]) for name, ts in times.items()}
+    return {"decode": med["decode"], "propose": med["propose"], "verify": [med[f"verify{n + 1}"] for n in range(1, k + 1)]}
+
+
+def choose(costs: dict, profile: np.ndarray, max_context: int) -> Bucket:
+    """The bucket's decision: the draft length K with the best expected speed-up (see the module
+    docstring); speculation on when that speed-up exceeds 1."""
+    best = None
+    for k in range(1, len(profile) + 1):
+        al = 1.0 + float(profile[:k].sum())
+        ratio = (costs["propose"] + costs["verify"][k - 1]) / costs["decode"]
+        if best is None or al / ratio > best[0]:
+            best = (al / ratio, k, al, ratio)
+    speedup, k, al, ratio = best
+    return Bucket(max_context=max_context, speculate=speedup > 1.0, draft_length=k, cost_ratio=round(ratio, 4),
+                  expected_al=round(al, 4))
+
+
+def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str, contexts: list[int], rounds: int,
+              max_new: int, prompts=CALIBRATION_PROMPTS, seed: int = 0) -> PolicyTable:
+    """Measure and decide (module docstring). ``contexts`` ascending, each at most the context
+    length minus a block; the last bucket extends to the context length.
+
+    Raises:
+        ValueError: a context does not fit, or the profile is empty.
+    """
+    limit = decoder.target.config.max_position_embeddings
+    if sorted(set(contexts)) != list(contexts) or contexts[-1] + decoder.block_size > limit or contexts[0] < 1:
+        raise ValueError(f"contexts must ascend within 1 .. {limit - decoder.block_size} tokens, got {contexts}")
+    with tqdm(total=len(prompts) * max_new, desc="calibrate: acceptance", unit="tok") as bar:
+        profile = acceptance_profile(decoder, tokenizer, prompts, max_new, bar)
+    rng = np.random.default_rng(seed)
+    buckets, measured = [], {}
+    for i, ctx in enumerate(tqdm(contexts, desc="calibrate: step costs", unit="context")):
+        costs = step_costs(decoder, ctx, rounds, rng)
+        buckets.append(choose(costs, profile, limit if i == len(contexts) - 1 else ctx))
+        measured[str(ctx)] = {"decode_ms": round(1e3 * costs["decode"], 3), "propose_ms": round(1e3 * costs["propose"], 3),
+                              "verify_ms": [round(1e3 * t, 3) for t in costs["verify"]]}
+    return PolicyTable(model=tag, backend=backend, buckets=buckets, measured={
+        "acceptance_at_least": [round(float(p), 4) for p in profile],
+        "step_costs_by_context": measured,
+        "command": f"litellm-flm calibrate --tag {tag} --backend {backend} --contexts {','.join(map(str, contexts))} "
+                   f"--rounds {rounds} --max-new {max_new}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
+        "date": datetime.date.today().isoformat(),
+    })
+
+
+def calibrate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tag", default="smollm2-dflash:135m", help="the DFlash tag to calibrate")
+    p.add_argument("--backend", default=None, help="auto, cpu or npu (default: $FLM_BACKEND or auto)")
+    p.add_argument("--contexts", default="256,1024,4096,8192",
+                   help="comma-separated contexts (tokens) to time; each ends a bucket")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per operation and context")
+    p.add_argument("--max-new", type=int, default=128, help="tokens per calibration prompt (acceptance)")
+    p.add_argument("--out", default=None, help="table file (default: the user policy file the engine reads)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from flm_runtime import registry
+    from flm_runtime.api import get_engine
+    from flm_runtime.errors import InvalidRequestError
+
+    entry = registry.resolve(args.tag)
+    if not entry.is_dflash:
+        raise InvalidRequestError(f"{args.tag!r} is not a DFlash tag: nothing to calibrate")
+    engine = get_engine(entry.tag, args.backend)
+    backend = "npu" if engine.name.endswith("[npu]") else "cpu"
+    spec = engine.speculative
+    decoder = SpeculativeDecoder(spec.target, spec.draft)  # no policy: whole blocks, always
+    contexts = [int(c) for c in args.contexts.split(",")]
+    limit = spec.target.config.max_position_embeddings - decoder.block_size
+    table = calibrate(decoder, engine.tokenizer, tag=entry.tag, backend=backend,
+                      contexts=[c for c in contexts if c <= limit] or [limit], rounds=args.rounds, max_new=args.max_new)
+    out = table.save(args.out or paths.policy_file(entry.tag, backend))
+    print("| contexts up to | speculate | draft length K | expected AL | cost ratio | expected speed-up |")
+    print("|---:|:---:|---:|---:|---:|---:|")
+    for b in table.buckets:
+        print(f"| {b.max_context} | {'yes' if b.speculate else 'no'} | {b.draft_length} | {b.expected_al:.2f} | "
+              f"{b.cost_ratio:.2f} | {b.expected_speedup:.2f}x |")
+    print(f"\nwrote {out}")
+    return 0

@@ -1,0 +1,79 @@
+"""``litellm-flm calibrate`` (flm_runtime.bench.calibrate) on SmolLM2 at tiny settings: the
+acceptance profile is right where it is known exactly (a proposer replaying the greedy output is
+always accepted; a random draft almost never), the decision per bucket follows from the measured
+costs and the profile, and the command writes a table the engine then reads (``api.load_policy``)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from flm_runtime import api, paths
+from flm_runtime.bench import calibrate
+from flm_runtime.engine.policy import PolicyTable
+from flm_runtime.engine.request import SamplingParams
+from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.models.dflash import DFlashDraft
+
+PROMPT = ("Explain in simple terms why the sky looks blue during the day.",)
+
+
+@pytest.fixture(scope="module")
+def draft(random_draft, smollm2_model):
+    return DFlashDraft.load(random_draft, smollm2_model)
+
+
+def test_a_replayed_greedy_output_is_always_accepted(smollm2_model, smollm2_tokenizer, smollm2_engine, draft):
+    tok = smollm2_tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT[0]}]))
+    want = smollm2_engine.submit(ids, SamplingParams(max_tokens=40, ignore_eos=True)).result().token_ids
+    truth = dict(enumerate(want, start=len(ids)))
+
+    def replay(draft_cache, anchor_id, start):
+        return np.array([truth.get(p, 0) for p in range(start + 1, start + 8)])
+
+    perfect = SpeculativeDecoder(smollm2_model, draft, proposer=replay)
+    np.testing.assert_array_equal(calibrate.acceptance_profile(perfect, tok, PROMPT, 32), np.ones(7))
+    random = calibrate.acceptance_profile(SpeculativeDecoder(smollm2_model, draft), tok, PROMPT, 16)
+    assert random.shape == (7,) and random[0] < 0.5 and (np.diff(random) <= 0).all()
+
+
+def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smollm2_tokenizer, draft):
+    table = calibrate.calibrate(SpeculativeDecoder(smollm2_model, draft), smollm2_tokenizer, tag="t-dflash:1",
+                                backend="cpu", contexts=[16, 64], rounds=1, max_new=16, prompts=PROMPT)
+    assert [b.max_context for b in table.buckets] == [16, smollm2_model.config.max_position_embeddings]
+    profile = np.array(table.measured["acceptance_at_least"])
+    for bucket, ctx in zip(table.buckets, ("16", "64")):
+        costs = table.measured["step_costs_by_context"][ctx]
+        speedups = [(1 + profile[:k].sum()) * costs["decode_ms"] / (costs["propose_ms"] + costs["verify_ms"][k - 1])
+                    for k in range(1, 8)]
+        k = int(np.argmax(speedups)) + 1
+        assert bucket.draft_length == k and bucket.expected_al == pytest.approx(1 + profile[:k].sum(), abs=1e-4)
+        assert bucket.speculate == (speedups[k - 1] > 1.0)
+        assert bucket.expected_speedup == pytest.approx(speedups[k - 1], rel=1e-2)
+    with pytest.raises(ValueError, match="contexts must ascend"):
+        calibrate.calibrate(SpeculativeDecoder(smollm2_model, draft), smollm2_tokenizer, tag="t", backend="cpu",
+                            contexts=[64, 16], rounds=1, max_new=16, prompts=PROMPT)
+
+
+def test_the_command_writes_the_table_the_engine_reads(run_cli, random_draft, tmp_path, monkeypatch):
+    monkeypatch.setattr(paths, "config_dir", lambda: tmp_path / "config")
+    models = tmp_path / "models.yaml"
+    models.write_text(json.dumps({"smollm2-rnd-dflash:135m": {"base": "smollm2:135m", "draft": str(random_draft)}}))
+    monkeypatch.setenv("FLM_MODELS_FILE", str(models))
+    try:
+        status, out, _ = run_cli("calibrate", "--tag", "smollm2-rnd-dflash:135m", "--backend", "cpu",
+                                 "--contexts", "32", "--rounds", "1", "--max-new", "12")
+        assert status == 0 and "| contexts up to | speculate |" in out
+        written = tmp_path / "config" / "policy" / "smollm2-rnd-dflash" / "135m-cpu.json"
+        assert f"wrote {written}" in out
+        table = PolicyTable.load(written)
+        assert api.load_policy("smollm2-rnd-dflash:135m", "cpu") == table
+        api._engines.pop("smollm2-rnd-dflash:135m").close()  # an engine reads its table when it starts
+        assert api.get_engine("smollm2-rnd-dflash:135m", "cpu").speculative.policy == table
+    finally:
+        engine = api._engines.pop("smollm2-rnd-dflash:135m", None)
+        if engine is not None:
+            engine.close()

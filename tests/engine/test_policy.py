@@ -1,0 +1,90 @@
+"""The speculation policy (flm_runtime.engine.policy): the table, the per-request acceptance
+tracker step by step, and the engine switching a request whose acceptance collapses to plain
+decoding (exact output, exact step counts) on a scripted target."""
+
+from __future__ import annotations
+
+import pytest
+from engine_fakes import FakeTokenizer
+from pydantic import ValidationError
+from spec_fakes import ScriptTarget, random_draft, replay_proposer
+
+from flm_runtime.engine.policy import AcceptanceTracker, Bucket, PolicyTable
+from flm_runtime.engine.request import SamplingParams
+from flm_runtime.engine.speculative import SpeculativeDecoder
+
+PAYS_AT_2 = Bucket(max_context=1 << 20, speculate=True, draft_length=7, cost_ratio=2.0, expected_al=3.0)
+
+
+def test_tracker_switches_off_probes_with_backoff_and_resumes():
+    t = AcceptanceTracker()
+    # Three steps of AL 1 from a prior of 3: EMA 2.5, 2.125, 1.84375 < 2.0 -> off after the third.
+    for expected_al in (2.5, 2.125):
+        assert t.draft_length(PAYS_AT_2) == 7
+        t.record_step(PAYS_AT_2, 1)
+        assert t.al == expected_al and t.plain_until == 0
+    assert t.draft_length(PAYS_AT_2) == 7
+    t.record_step(PAYS_AT_2, 1)
+    assert (t.al, t.switches, t.tokens, t.plain_until) == (1.84375, 1, 3, 3 + 16)
+    for _ in range(16):  # plain decoding until the first probe
+        assert t.draft_length(PAYS_AT_2) == 0
+        t.record_plain()
+    assert t.draft_length(PAYS_AT_2) == 7  # the probe
+    t.record_step(PAYS_AT_2, 1)  # a probe weighs 0.5: (1.84375 + 1) / 2 < 2 -> wait twice as long
+    assert (t.al, t.switches, t.probe_after, t.plain_until) == (1.421875, 1, 32, 20 + 32)
+    for _ in range(32):
+        assert t.draft_length(PAYS_AT_2) == 0
+        t.record_plain()
+    assert t.draft_length(PAYS_AT_2) == 7
+    t.record_step(PAYS_AT_2, 8)  # (1.421875 + 8) / 2 = 4.71 >= 2: speculating again
+    assert (t.al, t.plain_until, t.probe_after, t.switches) == (4.7109375, 0, 16, 1)
+    assert t.draft_length(PAYS_AT_2) == 7
+
+
+def test_a_bucket_without_speculation_never_drafts():
+    off = Bucket(max_context=100, speculate=False)
+    t = AcceptanceTracker()
+    assert [t.draft_length(off) for _ in range(3)] == [0, 0, 0]
+
+
+def test_table_buckets_and_the_cards_rule(tmp_path):
+    """The card's engine turns speculation off at 32k: one bucket up to 32767 tokens, one above."""
+    card = PolicyTable(model="x-dflash:1b", backend="npu", buckets=[
+        Bucket(max_context=32767, speculate=True, draft_length=7, cost_ratio=1.3, expected_al=2.9),
+        Bucket(max_context=131072, speculate=False)])
+    assert card.bucket(1).speculate and card.bucket(32767).speculate
+    assert not card.bucket(32768).speculate and not card.bucket(10**6).speculate  # past the last: the last
+    assert PolicyTable.load(card.save(tmp_path / "p.json")) == card
+    with pytest.raises(ValidationError, match="strictly ascending"):
+        PolicyTable(model="m", backend="cpu", buckets=[Bucket(max_context=10, speculate=True),
+                                                       Bucket(max_context=10, speculate=False)])
+    (tmp_path / "bad.json").write_text('{"model": "m", "backend": "cpu", "buckets": [{"max_context": 0}]}')
+    with pytest.raises(ValueError, match="bad.json: not a valid speculation policy table"):
+        PolicyTable.load(tmp_path / "bad.json")
+
+
+LETTERS = [ord(c) for c in "abcdefghijklmnopqrstuvwxyz"] * 8
+
+
+def collapsing_engine(make_engine, perfect: bool):
+    target = ScriptTarget(LETTERS, 3)
+    truth = (lambda p: LETTERS[p - 3])
+    proposer = replay_proposer(truth, 300, corrupt=(lambda p: not perfect))  # all wrong: AL 1
+    table = PolicyTable(model="script-dflash:1", backend="cpu", buckets=[PAYS_AT_2])
+    decoder = SpeculativeDecoder(target, random_draft(target, taps=[0, 1]), policy=table, proposer=proposer)
+    return make_engine(target, FakeTokenizer(vocab_size=300), speculative=decoder)
+
+
+def test_engine_turns_speculation_off_when_acceptance_collapses(make_engine):
+    done = collapsing_engine(make_engine, perfect=False).submit([1, 2, 3], SamplingParams(max_tokens=100)).result()
+    assert done.token_ids == tuple(LETTERS[:100])  # exact whatever the policy does
+    s = done.stats
+    # 1 token from prefill, then: 3 failing steps (off), 16 plain, probe, 32 plain, probe, 46 plain.
+    assert (s["spec_steps"], s["accepted_tokens"], s["spec_switches_off"], s["generated_tokens"]) == (5, 0, 1, 100)
+
+
+def test_engine_keeps_speculating_while_it_pays(make_engine):
+    done = collapsing_engine(make_engine, perfect=True).submit([1, 2, 3], SamplingParams(max_tokens=97)).result()
+    assert done.token_ids == tuple(LETTERS[:97])
+    s = done.stats
+    assert (s["spec_steps"], s["accepted_tokens"], s["spec_switches_off"]) == (12, 84, 0)  # 1 + 12 blocks of 8
