@@ -143,14 +143,15 @@ def choose(costs: dict, profile: np.ndarray, max_context: int) -> Bucket:
 def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str, contexts: list[int], rounds: int,
               max_new: int, prompts=CALIBRATION_PROMPTS, seed: int = 0) -> PolicyTable:
     """Measure and decide (module docstring). ``contexts`` ascending, each at most the context
-    length minus a block; the last bucket extends to the context length.
+    length minus a block and one position; the last bucket extends to the context length.
 
     Raises:
         ValueError: a context does not fit, or the profile is empty.
     """
     limit = decoder.target.config.max_position_embeddings
-    if sorted(set(contexts)) != list(contexts) or contexts[-1] + decoder.block_size > limit or contexts[0] < 1:
-        raise ValueError(f"contexts must ascend within 1 .. {limit - decoder.block_size} tokens, got {contexts}")
+    top = limit - decoder.block_size - 1  # a committed position, then a whole block
+    if sorted(set(contexts)) != list(contexts) or contexts[-1] > top or contexts[0] < 1:
+        raise ValueError(f"contexts must ascend within 1 .. {top} tokens, got {contexts}")
     with tqdm(total=len(prompts) * max_new, desc="calibrate: acceptance", unit="tok") as bar:
         profile = acceptance_profile(decoder, tokenizer, prompts, max_new, bar)
     rng = np.random.default_rng(seed)
@@ -192,10 +193,10 @@ def main(args: argparse.Namespace) -> int:
     backend = "npu" if engine.name.endswith("[npu]") else "cpu"
     spec = engine.speculative
     decoder = SpeculativeDecoder(spec.target, spec.draft)  # no policy: whole blocks, always
-    contexts = [int(c) for c in args.contexts.split(",")]
-    limit = spec.target.config.max_position_embeddings - decoder.block_size
-    table = calibrate(decoder, engine.tokenizer, tag=entry.tag, backend=backend,
-                      contexts=[c for c in contexts if c <= limit] or [limit], rounds=args.rounds, max_new=args.max_new)
+    top = spec.target.config.max_position_embeddings - decoder.block_size - 1
+    contexts = sorted({min(int(c), top) for c in args.contexts.split(",")})  # the last: at most the context end
+    table = calibrate(decoder, engine.tokenizer, tag=entry.tag, backend=backend, contexts=contexts,
+                      rounds=args.rounds, max_new=args.max_new)
     out = table.save(args.out or paths.policy_file(entry.tag, backend))
     print("| contexts up to | speculate | draft length K | expected AL | cost ratio | expected speed-up |")
     print("|---:|:---:|---:|---:|---:|---:|")

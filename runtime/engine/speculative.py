@@ -51,6 +51,10 @@ from flm_runtime.engine.kv_cache import KVCache
 from flm_runtime.engine.policy import AcceptanceTracker, PolicyTable
 from flm_runtime.engine.request import SamplingParams
 
+# Pending taps of plain steps are folded into the draft cache once this many accumulate (while
+# the policy keeps a request decoding plainly), so that each step copies a bounded array.
+PENDING_FLUSH = 64
+
 # proposer(draft_cache, anchor_id, start) -> [K] int64 drafted ids; the draft's own ``propose`` or
 # a stand-in (tests replay known tokens to force long acceptances).
 Proposer = Callable[[KVCache, int, int], np.ndarray]
@@ -278,6 +282,9 @@ class SpeculativeDecoder:
         cache, state = lane.cache, lane.state
         if not len(draft_ids):  # a plain decode step
             state.pending = np.concatenate([state.pending, taps])
+            if len(state.pending) >= PENDING_FLUSH:  # bounded: no copy that grows with the output
+                self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
+                state.pending = self._no_taps()
             if self.policy is not None:
                 state.tracker.record_plain()
             self._check(cache, state)
