@@ -189,10 +189,11 @@ class SpeculativeDecoder:
         target: a ``TargetModel``: ``forward_batch(rows, caches, taps=)``,
             ``prefill_chunks(ids, cache, taps=)``, ``new_cache``, ``config``.
         draft: ``DFlashDraft``-like: ``config`` (``target_layer_ids``, ``block_size``),
-            ``new_cache``, ``add_context``, ``propose``.
+            ``new_cache``, ``add_context``, ``propose_batch``.
         policy: the speculation policy table of this tag and backend; None speculates at every
             context with the whole block (K = block_size - 1) and never switches off.
-        proposer: replaces ``draft.propose`` (tests); the draft still keeps its context cache.
+        proposer: replaces the draft's proposals (tests), called per sequence as
+            ``proposer(draft_cache, anchor_id, start)``; the draft still keeps its context cache.
     """
 
     def __init__(self, target, draft, *, policy: PolicyTable | None = None, proposer: Proposer | None = None):
@@ -201,7 +202,7 @@ class SpeculativeDecoder:
         self.taps = tuple(draft.config.target_layer_ids)
         self.block_size = int(draft.config.block_size)
         self.policy = policy
-        self.proposer: Proposer = proposer or draft.propose
+        self.proposer = proposer
         self._tap_width = len(self.taps) * int(target.config.hidden_size)
 
     def new_state(self, capacity: int = 0) -> SpecState:
@@ -249,21 +250,18 @@ class SpeculativeDecoder:
             and every lane's invariant still holds (the draft's catch-up only moved taps from
             pending into its cache): the caller may retry lanes one by one.
         """
-        rows, drafts = [], []
         for lane in lanes:
             self._check(lane.cache, lane.state)
-            k = self.draft_length(lane)
-            if k:
-                state = lane.state
-                self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
-                state.pending = self._no_taps()
-                proposed = np.asarray(self.proposer(state.draft_cache, lane.anchor_id, lane.cache.length),
-                                      dtype=np.int64)  # [B-1]
-                assert proposed.shape == (self.block_size - 1,), f"proposer gave {proposed.shape}"
-                drafts.append(proposed[:k])
-            else:
-                drafts.append(np.zeros(0, dtype=np.int64))
-            rows.append(np.concatenate([[lane.anchor_id], drafts[-1]]))  # [K+1]
+        ks = [self.draft_length(lane) for lane in lanes]
+        drafting = [lane for lane, k in zip(lanes, ks) if k]
+        for lane in drafting:
+            state = lane.state
+            self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
+            state.pending = self._no_taps()
+        proposed = iter(self._propose([lane.state.draft_cache for lane in drafting],
+                                      [lane.anchor_id for lane in drafting]) if drafting else [])  # [S, B-1]
+        drafts = [next(proposed)[:k] if k else np.zeros(0, dtype=np.int64) for k in ks]
+        rows = [np.concatenate([[lane.anchor_id], d]) for lane, d in zip(lanes, drafts)]  # [K+1] each
         out = self.target.forward_batch(rows, [lane.cache for lane in lanes], taps=self.taps)  # [R, V], [R, n*E]
         ends = np.cumsum([len(row) for row in rows])
         return [LaneOutput(d, out.logits[e - len(d) - 1 : e], out.taps[e - len(d) - 1 : e])
@@ -304,6 +302,16 @@ class SpeculativeDecoder:
             if lane.emit(int(token)):
                 return True
         return False
+
+    def _propose(self, caches: list[KVCache], anchor_ids: list[int]) -> np.ndarray:
+        """Drafted tokens ``[S, B-1]`` int64 of ``S`` sequences: one batched draft pass
+        (``draft.propose_batch``), or the stand-in ``proposer`` sequence by sequence."""
+        if self.proposer is None:
+            out = self.draft.propose_batch(caches, anchor_ids)
+        else:
+            out = np.stack([np.asarray(self.proposer(c, a, c.length), dtype=np.int64) for c, a in zip(caches, anchor_ids)])
+        assert out.shape == (len(caches), self.block_size - 1), f"proposals {out.shape}"
+        return out
 
     def _no_taps(self) -> np.ndarray:
         return np.zeros((0, self._tap_width), dtype=np.float32)  # [0, n*E]

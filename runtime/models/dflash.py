@@ -286,28 +286,48 @@ class DFlashDraft:
         Returns:
             ``[K, Vd]`` float32.
         """
+        assert cache.length == start, f"draft cache holds {cache.length} positions, the anchor is at {start}"
+        return self.draft_logits_batch([cache], [anchor_id])[0]
+
+    def draft_logits_batch(self, caches: list[DraftCache], anchor_ids: list[int]) -> np.ndarray:
+        """``draft_logits`` of ``S`` sequences' blocks at once: every weight matrix multiplies the
+        ``S * B`` block rows of all of them in one product; attention runs per sequence, over its
+        own cache. Sequence ``s``'s anchor sits at ``caches[s].length``. Rows ``s`` equal
+        ``draft_logits(caches[s], anchor_ids[s], caches[s].length)`` up to float rounding.
+
+        Returns:
+            ``[S, K, Vd]`` float32.
+        """
         c = self.config
         b, h, hkv, d = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        assert cache.length == start, f"draft cache holds {cache.length} positions, the anchor is at {start}"
-        assert start + b <= self.max_positions, "the block runs past the context"
-        x = np.empty((b, c.hidden_size), dtype=np.float32)  # [B, E]
-        x[0] = self.embed[anchor_id]
-        x[1:] = self.mask_embedding
-        cos, sin = self.rope_cos[start : start + b], self.rope_sin[start : start + b]  # [B, D/2]
-        cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
+        starts = [cache.length for cache in caches]
+        assert all(st + b <= self.max_positions for st in starts), "a block runs past the context"
+        n_seq = len(caches)
+        x = np.empty((n_seq, b, c.hidden_size), dtype=np.float32)  # [S, B, E]
+        x[:, 0] = self.embed[np.asarray(anchor_ids, dtype=np.int64)]
+        x[:, 1:] = self.mask_embedding
+        x = x.reshape(n_seq * b, c.hidden_size)  # [S*B, E]
+        positions = (np.asarray(starts)[:, None] + np.arange(b)).reshape(-1)  # [S*B]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [S*B, D/2]
+        for cache in caches:
+            cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
         for i, w in enumerate(self.layers):
-            qkv = cpu.linear(cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps), w.wqkv)  # [B, (H+2Hkv)*D]
-            q = cpu.apply_rope(qkv[:, : h * d].reshape(b, h, d), cos, sin)  # [B, H, D]
-            k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(b, hkv, d), cos, sin)  # [B, Hkv, D]
-            v = qkv[:, (h + hkv) * d :].reshape(b, hkv, d)  # [B, Hkv, D]
-            cache.write(i, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
-            n = start + b
-            attn = cpu.attention(q, cache.k[i, :, :n], cache.v[i, :, :n], start, causal=False)  # [B, H*D]
-            x = x + cpu.linear(attn, w.wo)
-            gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps), w.w_gate_up)  # [B, 2F]
+            qkv = cpu.linear(cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps), w.wqkv)  # [S*B, (H+2Hkv)*D]
+            q = cpu.apply_rope(qkv[:, : h * d].reshape(-1, h, d), cos, sin)  # [S*B, H, D]
+            k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(-1, hkv, d), cos, sin)  # [S*B, Hkv, D]
+            v = qkv[:, (h + hkv) * d :].reshape(-1, hkv, d)  # [S*B, Hkv, D]
+            attn = []
+            for s, (cache, st) in enumerate(zip(caches, starts)):
+                rows = slice(s * b, (s + 1) * b)
+                cache.write(i, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2))
+                n = st + b
+                attn.append(cpu.attention(q[rows], cache.k[i, :, :n], cache.v[i, :, :n], st, causal=False))  # [B, H*D]
+            x = x + cpu.linear(attn[0] if n_seq == 1 else np.concatenate(attn), w.wo)
+            gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps), w.w_gate_up)  # [S*B, 2F]
             x = x + cpu.linear(cpu.swiglu(gate_up), w.w_down)
-        h = cpu.rms_norm(x[1:], self.norm, c.rms_norm_eps)  # [K, E]: rows 1..K predict d1..dK
-        return np.ascontiguousarray(cpu.linear(h, self.head))  # [K, Vd]
+        hidden = x.reshape(n_seq, b, -1)[:, 1:].reshape(n_seq * (b - 1), -1)  # rows 1..K of each block
+        h_out = cpu.rms_norm(hidden, self.norm, c.rms_norm_eps)  # [S*K, E]
+        return np.ascontiguousarray(cpu.linear(h_out, self.head)).reshape(n_seq, b - 1, -1)  # [S, K, Vd]
 
     def propose(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:
         """Greedy draft: ``d1 .. dK`` = argmax of block rows ``1 .. K`` (see ``draft_logits``),
@@ -316,7 +336,16 @@ class DFlashDraft:
         Returns:
             ``[K]`` int64 target token ids.
         """
-        best = np.argmax(self.draft_logits(cache, anchor_id, start), axis=-1)  # [K] draft-vocabulary index
+        assert cache.length == start, f"draft cache holds {cache.length} positions, the anchor is at {start}"
+        return self.propose_batch([cache], [anchor_id])[0]
+
+    def propose_batch(self, caches: list[DraftCache], anchor_ids: list[int]) -> np.ndarray:
+        """``propose`` for ``S`` sequences in one batched draft pass (``draft_logits_batch``).
+
+        Returns:
+            ``[S, K]`` int64 target token ids.
+        """
+        best = np.argmax(self.draft_logits_batch(caches, anchor_ids), axis=-1)  # [S, K] draft-vocabulary index
         return (best if self.vocab is None else self.vocab[best]).astype(np.int64)
 
 

@@ -95,6 +95,26 @@ def test_draft_matches_naive_reference(tiny_target):
     np.testing.assert_allclose(draft.draft_logits(cache, int(ids[13]), 13), expected, rtol=0, atol=1e-4)
 
 
+def test_batched_blocks_equal_one_at_a_time(tiny_target):
+    """``draft_logits_batch`` / ``propose_batch`` over sequences of different context lengths (one
+    of them empty) equal each sequence's own block, and leave every cache's length as it was."""
+    _, _, draft = tiny_draft(tiny_target)
+    rng = np.random.default_rng(3)
+    caches, anchors = [], []
+    for n in (9, 0, 4):
+        ids = rng.integers(0, TINY.vocab_size, n + 1)
+        cache = draft.new_cache()
+        if n:
+            draft.add_context(cache, tiny_target.forward(ids[:n], tiny_target.new_cache(), taps=(1, 0)).taps, 0)
+        caches.append(cache)
+        anchors.append(int(ids[n]))
+    got = draft.draft_logits_batch(caches, anchors)  # [3, 7, V]
+    assert got.shape == (3, 7, TINY.vocab_size) and [c.length for c in caches] == [9, 0, 4]
+    for s, (cache, anchor) in enumerate(zip(caches, anchors)):
+        np.testing.assert_allclose(got[s], draft.draft_logits(cache, anchor, cache.length), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(draft.propose_batch(caches, anchors), np.argmax(got, axis=-1))
+
+
 def test_draft_with_empty_context(tiny_target):
     """At position 0 the block attends only to itself."""
     cfg, weights, draft = tiny_draft(tiny_target, layers=1, seed=2)
