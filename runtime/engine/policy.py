@@ -118,6 +118,10 @@ class AcceptanceTracker:
     """One request's online acceptance estimate and its speculate / plain decision.
 
     Attributes:
+        alpha: weight of the newest step in the moving average (a probe weighs 0.5).
+        first_probe_after, max_probe_after: tokens of plain decoding before the first probe, and
+            the cap of its doubling. These three are our own choices (a few steps to react, a
+            probe costing a few percent at most), not tuned values from a paper.
         al: moving-average AL (tokens per speculative step, bonus included); None until the first
             decision seeds it with the bucket's ``expected_al``.
         tokens: tokens this request generated through the tracker (plain and speculative).
@@ -126,8 +130,8 @@ class AcceptanceTracker:
         switches: times the tracker turned speculation off.
     """
 
-    alpha: float = 0.25            # EMA weight of the newest step (ordinary steps)
-    first_probe_after: int = 16    # tokens of plain decoding before the first probe
+    alpha: float = 0.25
+    first_probe_after: int = 16
     max_probe_after: int = 512
     al: float | None = None
     tokens: int = 0

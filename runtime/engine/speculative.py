@@ -9,12 +9,13 @@ the anchor; the target runs ``[anchor, d1 .. dK]`` at positions ``start .. start
 target's own; the target KV cache is rolled back (``trim``) past what was kept, and the verify
 pass's taps of the kept positions become the draft's pending context.
 
-Batching: ``SpeculativeDecoder.step_batch`` advances several sequences ("lanes") with ONE target
-pass: each lane contributes its verify rows ``[anchor, d1 .. dK]``, or the single row
-``[anchor]`` of a plain decode step when the speculation policy (``policy.py``: a table of context
-buckets plus the request's own acceptance estimate) says a block does not pay; rows of all lanes
-share every matrix product (``TargetModel.forward_batch``). Plain steps still record taps, so the
-draft can resume at any step.
+Batching: ``SpeculativeDecoder.run_batch`` advances several sequences ("lanes") with one draft
+pass for all drafting lanes and ONE target pass: each lane contributes its verify rows
+``[anchor, d1 .. dK]``, or the single row ``[anchor]`` of a plain decode step when the speculation
+policy (``policy.py``: a table of context buckets plus the request's own acceptance estimate) says
+a block does not pay; rows of all lanes share every matrix product (``TargetModel.forward_batch``);
+``finish`` then verifies and emits lane by lane. Plain steps still record taps, so the draft can
+resume at any step.
 
 Glossary (after vLLM's rejection sampler, ``vllm/v1/sample/rejection_sampler.py``):
 
@@ -55,8 +56,8 @@ from flm_runtime.engine.request import SamplingParams
 # the policy keeps a request decoding plainly), so that each step copies a bounded array.
 PENDING_FLUSH = 64
 
-# proposer(draft_cache, anchor_id, start) -> [K] int64 drafted ids; the draft's own ``propose`` or
-# a stand-in (tests replay known tokens to force long acceptances).
+# proposer(draft_cache, anchor_id, start) -> [K] int64 drafted ids: a stand-in for the draft's
+# proposals (tests replay known tokens to force long acceptances).
 Proposer = Callable[[KVCache, int, int], np.ndarray]
 
 
