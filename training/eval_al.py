@@ -4,8 +4,9 @@
         --questions ../shared/data/mt_bench_questions.jsonl [--n 80] [--max-new 256]
 
 Greedy, each first turn through the target's chat template, ``--max-new`` tokens or the end of
-turn; the runtime's ``SpeculativeDecoder`` does the steps. AL = tokens emitted by speculative steps
-/ steps (includes the bonus token), pooled over all questions; per-category ALs too.
+turn; all questions run at once in one serving engine with the draft (batched speculative steps,
+whole blocks, no speculation policy). AL = tokens emitted by speculative steps / steps (includes
+the bonus token), pooled over all questions; per-category ALs too.
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ import json
 import time
 from collections import defaultdict
 from pathlib import Path
-
-import numpy as np
-
-STOP_IDS = (0, 2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from flm_runtime import registry
     from flm_runtime.api import load_model
+    from flm_runtime.engine.engine import Engine
     from flm_runtime.engine.request import SamplingParams
     from flm_runtime.engine.speculative import SpeculativeDecoder
     from flm_runtime.models.dflash import DFlashDraft
@@ -41,9 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(a.target)
     entry = registry.resolve(a.target)
     draft = DFlashDraft.load(a.draft, loaded.model, target_sha256=entry.files[0].sha256 if entry.files else None)
-    decoder = SpeculativeDecoder(loaded.model, draft)
     params = SamplingParams(max_tokens=a.max_new, temperature=0.0)
-    rng = np.random.default_rng(0)
     tok = loaded.tokenizer
     questions = [json.loads(line) for line in a.questions.read_text().splitlines() if line.strip()]
     if a.per_category:
@@ -54,29 +50,22 @@ def main(argv: list[str] | None = None) -> int:
         questions = [q for qs in kept.values() for q in qs]
     else:
         questions = questions[: a.n]
+    engine = Engine(loaded.model, tok, name="eval_al", speculative=SpeculativeDecoder(loaded.model, draft),
+                    max_active=len(questions), max_queue=len(questions))
+    t0 = time.time()
+    handles = [engine.submit(tok.encode(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}])), params)
+               for q in questions]
     by_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> [emitted, steps]
-    t0, n_tokens = time.time(), 0
-    for q in questions:
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}]))
-        cache = loaded.model.new_cache(len(ids) + a.max_new + 8)
-        state = decoder.new_state()
-        out = [int(np.argmax(decoder.prefill(np.asarray(ids, dtype=np.int64), cache, state)))]
-
-        def emit(token: int, out=out) -> bool:
-            out.append(token)
-            return token in STOP_IDS or len(out) >= a.max_new
-
-        done = out[0] in STOP_IDS
-        while not done:
-            if decoder.can_speculate(cache):
-                done = decoder.step(out[-1], cache, state, params, rng, emit)
-            else:
-                done = emit(int(np.argmax(decoder.decode(out[-1], cache, state))))
-        n_tokens += len(out)
-        by_cat[q["category"]][0] += state.emitted
-        by_cat[q["category"]][1] += state.steps
-        s = state.stats()
-        print(f"q{q['question_id']} {q['category']}: {len(out)} tokens, AL {s['acceptance_length']:.2f}", flush=True)
+    n_tokens = 0
+    for q, handle in zip(questions, handles):
+        s = handle.result().stats
+        emitted = round(s["acceptance_length"] * s["spec_steps"])
+        n_tokens += s["generated_tokens"]
+        by_cat[q["category"]][0] += emitted
+        by_cat[q["category"]][1] += s["spec_steps"]
+        print(f"q{q['question_id']} {q['category']}: {s['generated_tokens']} tokens, AL {s['acceptance_length']:.2f}",
+              flush=True)
+    engine.close()
     emitted = sum(v[0] for v in by_cat.values())
     steps = sum(v[1] for v in by_cat.values())
     result = {"acceptance_length": emitted / max(1, steps), "questions": len(questions), "tokens": n_tokens,
