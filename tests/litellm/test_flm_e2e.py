@@ -168,11 +168,13 @@ def test_image_content_is_refused(engine):
 def test_timeout_is_enforced_by_the_engine(engine):
     # litellm does not enforce timeouts for custom handlers: the engine's deadline does, and the
     # request leaves nothing behind.
+    # ignore_eos: 2,000 tokens take far longer than either timeout on any machine (the short
+    # answer alone could finish within 0.3 s on a fast one).
+    long = {"max_tokens": 2000, "extra_body": {"ignore_eos": True}}
     timed_out = engine.stats()["timed_out"]
     with pytest.raises(litellm.Timeout):
-        litellm.completion(model=MODEL, messages=QUESTION, temperature=0, max_tokens=200, timeout=0.05)
-    stream = litellm.completion(model=MODEL, messages=QUESTION, temperature=0, max_tokens=200, timeout=0.3,
-                                stream=True)
+        litellm.completion(model=MODEL, messages=QUESTION, temperature=0, timeout=0.05, **long)
+    stream = litellm.completion(model=MODEL, messages=QUESTION, temperature=0, timeout=0.3, stream=True, **long)
     with pytest.raises(litellm.Timeout):
         for _ in stream:
             pass
