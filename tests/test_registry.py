@@ -136,16 +136,6 @@ def test_nemotron_is_found_once_its_files_are_in_place():
     assert registry.locate_draft("nemotron3.5-bolt:e4b") is None
 
 
-def test_smollm2_dflash_fails_like_nemotron_while_its_draft_is_absent():
-    draft = paths.package_dir() / "drafts" / "smollm2-135m-dflash"
-    if (draft / "config.json").exists():
-        pytest.skip("the smollm2 draft ships now")
-    with pytest.raises(ModelFilesMissingError, match=str(draft)):
-        registry.locate("smollm2-dflash:135m", auto_pull=False)
-    with pytest.raises(ModelFilesMissingError, match=str(draft)):
-        registry.locate_draft("smollm2-dflash:135m")
-
-
 def test_the_default_without_auto_pull_says_how_to_pull():
     with pytest.raises(ModelFilesMissingError, match="litellm-flm pull smollm2:135m"):
         registry.locate("smollm2:135m", auto_pull=False)
