@@ -172,13 +172,17 @@ def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str,
 
 
 def calibrate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tag", default="smollm2-dflash:135m", help="the DFlash tag to calibrate")
+    p.add_argument("--tag", default="smollm2-dflash:135m", help="the DFlash tag to calibrate (default: %(default)s)")
     p.add_argument("--backend", default=None, help="auto, cpu or npu (default: $FLM_BACKEND or auto)")
     p.add_argument("--contexts", default="256,1024,4096,8192",
-                   help="comma-separated contexts (tokens) to time; each ends a bucket")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds per operation and context")
-    p.add_argument("--max-new", type=int, default=128, help="tokens per calibration prompt (acceptance)")
-    p.add_argument("--out", default=None, help="table file (default: the user policy file the engine reads)")
+                   help="comma-separated contexts (tokens) to time; each ends a bucket, the last one extends to "
+                        "the context length (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per operation and context (default: %(default)s)")
+    p.add_argument("--max-new", type=int, default=128,
+                   help="tokens per calibration prompt, for the acceptance profile (default: %(default)s)")
+    p.add_argument("--out", default=None,
+                   help="table file (default: ~/.config/litellm-flm/policy/<family>/<size>-<backend>.json, which "
+                        "the engine reads before the table shipped in the draft directory)")
 
 
 def main(args: argparse.Namespace) -> int:
