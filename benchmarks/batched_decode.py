@@ -1,6 +1,6 @@
 """Continuous batching on the cpu backend: aggregate decode tokens/s of B concurrent sequences.
 
-One ``LlamaModel.decode_batch`` step of ``B`` rows (one token per sequence, each sequence with its
+One ``LlamaModel.forward_batch`` decode step of ``B`` rows (one token per sequence, each sequence with its
 own cache at context ``--context``) is timed for every B of ``--batches``, rounds interleaved in
 one run so that machine noise hits all alike; each step is then rolled back (``trim``). Aggregate
 tokens/s is ``B / t_step``; the ratio to ``B = 1`` is what batching buys. Medians and minima are
@@ -32,7 +32,7 @@ def step_seconds(model, tokens: list[int], caches: list) -> float:
     """Seconds of one batched decode step, then rolled back."""
     lengths = [c.length for c in caches]
     t0 = time.perf_counter()
-    model.decode_batch(tokens, caches)
+    model.forward_batch([[t] for t in tokens], caches)
     t = time.perf_counter() - t0
     for cache, n in zip(caches, lengths):
         cache.trim(n)

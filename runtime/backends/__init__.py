@@ -39,13 +39,15 @@ class KVCacheLike(Protocol):
 
 @runtime_checkable
 class TargetModel(Protocol):
-    """The step interface of a target model (DESIGN §6): per sequence, and batched for decode.
+    """The step interface of a target model (DESIGN §6): per sequence, and batched (the engine's
+    steps go through ``forward_batch`` only).
 
     Attributes:
         config: ``LlamaConfig`` (``vocab_size``, ``hidden_size``, ``max_position_embeddings``,
             ``num_hidden_layers``, ...).
         embed, lm_head: ``[V, E]`` float32 host arrays; the DFlash draft shares them (frozen).
-        prefill_chunk: positions per ``prefill_chunks`` step.
+        prefill_chunk: positions per ``prefill_chunks`` step, and the most rows of one sequence the
+            engine puts in one ``forward_batch`` (it bounds attention's score buffer).
     """
 
     config: LlamaConfig
@@ -73,17 +75,13 @@ class TargetModel(Protocol):
         """One plain decode step (the 1-token layer); logits ``[V]``."""
 
     def forward_batch(self, token_rows: list[np.ndarray], caches: list[KVCacheLike], *,
-                      taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
+                      taps: tuple[int, ...] = (), logit_rows: list[int] | None = None) -> np.ndarray | ForwardOutput:
         """One step for ``B`` sequences: ``token_rows[b]`` ``[T_b]`` appended to ``caches[b]``;
-        logits ``[sum T_b, V]`` of every row (plus the taps, as a ``ForwardOutput``, when asked),
-        rows ``b`` as ``forward(token_rows[b], caches[b], all_logits=True, taps=taps)``. Batched
-        plain decode and DFlash verify rows of several sequences go through it. If it raises, no
-        cache's length has changed."""
-
-    def decode_batch(self, token_ids, caches: list[KVCacheLike]) -> np.ndarray:
-        """One plain decode step for ``B`` sequences (``token_ids`` ``[B]`` int, ``B`` distinct
-        caches): logits ``[B, V]``, row ``b`` as ``decode(token_ids[b], caches[b])``. The cpu
-        backend shares each matrix product across the rows (continuous batching)."""
+        logits ``[sum n_b, V]`` of each sequence's last ``n_b = logit_rows[b]`` rows (None: every
+        row), plus the taps of every row ``[sum T_b, n*E]``, as a ``ForwardOutput``, when asked;
+        rows ``b`` as ``forward(token_rows[b], caches[b], all_logits=True, taps=taps)``. Prefill
+        chunks, plain decode rows and DFlash verify rows of several sequences go through it (the
+        engine's continuous batching). If it raises, no cache's length has changed."""
 
 
 def select_backend(requested: str | None, tag: str):
@@ -96,22 +94,8 @@ def select_backend(requested: str | None, tag: str):
 __all__ = ["KVCacheLike", "TargetModel", "select_backend"]
 
 
-def decode_rows(model, token_ids, caches: list) -> np.ndarray:
-    """``decode_batch`` for a backend without a batched decode: one ``model.decode`` per row.
-
-    Returns logits ``[B, V]``. If a row raises, every cache is rolled back to its length before
-    the call (as the cpu backend's batched decode leaves them) and the error propagates.
-    """
-    lengths = [c.length for c in caches]
-    try:
-        return np.stack([model.decode(int(t), c) for t, c in zip(token_ids, caches)])  # [B, V]
-    except Exception:
-        for cache, n in zip(caches, lengths):
-            cache.trim(n)
-        raise
-
-
-def forward_rows(model, token_rows: list[np.ndarray], caches: list, *, taps: tuple[int, ...] = ()):
+def forward_rows(model, token_rows: list[np.ndarray], caches: list, *, taps: tuple[int, ...] = (),
+                 logit_rows: list[int] | None = None):
     """``forward_batch`` for a backend without a batched forward: one ``model.forward`` per
     sequence. Same returns; if a sequence raises, every cache is rolled back to its length before
     the call and the error propagates.
@@ -119,13 +103,14 @@ def forward_rows(model, token_rows: list[np.ndarray], caches: list, *, taps: tup
     from flm_runtime.models.llama import ForwardOutput
 
     lengths = [c.length for c in caches]
+    rows = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_rows]
+    n_logits = [r.size for r in rows] if logit_rows is None else list(logit_rows)
     try:
-        outs = [model.forward(np.asarray(t, dtype=np.int64).reshape(-1), c, all_logits=True, taps=taps)
-                for t, c in zip(token_rows, caches)]
+        outs = [model.forward(r, c, all_logits=n > 1, taps=taps) for r, c, n in zip(rows, caches, n_logits)]
     except Exception:
         for cache, n in zip(caches, lengths):
             cache.trim(n)
         raise
-    if not taps:
-        return np.concatenate(outs)  # [R, V]
-    return ForwardOutput(np.concatenate([o.logits for o in outs]), np.concatenate([o.taps for o in outs]))
+    logits = [o.logits if taps else o for o in outs]  # [T_b or 1, V] each
+    logits = np.concatenate([lg[len(lg) - n:] for lg, n in zip(logits, n_logits)])  # [sum n_b, V]
+    return ForwardOutput(logits, np.concatenate([o.taps for o in outs])) if taps else logits

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flm_runtime.backends import decode_rows, forward_rows
+from flm_runtime.backends import forward_rows
 from flm_runtime.backends.manifest import Build, KernelFiles, Manifest, RoleSpec, geometry_mismatch
 from flm_runtime.backends.npu_layout import layout_entries, pack, step_array
 from flm_runtime.engine.kv_cache import GROWTH_QUANTUM
@@ -377,17 +377,11 @@ class NpuModel:
         """One plain decode step (``decode_layer``); logits ``[V]`` of the new position."""
         return self.forward(np.array([token_id]), cache)[0]
 
-    def forward_batch(self, token_rows: list[np.ndarray], caches: list[NpuKVCache], *,
-                      taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
+    def forward_batch(self, token_rows: list[np.ndarray], caches: list[NpuKVCache], *, taps: tuple[int, ...] = (),
+                      logit_rows: list[int] | None = None) -> np.ndarray | ForwardOutput:
         """``TargetModel.forward_batch``, one ``forward`` per sequence (the kernel build has no
         batched layer yet); a failing sequence rolls every cache back."""
-        return forward_rows(self, token_rows, caches, taps=taps)
-
-    def decode_batch(self, token_ids, caches: list[NpuKVCache]) -> np.ndarray:
-        """``B`` plain decode steps, one ``decode_layer`` run per sequence (the kernel build has no
-        batched decode layer yet); logits ``[B, V]``. If a row raises, every cache is rolled
-        back to its length before the call (as the cpu backend leaves them)."""
-        return decode_rows(self, token_ids, caches)
+        return forward_rows(self, token_rows, caches, taps=taps, logit_rows=logit_rows)
 
     # ---- one device step ----
 

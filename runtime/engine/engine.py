@@ -3,9 +3,10 @@
 A caller ``submit``s prompt ids and ``SamplingParams`` and gets a ``RequestHandle``; sync
 iteration, ``aiter()``, ``result()`` and ``aresult()`` all consume the same stream of
 ``StreamEvent``s, so streamed and non-streamed outputs are the same by construction. The engine
-thread admits queued requests as ``Sequence``s and calls ``_step``, which advances each active
-sequence by one token: new sequences prefill one by one, then all decoding sequences share one
-batched decode step (continuous batching: requests join and leave between steps; see ``_step``).
+thread admits queued requests as ``Sequence``s and calls ``_step``, which runs ONE batched forward
+pass: a prompt chunk of each sequence still prefilling (within a per-step token budget) and the
+decode rows of every decoding sequence (continuous batching with chunked prefill: requests join
+and leave between steps, and a long prompt does not stall the others' decoding; see ``_step``).
 A ``Sequence`` holds everything that is per request (cache, RNG, output pipeline), so a request's
 output depends only on its own inputs and seed (DESIGN §9.6), up to the float rounding of a
 batched matrix product.
@@ -26,7 +27,7 @@ ever hangs on a full engine. ``stats()`` counts what is running, waiting and hel
 
 Speculative decoding: an engine given a ``SpeculativeDecoder`` runs every sequence's decoding
 through it (draft K, verify K+1, greedy or sampled; or a plain step where its policy says a block
-does not pay), all decoding sequences in one batched target pass (``run_batch``).
+does not pay), its verify rows in the step's batched target pass.
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ import logging
 import queue
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 from flm_runtime.engine import admission, sampler
 from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
 from flm_runtime.engine.sequence import Sequence
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.engine.speculative import LaneOutput, SpeculativeDecoder
 from flm_runtime.errors import (BackendUnavailableError, ContextLengthError, EngineOverloadedError,
                                 FlmError, InvalidRequestError, KVBudgetError, RequestTimeoutError)
 
@@ -56,6 +58,23 @@ _END = object()   # stream terminator, after the final event or instead of it on
 # Positions a new cache reserves beyond the prompt (a hint: caches grow on demand), so that a
 # request with max_tokens None does not allocate the whole context up front.
 INITIAL_DECODE_ROOM = 256
+
+
+class _Part(NamedTuple):
+    """One sequence's rows in a step's batched forward pass.
+
+    Attributes:
+        seq: the sequence.
+        ids: ``[T]`` int64 token ids appended to its cache: a prompt chunk, or its decode rows
+            (``[last_token]``, or a speculative step's ``[anchor, d1 .. dK]``).
+        n_logits: trailing rows whose logits it needs (0: a prompt chunk before the last one).
+        draft_ids: ``[K]`` drafted ids of a speculative decoding step; None otherwise.
+    """
+
+    seq: Sequence
+    ids: np.ndarray
+    n_logits: int
+    draft_ids: np.ndarray | None = None
 
 
 class RequestCancelledError(FlmError, concurrent.futures.CancelledError):
@@ -237,10 +256,10 @@ class Engine:
     Args:
         model: implements ``config`` (``max_position_embeddings``, ``vocab_size``),
             ``new_cache(capacity) -> cache`` (capacity: a hint in tokens, the cache grows on
-            demand up to the context; ``cache.length``: tokens held),
-            ``prefill(ids [T] int64, cache) -> [V] float32``, ``decode(id, cache) -> [V]`` and
-            ``decode_batch(ids [B], caches) -> [B, V]`` (which leaves the caches as they were
-            when it raises).
+            demand up to the context; ``cache.length``: tokens held), ``prefill_chunk`` (most
+            rows of one sequence per pass) and ``forward_batch(rows, caches, taps=,
+            logit_rows=)`` (``backends.TargetModel``; it leaves the caches as they were when it
+            raises).
         tokenizer: implements ``token_bytes(id) -> bytes``, ``stop_token_ids`` and
             ``special_token_ids``.
         name: the model's name (thread name, stats, messages).
@@ -252,14 +271,19 @@ class Engine:
             ``admission``); None: ``admission.default_kv_budget`` (4 full contexts).
         speculative: decode with this ``SpeculativeDecoder`` (its target must be ``model``);
             None decodes plainly.
+        prefill_tokens: prompt tokens one step prefills at most, over all sequences (chunked
+            prefill; vLLM calls its analogue ``max_num_batched_tokens``): it bounds how long a
+            step, so the gap between two tokens of a decoding stream, grows while prompts
+            arrive. None: the model's ``prefill_chunk``.
 
     Raises:
-        InvalidRequestError: ``max_queue``, ``max_active`` or ``kv_budget`` not a positive integer.
+        InvalidRequestError: ``max_queue``, ``max_active``, ``kv_budget`` or ``prefill_tokens`` not
+            a positive integer.
     """
 
     def __init__(self, model, tokenizer, *, name: str, default_sampling: sampler.SamplingDefaults | None = None,
                  max_queue: int = 64, max_active: int = 16, kv_budget: int | None = None,
-                 speculative: SpeculativeDecoder | None = None):
+                 speculative: SpeculativeDecoder | None = None, prefill_tokens: int | None = None):
         assert speculative is None or speculative.target is model, "the decoder's target must be the model"
         self.model = model
         self.speculative = speculative
@@ -268,6 +292,8 @@ class Engine:
         self.default_sampling = sampler.default_sampling(default_sampling)
         self.max_queue = admission.positive_int(max_queue, "max_queue")
         self.max_active = admission.positive_int(max_active, "max_active")
+        self.prefill_tokens = admission.positive_int(
+            model.prefill_chunk if prefill_tokens is None else prefill_tokens, "prefill_tokens")
         self.context_length = int(model.config.max_position_embeddings)
         draft_config = speculative.draft.config if speculative is not None else None
         self.kv_bytes_per_token = admission.kv_bytes_per_token(model.config, draft_config)
@@ -451,47 +477,87 @@ class Engine:
                 self._end(seq, error=e)
 
     def _step(self) -> None:
-        """Advance every active sequence by one token (or one speculative block).
+        """Advance every active sequence with ONE batched forward pass (``_forward``).
 
-        Sequences still to prefill run their prefill one by one (chunked inside the model); then
-        all the decoding sequences share ONE batched forward (one matrix product per weight
-        matrix for all their rows, attention per sequence), so new requests join and finished or
-        cancelled ones leave between steps (continuous batching): ``model.decode_batch`` of one
-        row each, or with a ``SpeculativeDecoder`` its ``run_batch`` of each sequence's verify
-        rows (or single plain row, where the speculation policy says a block does not pay).
+        Sequences still prefilling contribute their next prompt chunk, in admission order, while
+        the step's ``prefill_tokens`` last (the first always gets one, of at most the model's
+        ``prefill_chunk`` rows); every decoding sequence contributes its decode rows: one row, or
+        with a ``SpeculativeDecoder`` the verify rows of a drafted block (all drafting sequences
+        share one draft pass) or the single plain row where its policy says a block does not
+        pay. All rows share one matrix product per weight matrix; the LM head runs only on the
+        rows that need logits. New requests join and finished or cancelled ones leave between
+        steps.
         """
         now = time.monotonic()
-        batch = []
+        prefilling, decoding = [], []
         for seq in list(self._active):
-            if self._abort_if_needed(seq, now):
-                continue
-            if seq.prefilled:
-                batch.append(seq)
-            else:
-                self._advance(seq, lambda s=seq: s.step(self.model, self.speculative))
-        if batch:
-            self._decode_batch(batch)
+            if not self._abort_if_needed(seq, now):
+                (decoding if seq.prefilled else prefilling).append(seq)
+        parts = self._prefill_parts(prefilling) + self._decode_parts(decoding)
+        if parts:
+            self._forward(parts)
 
-    def _decode_batch(self, batch: list[Sequence]) -> None:
-        """One batched decoding step of ``batch``; each sequence samples with its own RNG."""
+    def _prefill_parts(self, prefilling: list[Sequence]) -> list[_Part]:
+        """The next prompt chunk of each prefilling sequence, while the step's budget lasts."""
+        parts, budget = [], self.prefill_tokens
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            done = seq.cache.length
+            chunk = seq.prompt_ids[done : done + min(budget, self.model.prefill_chunk)]
+            budget -= len(chunk)
+            parts.append(_Part(seq, chunk, int(done + len(chunk) == len(seq.prompt_ids))))
+        return parts
+
+    def _decode_parts(self, decoding: list[Sequence]) -> list[_Part]:
+        """Each decoding sequence's rows; with speculation, after one draft pass for all of them
+        (if it raises, sequence by sequence, so that only the culprit fails)."""
         spec = self.speculative
+        if spec is None or not decoding:
+            return [_Part(s, np.array([s.last_token], dtype=np.int64), 1) for s in decoding]
         try:
-            if spec is None:
-                logits = self.model.decode_batch([s.last_token for s in batch], [s.cache for s in batch])  # [B, V]
+            drafts = spec.propose([s.lane() for s in decoding])
+        except Exception as e:          # noqa: BLE001 - maybe one sequence's fault: isolate it
+            if len(decoding) == 1:
+                self._end(decoding[0], error=e)
+                return []
+            return [p for s in decoding for p in self._decode_parts([s])]
+        return [_Part(s, spec.rows(s.lane(), d), len(d) + 1, d) for s, d in zip(decoding, drafts)]
+
+    def _forward(self, parts: list[_Part]) -> None:
+        """One batched forward pass of ``parts``, then each sequence takes its rows. If the pass
+        raises, no cache has changed: the parts run again one by one, so only the culprit fails."""
+        spec = self.speculative
+        taps = spec.taps if spec is not None else ()
+        try:
+            out = self.model.forward_batch([p.ids for p in parts], [p.seq.cache for p in parts], taps=taps,
+                                           logit_rows=[p.n_logits for p in parts])
+        except Exception as e:          # noqa: BLE001 - maybe one sequence's fault: isolate it
+            if len(parts) == 1:
+                self._end(parts[0].seq, error=e)
             else:
-                lanes = [s.lane() for s in batch]
-                outputs = spec.run_batch(lanes)
-        except Exception:               # noqa: BLE001 - maybe one sequence's fault: isolate it
-            # the batched pass left every cache as it was: retry one by one, so only the culprit fails
-            for seq in batch:
-                self._advance(seq, lambda s=seq: s.step(self.model, spec))
+                for p in parts:
+                    self._forward([p])
             return
-        if spec is None:
-            for seq, row in zip(batch, logits):
-                self._advance(seq, lambda s=seq, row=row: s.take(row))
-        else:
-            for seq, lane, out in zip(batch, lanes, outputs):
-                self._advance(seq, lambda lane=lane, out=out: spec.finish(lane, out))
+        logits, tapped = (out.logits, out.taps) if taps else (out, None)  # [sum n_logits, V], [R, n*E]
+        logit_end, row_end = np.cumsum([p.n_logits for p in parts]), np.cumsum([len(p.ids) for p in parts])
+        for p, le, re in zip(parts, logit_end, row_end):
+            p_logits = logits[le - p.n_logits : le]
+            p_taps = tapped[re - len(p.ids) : re] if taps else None
+            self._advance(p.seq, lambda p=p, lg=p_logits, tp=p_taps: self._take(p, lg, tp))
+
+    def _take(self, part: _Part, logits: np.ndarray, taps: np.ndarray | None) -> None:
+        """``part.seq`` takes its rows' outputs: a prompt chunk's taps go to the draft and the
+        last chunk's logits give the first token; a decode row samples a token; a speculative
+        step verifies and emits its block."""
+        seq, spec = part.seq, self.speculative
+        if part.draft_ids is not None:
+            spec.finish(seq.lane(), LaneOutput(part.draft_ids, logits, taps))
+            return
+        if spec is not None and not seq.prefilled:
+            spec.add_prompt(seq.spec, taps)
+        if part.n_logits:
+            seq.take(logits[0])
 
     def _advance(self, seq: Sequence, step) -> None:
         """Run ``step()`` for ``seq``; retire it when it finished, fail it alone when it raised."""

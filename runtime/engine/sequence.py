@@ -1,10 +1,11 @@
 """``Sequence``: one admitted request inside the engine, with everything that is per request (prompt,
 KV caches, RNG, stop checker, delivered text and tokens, timing, speculation state and stats).
 
-A step advances it by one model call: prefill, then plain 1-token decodes or, when the engine has a
-``SpeculativeDecoder``, speculative steps whose kept tokens go through ``accept`` one by one (so EOS,
-stop strings and ``max_tokens`` cut a block exactly); near the context end (no room for a block)
-decoding is plain.
+Each engine step gives it rows of one batched forward pass: its next prompt chunk until the prompt
+is in the cache (the last chunk's logits give the first token, through ``take``), then plain
+1-token decodes (``take``) or, when the engine has a ``SpeculativeDecoder``, speculative steps of its
+``lane`` whose kept tokens go through ``accept`` one by one (so EOS, stop strings and ``max_tokens``
+cut a block exactly); near the context end (no room for a block) decoding is plain.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 from flm_runtime.engine import sampler
 from flm_runtime.engine.detokenizer import Detokenizer
 from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
-from flm_runtime.engine.speculative import Lane, SpecState, SpeculativeDecoder
+from flm_runtime.engine.speculative import Lane, SpecState
 from flm_runtime.engine.stop import StopChecker
 
 if TYPE_CHECKING:
@@ -65,30 +66,10 @@ class Sequence:
         """The prompt is in the cache: the next step decodes ``last_token``."""
         return self.last_token is not None
 
-    def step(self, model, speculative: SpeculativeDecoder | None = None) -> None:
-        """One model call (prefill or one decode step), one sampled token, its delivery; with
-        ``speculative``, decoding steps are the speculative decoder's (several tokens, or one
-        where its policy decodes plainly). The engine batches decoding steps across sequences
-        instead (``model.decode_batch`` then ``take``, or ``speculative.step_batch`` of their
-        ``lane``s); this per-sequence form is what it falls back to."""
-        if speculative is not None:
-            return self._step_speculative(speculative)
-        if self.last_token is None:
-            logits = model.prefill(self.prompt_ids, self.cache)         # [V]
-        else:
-            logits = model.decode(self.last_token, self.cache)          # [V]
-        self.take(logits)
-
     def take(self, logits: np.ndarray) -> bool:
         """Sample one token from ``logits`` ``[V]`` (this request's params and own RNG, so the
         draw does not depend on other sequences) and ``accept`` it."""
         return self.accept(sampler.sample(logits, self.params, self.rng))
-
-    def _step_speculative(self, spec: SpeculativeDecoder) -> None:
-        if self.last_token is None:
-            self.take(spec.prefill(self.prompt_ids, self.cache, self.spec))         # [V]
-        else:
-            spec.step(self.lane())
 
     def lane(self) -> Lane:
         """This sequence's part of a (batched) speculative decoding step."""

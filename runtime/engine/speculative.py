@@ -9,13 +9,13 @@ the anchor; the target runs ``[anchor, d1 .. dK]`` at positions ``start .. start
 target's own; the target KV cache is rolled back (``trim``) past what was kept, and the verify
 pass's taps of the kept positions become the draft's pending context.
 
-Batching: ``SpeculativeDecoder.run_batch`` advances several sequences ("lanes") with one draft
-pass for all drafting lanes and ONE target pass: each lane contributes its verify rows
+Batching: the engine advances several sequences ("lanes") per step. ``SpeculativeDecoder.propose``
+drafts for all drafting lanes in one draft pass; each lane then contributes its verify rows
 ``[anchor, d1 .. dK]``, or the single row ``[anchor]`` of a plain decode step when the speculation
 policy (``policy.py``: a table of context buckets plus the request's own acceptance estimate) says
-a block does not pay; rows of all lanes share every matrix product (``TargetModel.forward_batch``);
-``finish`` then verifies and emits lane by lane. Plain steps still record taps, so the draft can
-resume at any step.
+a block does not pay, to ONE target pass (``TargetModel.forward_batch``, shared with other
+sequences' prefill chunks); ``finish`` then verifies and emits lane by lane. Plain steps still
+record taps, so the draft can resume at any step.
 
 Glossary (after vLLM's rejection sampler, ``vllm/v1/sample/rejection_sampler.py``):
 
@@ -149,7 +149,7 @@ class SpecState:
 
 
 class LaneOutput(NamedTuple):
-    """One lane's rows of a batched target pass (``SpeculativeDecoder.run_batch``).
+    """One lane's rows of a (batched) target pass.
 
     Attributes:
         draft_ids: ``[K]`` int64 drafted tokens (K = 0: a plain decode step).
@@ -188,7 +188,7 @@ class SpeculativeDecoder:
 
     Args:
         target: a ``TargetModel``: ``forward_batch(rows, caches, taps=)``,
-            ``prefill_chunks(ids, cache, taps=)``, ``new_cache``, ``config``.
+            ``prefill_chunks(ids, cache, taps=)``, ``config``.
         draft: ``DFlashDraft``-like: ``config`` (``target_layer_ids``, ``block_size``),
             ``new_cache``, ``add_context``, ``propose_batch``.
         policy: the speculation policy table of this tag and backend; None speculates at every
@@ -218,9 +218,15 @@ class SpeculativeDecoder:
         """
         assert cache.length == state.draft_cache.length == 0 and len(state.pending) == 0
         for out in self.target.prefill_chunks(prompt_ids, cache, taps=self.taps):
-            self.draft.add_context(state.draft_cache, out.taps, state.draft_cache.length)
+            self.add_prompt(state, out.taps)
         self._check(cache, state)
         return out.logits[0]
+
+    def add_prompt(self, state: SpecState, taps: np.ndarray) -> None:
+        """A prefilled prompt chunk's taps ``[T, n*E]`` go into the draft cache (its context K/V),
+        keeping the invariant once the target cache holds the chunk."""
+        assert len(state.pending) == 0, "a prompt chunk after decoding started"
+        self.draft.add_context(state.draft_cache, taps, state.draft_cache.length)
 
     def draft_length(self, lane: Lane) -> int:
         """K for ``lane``'s next step: the policy's (bucket of its context, its own acceptance);
@@ -234,22 +240,24 @@ class SpeculativeDecoder:
         return min(lane.state.tracker.draft_length(self.policy.bucket(cache.length)), self.block_size - 1)
 
     def step(self, lane: Lane) -> bool:
-        """One decoding step of one lane (``run_batch`` then ``finish``); True if it finished
-        the sequence."""
-        return self.finish(lane, self.run_batch([lane])[0])
+        """One decoding step of one lane (``propose``, a target pass of its rows, ``finish``);
+        True if it finished the sequence."""
+        draft_ids = self.propose([lane])[0]
+        out = self.target.forward_batch([self.rows(lane, draft_ids)], [lane.cache], taps=self.taps)
+        return self.finish(lane, LaneOutput(draft_ids, out.logits, out.taps))
 
-    def run_batch(self, lanes: list[Lane]) -> list[LaneOutput]:
-        """The target pass of one decoding step of every lane: ONE ``forward_batch``.
+    def propose(self, lanes: list[Lane]) -> list[np.ndarray]:
+        """The draft side of one decoding step of every lane: one batched draft pass.
 
         Per lane, from ``anchor_id`` at position ``start = cache.length``: with ``K =
         draft_length(lane) > 0`` the draft catches up on the pending taps and proposes
-        ``d1 .. dK``, and the pass runs the verify rows ``[anchor, d1 .. dK]``; with ``K = 0``
-        it runs the plain decode row ``[anchor]``. ``finish`` then completes each lane.
+        ``d1 .. dK``; ``K = 0`` is a plain decode step. The caller runs ``rows(lane, d)`` of
+        every lane through the target (with ``taps=self.taps``) and ``finish``es each lane.
 
         Returns:
-            per lane, its ``LaneOutput``. If the target pass raises, no target cache has changed
-            and every lane's invariant still holds (the draft's catch-up only moved taps from
-            pending into its cache): the caller may retry lanes one by one.
+            per lane, its drafted ids ``[K]`` int64. Whatever follows, every lane's invariant
+            holds (the catch-up only moved taps from pending into the draft cache): a target pass
+            that raises may be retried.
         """
         for lane in lanes:
             self._check(lane.cache, lane.state)
@@ -261,12 +269,12 @@ class SpeculativeDecoder:
             state.pending = self._no_taps()
         proposed = iter(self._propose([lane.state.draft_cache for lane in drafting],
                                       [lane.anchor_id for lane in drafting]) if drafting else [])  # [S, B-1]
-        drafts = [next(proposed)[:k] if k else np.zeros(0, dtype=np.int64) for k in ks]
-        rows = [np.concatenate([[lane.anchor_id], d]) for lane, d in zip(lanes, drafts)]  # [K+1] each
-        out = self.target.forward_batch(rows, [lane.cache for lane in lanes], taps=self.taps)  # [R, V], [R, n*E]
-        ends = np.cumsum([len(row) for row in rows])
-        return [LaneOutput(d, out.logits[e - len(d) - 1 : e], out.taps[e - len(d) - 1 : e])
-                for d, e in zip(drafts, ends)]
+        return [next(proposed)[:k] if k else np.zeros(0, dtype=np.int64) for k in ks]
+
+    @staticmethod
+    def rows(lane: Lane, draft_ids: np.ndarray) -> np.ndarray:
+        """The lane's target rows ``[K+1]`` int64: ``[anchor, d1 .. dK]`` (K = 0: the plain decode row)."""
+        return np.concatenate([[lane.anchor_id], draft_ids]).astype(np.int64)
 
     def finish(self, lane: Lane, output: LaneOutput) -> bool:
         """Complete one lane's step from its rows of the target pass: verify (or sample the

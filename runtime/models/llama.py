@@ -176,15 +176,15 @@ class LlamaModel:
             ``taps``: a ``ForwardOutput`` of those logits and the taps ``[T, len(taps) * E]`` float32.
         """
         token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [T]
-        span = _Span(cache, cache.length, slice(0, token_ids.shape[0]))
-        logits, tapped = self._run(token_ids, [span], all_logits=all_logits, taps=taps)
+        t = token_ids.shape[0]
+        logits, tapped = self._run(token_ids, [_Span(cache, cache.length, slice(0, t), t if all_logits else 1)], taps=taps)
         return ForwardOutput(logits, tapped) if taps else logits
 
     def forward_batch(self, token_rows: list[np.ndarray], caches: list[KVCache], *,
-                      taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
+                      taps: tuple[int, ...] = (), logit_rows: list[int] | None = None) -> np.ndarray | ForwardOutput:
         """One step for ``B`` sequences at once (continuous batching): sequence ``b`` appends the
-        ``T_b`` positions ``token_rows[b]`` to ``caches[b]`` (a plain decode step is one row, a
-        DFlash verify pass is the anchor and the drafted tokens).
+        ``T_b`` positions ``token_rows[b]`` to ``caches[b]`` (a prefill chunk, a plain decode row,
+        or a DFlash verify pass: the anchor and the drafted tokens).
 
         All ``R = sum T_b`` rows share every matrix product: one product per weight matrix, so
         the weights are read once per step instead of once per sequence. Attention stays per
@@ -196,39 +196,34 @@ class LlamaModel:
             token_rows: ``B`` int arrays ``[T_b]`` (``T_b >= 1``).
             caches: ``B`` distinct KV caches, one per sequence.
             taps: as ``forward``.
+            logit_rows: per sequence, how many of its LAST rows need logits (``0 <= n_b <= T_b``:
+                a prefill chunk needs 1 or none, a verify pass all of them); None: every row.
+                The LM head runs only on those rows.
         Returns:
-            logits ``[R, V]`` float32 of every row, sequence after sequence; with ``taps`` a
-            ``ForwardOutput`` of them and the taps ``[R, len(taps) * E]``. If it raises, no cache's
-            length has changed.
+            logits ``[sum n_b, V]`` float32 of the selected rows, sequence after sequence; with
+            ``taps`` a ``ForwardOutput`` of them and the taps of EVERY row ``[R, len(taps) * E]``.
+            If it raises, no cache's length has changed.
         """
         rows = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_rows]
-        assert len(rows) == len(caches) > 0 and all(r.size for r in rows), "one non-empty row group per cache"
+        n_logits = [r.size for r in rows] if logit_rows is None else [int(n) for n in logit_rows]
+        assert len(rows) == len(caches) == len(n_logits) > 0 and all(r.size for r in rows), "one non-empty row group per cache"
+        assert all(0 <= n <= r.size for n, r in zip(n_logits, rows)), f"logit_rows {n_logits} out of range"
         assert len({id(c) for c in caches}) == len(caches), "a cache appears twice in the batch"
         ends = np.cumsum([r.size for r in rows])
-        spans = [_Span(cache, cache.length, slice(int(e) - r.size, int(e))) for cache, r, e in zip(caches, rows, ends)]
-        logits, tapped = self._run(np.concatenate(rows), spans, all_logits=True, taps=taps)
+        spans = [_Span(cache, cache.length, slice(int(e) - r.size, int(e)), n)
+                 for cache, r, e, n in zip(caches, rows, ends, n_logits)]
+        logits, tapped = self._run(np.concatenate(rows), spans, taps=taps)
         return ForwardOutput(logits, tapped) if taps else logits
 
-    def decode_batch(self, token_ids: list[int] | np.ndarray, caches: list[KVCache]) -> np.ndarray:
-        """One plain decode step for ``B`` sequences: ``forward_batch`` with one row each.
-
-        Args:
-            token_ids: ``[B]`` int, the token each sequence feeds.
-            caches: ``B`` distinct KV caches.
-        Returns:
-            ``[B, V]`` float32 logits of the new positions. If it raises, no cache's length has changed.
-        """
-        return self.forward_batch([[t] for t in np.asarray(token_ids).reshape(-1)], caches)
-
-    def _run(self, token_ids: np.ndarray, spans: list[_Span], *, all_logits: bool,
+    def _run(self, token_ids: np.ndarray, spans: list[_Span], *,
              taps: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
-        """The rows ``token_ids`` ``[R]`` through every layer and the LM head; ``spans`` say which
-        rows belong to which sequence (in row order, covering all rows). ``forward`` is one span of
-        ``T`` rows, ``forward_batch`` one span per sequence.
+        """The rows ``token_ids`` ``[R]`` through every layer, and the LM head over each span's
+        last ``n_logits`` rows; ``spans`` say which rows belong to which sequence (in row order,
+        covering all rows). ``forward`` is one span of ``T`` rows, ``forward_batch`` one span per
+        sequence.
 
         Returns:
-            logits ``[R, V]`` (``all_logits``) or of the last row ``[1, V]``; the taps
-            ``[R, len(taps) * E]`` or None without ``taps``.
+            logits ``[sum n_logits, V]``; the taps ``[R, len(taps) * E]`` or None without ``taps``.
         """
         assert all(0 <= i < len(self.layers) for i in taps), f"tap layers {taps} out of range"
         assert spans[0].rows.start == 0 and spans[-1].rows.stop == token_ids.shape[0]
@@ -243,9 +238,10 @@ class LlamaModel:
             x = self._layer(i, layer, x, spans, cos, sin)  # a new array each layer: no copy
             if i in taps:
                 tapped[i] = x
-        h = x if all_logits else x[-1:]
-        logits = np.ascontiguousarray(cpu.linear(cpu.rms_norm(h, self.norm, self.config.rms_norm_eps),
-                                                 self.lm_head))  # [R or 1, V]
+        if sum(s.n_logits for s in spans) < x.shape[0]:
+            x = x[np.concatenate([np.arange(s.rows.stop - s.n_logits, s.rows.stop) for s in spans])]
+        logits = np.ascontiguousarray(cpu.linear(cpu.rms_norm(x, self.norm, self.config.rms_norm_eps),
+                                                 self.lm_head))  # [sum n_logits, V]
         for s in spans:  # last: a step that raised has appended nothing
             s.cache.commit(s.n_rows)
         return logits, (np.concatenate([tapped[i] for i in taps], axis=-1) if taps else None)  # [R, n*E]
@@ -301,11 +297,13 @@ class LlamaModel:
 
 class _Span(NamedTuple):
     """The rows ``rows`` of a step that belong to one sequence: new positions ``start ..`` of its
-    ``cache`` (``start`` = the cache's length before the step)."""
+    ``cache`` (``start`` = the cache's length before the step), of which the last ``n_logits``
+    need logits."""
 
     cache: KVCache
     start: int
     rows: slice
+    n_logits: int
 
     @property
     def n_rows(self) -> int:

@@ -77,10 +77,11 @@ def test_prefill_verify_and_decode_match_the_cpu_backend(tmp_path, same_xclbin, 
     chunks = list(model.prefill_chunks(PROMPT, model.new_cache(), taps=(1,)))
     assert [c.taps.shape[0] for c in chunks] == [8, 5]
 
-    caches = [model.new_cache(), model.new_cache()]  # a batched decode step: row b as decode b
+    caches = [model.new_cache(), model.new_cache()]  # an engine step: a decode row beside a prompt chunk
     model.prefill(PROMPT[:4], caches[0])
-    agree(model.decode_batch([int(PROMPT[4]), int(PROMPT[0])], caches), np.stack([ref.logits[4], ref.logits[0]]))
-    assert [c.length for c in caches] == [5, 1]
+    out = model.forward_batch([PROMPT[4:5], PROMPT[:3]], caches, taps=(1,), logit_rows=[1, 1])
+    agree(out.logits, np.stack([ref.logits[4], ref.logits[2]]))
+    assert out.taps.shape[0] == 4 and [c.length for c in caches] == [5, 3]
 
 
 def test_accuracy_against_the_float32_cpu_backend(tmp_path):

@@ -5,9 +5,9 @@ tokens, 258 ``<|im_start|>`` a special that is not a stop; 259.. are extra byte 
 the test (whole words, or fragments of a multi-byte character).
 
 Models: ``HashModel`` gives logits that are a fixed pseudo-random function of (last token,
-position); ``ScriptModel`` emits a given list of tokens after any prompt. Both own a real-looking
-cache (``length``, ``capacity``) and keep weak references to the caches they made, so tests can
-see a cache being freed.
+position); ``ScriptModel`` emits a given list of tokens after any prompt (the prompt ends where the
+engine first asks a cache's logits). Both own a real-looking cache (``length``, ``capacity``) and
+keep weak references to the caches they made, so tests can see a cache being freed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import weakref
 
 import numpy as np
 
-from flm_runtime.backends import decode_rows
 from flm_runtime.models.llama import LlamaConfig
 
 EOS, EOT, BOT = 256, 257, 258
@@ -96,7 +95,7 @@ class FakeModelBase:
         self.fail_when = fail_when
         self.caches: list[weakref.ref] = []
         self.calls = 0
-        self.batch_sizes: list[int] = []   # rows of each decode_batch call
+        self.passes: list[list[tuple[int, int]]] = []   # per forward_batch call, (rows, logit rows) per sequence
         self._lock = threading.Lock()
 
     def new_cache(self, capacity: int) -> FakeCache:
@@ -108,21 +107,29 @@ class FakeModelBase:
     def live_caches(self) -> int:
         return sum(r() is not None for r in self.caches)
 
-    def prefill(self, token_ids: np.ndarray, cache: FakeCache) -> np.ndarray:
-        assert token_ids.dtype == np.int64 and token_ids.ndim == 1
-        cache.append(token_ids)
-        cache.prompt_length = cache.length
-        return self._call(cache)
+    prefill_chunk = 256
 
-    def decode(self, token_id: int, cache: FakeCache) -> np.ndarray:
-        cache.append([token_id])
-        return self._call(cache)
-
-    def decode_batch(self, token_ids, caches: list[FakeCache]) -> np.ndarray:
-        """Row by row through ``decode``; like the real one, leaves the caches as they were if
-        one row raises."""
-        self.batch_sizes.append(len(caches))
-        return decode_rows(self, token_ids, caches)
+    def forward_batch(self, token_rows, caches: list[FakeCache], *, taps=(), logit_rows=None) -> np.ndarray:
+        """Sequence by sequence: appends each row group to its cache and gives the logits of its
+        last row when ``logit_rows`` asks for it (0 or 1 rows per sequence); like the real one,
+        leaves the caches as they were if one sequence raises."""
+        assert not taps, "the fakes have no layers to tap"
+        n_logits = [1] * len(caches) if logit_rows is None else logit_rows
+        self.passes.append([(len(ids), n) for ids, n in zip(token_rows, n_logits)])
+        lengths = [c.length for c in caches]
+        try:
+            out = []
+            for ids, cache, n in zip(token_rows, caches, n_logits):
+                assert ids.dtype == np.int64 and ids.ndim == 1 and n in (0, 1)
+                cache.append(ids)
+                if n:
+                    cache.prompt_length = cache.prompt_length or cache.length
+                    out.append(self._call(cache))
+        except Exception:
+            for cache, n in zip(caches, lengths):
+                cache.trim(n)
+            raise
+        return np.stack(out) if out else np.zeros((0, self.config.vocab_size), np.float32)  # [sum n_b, V]
 
     def _call(self, cache: FakeCache) -> np.ndarray:
         self.calls += 1

@@ -29,6 +29,8 @@ from dflash_files import draft_config_dict, random_draft_weights, write_draft_di
 class ScriptTarget:
     """Target whose output token ``i`` (at position ``prompt_len + i``) is ``script[i]``."""
 
+    prefill_chunk = 256
+
     def __init__(self, script: list[int], prompt_len: int, vocab: int = 300, context: int = 2048):
         self.config = LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=context)
@@ -58,7 +60,8 @@ class ScriptTarget:
         return ForwardOutput(logits, np.zeros((t, len(taps) * 8), np.float32)) if taps else logits
 
     def prefill_chunks(self, token_ids, cache: KVCache, *, taps: tuple[int, ...] = ()):
-        yield self.forward(token_ids, cache, taps=taps)
+        for s in range(0, len(token_ids), self.prefill_chunk):
+            yield self.forward(token_ids[s : s + self.prefill_chunk], cache, taps=taps)
 
     def prefill(self, token_ids, cache: KVCache) -> np.ndarray:
         return self.forward(token_ids, cache)[0]
@@ -66,8 +69,8 @@ class ScriptTarget:
     def decode(self, token_id: int, cache: KVCache) -> np.ndarray:
         return self.forward([token_id], cache)[0]
 
-    def forward_batch(self, token_rows, caches: list[KVCache], *, taps: tuple[int, ...] = ()):
-        return forward_rows(self, token_rows, caches, taps=taps)
+    def forward_batch(self, token_rows, caches: list[KVCache], *, taps: tuple[int, ...] = (), logit_rows=None):
+        return forward_rows(self, token_rows, caches, taps=taps, logit_rows=logit_rows)
 
 
 def random_draft(target, *, taps: list[int], layers: int = 1, seed: int = 0) -> DFlashDraft:

@@ -253,19 +253,42 @@ def test_concurrent_requests_equal_each_alone(make_engine, tok, params):
 
 
 def test_decoding_sequences_share_one_batched_step(make_engine, tok):
-    """Continuous batching: each step decodes every prefilled sequence in one ``decode_batch``
-    call; a finished sequence leaves the batch and a late one joins it."""
+    """Continuous batching: each step runs every active sequence (prompt chunk or decode row) in
+    one ``forward_batch`` call; a finished sequence leaves the batch and a late one joins it."""
     model = HashModel(delay=0.002)
     engine = make_engine(model, tok)
     budgets = [6, 12, 18]
     handles = [engine.submit([i + 1], SamplingParams(max_tokens=n)) for i, n in enumerate(budgets)]
-    wait_until(lambda: 3 in model.batch_sizes)
+    wait_until(lambda: any(len(p) == 3 for p in model.passes))
     late = engine.submit([9], SamplingParams(max_tokens=5))
     assert [h.result().completion_tokens for h in handles + [late]] == budgets + [5]
-    # every token but the first of each request (sampled from its prefill's logits) is one batch row
-    assert sum(model.batch_sizes) == sum(budgets) + 5 - 4
-    assert model.batch_sizes[-1] == 1 and max(model.batch_sizes) <= 4
+    # every token is one sequence's part of one call: the first from its (1-token) prompt's
+    # chunk, the others from decode rows
+    sizes = [len(p) for p in model.passes]
+    assert sum(sizes) == sum(budgets) + 5
+    assert sizes[-1] == 1 and max(sizes) <= 4
     assert idle(engine)
+
+
+def test_chunked_prefill_shares_passes_with_decoding(make_engine, tok):
+    """Chunked prefill: a 350-token prompt enters the cache in chunks of at most ``prefill_tokens``
+    (100), the LM head asked only for the last chunk's last row; while it prefills, a request
+    already decoding gets its decode row into each of those passes (it does not wait for the
+    whole prompt), and the long request's tokens equal its tokens alone."""
+    model = HashModel(delay=0.002)
+    engine = make_engine(model, tok, prefill_tokens=100)
+    long_prompt = [(7 * i) % 250 + 1 for i in range(350)]
+    alone = engine.submit(long_prompt, SamplingParams(max_tokens=5)).result().token_ids
+    assert model.passes == [[(100, 0)]] * 3 + [[(50, 1)]] + [[(1, 1)]] * 4
+    n0 = len(model.passes)
+    runner = engine.submit([3], SamplingParams(max_tokens=2000))
+    wait_until(lambda: len(model.passes) > n0 + 2)  # the runner is decoding
+    late = engine.submit(long_prompt, SamplingParams(max_tokens=5))
+    assert late.result().token_ids == alone
+    runner.cancel()
+    chunked = [p for p in model.passes[n0:] if any(rows > 1 for rows, _ in p)]
+    assert chunked == [[(100, 0), (1, 1)]] * 3 + [[(50, 1), (1, 1)]]
+    wait_until(lambda: idle(engine))
 
 
 def test_requests_progress_concurrently(make_engine, tok):

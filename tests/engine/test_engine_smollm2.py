@@ -82,7 +82,8 @@ def test_four_concurrent_requests_equal_each_alone(engine, smollm2_tokenizer, pa
 def test_eight_batched_requests_equal_each_alone(engine, smollm2_tokenizer, monkeypatch):
     """Isolation (DESIGN §9.6) under continuous batching: 8 concurrent requests of mixed prompt
     lengths and budgets, greedy ones beside ones sampling with other seeds, give the tokens each
-    gives alone; and they did share decode steps (all 8 rows in one ``decode_batch``)."""
+    gives alone; and they did share forward passes: prompt chunks of several requests in one pass
+    (chunked prefill, 256 prompt tokens per pass), and all 8 decode rows in one pass."""
     tok = smollm2_tokenizer
     passage = tok.encode(PASSAGE.read_text())
     prompts = [tok.encode(p) for p in PROMPTS] + [passage[:40], passage[100:220], [passage[7]], passage[:300]]
@@ -91,13 +92,16 @@ def test_eight_batched_requests_equal_each_alone(engine, smollm2_tokenizer, monk
               for i in range(8)]
     alone = [engine.submit(p, q).result().token_ids for p, q in zip(prompts, params)]
 
-    sizes = []
-    decode_batch = engine.model.decode_batch
-    monkeypatch.setattr(engine.model, "decode_batch",
-                        lambda ids, caches: sizes.append(len(ids)) or decode_batch(ids, caches))
-    handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
+    passes = []  # per forward_batch call, the row count of each sequence
+    forward_batch = engine.model.forward_batch
+    monkeypatch.setattr(engine.model, "forward_batch",
+                        lambda rows, caches, **kw: passes.append([len(r) for r in rows]) or forward_batch(rows, caches, **kw))
+    with engine._cv:  # (re-entrant) hold the engine thread back until all 8 are queued
+        handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
     together = [h.result().token_ids for h in handles]
-    assert max(sizes) == 8
+    assert sum(r > 1 for r in passes[0]) >= 3, passes[0]    # several prompts' chunks in the first pass
+    assert all(sum(p) - p.count(1) <= 256 for p in passes)  # the prefill budget (1-row parts are decode rows, or 1-token chunks)
+    assert max(len(p) for p in passes) == 8
     assert together == alone
     assert [len(t) for t in together] == [q.max_tokens for q in params]
 

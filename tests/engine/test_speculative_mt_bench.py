@@ -38,7 +38,7 @@ def greedy_baseline(model, prompts: list[np.ndarray], n: int, stop_ids: set[int]
             margins[i].append(float(top2[1] - top2[0]))
         live = [i for i in live if len(tokens[i]) < n and tokens[i][-1] not in stop_ids]
         if live:
-            logits = model.decode_batch([tokens[i][-1] for i in live], [caches[i] for i in live])  # [B, V]
+            logits = model.forward_batch([[tokens[i][-1]] for i in live], [caches[i] for i in live])  # [B, V]
     return tokens, margins
 
 

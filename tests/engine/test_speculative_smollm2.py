@@ -136,7 +136,8 @@ def test_eight_batched_speculative_requests_equal_each_alone(make_engine, smollm
                                                              chats, monkeypatch):
     """Isolation (DESIGN §9.6) with speculative decoding: 8 concurrent requests (mixed prompts
     and budgets, greedy beside sampled with other seeds) through the shipped draft give the tokens
-    each gives alone, and their verify rows did share target passes (8 lanes in one ``run_batch``)."""
+    each gives alone, and their verify rows did share target passes (8 lanes drafted together and
+    verified in one ``forward_batch``)."""
     decoder = SpeculativeDecoder(smollm2_model, api.load_draft("smollm2-dflash:135m", smollm2_model))
     engine = make_engine(smollm2_model, smollm2_tokenizer, speculative=decoder)
     prompts = [p for p, _, _ in chats] + [smollm2_tokenizer.encode(t) for t in
@@ -147,8 +148,8 @@ def test_eight_batched_speculative_requests_equal_each_alone(make_engine, smollm
     alone = [engine.submit(p, q).result().token_ids for p, q in zip(prompts, params)]
 
     lanes = []
-    run_batch = decoder.run_batch
-    monkeypatch.setattr(decoder, "run_batch", lambda ls: lanes.append(len(ls)) or run_batch(ls))
+    propose = decoder.propose
+    monkeypatch.setattr(decoder, "propose", lambda ls: lanes.append(len(ls)) or propose(ls))
     with engine._cv:  # (re-entrant) hold the engine thread back until all 8 are queued
         handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
     together = [h.result() for h in handles]

@@ -177,8 +177,9 @@ def test_taps_are_the_residual_stream_after_the_layers():
     np.testing.assert_allclose(pre.logits, plain[-1], rtol=0, atol=1e-5)
 
 
-def test_decode_batch_rows_equal_single_decodes():
-    """Sequences at different lengths (one empty) decoded in one batched step give, row by row,
+def test_batched_decode_rows_equal_single_decodes():
+    """Sequences at different lengths (one empty) decoded in one ``forward_batch`` step of one
+    row each give, row by row,
     the logits of their own 1-token decode, and each cache grows by exactly one position."""
     model = LlamaModel(TINY, tiny_weights(TINY))
     rng = np.random.default_rng(1)
@@ -193,7 +194,7 @@ def test_decode_batch_rows_equal_single_decodes():
         batch_caches.append(caches[0])
         alone_caches.append(caches[1])
         expected.append(model.decode(token, caches[1]))  # [V]
-    got = model.decode_batch(tokens, batch_caches)
+    got = model.forward_batch([[t] for t in tokens], batch_caches)
     assert got.dtype == np.float32 and got.shape == (len(tokens), TINY.vocab_size)
     np.testing.assert_allclose(got, np.stack(expected), rtol=0, atol=1e-5)
     for batched, alone in zip(batch_caches, alone_caches):
@@ -202,9 +203,33 @@ def test_decode_batch_rows_equal_single_decodes():
 
     # a second batched step over a subset, in another order, still matches
     order = [3, 0, 4]
-    got = model.decode_batch([tokens[b] + 1 for b in order], [batch_caches[b] for b in order])
+    got = model.forward_batch([[tokens[b] + 1] for b in order], [batch_caches[b] for b in order])
     expected = [model.decode(tokens[b] + 1, alone_caches[b]) for b in order]
     np.testing.assert_allclose(got, np.stack(expected), rtol=0, atol=1e-5)
+
+
+def test_forward_batch_mixes_prefill_chunks_and_decode_rows():
+    """One ``forward_batch`` of a middle prompt chunk (no logits), a last prompt chunk (its last
+    row's logits), a decode row and a verify block (all its rows' logits) gives each sequence's
+    selected rows and every row's taps as its own ``forward``; each cache grows by its rows."""
+    model = LlamaModel(TINY, tiny_weights(TINY))
+    rng = np.random.default_rng(2)
+    held = [0, 9, 5, 3]                                   # prompt tokens already in each cache
+    new = [rng.integers(0, TINY.vocab_size, n) for n in (6, 4, 1, 3)]
+    logit_rows = [0, 1, 1, 3]
+    caches = [[model.new_cache(), model.new_cache()] for _ in held]
+    for n, pair in zip(held, caches):
+        if n:
+            history = rng.integers(0, TINY.vocab_size, n)
+            for cache in pair:
+                model.forward(history, cache)
+    out = model.forward_batch(new, [pair[0] for pair in caches], taps=(0, 1), logit_rows=logit_rows)
+    alone = [model.forward(ids, pair[1], all_logits=True, taps=(0, 1)) for ids, pair in zip(new, caches)]
+    want_logits = np.concatenate([o.logits[len(o.logits) - n:] for o, n in zip(alone, logit_rows)])
+    assert out.logits.shape == (sum(logit_rows), TINY.vocab_size)
+    np.testing.assert_allclose(out.logits, want_logits, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(out.taps, np.concatenate([o.taps for o in alone]), rtol=0, atol=1e-5)
+    assert [pair[0].length for pair in caches] == [n + len(ids) for n, ids in zip(held, new)]
 
 
 def test_missing_and_misshapen_tensors_are_named():
