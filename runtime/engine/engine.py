@@ -480,8 +480,7 @@ class Engine:
         """Advance every active sequence with ONE batched forward pass (``_forward``).
 
         Sequences still prefilling contribute their next prompt chunk, in admission order, while
-        the step's ``prefill_tokens`` last (the first always gets one, of at most the model's
-        ``prefill_chunk`` rows); every decoding sequence contributes its decode rows: one row, or
+        the step's ``prefill_tokens`` last (``_prefill_parts``); every decoding sequence contributes its decode rows: one row, or
         with a ``SpeculativeDecoder`` the verify rows of a drafted block (all drafting sequences
         share one draft pass) or the single plain row where its policy says a block does not
         pay. All rows share one matrix product per weight matrix; the LM head runs only on the
@@ -498,13 +497,17 @@ class Engine:
             self._forward(parts)
 
     def _prefill_parts(self, prefilling: list[Sequence]) -> list[_Part]:
-        """The next prompt chunk of each prefilling sequence, while the step's budget lasts."""
+        """The next prompt chunk of prefilling sequences, in admission order, each whose chunk
+        fits in what the step's budget leaves (the first always runs). A sequence's chunks are
+        always ``[k*C, (k+1)*C)`` with ``C = min(prefill_tokens, model.prefill_chunk)``,
+        whatever runs beside it, so its prefill does not depend on other requests."""
+        size = min(self.prefill_tokens, self.model.prefill_chunk)
         parts, budget = [], self.prefill_tokens
         for seq in prefilling:
-            if budget <= 0:
-                break
             done = seq.cache.length
-            chunk = seq.prompt_ids[done : done + min(budget, self.model.prefill_chunk)]
+            chunk = seq.prompt_ids[done : done + size]
+            if parts and len(chunk) > budget:
+                continue
             budget -= len(chunk)
             parts.append(_Part(seq, chunk, int(done + len(chunk) == len(seq.prompt_ids))))
         return parts
@@ -555,7 +558,7 @@ class Engine:
             spec.finish(seq.lane(), LaneOutput(part.draft_ids, logits, taps))
             return
         if spec is not None and not seq.prefilled:
-            spec.add_prompt(seq.spec, taps)
+            spec.add_prompt(seq.cache, seq.spec, taps)
         if part.n_logits:
             seq.take(logits[0])
 

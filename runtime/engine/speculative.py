@@ -218,15 +218,15 @@ class SpeculativeDecoder:
         """
         assert cache.length == state.draft_cache.length == 0 and len(state.pending) == 0
         for out in self.target.prefill_chunks(prompt_ids, cache, taps=self.taps):
-            self.add_prompt(state, out.taps)
-        self._check(cache, state)
+            self.add_prompt(cache, state, out.taps)
         return out.logits[0]
 
-    def add_prompt(self, state: SpecState, taps: np.ndarray) -> None:
-        """A prefilled prompt chunk's taps ``[T, n*E]`` go into the draft cache (its context K/V),
-        keeping the invariant once the target cache holds the chunk."""
+    def add_prompt(self, cache: KVCache, state: SpecState, taps: np.ndarray) -> None:
+        """A prompt chunk the target ``cache`` now holds: its taps ``[T, n*E]`` go into the draft
+        cache (its context K/V), which restores the invariant."""
         assert len(state.pending) == 0, "a prompt chunk after decoding started"
         self.draft.add_context(state.draft_cache, taps, state.draft_cache.length)
+        self._check(cache, state)
 
     def draft_length(self, lane: Lane) -> int:
         """K for ``lane``'s next step: the policy's (bucket of its context, its own acceptance);

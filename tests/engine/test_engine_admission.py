@@ -161,7 +161,7 @@ def test_bad_env_limits_name_the_variable(environ, name):
     assert e.value.param == name and repr(environ[name].strip()) in str(e.value)
 
 
-@pytest.mark.parametrize("kw", [{"kv_budget": 0}, {"max_queue": -1}, {"max_active": 2.5}])
+@pytest.mark.parametrize("kw", [{"kv_budget": 0}, {"max_queue": -1}, {"max_active": 2.5}, {"prefill_tokens": 0}])
 def test_bad_engine_limits_name_the_parameter(tok, kw):
     from flm_runtime.engine.engine import Engine
 

@@ -205,6 +205,24 @@ def test_rollback_leaves_only_committed_tokens():
     assert out == LETTERS[:20] and state.steps >= 3
 
 
+def test_chunked_prefill_beside_speculative_decoding(make_engine, tiny, monkeypatch):
+    """A 30-token prompt prefilled 4 tokens per step (its taps into the draft cache chunk by
+    chunk; ``add_prompt`` asserts the invariant after each) while a request admitted with it
+    decodes speculatively in the same passes: both give the plain greedy tokens."""
+    engine = make_engine(tiny, FakeTokenizer(vocab_size=300), prefill_tokens=4,
+                         speculative=SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2])))
+    passes = []
+    forward_batch = tiny.forward_batch
+    monkeypatch.setattr(tiny, "forward_batch",
+                        lambda rows, caches, **kw: passes.append(sorted(len(r) for r in rows)) or forward_batch(rows, caches, **kw))
+    short, long = PROMPT[:3], (PROMPT * 3)[:30]
+    with engine._cv:  # (re-entrant) both queued before the first step
+        handles = [engine.submit(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in (short, long)]
+    assert [h.result().token_ids for h in handles] == [tuple(plain_generate(tiny, p, 20, GREEDY)) for p in (short, long)]
+    assert passes[:2] == [[3], [4, 8]]  # the long prompt's 4-token chunk did not fit beside the short one
+    assert passes.count([4, 8]) == 7    # its 7 chunks of 4 tokens, each beside the short one's verify rows
+
+
 def test_seeded_sampled_speculative_is_reproducible_and_equals_plain(make_engine, tiny):
     tok = FakeTokenizer(vocab_size=300)
     spec = make_engine(tiny, tok, speculative=SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2])))

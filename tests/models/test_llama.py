@@ -179,8 +179,8 @@ def test_taps_are_the_residual_stream_after_the_layers():
 
 def test_batched_decode_rows_equal_single_decodes():
     """Sequences at different lengths (one empty) decoded in one ``forward_batch`` step of one
-    row each give, row by row,
-    the logits of their own 1-token decode, and each cache grows by exactly one position."""
+    row each give, row by row, the logits of their own 1-token decode, and each cache grows by
+    exactly one position."""
     model = LlamaModel(TINY, tiny_weights(TINY))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, TINY.vocab_size, n) for n in (1, 7, 0, 23, 4)]
