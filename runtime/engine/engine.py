@@ -480,10 +480,10 @@ class Engine:
         """Advance every active sequence with ONE batched forward pass (``_forward``).
 
         Sequences still prefilling contribute their next prompt chunk, in admission order, while
-        the step's ``prefill_tokens`` last (``_prefill_parts``); every decoding sequence contributes its decode rows: one row, or
-        with a ``SpeculativeDecoder`` the verify rows of a drafted block (all drafting sequences
-        share one draft pass) or the single plain row where its policy says a block does not
-        pay. All rows share one matrix product per weight matrix; the LM head runs only on the
+        the step's ``prefill_tokens`` last (``_prefill_parts``); every decoding sequence
+        contributes its decode rows: one row, or with a ``SpeculativeDecoder`` the verify rows of
+        a drafted block (all drafting sequences share one draft pass) or the single plain row
+        where its policy says a block does not pay. All rows share one matrix product per weight matrix; the LM head runs only on the
         rows that need logits. New requests join and finished or cancelled ones leave between
         steps.
         """
@@ -518,14 +518,15 @@ class Engine:
         spec = self.speculative
         if spec is None or not decoding:
             return [_Part(s, np.array([s.last_token], dtype=np.int64), 1) for s in decoding]
+        lanes = [s.lane() for s in decoding]
         try:
-            drafts = spec.propose([s.lane() for s in decoding])
+            drafts = spec.propose(lanes)
         except Exception as e:          # noqa: BLE001 - maybe one sequence's fault: isolate it
             if len(decoding) == 1:
                 self._end(decoding[0], error=e)
                 return []
             return [p for s in decoding for p in self._decode_parts([s])]
-        return [_Part(s, spec.rows(s.lane(), d), len(d) + 1, d) for s, d in zip(decoding, drafts)]
+        return [_Part(s, spec.rows(lane, d), len(d) + 1, d) for s, lane, d in zip(decoding, lanes, drafts)]
 
     def _forward(self, parts: list[_Part]) -> None:
         """One batched forward pass of ``parts``, then each sequence takes its rows. If the pass
