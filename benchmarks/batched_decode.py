@@ -7,9 +7,8 @@ tokens/s is ``B / t_step``; the ratio to ``B = 1`` is what batching buys. Median
 reported: on a shared machine the fastest round is the least disturbed, so the ratio of minima
 estimates the quiet-machine ratio.
 
-``x@w.T`` repeats the batched step with every product as ``x @ w.T`` (``cpu.FEW_ROWS = 1``), the
-formulation ``cpu.linear`` replaces for 2..FEW_ROWS rows with ``(w @ x.T).T``, to check which is
-faster for these row counts.
+Steps of up to ``cpu.SKINNY_ROWS`` rows run the skinny product kernel; ``benchmarks/skinny_gemm.py``
+compares it with BLAS.
 
     python benchmarks/batched_decode.py [--tag smollm2:135m] [--batches 1,2,4,8] [--context 64]
         [--rounds 20]
@@ -25,7 +24,6 @@ import time
 import numpy as np
 
 from flm_runtime.api import load_model
-from flm_runtime.backends import cpu
 
 
 def step_seconds(model, tokens: list[int], caches: list) -> float:
@@ -40,22 +38,15 @@ def step_seconds(model, tokens: list[int], caches: list) -> float:
 
 
 def measure(model, prompt: np.ndarray, batches: list[int], rounds: int) -> dict[str, list[float]]:
-    """Seconds per step of each variant (``B=<b>`` and ``B=<b> x@w.T``), one per round."""
+    """Seconds per step of each ``B=<b>``, one per round."""
     caches = [model.new_cache(len(prompt) + 8) for _ in range(max(batches))]
     for cache in caches:
         logits = model.prefill(prompt, cache)
     tokens = [int(np.argmax(logits))] * max(batches)
     times: dict[str, list[float]] = {}
-    few_rows = cpu.FEW_ROWS
     for _ in range(rounds):
         for b in batches:
             times.setdefault(f"B={b}", []).append(step_seconds(model, tokens[:b], caches[:b]))
-            if b > 1:
-                cpu.FEW_ROWS = 1
-                try:
-                    times.setdefault(f"B={b} x@w.T", []).append(step_seconds(model, tokens[:b], caches[:b]))
-                finally:
-                    cpu.FEW_ROWS = few_rows
     return times
 
 
@@ -73,13 +64,13 @@ def main() -> None:
     prompt = np.arange(args.context, dtype=np.int64) % model.config.vocab_size + 100
     times = measure(model, prompt, batches, args.rounds)
     print(f"model {args.tag}; context {args.context} tokens per sequence; {args.rounds} rounds, interleaved")
-    print("variant      |  stat  | step ms | tokens/s | x B=1")
+    print("batch |  stat  | step ms | tokens/s | x B=1")
     for stat, agg in (("median", statistics.median), ("min", min)):
         base = 1 / agg(times["B=1"])
         for name, ts in times.items():
             t = agg(ts)
-            b = int(name.split()[0][2:])
-            print(f"{name:12s} | {stat:6s} | {t * 1e3:7.1f} | {b / t:8.1f} | {b / t / base:5.2f}")
+            b = int(name[2:])
+            print(f"{name:5s} | {stat:6s} | {t * 1e3:7.1f} | {b / t:8.1f} | {b / t / base:5.2f}")
     print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
 
 

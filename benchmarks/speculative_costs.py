@@ -6,8 +6,6 @@ disturbed by other processes, so the ratio of minima estimates the quiet-machine
 
 - decode: ``forward([token])`` on the target (the 1-token layer), then rolled back;
 - verify: ``forward(8 tokens, all_logits=True, taps=...)`` (the 8-token pass), then rolled back;
-- verify_xwt: the same with every product as ``x @ w.T`` (``cpu.FEW_ROWS = 1``), the formulation
-  ``cpu.linear`` replaces for a few rows;
 - propose: the draft's ``propose`` (its layers over [context ; block] and the target's LM head on 7 rows);
 - add_context: the draft projecting one committed token's taps to context K/V.
 
@@ -35,7 +33,6 @@ from pathlib import Path
 import numpy as np
 
 from flm_runtime.api import load_model
-from flm_runtime.backends import cpu
 from flm_runtime.models.dflash import DFlashDraft
 
 
@@ -64,16 +61,11 @@ def measure(model, draft, prompt: np.ndarray, rounds: int) -> dict[str, list[flo
     start = cache.length
     block = np.array([int(np.argmax(out.logits))] * 8)
     one_tap = out.taps[-1:]
-    times: dict[str, list[float]] = {"decode": [], "verify": [], "verify_xwt": [], "propose": [], "add_context": []}
-    few_rows = cpu.FEW_ROWS
+    times: dict[str, list[float]] = {"decode": [], "verify": [], "propose": [], "add_context": []}
     for _ in range(rounds):
         times["decode"].append(timed(lambda: model.forward(block[:1], cache)))
         cache.trim(start)
         times["verify"].append(timed(lambda: model.forward(block, cache, all_logits=True, taps=taps)))
-        cache.trim(start)
-        cpu.FEW_ROWS = 1
-        times["verify_xwt"].append(timed(lambda: model.forward(block, cache, all_logits=True, taps=taps)))
-        cpu.FEW_ROWS = few_rows
         cache.trim(start)
         times["propose"].append(timed(lambda: draft.propose(dcache, int(block[0]), start)))
         times["add_context"].append(timed(lambda: draft.add_context(dcache, one_tap, start)))
@@ -98,7 +90,7 @@ def main() -> None:
     filler = tok.encode(" The sea is wide and the waves are high." * 1000)
     print(f"model {args.tag}; draft: {args.draft or f'random, {args.draft_layers} layer(s)'} "
           f"({draft.config.num_hidden_layers} layers, taps {list(draft.config.target_layer_ids)})")
-    print("context |  stat  | decode ms | verify8 ms | (x@w.T) | propose ms | add ms | verify/decode "
+    print("context |  stat  | decode ms | verify8 ms | propose ms | add ms | verify/decode "
           "| propose/decode | break-even AL")
     for extra in (int(c) for c in args.contexts.split(",")):
         prompt = np.array(filler[:extra] + chat, dtype=np.int64)
@@ -107,7 +99,7 @@ def main() -> None:
             t = {k: agg(v) for k, v in times.items()}
             d = t["decode"]
             print(f"{len(prompt):7d} | {stat:6s} | {d * 1e3:9.1f} | {t['verify'] * 1e3:10.1f} | "
-                  f"{t['verify_xwt'] * 1e3:7.1f} | {t['propose'] * 1e3:10.1f} | {t['add_context'] * 1e3:6.2f} | "
+                  f"{t['propose'] * 1e3:10.1f} | {t['add_context'] * 1e3:6.2f} | "
                   f"{t['verify'] / d:13.2f} | {t['propose'] / d:14.2f} | "
                   f"{(t['verify'] + t['propose'] + t['add_context']) / d:13.2f}")
     unset = [v for v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if v not in os.environ]

@@ -9,32 +9,60 @@ This backend is the numerical reference every other backend is compared against.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
+import threadpoolctl
+
+from flm_runtime.backends import skinny_gemm
 
 
-# Rows up to which ``linear`` puts the weight on the left of the product (the verify pass, T = 8).
-FEW_ROWS = 16
+# Rows up to which ``linear`` runs the skinny kernel (decode, a verify pass, a small batched step);
+# 0 sends every product to BLAS, which benchmarks use to compare the two in one run.
+SKINNY_ROWS = skinny_gemm.MAX_ROWS
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """A linear layer without bias, ``x @ w.T``, with ``w`` in Hugging Face layout.
 
-    One row (decode) and many rows (prefill) multiply as ``x @ w.T``. A few rows (2..FEW_ROWS,
-    the 8-token verify pass, a batched decode step of B sequences) compute ``(w @ x.T).T``
-    instead: the same product with the weight as the left operand, which OpenBLAS runs 1.2-1.5x
-    faster for these shapes on our 2-core machine (benchmarks/speculative_costs.py,
-    benchmarks/batched_decode.py); the result is a transposed view (F-ordered), equal up to float
-    rounding.
+    1..SKINNY_ROWS rows (decode, a DFlash verify pass, a batched decode step of a few sequences)
+    run ``skinny_gemm.skinny_linear``, which reads the weight once at close to memory speed where
+    OpenBLAS does not (see that module); more rows (prefill chunks, large batches) run BLAS. The
+    two agree to float32 rounding.
 
     Args:
-        x: ``[T, in]``.
-        w: ``[out, in]``.
+        x: ``[T, in]`` float32.
+        w: ``[out, in]`` float32, C-contiguous.
     Returns:
-        ``[T, out]``.
+        ``[T, out]`` float32.
     """
-    if 1 < x.shape[0] <= FEW_ROWS:
-        return (w @ x.T).T
+    if 1 <= x.shape[0] <= SKINNY_ROWS:
+        return skinny_gemm.skinny_linear(x, w)
     return x @ w.T
+
+
+_BLAS = threadpoolctl.ThreadpoolController()
+_SKINNY_PASS = threading.Lock()
+
+
+@contextmanager
+def forward_pass(rows: int) -> Iterator[None]:
+    """Wrap one forward pass of ``rows`` rows (a model's ``forward`` / ``forward_batch``).
+
+    A skinny pass (1..SKINNY_ROWS rows) runs its products on the skinny kernel's threads; BLAS
+    (the attention's small products) runs single-threaded meanwhile, because OpenBLAS's idle
+    workers spin for up to ~0.1 s after each call and would take a core from the kernel on a
+    2-core machine (measured: a 1-row pass at 1k context 88 ms instead of 32 ms). Skinny passes
+    of concurrent engines take turns (one lock), so that the thread limit is set and restored
+    consistently; larger passes (prefill) run as they come, with BLAS's own threads.
+    """
+    if not 1 <= rows <= SKINNY_ROWS:
+        yield
+        return
+    with _SKINNY_PASS, _BLAS.limit(limits=1, user_api="blas"):
+        yield
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -8,11 +8,12 @@ Two measurements, then one decision per context bucket (``flm_runtime.engine.pol
    tokens does not depend on how many were drafted, so with draft length ``K`` a step yields
    ``E_K = 1 + sum_{j=1..K} P(a >= j)`` tokens (the bonus included): the AL at ``K``.
 2. **Step costs** at each context of ``--contexts`` (a random-token prompt of that length in the
-   caches), in interleaved rounds, medians: ``t_decode`` (the 1-token layer), ``t_propose`` (the
-   draft catching up one position and drafting a block) and ``t_verify(K+1)`` for K = 1..7.
+   caches), in interleaved rounds, medians: ``t_decode`` (the 1-token layer), ``t_propose(K)`` (the
+   draft catching up one position and drafting a block, its LM head on K rows) and
+   ``t_verify(K+1)``, for K = 1..7.
 
 Per bucket (contexts up to the measured one; a bucket's timing is its worst case, since attention
-grows with context): ``K* = argmax_K E_K * t_decode / (t_propose + t_verify(K+1))``; speculation is
+grows with context): ``K* = argmax_K E_K * t_decode / (t_propose(K) + t_verify(K+1))``; speculation is
 on when that expected speed-up exceeds 1. The acceptance profile is measured at short context and
 used for every bucket; each request's own acceptance then moves its decision online.
 
@@ -92,8 +93,8 @@ def acceptance_profile(decoder: SpeculativeDecoder, tokenizer, prompts, max_new:
 
 
 def step_costs(decoder: SpeculativeDecoder, context: int, rounds: int, rng: np.random.Generator) -> dict:
-    """Median seconds of ``decode``, ``propose`` and ``verify`` (a list, K = 1..7) at ``context``
-    tokens, measured in ``rounds`` interleaved rounds on a random-token prompt."""
+    """Median seconds of ``decode``, and of ``propose`` and ``verify`` (lists, K = 1..7), at
+    ``context`` tokens, measured in ``rounds`` interleaved rounds on a random-token prompt."""
     target, draft, k = decoder.target, decoder.draft, decoder.block_size - 1
     vocab = target.config.vocab_size
     prompt = rng.integers(0, vocab, context)
@@ -106,16 +107,17 @@ def step_costs(decoder: SpeculativeDecoder, context: int, rounds: int, rng: np.r
         target.forward(block[:1], cache)
         cache.trim(context)
 
-    def propose():
+    def propose(n: int):
         draft.add_context(state.draft_cache, one_tap, context)
-        draft.propose(state.draft_cache, int(block[0]), context + 1)
+        draft.propose_batch([state.draft_cache], [int(block[0])], n)
         state.draft_cache.trim(context)
 
     def verify(n: int):
         target.forward(block[: n + 1], cache, all_logits=True, taps=decoder.taps)
         cache.trim(context)
 
-    ops = {"decode": decode, "propose": propose, **{f"verify{n + 1}": (lambda n=n: verify(n)) for n in range(1, k + 1)}}
+    ops = {"decode": decode, **{f"propose{n}": (lambda n=n: propose(n)) for n in range(1, k + 1)},
+           **{f"verify{n + 1}": (lambda n=n: verify(n)) for n in range(1, k + 1)}}
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(rounds + 1):  # the first round warms up and is dropped
         for name, op in ops.items():
@@ -123,7 +125,8 @@ def step_costs(decoder: SpeculativeDecoder, context: int, rounds: int, rng: np.r
             op()
             times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(ts[1:]) for name, ts in times.items()}
-    return {"decode": med["decode"], "propose": med["propose"], "verify": [med[f"verify{n + 1}"] for n in range(1, k + 1)]}
+    return {"decode": med["decode"], "propose": [med[f"propose{n}"] for n in range(1, k + 1)],
+            "verify": [med[f"verify{n + 1}"] for n in range(1, k + 1)]}
 
 
 def choose(costs: dict, profile: np.ndarray, max_context: int) -> Bucket:
@@ -132,7 +135,7 @@ def choose(costs: dict, profile: np.ndarray, max_context: int) -> Bucket:
     best = None
     for k in range(1, len(profile) + 1):
         al = 1.0 + float(profile[:k].sum())
-        ratio = (costs["propose"] + costs["verify"][k - 1]) / costs["decode"]
+        ratio = (costs["propose"][k - 1] + costs["verify"][k - 1]) / costs["decode"]
         if best is None or al / ratio > best[0]:
             best = (al / ratio, k, al, ratio)
     speedup, k, al, ratio = best
@@ -159,7 +162,7 @@ def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str,
     for i, ctx in enumerate(tqdm(contexts, desc="calibrate: step costs", unit="context")):
         costs = step_costs(decoder, ctx, rounds, rng)
         buckets.append(choose(costs, profile, limit if i == len(contexts) - 1 else ctx))
-        measured[str(ctx)] = {"decode_ms": round(1e3 * costs["decode"], 3), "propose_ms": round(1e3 * costs["propose"], 3),
+        measured[str(ctx)] = {"decode_ms": round(1e3 * costs["decode"], 3), "propose_ms": [round(1e3 * t, 3) for t in costs["propose"]],
                               "verify_ms": [round(1e3 * t, 3) for t in costs["verify"]]}
     return PolicyTable(model=tag, backend=backend, buckets=buckets, measured={
         "acceptance_at_least": [round(float(p), 4) for p in profile],

@@ -268,7 +268,7 @@ class SpeculativeDecoder:
             self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
             state.pending = self._no_taps()
         proposed = iter(self._propose([lane.state.draft_cache for lane in drafting],
-                                      [lane.anchor_id for lane in drafting]) if drafting else [])  # [S, B-1]
+                                      [lane.anchor_id for lane in drafting], max(ks)) if drafting else [])  # [S, max K]
         return [next(proposed)[:k] if k else np.zeros(0, dtype=np.int64) for k in ks]
 
     @staticmethod
@@ -312,14 +312,16 @@ class SpeculativeDecoder:
                 return True
         return False
 
-    def _propose(self, caches: list[KVCache], anchor_ids: list[int]) -> np.ndarray:
-        """Drafted tokens ``[S, B-1]`` int64 of ``S`` sequences: one batched draft pass
-        (``draft.propose_batch``), or the stand-in ``proposer`` sequence by sequence."""
+    def _propose(self, caches: list[KVCache], anchor_ids: list[int], n_drafts: int) -> np.ndarray:
+        """The first ``n_drafts`` drafted tokens ``[S, n_drafts]`` int64 of ``S`` sequences: one
+        batched draft pass (``draft.propose_batch``, whose LM head runs on those rows only), or
+        the stand-in ``proposer`` sequence by sequence."""
         if self.proposer is None:
-            out = self.draft.propose_batch(caches, anchor_ids)
+            out = self.draft.propose_batch(caches, anchor_ids, n_drafts)
         else:
-            out = np.stack([np.asarray(self.proposer(c, a, c.length), dtype=np.int64) for c, a in zip(caches, anchor_ids)])
-        assert out.shape == (len(caches), self.block_size - 1), f"proposals {out.shape}"
+            out = np.stack([np.asarray(self.proposer(c, a, c.length), dtype=np.int64)[:n_drafts]
+                            for c, a in zip(caches, anchor_ids)])
+        assert out.shape == (len(caches), n_drafts), f"proposals {out.shape}"
         return out
 
     def _no_taps(self) -> np.ndarray:

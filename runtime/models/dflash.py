@@ -262,17 +262,18 @@ class DFlashDraft:
         assert cache.length == start_position, f"draft cache holds {cache.length}, taps start at {start_position}"
         if t == 0:
             return
-        ctx = cpu.rms_norm(cpu.linear(taps, self.fc), self.hidden_norm, c.rms_norm_eps)  # [T, E]
-        cos = self.rope_cos[start_position : start_position + t]  # [T, D/2]
-        sin = self.rope_sin[start_position : start_position + t]
-        q_rows = c.num_attention_heads * d
-        cache.reserve(t)
-        for i, layer in enumerate(self.layers):
-            kv = cpu.linear(ctx, layer.wqkv[q_rows:])  # [T, 2*Hkv*D]
-            k = cpu.apply_rope(kv[:, : hkv * d].reshape(t, hkv, d), cos, sin)  # [T, Hkv, D]
-            v = kv[:, hkv * d :].reshape(t, hkv, d)  # [T, Hkv, D]
-            cache.write(i, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
-        cache.commit(t)
+        with cpu.forward_pass(t):
+            ctx = cpu.rms_norm(cpu.linear(taps, self.fc), self.hidden_norm, c.rms_norm_eps)  # [T, E]
+            cos = self.rope_cos[start_position : start_position + t]  # [T, D/2]
+            sin = self.rope_sin[start_position : start_position + t]
+            q_rows = c.num_attention_heads * d
+            cache.reserve(t)
+            for i, layer in enumerate(self.layers):
+                kv = cpu.linear(ctx, layer.wqkv[q_rows:])  # [T, 2*Hkv*D]
+                k = cpu.apply_rope(kv[:, : hkv * d].reshape(t, hkv, d), cos, sin)  # [T, Hkv, D]
+                v = kv[:, hkv * d :].reshape(t, hkv, d)  # [T, Hkv, D]
+                cache.write(i, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+            cache.commit(t)
 
     def draft_logits(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:
         """Logits of block rows ``1 .. B-1`` over the draft vocabulary, the predictions of
@@ -289,17 +290,24 @@ class DFlashDraft:
         assert cache.length == start, f"draft cache holds {cache.length} positions, the anchor is at {start}"
         return self.draft_logits_batch([cache], [anchor_id])[0]
 
-    def draft_logits_batch(self, caches: list[DraftCache], anchor_ids: list[int]) -> np.ndarray:
+    def draft_logits_batch(self, caches: list[DraftCache], anchor_ids: list[int],
+                           n_drafts: int | None = None) -> np.ndarray:
         """``draft_logits`` of ``S`` sequences' blocks at once: every weight matrix multiplies the
         ``S * B`` block rows of all of them in one product; attention runs per sequence, over its
         own cache. Sequence ``s``'s anchor sits at ``caches[s].length``. Rows ``s`` equal
         ``draft_logits(caches[s], anchor_ids[s], caches[s].length)`` up to float rounding.
 
+        Args:
+            n_drafts: K, the block rows ``1 .. K`` whose logits are wanted (default all
+                ``B - 1``). The block still runs whole (its rows attend to each other); only the
+                LM head, the draft's largest product, is limited to those rows.
         Returns:
             ``[S, K, Vd]`` float32.
         """
         c = self.config
         b, h, hkv, d = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        k_out = b - 1 if n_drafts is None else n_drafts
+        assert 1 <= k_out <= b - 1, f"n_drafts {n_drafts} outside 1..{b - 1}"
         starts = [cache.length for cache in caches]
         assert all(st + b <= self.max_positions for st in starts), "a block runs past the context"
         n_seq = len(caches)
@@ -309,25 +317,26 @@ class DFlashDraft:
         x = x.reshape(n_seq * b, c.hidden_size)  # [S*B, E]
         positions = (np.asarray(starts)[:, None] + np.arange(b)).reshape(-1)  # [S*B]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [S*B, D/2]
-        for cache in caches:
-            cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
-        for i, w in enumerate(self.layers):
-            qkv = cpu.linear(cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps), w.wqkv)  # [S*B, (H+2Hkv)*D]
-            q = cpu.apply_rope(qkv[:, : h * d].reshape(-1, h, d), cos, sin)  # [S*B, H, D]
-            k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(-1, hkv, d), cos, sin)  # [S*B, Hkv, D]
-            v = qkv[:, (h + hkv) * d :].reshape(-1, hkv, d)  # [S*B, Hkv, D]
-            attn = []
-            for s, (cache, st) in enumerate(zip(caches, starts)):
-                rows = slice(s * b, (s + 1) * b)
-                cache.write(i, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2))
-                n = st + b
-                attn.append(cpu.attention(q[rows], cache.k[i, :, :n], cache.v[i, :, :n], st, causal=False))  # [B, H*D]
-            x = x + cpu.linear(attn[0] if n_seq == 1 else np.concatenate(attn), w.wo)
-            gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps), w.w_gate_up)  # [S*B, 2F]
-            x = x + cpu.linear(cpu.swiglu(gate_up), w.w_down)
-        hidden = x.reshape(n_seq, b, -1)[:, 1:].reshape(n_seq * (b - 1), -1)  # rows 1..K of each block
-        h_out = cpu.rms_norm(hidden, self.norm, c.rms_norm_eps)  # [S*K, E]
-        return np.ascontiguousarray(cpu.linear(h_out, self.head)).reshape(n_seq, b - 1, -1)  # [S, K, Vd]
+        with cpu.forward_pass(n_seq * b):
+            for cache in caches:
+                cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
+            for i, w in enumerate(self.layers):
+                qkv = cpu.linear(cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps), w.wqkv)  # [S*B, (H+2Hkv)*D]
+                q = cpu.apply_rope(qkv[:, : h * d].reshape(-1, h, d), cos, sin)  # [S*B, H, D]
+                k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(-1, hkv, d), cos, sin)  # [S*B, Hkv, D]
+                v = qkv[:, (h + hkv) * d :].reshape(-1, hkv, d)  # [S*B, Hkv, D]
+                attn = []
+                for s, (cache, st) in enumerate(zip(caches, starts)):
+                    rows = slice(s * b, (s + 1) * b)
+                    cache.write(i, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2))
+                    n = st + b
+                    attn.append(cpu.attention(q[rows], cache.k[i, :, :n], cache.v[i, :, :n], st, causal=False))  # [B, H*D]
+                x = x + cpu.linear(attn[0] if n_seq == 1 else np.concatenate(attn), w.wo)
+                gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps), w.w_gate_up)  # [S*B, 2F]
+                x = x + cpu.linear(cpu.swiglu(gate_up), w.w_down)
+            hidden = x.reshape(n_seq, b, -1)[:, 1 : 1 + k_out].reshape(n_seq * k_out, -1)  # rows 1..K of each block
+            h_out = cpu.rms_norm(hidden, self.norm, c.rms_norm_eps)  # [S*K, E]
+            return np.ascontiguousarray(cpu.linear(h_out, self.head)).reshape(n_seq, k_out, -1)  # [S, K, Vd]
 
     def propose(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:
         """Greedy draft: ``d1 .. dK`` = argmax of block rows ``1 .. K`` (see ``draft_logits``),
@@ -339,13 +348,14 @@ class DFlashDraft:
         assert cache.length == start, f"draft cache holds {cache.length} positions, the anchor is at {start}"
         return self.propose_batch([cache], [anchor_id])[0]
 
-    def propose_batch(self, caches: list[DraftCache], anchor_ids: list[int]) -> np.ndarray:
-        """``propose`` for ``S`` sequences in one batched draft pass (``draft_logits_batch``).
+    def propose_batch(self, caches: list[DraftCache], anchor_ids: list[int], n_drafts: int | None = None) -> np.ndarray:
+        """``propose`` for ``S`` sequences in one batched draft pass (``draft_logits_batch``), the
+        first ``n_drafts`` (K, default ``B - 1``) drafted tokens of each.
 
         Returns:
             ``[S, K]`` int64 target token ids.
         """
-        best = np.argmax(self.draft_logits_batch(caches, anchor_ids), axis=-1)  # [S, K] draft-vocabulary index
+        best = np.argmax(self.draft_logits_batch(caches, anchor_ids, n_drafts), axis=-1)  # [S, K] draft-vocabulary index
         return (best if self.vocab is None else self.vocab[best]).astype(np.int64)
 
 

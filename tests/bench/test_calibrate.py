@@ -47,7 +47,7 @@ def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smol
     profile = np.array(table.measured["acceptance_at_least"])
     for bucket, ctx in zip(table.buckets, ("16", "64")):
         costs = table.measured["step_costs_by_context"][ctx]
-        speedups = [(1 + profile[:k].sum()) * costs["decode_ms"] / (costs["propose_ms"] + costs["verify_ms"][k - 1])
+        speedups = [(1 + profile[:k].sum()) * costs["decode_ms"] / (costs["propose_ms"][k - 1] + costs["verify_ms"][k - 1])
                     for k in range(1, 8)]
         k = int(np.argmax(speedups)) + 1
         assert bucket.draft_length == k and bucket.expected_al == pytest.approx(1 + profile[:k].sum(), abs=1e-4)

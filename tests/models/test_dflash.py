@@ -113,6 +113,11 @@ def test_batched_blocks_equal_one_at_a_time(tiny_target):
     for s, (cache, anchor) in enumerate(zip(caches, anchors)):
         np.testing.assert_allclose(got[s], draft.draft_logits(cache, anchor, cache.length), rtol=0, atol=1e-5)
     np.testing.assert_array_equal(draft.propose_batch(caches, anchors), np.argmax(got, axis=-1))
+    # K < 7: the same block, the LM head on its first K rows only.
+    first3 = draft.draft_logits_batch(caches, anchors, n_drafts=3)
+    assert first3.shape == (3, 3, TINY.vocab_size)
+    np.testing.assert_allclose(first3, got[:, :3], rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(draft.propose_batch(caches, anchors, 1), np.argmax(got[:, :1], axis=-1))
 
 
 def test_draft_with_empty_context(tiny_target):

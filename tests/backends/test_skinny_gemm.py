@@ -1,0 +1,118 @@
+"""The skinny product kernel and how the cpu backend routes products and BLAS threads to it."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import threadpoolctl
+
+from flm_runtime.backends import cpu, skinny_gemm
+
+
+def _reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
+
+
+@pytest.mark.parametrize("rows", range(1, skinny_gemm.MAX_ROWS + 1))
+def test_skinny_linear_equals_the_product_for_every_row_count(rows):
+    # Shapes that leave remainders everywhere: rows not a multiple of 4 or 8, odd K and N.
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 577)).astype(np.float32)
+    w = rng.standard_normal((331, 577)).astype(np.float32)
+    got = skinny_gemm.skinny_linear(x, w)
+    assert got.shape == (rows, 331) and got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, _reference(x, w), rtol=0, atol=2e-4)  # |entries| ~ 24
+
+
+def test_skinny_linear_reads_a_strided_activation_and_propagates_nan():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 64, 2)).astype(np.float32)[:, :, 1]  # not C-contiguous
+    w = rng.standard_normal((10, 64)).astype(np.float32)
+    np.testing.assert_allclose(skinny_gemm.skinny_linear(x, w), _reference(x, w), atol=1e-4)
+    x[1, 5] = np.nan
+    out = skinny_gemm.skinny_linear(x, w)
+    assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("rows", [0, 1, skinny_gemm.MAX_ROWS, skinny_gemm.MAX_ROWS + 1, 40])
+def test_linear_gives_the_product_on_both_sides_of_the_threshold(rows):
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
+    w = rng.standard_normal((50, 96)).astype(np.float32)
+    got = cpu.linear(x, w)
+    assert got.shape == (rows, 50)
+    np.testing.assert_allclose(got, _reference(x, w), atol=1e-4)
+
+
+def test_linear_runs_the_kernel_exactly_for_one_to_max_rows(monkeypatch):
+    calls = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    w = np.ones((4, 8), dtype=np.float32)
+    for rows in (0, 1, 5, skinny_gemm.MAX_ROWS, skinny_gemm.MAX_ROWS + 1):
+        cpu.linear(np.ones((rows, 8), dtype=np.float32), w)
+    assert calls == [1, 5, skinny_gemm.MAX_ROWS]
+    monkeypatch.setattr(cpu, "SKINNY_ROWS", 0)  # what benchmarks use to time BLAS alone
+    cpu.linear(np.ones((1, 8), dtype=np.float32), w)
+    assert calls == [1, 5, skinny_gemm.MAX_ROWS]
+
+
+def test_concurrent_callers_get_their_own_products():
+    # numba's default thread pool aborts the process if two threads enter a parallel kernel at
+    # once; the module lock must make this safe.
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((512, 256)).astype(np.float32)
+    xs = [rng.standard_normal((1 + t % skinny_gemm.MAX_ROWS, 256)).astype(np.float32) for t in range(4)]
+    wrong = []
+
+    def work(x):
+        want = _reference(x, w)
+        for _ in range(30):
+            if not np.allclose(skinny_gemm.skinny_linear(x, w), want, atol=1e-3):
+                wrong.append(x.shape)
+
+    threads = [threading.Thread(target=work, args=(x,)) for x in xs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+
+
+def _blas_threads() -> int:
+    (blas,) = [lib for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
+    return blas["num_threads"]
+
+
+def test_forward_pass_limits_blas_only_for_skinny_passes_and_restores_it():
+    before = _blas_threads()
+    seen = []
+    with cpu.forward_pass(skinny_gemm.MAX_ROWS):
+        seen.append(_blas_threads())
+    with cpu.forward_pass(skinny_gemm.MAX_ROWS + 1):
+        seen.append(_blas_threads())
+    with pytest.raises(ValueError), cpu.forward_pass(1):
+        seen.append(_blas_threads())
+        raise ValueError("a pass that fails")
+    assert seen == [1, before, 1]
+    assert _blas_threads() == before
+
+
+def test_concurrent_skinny_passes_leave_blas_threads_as_they_were():
+    before = _blas_threads()
+    inside = []
+
+    def work():
+        for _ in range(50):
+            with cpu.forward_pass(2):
+                inside.append(_blas_threads())
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert inside == [1] * 150
+    assert _blas_threads() == before
