@@ -3,8 +3,8 @@
 A decode step of a small model is memory-bound: it streams every weight once (``bytes_per_token``,
 ~538 MB for SmolLM2-135M in float32, plus the KV cache it attends over). The bound is
 ``read_bandwidth / bytes_per_token`` tokens/s, where ``read_bandwidth`` is the best rate at which
-this process streams a 1 GiB float32 matrix through the same BLAS matrix-vector product the model
-uses (and through a plain numpy reduction; the larger counts). Rounds alternate the bandwidth probe
+this process streams a 1 GiB float32 matrix through the same 1-row product the model uses (the
+skinny kernel, ``cpu.linear``) and through a plain numpy reduction (the larger counts). Rounds alternate the bandwidth probe
 and the decode measurement so that machine noise hits both; medians are reported.
 
     python benchmarks/decode_bandwidth.py [--tag smollm2:135m] [--tokens 64] [--rounds 5]
@@ -23,14 +23,17 @@ import time
 import numpy as np
 
 from flm_runtime.api import load_model
+from flm_runtime.backends import cpu
 
 PROBE_BYTES = 1 << 30
 
 
 def read_bandwidth(matrix: np.ndarray, vector: np.ndarray) -> float:
-    """Bytes/s streamed by one BLAS GEMV and one numpy sum over ``matrix`` (the better of the two)."""
+    """Bytes/s streamed by one 1-row product (as a decode step runs it) and one numpy sum over
+    ``matrix`` (the better of the two)."""
     t0 = time.perf_counter()
-    matrix @ vector
+    with cpu.forward_pass(1):
+        cpu.linear(vector[None], matrix)
     t1 = time.perf_counter()
     matrix.sum(dtype=np.float32)
     t2 = time.perf_counter()

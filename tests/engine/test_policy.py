@@ -89,3 +89,20 @@ def test_engine_keeps_speculating_while_it_pays(make_engine):
     assert done.token_ids == tuple(LETTERS[:97])
     s = done.stats
     assert (s["spec_steps"], s["accepted_tokens"], s["spec_switches_off"]) == (12, 84, 0)  # 1 + 12 blocks of 8
+
+
+def test_the_draft_scores_only_the_k_rows_the_policy_verifies(make_engine):
+    # K = 2 from the table: the draft's LM head runs on block rows 1..2 only, and each step verifies 2.
+    target = ScriptTarget(LETTERS, 3)
+    draft = random_draft(target, taps=[0, 1])
+    asked = []
+    propose_batch = draft.propose_batch
+    draft.propose_batch = lambda caches, anchors, n_drafts=None: asked.append(n_drafts) or propose_batch(caches, anchors, n_drafts)
+    k2 = Bucket(max_context=1 << 20, speculate=True, draft_length=2, cost_ratio=0.5, expected_al=3.0)
+    decoder = SpeculativeDecoder(target, draft, policy=PolicyTable(model="script-dflash:1", backend="cpu", buckets=[k2]))
+    done = make_engine(target, FakeTokenizer(vocab_size=300), speculative=decoder).submit(
+        [1, 2, 3], SamplingParams(max_tokens=20)).result()
+    assert done.token_ids == tuple(LETTERS[:20])
+    s = done.stats
+    assert asked == [2] * s["spec_steps"] and s["spec_steps"] > 0
+    assert s["drafted_tokens"] == 2 * s["spec_steps"]
