@@ -2,20 +2,23 @@
 
 Two measurements, then one decision per context bucket (``flm_runtime.engine.policy``):
 
-1. **Acceptance profile**, greedy, on ``CALIBRATION_PROMPTS`` (our own chat prompts, not
-   MT-Bench, which stays a held-out evaluation set): from every speculative step with the whole
-   block, the number ``a`` of drafted tokens accepted. Greedy acceptance of the first ``j`` drafted
+1. **Acceptance profile** per context, greedy: from every speculative step with the whole block,
+   the number ``a`` of drafted tokens accepted. Greedy acceptance of the first ``j`` drafted
    tokens does not depend on how many were drafted, so with draft length ``K`` a step yields
-   ``E_K = 1 + sum_{j=1..K} P(a >= j)`` tokens (the bonus included): the AL at ``K``.
+   ``E_K = 1 + sum_{j=1..K} P(a >= j)`` tokens (the bonus included): the AL at ``K``. Below
+   ``LONG_CONTEXT`` the prompts are ``CALIBRATION_PROMPTS`` (our own chat prompts, not MT-Bench,
+   which stays a held-out evaluation set); from it on, a long prompt is what fills such a context,
+   so each such context gets its own profile from a document to summarise (the bench's shipped
+   public-domain texts, ``flm_runtime.bench.documents``) that fills it with the answer.
 2. **Step costs** at each context of ``--contexts`` (a random-token prompt of that length in the
    caches), in interleaved rounds, medians: ``t_decode`` (the 1-token layer), ``t_propose(K)`` (the
    draft catching up one position and drafting a block, its LM head on K rows) and
    ``t_verify(K+1)``, for K = 1..7.
 
 Per bucket (contexts up to the measured one; a bucket's timing is its worst case, since attention
-grows with context): ``K* = argmax_K E_K * t_decode / (t_propose(K) + t_verify(K+1))``; speculation is
-on when that expected speed-up exceeds 1. The acceptance profile is measured at short context and
-used for every bucket; each request's own acceptance then moves its decision online.
+grows with context): ``K* = argmax_K E_K * t_decode / (t_propose(K) + t_verify(K+1))`` with the
+bucket's own profile; speculation is on when that expected speed-up exceeds 1. Each request's own
+acceptance then moves its decision online.
 
     litellm-flm calibrate [--tag smollm2-dflash:135m] [--backend cpu] [--contexts 256,1024,4096,8192]
         [--rounds 5] [--max-new 128] [--out PATH]
@@ -34,6 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from flm_runtime import paths
+from flm_runtime.bench import documents
 from flm_runtime.engine import sampler
 from flm_runtime.engine.policy import Bucket, PolicyTable
 from flm_runtime.engine.request import SamplingParams
@@ -52,12 +56,17 @@ CALIBRATION_PROMPTS = (
     "Explain in simple terms why the sky looks blue during the day.",
     "Summarise the main causes of the fall of the Western Roman Empire in a short paragraph.",
 )
+# Contexts (tokens) from which the acceptance profile comes from a long document instead of chat
+# prompts: a chat prompt is tens of tokens, and our drafts keep 1.2-1.4 tokens a step on chat but
+# 1.03-1.06 on long summaries (docs/benchmarks.md).
+LONG_CONTEXT = 1024
 
 
-def acceptance_profile(decoder: SpeculativeDecoder, tokenizer, prompts, max_new: int,
+def acceptance_profile(decoder: SpeculativeDecoder, tokenizer, prompts: list[list[int]], max_new: int,
                        progress: tqdm | None = None) -> np.ndarray:
     """``P(a >= j)`` for ``j = 1 .. K``: ``[K]`` float64, over the whole-block greedy speculative
-    steps of ``max_new`` tokens per prompt (a step cut short by ``max_new`` is left out).
+    steps of ``max_new`` tokens per prompt (token ids, chat template applied; a step cut short by
+    ``max_new`` is left out).
 
     Raises:
         ValueError: no step ran (prompts too few or ``max_new`` too small).
@@ -66,8 +75,7 @@ def acceptance_profile(decoder: SpeculativeDecoder, tokenizer, prompts, max_new:
     counts = np.zeros(k + 1, dtype=np.int64)  # steps that accepted exactly a = 0..K
     greedy = SamplingParams(temperature=0.0)
     for prompt in prompts:
-        ids = np.asarray(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}])),
-                         dtype=np.int64)
+        ids = np.asarray(prompt, dtype=np.int64)
         cache = decoder.target.new_cache(len(ids) + max_new + decoder.block_size)
         state = decoder.new_state()
         rng = sampler.new_rng(0)
@@ -147,26 +155,38 @@ def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str,
               max_new: int, prompts=CALIBRATION_PROMPTS, seed: int = 0) -> PolicyTable:
     """Measure and decide (module docstring). ``contexts`` ascending, each at most the context
     length minus a block and one position; the last bucket extends to the context length.
+    ``prompts``: the chat prompts (text) for the contexts below ``LONG_CONTEXT``.
 
     Raises:
-        ValueError: a context does not fit, or the profile is empty.
+        ValueError: a context does not fit, or a profile is empty.
+        InvalidRequestError: a document cannot fill a long context (``documents.summary_prompt``).
     """
     limit = decoder.target.config.max_position_embeddings
     top = limit - decoder.block_size - 1  # a committed position, then a whole block
     if sorted(set(contexts)) != list(contexts) or contexts[-1] > top or contexts[0] < 1:
         raise ValueError(f"contexts must ascend within 1 .. {top} tokens, got {contexts}")
-    with tqdm(total=len(prompts) * max_new, desc="calibrate: acceptance", unit="tok") as bar:
-        profile = acceptance_profile(decoder, tokenizer, prompts, max_new, bar)
+    chat = [documents.chat_ids(tokenizer, p) for p in prompts]
+    docs = documents.load_documents()
+    long_prompts = {ctx: [list(documents.summary_prompt(tokenizer, docs[i % len(docs)], ctx - max_new).ids)]
+                    for i, ctx in enumerate(c for c in contexts if c >= LONG_CONTEXT)}
+    profiles = {}
+    with tqdm(total=(len(chat) + len(long_prompts)) * max_new, desc="calibrate: acceptance", unit="tok") as bar:
+        short = acceptance_profile(decoder, tokenizer, chat, max_new, bar) if len(long_prompts) < len(contexts) else None
+        for ctx in contexts:
+            profiles[ctx] = acceptance_profile(decoder, tokenizer, long_prompts[ctx], max_new, bar) \
+                if ctx in long_prompts else short
     rng = np.random.default_rng(seed)
     buckets, measured = [], {}
     for i, ctx in enumerate(tqdm(contexts, desc="calibrate: step costs", unit="context")):
         costs = step_costs(decoder, ctx, rounds, rng)
-        buckets.append(choose(costs, profile, limit if i == len(contexts) - 1 else ctx))
-        measured[str(ctx)] = {"decode_ms": round(1e3 * costs["decode"], 3), "propose_ms": [round(1e3 * t, 3) for t in costs["propose"]],
-                              "verify_ms": [round(1e3 * t, 3) for t in costs["verify"]]}
+        buckets.append(choose(costs, profiles[ctx], limit if i == len(contexts) - 1 else ctx))
+        measured[str(ctx)] = {"decode_ms": round(1e3 * costs["decode"], 3),
+                              "propose_ms": [round(1e3 * t, 3) for t in costs["propose"]],
+                              "verify_ms": [round(1e3 * t, 3) for t in costs["verify"]],
+                              "acceptance_at_least": [round(float(p), 4) for p in profiles[ctx]],
+                              "acceptance_prompts": "document" if ctx in long_prompts else "chat"}
     return PolicyTable(model=tag, backend=backend, buckets=buckets, measured={
-        "acceptance_at_least": [round(float(p), 4) for p in profile],
-        "step_costs_by_context": measured,
+        "by_context": measured,
         "command": f"litellm-flm calibrate --tag {tag} --backend {backend} --contexts {','.join(map(str, contexts))} "
                    f"--rounds {rounds} --max-new {max_new}",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",

@@ -35,18 +35,23 @@ def test_a_replayed_greedy_output_is_always_accepted(smollm2_model, smollm2_toke
         return np.array([truth.get(p, 0) for p in range(start + 1, start + 8)])
 
     perfect = SpeculativeDecoder(smollm2_model, draft, proposer=replay)
-    np.testing.assert_array_equal(calibrate.acceptance_profile(perfect, tok, PROMPT, 32), np.ones(7))
-    random = calibrate.acceptance_profile(SpeculativeDecoder(smollm2_model, draft), tok, PROMPT, 16)
+    np.testing.assert_array_equal(calibrate.acceptance_profile(perfect, tok, [ids], 32), np.ones(7))
+    random = calibrate.acceptance_profile(SpeculativeDecoder(smollm2_model, draft), tok, [ids], 16)
     assert random.shape == (7,) and random[0] < 0.5 and (np.diff(random) <= 0).all()
 
 
-def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smollm2_tokenizer, draft):
+def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smollm2_tokenizer, draft, monkeypatch):
+    # From LONG_CONTEXT on, a bucket's acceptance comes from a document filling its context.
+    monkeypatch.setattr(calibrate, "LONG_CONTEXT", 100)
     table = calibrate.calibrate(SpeculativeDecoder(smollm2_model, draft), smollm2_tokenizer, tag="t-dflash:1",
-                                backend="cpu", contexts=[16, 64], rounds=1, max_new=16, prompts=PROMPT)
+                                backend="cpu", contexts=[16, 150], rounds=1, max_new=16, prompts=PROMPT)
     assert [b.max_context for b in table.buckets] == [16, smollm2_model.config.max_position_embeddings]
-    profile = np.array(table.measured["acceptance_at_least"])
-    for bucket, ctx in zip(table.buckets, ("16", "64")):
-        costs = table.measured["step_costs_by_context"][ctx]
+    by_context = table.measured["by_context"]
+    assert [by_context[c]["acceptance_prompts"] for c in ("16", "150")] == ["chat", "document"]
+    for bucket, ctx in zip(table.buckets, ("16", "150")):
+        costs = by_context[ctx]
+        profile = np.array(costs["acceptance_at_least"])
+        assert profile.shape == (7,) and (np.diff(profile) <= 0).all()
         speedups = [(1 + profile[:k].sum()) * costs["decode_ms"] / (costs["propose_ms"][k - 1] + costs["verify_ms"][k - 1])
                     for k in range(1, 8)]
         k = int(np.argmax(speedups)) + 1
