@@ -2,21 +2,21 @@
 
 Decode (M = 1), a DFlash verify pass (M = K + 1 <= 8) and a small batched decode step are
 "skinny" products: the weight matrix is read once and each of its rows meets only M activation
-rows. On our 2-core machine OpenBLAS runs them far below what the memory allows (M = 1 as a GEMV
-at 25 GB/s; M = 2..8 as a GEMM that packs both operands: 8 rows cost 2.2x one row). This kernel
-streams each weight row once and takes its dot products with up to 8 activation rows at a time,
-the rows held in cache, the output rows split over the cores. Over all of SmolLM2-135M's
-products (30 layers and the LM head), measured by ``benchmarks/skinny_gemm.py``:
+rows. On our 2-core machine OpenBLAS runs them below what the memory allows (M = 1 as a GEMV;
+M = 2..8 as a GEMM that packs both operands: 2 rows cost 2.8x one row). This kernel streams each
+weight row once and takes its dot products with up to 8 activation rows at a time, the rows held
+in cache, the output columns split over the cores. All of SmolLM2-135M's products (30 layers and
+the LM head), medians of 3 rounds, ``python benchmarks/skinny_gemm.py`` (quiet machine):
 
     rows    1      2      4      8
-    BLAS    21.7   39.4   42.2   48.6 ms
-    here    16.3   16.5   19.8   34.9 ms
+    BLAS    26.2   74.0   60.0   62.8 ms
+    here    19.4   20.3   21.7   39.0 ms
 
-so a verify pass of 2-4 positions costs about what one decode costs, which is what makes
+so a verify pass of 2-4 positions costs about what one decode costs, which is what could make
 drafting short blocks pay on a CPU (docs/dflash.md, "Cost on the cpu backend").
 
 The kernel is compiled by numba on first use and cached on disk. Summation order differs from
-BLAS: results agree to float32 rounding (relative 1e-6 of the row's magnitude), not bit for bit.
+BLAS: results agree to float32 rounding, not bit for bit.
 
 Thread safety: numba's default thread pool (its "workqueue" layer) aborts the process when two
 threads enter a parallel kernel at once, and two engines (two loaded models) run in two threads.
@@ -30,7 +30,9 @@ import threading
 import numba
 import numpy as np
 
-MAX_ROWS = 8  # above this OpenBLAS's GEMM is as fast or faster (benchmarks/skinny_gemm.py: 16 rows 55 vs 63 ms)
+# Above 8 rows the kernel reads each weight row once more per 8 rows, and OpenBLAS's GEMM, whose
+# cost hardly grows with rows here (60-63 ms from 4 to 8 rows), is as fast.
+MAX_ROWS = 8
 
 _LOCK = threading.Lock()
 
