@@ -169,12 +169,14 @@ def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str,
     docs = documents.load_documents()
     long_prompts = {ctx: [list(documents.summary_prompt(tokenizer, docs[i % len(docs)], ctx - max_new).ids)]
                     for i, ctx in enumerate(c for c in contexts if c >= LONG_CONTEXT)}
+    chat_contexts = [ctx for ctx in contexts if ctx not in long_prompts]
     profiles = {}
-    with tqdm(total=(len(chat) + len(long_prompts)) * max_new, desc="calibrate: acceptance", unit="tok") as bar:
-        short = acceptance_profile(decoder, tokenizer, chat, max_new, bar) if len(long_prompts) < len(contexts) else None
-        for ctx in contexts:
-            profiles[ctx] = acceptance_profile(decoder, tokenizer, long_prompts[ctx], max_new, bar) \
-                if ctx in long_prompts else short
+    with tqdm(total=(len(chat) * bool(chat_contexts) + len(long_prompts)) * max_new, desc="calibrate: acceptance",
+              unit="tok") as bar:
+        if chat_contexts:
+            profiles |= dict.fromkeys(chat_contexts, acceptance_profile(decoder, tokenizer, chat, max_new, bar))
+        for ctx, prompt in long_prompts.items():
+            profiles[ctx] = acceptance_profile(decoder, tokenizer, prompt, max_new, bar)
     rng = np.random.default_rng(seed)
     buckets, measured = [], {}
     for i, ctx in enumerate(tqdm(contexts, desc="calibrate: step costs", unit="context")):
