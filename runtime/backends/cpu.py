@@ -9,6 +9,7 @@ This backend is the numerical reference every other backend is compared against.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,7 +44,22 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x @ w.T
 
 
-_BLAS = threadpoolctl.ThreadpoolController()
+def _openblas_thread_setters() -> list:
+    """``openblas_set_num_threads`` of each OpenBLAS loaded in the process (found by threadpoolctl),
+    to call directly: threadpoolctl's own setter ignores every Python thread but the first one that
+    used it (while that one lives), and each engine runs in a thread of its own."""
+    setters = []
+    for lib in threadpoolctl.ThreadpoolController().select(internal_api="openblas").lib_controllers:
+        dll = ctypes.CDLL(lib.filepath)
+        names = [f"{pre}openblas_set_num_threads{suf}" for pre in ("", "scipy_") for suf in ("", "64_", "_64")]
+        setters += [getattr(dll, name) for name in names if hasattr(dll, name)][:1]
+    return setters
+
+
+_OPENBLAS_SETTERS = _openblas_thread_setters()  # numpy is loaded (imported above)
+# BLAS's thread count outside skinny passes: numpy's own at import (OPENBLAS_NUM_THREADS, or the cores).
+_BLAS_THREADS = max((lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"),
+                    default=1)
 _SKINNY_PASS = threading.Lock()
 
 
@@ -55,14 +71,25 @@ def forward_pass(rows: int) -> Iterator[None]:
     (the attention's small products) runs single-threaded meanwhile, because OpenBLAS's idle
     workers spin for up to ~0.1 s after each call and would take a core from the kernel on a
     2-core machine (measured: a 1-row pass at 1k context 88 ms instead of 32 ms). Skinny passes
-    of concurrent engines take turns (one lock), so that the thread limit is set and restored
-    consistently; larger passes (prefill) run as they come, with BLAS's own threads.
+    of concurrent engines take turns (one lock); larger passes (prefill) run as they come, with
+    BLAS's own threads.
+
+    OpenBLAS's thread count is process-wide: after a skinny pass it is set back to numpy's count
+    at import, whatever another library set meanwhile (a brief limit to 1 thread in another
+    thread, as scikit-learn makes, must not stick). To run BLAS on one thread, set
+    ``OPENBLAS_NUM_THREADS=1``.
     """
     if not 1 <= rows <= SKINNY_ROWS:
         yield
         return
-    with _SKINNY_PASS, _BLAS.limit(limits=1, user_api="blas"):
-        yield
+    with _SKINNY_PASS:
+        for setter in _OPENBLAS_SETTERS:
+            setter(1)
+        try:
+            yield
+        finally:
+            for setter in _OPENBLAS_SETTERS:
+                setter(_BLAS_THREADS)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

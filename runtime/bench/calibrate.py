@@ -196,14 +196,29 @@ def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str,
     })
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _contexts(text: str) -> list[int]:
+    return [_positive_int(part) for part in text.split(",")]
+
+
 def calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tag", default="smollm2-dflash:135m", help="the DFlash tag to calibrate (default: %(default)s)")
     p.add_argument("--backend", default=None, help="auto, cpu or npu (default: $FLM_BACKEND or auto)")
-    p.add_argument("--contexts", default="256,1024,4096,8192",
+    p.add_argument("--contexts", type=_contexts, default="256,1024,4096,8192",
                    help="comma-separated contexts (tokens) to time; each ends a bucket, the last one extends to "
                         "the context length (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds per operation and context (default: %(default)s)")
-    p.add_argument("--max-new", type=int, default=128,
+    p.add_argument("--rounds", type=_positive_int, default=5,
+                   help="timed rounds per operation and context (default: %(default)s)")
+    p.add_argument("--max-new", type=_positive_int, default=128,
                    help="tokens per calibration prompt, for the acceptance profile (default: %(default)s)")
     p.add_argument("--out", default=None,
                    help="table file (default: ~/.config/litellm-flm/policy/<family>/<size>-<backend>.json, which "
@@ -223,7 +238,7 @@ def main(args: argparse.Namespace) -> int:
     spec = engine.speculative
     decoder = SpeculativeDecoder(spec.target, spec.draft)  # no policy: whole blocks, always
     top = spec.target.config.max_position_embeddings - decoder.block_size - 1
-    contexts = sorted({min(int(c), top) for c in args.contexts.split(",")})  # the last: at most the context end
+    contexts = sorted({min(c, top) for c in args.contexts})  # the last: at most the context end
     table = calibrate(decoder, engine.tokenizer, tag=entry.tag, backend=backend, contexts=contexts,
                       rounds=args.rounds, max_new=args.max_new)
     out = table.save(args.out or paths.policy_file(entry.tag, backend))

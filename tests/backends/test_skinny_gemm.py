@@ -116,3 +116,19 @@ def test_concurrent_skinny_passes_leave_blas_threads_as_they_were():
         t.join()
     assert inside == [1] * 150
     assert _blas_threads() == before
+
+
+def test_another_librarys_brief_blas_limit_does_not_stick():
+    # Another thread limits BLAS to 1 thread (as scikit-learn does) and a skinny pass enters while
+    # that limit holds; the other thread restores its value first. The pass must not then restore
+    # the 1 it found on entry.
+    before = _blas_threads()
+    if before == 1:
+        pytest.skip("BLAS runs one thread here (OPENBLAS_NUM_THREADS=1 or one core)")
+    other = threadpoolctl.threadpool_limits(limits=1, user_api="blas")
+    skinny = cpu.forward_pass(1)
+    skinny.__enter__()
+    other.restore_original_limits()
+    skinny.__exit__(None, None, None)
+    assert _blas_threads() == before
+

@@ -82,3 +82,17 @@ def test_the_command_writes_the_table_the_engine_reads(run_cli, random_draft, tm
         engine = api._engines.pop("smollm2-rnd-dflash:135m", None)
         if engine is not None:
             engine.close()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--contexts", "abc"], "argument --contexts: not an integer: 'abc'"),
+    (["--contexts", "256,0"], "argument --contexts: must be at least 1, got 0"),
+    (["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+    (["--max-new", "-3"], "argument --max-new: must be at least 1, got -3"),
+])
+def test_calibrate_refuses_bad_arguments_by_name(argv, message, capsys):
+    from flm_runtime import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["calibrate", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
