@@ -1,4 +1,5 @@
-"""numpy kernels of the cpu backend: small pure functions, weights passed in, no hidden state.
+"""numpy kernels of the cpu backend: small pure functions, weights passed in, no hidden state
+(``forward_pass`` alone touches process-wide state: OpenBLAS's thread count, around skinny passes).
 
 Axis legend: T positions in this step, N positions attended (cache + new), H query heads,
 Hkv key/value heads, R = H / Hkv query heads per key/value head, D head dim, E hidden size,
