@@ -21,18 +21,23 @@ import threadpoolctl
 from flm_runtime.backends import skinny_gemm
 
 
-# Rows up to which ``linear`` runs the skinny kernel (decode, a verify pass, a small batched step);
-# 0 sends every product to BLAS, which benchmarks use to compare the two in one run.
+# Rows up to which a forward pass is skinny (decode, a verify pass, a small batched step): its
+# products run the skinny kernel; 0 sends every product to BLAS, which benchmarks use to compare.
 SKINNY_ROWS = skinny_gemm.MAX_ROWS
+# A 1-row pass attending over more positions than this runs on OpenBLAS's threads instead: its
+# attention, single-threaded in a skinny pass, then costs more than the kernel saves
+# (``benchmarks/skinny_gemm.py --rows 1``: 30.1 against 40.2 ms at 2,048 positions, 48.8 against
+# 43.5 at 4,096, 87.3 against 69.0 at 8,000). Passes of 2-8 rows gain at every context.
+SKINNY_DECODE_CONTEXT = 3072
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """A linear layer without bias, ``x @ w.T``, with ``w`` in Hugging Face layout.
 
-    1..SKINNY_ROWS rows (decode, a DFlash verify pass, a batched decode step of a few sequences)
-    run ``skinny_gemm.skinny_linear``, which reads the weight once at close to memory speed where
-    OpenBLAS does not (see that module); more rows (prefill chunks, large batches) run BLAS. The
-    two agree to float32 rounding.
+    Inside a skinny ``forward_pass``, 1..SKINNY_ROWS rows run ``skinny_gemm.skinny_linear``, which
+    reads the weight once at close to memory speed where OpenBLAS does not (see that module);
+    everything else (prefill chunks, large batches, calls outside a pass) runs BLAS. The two agree
+    to float32 rounding.
 
     Args:
         x: ``[T, in]`` float32.
@@ -40,7 +45,7 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     Returns:
         ``[T, out]`` float32.
     """
-    if 1 <= x.shape[0] <= SKINNY_ROWS:
+    if getattr(_pass, "skinny", False) and 1 <= x.shape[0] <= SKINNY_ROWS:
         return skinny_gemm.skinny_linear(x, w)
     return x @ w.T
 
@@ -62,13 +67,16 @@ _OPENBLAS_SETTERS = _openblas_thread_setters()  # numpy is loaded (imported abov
 _BLAS_THREADS = max((lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"),
                     default=1)
 _SKINNY_PASS = threading.Lock()
+_pass = threading.local()  # .skinny: this thread is inside a skinny forward_pass
 
 
 @contextmanager
-def forward_pass(rows: int) -> Iterator[None]:
-    """Wrap one forward pass of ``rows`` rows (a model's ``forward`` / ``forward_batch``).
+def forward_pass(rows: int, context: int) -> Iterator[None]:
+    """Wrap one forward pass of ``rows`` rows attending over up to ``context`` positions (a model's
+    ``forward`` / ``forward_batch``).
 
-    A skinny pass (1..SKINNY_ROWS rows) runs its products on the skinny kernel's threads; BLAS
+    A skinny pass (1..SKINNY_ROWS rows; one row only up to SKINNY_DECODE_CONTEXT positions) runs
+    its products (``linear``) on the skinny kernel's threads; BLAS
     (the attention's small products) runs single-threaded meanwhile, because OpenBLAS's idle
     workers spin for up to ~0.1 s after each call and would take a core from the kernel on a
     2-core machine (measured: a 1-row pass at 1k context 88 ms instead of 32 ms). Skinny passes
@@ -80,15 +88,17 @@ def forward_pass(rows: int) -> Iterator[None]:
     thread, as scikit-learn makes, must not stick). To run BLAS on one thread, set
     ``OPENBLAS_NUM_THREADS=1``.
     """
-    if not 1 <= rows <= SKINNY_ROWS:
+    if not 1 <= rows <= SKINNY_ROWS or (rows == 1 and context > SKINNY_DECODE_CONTEXT):
         yield
         return
     with _SKINNY_PASS:
         for setter in _OPENBLAS_SETTERS:
             setter(1)
+        _pass.skinny = True
         try:
             yield
         finally:
+            _pass.skinny = False
             for setter in _OPENBLAS_SETTERS:
                 setter(_BLAS_THREADS)
 

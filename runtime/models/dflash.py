@@ -262,7 +262,7 @@ class DFlashDraft:
         assert cache.length == start_position, f"draft cache holds {cache.length}, taps start at {start_position}"
         if t == 0:
             return
-        with cpu.forward_pass(t):
+        with cpu.forward_pass(t, start_position + t):
             ctx = cpu.rms_norm(cpu.linear(taps, self.fc), self.hidden_norm, c.rms_norm_eps)  # [T, E]
             cos = self.rope_cos[start_position : start_position + t]  # [T, D/2]
             sin = self.rope_sin[start_position : start_position + t]
@@ -317,7 +317,7 @@ class DFlashDraft:
         x = x.reshape(n_seq * b, c.hidden_size)  # [S*B, E]
         positions = (np.asarray(starts)[:, None] + np.arange(b)).reshape(-1)  # [S*B]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [S*B, D/2]
-        with cpu.forward_pass(n_seq * b):
+        with cpu.forward_pass(n_seq * b, max(starts) + b):
             for cache in caches:
                 cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
             for i, w in enumerate(self.layers):
