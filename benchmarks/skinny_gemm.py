@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
+
+from flm_runtime.bench import report
 
 
 def worker(tag: str, mode: str, rows: list[int], context: int, repeat: int) -> dict:
@@ -101,9 +102,7 @@ def main() -> None:
         pb, pk, fb, fk = med("BLAS", "products", t), med("kernel", "products", t), med("BLAS", "pass", t), med("kernel", "pass", t)
         print(f"{t:4d} | {pb:14.1f} | {pk:6.1f} | {pb / pk:11.2f} | {fb:10.1f} | {fk:6.1f} | {fb / fk:11.2f} | "
               f"{fk / med('kernel', 'pass', rows[0]):.2f}")
-    unset = [v for v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if v not in os.environ]
-    print(f"OPENBLAS_CORETYPE/L2_SIZE unset in this run: {', '.join(unset) or 'neither'}; "
-          f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(report.run_conditions())
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ slow a current numpy), say so when you quote a figure measured with them unset.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from flm_runtime.api import load_model
+from flm_runtime.bench import report
 from flm_runtime.models.dflash import DFlashDraft
 
 
@@ -102,9 +102,7 @@ def main() -> None:
                   f"{t['propose'] * 1e3:10.1f} | {t['add_context'] * 1e3:6.2f} | "
                   f"{t['verify'] / d:13.2f} | {t['propose'] / d:14.2f} | "
                   f"{(t['verify'] + t['propose'] + t['add_context']) / d:13.2f}")
-    unset = [v for v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if v not in os.environ]
-    print(f"OPENBLAS_CORETYPE/L2_SIZE unset in this run: {', '.join(unset) or 'neither'}; "
-          f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(report.run_conditions())
 
 
 if __name__ == "__main__":

@@ -43,6 +43,15 @@ def machine_info() -> dict[str, str]:
     }
 
 
+def run_conditions() -> str:
+    """One line for the end of a benchmark script's output: which of ``OPENBLAS_CORETYPE`` /
+    ``OPENBLAS_L2_SIZE`` (older-CPU workarounds that slow a current numpy on this machine) the run
+    had unset, and the load average at the end."""
+    unset = [v for v in OPENBLAS_VARS[:2] if v not in os.environ]
+    return (f"OPENBLAS_CORETYPE/L2_SIZE unset in this run: {', '.join(unset) or 'neither'}; "
+            f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -483,9 +483,9 @@ class Engine:
         the step's ``prefill_tokens`` last (``_prefill_parts``); every decoding sequence
         contributes its decode rows: one row, or with a ``SpeculativeDecoder`` the verify rows of
         a drafted block (all drafting sequences share one draft pass) or the single plain row
-        where its policy says a block does not pay. All rows share one matrix product per weight matrix; the LM head runs only on the
-        rows that need logits. New requests join and finished or cancelled ones leave between
-        steps.
+        where its policy says a block does not pay. All rows share one matrix product per weight
+        matrix; the LM head runs only on the rows that need logits. New requests join and
+        finished or cancelled ones leave between steps.
         """
         now = time.monotonic()
         prefilling, decoding = [], []
