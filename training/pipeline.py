@@ -5,7 +5,8 @@
 Stages (each skipped when its output is complete; rerunning after a crash or a session's end
 continues where it stopped):
 
-1. ``prompts``: ``prompts.jsonl`` from ``flm_train.prompts``, checked against MT-Bench (8-grams).
+1. ``prompts``: ``prompts.jsonl`` from ``flm_train.prompts`` (the ``--prompts`` mix of sources),
+   checked against MT-Bench (8-grams) and against the prompts of the shards already generated.
 2. ``generate``: shards ``data/shard_*.npz`` of the target's responses with their taps, written by
    ``--workers`` processes (one torch thread each; see docs/training.md for why).
 3. ``taps``: checks on a sample that the taps recorded during generation equal a single causal
@@ -33,12 +34,27 @@ log = logging.getLogger("flm_train")
 DEFAULT_MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
 
 
+def _mix(spec: str) -> list[tuple[str, int]]:
+    from flm_train.prompts import parse_mix
+
+    try:
+        return parse_mix(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def n_prompts(a: argparse.Namespace) -> int:
+    return sum(n for _, n in a.prompts)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flm_train.pipeline", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2:135m", help="registry tag of the target")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("FLM_TRAIN_DIR", "/work/flm-train-data")))
     p.add_argument("--mt-bench", type=Path, default=DEFAULT_MT_BENCH, help="MT-Bench questions (overlap check)")
-    p.add_argument("--n-prompts", type=int, default=640)
+    p.add_argument("--prompts", type=_mix, default="templates:640", metavar="SOURCE:N,...",
+                   help="prompt sources in order (flm_train.prompts.SOURCES), e.g. templates:2048,composed:1536; "
+                        "growing the last count or appending a source extends the same list")
     p.add_argument("--shard-size", type=int, default=64, help="prompts per shard")
     p.add_argument("--max-new", type=int, default=256, help="response tokens at most (MT-Bench AL is measured at 256)")
     p.add_argument("--slots", type=int, default=48, help="sequences decoded together per worker")
@@ -48,22 +64,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heldout-shards", type=int, default=1, help="last shards kept out of training")
     p.add_argument("--export-dir", type=Path, default=None, help="default: the registry's draft dir")
     p.add_argument("--stages", default="prompts,generate,taps,train,export")
-    from flm_train.train import add_train_args
     add_train_args(p)
     return p.parse_args(argv)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("train")
+    g.add_argument("--layers", type=int, default=1, help="draft layers (1-3)")
+    g.add_argument("--block-size", type=int, default=8)
+    g.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence per step")
+    g.add_argument("--batch-seqs", type=int, default=4, help="sequences per step")
+    g.add_argument("--steps", type=int, default=3000)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup", type=int, default=100)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip", type=float, default=1.0)
+    g.add_argument("--norm-lr-mult", type=float, default=10.0,
+                   help="LR multiplier of the final norm (it alone sets the logit scale; starts at 0.1x)")
+    g.add_argument("--gamma", type=float, default=4.0, help="loss weight exp(-(k-1)/gamma) at offset k")
+    g.add_argument("--threads", type=int, default=2, help="torch threads")
+    g.add_argument("--ckpt-minutes", type=float, default=4.0)
+    g.add_argument("--eval-every", type=int, default=200)
+    g.add_argument("--eval-seqs", type=int, default=32, help="held-out greedy sequences for simulated AL")
+    g.add_argument("--mask-token-id", type=int, default=16, help="<empty_output> in SmolLM2")
+    g.add_argument("--draft-vocab", type=int, default=8192,
+                   help="tokens the draft can propose: the most frequent in the training responses (0: all)")
 
 
 # --- stages ---------------------------------------------------------------------------------
 
 def stage_prompts(a: argparse.Namespace) -> list[dict]:
+    """The ``--prompts`` list, written to ``prompts.jsonl``.
+
+    Raises:
+        SystemExit: a prompt overlaps MT-Bench, or the list differs from the one recorded in
+            ``prompts.jsonl`` on a prompt whose shard already exists (a changed mix, or a Python
+            whose standard library changes the ``composed`` source; the shards would no longer
+            match their prompts).
+    """
     from flm_train.prompts import load_mt_bench, make_prompts, overlap_report
 
+    prompts = make_prompts(a.prompts, seed=a.seed)
     path = a.out / "prompts.jsonl"
-    if path.exists():  # make_prompts is prefix-stable: a larger --n-prompts extends the same list
-        prompts = [json.loads(line) for line in path.read_text().splitlines()]
-        if len(prompts) >= a.n_prompts:
-            return prompts[: a.n_prompts]
-    prompts = make_prompts(a.n_prompts, seed=a.seed)
+    if path.exists():
+        done = [int(p.stem.split("_")[1]) for p in (a.out / "data").glob("shard_[0-9][0-9][0-9][0-9].npz")]
+        covered = (max(done) + 1) * a.shard_size if done else 0
+        recorded = [json.loads(line)["prompt"] for line in path.read_text().splitlines()][:covered]
+        for p, old in zip(prompts, recorded):
+            if p["prompt"] != old:
+                raise SystemExit(f"prompt {p['id']} differs from {path} ({old!r} there, {p['prompt']!r} now), "
+                                 "and its shard exists: use the mix that made them, or another --out")
     if a.mt_bench.exists():
         hits = overlap_report([p["prompt"] for p in prompts], load_mt_bench(a.mt_bench))
         if hits:
@@ -100,7 +150,7 @@ def _generate_worker(a: argparse.Namespace, prompts: list[dict], worker: int) ->
 
 
 def shard_paths(a: argparse.Namespace) -> list[Path]:
-    n = (a.n_prompts + a.shard_size - 1) // a.shard_size
+    n = (n_prompts(a) + a.shard_size - 1) // a.shard_size
     return [a.out / "data" / f"shard_{k:04d}.npz" for k in range(n)]
 
 

@@ -15,6 +15,7 @@ import itertools
 import json
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 TOPICS = [
@@ -178,27 +179,75 @@ def _fill(template: str, rng: random.Random) -> str:
         economist=rng.choice(ECONOMISTS), sentence=rng.choice(SENTENCES), review=rng.choice(REVIEWS))
 
 
-def make_prompts(n: int, seed: int = 0) -> list[dict]:
-    """``n`` distinct prompts ``{"id", "category", "prompt"}``, categories in equal turns.
+def _template_prompt(category: str, rng: random.Random) -> str:
+    return _fill(rng.choice(TEMPLATES[category]), rng)
 
-    Deterministic in ``seed`` and prefix-stable: ``make_prompts(k) == make_prompts(n)[:k]`` for
-    ``k <= n``, so a larger run extends a smaller one (its shards stay valid).
+
+def _composed_prompt(category: str, rng: random.Random) -> str:
+    from flm_train.composed_prompts import GENERATORS
+
+    return GENERATORS[category](rng)
+
+
+SOURCES: dict[str, Callable[[str, random.Random], str]] = {"templates": _template_prompt, "composed": _composed_prompt}
+
+
+def parse_mix(spec: str) -> list[tuple[str, int]]:
+    """``"templates:2048,composed:1536"`` -> ``[("templates", 2048), ("composed", 1536)]``.
+
+    Raises:
+        ValueError: an unknown source, a count that is not a positive integer, or an empty spec.
     """
+    mix = []
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        source, _, count = part.partition(":")
+        if source not in SOURCES:
+            raise ValueError(f"unknown prompt source {source!r} (known: {', '.join(SOURCES)})")
+        if not count.isdigit() or int(count) <= 0:
+            raise ValueError(f"{part!r}: the count after {source}: must be a positive integer")
+        mix.append((source, int(count)))
+    if not mix:
+        raise ValueError("empty prompt mix")
+    return mix
+
+
+def source_prompts(source: str, n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """``n`` distinct ``(category, prompt)`` of one source, categories in equal turns.
+
+    Deterministic in ``seed`` and prefix-stable: ``source_prompts(s, k) == source_prompts(s, n)[:k]``.
+
+    Raises:
+        ValueError: the source gives fewer than ``n`` distinct prompts.
+    """
+    make = SOURCES[source]
     rng = random.Random(seed)
     seen: set[str] = set()
-    out: list[dict] = []
+    out: list[tuple[str, str]] = []
     cats = itertools.cycle(sorted(TEMPLATES))
     tries = 0
     while len(out) < n:
         tries += 1
         if tries > 50 * n:
-            raise ValueError(f"n={n} is more distinct prompts than the templates give")
+            raise ValueError(f"n={n} is more distinct prompts than the {source} source gives")
         cat = next(cats)
-        text = _fill(rng.choice(TEMPLATES[cat]), rng)
+        text = make(cat, rng)
         if text in seen:
             continue
         seen.add(text)
-        out.append({"id": len(out), "category": cat, "prompt": text})
+        out.append((cat, text))
+    return out
+
+
+def make_prompts(mix: list[tuple[str, int]], seed: int = 0) -> list[dict]:
+    """The prompts ``{"id", "source", "category", "prompt"}`` of ``mix`` (``parse_mix``), sources in order.
+
+    Prefix-stable like ``source_prompts``: growing the last source's count, or appending a source,
+    extends the same list, so the shards already generated stay valid.
+    """
+    out: list[dict] = []
+    for source, n in mix:
+        for cat, text in source_prompts(source, n, seed):
+            out.append({"id": len(out), "source": source, "category": cat, "prompt": text})
     return out
 
 

@@ -38,29 +38,6 @@ from tqdm import tqdm
 log = logging.getLogger("flm_train")
 
 
-def add_train_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("train")
-    g.add_argument("--layers", type=int, default=1, help="draft layers (1-3)")
-    g.add_argument("--block-size", type=int, default=8)
-    g.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence per step")
-    g.add_argument("--batch-seqs", type=int, default=4, help="sequences per step")
-    g.add_argument("--steps", type=int, default=3000)
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--warmup", type=int, default=100)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip", type=float, default=1.0)
-    g.add_argument("--norm-lr-mult", type=float, default=10.0,
-                   help="LR multiplier of the final norm (it alone sets the logit scale; starts at 0.1x)")
-    g.add_argument("--gamma", type=float, default=4.0, help="loss weight exp(-(k-1)/gamma) at offset k")
-    g.add_argument("--threads", type=int, default=2, help="torch threads")
-    g.add_argument("--ckpt-minutes", type=float, default=4.0)
-    g.add_argument("--eval-every", type=int, default=200)
-    g.add_argument("--eval-seqs", type=int, default=32, help="held-out greedy sequences for simulated AL")
-    g.add_argument("--mask-token-id", type=int, default=16, help="<empty_output> in SmolLM2")
-    g.add_argument("--draft-vocab", type=int, default=8192,
-                   help="tokens the draft can propose: the most frequent in the training responses (0: all)")
-
-
 # --- data ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -265,7 +242,7 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
         torch.set_rng_state(ck["rng_torch"])
         random.setstate(ck["rng_python"])
         best, history = ck.get("best"), ck.get("history", [])
-        if len(perm) != len(data.seqs):  # the data grew (a larger --n-prompts): a new epoch over all of it
+        if len(perm) != len(data.seqs):  # the data grew (more --prompts): a new epoch over all of it
             epoch, cursor, perm = epoch + 1, 0, rng.permutation(len(data.seqs))
         log.info("train: resumed at step %d (epoch %d, cursor %d)", step, epoch, cursor)
 
