@@ -242,6 +242,10 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
         torch.set_rng_state(ck["rng_torch"])
         random.setstate(ck["rng_python"])
         best, history = ck.get("best"), ck.get("history", [])
+        if ck.get("heldout") != [q.name for q in heldout_paths]:  # its AL is not comparable with the new one's
+            log.info("train: the held-out shards changed: the best draft so far (%s) is forgotten",
+                     None if best is None else f"step {best['step']}, simulated AL {best['sim_al']:.3f}")
+            best = None
         if len(perm) != len(data.seqs):  # the data grew (more --prompts): a new epoch over all of it
             epoch, cursor, perm = epoch + 1, 0, rng.permutation(len(data.seqs))
         log.info("train: resumed at step %d (epoch %d, cursor %d)", step, epoch, cursor)
@@ -250,7 +254,8 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
         save_checkpoint(last, {"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
                                "cursor": cursor, "perm": perm, "rng_numpy": rng.bit_generator.state,
                                "rng_torch": torch.get_rng_state(), "rng_python": random.getstate(),
-                               "best": best, "history": history, "args": {k: str(v) for k, v in vars(a).items()},
+                               "best": best, "heldout": [q.name for q in heldout_paths], "history": history,
+                               "args": {k: str(v) for k, v in vars(a).items()},
                                "draft_config": draft.c.to_dict(), "train_tokens": data.n_tokens})
 
     def metric(rec: dict) -> None:
