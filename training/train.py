@@ -197,6 +197,32 @@ def build_draft(a: argparse.Namespace, target_config, embed: torch.Tensor, lm_he
     return draft
 
 
+def load_or_grow(draft: DFlashDraft, state: dict[str, torch.Tensor]) -> int:
+    """Load a checkpoint's draft ``state`` into ``draft``, growing it when the checkpoint has fewer layers.
+
+    The checkpoint's layers come first; each added layer starts as the identity (``o_proj`` and
+    ``down_proj`` zero: both residual branches add nothing), so the grown draft computes exactly
+    what the checkpoint's did and training continues from there (progressive stacking, as in
+    Gong et al. 2019, "Efficient Training of BERT by Progressively Stacking", with identity
+    instead of copied layers).
+
+    Returns:
+        The number of layers added (0: same depth, a plain strict load).
+    Raises:
+        ValueError: the checkpoint has more layers than ``draft``.
+    """
+    have = 1 + max((int(k.split(".")[1]) for k in state if k.startswith("layers.")), default=-1)
+    if have > len(draft.layers):
+        raise ValueError(f"the checkpoint's draft has {have} layers, more than --layers {len(draft.layers)}")
+    missing, unexpected = draft.load_state_dict(state, strict=have == len(draft.layers))
+    assert not unexpected and all(int(k.split(".")[1]) >= have for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        for layer in draft.layers[have:]:
+            layer.o_proj.weight.zero_()
+            layer.down_proj.weight.zero_()
+    return len(draft.layers) - have
+
+
 def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Path]) -> None:
     from flm_runtime import registry
     from flm_runtime.loading import load_model_files
@@ -235,15 +261,19 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
     step, epoch, cursor, perm, best = 0, 0, 0, rng.permutation(len(data.seqs)), None
     history: list[dict] = []
     if ck is not None:
-        draft.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["opt"])
+        grown = load_or_grow(draft, ck["model"])
+        if grown:  # Adam's moments belong to the old parameter list
+            log.info("train: the checkpoint's draft grew by %d identity layer(s); the optimizer starts afresh", grown)
+        else:
+            opt.load_state_dict(ck["opt"])
         step, epoch, cursor, perm = ck["step"], ck["epoch"], ck["cursor"], np.asarray(ck["perm"])
         rng.bit_generator.state = ck["rng_numpy"]
         torch.set_rng_state(ck["rng_torch"])
         random.setstate(ck["rng_python"])
         best, history = ck.get("best"), ck.get("history", [])
-        if ck.get("heldout") != [q.name for q in heldout_paths]:  # its AL is not comparable with the new one's
-            log.info("train: the held-out shards changed: the best draft so far (%s) is forgotten",
+        if grown or ck.get("heldout") != [q.name for q in heldout_paths]:  # not comparable with what follows
+            log.info("train: %s: the best draft so far (%s) is forgotten",
+                     "the draft grew" if grown else "the held-out shards changed",
                      None if best is None else f"step {best['step']}, simulated AL {best['sim_al']:.3f}")
             best = None
         if len(perm) != len(data.seqs):  # the data grew (more --prompts): a new epoch over all of it

@@ -1,5 +1,6 @@
-"""The training loop's checkpoints: a run stopped and resumed equals one run straight through, and
-the best draft is forgotten when the held-out shards change (its AL would not be comparable)."""
+"""The training loop's checkpoints: a run stopped and resumed equals one run straight through; the
+best draft is forgotten when the held-out shards change (its AL would not be comparable); a
+checkpoint resumed with more ``--layers`` grows by identity layers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
 
 from flm_train.pipeline import parse_args
-from flm_train.train import train
+from flm_train.train import load_or_grow, train
 
 TAPS_WIDTH = 5 * 576  # SmolLM2-135M: 5 tapped layers x hidden 576
 
@@ -32,8 +33,8 @@ def shards(tmp_path, smollm2_gguf):
     return paths
 
 
-def run(out, steps: int, train_paths, heldout_paths) -> dict:
-    a = parse_args(["--out", str(out), "--steps", str(steps), "--layers", "1", "--draft-vocab", "256",
+def run(out, steps: int, train_paths, heldout_paths, layers: int = 1) -> dict:
+    a = parse_args(["--out", str(out), "--steps", str(steps), "--layers", str(layers), "--draft-vocab", "256",
                     "--batch-seqs", "2", "--anchors", "4", "--eval-every", "2", "--eval-seqs", "2", "--threads", "1",
                     "--ckpt-minutes", "60"])
     train(a, train_paths, heldout_paths)
@@ -59,3 +60,25 @@ def test_the_best_draft_is_forgotten_when_the_held_out_shards_change(tmp_path, s
     moved = run(out, 8, shards[1:], shards[:1])
     assert moved["heldout"] == ["shard_0000.npz"]
     assert moved["best"]["step"] == 8  # the only evaluation on the new held-out shard
+
+
+def test_a_grown_draft_starts_exactly_where_the_smaller_one_was():
+    from test_train_draft import V, tiny_draft
+
+    small = tiny_draft(layers=1, seed=0)
+    big = tiny_draft(layers=3, seed=0)  # the same target embedding (a buffer the state does not carry)
+    assert load_or_grow(big, small.state_dict()) == 2
+    taps, tokens = torch.randn(2, 20, small.fc.in_features), torch.randint(0, V, (2, 24))
+    anchors = torch.tensor([[3, 11], [5, 19]])
+    assert torch.allclose(big.hidden(taps, tokens, anchors), small.hidden(taps, tokens, anchors), atol=1e-5)
+    with pytest.raises(ValueError, match="has 3 layers, more than --layers 1"):
+        load_or_grow(small, big.state_dict())
+
+
+def test_resuming_with_more_layers_grows_the_draft_and_forgets_the_best(tmp_path, shards):
+    out = tmp_path / "run"
+    run(out, 2, shards[:2], shards[2:])
+    grown = run(out, 4, shards[:2], shards[2:], layers=2)
+    assert grown["draft_config"]["num_hidden_layers"] == 2
+    assert "layers.1.o_proj.weight" in grown["model"]
+    assert grown["best"]["step"] == 4  # the 1-layer best (step 2) could not be exported as a 2-layer draft
