@@ -74,7 +74,8 @@ def export_from_checkpoint(a: argparse.Namespace) -> Path:
         state, chosen = draft.export_state(), {"step": ck["step"], "sim_al": None}
     last_eval = ck["history"][-1] if ck.get("history") else None
     training = {
-        "data": "self-distilled: SmolLM2's own responses to flm_train.prompts templates (not MT-Bench)",
+        "data": "self-distilled: the target's own responses to the flm_train.prompts sources "
+                f"{(ck.get('args') or {}).get('prompts', 'templates')} (not MT-Bench)",
         "train_tokens": ck.get("train_tokens"), "steps_trained": ck["step"], "exported": chosen,
         "last_eval": last_eval, "command": "python -m flm_train.pipeline --target " + a.target + " --out <dir>",
         "args": ck.get("args"),

@@ -34,17 +34,20 @@ log = logging.getLogger("flm_train")
 DEFAULT_MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
 
 
-def _mix(spec: str) -> list[tuple[str, int]]:
+def _mix(spec: str) -> str:
+    """``--prompts``, checked and normalised (``parse_mix``); kept as text, as checkpoints record it."""
     from flm_train.prompts import parse_mix
 
     try:
-        return parse_mix(spec)
+        return ",".join(f"{source}:{n}" for source, n in parse_mix(spec))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def n_prompts(a: argparse.Namespace) -> int:
-    return sum(n for _, n in a.prompts)
+    from flm_train.prompts import parse_mix
+
+    return sum(n for _, n in parse_mix(a.prompts))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,9 +105,9 @@ def stage_prompts(a: argparse.Namespace) -> list[dict]:
             whose standard library changes the ``composed`` source; the shards would no longer
             match their prompts).
     """
-    from flm_train.prompts import load_mt_bench, make_prompts, overlap_report
+    from flm_train.prompts import load_mt_bench, make_prompts, overlap_report, parse_mix
 
-    prompts = make_prompts(a.prompts, seed=a.seed)
+    prompts = make_prompts(parse_mix(a.prompts), seed=a.seed)
     path = a.out / "prompts.jsonl"
     if path.exists():
         done = [int(p.stem.split("_")[1]) for p in (a.out / "data").glob("shard_[0-9][0-9][0-9][0-9].npz")]
