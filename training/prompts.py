@@ -1,10 +1,15 @@
-"""Chat prompts for self-distillation, composed from our own templates (no download, no MT-Bench).
+"""Chat prompts for self-distillation from our own sources (no download, no MT-Bench).
 
-Why templates: the draft must learn how *the target* continues chat answers, so what matters is
-that the prompts ask for the same kinds of chat use users bring (and that MT-Bench's eight
-categories sample): writing, roleplay, reasoning, math, coding, extraction, STEM, humanities; the
-answers themselves come from the target. Each category has a few dozen instruction templates of
-our own wording, filled from topic lists of our own; the product is shuffled with a fixed seed.
+The draft must learn how *the target* continues chat answers, so what matters is that the prompts
+ask for the same kinds of chat use users bring (and that MT-Bench's eight categories sample):
+writing, roleplay, reasoning, math, coding, extraction, STEM, humanities; the answers themselves
+come from the target. Two sources (``SOURCES``), mixed in order by ``make_prompts``:
+
+- ``templates`` (this module): a few dozen one-sentence instruction templates per category of our
+  own wording, filled from topic lists of our own, drawn with a fixed seed;
+- ``composed`` (``flm_train.composed_prompts``): longer requests built from parts (constraints,
+  formats, personas, invented data and standard-library text pasted in).
+
 ``overlap_report`` checks that no prompt shares an 8-gram with an MT-Bench question (the
 pipeline refuses to continue otherwise; see docs/training.md).
 """
