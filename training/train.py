@@ -215,7 +215,8 @@ def load_or_grow(draft: DFlashDraft, state: dict[str, torch.Tensor]) -> int:
     if have > len(draft.layers):
         raise ValueError(f"the checkpoint's draft has {have} layers, more than --layers {len(draft.layers)}")
     missing, unexpected = draft.load_state_dict(state, strict=have == len(draft.layers))
-    assert not unexpected and all(int(k.split(".")[1]) >= have for k in missing), (missing, unexpected)
+    assert not unexpected and all(k.startswith("layers.") and int(k.split(".")[1]) >= have for k in missing), \
+        (missing, unexpected)
     with torch.no_grad():
         for layer in draft.layers[have:]:
             layer.o_proj.weight.zero_()
