@@ -300,6 +300,10 @@ def stdlib_passages() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 # --- one generator per category --------------------------------------------------------------------
+#
+# Each generator fills all of its frames, then picks one: every call draws the same random numbers
+# in the same order, and those draws are part of the prompt list that existing shards record
+# (``prompts.jsonl``). Filling only the chosen frame would change every later prompt.
 
 def _writing(rng: random.Random) -> str:
     form, subject = rng.choice(FORMS), rng.choice(SUBJECTS)

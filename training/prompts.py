@@ -23,6 +23,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from flm_train.composed_prompts import GENERATORS
+
 TOPICS = [
     "renewable energy", "urban gardening", "the history of the printing press", "coral reefs",
     "remote work", "electric bicycles", "ancient Rome", "volcanoes", "personal budgeting",
@@ -189,8 +191,6 @@ def _template_prompt(category: str, rng: random.Random) -> str:
 
 
 def _composed_prompt(category: str, rng: random.Random) -> str:
-    from flm_train.composed_prompts import GENERATORS
-
     return GENERATORS[category](rng)
 
 

@@ -258,6 +258,7 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
     log.info("train: %d sequences / %d tokens; held out %d sequences; draft vocabulary %d", len(data.seqs),
              data.n_tokens, len(held.seqs) if held else 0, len(draft.draft_vocab))
     eval_seqs = [s for s in held.seqs if s.greedy][: a.eval_seqs] if held else []
+    heldout_names = [q.name for q in heldout_paths]  # the checkpoint records them
     rng = np.random.default_rng(a.seed)
     step, epoch, cursor, perm, best = 0, 0, 0, rng.permutation(len(data.seqs)), None
     history: list[dict] = []
@@ -272,7 +273,7 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
         torch.set_rng_state(ck["rng_torch"])
         random.setstate(ck["rng_python"])
         best, history = ck.get("best"), ck.get("history", [])
-        if grown or ck.get("heldout") != [q.name for q in heldout_paths]:  # not comparable with what follows
+        if grown or ck.get("heldout") != heldout_names:  # the best so far is not comparable with what follows
             log.info("train: %s: the best draft so far (%s) is forgotten",
                      "the draft grew" if grown else "the held-out shards changed",
                      None if best is None else f"step {best['step']}, simulated AL {best['sim_al']:.3f}")
@@ -285,7 +286,7 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
         save_checkpoint(last, {"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
                                "cursor": cursor, "perm": perm, "rng_numpy": rng.bit_generator.state,
                                "rng_torch": torch.get_rng_state(), "rng_python": random.getstate(),
-                               "best": best, "heldout": [q.name for q in heldout_paths], "history": history,
+                               "best": best, "heldout": heldout_names, "history": history,
                                "args": {k: str(v) for k, v in vars(a).items()},
                                "draft_config": draft.c.to_dict(), "train_tokens": data.n_tokens})
 
