@@ -88,6 +88,24 @@ def test_continuous_batching_greedy_equals_numpy_one_at_a_time(tiny):
         np.testing.assert_allclose(got, want_taps.reshape(len(seq) - 1, -1), rtol=2e-3, atol=2e-3)  # float16
 
 
+def test_decode_attention_equals_masked_sdpa_per_slot():
+    """The decode kernel against torch's attention with K/V repeated per query head, slots at
+    different positions (0 included), over a cache longer than any of them."""
+    from flm_train.target import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, h, hkv, cap, d = 5, 6, 2, 40, 16
+    q = torch.randn(b, h, 1, d, generator=g)
+    k, v = torch.randn(b, hkv, cap, d, generator=g), torch.randn(b, hkv, cap, d, generator=g)
+    pos = torch.tensor([0, 7, 39, 12, 1])
+    got = decode_attention(q, k, v, pos)
+    for s in range(b):
+        n = int(pos[s]) + 1
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[s:s + 1], k[s:s + 1, :, :n].repeat_interleave(h // hkv, 1), v[s:s + 1, :, :n].repeat_interleave(h // hkv, 1))
+        np.testing.assert_allclose(got[s].numpy(), want[0].numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_default_taps_for_30_layers():
     assert default_tap_layers(30) == [1, 8, 14, 20, 27]
 
