@@ -1,0 +1,158 @@
+"""Where a served speculative step's time goes, against the baseline engine's step, same run.
+
+``benchmarks/speculative_costs.py`` and ``litellm-flm calibrate`` time the passes of a step alone.
+This script times them where they run when serving: inside the engine threads of the baseline tag
+and of its DFlash tag, on the same chat prompts (``documents.short_prompts``), greedy,
+``--max-tokens`` tokens each (end of turn ignored), the two engines alternating request by
+request with the order flipped every round. The DFlash engine is given a one-bucket policy table
+that drafts ``--k`` tokens at every step (no switch-off), so every step is a speculative one.
+
+Per engine, over all its steps: milliseconds per step of the whole step (``Engine._step``), of
+the target pass (``forward_batch``), and for the DFlash engine of the draft's work
+(``SpeculativeDecoder.propose``: catching up on the pending taps, then proposing) and of
+``finish`` (verify, KV roll-back, emitting); decode tokens/s and AL from the engines' own stats.
+Then ``step / baseline step`` is the served cost of a speculative step in decodes: speculation
+pays where AL exceeds it (DESIGN §7). The same passes are then timed alone in the main thread
+(interleaved medians), for comparison with what calibration measures.
+
+    python benchmarks/served_step_cost.py [--k 1] [--max-tokens 256] [--prompts 3] [--rounds 2]
+
+Timing wraps the methods of these engine instances only (``time.perf_counter``, per call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import threading
+import time
+
+import numpy as np
+
+from flm_runtime.bench.documents import chat_ids, short_prompts
+from flm_runtime.bench.engines import load_engines, run_request
+from flm_runtime.engine.policy import Bucket, PolicyTable
+from flm_runtime.engine.request import SamplingParams
+
+
+class Timings:
+    """Seconds and calls per (engine thread, label), recorded by the wrapped methods."""
+
+    def __init__(self):
+        self.seconds: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+
+    def wrap(self, obj, method: str, label: str) -> None:
+        """Replace ``obj.method`` by a timed call recorded under (``threading`` name, ``label``)."""
+        inner = getattr(obj, method)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                key = (threading.current_thread().name, label)
+                self.seconds[key] += time.perf_counter() - t0
+                self.calls[key] += 1
+
+        setattr(obj, method, timed)
+
+    def per_step_ms(self, thread: str) -> dict[str, float]:
+        steps = self.calls[(thread, "step")]
+        return {label: 1e3 * s / steps for (t, label), s in self.seconds.items() if t == thread}
+
+
+def forced_policy(k: int) -> PolicyTable:
+    """Speculate with draft length ``k`` at every context, never switching off."""
+    return PolicyTable(model="forced", backend="cpu", buckets=[
+        Bucket(max_context=1 << 20, speculate=True, draft_length=k, cost_ratio=1e-3, expected_al=1.0)])
+
+
+def standalone_ms(engines, context: int, k: int, rounds: int = 30) -> dict[str, float]:
+    """Medians (ms) of the decode pass, the verify pass of ``k + 1`` rows and the proposal of ``k``
+    tokens (after one position of catch-up), interleaved, at ``context`` random tokens."""
+    decoder = engines.dflash.speculative
+    target, draft = decoder.target, decoder.draft
+    rng = np.random.default_rng(0)
+    cache, state = target.new_cache(context + 16), decoder.new_state(context + 16)
+    decoder.prefill(rng.integers(0, target.config.vocab_size, context), cache, state)
+    block = rng.integers(0, target.config.vocab_size, k + 1)
+    one_tap = np.zeros((1, state.pending.shape[1]), dtype=np.float32)
+
+    def decode():
+        target.forward_batch([block[:1]], [cache], taps=decoder.taps, logit_rows=[1])
+        cache.trim(context)
+
+    def verify():
+        target.forward_batch([block], [cache], taps=decoder.taps, logit_rows=[k + 1])
+        cache.trim(context)
+
+    def propose():
+        draft.add_context(state.draft_cache, one_tap, context)
+        draft.propose_batch([state.draft_cache], [int(block[0])], k)
+        state.draft_cache.trim(context)
+
+    ops = {"decode": decode, "verify": verify, "propose": propose}
+    times = {name: [] for name in ops}
+    for _ in range(rounds):
+        for name, op in ops.items():
+            t0 = time.perf_counter()
+            op()
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(t[3:]) for name, t in times.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tag", default="smollm2:135m", help="the baseline tag (its DFlash tag is compared)")
+    p.add_argument("--k", type=int, default=1, help="drafted tokens per step (1-7)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
+    a = p.parse_args()
+
+    engines = load_engines(a.tag)
+    base, spec = engines.baseline, engines.dflash
+    decoder = spec.speculative
+    decoder.policy = forced_policy(a.k)
+    timings = Timings()
+    timings.wrap(base.model, "forward_batch", "target pass")  # one model object: keyed by thread
+    for engine in (base, spec):
+        timings.wrap(engine, "_step", "step")
+    timings.wrap(decoder, "propose", "draft (catch-up + propose)")
+    timings.wrap(decoder, "finish", "finish (verify, roll back, emit)")
+
+    prompts = [chat_ids(base.tokenizer, text) for _, text in short_prompts(n=a.prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
+    for engine in (base, spec):  # warm-up: compiled kernels, first allocations
+        run_request(engine, prompts[0], SamplingParams(temperature=0.0, max_tokens=16))
+    timings.seconds.clear()
+    timings.calls.clear()
+    runs = {base.name: [], spec.name: []}
+    for r in range(a.rounds):
+        for prompt in prompts:
+            for engine in ((base, spec) if r % 2 == 0 else (spec, base)):
+                runs[engine.name].append(run_request(engine, prompt, params))
+
+    step_ms = {}
+    for engine in (base, spec):
+        done = runs[engine.name]
+        tokens, seconds = sum(r.generated_tokens - 1 for r in done), sum(r.decode_s for r in done)
+        steps = sum(r.spec_steps for r in done)
+        al = f", AL {sum(r.acceptance_length * r.spec_steps for r in done) / steps:.2f}" if steps else ""
+        print(f"{engine.name}: {tokens / seconds:.1f} decode tokens/s{al}")
+        parts = timings.per_step_ms(engine._thread.name)
+        step_ms[engine.name] = parts["step"]
+        for label, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+            print(f"    {label:34s} {ms:7.2f} ms/step")
+    print(f"served speculative step (K={a.k}) / baseline step: {step_ms[spec.name] / step_ms[base.name]:.3f} decodes")
+    context = len(prompts[0]) + a.max_tokens // 2
+    alone = standalone_ms(engines, context, a.k)
+    print(f"alone at context {context}: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in alone.items())
+          + f"; (propose + verify) / decode = {(alone['propose'] + alone['verify']) / alone['decode']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
