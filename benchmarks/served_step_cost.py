@@ -12,8 +12,8 @@ the target pass (``forward_batch``), and for the DFlash engine of the draft's wo
 (``SpeculativeDecoder.propose``: catching up on the pending taps, then proposing) and of
 ``finish`` (verify, KV roll-back, emitting); decode tokens/s and AL from the engines' own stats.
 Then ``step / baseline step`` is the served cost of a speculative step in decodes: speculation
-pays where AL exceeds it (DESIGN §7). The same passes are then timed alone in the main thread
-(interleaved medians), for comparison with what calibration measures.
+pays where AL exceeds it (DESIGN §7). The same passes are then timed alone in the main thread by
+calibration's own measurement (``calibrate.step_costs``, 9 interleaved rounds, medians).
 
     python benchmarks/served_step_cost.py [--k 1] [--max-tokens 256] [--prompts 3] [--rounds 2]
 
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 import threading
 import time
 
 import numpy as np
 
+from flm_runtime.bench import calibrate
 from flm_runtime.bench.documents import chat_ids, short_prompts
 from flm_runtime.bench.engines import load_engines, run_request
 from flm_runtime.engine.policy import Bucket, PolicyTable
@@ -67,40 +67,6 @@ def forced_policy(k: int) -> PolicyTable:
     """Speculate with draft length ``k`` at every context, never switching off."""
     return PolicyTable(model="forced", backend="cpu", buckets=[
         Bucket(max_context=1 << 20, speculate=True, draft_length=k, cost_ratio=1e-3, expected_al=1.0)])
-
-
-def standalone_ms(engines, context: int, k: int, rounds: int = 30) -> dict[str, float]:
-    """Medians (ms) of the decode pass, the verify pass of ``k + 1`` rows and the proposal of ``k``
-    tokens (after one position of catch-up), interleaved, at ``context`` random tokens."""
-    decoder = engines.dflash.speculative
-    target, draft = decoder.target, decoder.draft
-    rng = np.random.default_rng(0)
-    cache, state = target.new_cache(context + 16), decoder.new_state(context + 16)
-    decoder.prefill(rng.integers(0, target.config.vocab_size, context), cache, state)
-    block = rng.integers(0, target.config.vocab_size, k + 1)
-    one_tap = np.zeros((1, state.pending.shape[1]), dtype=np.float32)
-
-    def decode():
-        target.forward_batch([block[:1]], [cache], taps=decoder.taps, logit_rows=[1])
-        cache.trim(context)
-
-    def verify():
-        target.forward_batch([block], [cache], taps=decoder.taps, logit_rows=[k + 1])
-        cache.trim(context)
-
-    def propose():
-        draft.add_context(state.draft_cache, one_tap, context)
-        draft.propose_batch([state.draft_cache], [int(block[0])], k)
-        state.draft_cache.trim(context)
-
-    ops = {"decode": decode, "verify": verify, "propose": propose}
-    times = {name: [] for name in ops}
-    for _ in range(rounds):
-        for name, op in ops.items():
-            t0 = time.perf_counter()
-            op()
-            times[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * statistics.median(t[3:]) for name, t in times.items()}
 
 
 def main() -> int:
@@ -148,8 +114,10 @@ def main() -> int:
             print(f"    {label:34s} {ms:7.2f} ms/step")
     print(f"served speculative step (K={a.k}) / baseline step: {step_ms[spec.name] / step_ms[base.name]:.3f} decodes")
     context = len(prompts[0]) + a.max_tokens // 2
-    alone = standalone_ms(engines, context, a.k)
-    print(f"alone at context {context}: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in alone.items())
+    costs = calibrate.step_costs(decoder, context, rounds=9, rng=np.random.default_rng(0))
+    alone = {"decode": costs["decode"], "verify": costs["verify"][a.k - 1], "propose": costs["propose"][a.k - 1]}
+    print(f"alone at context {context} (calibrate's step costs): "
+          + ", ".join(f"{n} {1e3 * sec:.2f} ms" for n, sec in alone.items())
           + f"; (propose + verify) / decode = {(alone['propose'] + alone['verify']) / alone['decode']:.3f}")
     return 0
 

@@ -170,9 +170,10 @@ class TorchLlama:
         h, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = self.embed[ids]  # [B', T, E]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B', 1, T, D/2]
-        n_keys = int(pos.max()) + 1
-        mask = None if slot is None else torch.arange(n_keys)[None, :] <= pos[0, :, None]  # [T, S'] causal
         rows = slice(None) if slot is None else slice(slot, slot + 1)
+        if slot is not None:  # the slot's prefill attends its cache up to its last new position
+            n_keys = int(pos[0, -1]) + 1
+            mask = torch.arange(n_keys)[None, :] <= pos[0, :, None]  # [T, S'] causal
         taps = []
         for i, w in enumerate(self.layers):
             qkv = rms_norm(x, w["attn_norm"], c.rms_norm_eps) @ w["wqkv"].T  # [B', T, (H+2Hkv)D]
