@@ -3,12 +3,14 @@
 The draft must learn how *the target* continues chat answers, so what matters is that the prompts
 ask for the same kinds of chat use users bring (and that MT-Bench's eight categories sample):
 writing, roleplay, reasoning, math, coding, extraction, STEM, humanities; the answers themselves
-come from the target. Two sources (``SOURCES``), mixed in order by ``make_prompts``:
+come from the target. Three sources (``SOURCES``), mixed in order by ``make_prompts``:
 
 - ``templates`` (this module): a few dozen one-sentence instruction templates per category of our
   own wording, filled from topic lists of our own, drawn with a fixed seed;
 - ``composed`` (``flm_train.composed_prompts``): longer requests built from parts (constraints,
-  formats, personas, invented data and standard-library text pasted in).
+  formats, personas, invented data and standard-library text pasted in);
+- ``open`` (``flm_train.open_prompts``): the same kinds of requests over a bank of over four
+  hundred everyday topics, for breadth.
 
 ``overlap_report`` checks that no prompt shares an 8-gram with an MT-Bench question (the
 pipeline refuses to continue otherwise; see docs/training.md).
@@ -23,7 +25,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from flm_train.composed_prompts import GENERATORS
+from flm_train import composed_prompts, open_prompts
 
 TOPICS = [
     "renewable energy", "urban gardening", "the history of the printing press", "coral reefs",
@@ -191,10 +193,15 @@ def _template_prompt(category: str, rng: random.Random) -> str:
 
 
 def _composed_prompt(category: str, rng: random.Random) -> str:
-    return GENERATORS[category](rng)
+    return composed_prompts.GENERATORS[category](rng)
 
 
-SOURCES: dict[str, Callable[[str, random.Random], str]] = {"templates": _template_prompt, "composed": _composed_prompt}
+def _open_prompt(category: str, rng: random.Random) -> str:
+    return open_prompts.GENERATORS[category](rng)
+
+
+SOURCES: dict[str, Callable[[str, random.Random], str]] = {
+    "templates": _template_prompt, "composed": _composed_prompt, "open": _open_prompt}
 
 
 def parse_mix(spec: str) -> list[tuple[str, int]]:

@@ -15,7 +15,7 @@ from flm_train.prompts import load_mt_bench, make_prompts, overlap_report, parse
 CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
-@pytest.mark.parametrize("source", ["templates", "composed"])
+@pytest.mark.parametrize("source", ["templates", "composed", "open"])
 def test_each_source_is_distinct_deterministic_and_prefix_stable(source):
     ps = make_prompts([(source, 640)])
     assert len({p["prompt"] for p in ps}) == 640
@@ -42,6 +42,18 @@ def test_composed_prompts_are_longer_and_paste_material_in():
     assert {p["category"] for p in pasted} >= {"coding", "extraction"}
 
 
+def test_open_prompts_cover_every_topic_of_their_bank():
+    from flm_train.composed_prompts import HUMANITIES, SCIENCE, SUBJECTS
+    from flm_train.open_prompts import TOPICS
+
+    def topics_asked(prompts, bank):
+        return {t for p in prompts for t in bank if t in p["prompt"]}
+
+    assert len(TOPICS) == len(set(TOPICS)) == 421
+    assert topics_asked(make_prompts([("open", 3072)]), TOPICS) == set(TOPICS)
+    assert len(topics_asked(make_prompts([("composed", 3072)]), SUBJECTS + SCIENCE + HUMANITIES)) == 104
+
+
 @pytest.mark.parametrize("spec, message", [("templates", "positive integer"), ("templates:0", "positive integer"),
                                            ("chat:10", "unknown prompt source 'chat'"), (" , ", "empty")])
 def test_a_bad_mix_is_refused_with_its_reason(spec, message):
@@ -54,7 +66,8 @@ def test_a_bad_mix_is_refused_with_its_reason(spec, message):
 def test_no_prompt_overlaps_mt_bench(mt_bench_path):
     bench = load_mt_bench(mt_bench_path)
     assert len(bench) == 160
-    prompts = make_prompts([("templates", 2048), ("composed", 3072)])  # the fourth run's list; the pipeline checks each run's whole list
+    # the seventh run's list; the pipeline checks each run's whole list
+    prompts = make_prompts([("templates", 2048), ("composed", 9216), ("open", 3072)])
     assert overlap_report([p["prompt"] for p in prompts], bench) == []
 
 
