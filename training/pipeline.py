@@ -23,6 +23,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -157,16 +158,35 @@ def shard_paths(a: argparse.Namespace) -> list[Path]:
     return [a.out / "data" / f"shard_{k:04d}.npz" for k in range(n)]
 
 
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(f"stopped by signal {signum}")
+
+
 def stage_generate(a: argparse.Namespace, prompts: list[dict]) -> None:
+    """Generate the missing shards in ``--workers`` processes.
+
+    The workers end with this stage, however it ends: a worker left running after a ``kill`` of
+    the pipeline would write the same shards as a resumed run. SIGTERM is turned into
+    ``SystemExit`` for the stage's duration so that its unwinding stops them (a shard is written
+    whole or not at all, ``flm_train.generate``); SIGKILL cannot be caught.
+    """
     if all(p.exists() for p in shard_paths(a)):
         return
     t0 = time.time()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_generate_worker, args=(a, prompts, w)) for w in range(a.workers)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join()
+        signal.signal(signal.SIGTERM, previous)
     missing = [p for p in shard_paths(a) if not p.exists()]
     if missing:
         raise SystemExit(f"generation left {len(missing)} shards missing (see the log); rerun to resume")
