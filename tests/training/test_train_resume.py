@@ -1,6 +1,7 @@
-"""The training loop's checkpoints: a run stopped and resumed equals one run straight through; the
-best draft is forgotten when the held-out shards change (its AL would not be comparable); a
-checkpoint resumed with more ``--layers`` grows by identity layers."""
+"""The training loop's data and checkpoints: shards' taps are memory-mapped, not read in; a run
+stopped and resumed equals one run straight through; the best draft is forgotten when the held-out
+shards change (its AL would not be comparable); a checkpoint resumed with more ``--layers`` grows
+by identity layers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
 
 from flm_train.pipeline import parse_args
-from flm_train.train import load_or_grow, train
+from flm_train.train import Shards, load_or_grow, mmap_npz_array, train
 
 TAPS_WIDTH = 5 * 576  # SmolLM2-135M: 5 tapped layers x hidden 576
 
@@ -31,6 +32,21 @@ def shards(tmp_path, smollm2_gguf):
     for k, p in enumerate(paths):
         write_shard(p, seed=k)
     return paths
+
+
+def test_shard_taps_are_memory_mapped_and_equal_to_the_stored_arrays(tmp_path):
+    path = tmp_path / "shard.npz"
+    write_shard(path, seed=0)
+    data = Shards([path])
+    stored = np.load(path)
+    assert isinstance(data.taps[0], np.memmap)
+    assert data.taps[0].dtype == np.float16 and np.array_equal(data.taps[0], stored["taps"])
+    assert np.array_equal(mmap_npz_array(path, "offsets"), stored["offsets"])
+    np.savez_compressed(tmp_path / "z.npz", taps=stored["taps"])
+    with pytest.raises(ValueError, match="taps is compressed"):
+        mmap_npz_array(tmp_path / "z.npz", "taps")
+    with pytest.raises(KeyError):
+        mmap_npz_array(path, "logits")
 
 
 def run(out, steps: int, train_paths, heldout_paths, layers: int = 1) -> dict:
