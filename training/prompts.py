@@ -192,16 +192,14 @@ def _template_prompt(category: str, rng: random.Random) -> str:
     return _fill(rng.choice(TEMPLATES[category]), rng)
 
 
-def _composed_prompt(category: str, rng: random.Random) -> str:
-    return composed_prompts.GENERATORS[category](rng)
-
-
-def _open_prompt(category: str, rng: random.Random) -> str:
-    return open_prompts.GENERATORS[category](rng)
+def _by_category(generators: dict[str, Callable[[random.Random], str]]) -> Callable[[str, random.Random], str]:
+    """A source from a module's one-generator-per-category table (``GENERATORS``)."""
+    return lambda category, rng: generators[category](rng)
 
 
 SOURCES: dict[str, Callable[[str, random.Random], str]] = {
-    "templates": _template_prompt, "composed": _composed_prompt, "open": _open_prompt}
+    "templates": _template_prompt, "composed": _by_category(composed_prompts.GENERATORS),
+    "open": _by_category(open_prompts.GENERATORS)}
 
 
 def parse_mix(spec: str) -> list[tuple[str, int]]:
