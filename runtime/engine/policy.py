@@ -12,16 +12,18 @@ whether to speculate, the draft length K, the measured ``cost_ratio`` and the ca
 written by ``litellm-flm calibrate`` (``flm_runtime.bench.calibrate``) and shipped for the
 embedded model. The card's rule is one bucket: ``{"max_context": 32768, "speculate": false}``.
 
-Then, per request, an ``AcceptanceTracker`` follows that request's own AL (an exponential moving
-average seeded with the table's AL). When ``AL_estimate / cost_ratio`` drops below 1 the request
-decodes plainly for ``probe_after`` tokens, then probes with one speculative step; every probe
-that does not pay doubles the wait (up to ``max_probe_after``), one that pays resumes speculation.
+Then, per request, an ``AcceptanceTracker`` follows that request's own AL (the mean of its last
+16 speculative steps, the window starting full of the table's AL). When ``AL_estimate /
+cost_ratio`` drops below 1 the request decodes plainly for ``probe_after`` tokens, then probes:
+speculation restarts with a fresh window; a probe switched off again within the window doubles the
+wait (up to ``max_probe_after``), one that lasts the window resets it.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -117,37 +119,57 @@ class PolicyTable(BaseModel):
 class AcceptanceTracker:
     """One request's online acceptance estimate and its speculate / plain decision.
 
+    The estimate is the mean AL over the request's last ``window`` speculative steps. Each time
+    speculation (re)starts, the window starts full of the bucket's calibrated ``expected_al``: a
+    prior worth ``window`` steps, which the request's own steps then push out. One step emits 1 to
+    K+1 tokens, with a standard deviation of 0.50 tokens at K = 1 and 0.75 at K = 2 at our
+    draft's acceptance (AL 1.45 and 1.61: the shipped ``policy-cpu.json``'s profile at 256
+    tokens), so the mean of 16 steps is known to 0.12-0.19 tokens. One step alone says little:
+    more than half of them emit a single token even where speculation pays. A request whose AL is
+    far below the ``cost_ratio`` is switched off within about ten steps.
+
+    When the estimate drops below the bucket's ``cost_ratio`` the request decodes plainly for
+    ``probe_after`` tokens, then probes: speculation restarts with a fresh window. A probe that is
+    switched off again within ``window`` steps doubles the wait (up to ``max_probe_after``); one
+    that lasts ``window`` steps resets it.
+
     Attributes:
-        alpha: weight of the newest step in the moving average (a probe weighs 0.5).
+        window: speculative steps the estimate averages (and steps a probe must last).
         first_probe_after, max_probe_after: tokens of plain decoding before the first probe, and
-            the cap of its doubling. These three are our own choices (a few steps to react, a
-            probe costing a few percent at most), not tuned values from a paper.
-        al: moving-average AL (tokens per speculative step, bonus included); None until the first
-            decision seeds it with the bucket's ``expected_al``.
+            the cap of its doubling. These three are our own choices (see above; a failed probe
+            costs a few percent at most), not tuned values from a paper.
+        al: the estimate (mean AL over the window, tokens per speculative step, bonus included);
+            None until speculation first starts; after a switch-off, the estimate that caused it.
         tokens: tokens this request generated through the tracker (plain and speculative).
         plain_until: ``tokens`` value before which the request decodes plainly (0: speculating).
         probe_after: tokens of plain decoding before the next probe.
-        switches: times the tracker turned speculation off.
+        probing: speculation restarted after a switch-off and has not yet lasted ``window`` steps.
+        switches: times the tracker turned speculation off (failed probes included).
     """
 
-    alpha: float = 0.25
+    window: int = 16
     first_probe_after: int = 16
     max_probe_after: int = 512
     al: float | None = None
     tokens: int = 0
     plain_until: int = 0
     probe_after: int = 16
+    probing: bool = False
     switches: int = 0
+    _recent: deque = field(init=False, repr=False)  # the window: emitted tokens of the last steps
+    _steps: int = field(default=0, init=False, repr=False)  # speculative steps since the (re)start
 
     def __post_init__(self) -> None:
         self.probe_after = self.first_probe_after
+        self._recent = deque(maxlen=self.window)
 
     def draft_length(self, bucket: Bucket) -> int:
         """K for the next step in ``bucket``: 0 means a plain decode step."""
         if not bucket.speculate or self.tokens < self.plain_until:
             return 0
-        if self.al is None:
-            self.al = bucket.expected_al
+        if not self._recent:  # (re)starting: the prior fills the window
+            self._recent.extend([bucket.expected_al] * self.window)
+            self._steps, self.probing, self.plain_until = 0, self.plain_until > 0, 0
         return bucket.draft_length
 
     def record_plain(self) -> None:
@@ -155,22 +177,19 @@ class AcceptanceTracker:
         self.tokens += 1
 
     def record_step(self, bucket: Bucket, emitted: int) -> None:
-        """A speculative step in ``bucket`` emitted ``emitted`` tokens (accepted + bonus).
-
-        A probe (the first step after plain decoding) weighs its own AL as much as the history.
-        """
-        probe = self.plain_until > 0
-        a = 0.5 if probe else self.alpha
-        self.al = (1 - a) * (bucket.expected_al if self.al is None else self.al) + a * emitted
+        """A speculative step in ``bucket`` emitted ``emitted`` tokens (accepted + bonus)."""
+        self._recent.append(emitted)
+        self._steps += 1
         self.tokens += emitted
-        if self.al < bucket.cost_ratio:        # speculation does not pay for this request (now)
-            if probe:
+        self.al = sum(self._recent) / len(self._recent)
+        if self.al < bucket.cost_ratio:  # speculation does not pay for this request (now)
+            if self.probing:
                 self.probe_after = min(2 * self.probe_after, self.max_probe_after)
-            else:
-                self.switches += 1
+            self.switches += 1
             self.plain_until = self.tokens + self.probe_after
-        else:
-            self.plain_until, self.probe_after = 0, self.first_probe_after
+            self._recent.clear()
+        elif self._steps == self.window:  # lasted a whole window: a probe that paid
+            self.probing, self.probe_after = False, self.first_probe_after
 
     def stats(self) -> dict:
         """``spec_switches_off`` and the final ``al_estimate``."""

@@ -18,27 +18,43 @@ PAYS_AT_2 = Bucket(max_context=1 << 20, speculate=True, draft_length=7, cost_rat
 
 def test_tracker_switches_off_probes_with_backoff_and_resumes():
     t = AcceptanceTracker()
-    # Three steps of AL 1 from a prior of 3: EMA 2.5, 2.125, 1.84375 < 2.0 -> off after the third.
-    for expected_al in (2.5, 2.125):
+    # The window starts full of the prior (16 x AL 3, sum 48); each step of AL 1 takes 2 off its sum:
+    # after 8 the mean is exactly the cost ratio (still speculating), the 9th switches off.
+    for n in range(1, 9):
         assert t.draft_length(PAYS_AT_2) == 7
         t.record_step(PAYS_AT_2, 1)
-        assert t.al == expected_al and t.plain_until == 0
+        assert (t.al, t.plain_until) == ((48 - 2 * n) / 16, 0)
     assert t.draft_length(PAYS_AT_2) == 7
     t.record_step(PAYS_AT_2, 1)
-    assert (t.al, t.switches, t.tokens, t.plain_until) == (1.84375, 1, 3, 3 + 16)
+    assert (t.al, t.switches, t.tokens, t.plain_until, t.probe_after) == (1.875, 1, 9, 9 + 16, 16)
     for _ in range(16):  # plain decoding until the first probe
         assert t.draft_length(PAYS_AT_2) == 0
         t.record_plain()
-    assert t.draft_length(PAYS_AT_2) == 7  # the probe
-    t.record_step(PAYS_AT_2, 1)  # a probe weighs 0.5: (1.84375 + 1) / 2 < 2 -> wait twice as long
-    assert (t.al, t.switches, t.probe_after, t.plain_until) == (1.421875, 1, 32, 20 + 32)
+    # The probe restarts from the prior: 8 steps of AL 1 keep it on, the 9th fails it -> wait twice as long.
+    for _ in range(9):
+        assert t.draft_length(PAYS_AT_2) == 7 and t.probing
+        t.record_step(PAYS_AT_2, 1)
+    assert (t.al, t.switches, t.tokens, t.probe_after, t.plain_until) == (1.875, 2, 34, 32, 34 + 32)
     for _ in range(32):
         assert t.draft_length(PAYS_AT_2) == 0
         t.record_plain()
+    for n in range(1, 17):  # a probe that pays for a whole window: the wait is reset
+        assert t.draft_length(PAYS_AT_2) == 7
+        t.record_step(PAYS_AT_2, 8)
+        assert t.al == (3 * (16 - n) + 8 * n) / 16
+    assert (t.probing, t.probe_after, t.switches, t.plain_until) == (False, 16, 2, 0)
     assert t.draft_length(PAYS_AT_2) == 7
-    t.record_step(PAYS_AT_2, 8)  # (1.421875 + 8) / 2 = 4.71 >= 2: speculating again
-    assert (t.al, t.plain_until, t.probe_after, t.switches) == (4.7109375, 0, 16, 1)
-    assert t.draft_length(PAYS_AT_2) == 7
+
+
+def test_tracker_is_not_switched_off_by_a_run_of_short_steps_where_speculation_pays():
+    # AL 1.6 against a cost ratio of 1.33 (calibrated K = 2 at 256 tokens): four single-token steps
+    # in a row, which happen about once in 11 steps there, leave the estimate above the ratio.
+    bucket = Bucket(max_context=256, speculate=True, draft_length=2, cost_ratio=1.33, expected_al=1.6)
+    t = AcceptanceTracker()
+    for emitted in (1, 1, 1, 1, 3, 2, 1, 1, 1, 1):
+        assert t.draft_length(bucket) == 2
+        t.record_step(bucket, emitted)
+    assert (t.switches, t.plain_until) == (0, 0) and round(t.al, 4) == round((6 * 1.6 + 13) / 16, 4)
 
 
 def test_a_bucket_without_speculation_never_drafts():
@@ -79,9 +95,9 @@ def test_engine_turns_speculation_off_when_acceptance_collapses(make_engine):
     done = collapsing_engine(make_engine, perfect=False).submit([1, 2, 3], SamplingParams(max_tokens=200)).result()
     assert done.token_ids == tuple(LETTERS[:200])  # exact whatever the policy does
     s = done.stats
-    # 1 token from prefill, then: 3 failing steps (off), 16 plain, probe, 32 plain, probe, 64 plain
-    # (the pending taps folded into the draft cache on the way), probe, 81 plain.
-    assert (s["spec_steps"], s["accepted_tokens"], s["spec_switches_off"], s["generated_tokens"]) == (6, 0, 1, 200)
+    # 1 token from prefill, then: 9 failing steps (off), 16 plain, a probe of 9 failing steps, 32
+    # plain, 9, 64 plain (the pending taps folded into the draft cache on the way), 9, 51 plain.
+    assert (s["spec_steps"], s["accepted_tokens"], s["spec_switches_off"], s["generated_tokens"]) == (36, 0, 4, 200)
 
 
 def test_engine_keeps_speculating_while_it_pays(make_engine):
