@@ -15,10 +15,16 @@ Two measurements, then one decision per context bucket (``flm_runtime.engine.pol
    draft catching up one position and drafting a block, its LM head on K rows) and
    ``t_verify(K+1)``, for K = 1..7.
 
-Per bucket (contexts up to the measured one; a bucket's timing is its worst case, since attention
-grows with context): ``K* = argmax_K E_K * t_decode / (t_propose(K) + t_verify(K+1))`` with the
-bucket's own profile; speculation is on when that expected speed-up exceeds 1. Each request's own
-acceptance then moves its decision online.
+Per bucket (contexts above the previous measured one, up to this one): ``K* = argmax_K E_K /
+r_K`` with the bucket's own profile, where the cost ratio ``r_K = (t_propose(K) + t_verify(K+1))
+/ t_decode`` is the larger of the two measured at the bucket's edges (the first bucket: its upper
+edge only); speculation is on when that expected speed-up exceeds 1. The ratio does not grow with
+context as the times do: the 1-row pass's attention grows as fast as the verify pass's, over a
+smaller base, and above ``cpu.SKINNY_DECODE_CONTEXT`` the 1-row pass leaves the skinny kernel for
+BLAS. Session 7's table timed its 257-1,024 bucket at 1,024 tokens only (K = 1: ratio 1.11),
+while served steps of K = 1 at 257-290 tokens cost 1.36 decodes
+(``benchmarks/served_step_cost.py --policy``, docs/dflash.md). Each request's own acceptance
+then moves its decision online.
 
     litellm-flm calibrate [--tag smollm2-dflash:135m] [--backend cpu] [--contexts 256,1024,4096,8192]
         [--rounds 5] [--max-new 128] [--out PATH]
@@ -137,13 +143,14 @@ def step_costs(decoder: SpeculativeDecoder, context: int, rounds: int, rng: np.r
             "verify": [med[f"verify{n + 1}"] for n in range(1, k + 1)]}
 
 
-def choose(costs: dict, profile: np.ndarray, max_context: int) -> Bucket:
-    """The bucket's decision: the draft length K with the best expected speed-up (see the module
-    docstring); speculation on when that speed-up exceeds 1."""
+def choose(edges: list[dict], profile: np.ndarray, max_context: int) -> Bucket:
+    """The bucket's decision from the step costs measured at its edges (``step_costs`` dicts):
+    the draft length K with the best expected speed-up, each K's cost ratio the largest over the
+    edges (see the module docstring); speculation on when that speed-up exceeds 1."""
     best = None
     for k in range(1, len(profile) + 1):
         al = 1.0 + float(profile[:k].sum())
-        ratio = (costs["propose"][k - 1] + costs["verify"][k - 1]) / costs["decode"]
+        ratio = max((c["propose"][k - 1] + c["verify"][k - 1]) / c["decode"] for c in edges)
         if best is None or al / ratio > best[0]:
             best = (al / ratio, k, al, ratio)
     speedup, k, al, ratio = best
@@ -179,9 +186,10 @@ def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str,
             profiles[ctx] = acceptance_profile(decoder, tokenizer, prompt, max_new, bar)
     rng = np.random.default_rng(seed)
     buckets, measured = [], {}
-    for i, ctx in enumerate(tqdm(contexts, desc="calibrate: step costs", unit="context")):
-        costs = step_costs(decoder, ctx, rounds, rng)
-        buckets.append(choose(costs, profiles[ctx], limit if i == len(contexts) - 1 else ctx))
+    costs_at = [step_costs(decoder, ctx, rounds, rng)
+                for ctx in tqdm(contexts, desc="calibrate: step costs", unit="context")]
+    for i, (ctx, costs) in enumerate(zip(contexts, costs_at)):
+        buckets.append(choose(costs_at[max(0, i - 1) : i + 1], profiles[ctx], limit if i == len(contexts) - 1 else ctx))
         measured[str(ctx)] = {"decode_ms": round(1e3 * costs["decode"], 3),
                               "propose_ms": [round(1e3 * t, 3) for t in costs["propose"]],
                               "verify_ms": [round(1e3 * t, 3) for t in costs["verify"]],

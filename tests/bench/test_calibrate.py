@@ -48,12 +48,14 @@ def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smol
     assert [b.max_context for b in table.buckets] == [16, smollm2_model.config.max_position_embeddings]
     by_context = table.measured["by_context"]
     assert [by_context[c]["acceptance_prompts"] for c in ("16", "150")] == ["chat", "document"]
-    for bucket, ctx in zip(table.buckets, ("16", "150")):
-        costs = by_context[ctx]
-        profile = np.array(costs["acceptance_at_least"])
+    def ratio(costs: dict, k: int) -> float:
+        return (costs["propose_ms"][k - 1] + costs["verify_ms"][k - 1]) / costs["decode_ms"]
+
+    # Each bucket's cost ratio is the larger of those at its edges (the first: its own context only).
+    for bucket, edges, ctx in zip(table.buckets, (("16",), ("16", "150")), ("16", "150")):
+        profile = np.array(by_context[ctx]["acceptance_at_least"])
         assert profile.shape == (7,) and (np.diff(profile) <= 0).all()
-        speedups = [(1 + profile[:k].sum()) * costs["decode_ms"] / (costs["propose_ms"][k - 1] + costs["verify_ms"][k - 1])
-                    for k in range(1, 8)]
+        speedups = [(1 + profile[:k].sum()) / max(ratio(by_context[e], k) for e in edges) for k in range(1, 8)]
         k = int(np.argmax(speedups)) + 1
         assert bucket.draft_length == k and bucket.expected_al == pytest.approx(1 + profile[:k].sum(), abs=1e-4)
         assert bucket.speculate == (speedups[k - 1] > 1.0)
@@ -61,6 +63,16 @@ def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smol
     with pytest.raises(ValueError, match="contexts must ascend"):
         calibrate.calibrate(SpeculativeDecoder(smollm2_model, draft), smollm2_tokenizer, tag="t", backend="cpu",
                             contexts=[64, 16], rounds=1, max_new=16, prompts=PROMPT)
+
+
+def test_a_bucket_speculates_only_where_it_pays_at_both_edges():
+    profile = np.array([0.4, 0.1, 0, 0, 0, 0, 0])  # AL 1.4 at K = 1, 1.5 from K = 2 on
+    cheap = {"decode": 1.0, "propose": [0.1] * 7, "verify": [1.0] * 7}  # cost ratio 1.1 at every K
+    dear = {"decode": 1.0, "propose": [0.1] * 7, "verify": [1.5] * 7}  # 1.6
+    alone = calibrate.choose([cheap], profile, 256)
+    assert (alone.speculate, alone.draft_length, alone.expected_al, alone.cost_ratio) == (True, 2, 1.5, 1.1)
+    both = calibrate.choose([dear, cheap], profile, 1024)  # dear at the lower edge: 1.5 / 1.6 < 1
+    assert (both.speculate, both.draft_length, both.cost_ratio) == (False, 2, 1.6)
 
 
 def test_the_command_writes_the_table_the_engine_reads(run_cli, random_draft, tmp_path, monkeypatch):
