@@ -5,17 +5,21 @@ This script times them where they run when serving: inside the engine threads of
 and of its DFlash tag, on the same chat prompts (``documents.short_prompts``), greedy,
 ``--max-tokens`` tokens each (end of turn ignored), the two engines alternating request by
 request with the order flipped every round. The DFlash engine is given a one-bucket policy table
-that drafts ``--k`` tokens at every step (no switch-off), so every step is a speculative one.
+that drafts ``--k`` tokens at every step (no switch-off), so every step is a speculative one; or,
+with ``--policy FILE``, that table as served (its buckets and the per-request acceptance tracker),
+to see where a served run's time goes against what calibration expected.
 
 Per engine, over all its steps: milliseconds per step of the whole step (``Engine._step``), of
 the target pass (``forward_batch``), and for the DFlash engine of the draft's work
 (``SpeculativeDecoder.propose``: catching up on the pending taps, then proposing) and of
 ``finish`` (verify, KV roll-back, emitting); decode tokens/s and AL from the engines' own stats.
-Then ``step / baseline step`` is the served cost of a speculative step in decodes: speculation
-pays where AL exceeds it (DESIGN §7). The same passes are then timed alone in the main thread by
-calibration's own measurement (``calibrate.step_costs``, 9 interleaved rounds, medians).
+The DFlash engine's steps are also split by their draft length K (K = 0: a plain step), with
+their count, ms per step and tokens emitted. Then ``step / baseline step`` is the served cost of
+a speculative step in decodes: speculation pays where AL exceeds it (DESIGN §7). Forced, the
+same passes are then timed alone in the main thread by calibration's own measurement
+(``calibrate.step_costs``, 9 interleaved rounds, medians).
 
-    python benchmarks/served_step_cost.py [--k 1] [--max-tokens 256] [--prompts 3] [--rounds 2]
+    python benchmarks/served_step_cost.py [--k 1 | --policy FILE] [--max-tokens 256] [--prompts 3] [--rounds 2]
 
 Timing wraps the methods of these engine instances only (``time.perf_counter``, per call).
 """
@@ -26,6 +30,8 @@ import argparse
 import collections
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -43,8 +49,9 @@ class Timings:
         self.seconds: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
 
-    def wrap(self, obj, method: str, label: str) -> None:
-        """Replace ``obj.method`` by a timed call recorded under (``threading`` name, ``label``)."""
+    def wrap(self, obj, method: str, label: str | Callable[[], str]) -> None:
+        """Replace ``obj.method`` by a timed call recorded under (``threading`` name, ``label``),
+        ``label()`` when callable (asked when the call returns)."""
         inner = getattr(obj, method)
 
         def timed(*args, **kwargs):
@@ -52,7 +59,7 @@ class Timings:
             try:
                 return inner(*args, **kwargs)
             finally:
-                key = (threading.current_thread().name, label)
+                key = (threading.current_thread().name, label() if callable(label) else label)
                 self.seconds[key] += time.perf_counter() - t0
                 self.calls[key] += 1
 
@@ -60,7 +67,27 @@ class Timings:
 
     def per_step_ms(self, thread: str) -> dict[str, float]:
         steps = self.calls[(thread, "step")]
-        return {label: 1e3 * s / steps for (t, label), s in self.seconds.items() if t == thread}
+        return {label: 1e3 * s / steps for (t, label), s in self.seconds.items()
+                if t == thread and not label.startswith("K=")}
+
+    def by_k(self, thread: str) -> list[tuple[str, int, float]]:
+        """(label ``K=k``, steps, ms per step) of the steps split by draft length."""
+        return sorted((label, self.calls[(t, label)], 1e3 * s / self.calls[(t, label)])
+                      for (t, label), s in self.seconds.items() if t == thread and label.startswith("K="))
+
+
+def record_draft_lengths(decoder) -> Callable[[], str]:
+    """Wrap ``decoder.propose`` to remember its (one) lane's K; returns the step label ``K=k``
+    (``K=none`` for a step without decoding lanes: the prefill)."""
+    propose, last = decoder.propose, {}
+
+    def recorded(lanes):
+        drafts = propose(lanes)
+        last["k"] = len(drafts[0])
+        return drafts
+
+    decoder.propose = recorded
+    return lambda: f"K={last.pop('k', 'none')}"
 
 
 def forced_policy(k: int) -> PolicyTable:
@@ -73,6 +100,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tag", default="smollm2:135m", help="the baseline tag (its DFlash tag is compared)")
     p.add_argument("--k", type=int, default=1, help="drafted tokens per step (1-7)")
+    p.add_argument("--policy", type=Path, default=None,
+                   help="serve with this policy table (and its acceptance tracker) instead of forcing --k")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
@@ -81,12 +110,13 @@ def main() -> int:
     engines = load_engines(a.tag)
     base, spec = engines.baseline, engines.dflash
     decoder = spec.speculative
-    decoder.policy = forced_policy(a.k)
+    decoder.policy = forced_policy(a.k) if a.policy is None else PolicyTable.load(a.policy)
     timings = Timings()
     timings.wrap(base.model, "forward_batch", "target pass")  # one model object: keyed by thread
     for engine in (base, spec):
         timings.wrap(engine, "_step", "step")
     timings.wrap(decoder, "propose", "draft (catch-up + propose)")
+    timings.wrap(spec, "_step", record_draft_lengths(decoder))
     timings.wrap(decoder, "finish", "finish (verify, roll back, emit)")
 
     prompts = [chat_ids(base.tokenizer, text) for _, text in short_prompts(n=a.prompts)]
@@ -112,6 +142,12 @@ def main() -> int:
         step_ms[engine.name] = parts["step"]
         for label, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
             print(f"    {label:34s} {ms:7.2f} ms/step")
+    for label, steps, ms in timings.by_k(spec._thread.name):
+        print(f"    steps with {label:23s} {steps:6d} steps {ms:7.2f} ms/step = {ms / step_ms[base.name]:.3f} decodes")
+    switches = sum(r.spec_switches_off for r in runs[spec.name])
+    print(f"    acceptance tracker switched speculation off {switches} times")
+    if a.policy is not None:
+        return 0
     print(f"served speculative step (K={a.k}) / baseline step: {step_ms[spec.name] / step_ms[base.name]:.3f} decodes")
     context = len(prompts[0]) + a.max_tokens // 2
     costs = calibrate.step_costs(decoder, context, rounds=9, rng=np.random.default_rng(0))

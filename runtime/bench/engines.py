@@ -150,6 +150,7 @@ class Run:
         decode_s: first to last token, seconds (``generated_tokens - 1`` tokens decoded in it).
         spec_steps: speculative (verify) steps; 0 for plain decoding.
         acceptance_length: tokens kept per step, bonus included (0.0 without speculation).
+        spec_switches_off: times the request's acceptance tracker turned speculation off.
     """
 
     prompt_tokens: int
@@ -158,6 +159,7 @@ class Run:
     decode_s: float
     spec_steps: int = 0
     acceptance_length: float = 0.0
+    spec_switches_off: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -173,7 +175,7 @@ class Run:
         tps = s["decode_tokens_per_s"]
         decode_s = (s["generated_tokens"] - 1) / tps if tps > 0 else 0.0
         return cls(s["prompt_tokens"], s["generated_tokens"], s["ttft_s"], decode_s,
-                   s.get("spec_steps", 0), s.get("acceptance_length", 0.0))
+                   s.get("spec_steps", 0), s.get("acceptance_length", 0.0), s.get("spec_switches_off", 0))
 
 
 def run_request(engine: Engine, prompt_ids, params: SamplingParams, timeout: float = 3600.0) -> Run:
