@@ -15,7 +15,9 @@ the LM head), medians of 3 rounds, ``python benchmarks/skinny_gemm.py`` (quiet m
 so a verify pass of 2-4 positions costs about what one decode costs, which is what could make
 drafting short blocks pay on a CPU (docs/dflash.md, "Cost on the cpu backend").
 
-The kernel is compiled by numba on first use and cached on disk. Summation order differs from
+The kernel is compiled by numba and cached on disk: ``compile_kernel`` runs when a model loads
+(``flm_runtime.api.load_model``), so that the compilation (seconds on a fresh install, then a load
+from the cache) is not counted in the first request's decode time. Summation order differs from
 BLAS: results agree to float32 rounding, not bit for bit.
 
 Thread safety: numba's default thread pool (its "workqueue" layer) aborts the process when two
@@ -97,3 +99,8 @@ def skinny_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     with _LOCK:
         _skinny_matmul(np.ascontiguousarray(x), w, out)
     return out
+
+
+def compile_kernel() -> None:
+    """Compile the kernel now, or load it from numba's disk cache (``skinny_linear`` on 1 x 8 zeros)."""
+    skinny_linear(np.zeros((1, 8), dtype=np.float32), np.zeros((8, 8), dtype=np.float32))

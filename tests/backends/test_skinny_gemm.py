@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -147,3 +149,16 @@ def test_another_librarys_brief_blas_limit_does_not_stick():
     skinny.__exit__(None, None, None)
     assert _blas_threads() == before
 
+
+
+def test_loading_a_model_compiles_the_kernel_before_any_request(smollm2_gguf):
+    """A fresh process: the kernel has no compiled signature until ``load_model``, then it has one,
+    so that a first request's decode time does not include numba's compilation."""
+    script = ("from flm_runtime import api\n"
+              "from flm_runtime.backends import skinny_gemm\n"
+              "before = len(skinny_gemm._skinny_matmul.signatures)\n"
+              "api.load_model('smollm2:135m')\n"
+              "print(before, len(skinny_gemm._skinny_matmul.signatures))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "1"]
