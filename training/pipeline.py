@@ -81,6 +81,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=3000)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--warmup", type=int, default=100)
+    g.add_argument("--schedule-from", type=int, default=0,
+                   help="step at which the LR schedule (warmup, cosine to --steps) starts: a resumed run restarts it")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip", type=float, default=1.0)
     g.add_argument("--norm-lr-mult", type=float, default=10.0,

@@ -198,9 +198,13 @@ def save_checkpoint(path: Path, state: dict) -> None:
 
 
 def lr_at(step: int, a: argparse.Namespace) -> float:
-    if step < a.warmup:
-        return a.lr * (step + 1) / a.warmup
-    frac = (step - a.warmup) / max(1, a.steps - a.warmup)
+    """The LR at ``step``: ``--warmup`` linear steps from ``--schedule-from``, then a cosine from
+    ``--lr`` to 10% of it at ``--steps``. A ``--schedule-from`` past 0 restarts the schedule when
+    a run resumes (a warm restart: Loshchilov & Hutter 2017, "SGDR", arXiv:1608.03983)."""
+    s = step - a.schedule_from
+    if s < a.warmup:
+        return a.lr * (max(0, s) + 1) / a.warmup
+    frac = (s - a.warmup) / max(1, a.steps - a.schedule_from - a.warmup)
     return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 

@@ -1,7 +1,7 @@
 """The training loop's data and checkpoints: shards' taps are memory-mapped, not read in; a run
 stopped and resumed equals one run straight through; the best draft is forgotten when the held-out
 shards change (its AL would not be comparable); a checkpoint resumed with more ``--layers`` grows
-by identity layers."""
+by identity layers; ``--schedule-from`` restarts the LR schedule."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
 
 from flm_train.pipeline import parse_args
-from flm_train.train import Shards, load_or_grow, mmap_npz_array, train
+from flm_train.train import Shards, load_or_grow, lr_at, mmap_npz_array, train
 
 TAPS_WIDTH = 5 * 576  # SmolLM2-135M: 5 tapped layers x hidden 576
 
@@ -98,3 +98,13 @@ def test_resuming_with_more_layers_grows_the_draft_and_forgets_the_best(tmp_path
     assert grown["draft_config"]["num_hidden_layers"] == 2
     assert "layers.1.o_proj.weight" in grown["model"]
     assert grown["best"]["step"] == 4  # the 1-layer best (step 2) could not be exported as a 2-layer draft
+
+
+def test_the_lr_schedule_restarts_at_schedule_from():
+    a = parse_args(["--lr", "1e-3", "--warmup", "100", "--steps", "1000"])
+    assert a.schedule_from == 0
+    assert [lr_at(step, a) for step in (0, 99, 1000, 2000)] == pytest.approx([1e-5, 1e-3, 1e-4, 1e-4])
+    assert lr_at(550, a) == pytest.approx(1e-3 * (0.1 + 0.45 * (1 + np.cos(np.pi * 450 / 900))))
+    a = parse_args(["--lr", "1e-3", "--warmup", "100", "--steps", "1000", "--schedule-from", "500"])
+    # warmup again from step 500, then the cosine over the 400 steps left
+    assert [lr_at(step, a) for step in (500, 599, 800, 1000)] == pytest.approx([1e-5, 1e-3, 5.5e-4, 1e-4])
