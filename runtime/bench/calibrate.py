@@ -13,21 +13,25 @@ Two measurements, then one decision per context bucket (``flm_runtime.engine.pol
 2. **Step costs** at each context of ``--contexts`` (a random-token prompt of that length in the
    caches), in interleaved rounds, medians: ``t_decode`` (the 1-token layer), ``t_propose(K)`` (the
    draft catching up one position and drafting a block, its LM head on K rows) and
-   ``t_verify(K+1)``, for K = 1..7.
+   ``t_verify(K+1)``, for K = 1..7. With ``--spells N`` all of it is measured N times,
+   ``--spell-gap`` seconds apart: on a shared machine the one-row decode pass, which streams the
+   weights, speeds up and slows down by a third over minutes while the verify pass moves less
+   (docs/benchmarks.md), and that alone flips the decision.
 
 Per bucket (contexts above the previous measured one, up to this one): ``K* = argmax_K E_K /
 r_K`` with the bucket's own profile, where the cost ratio ``r_K = (t_propose(K) + t_verify(K+1))
-/ t_decode`` is the larger of the two measured at the bucket's edges (the first bucket: its upper
-edge only); speculation is on when that expected speed-up exceeds 1. The ratio does not grow with
-context as the times do: the 1-row pass's attention grows as fast as the verify pass's, over a
-smaller base, and above ``cpu.SKINNY_DECODE_CONTEXT`` the 1-row pass leaves the skinny kernel for
-BLAS. Session 7's table timed its 257-1,024 bucket at 1,024 tokens only (K = 1: ratio 1.11),
-while served steps of K = 1 at 257-290 tokens cost 1.36 decodes
-(``benchmarks/served_step_cost.py --policy``, docs/dflash.md). Each request's own acceptance
-then moves its decision online.
+/ t_decode`` is the largest measured at the bucket's edges (the first bucket: its upper edge
+only) over all spells; speculation is on when that expected speed-up exceeds 1, i.e. where it
+paid in every spell at both edges. The ratio is not monotonic in context: attention adds
+about as much to both passes, so the ratio falls as the context grows (a table timed at 1,024
+tokens only for its 257-1,024 bucket had K = 1 there at a ratio of 1.11, while K = 1 steps
+served at 257-290 tokens cost 1.32-1.49 decodes: ``benchmarks/served_step_cost.py --policy``,
+docs/benchmarks.md), until the 1-row pass leaves the skinny kernel for BLAS above
+``cpu.SKINNY_DECODE_CONTEXT`` and it jumps. Each request's own acceptance then moves its
+decision online.
 
     litellm-flm calibrate [--tag smollm2-dflash:135m] [--backend cpu] [--contexts 256,1024,4096,8192]
-        [--rounds 5] [--max-new 128] [--out PATH]
+        [--rounds 5] [--spells 1] [--spell-gap 300] [--max-new 128] [--out PATH]
 """
 
 from __future__ import annotations
@@ -159,9 +163,11 @@ def choose(edges: list[dict], profile: np.ndarray, max_context: int) -> Bucket:
 
 
 def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str, contexts: list[int], rounds: int,
-              max_new: int, prompts=CALIBRATION_PROMPTS, seed: int = 0) -> PolicyTable:
+              max_new: int, spells: int = 1, spell_gap: float = 300.0, prompts=CALIBRATION_PROMPTS,
+              seed: int = 0) -> PolicyTable:
     """Measure and decide (module docstring). ``contexts`` ascending, each at most the context
     length minus a block and one position; the last bucket extends to the context length.
+    ``spells``: times the step costs are measured, ``spell_gap`` seconds apart (sleeping).
     ``prompts``: the chat prompts (text) for the contexts below ``LONG_CONTEXT``.
 
     Raises:
@@ -185,20 +191,31 @@ def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str,
         for ctx, prompt in long_prompts.items():
             profiles[ctx] = acceptance_profile(decoder, tokenizer, prompt, max_new, bar)
     rng = np.random.default_rng(seed)
+    costs_at = []  # [spell][context]: step_costs
+    with tqdm(total=spells * len(contexts), desc="calibrate: step costs", unit="context") as bar:
+        for spell in range(spells):
+            if spell:
+                bar.set_postfix_str(f"waiting {spell_gap:.0f} s for spell {spell + 1} of {spells}", refresh=True)
+                time.sleep(spell_gap)
+                bar.set_postfix_str("")
+            costs_at.append([])
+            for ctx in contexts:
+                costs_at[-1].append(step_costs(decoder, ctx, rounds, rng))
+                bar.update(1)
     buckets, measured = [], {}
-    costs_at = [step_costs(decoder, ctx, rounds, rng)
-                for ctx in tqdm(contexts, desc="calibrate: step costs", unit="context")]
-    for i, (ctx, costs) in enumerate(zip(contexts, costs_at)):
-        buckets.append(choose(costs_at[max(0, i - 1) : i + 1], profiles[ctx], limit if i == len(contexts) - 1 else ctx))
-        measured[str(ctx)] = {"decode_ms": round(1e3 * costs["decode"], 3),
-                              "propose_ms": [round(1e3 * t, 3) for t in costs["propose"]],
-                              "verify_ms": [round(1e3 * t, 3) for t in costs["verify"]],
+    for i, ctx in enumerate(contexts):
+        edges = [c for spell in costs_at for c in spell[max(0, i - 1) : i + 1]]
+        buckets.append(choose(edges, profiles[ctx], limit if i == len(contexts) - 1 else ctx))
+        measured[str(ctx)] = {"step_costs": [{"decode_ms": round(1e3 * spell[i]["decode"], 3),
+                                              "propose_ms": [round(1e3 * t, 3) for t in spell[i]["propose"]],
+                                              "verify_ms": [round(1e3 * t, 3) for t in spell[i]["verify"]]}
+                                             for spell in costs_at],
                               "acceptance_at_least": [round(float(p), 4) for p in profiles[ctx]],
                               "acceptance_prompts": "document" if ctx in long_prompts else "chat"}
     return PolicyTable(model=tag, backend=backend, buckets=buckets, measured={
         "by_context": measured,
         "command": f"litellm-flm calibrate --tag {tag} --backend {backend} --contexts {','.join(map(str, contexts))} "
-                   f"--rounds {rounds} --max-new {max_new}",
+                   f"--rounds {rounds} --spells {spells} --spell-gap {spell_gap:g} --max-new {max_new}",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
         "date": datetime.date.today().isoformat(),
     })
@@ -214,6 +231,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be at least 0 seconds, got {text}")
+    return value
+
+
 def _contexts(text: str) -> list[int]:
     return [_positive_int(part) for part in text.split(",")]
 
@@ -226,6 +253,11 @@ def calibrate_arguments(p: argparse.ArgumentParser) -> None:
                         "the context length (default: %(default)s)")
     p.add_argument("--rounds", type=_positive_int, default=5,
                    help="timed rounds per operation and context (default: %(default)s)")
+    p.add_argument("--spells", type=_positive_int, default=1,
+                   help="times the step costs are measured; a bucket speculates only where it paid in every one "
+                        "(default: %(default)s)")
+    p.add_argument("--spell-gap", type=_seconds, default=300.0,
+                   help="seconds between spells (default: %(default)s)")
     p.add_argument("--max-new", type=_positive_int, default=128,
                    help="tokens per calibration prompt, for the acceptance profile (default: %(default)s)")
     p.add_argument("--out", default=None,
@@ -248,7 +280,7 @@ def main(args: argparse.Namespace) -> int:
     top = spec.target.config.max_position_embeddings - decoder.block_size - 1
     contexts = sorted({min(c, top) for c in args.contexts})  # the last: at most the context end
     table = calibrate(decoder, engine.tokenizer, tag=entry.tag, backend=backend, contexts=contexts,
-                      rounds=args.rounds, max_new=args.max_new)
+                      rounds=args.rounds, max_new=args.max_new, spells=args.spells, spell_gap=args.spell_gap)
     out = table.save(args.out or paths.policy_file(entry.tag, backend))
     print("| contexts up to | speculate | draft length K | expected AL | cost ratio | expected speed-up |")
     print("|---:|:---:|---:|---:|---:|---:|")

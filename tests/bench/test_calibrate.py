@@ -44,18 +44,23 @@ def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smol
     # From LONG_CONTEXT on, a bucket's acceptance comes from a document filling its context.
     monkeypatch.setattr(calibrate, "LONG_CONTEXT", 100)
     table = calibrate.calibrate(SpeculativeDecoder(smollm2_model, draft), smollm2_tokenizer, tag="t-dflash:1",
-                                backend="cpu", contexts=[16, 150], rounds=1, max_new=16, prompts=PROMPT)
+                                backend="cpu", contexts=[16, 150], rounds=1, max_new=16, spells=2, spell_gap=0.0,
+                                prompts=PROMPT)
     assert [b.max_context for b in table.buckets] == [16, smollm2_model.config.max_position_embeddings]
     by_context = table.measured["by_context"]
     assert [by_context[c]["acceptance_prompts"] for c in ("16", "150")] == ["chat", "document"]
+    assert [len(by_context[c]["step_costs"]) for c in ("16", "150")] == [2, 2]  # one per spell
+    assert "--spells 2 --spell-gap 0" in table.measured["command"]
+
     def ratio(costs: dict, k: int) -> float:
         return (costs["propose_ms"][k - 1] + costs["verify_ms"][k - 1]) / costs["decode_ms"]
 
-    # Each bucket's cost ratio is the larger of those at its edges (the first: its own context only).
+    # Each bucket's cost ratio is the largest at its edges (the first: its own context only) in any spell.
     for bucket, edges, ctx in zip(table.buckets, (("16",), ("16", "150")), ("16", "150")):
         profile = np.array(by_context[ctx]["acceptance_at_least"])
         assert profile.shape == (7,) and (np.diff(profile) <= 0).all()
-        speedups = [(1 + profile[:k].sum()) / max(ratio(by_context[e], k) for e in edges) for k in range(1, 8)]
+        speedups = [(1 + profile[:k].sum()) / max(ratio(c, k) for e in edges for c in by_context[e]["step_costs"])
+                    for k in range(1, 8)]
         k = int(np.argmax(speedups)) + 1
         assert bucket.draft_length == k and bucket.expected_al == pytest.approx(1 + profile[:k].sum(), abs=1e-4)
         assert bucket.speculate == (speedups[k - 1] > 1.0)
@@ -100,6 +105,8 @@ def test_the_command_writes_the_table_the_engine_reads(run_cli, random_draft, tm
     (["--contexts", "abc"], "argument --contexts: not an integer: 'abc'"),
     (["--contexts", "256,0"], "argument --contexts: must be at least 1, got 0"),
     (["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+    (["--spells", "0"], "argument --spells: must be at least 1, got 0"),
+    (["--spell-gap", "-5"], "argument --spell-gap: must be at least 0 seconds, got -5"),
     (["--max-new", "-3"], "argument --max-new: must be at least 1, got -3"),
 ])
 def test_calibrate_refuses_bad_arguments_by_name(argv, message, capsys):
