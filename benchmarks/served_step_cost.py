@@ -14,7 +14,7 @@ the target pass (``forward_batch``), and for the DFlash engine of the draft's wo
 (``SpeculativeDecoder.propose``: catching up on the pending taps, then proposing) and of
 ``finish`` (verify, KV roll-back, emitting); decode tokens/s and AL from the engines' own stats.
 The DFlash engine's steps are also split by their draft length K (K = 0: a plain step), with
-their count, ms per step and tokens emitted. Then ``step / baseline step`` is the served cost of
+their count and ms per step. Then ``step / baseline step`` is the served cost of
 a speculative step in decodes: speculation pays where AL exceeds it (DESIGN §7). Forced, the
 same passes are then timed alone in the main thread by calibration's own measurement
 (``calibrate.step_costs``, 9 interleaved rounds, medians).
