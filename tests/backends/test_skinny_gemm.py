@@ -150,7 +150,6 @@ def test_another_librarys_brief_blas_limit_does_not_stick():
     assert _blas_threads() == before
 
 
-
 def test_loading_a_model_compiles_the_kernel_before_any_request(smollm2_gguf):
     """A fresh process: the kernel has no compiled signature until ``load_model``, then it has one,
     so that a first request's decode time does not include numba's compilation."""

@@ -47,8 +47,9 @@ def test_tracker_switches_off_probes_with_backoff_and_resumes():
 
 
 def test_tracker_is_not_switched_off_by_a_run_of_short_steps_where_speculation_pays():
-    # AL 1.6 against a cost ratio of 1.33 (calibrated K = 2 at 256 tokens): four single-token steps
-    # in a row, which happen about once in 11 steps there, leave the estimate above the ratio.
+    # AL 1.6 against a cost ratio of 1.33 (calibrated K = 2 at 256 tokens): eight single-token steps
+    # in ten, four of them in a row (such a run starts at about one step in eleven there), leave the
+    # estimate above the ratio.
     bucket = Bucket(max_context=256, speculate=True, draft_length=2, cost_ratio=1.33, expected_al=1.6)
     t = AcceptanceTracker()
     for emitted in (1, 1, 1, 1, 3, 2, 1, 1, 1, 1):
