@@ -167,6 +167,13 @@ class DFlashDraft(nn.Module):
         return out
 
     def load_export_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load ``export_state``'s tensors (a draft file's), keeping this draft's tap scale: ``fc``
+        becomes the file's ``fc.weight / tap_scale``, so the draft computes what the file does and
+        a warm start from a shipped draft trains with the same preconditioning as a fresh one.
+
+        Raises:
+            AssertionError: a different draft vocabulary, tensor names or shapes.
+        """
         own = self.file_tensors()
         state = dict(state)
         if self.c.draft_vocab_size:
@@ -176,7 +183,7 @@ class DFlashDraft(nn.Module):
             for k, v in state.items():
                 assert own[k].shape == v.shape, f"{k}: {tuple(v.shape)} != {tuple(own[k].shape)}"
                 own[k].copy_(v.float())
-            self.tap_scale.fill_(1.0)  # exported fc already has the scale folded in
+            self.fc.weight.div_(self.tap_scale[None, :])  # the file's fc has the scale folded in
 
     # -- forward --------------------------------------------------------------------------------
 

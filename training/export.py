@@ -1,4 +1,4 @@
-"""Write a trained draft in the format of docs/dflash.md: ``config.json`` + ``model.safetensors``.
+"""Write (and read back) a trained draft in the format of docs/dflash.md: ``config.json`` + ``model.safetensors``.
 
 The tensors are stored as float16 (the runtime loads them as float32): a 1-layer draft for
 SmolLM2-135M is ~17 MB in float32, half that in float16. The directory defaults to where the
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from flm_train.draft import DFlashDraft, DraftConfig
 from safetensors.numpy import save_file
+from safetensors.torch import load_file
 
 
 def dflash_tag(target: str) -> str:
@@ -44,11 +45,24 @@ def write_draft(out_dir: Path, config: DraftConfig, state: dict[str, torch.Tenso
                for k, v in state.items()}
     tmp = out_dir / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "dflash-llama"})
+    os.chmod(tmp, 0o644)  # safetensors creates its file 0600; a draft is read by whoever serves it
     os.replace(tmp, out_dir / "model.safetensors")
     tmp = out_dir / "config.json.tmp"
     tmp.write_text(json.dumps(cfg, indent=2) + "\n")
     os.replace(tmp, out_dir / "config.json")
     return out_dir
+
+
+def read_draft(draft_dir: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    """A draft directory's config and tensors (float32; ``draft_vocab`` int64), as ``export_state``
+    gives them: what ``DFlashDraft.load_export_state`` takes, for a warm start from a shipped draft.
+
+    Raises:
+        FileNotFoundError: ``config.json`` or ``model.safetensors`` is missing.
+    """
+    config = DraftConfig.from_dict(json.loads((draft_dir / "config.json").read_text()))
+    tensors = load_file(str(draft_dir / "model.safetensors"))
+    return config, {k: v.long() if k == "draft_vocab" else v.float() for k, v in tensors.items()}
 
 
 def _target_sha256(target: str) -> str | None:

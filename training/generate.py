@@ -17,6 +17,14 @@ not at all) holding ``shard_size`` sequences:
 | ``prompt_ids`` | ``[n] int32`` | index into ``prompts.jsonl`` |
 | ``greedy`` | ``[n] bool`` | greedy response (else sampled at the card's sampler) |
 | ``taps`` | ``[N, n_taps*E] float16`` | taps per position; the last row of each sequence is 0 (never fed) |
+| ``top_ids`` | ``[N, TOP_K] int32`` | the target's ``TOP_K`` most likely next tokens after each position, most likely first |
+| ``top_logprobs`` | ``[N, TOP_K] float16`` | their log-probabilities (log-softmax over the whole vocabulary, temperature 1) |
+
+``top_*`` rows are filled where the target computed next-token logits: the last prompt position and
+every response position but the last; the others are 0 / ``-inf``. They are what the draft's
+distillation loss (``flm_train.train``, ``--distill``) learns from, beside the emitted token: the
+logits are computed for sampling anyway, so keeping 16 of them costs 96 bytes a token against the
+taps' 5.8 KB.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from flm_train.target import TorchLlama
 from tqdm import tqdm
 
 STOP_IDS = (0, 2)  # <|endoftext|>, <|im_end|> (SmolLM2; see docs/training.md)
+TOP_K = 16  # next-token log-probabilities kept per position
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,13 @@ class _Seq:
     tokens: list[int]
     greedy: bool
     taps: np.ndarray  # [cap, n*E] float16
+    top_ids: np.ndarray  # [cap, TOP_K] int32
+    top_logprobs: np.ndarray  # [cap, TOP_K] float16
     gen: torch.Generator | None
+
+    def keep(self, n: int) -> None:
+        """Drop the rows past the first ``n`` positions (the sequence ended at ``n`` tokens)."""
+        self.taps, self.top_ids, self.top_logprobs = self.taps[:n], self.top_ids[:n], self.top_logprobs[:n]
 
 
 def generate_stream(model: TorchLlama, items: list[tuple[int, list[int], bool]], *, tap_layers: list[int],
@@ -82,12 +97,15 @@ def generate_stream(model: TorchLlama, items: list[tuple[int, list[int], bool]],
     finished: list[tuple[int, _Seq]] = []
 
     def finish_or_keep(slot: int, idx: int, seq: _Seq, logits: torch.Tensor) -> None:
+        """``logits`` ``[V]`` follow the sequence's last token: record their top-k, then emit."""
+        logp, ids = torch.topk(torch.log_softmax(logits.float(), -1), TOP_K)
+        seq.top_ids[len(seq.tokens) - 1], seq.top_logprobs[len(seq.tokens) - 1] = ids.numpy(), logp.numpy()
         tok = sample_token(logits, None if seq.greedy else card, seq.gen)
         seq.tokens.append(tok)
         if progress is not None:
             progress.update(1)
         if tok in STOP_IDS or len(seq.tokens) - seq.prompt_len >= max_new:
-            seq.taps = seq.taps[: len(seq.tokens)]
+            seq.keep(len(seq.tokens))
             finished.append((idx, seq))
             live.pop(slot, None)
         else:
@@ -99,7 +117,8 @@ def generate_stream(model: TorchLlama, items: list[tuple[int, list[int], bool]],
                 continue
             idx, (pid, ids, greedy) = queue.pop()
             gen = None if greedy else torch.Generator().manual_seed(seed * 1_000_003 + pid)
-            seq = _Seq(pid, len(ids), list(ids), greedy, np.zeros((cap, e), np.float16), gen)
+            seq = _Seq(pid, len(ids), list(ids), greedy, np.zeros((cap, e), np.float16),
+                       np.zeros((cap, TOP_K), np.int32), np.full((cap, TOP_K), -np.inf, np.float16), gen)
             t = len(ids)
             logits, taps = model.forward(torch.tensor([ids]), torch.arange(t)[None], cache, slot, tap_layers)
             seq.taps[:t] = taps[0].reshape(t, e).numpy()
@@ -129,6 +148,8 @@ def pack_shard(seqs: list[_Seq]) -> dict[str, np.ndarray]:
         "prompt_ids": np.array([s.prompt_id for s in seqs], np.int32),
         "greedy": np.array([s.greedy for s in seqs], bool),
         "taps": np.concatenate([s.taps for s in seqs]),  # [N, n*E]; each sequence's last row is 0
+        "top_ids": np.concatenate([s.top_ids for s in seqs]),  # [N, TOP_K]
+        "top_logprobs": np.concatenate([s.top_logprobs for s in seqs]),  # [N, TOP_K]
     }
 
 

@@ -45,6 +45,17 @@ def _mix(spec: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _fraction(text: str) -> float:
+    """A float in [0, 1] (``--distill``)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"{x} is outside [0, 1]")
+    return x
+
+
 def n_prompts(a: argparse.Namespace) -> int:
     from flm_train.prompts import parse_mix
 
@@ -95,6 +106,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mask-token-id", type=int, default=16, help="<empty_output> in SmolLM2")
     g.add_argument("--draft-vocab", type=int, default=8192,
                    help="tokens the draft can propose: the most frequent in the training responses (0: all)")
+    g.add_argument("--init-draft", type=Path, default=None, metavar="DIR",
+                   help="start from this exported draft (config.json + model.safetensors) instead of random "
+                        "weights, when there is no checkpoint yet; its vocabulary is kept")
+    g.add_argument("--distill", type=_fraction, default=0.0,
+                   help="weight of the loss on the target's top-k distribution (the rest: its emitted token); "
+                        "needs shards with top-k")
 
 
 # --- stages ---------------------------------------------------------------------------------

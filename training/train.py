@@ -3,7 +3,11 @@
 One step: ``--batch-seqs`` sequences, ``--anchors`` anchors each, sampled uniformly among the
 response positions that have at least one token after them; every block ``[token at anchor,
 MASK x 7]`` sees the context taps strictly before its anchor and its own 8 positions; cross-entropy
-against the target's tokens at offsets ``k = 1..7``, weighted ``exp(-(k-1)/gamma)``. AdamW, linear
+against the target's tokens at offsets ``k = 1..7``, weighted ``exp(-(k-1)/gamma)``; with
+``--distill D`` a fraction ``D`` of it is the cross-entropy against the target's own next-token
+distribution there instead (its top-16 log-probabilities, recorded at generation; renormalised
+over those the draft can propose): knowledge distillation (Hinton et al. 2015, arXiv:1503.02531),
+as DistillSpec (Zhou et al. 2023, arXiv:2310.08461) uses it for speculative drafts. AdamW, linear
 warmup then cosine decay to 10%, gradient clipping. The frozen LM head runs in bfloat16 (2.3x
 faster here; the logits are float32 for the loss); evaluation uses float32 like serving.
 
@@ -34,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from flm_train.draft import DFlashDraft, DraftConfig
+from flm_train.export import read_draft
 from flm_train.target import default_tap_layers
 from tqdm import tqdm
 
@@ -79,15 +84,26 @@ def mmap_npz_array(path: Path, name: str) -> np.ndarray:
 
 
 class Shards:
-    """Shards: tokens in memory, taps memory-mapped (float16 until a batch is built; all of them,
-    5.8 KB per token for SmolLM2: 5 tapped layers x 576 x float16, outgrow the memory: 22 GB for 3.9M tokens)."""
+    """Shards: tokens and the target's top-k in memory, taps memory-mapped (float16 until a batch
+    is built; all of them, 5.8 KB per token for SmolLM2: 5 tapped layers x 576 x float16, outgrow
+    the memory: 22 GB for 3.9M tokens).
+
+    ``top_ids`` / ``top_logprobs`` (``flm_train.generate``) are lists of ``[N, k]`` arrays, or None
+    when a shard predates them (generated before they were recorded)."""
 
     def __init__(self, paths: list[Path]):
         self.tokens, self.taps, self.seqs = [], [], []
+        self.top_ids: list[np.ndarray] | None = []
+        self.top_logprobs: list[np.ndarray] | None = []
         for i, p in enumerate(paths):
             z = np.load(p)
             self.tokens.append(z["tokens"].astype(np.int64))
             self.taps.append(mmap_npz_array(p, "taps"))
+            if "top_ids" in z.files and self.top_ids is not None:
+                self.top_ids.append(z["top_ids"].astype(np.int64))
+                self.top_logprobs.append(z["top_logprobs"].astype(np.float32))
+            else:
+                self.top_ids = self.top_logprobs = None
             off, pl, gr = z["offsets"], z["prompt_lens"], z["greedy"]
             for j in range(len(pl)):
                 if off[j + 1] - off[j] - pl[j] >= 2:  # at least an anchor and one target
@@ -121,8 +137,10 @@ class Shards:
     def n_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
 
-    def batch(self, seqs: list[Seq], anchors: list[np.ndarray]) -> tuple[torch.Tensor, ...]:
-        """taps ``[B, T, n*E]`` f32, tokens ``[B, T]``, lengths ``[B]``, anchors ``[B, M]``, anchor valid ``[B, M]``."""
+    def batch(self, seqs: list[Seq], anchors: list[np.ndarray]) -> tuple:
+        """taps ``[B, T, n*E]`` f32, tokens ``[B, T]``, lengths ``[B]``, anchors ``[B, M]``, anchor valid
+        ``[B, M]``, and the target's top-k ``(ids [B, T, k] int64, log-probabilities [B, T, k] f32)``
+        after each position (None without them; padding rows are -inf)."""
         t = max(s.length for s in seqs)
         m = max(len(a) for a in anchors)
         taps = torch.zeros(len(seqs), t, self.taps[0].shape[1])
@@ -136,7 +154,15 @@ class Shards:
             anc[i, len(a):] = s.prompt_len
             valid[i, : len(a)] = True
         lengths = torch.tensor([s.length for s in seqs])
-        return taps, tokens, lengths, anc, valid
+        top = None
+        if self.top_ids is not None:
+            k = self.top_ids[0].shape[1]
+            ids, logp = torch.zeros(len(seqs), t, k, dtype=torch.long), torch.full((len(seqs), t, k), -math.inf)
+            for i, s in enumerate(seqs):
+                ids[i, : s.length] = torch.from_numpy(self.top_ids[s.shard][s.start: s.start + s.length])
+                logp[i, : s.length] = torch.from_numpy(self.top_logprobs[s.shard][s.start: s.start + s.length])
+            top = ids, logp
+        return taps, tokens, lengths, anc, valid, top
 
 
 def sample_anchors(s: Seq, m: int, rng: np.random.Generator) -> np.ndarray:
@@ -155,8 +181,38 @@ def block_targets(tokens: torch.Tensor, lengths: torch.Tensor, anchors: torch.Te
     return tgt, ok
 
 
-def draft_loss(draft: DFlashDraft, batch: tuple, gamma: float) -> tuple[torch.Tensor, dict]:
-    taps, tokens, lengths, anchors, valid = batch
+def soft_targets(draft: DFlashDraft, top: tuple[torch.Tensor, torch.Tensor], anchors: torch.Tensor,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's next-token distribution at each block offset, over the draft vocabulary.
+
+    Offset ``j`` of the block at ``a`` predicts the token at ``a+j``, which the target's logits after
+    position ``a+j-1`` rank. ``top`` = (ids ``[B, T, t]``, log-probabilities ``[B, T, t]``) from
+    ``Shards.batch``; anchors ``[B, M]``.
+
+    Returns:
+        draft-vocabulary indices ``[B, M, k-1, t]`` (0 where outside it) and their probabilities
+        ``[B, M, k-1, t]`` renormalised over the top-``t`` tokens the draft can propose (0 elsewhere;
+        all 0 where it can propose none of them).
+    """
+    ids, logp = top
+    rows = (anchors[:, :, None] + torch.arange(k - 1)).clamp(max=ids.shape[1] - 1).flatten(1)  # [B, M(k-1)]
+    t = ids.shape[2]
+    ids = torch.gather(ids, 1, rows[:, :, None].expand(-1, -1, t)).view(*anchors.shape, k - 1, t)
+    logp = torch.gather(logp, 1, rows[:, :, None].expand(-1, -1, t)).view(*anchors.shape, k - 1, t)
+    d_ids = draft.to_draft[ids]
+    logp = logp.masked_fill(d_ids < 0, -math.inf)
+    probs = torch.nan_to_num(torch.softmax(logp, dim=-1), nan=0.0)  # a row of all -inf gives nan
+    return d_ids.clamp(min=0), probs
+
+
+def draft_loss(draft: DFlashDraft, batch: tuple, gamma: float, distill: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """The weighted block loss (module docstring): ``(1 - distill)`` x cross-entropy against the
+    emitted tokens + ``distill`` x cross-entropy against the target's top-k distribution.
+
+    Raises:
+        ValueError: ``distill > 0`` on a batch without the target's top-k (older shards).
+    """
+    taps, tokens, lengths, anchors, valid, top = batch
     k = draft.c.block_size
     h = draft.hidden(taps, tokens, anchors)[:, :, 1:]  # [B, M, k-1, E]
     tgt, ok = block_targets(tokens, lengths, anchors, valid, k)
@@ -164,6 +220,12 @@ def draft_loss(draft: DFlashDraft, batch: tuple, gamma: float) -> tuple[torch.Te
     ok &= tgt >= 0  # a token the draft cannot propose teaches it nothing
     logits = draft.logits(h[ok], bf16=True)  # [N, Vd]
     ce = F.cross_entropy(logits, tgt[ok], reduction="none")  # [N]
+    if distill > 0:
+        if top is None:
+            raise ValueError("--distill needs shards with the target's top-k (generated since they are recorded)")
+        d_ids, probs = soft_targets(draft, top, anchors, k)
+        logq = torch.gather(torch.log_softmax(logits, dim=-1), 1, d_ids[ok])  # [N, t]
+        ce = (1 - distill) * ce - distill * (probs[ok] * logq).sum(-1)
     w = torch.exp(-torch.arange(k - 1, dtype=torch.float32) / gamma).expand_as(ok)[ok]  # [N]
     loss = (ce * w).sum() / w.sum()
     with torch.no_grad():
@@ -178,7 +240,7 @@ def simulated_al(draft: DFlashDraft, data: Shards, seqs: list[Seq], max_blocks: 
     accepted, per_k = [], np.zeros(k - 1)
     for s in seqs:
         anchors = np.arange(s.prompt_len, s.length - 1, k)[:max_blocks]
-        taps, tokens, lengths, anc, valid = data.batch([s], [anchors])
+        taps, tokens, lengths, anc, valid, _ = data.batch([s], [anchors])
         logits = draft.logits(draft.hidden(taps, tokens, anc)[:, :, 1:])  # [1, M, k-1, Vd]
         tgt, ok = block_targets(tokens, lengths, anc, valid, k)
         agree = ((draft.draft_vocab[logits.argmax(-1)] == tgt) & ok)[0].int()  # [M, k-1]
@@ -274,8 +336,11 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
     embed = torch.from_numpy(bundle.weights["model.embed_tokens.weight"])
     lm_head = embed if bundle.config.tie_word_embeddings else torch.from_numpy(bundle.weights["lm_head.weight"])
     data, held = Shards(train_paths), Shards(heldout_paths) if heldout_paths else None
+    init = read_draft(a.init_draft) if ck is None and a.init_draft is not None else None
     if ck is not None:  # the checkpoint's own vocabulary (or none), whatever the data says now
         draft_vocab = ck["model"].get("draft_vocab")
+    elif init is not None:  # the warm start's
+        draft_vocab = init[1].get("draft_vocab")
     else:
         vd = a.draft_vocab if 0 < a.draft_vocab < bundle.config.vocab_size else 0
         draft_vocab = torch.from_numpy(np.sort(data.token_ranking(bundle.config.vocab_size)[:vd])) if vd else None
@@ -289,6 +354,12 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
                              {"params": [draft.norm], "lr_mult": a.norm_lr_mult, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95), weight_decay=a.weight_decay)
     draft.set_tap_scale(data.tap_rms())  # a checkpoint's own scale (a buffer) replaces it on resume
+    if init is not None:
+        if init[0] != draft.c:
+            raise SystemExit(f"--init-draft {a.init_draft}: its config {init[0]} differs from the one asked "
+                             f"{draft.c} (set --layers, --block-size, --mask-token-id, --draft-vocab to match)")
+        draft.load_export_state(init[1])
+        log.info("train: warm start from the draft in %s", a.init_draft)
     log.info("train: %d sequences / %d tokens; held out %d sequences; draft vocabulary %d", len(data.seqs),
              data.n_tokens, len(held.seqs) if held else 0, len(draft.draft_vocab))
     eval_seqs = [s for s in held.seqs if s.greedy][: a.eval_seqs] if held else []
@@ -338,7 +409,7 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
         batch = data.batch(seqs, [sample_anchors(s, a.anchors, rng) for s in seqs])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a) * g["lr_mult"]
-        loss, info = draft_loss(draft, batch, a.gamma)
+        loss, info = draft_loss(draft, batch, a.gamma, a.distill)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), a.clip)

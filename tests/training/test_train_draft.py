@@ -83,6 +83,7 @@ def test_export_roundtrip_float16(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architecture"] == "dflash-llama" and config["target_layer_ids"] == [1, 3, 5]
     assert DraftConfig.from_dict(config) == draft.c
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
     back = read_weights(out / "model.safetensors")
     for k, v in draft.export_state().items():
         np.testing.assert_allclose(back[k], v.numpy(), rtol=1e-3, atol=1e-3)
@@ -99,5 +100,8 @@ def test_tap_scale_is_folded_into_fc_at_export(tmp_path):
     got = twin.draft_logits(cache, anchor_id=42, start=T)
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
     again = DFlashDraft(draft.c, draft.embed, draft.lm_head)  # fresh weights, same target parts
+    scale = torch.rand(3 * E) * 10 + 0.5
+    again.set_tap_scale(scale)  # a warm start keeps its own preconditioning
     again.load_export_state(draft.export_state())
+    torch.testing.assert_close(again.tap_scale, 1 / scale)
     torch.testing.assert_close(again.block_logits(taps, 42, T), draft.block_logits(taps, 42, T), rtol=1e-4, atol=1e-4)

@@ -17,12 +17,18 @@ from flm_train.train import Shards, load_or_grow, lr_at, mmap_npz_array, train
 TAPS_WIDTH = 5 * 576  # SmolLM2-135M: 5 tapped layers x hidden 576
 
 
-def write_shard(path, seed: int, n: int = 6, prompt_len: int = 8, length: int = 40) -> None:
+def write_shard(path, seed: int, n: int = 6, prompt_len: int = 8, length: int = 40, top_k: int = 0) -> None:
+    """A shard of random tokens and taps; with ``top_k``, random top-k rows (descending log-probabilities)."""
     rng = np.random.default_rng(seed)
-    np.savez(path, tokens=rng.integers(0, 49152, n * length).astype(np.int32),
-             offsets=np.arange(0, (n + 1) * length, length).astype(np.int64),
-             prompt_lens=np.full(n, prompt_len, np.int32), prompt_ids=np.arange(n, dtype=np.int32),
-             greedy=np.ones(n, bool), taps=rng.normal(0, 3, (n * length, TAPS_WIDTH)).astype(np.float16))
+    arrays = dict(tokens=rng.integers(0, 49152, n * length).astype(np.int32),
+                  offsets=np.arange(0, (n + 1) * length, length).astype(np.int64),
+                  prompt_lens=np.full(n, prompt_len, np.int32), prompt_ids=np.arange(n, dtype=np.int32),
+                  greedy=np.ones(n, bool), taps=rng.normal(0, 3, (n * length, TAPS_WIDTH)).astype(np.float16))
+    if top_k:
+        logits = -np.sort(-rng.normal(0, 2, (n * length, top_k)), axis=1)
+        arrays["top_ids"] = rng.integers(0, 49152, (n * length, top_k)).astype(np.int32)
+        arrays["top_logprobs"] = (logits - np.log(np.exp(logits).sum(1, keepdims=True)) - 0.1).astype(np.float16)
+    np.savez(path, **arrays)
 
 
 @pytest.fixture

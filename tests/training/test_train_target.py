@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
 
 from flm_runtime.models.llama import LlamaConfig, LlamaModel
-from flm_train.generate import generate_shard
+from flm_train.generate import TOP_K, generate_shard
 from flm_train.target import TorchLlama, default_tap_layers
 
 TAPS = [0, 2, 3]
@@ -74,18 +74,29 @@ def test_continuous_batching_greedy_equals_numpy_one_at_a_time(tiny):
     shard = generate_shard(t_model, [(i, p, True) for i, p in enumerate(prompts)], tap_layers=TAPS, max_new=12,
                            slots=2, seed=0)
     for i, p in enumerate(prompts):
-        seq = shard["tokens"][shard["offsets"][i]: shard["offsets"][i + 1]].tolist()
-        cache, out = np_model.new_cache(), list(p)
+        start, end = shard["offsets"][i], shard["offsets"][i + 1]
+        seq = shard["tokens"][start:end].tolist()
+        cache, out, steps = np_model.new_cache(), list(p), []
         logits = np_model.prefill(np.array(p), cache)
         while len(out) - len(p) < 12:
+            steps.append(logits)
             out.append(int(np.argmax(logits)))
             if out[-1] in (0, 2):
                 break
             logits = np_model.decode(out[-1], cache)
         assert seq == out, i
         _, want_taps = numpy_taps(np_model, seq[:-1])
-        got = shard["taps"][shard["offsets"][i]: shard["offsets"][i + 1] - 1].astype(np.float32)
+        got = shard["taps"][start: end - 1].astype(np.float32)
         np.testing.assert_allclose(got, want_taps.reshape(len(seq) - 1, -1), rtol=2e-3, atol=2e-3)  # float16
+        # The top-k rows: filled from the last prompt position on (each step's logits), -inf elsewhere.
+        logp = np.stack(steps) - np.log(np.exp(np.stack(steps)).sum(-1, keepdims=True))  # [steps, V]
+        want_ids = np.argsort(-logp, axis=-1, kind="stable")[:, :TOP_K]
+        rows = slice(start + len(p) - 1, end - 1)
+        assert shard["top_ids"][rows].tolist() == want_ids.tolist()
+        np.testing.assert_allclose(shard["top_logprobs"][rows].astype(np.float32),
+                                   np.take_along_axis(logp, want_ids, -1), rtol=2e-3, atol=2e-3)
+        unfilled = np.r_[start: start + len(p) - 1, end - 1]
+        assert np.all(shard["top_logprobs"][unfilled] == -np.inf) and not shard["top_ids"][unfilled].any()
 
 
 def test_decode_attention_equals_masked_sdpa_per_slot():
