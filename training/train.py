@@ -399,6 +399,11 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
         with open(a.out / "train_metrics.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
 
+    if init is not None and eval_seqs:  # where the warm start begins, on this held-out data
+        ev = {"step": 0, "loss_ema": None, **simulated_al(draft, held, eval_seqs)}
+        history.append(ev)
+        log.info("eval: %s (the --init-draft draft)", ev)
+        metric({"eval": ev})
     t_ckpt, t0, steps_run, loss_avg = time.time(), time.time(), 0, None
     bar = tqdm(total=a.steps, initial=step, desc="train", unit="step", mininterval=30)
     while step < a.steps:

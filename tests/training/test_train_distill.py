@@ -88,6 +88,8 @@ def test_a_warm_start_begins_at_the_exported_draft_and_distils(tmp_path, smollm2
     for name, value in again.export_state().items():
         torch.testing.assert_close(value, file_state[name], rtol=1e-3, atol=1e-5)  # through float16 and back
     assert not torch.equal(warm["model"]["tap_scale"], torch.ones_like(warm["model"]["tap_scale"]))
+    start, after = warm["history"]  # evaluated before the first step, and after it
+    assert start["step"] == 0 and start["sim_al"] == after["sim_al"]
 
     with pytest.raises(SystemExit, match="differs from the one asked"):
         train(args(tmp_path / "deeper", 1, "--init-draft", str(exported), "--layers", "2"), paths[:2], paths[2:])
