@@ -234,21 +234,41 @@ def draft_loss(draft: DFlashDraft, batch: tuple, gamma: float, distill: float = 
 
 
 @torch.no_grad()
-def simulated_al(draft: DFlashDraft, data: Shards, seqs: list[Seq], max_blocks: int = 24) -> dict:
-    """Greedy simulated AL (includes the bonus token) over anchors every K-th response position."""
+def simulated_al(draft: DFlashDraft, data: Shards, seqs: list[Seq]) -> dict:
+    """Greedy AL (includes the bonus token) of ``draft`` on held-out greedy sequences, two ways.
+
+    The draft runs a block at every response position at once (one forward per sequence); the
+    target's own continuation decides how many of ``d1..d7`` it keeps there. Then:
+
+    - ``sim_al``, over ``steps``: the serving schedule. The first block is anchored at the first
+      response token, each next one at the token after the previous block's kept prefix (its bonus
+      token); AL = the response tokens after the first (the prefill's) / steps, pooled. This is what
+      the serving runtime reports on these prompts (greedy, whole blocks, no policy): the same
+      steps, the same AL (``tests/training/test_simulated_al.py``).
+    - ``grid_al``, over ``blocks``, with ``accept_at_k`` (the fraction of blocks keeping ``d1..dk``):
+      anchors every ``K``-th response position. Higher than ``sim_al`` (0.2 on the shipped draft):
+      a served block starts right after a token the draft got wrong, where the next ones are harder.
+    """
     k = draft.c.block_size
-    accepted, per_k = [], np.zeros(k - 1)
+    steps = emitted = 0
+    grid, per_k = [], np.zeros(k - 1)
     for s in seqs:
-        anchors = np.arange(s.prompt_len, s.length - 1, k)[:max_blocks]
+        anchors = np.arange(s.prompt_len, s.length - 1)
         taps, tokens, lengths, anc, valid, _ = data.batch([s], [anchors])
         logits = draft.logits(draft.hidden(taps, tokens, anc)[:, :, 1:])  # [1, M, k-1, Vd]
         tgt, ok = block_targets(tokens, lengths, anc, valid, k)
         agree = ((draft.draft_vocab[logits.argmax(-1)] == tgt) & ok)[0].int()  # [M, k-1]
         prefix = torch.cumprod(agree, dim=1)  # 1 while every earlier one agreed
-        accepted.extend(prefix.sum(1).tolist())
-        per_k += prefix.sum(0).numpy()
-    return {"sim_al": 1 + float(np.mean(accepted)), "blocks": len(accepted),
-            "accept_at_k": [round(float(x) / len(accepted), 3) for x in per_k]}
+        kept = prefix.sum(1).tolist()  # [M] drafted tokens kept by a block at each response position
+        grid.extend(kept[::k])
+        per_k += prefix[::k].sum(0).numpy()
+        i = 0
+        while i < len(kept):
+            steps += 1
+            i += kept[i] + 1
+        emitted += len(kept)
+    return {"sim_al": emitted / max(1, steps), "steps": steps, "grid_al": 1 + float(np.mean(grid)),
+            "blocks": len(grid), "accept_at_k": [round(float(x) / len(grid), 3) for x in per_k]}
 
 
 # --- checkpointing -----------------------------------------------------------------------------
