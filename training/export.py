@@ -53,16 +53,18 @@ def write_draft(out_dir: Path, config: DraftConfig, state: dict[str, torch.Tenso
     return out_dir
 
 
-def read_draft(draft_dir: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
-    """A draft directory's config and tensors (float32; ``draft_vocab`` int64), as ``export_state``
-    gives them: what ``DFlashDraft.load_export_state`` takes, for a warm start from a shipped draft.
+def read_draft(draft_dir: Path) -> tuple[DraftConfig, dict[str, torch.Tensor], dict]:
+    """A draft directory's config, tensors (float32; ``draft_vocab`` int64) as ``export_state``
+    gives them (what ``DFlashDraft.load_export_state`` takes, for a warm start from a shipped
+    draft), and the ``training`` record of its ``config.json`` (``{}`` without one).
 
     Raises:
         FileNotFoundError: ``config.json`` or ``model.safetensors`` is missing.
     """
-    config = DraftConfig.from_dict(json.loads((draft_dir / "config.json").read_text()))
+    cfg = json.loads((draft_dir / "config.json").read_text())
     tensors = load_file(str(draft_dir / "model.safetensors"))
-    return config, {k: v.long() if k == "draft_vocab" else v.float() for k, v in tensors.items()}
+    return (DraftConfig.from_dict(cfg), {k: v.long() if k == "draft_vocab" else v.float() for k, v in tensors.items()},
+            cfg.get("training", {}))
 
 
 def _target_sha256(target: str) -> str | None:
@@ -94,6 +96,8 @@ def export_from_checkpoint(a: argparse.Namespace) -> Path:
         "last_eval": last_eval, "command": "python -m flm_train.pipeline --target " + a.target + " --out <dir>",
         "args": ck.get("args"),
     }
+    if ck.get("warm_start"):  # the draft this run started from, and how that one was trained
+        training["warm_start"] = ck["warm_start"]
     out = a.export_dir or default_export_dir(a.target)
     return write_draft(Path(out), config, state, target=a.target, target_sha256=_target_sha256(a.target),
                        training=training)

@@ -357,6 +357,8 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
     lm_head = embed if bundle.config.tie_word_embeddings else torch.from_numpy(bundle.weights["lm_head.weight"])
     data, held = Shards(train_paths), Shards(heldout_paths) if heldout_paths else None
     init = read_draft(a.init_draft) if ck is None and a.init_draft is not None else None
+    warm_start = ck.get("warm_start") if ck is not None else (
+        {"draft": str(a.init_draft), "training": init[2]} if init is not None else None)
     if ck is not None:  # the checkpoint's own vocabulary (or none), whatever the data says now
         draft_vocab = ck["model"].get("draft_vocab")
     elif init is not None:  # the warm start's
@@ -412,7 +414,7 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
                                "cursor": cursor, "perm": perm, "rng_numpy": rng.bit_generator.state,
                                "rng_torch": torch.get_rng_state(), "rng_python": random.getstate(),
                                "best": best, "heldout": heldout_names, "history": history,
-                               "args": {k: str(v) for k, v in vars(a).items()},
+                               "args": {k: str(v) for k, v in vars(a).items()}, "warm_start": warm_start,
                                "draft_config": draft.c.to_dict(), "train_tokens": data.n_tokens})
 
     def metric(rec: dict) -> None:

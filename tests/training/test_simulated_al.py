@@ -45,7 +45,7 @@ def test_simulated_al_counts_the_served_steps(tmp_path, smollm2_model, smollm2_t
              prompt_lens=np.array([len(prompt)], np.int32), prompt_ids=np.zeros(1, np.int32),
              greedy=np.ones(1, bool), taps=taps.astype(np.float32))
     data = Shards([tmp_path / "shard_0000.npz"])
-    config, state = read_draft(SHIPPED)
+    config, state, _ = read_draft(SHIPPED)
     embed = torch.from_numpy(model.embed)
     twin = DFlashDraft(config, embed, embed, state["draft_vocab"])
     twin.load_export_state(state)

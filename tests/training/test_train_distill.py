@@ -1,10 +1,12 @@
 """The distillation loss and the warm start (flm_train.train): a one-hot top-k makes the loss on
 the target's distribution equal the loss on its tokens (so the offsets line up); shards without
-top-k are refused for ``--distill``; ``--init-draft`` starts from an exported draft exactly, and
-refuses one of another shape."""
+top-k are refused for ``--distill``; ``--init-draft`` starts from an exported draft exactly, refuses
+one of another shape, and the next export records the draft it started from and that one's
+training."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
 
-from flm_train.export import read_draft, write_draft
+from flm_train.export import export_from_checkpoint, read_draft, write_draft
 from flm_train.pipeline import parse_args
 from flm_train.train import draft_loss, train
 from test_train_draft import V, tiny_draft
@@ -76,7 +78,7 @@ def test_a_warm_start_begins_at_the_exported_draft_and_distils(tmp_path, smollm2
     first = DFlashDraft(config, dummy, dummy, ck["model"]["draft_vocab"])
     first.load_state_dict(ck["model"])
     exported = write_draft(tmp_path / "export", config, first.export_state(), target="smollm2:135m",
-                           target_sha256=None, training={})
+                           target_sha256=None, training={"note": "the first run"})
 
     # --lr 0: one step moves nothing, so the checkpoint holds the warm start itself.
     train(args(tmp_path / "warm", 1, "--init-draft", str(exported), "--lr", "0", "--distill", "0.5"),
@@ -84,12 +86,16 @@ def test_a_warm_start_begins_at_the_exported_draft_and_distils(tmp_path, smollm2
     warm = torch.load(tmp_path / "warm" / "ckpt" / "last.pt", weights_only=False)
     again = DFlashDraft(config, dummy, dummy, warm["model"]["draft_vocab"])
     again.load_state_dict(warm["model"])
-    _, file_state = read_draft(exported)
+    _, file_state, file_training = read_draft(exported)
     for name, value in again.export_state().items():
         torch.testing.assert_close(value, file_state[name], rtol=1e-3, atol=1e-5)  # through float16 and back
     assert not torch.equal(warm["model"]["tap_scale"], torch.ones_like(warm["model"]["tap_scale"]))
     start, after = warm["history"]  # evaluated before the first step, and after it
     assert start["step"] == 0 and start["sim_al"] == after["sim_al"]
+    a = args(tmp_path / "warm", 1, "--export-dir", str(tmp_path / "warm-export"))
+    training = json.loads((export_from_checkpoint(a) / "config.json").read_text())["training"]
+    assert file_training == {"note": "the first run"}
+    assert training["warm_start"] == {"draft": str(exported), "training": file_training}  # the lineage is kept
 
     with pytest.raises(SystemExit, match="differs from the one asked"):
         train(args(tmp_path / "deeper", 1, "--init-draft", str(exported), "--layers", "2"), paths[:2], paths[2:])
