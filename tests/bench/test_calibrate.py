@@ -80,6 +80,14 @@ def test_a_bucket_speculates_only_where_it_pays_at_both_edges():
     assert (both.speculate, both.draft_length, both.cost_ratio) == (False, 2, 1.6)
 
 
+def test_a_bucket_speculates_only_past_the_margin():
+    profile = np.array([0.4, 0.1, 0, 0, 0, 0, 0])  # AL 1.5 from K = 2 on
+    step = {"decode": 1.0, "propose": [0.1] * 7, "verify": [1.3] * 7}  # cost ratio 1.4: expects 1.07x
+    assert calibrate.choose([step], profile, 256, min_speedup=1.0).speculate
+    assert not calibrate.choose([step], profile, 256).speculate  # MIN_SPEEDUP 1.1
+    assert calibrate.MIN_SPEEDUP == 1.1
+
+
 def test_the_command_writes_the_table_the_engine_reads(run_cli, random_draft, tmp_path, monkeypatch):
     monkeypatch.setattr(paths, "config_dir", lambda: tmp_path / "config")
     models = tmp_path / "models.yaml"
@@ -108,6 +116,8 @@ def test_the_command_writes_the_table_the_engine_reads(run_cli, random_draft, tm
     (["--spells", "0"], "argument --spells: must be at least 1, got 0"),
     (["--spell-gap", "-5"], "argument --spell-gap: must be at least 0 seconds, got -5"),
     (["--max-new", "-3"], "argument --max-new: must be at least 1, got -3"),
+    (["--min-speedup", "0.9"], "argument --min-speedup: must be at least 1 (a speed-up), got 0.9"),
+    (["--min-speedup", "fast"], "argument --min-speedup: not a number: 'fast'"),
 ])
 def test_calibrate_refuses_bad_arguments_by_name(argv, message, capsys):
     from flm_runtime import cli
