@@ -238,24 +238,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be at least 0 seconds, got {text}")
-    return value
+def _number_at_least(minimum: float, what: str):
+    """An argparse type: a float of at least ``minimum`` (NaN refused), ``what`` naming the bound."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value >= minimum:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be at least {what}, got {text}")
+        return value
+
+    return parse
 
 
-def _speedup(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 1:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be at least 1 (a speed-up), got {text}")
-    return value
+_seconds = _number_at_least(0.0, "0 seconds")
+_speedup = _number_at_least(1.0, "1 (a speed-up)")
 
 
 def _contexts(text: str) -> list[int]:
