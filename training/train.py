@@ -84,9 +84,10 @@ def mmap_npz_array(path: Path, name: str) -> np.ndarray:
 
 
 class Shards:
-    """Shards: tokens and the target's top-k in memory, taps memory-mapped (float16 until a batch
-    is built; all of them, 5.8 KB per token for SmolLM2: 5 tapped layers x 576 x float16, outgrow
-    the memory: 22 GB for 3.9M tokens).
+    """Shards: tokens in memory; taps and the target's top-k memory-mapped, in their stored dtypes
+    until a batch is built (the taps, 5.8 KB per token for SmolLM2: 5 tapped layers x 576 x
+    float16, outgrow the memory: 22 GB for 3.9M tokens; the top-k add 96 bytes a token, read only
+    by the rows a batch takes).
 
     ``top_ids`` / ``top_logprobs`` (``flm_train.generate``) are lists of ``[N, k]`` arrays, or None
     when a shard predates them (generated before they were recorded)."""
@@ -100,8 +101,8 @@ class Shards:
             self.tokens.append(z["tokens"].astype(np.int64))
             self.taps.append(mmap_npz_array(p, "taps"))
             if "top_ids" in z.files and self.top_ids is not None:
-                self.top_ids.append(z["top_ids"].astype(np.int64))
-                self.top_logprobs.append(z["top_logprobs"].astype(np.float32))
+                self.top_ids.append(mmap_npz_array(p, "top_ids"))
+                self.top_logprobs.append(mmap_npz_array(p, "top_logprobs"))
             else:
                 self.top_ids = self.top_logprobs = None
             off, pl, gr = z["offsets"], z["prompt_lens"], z["greedy"]
@@ -159,8 +160,9 @@ class Shards:
             k = self.top_ids[0].shape[1]
             ids, logp = torch.zeros(len(seqs), t, k, dtype=torch.long), torch.full((len(seqs), t, k), -math.inf)
             for i, s in enumerate(seqs):
-                ids[i, : s.length] = torch.from_numpy(self.top_ids[s.shard][s.start: s.start + s.length])
-                logp[i, : s.length] = torch.from_numpy(self.top_logprobs[s.shard][s.start: s.start + s.length])
+                rows = slice(s.start, s.start + s.length)
+                ids[i, : s.length] = torch.from_numpy(self.top_ids[s.shard][rows].astype(np.int64))
+                logp[i, : s.length] = torch.from_numpy(self.top_logprobs[s.shard][rows].astype(np.float32))
             top = ids, logp
         return taps, tokens, lengths, anc, valid, top
 
