@@ -2,13 +2,15 @@
 
 Two measurements, then one decision per context bucket (``flm_runtime.engine.policy``):
 
-1. **Acceptance profile** per context, greedy: from every speculative step with the whole block,
-   the number ``a`` of drafted tokens accepted. Greedy acceptance of the first ``j`` drafted
-   tokens does not depend on how many were drafted, so with draft length ``K`` a step yields
-   ``E_K = 1 + sum_{j=1..K} P(a >= j)`` tokens (the bonus included): the AL at ``K``. Below
-   ``LONG_CONTEXT`` the prompts are ``CALIBRATION_PROMPTS`` (our own chat prompts, not MT-Bench,
-   which stays a held-out evaluation set); from it on, a long prompt is what fills such a context,
-   so each such context gets its own profile from a document to summarise (the bench's shipped
+1. **Acceptance records** per context, greedy: from every speculative step with the whole block,
+   the number ``a`` of drafted tokens accepted and the draft's confidence in each drafted token.
+   Greedy acceptance of the first ``j`` drafted tokens does not depend on how many were drafted,
+   so with draft length ``K`` and a confidence gate that verifies ``k' <= K`` of them a step
+   yields ``min(a, k') + 1`` tokens (the bonus included); ``E_K = 1 + sum_{j=1..K} P(a >= j)``
+   is the AL at ``K`` without a gate. Below ``LONG_CONTEXT`` the prompts are
+   ``CALIBRATION_PROMPTS`` (our own chat prompts, not MT-Bench, which stays a held-out evaluation
+   set); from it on, a long prompt is what fills such a context, so each such context gets its
+   own records from a document to summarise (the bench's shipped
    public-domain texts, ``flm_runtime.bench.documents``) that fills it with the answer.
 2. **Step costs** at each context of ``--contexts`` (a random-token prompt of that length in the
    caches), in interleaved rounds, medians: ``t_decode`` (the 1-token layer), ``t_propose(K)`` (the
@@ -18,10 +20,12 @@ Two measurements, then one decision per context bucket (``flm_runtime.engine.pol
    weights, speeds up and slows down by a third over minutes while the verify pass moves less
    (docs/benchmarks.md), and that alone flips the decision.
 
-Per bucket (contexts above the previous measured one, up to this one): ``K* = argmax_K E_K /
-r_K`` with the bucket's own profile, where the cost ratio ``r_K = (t_propose(K) + t_verify(K+1))
-/ t_decode`` is the largest measured at the bucket's edges (the first bucket: its upper edge
-only) over all spells; speculation is on when that expected speed-up exceeds ``--min-speedup``
+Per bucket (contexts above the previous measured one, up to this one): the draft length K and
+confidence gate g (``GATES``; ``policy.confident_length``) maximising ``AL(K, g) / r(K, g)`` over
+the bucket's own records, where ``AL`` is the mean tokens per step and the cost ratio ``r`` the
+mean of ``(t_propose(K) + t_verify(k'+1)) / t_decode`` (``t_decode`` for ``k' = 0``), the
+largest measured at the bucket's edges (the first bucket: its upper edge only) over all spells;
+speculation is on when that expected speed-up exceeds ``--min-speedup``
 (``MIN_SPEEDUP``, 1.1), i.e. where it paid by that margin in every spell at both edges. The
 margin covers the acceptance that serving falls short of calibration's: the eighth-run draft
 kept 1.69 tokens a step on calibration's prompts and 1.53-1.58 served (``litellm-flm bench``,
@@ -46,6 +50,7 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -53,7 +58,7 @@ from tqdm import tqdm
 from flm_runtime import paths
 from flm_runtime.bench import documents
 from flm_runtime.engine import sampler
-from flm_runtime.engine.policy import Bucket, PolicyTable
+from flm_runtime.engine.policy import Bucket, PolicyTable, confident_length
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
 
@@ -70,24 +75,55 @@ CALIBRATION_PROMPTS = (
     "Explain in simple terms why the sky looks blue during the day.",
     "Summarise the main causes of the fall of the Western Roman Empire in a short paragraph.",
 )
-# Contexts (tokens) from which the acceptance profile comes from a long document instead of chat
+# Contexts (tokens) from which the acceptance records come from a long document instead of chat
 # prompts: a chat prompt is tens of tokens, and our drafts keep 1.2-1.4 tokens a step on chat but
 # 1.03-1.06 on long summaries (docs/benchmarks.md).
 LONG_CONTEXT = 1024
 MIN_SPEEDUP = 1.1  # a bucket's expected speed-up must exceed this to speculate (module docstring)
+# The confidence gates tried per bucket (policy.py): 0 (none) and a grid where our draft's gated
+# steps move between few and half of all steps (first-token confidence below 0.5 on 48% of steps
+# on chat prompts: docs/dflash.md, "Confidence").
+GATES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
 
 
-def acceptance_profile(decoder: SpeculativeDecoder, tokenizer, prompts: list[list[int]], max_new: int,
-                       progress: tqdm | None = None) -> np.ndarray:
-    """``P(a >= j)`` for ``j = 1 .. K``: ``[K]`` float64, over the whole-block greedy speculative
-    steps of ``max_new`` tokens per prompt (token ids, chat template applied; a step cut short by
-    ``max_new`` is left out).
+@dataclass(frozen=True)
+class Acceptance:
+    """Whole-block greedy speculative steps, as calibration records them.
+
+    Attributes:
+        confidence: ``[N, K]`` float32, the draft's confidence in each drafted token
+            (``Proposal.confidence``).
+        accepted: ``[N]`` int64, drafted tokens accepted (0 .. K).
+    """
+
+    confidence: np.ndarray
+    accepted: np.ndarray
+
+    def at_least(self) -> np.ndarray:
+        """``P(a >= j)`` for ``j = 1 .. K``: ``[K]`` float64."""
+        k = self.confidence.shape[1]
+        return (self.accepted[:, None] >= np.arange(1, k + 1)).mean(axis=0)
+
+    def tokens_and_cost(self, k: int, min_confidence: float, costs: dict) -> tuple[float, float]:
+        """Mean tokens per step and mean cost per step (decodes) with draft length ``k`` and the
+        confidence gate ``min_confidence``, at the step costs ``costs`` (a ``step_costs`` dict).
+        Greedy acceptance of a prefix does not depend on what was drafted after it, so a step that
+        verifies ``k' <= K`` tokens keeps ``min(a, k')`` of them, plus the bonus token."""
+        kept = confident_length(self.confidence[:, :k], min_confidence)  # [N]
+        tokens = np.minimum(self.accepted, kept) + 1
+        verify = np.array([costs["decode"], *costs["verify"]])[kept]  # k' = 0: a plain decode pass
+        return float(tokens.mean()), float((costs["propose"][k - 1] + verify).mean() / costs["decode"])
+
+
+def acceptance_records(decoder: SpeculativeDecoder, tokenizer, prompts: list[list[int]], max_new: int,
+                       progress: tqdm | None = None) -> Acceptance:
+    """The whole-block greedy speculative steps of ``max_new`` tokens per prompt (token ids, chat
+    template applied; a step cut short by ``max_new`` or the end of turn is left out).
 
     Raises:
         ValueError: no step ran (prompts too few or ``max_new`` too small).
     """
-    k = decoder.block_size - 1
-    counts = np.zeros(k + 1, dtype=np.int64)  # steps that accepted exactly a = 0..K
+    confidence, accepted = [], []
     greedy = SamplingParams(temperature=0.0)
     for prompt in prompts:
         ids = np.asarray(prompt, dtype=np.int64)
@@ -105,14 +141,14 @@ def acceptance_profile(decoder: SpeculativeDecoder, tokenizer, prompts: list[lis
             before, produced = state.accepted, len(out)
             done = decoder.step(Lane(out[-1], cache, state, greedy, rng, emit))
             if not done:  # a whole step: accepted = emitted - 1
-                counts[state.accepted - before] += 1
+                confidence.append(state.confidence)
+                accepted.append(state.accepted - before)
                 assert len(out) - produced == state.accepted - before + 1
             if progress is not None:
                 progress.update(len(out) - produced)
-    if counts.sum() == 0:
+    if not accepted:
         raise ValueError("no speculative step completed: give more prompts or a larger --max-new")
-    at_least = counts[::-1].cumsum()[::-1] / counts.sum()  # [K+1]: P(a >= j), j = 0..K
-    return at_least[1:]
+    return Acceptance(np.stack(confidence).astype(np.float32), np.array(accepted, dtype=np.int64))
 
 
 def step_costs(decoder: SpeculativeDecoder, context: int, rounds: int, rng: np.random.Generator) -> dict:
@@ -152,19 +188,22 @@ def step_costs(decoder: SpeculativeDecoder, context: int, rounds: int, rng: np.r
             "verify": [med[f"verify{n + 1}"] for n in range(1, k + 1)]}
 
 
-def choose(edges: list[dict], profile: np.ndarray, max_context: int, min_speedup: float = MIN_SPEEDUP) -> Bucket:
-    """The bucket's decision from the step costs measured at its edges (``step_costs`` dicts):
-    the draft length K with the best expected speed-up, each K's cost ratio the largest over the
-    edges (see the module docstring); speculation on when that speed-up exceeds ``min_speedup``."""
+def choose(edges: list[dict], acceptance: Acceptance, max_context: int, min_speedup: float = MIN_SPEEDUP) -> Bucket:
+    """The bucket's decision from the step costs measured at its edges (``step_costs`` dicts) and
+    its acceptance records: the draft length K and confidence gate (``GATES``) with the best
+    expected speed-up, each pair's cost ratio the largest over the edges (see the module
+    docstring); speculation on when that speed-up exceeds ``min_speedup``. Of equal speed-ups the
+    first wins: the shorter K, then the lower gate."""
     best = None
-    for k in range(1, len(profile) + 1):
-        al = 1.0 + float(profile[:k].sum())
-        ratio = max((c["propose"][k - 1] + c["verify"][k - 1]) / c["decode"] for c in edges)
-        if best is None or al / ratio > best[0]:
-            best = (al / ratio, k, al, ratio)
-    speedup, k, al, ratio = best
-    return Bucket(max_context=max_context, speculate=speedup > min_speedup, draft_length=k, cost_ratio=round(ratio, 4),
-                  expected_al=round(al, 4))
+    for k in range(1, acceptance.confidence.shape[1] + 1):
+        for gate in GATES:
+            al = acceptance.tokens_and_cost(k, gate, edges[0])[0]
+            ratio = max(acceptance.tokens_and_cost(k, gate, c)[1] for c in edges)
+            if best is None or al / ratio > best[0]:
+                best = (al / ratio, k, gate, al, ratio)
+    speedup, k, gate, al, ratio = best
+    return Bucket(max_context=max_context, speculate=speedup > min_speedup, draft_length=k, min_confidence=gate,
+                  cost_ratio=round(ratio, 4), expected_al=round(al, 4))
 
 
 def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str, contexts: list[int], rounds: int,
@@ -177,7 +216,7 @@ def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str,
     ``prompts``: the chat prompts (text) for the contexts below ``LONG_CONTEXT``.
 
     Raises:
-        ValueError: a context does not fit, or a profile is empty.
+        ValueError: a context does not fit, or a context's acceptance records are empty.
         InvalidRequestError: a document cannot fill a long context (``documents.summary_prompt``).
     """
     limit = decoder.target.config.max_position_embeddings
@@ -189,13 +228,13 @@ def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str,
     long_prompts = {ctx: [list(documents.summary_prompt(tokenizer, docs[i % len(docs)], ctx - max_new).ids)]
                     for i, ctx in enumerate(c for c in contexts if c >= LONG_CONTEXT)}
     chat_contexts = [ctx for ctx in contexts if ctx not in long_prompts]
-    profiles = {}
+    records = {}
     with tqdm(total=(len(chat) * bool(chat_contexts) + len(long_prompts)) * max_new, desc="calibrate: acceptance",
               unit="tok") as bar:
         if chat_contexts:
-            profiles |= dict.fromkeys(chat_contexts, acceptance_profile(decoder, tokenizer, chat, max_new, bar))
+            records |= dict.fromkeys(chat_contexts, acceptance_records(decoder, tokenizer, chat, max_new, bar))
         for ctx, prompt in long_prompts.items():
-            profiles[ctx] = acceptance_profile(decoder, tokenizer, prompt, max_new, bar)
+            records[ctx] = acceptance_records(decoder, tokenizer, prompt, max_new, bar)
     rng = np.random.default_rng(seed)
     costs_at = []  # [spell][context]: step_costs
     with tqdm(total=spells * len(contexts), desc="calibrate: step costs", unit="context") as bar:
@@ -211,12 +250,13 @@ def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str,
     buckets, measured = [], {}
     for i, ctx in enumerate(contexts):
         edges = [c for spell in costs_at for c in spell[max(0, i - 1) : i + 1]]
-        buckets.append(choose(edges, profiles[ctx], limit if i == len(contexts) - 1 else ctx, min_speedup))
+        buckets.append(choose(edges, records[ctx], limit if i == len(contexts) - 1 else ctx, min_speedup))
         measured[str(ctx)] = {"step_costs": [{"decode_ms": round(1e3 * spell[i]["decode"], 3),
                                               "propose_ms": [round(1e3 * t, 3) for t in spell[i]["propose"]],
                                               "verify_ms": [round(1e3 * t, 3) for t in spell[i]["verify"]]}
                                              for spell in costs_at],
-                              "acceptance_at_least": [round(float(p), 4) for p in profiles[ctx]],
+                              "acceptance_at_least": [round(float(p), 4) for p in records[ctx].at_least()],
+                              "acceptance_steps": len(records[ctx].accepted),
                               "acceptance_prompts": "document" if ctx in long_prompts else "chat"}
     return PolicyTable(model=tag, backend=backend, buckets=buckets, measured={
         "by_context": measured,
@@ -278,7 +318,7 @@ def calibrate_arguments(p: argparse.ArgumentParser) -> None:
                    help="the expected speed-up a bucket must exceed to speculate, a margin for served acceptance "
                         "below calibration's (default: %(default)s)")
     p.add_argument("--max-new", type=_positive_int, default=128,
-                   help="tokens per calibration prompt, for the acceptance profile (default: %(default)s)")
+                   help="tokens per calibration prompt, for the acceptance records (default: %(default)s)")
     p.add_argument("--out", default=None,
                    help="table file (default: ~/.config/litellm-flm/policy/<family>/<size>-<backend>.json, which "
                         "the engine reads before the table shipped in the draft directory)")
@@ -302,10 +342,11 @@ def main(args: argparse.Namespace) -> int:
                       rounds=args.rounds, max_new=args.max_new, spells=args.spells, spell_gap=args.spell_gap,
                       min_speedup=args.min_speedup)
     out = table.save(args.out or paths.policy_file(entry.tag, backend))
-    print("| contexts up to | speculate | draft length K | expected AL | cost ratio | expected speed-up |")
-    print("|---:|:---:|---:|---:|---:|---:|")
+    print("| contexts up to | speculate | draft length K | confidence gate | expected AL | cost ratio | "
+          "expected speed-up |")
+    print("|---:|:---:|---:|---:|---:|---:|---:|")
     for b in table.buckets:
-        print(f"| {b.max_context} | {'yes' if b.speculate else 'no'} | {b.draft_length} | {b.expected_al:.2f} | "
-              f"{b.cost_ratio:.2f} | {b.expected_speedup:.2f}x |")
+        print(f"| {b.max_context} | {'yes' if b.speculate else 'no'} | {b.draft_length} | {b.min_confidence:g} | "
+              f"{b.expected_al:.2f} | {b.cost_ratio:.2f} | {b.expected_speedup:.2f}x |")
     print(f"\nwrote {out}")
     return 0

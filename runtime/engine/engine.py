@@ -16,8 +16,8 @@ Per-request stats (``Completion.stats``): ``prompt_tokens``, ``completion_tokens
 ``queue_s`` (submit to admission, seconds), ``ttft_s`` (submit to the first generated token,
 seconds), ``decode_tokens_per_s`` (tokens after the first / seconds after the first; 0.0 with a
 single token), ``total_s``; with speculative decoding also ``spec_steps``, ``drafted_tokens``,
-``accepted_tokens`` and ``acceptance_length`` (AL, tokens per step including the bonus token; see
-``speculative.SpecState.stats``). The final ``StreamEvent`` carries the same stats.
+``accepted_tokens``, ``acceptance_length`` (AL, tokens per step including the bonus token) and
+``gated_steps`` (see ``speculative.SpecState.stats``). The final ``StreamEvent`` carries the same stats.
 
 Admission control (``admission.py``): at most ``max_queue`` requests wait and ``max_active`` run; a
 request is admitted only when its worst-case KV cache fits in what the running ones leave of

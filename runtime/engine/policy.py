@@ -8,9 +8,18 @@ with context (attention over the cache: the card's engine turns speculation off 
 depends on the draft, the text, and the request.
 
 So the rule is data: a ``PolicyTable`` per (DFlash tag, backend) of context buckets, each with
-whether to speculate, the draft length K, the measured ``cost_ratio`` and the calibrated AL at K,
-written by ``litellm-flm calibrate`` (``flm_runtime.bench.calibrate``) and shipped for the
-embedded model. The card's rule is one bucket: ``{"max_context": 32768, "speculate": false}``.
+whether to speculate, the draft length K, the confidence gate, the measured ``cost_ratio`` and the
+calibrated AL, written by ``litellm-flm calibrate`` (``flm_runtime.bench.calibrate``) and shipped
+for the embedded model. The card's rule is one bucket: ``{"max_context": 32768, "speculate": false}``.
+
+The gate works step by step: the draft proposes K tokens with its confidence in each (its softmax
+probability of the token, ``models.dflash.Proposal``), and the step verifies only the leading ones
+whose cumulative confidence (the product, an estimate of the chance that the whole prefix is
+accepted) is at least the bucket's ``min_confidence``; none left is a plain decode step. A verify
+row costs little next to the pass itself (the weights are read once for all rows), but the first
+drafted row doubles the rows and the later ones are rarely kept: the gate spends rows where the
+draft is sure and skips the verify where it guesses (EAGLE-2, Li et al. 2024, arXiv:2406.16858,
+grows its draft tree by the same estimate).
 
 Then, per request, an ``AcceptanceTracker`` follows that request's own AL (the mean of its last
 16 speculative steps, the window starting full of the table's AL). When ``AL_estimate /
@@ -26,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 FILE_NAME = "policy-{backend}.json"  # in the draft directory (shipped) or the user's policy dir
@@ -37,10 +47,15 @@ class Bucket(BaseModel):
     Attributes:
         max_context: the bucket covers contexts ``<= max_context`` tokens (above the previous bucket's).
         speculate: whether speculative steps run at all here.
-        draft_length: K, drafted tokens verified per step (1 .. block_size - 1).
-        cost_ratio: ``(t_propose + t_verify(K+1)) / t_decode`` measured at this context: the AL
-            above which a step pays.
-        expected_al: calibrated AL at draft length K (bonus included): the prior of the online estimate.
+        draft_length: K, tokens drafted per step (1 .. block_size - 1), of which the step verifies
+            ``confident_length(confidence, min_confidence)``.
+        min_confidence: the confidence gate (module docstring), 0 to 1; 0 verifies all K.
+        cost_ratio: a step's cost in decode steps, ``(t_propose(K) + t_verify(k+1)) / t_decode``
+            (k the verified length; a gated step, k = 0, costs ``(t_propose(K) + t_decode) /
+            t_decode``), measured at this context, the mean over calibration's steps: the AL above
+            which speculation pays.
+        expected_al: calibrated tokens per step (bonus included; a gated step emits one), the mean
+            over the same steps: the prior of the online estimate.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -48,6 +63,7 @@ class Bucket(BaseModel):
     max_context: int = Field(gt=0)
     speculate: bool
     draft_length: int = Field(default=7, ge=1)
+    min_confidence: float = Field(default=0.0, ge=0.0, le=1.0)
     cost_ratio: float = Field(default=1.0, gt=0)
     expected_al: float = Field(default=1.0, ge=1.0)
 
@@ -55,6 +71,20 @@ class Bucket(BaseModel):
     def expected_speedup(self) -> float:
         """``expected_al / cost_ratio``: the calibrated speed-up of speculation in this bucket."""
         return self.expected_al / self.cost_ratio
+
+
+def confident_length(confidence: np.ndarray, min_confidence: float) -> int | np.ndarray:
+    """The leading drafted tokens whose cumulative confidence is at least ``min_confidence``.
+
+    Args:
+        confidence: ``[K]`` the draft's probability of each drafted token (``Proposal.confidence``),
+            or ``[N, K]`` for N steps at once (calibration).
+        min_confidence: the bucket's gate; 0 keeps all K.
+    Returns:
+        k in ``0 .. K``: verify ``d1 .. dk`` (0: a plain decode step); ``[N]`` int64 for N steps.
+    """
+    kept = np.count_nonzero(np.cumprod(confidence, axis=-1, dtype=np.float64) >= min_confidence, axis=-1)
+    return int(kept) if np.ndim(confidence) == 1 else kept
 
 
 class PolicyTable(BaseModel):
@@ -119,7 +149,8 @@ class PolicyTable(BaseModel):
 class AcceptanceTracker:
     """One request's online acceptance estimate and its speculate / plain decision.
 
-    The estimate is the mean AL over the request's last ``window`` speculative steps. Each time
+    The estimate is the mean AL over the request's last ``window`` speculative steps (a step the
+    confidence gate left plain counts, with its one token). Each time
     speculation (re)starts, the window starts full of the bucket's calibrated ``expected_al``: a
     prior worth ``window`` steps, which the request's own steps then push out. One step emits 1 to
     K+1 tokens, with a standard deviation of 0.50 tokens at K = 1 and 0.75 at K = 2 at our

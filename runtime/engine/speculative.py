@@ -11,11 +11,12 @@ pass's taps of the kept positions become the draft's pending context.
 
 Batching: the engine advances several sequences ("lanes") per step. ``SpeculativeDecoder.propose``
 drafts for all drafting lanes in one draft pass; each lane then contributes its verify rows
-``[anchor, d1 .. dK]``, or the single row ``[anchor]`` of a plain decode step when the speculation
+``[anchor, d1 .. dk]``, or the single row ``[anchor]`` of a plain decode step when the speculation
 policy (``policy.py``: a table of context buckets plus the request's own acceptance estimate) says
 a block does not pay, to ONE target pass (``TargetModel.forward_batch``, shared with other
-sequences' prefill chunks); ``finish`` then verifies and emits lane by lane. Plain steps still
-record taps, so the draft can resume at any step.
+sequences' prefill chunks); ``finish`` then verifies and emits lane by lane. The policy's confidence gate
+verifies only the first k <= K drafted tokens, those the draft is sure enough of (k = 0: the
+step decodes plainly, "gated"). Plain steps still record taps, so the draft can resume at any step.
 
 Glossary (after vLLM's rejection sampler, ``vllm/v1/sample/rejection_sampler.py``):
 
@@ -49,12 +50,16 @@ import numpy as np
 
 from flm_runtime.engine import sampler
 from flm_runtime.engine.kv_cache import KVCache
-from flm_runtime.engine.policy import AcceptanceTracker, PolicyTable
+from flm_runtime.engine.policy import AcceptanceTracker, Bucket, PolicyTable, confident_length
 from flm_runtime.engine.request import SamplingParams
+from flm_runtime.models.dflash import Proposal
 
 # Pending taps of plain steps are folded into the draft cache once this many accumulate (while
 # the policy keeps a request decoding plainly), so that each step copies a bounded array.
 PENDING_FLUSH = 64
+
+# Without a policy table: speculate everywhere, verifying every drafted token.
+_NO_POLICY = Bucket(max_context=1, speculate=True)
 
 # proposer(draft_cache, anchor_id, start) -> [K] int64 drafted ids: a stand-in for the draft's
 # proposals (tests replay known tokens to force long acceptances).
@@ -125,8 +130,13 @@ class SpecState:
         draft_cache: the draft's context K/V.
         pending: ``[P, n*E]`` float32 taps of committed tokens not yet in ``draft_cache``.
         tracker: the request's acceptance estimate and speculate / plain decision (policy.py).
-        steps: speculative steps run.
-        drafted: tokens drafted (K per step).
+        steps: speculative steps run (steps that verified drafted tokens).
+        drafted: drafted tokens verified (k per step, after the confidence gate).
+        gated: steps the confidence gate turned into plain decode steps (the draft ran, nothing
+            was verified).
+        gated_step: the current step is such a step (set by ``propose``, read by ``finish``).
+        confidence: ``[K]`` float32, the draft's confidence in the tokens it proposed last (before
+            the gate; ``Proposal.confidence``).
         accepted: drafted tokens kept and pushed into the output pipeline.
         emitted: tokens pushed by speculative steps (accepted + one bonus per step; a step cut
             short by EOS / stop / max_tokens counts only the tokens pushed before the cut).
@@ -139,22 +149,27 @@ class SpecState:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
+    gated: int = 0
+    gated_step: bool = False
+    confidence: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
 
     def stats(self) -> dict:
         """Per-request speculation stats: ``spec_steps``, ``drafted_tokens``, ``accepted_tokens``,
-        ``acceptance_length`` (tokens per step INCLUDING the bonus token; 0.0 before a step), and
-        the policy's ``spec_switches_off`` and ``al_estimate`` (``AcceptanceTracker.stats``)."""
+        ``acceptance_length`` (tokens per speculative step INCLUDING the bonus token; 0.0 before a
+        step), ``gated_steps``, and the policy's ``spec_switches_off`` and ``al_estimate``
+        (``AcceptanceTracker.stats``)."""
         return {"spec_steps": self.steps, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
-                "acceptance_length": self.emitted / self.steps if self.steps else 0.0, **self.tracker.stats()}
+                "acceptance_length": self.emitted / self.steps if self.steps else 0.0, "gated_steps": self.gated,
+                **self.tracker.stats()}
 
 
 class LaneOutput(NamedTuple):
     """One lane's rows of a (batched) target pass.
 
     Attributes:
-        draft_ids: ``[K]`` int64 drafted tokens (K = 0: a plain decode step).
-        logits: ``[K+1, V]`` float32 target logits of ``[anchor, d1 .. dK]``.
-        taps: ``[K+1, n*E]`` float32 taps of the same rows.
+        draft_ids: ``[k]`` int64 drafted tokens to verify (k = 0: a plain decode step).
+        logits: ``[k+1, V]`` float32 target logits of ``[anchor, d1 .. dk]``.
+        taps: ``[k+1, n*E]`` float32 taps of the same rows.
     """
 
     draft_ids: np.ndarray
@@ -251,11 +266,13 @@ class SpeculativeDecoder:
 
         Per lane, from ``anchor_id`` at position ``start = cache.length``: with ``K =
         draft_length(lane) > 0`` the draft catches up on the pending taps and proposes
-        ``d1 .. dK``; ``K = 0`` is a plain decode step. The caller runs ``rows(lane, d)`` of
-        every lane through the target (with ``taps=self.taps``) and ``finish``es each lane.
+        ``d1 .. dK``, of which the lane keeps the first ``k = confident_length(confidence,
+        min_confidence)`` (the bucket's gate; k = 0 makes the step a gated plain step); ``K = 0``
+        is a plain decode step. The caller runs ``rows(lane, d)`` of every lane through the
+        target (with ``taps=self.taps``) and ``finish``es each lane.
 
         Returns:
-            per lane, its drafted ids ``[K]`` int64. Whatever follows, every lane's invariant
+            per lane, its drafted ids to verify ``[k]`` int64. Whatever follows, every lane's invariant
             holds (the catch-up only moved taps from pending into the draft cache): a target pass
             that raises may be retried.
         """
@@ -267,9 +284,18 @@ class SpeculativeDecoder:
             state = lane.state
             self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
             state.pending = self._no_taps()
-        proposed = iter(self._propose([lane.state.draft_cache for lane in drafting],
-                                      [lane.anchor_id for lane in drafting], max(ks)) if drafting else [])  # [S, max K]
-        return [next(proposed)[:k] if k else np.zeros(0, dtype=np.int64) for k in ks]
+        proposal = self._propose([lane.state.draft_cache for lane in drafting],
+                                 [lane.anchor_id for lane in drafting], max(ks)) if drafting else None  # [S, max K]
+        drafts, row = [], 0
+        for lane, k in zip(lanes, ks):
+            kept = 0
+            if k:
+                lane.state.confidence = proposal.confidence[row, :k]
+                kept = confident_length(lane.state.confidence, self._bucket(lane.cache.length).min_confidence)
+                row += 1
+            lane.state.gated_step = bool(k) and not kept
+            drafts.append(proposal.ids[row - 1, :kept] if kept else np.zeros(0, dtype=np.int64))
+        return drafts
 
     @staticmethod
     def rows(lane: Lane, draft_ids: np.ndarray) -> np.ndarray:
@@ -287,23 +313,26 @@ class SpeculativeDecoder:
         """
         draft_ids, logits, taps = output
         cache, state = lane.cache, lane.state
+        start = cache.length - len(logits)
         if not len(draft_ids):  # a plain decode step
             state.pending = np.concatenate([state.pending, taps])
             if len(state.pending) >= PENDING_FLUSH:  # bounded: no copy that grows with the output
                 self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
                 state.pending = self._no_taps()
-            if self.policy is not None:
+            if state.gated_step:  # speculating, but the gate verified nothing: a 1-token step
+                state.gated += 1
+                state.tracker.record_step(self._bucket(start), 1)
+            elif self.policy is not None:
                 state.tracker.record_plain()
             self._check(cache, state)
             return lane.emit(sampler.sample(logits[0], lane.params, lane.rng))
-        start = cache.length - len(logits)
         n_accepted, bonus = verify(draft_ids, logits, lane.params, lane.rng)
         cache.trim(start + n_accepted + 1)  # roll back the rejected positions
         state.pending = taps[: n_accepted + 1]
         state.steps += 1
         state.drafted += len(draft_ids)
         if self.policy is not None:
-            state.tracker.record_step(self.policy.bucket(start), n_accepted + 1)
+            state.tracker.record_step(self._bucket(start), n_accepted + 1)
         self._check(cache, state)
         for j, token in enumerate([*draft_ids[:n_accepted].tolist(), bonus]):
             state.emitted += 1
@@ -312,17 +341,22 @@ class SpeculativeDecoder:
                 return True
         return False
 
-    def _propose(self, caches: list[KVCache], anchor_ids: list[int], n_drafts: int) -> np.ndarray:
-        """The first ``n_drafts`` drafted tokens ``[S, n_drafts]`` int64 of ``S`` sequences: one
+    def _propose(self, caches: list[KVCache], anchor_ids: list[int], n_drafts: int) -> Proposal:
+        """The first ``n_drafts`` drafted tokens of ``S`` sequences (``[S, n_drafts]``): one
         batched draft pass (``draft.propose_batch``, whose LM head runs on those rows only), or
-        the stand-in ``proposer`` sequence by sequence."""
+        the stand-in ``proposer`` sequence by sequence (confidence 1: never gated)."""
         if self.proposer is None:
             out = self.draft.propose_batch(caches, anchor_ids, n_drafts)
         else:
-            out = np.stack([np.asarray(self.proposer(c, a, c.length), dtype=np.int64)[:n_drafts]
+            ids = np.stack([np.asarray(self.proposer(c, a, c.length), dtype=np.int64)[:n_drafts]
                             for c, a in zip(caches, anchor_ids)])
-        assert out.shape == (len(caches), n_drafts), f"proposals {out.shape}"
+            out = Proposal(ids, np.ones(ids.shape, dtype=np.float32))
+        assert out.ids.shape == out.confidence.shape == (len(caches), n_drafts), f"proposals {out.ids.shape}"
         return out
+
+    def _bucket(self, context: int) -> Bucket:
+        """The policy's bucket of ``context`` tokens; without a policy, whole blocks, no gate."""
+        return self.policy.bucket(context) if self.policy is not None else _NO_POLICY
 
     def _no_taps(self) -> np.ndarray:
         return np.zeros((0, self._tap_width), dtype=np.float32)  # [0, n*E]

@@ -1,7 +1,8 @@
 """``litellm-flm calibrate`` (flm_runtime.bench.calibrate) on SmolLM2 at tiny settings: the
-acceptance profile is right where it is known exactly (a proposer replaying the greedy output is
-always accepted; a random draft almost never), the decision per bucket follows from the measured
-costs and the profile, and the command writes a table the engine then reads (``api.load_policy``)."""
+acceptance records are right where they are known exactly (a proposer replaying the greedy output
+is always accepted; a random draft almost never), the decision per bucket (draft length and
+confidence gate) follows from the measured costs and the records, and the command writes a table
+the engine then reads (``api.load_policy``)."""
 
 from __future__ import annotations
 
@@ -34,15 +35,22 @@ def test_a_replayed_greedy_output_is_always_accepted(smollm2_model, smollm2_toke
     def replay(draft_cache, anchor_id, start):
         return np.array([truth.get(p, 0) for p in range(start + 1, start + 8)])
 
-    perfect = SpeculativeDecoder(smollm2_model, draft, proposer=replay)
-    np.testing.assert_array_equal(calibrate.acceptance_profile(perfect, tok, [ids], 32), np.ones(7))
-    random = calibrate.acceptance_profile(SpeculativeDecoder(smollm2_model, draft), tok, [ids], 16)
-    assert random.shape == (7,) and random[0] < 0.5 and (np.diff(random) <= 0).all()
+    perfect = calibrate.acceptance_records(SpeculativeDecoder(smollm2_model, draft, proposer=replay), tok, [ids], 32)
+    # 1 token from prefill, then whole steps of 8 while 32 tokens are not reached: 3 (the 4th is cut).
+    assert perfect.accepted.tolist() == [7, 7, 7] and (perfect.confidence == 1.0).all()
+    np.testing.assert_array_equal(perfect.at_least(), np.ones(7))
+    random = calibrate.acceptance_records(SpeculativeDecoder(smollm2_model, draft), tok, [ids], 16)
+    at_least = random.at_least()
+    assert at_least.shape == (7,) and at_least[0] < 0.5 and (np.diff(at_least) <= 0).all()
+    assert random.confidence.shape == (len(random.accepted), 7) and (random.confidence < 0.5).all()
 
 
 def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smollm2_tokenizer, draft, monkeypatch):
     # From LONG_CONTEXT on, a bucket's acceptance comes from a document filling its context.
     monkeypatch.setattr(calibrate, "LONG_CONTEXT", 100)
+    recorded = []  # the acceptance records, chat (16) then document (150)
+    records = calibrate.acceptance_records
+    monkeypatch.setattr(calibrate, "acceptance_records", lambda *a: recorded.append(records(*a)) or recorded[-1])
     table = calibrate.calibrate(SpeculativeDecoder(smollm2_model, draft), smollm2_tokenizer, tag="t-dflash:1",
                                 backend="cpu", contexts=[16, 150], rounds=1, max_new=16, spells=2, spell_gap=0.0,
                                 prompts=PROMPT)
@@ -52,40 +60,62 @@ def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smol
     assert [len(by_context[c]["step_costs"]) for c in ("16", "150")] == [2, 2]  # one per spell
     assert "--spells 2 --spell-gap 0" in table.measured["command"]
 
-    def ratio(costs: dict, k: int) -> float:
-        return (costs["propose_ms"][k - 1] + costs["verify_ms"][k - 1]) / costs["decode_ms"]
+    def costs(measured: dict) -> dict:  # a step_costs dict (milliseconds: only ratios matter)
+        return {"decode": measured["decode_ms"], "propose": measured["propose_ms"], "verify": measured["verify_ms"]}
 
-    # Each bucket's cost ratio is the largest at its edges (the first: its own context only) in any spell.
-    for bucket, edges, ctx in zip(table.buckets, (("16",), ("16", "150")), ("16", "150")):
-        profile = np.array(by_context[ctx]["acceptance_at_least"])
-        assert profile.shape == (7,) and (np.diff(profile) <= 0).all()
-        speedups = [(1 + profile[:k].sum()) / max(ratio(c, k) for e in edges for c in by_context[e]["step_costs"])
-                    for k in range(1, 8)]
-        k = int(np.argmax(speedups)) + 1
-        assert bucket.draft_length == k and bucket.expected_al == pytest.approx(1 + profile[:k].sum(), abs=1e-4)
-        assert bucket.speculate == (speedups[k - 1] > 1.0)
-        assert bucket.expected_speedup == pytest.approx(speedups[k - 1], rel=1e-2)
+    # Each bucket's decision is choose()'s on its own records and the costs at its edges (the first:
+    # its own context only) in every spell.
+    for bucket, edges, acceptance in zip(table.buckets, (("16",), ("16", "150")), recorded):
+        want = calibrate.choose([costs(c) for e in edges for c in by_context[e]["step_costs"]], acceptance,
+                                bucket.max_context)
+        assert (bucket.speculate, bucket.draft_length, bucket.min_confidence) == (
+            want.speculate, want.draft_length, want.min_confidence)
+        assert bucket.expected_al == want.expected_al and bucket.cost_ratio == pytest.approx(want.cost_ratio, rel=1e-3)
+    for ctx, acceptance in zip(("16", "150"), recorded):
+        assert by_context[ctx]["acceptance_at_least"] == [round(float(p), 4) for p in acceptance.at_least()]
+        assert by_context[ctx]["acceptance_steps"] == len(acceptance.accepted)
     with pytest.raises(ValueError, match="contexts must ascend"):
         calibrate.calibrate(SpeculativeDecoder(smollm2_model, draft), smollm2_tokenizer, tag="t", backend="cpu",
                             contexts=[64, 16], rounds=1, max_new=16, prompts=PROMPT)
 
 
+def records(accepted: list[int], confidence: list[list[float]] | None = None) -> calibrate.Acceptance:
+    """Acceptance records of whole steps of 7 (confidence 1 unless given)."""
+    confidence = np.ones((len(accepted), 7)) if confidence is None else np.array(confidence)
+    return calibrate.Acceptance(confidence.astype(np.float32), np.array(accepted))
+
+
+PROFILE = records([2, 1, 1, 1, 0, 0, 0, 0, 0, 0])  # P(a >= 1) 0.4, P(a >= 2) 0.1: AL 1.4 at K = 1, 1.5 from 2 on
+
+
 def test_a_bucket_speculates_only_where_it_pays_at_both_edges():
-    profile = np.array([0.4, 0.1, 0, 0, 0, 0, 0])  # AL 1.4 at K = 1, 1.5 from K = 2 on
     cheap = {"decode": 1.0, "propose": [0.1] * 7, "verify": [1.0] * 7}  # cost ratio 1.1 at every K
     dear = {"decode": 1.0, "propose": [0.1] * 7, "verify": [1.5] * 7}  # 1.6
-    alone = calibrate.choose([cheap], profile, 256)
-    assert (alone.speculate, alone.draft_length, alone.expected_al, alone.cost_ratio) == (True, 2, 1.5, 1.1)
-    both = calibrate.choose([dear, cheap], profile, 1024)  # dear at the lower edge: 1.5 / 1.6 < 1
+    alone = calibrate.choose([cheap], PROFILE, 256)
+    assert (alone.speculate, alone.draft_length, alone.min_confidence, alone.expected_al, alone.cost_ratio) == (
+        True, 2, 0.0, 1.5, 1.1)
+    both = calibrate.choose([dear, cheap], PROFILE, 1024)  # dear at the lower edge: 1.5 / 1.6 < 1
     assert (both.speculate, both.draft_length, both.cost_ratio) == (False, 2, 1.6)
 
 
 def test_a_bucket_speculates_only_past_the_margin():
-    profile = np.array([0.4, 0.1, 0, 0, 0, 0, 0])  # AL 1.5 from K = 2 on
     step = {"decode": 1.0, "propose": [0.1] * 7, "verify": [1.3] * 7}  # cost ratio 1.4: expects 1.07x
-    assert calibrate.choose([step], profile, 256, min_speedup=1.0).speculate
-    assert not calibrate.choose([step], profile, 256).speculate  # MIN_SPEEDUP 1.1
+    assert calibrate.choose([step], PROFILE, 256, min_speedup=1.0).speculate
+    assert not calibrate.choose([step], PROFILE, 256).speculate  # MIN_SPEEDUP 1.1
     assert calibrate.MIN_SPEEDUP == 1.1
+
+
+def test_the_gate_is_chosen_where_it_skips_the_verify_of_guesses():
+    # Five sure steps (confidence 0.9) that keep 3, five guesses (0.05) that keep nothing; verifying
+    # k tokens costs 1.1 + 0.05 k decodes, the draft 0.1.
+    acceptance = records([3] * 5 + [0] * 5, [[0.9] * 7] * 5 + [[0.05] * 7] * 5)
+    step = {"decode": 1.0, "propose": [0.1] * 7, "verify": [1.1 + 0.05 * k for k in range(1, 8)]}
+    assert acceptance.tokens_and_cost(3, 0.0, step) == pytest.approx((2.5, 1.35))  # every step verifies 3: 0.1 + 1.25
+    # gate 0.1: the guesses decode plainly (0.1 + 1 decodes): (5 x 1.35 + 5 x 1.1) / 10
+    assert acceptance.tokens_and_cost(3, 0.1, step) == pytest.approx((2.5, 1.225))
+    bucket = calibrate.choose([step], acceptance, 256)
+    assert (bucket.speculate, bucket.draft_length, bucket.min_confidence) == (True, 3, 0.1)
+    assert (bucket.expected_al, bucket.cost_ratio) == (2.5, 1.225)
 
 
 def test_the_command_writes_the_table_the_engine_reads(run_cli, random_draft, tmp_path, monkeypatch):

@@ -1,15 +1,17 @@
 """The speculation policy (flm_runtime.engine.policy): the table, the per-request acceptance
-tracker step by step, and the engine switching a request whose acceptance collapses to plain
-decoding (exact output, exact step counts) on a scripted target."""
+tracker step by step, the confidence gate, and the engine switching a request whose acceptance
+collapses to plain decoding, or gating its drafts (exact output, exact step counts) on a scripted
+target."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from engine_fakes import FakeTokenizer
 from pydantic import ValidationError
 from spec_fakes import ScriptTarget, random_draft, replay_proposer
 
-from flm_runtime.engine.policy import AcceptanceTracker, Bucket, PolicyTable
+from flm_runtime.engine.policy import AcceptanceTracker, Bucket, PolicyTable, confident_length
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import SpeculativeDecoder
 
@@ -62,6 +64,16 @@ def test_a_bucket_without_speculation_never_drafts():
     off = Bucket(max_context=100, speculate=False)
     t = AcceptanceTracker()
     assert [t.draft_length(off) for _ in range(3)] == [0, 0, 0]
+
+
+def test_the_gate_keeps_the_prefix_whose_cumulative_confidence_clears_it():
+    confidence = np.array([0.75, 0.5, 0.5, 1.0], dtype=np.float32)  # cumulative 0.75, 0.375, 0.1875, 0.1875
+    assert [confident_length(confidence, g) for g in (0.0, 0.1875, 0.2, 0.375, 0.75, 0.8)] == [4, 4, 2, 2, 1, 0]
+    steps = np.array([[0.75, 0.5, 0.5, 1.0], [0.25, 1.0, 1.0, 1.0]], dtype=np.float32)
+    assert confident_length(steps, 0.3).tolist() == [2, 0]
+    assert Bucket(max_context=8, speculate=True).min_confidence == 0.0  # tables without a gate verify all K
+    with pytest.raises(ValidationError, match="min_confidence"):
+        Bucket(max_context=8, speculate=True, min_confidence=1.5)
 
 
 def test_table_buckets_and_the_cards_rule(tmp_path):
@@ -123,3 +135,44 @@ def test_the_draft_scores_only_the_k_rows_the_policy_verifies(make_engine):
     s = done.stats
     assert asked == [2] * s["spec_steps"] and s["spec_steps"] > 0
     assert s["drafted_tokens"] == 2 * s["spec_steps"]
+
+
+def gated_engine(make_engine, confidence: list[float], gate: float):
+    """A scripted target and a draft that drafts the script's tokens, block row k with the draft
+    probability ``confidence[k - 1]``, under a table whose bucket gates at ``gate``."""
+    target = ScriptTarget(LETTERS, 3)
+    draft = random_draft(target, taps=[0, 1])
+    vocab = target.config.vocab_size
+    assert draft.vocab is None  # draft-vocabulary index == target id
+
+    def draft_logits_batch(caches, anchor_ids, n_drafts=None):  # [S, K, V]: softmax of the token = confidence
+        logits = np.zeros((len(caches), n_drafts, vocab), dtype=np.float32)
+        for s, cache in enumerate(caches):
+            for j, c in enumerate(confidence[:n_drafts]):
+                logits[s, j, LETTERS[cache.length + 1 + j - 3]] = np.log(c * (vocab - 1) / (1 - c))
+        return logits
+
+    draft.draft_logits_batch = draft_logits_batch
+    bucket = Bucket(max_context=1 << 20, speculate=True, draft_length=7, min_confidence=gate, cost_ratio=0.5,
+                    expected_al=3.0)
+    table = PolicyTable(model="script-dflash:1", backend="cpu", buckets=[bucket])
+    decoder = SpeculativeDecoder(target, draft, policy=table)
+    return make_engine(target, FakeTokenizer(vocab_size=300), speculative=decoder)
+
+
+def test_the_gate_verifies_only_the_confident_prefix(make_engine):
+    # Cumulative confidence 0.9, 0.81, 0.243, ...: a gate of 0.5 verifies d1, d2 of every block; all
+    # are right, so a step emits 3 tokens: 1 from prefill, 6 steps of 3, a 7th cut by max_tokens.
+    engine = gated_engine(make_engine, [0.9, 0.9, 0.3, 0.9, 0.9, 0.9, 0.9], gate=0.5)
+    done = engine.submit([1, 2, 3], SamplingParams(max_tokens=20)).result()
+    assert done.token_ids == tuple(LETTERS[:20])
+    s = done.stats
+    assert (s["spec_steps"], s["drafted_tokens"], s["accepted_tokens"], s["gated_steps"]) == (7, 14, 13, 0)
+
+
+def test_a_draft_unsure_of_its_first_token_leaves_every_step_plain(make_engine):
+    engine = gated_engine(make_engine, [0.3] + [0.99] * 6, gate=0.5)
+    done = engine.submit([1, 2, 3], SamplingParams(max_tokens=20)).result()
+    assert done.token_ids == tuple(LETTERS[:20])
+    s = done.stats
+    assert (s["spec_steps"], s["drafted_tokens"], s["gated_steps"], s["spec_switches_off"]) == (0, 0, 19, 0)
