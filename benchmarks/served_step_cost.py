@@ -13,11 +13,11 @@ Per engine, over all its steps: milliseconds per step of the whole step (``Engin
 the target pass (``forward_batch``), and for the DFlash engine of the draft's work
 (``SpeculativeDecoder.propose``: catching up on the pending taps, then proposing) and of
 ``finish`` (verify, KV roll-back, emitting); decode tokens/s and AL from the engines' own stats.
-The DFlash engine's steps are also split by their draft length K (K = 0: a plain step), with
-their count and ms per step. Then ``step / baseline step`` is the served cost of
-a speculative step in decodes: speculation pays where AL exceeds it (DESIGN §7). Forced, the
-same passes are then timed alone in the main thread by calibration's own measurement
-(``calibrate.step_costs``, 9 interleaved rounds, medians).
+The DFlash engine's steps are also split by the tokens they verify, K (K = 0: a plain step; "K = 0
+gated": the confidence gate left nothing to verify), with their count and ms per step. Then
+``step / baseline step`` is the served cost of a speculative step in decodes: speculation pays
+where AL exceeds it (DESIGN §7). Forced, the same passes are then timed alone in the main thread
+by calibration's own measurement (``calibrate.step_costs``, 9 interleaved rounds, medians).
 
     python benchmarks/served_step_cost.py [--k 1 | --policy FILE] [--max-tokens 256] [--prompts 3] [--rounds 2]
 
@@ -77,13 +77,14 @@ class Timings:
 
 
 def record_draft_lengths(decoder) -> Callable[[], str]:
-    """Wrap ``decoder.propose`` to remember its (one) lane's K; returns the step label ``K=k``
-    (``K=none`` for a step without decoding lanes: the prefill)."""
+    """Wrap ``decoder.propose`` to remember its (one) lane's K, the tokens its step verifies;
+    returns the step label ``K=k`` (``K=0 gated`` for a step the confidence gate left plain, after
+    the draft ran; ``K=none`` for a step without decoding lanes: the prefill)."""
     propose, last = decoder.propose, {}
 
     def recorded(lanes):
         drafts = propose(lanes)
-        last["k"] = len(drafts[0])
+        last["k"] = f"{len(drafts[0])}{' gated' if lanes[0].state.gated_step else ''}"
         return drafts
 
     decoder.propose = recorded
