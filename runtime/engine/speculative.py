@@ -14,9 +14,10 @@ drafts for all drafting lanes in one draft pass; each lane then contributes its 
 ``[anchor, d1 .. dk]``, or the single row ``[anchor]`` of a plain decode step when the speculation
 policy (``policy.py``: a table of context buckets plus the request's own acceptance estimate) says
 a block does not pay, to ONE target pass (``TargetModel.forward_batch``, shared with other
-sequences' prefill chunks); ``finish`` then verifies and emits lane by lane. The policy's confidence gate
-verifies only the first k <= K drafted tokens, those the draft is sure enough of (k = 0: the
-step decodes plainly, "gated"). Plain steps still record taps, so the draft can resume at any step.
+sequences' prefill chunks); ``finish`` then verifies and emits lane by lane. The policy's
+confidence gate verifies only the first k <= K drafted tokens, those the draft is sure enough of
+(k = 0: the step decodes plainly, "gated"). Plain steps still record taps, so the draft can resume
+at any step.
 
 Glossary (after vLLM's rejection sampler, ``vllm/v1/sample/rejection_sampler.py``):
 
@@ -286,15 +287,17 @@ class SpeculativeDecoder:
             state.pending = self._no_taps()
         proposal = self._propose([lane.state.draft_cache for lane in drafting],
                                  [lane.anchor_id for lane in drafting], max(ks)) if drafting else None  # [S, max K]
-        drafts, row = [], 0
+        rows = iter(range(len(drafting)))  # the proposal's row of each drafting lane, in order
+        drafts = []
         for lane, k in zip(lanes, ks):
-            kept = 0
+            ids = np.zeros(0, dtype=np.int64)
             if k:
+                row = next(rows)
                 lane.state.confidence = proposal.confidence[row, :k]
-                kept = confident_length(lane.state.confidence, self._bucket(lane.cache.length).min_confidence)
-                row += 1
-            lane.state.gated_step = bool(k) and not kept
-            drafts.append(proposal.ids[row - 1, :kept] if kept else np.zeros(0, dtype=np.int64))
+                ids = proposal.ids[row, : confident_length(lane.state.confidence,
+                                                            self._bucket(lane.cache.length).min_confidence)]
+            lane.state.gated_step = bool(k) and not len(ids)
+            drafts.append(ids)
         return drafts
 
     @staticmethod
