@@ -165,10 +165,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, *, causal
     r = h // hkv
     qg = q.reshape(t, hkv, r, d).transpose(1, 2, 0, 3).reshape(hkv, r * t, d)  # [Hkv, R*T, D]
     scores = np.matmul(qg, k.transpose(0, 2, 1)) * np.float32(d**-0.5)  # [Hkv, R*T, N]
-    if causal and t > 1:
+    if causal and t > 1:  # mask the new keys after each query's own position: the last T columns
         scores = scores.reshape(hkv, r, t, n)  # [Hkv, R, T, N]
-        future = np.arange(n)[None, :] > (start + np.arange(t))[:, None]  # [T, N]
-        scores[:, :, future] = -np.inf
+        scores[..., start:] += np.triu(np.full((t, t), -np.inf, dtype=np.float32), k=1)  # [T, T]
         scores = scores.reshape(hkv, r * t, n)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
