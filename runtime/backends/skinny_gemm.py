@@ -3,16 +3,18 @@
 Decode (M = 1), a DFlash verify pass (M = K + 1 <= 8) and a small batched decode step are
 "skinny" products: the weight matrix is read once and each of its rows meets only M activation
 rows. On our 2-core machine OpenBLAS runs them below what the memory allows (M = 1 as a GEMV;
-M = 2..8 as a GEMM that packs both operands: 2 rows cost 2.8x one row). This kernel streams each
-weight row once and takes its dot products with up to 8 activation rows at a time, the rows held
-in cache, the output columns split over the cores. All of SmolLM2-135M's products (30 layers and
-the LM head), medians of 3 rounds, ``python benchmarks/skinny_gemm.py`` (quiet machine):
+M = 2..8 as a GEMM that packs both operands: 2 rows cost 2.7x one row). This kernel streams each
+weight row once, prefetching a few rows ahead, and takes its dot products with up to 8 activation
+rows at a time, the rows held in cache, the output columns split over the cores. All of
+SmolLM2-135M's products (30 layers and the LM head), medians of 3 rounds,
+``python benchmarks/skinny_gemm.py --rows 1,2,3,4,8`` in a busy spell of this shared machine
+(a quiet one runs the 1-row products in about 19 ms):
 
-    rows    1      2      4      8
-    BLAS    26.2   74.0   60.0   62.8 ms
-    here    19.4   20.3   21.7   39.0 ms
+    rows    1      2      3      4      8
+    BLAS    30.0   86.4   96.2   97.4   92.3 ms
+    here    30.4   32.1   34.6   39.0   51.9 ms
 
-so a verify pass of 2-4 positions costs about what one decode costs, which is what could make
+so a verify pass of 2-4 positions costs little more than one decode, which is what could make
 drafting short blocks pay on a CPU (docs/dflash.md, "Cost on the cpu backend").
 
 The kernel is compiled by numba and cached on disk: ``compile_kernel`` runs when a model loads
