@@ -44,9 +44,10 @@ MAX_ROWS = 8
 
 # Weight rows ahead of the one being multiplied whose cache lines a thread prefetches: the
 # hardware prefetcher alone leaves the multi-row loops, which spend more instructions per cache
-# line, short of the memory's speed (all of SmolLM2's products on a busy spell of this machine,
-# 1 / 2 / 4 rows: 33.5 / 37.8 / 45.3 ms without, 27.6 / 30.6 / 37.0 ms 4 rows ahead, 28.5 / 30.2
-# / 36.9 2 ahead, 29.0 / 32.5 / 38.6 8 ahead).
+# line, short of the memory's speed (all of SmolLM2's products in a busy spell of this machine,
+# a throwaway script's 1-, 2- and 4-row loops alternating in one process: 33.5 / 37.8 / 45.3 ms
+# without, 27.6 / 30.6 / 37.0 ms 4 rows ahead, 28.5 / 30.2 / 36.9 2 ahead, 29.0 / 32.5 / 38.6 8
+# ahead).
 PREFETCH_ROWS = 4
 _CACHE_LINE_FLOATS = 16  # 64-byte lines
 
