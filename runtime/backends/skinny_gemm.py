@@ -3,7 +3,7 @@
 Decode (M = 1), a DFlash verify pass (M = K + 1 <= 8) and a small batched decode step are
 "skinny" products: the weight matrix is read once and each of its rows meets only M activation
 rows. On our 2-core machine OpenBLAS runs them below what the memory allows (M = 1 as a GEMV;
-M = 2..8 as a GEMM that packs both operands: 2 rows cost 2.7x one row). This kernel streams each
+M = 2..8 as a GEMM that packs both operands: 2 rows cost 2.9x one row). This kernel streams each
 weight row once, prefetching a few rows ahead, and takes its dot products with up to 8 activation
 rows at a time, the rows held in cache, the output columns split over the cores. All of
 SmolLM2-135M's products (30 layers and the LM head), medians of 3 rounds,
