@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass
 
 from flm_runtime import paths, registry
-from flm_runtime.backends import TargetModel, skinny_gemm
+from flm_runtime.backends import TargetModel, qgemm, skinny_gemm
 from flm_runtime.backends.select import log_once, requested_backend, select_backend
 from flm_runtime.engine.admission import limits_from_env
 from flm_runtime.engine.engine import Engine
@@ -79,9 +79,11 @@ def load_model(tag: str) -> LoadedModel:
         ModelDownloadError: pulling failed.
         ModelFormatError: the files are unreadable or unsupported.
     """
-    bundle = load_model_files(registry.locate(tag))
+    bundle = load_model_files(registry.locate(tag), weights=registry.resolve(tag).weights)
+    model = LlamaModel(bundle.config, bundle.weights)
     skinny_gemm.compile_kernel()  # here, not in the first request's decode time
-    return LoadedModel(tag, LlamaModel(bundle.config, bundle.weights), bundle.tokenizer)
+    qgemm.compile_kernels(model.weight_formats())
+    return LoadedModel(tag, model, bundle.tokenizer)
 
 
 def load_draft(tag: str, target: LlamaModel) -> DFlashDraft:

@@ -22,6 +22,7 @@ Tags come from three layers, later ones winning a conflict as stated:
          path: /data/other-1b                           # config.json, tokenizer.json, *.safetensors
          description: Other 1B instruct
          context_length: 4096
+         weights: q8                                    # q4 | q8 | f32 | auto (the default)
        other-dflash:1b:
          base: other:1b
          draft: /data/other-1b-dflash                   # the DFlash draft directory
@@ -142,6 +143,8 @@ class ModelEntry(BaseModel):
     draft_files: tuple[ModelFile, ...] = ()
     origin: str = "built-in"  # where the entry was defined, for messages and `litellm-flm list`
     sampling: SamplingDefaults | None = None  # the model's default sampler; None: CARD_DEFAULT
+    # How the cpu backend holds the matrices (loading.weights.WEIGHT_KINDS); None: $FLM_WEIGHTS, else auto.
+    weights: Literal["auto", "q4", "q8", "f32"] | None = None
 
     @field_validator("tag", "base", mode="before")
     @classmethod

@@ -15,6 +15,10 @@ import pytest
 
 # litellm fetches its model price map from the network at import; we have no network in CI.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+# The suite's shared engines (and the proxies it starts) run the float32 reference path, which the
+# exact golden values of its tests were recorded on; the quantized kernels are tested against it
+# in tests/backends/test_qgemm.py and tests/models/test_quantized.py.
+os.environ.setdefault("FLM_WEIGHTS", "f32")
 
 DEFAULT_TAG = "smollm2:135m"
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -18,7 +18,10 @@ from contextlib import contextmanager
 import numpy as np
 import threadpoolctl
 
-from flm_runtime.backends import skinny_gemm
+from flm_runtime.backends import qgemm, quant, skinny_gemm
+from flm_runtime.backends.quant import QuantWeight
+
+Weight = np.ndarray | QuantWeight  # a matrix: float32 ``[out, in]``, or the block format of ``quant``
 
 
 # Rows up to which a forward pass is skinny (decode, a verify pass, a small batched step): its
@@ -31,23 +34,50 @@ SKINNY_ROWS = skinny_gemm.MAX_ROWS
 SKINNY_DECODE_CONTEXT = 3072
 
 
-def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def linear(x: np.ndarray, w: Weight) -> np.ndarray:
     """A linear layer without bias, ``x @ w.T``, with ``w`` in Hugging Face layout.
 
-    Inside a skinny ``forward_pass``, 1..SKINNY_ROWS rows run ``skinny_gemm.skinny_linear``, which
-    reads the weight once at close to memory speed where OpenBLAS does not (see that module);
-    everything else (prefill chunks, large batches, calls outside a pass) runs BLAS. The two agree
-    to float32 rounding.
+    A quantized ``w`` runs the integer kernels of ``qgemm`` for any number of rows (each row's
+    result independent of the others). A float32 ``w`` inside a skinny ``forward_pass``, 1..SKINNY_ROWS
+    rows, runs ``skinny_gemm.skinny_linear``, which reads the weight once at close to memory speed
+    where OpenBLAS does not (see that module); everything else (prefill chunks, large batches,
+    calls outside a pass) runs BLAS. The two float32 paths agree to float32 rounding.
 
     Args:
         x: ``[T, in]`` float32.
-        w: ``[out, in]`` float32, C-contiguous.
+        w: ``[out, in]`` float32 C-contiguous, or a ``QuantWeight``.
     Returns:
         ``[T, out]`` float32.
     """
+    if isinstance(w, QuantWeight):
+        return qgemm.qlinear(x, w)
     if getattr(_pass, "skinny", False) and 1 <= x.shape[0] <= SKINNY_ROWS:
         return skinny_gemm.skinny_linear(x, w)
     return x @ w.T
+
+
+def embedding(table: Weight, ids: np.ndarray) -> np.ndarray:
+    """Rows ``ids`` ``[T]`` of an embedding table ``[V, E]`` as float32 ``[T, E]`` (a quantized
+    table dequantizes only those rows)."""
+    return table.dequantize(ids) if isinstance(table, QuantWeight) else table[ids]
+
+
+def stack_rows(weights: list[Weight]) -> Weight:
+    """Matrices of one input width stacked along their output rows (fused QKV, gate/up): one
+    product in place of several."""
+    if all(isinstance(w, QuantWeight) for w in weights):
+        return quant.stack_rows(weights)
+    return np.concatenate([as_float32(w) for w in weights])
+
+
+def take_rows(w: Weight, rows: np.ndarray) -> Weight:
+    """Output rows ``rows`` of a matrix (a reduced vocabulary's LM head), in its own format."""
+    return w.take_rows(rows) if isinstance(w, QuantWeight) else np.ascontiguousarray(w[rows])
+
+
+def as_float32(w: Weight) -> np.ndarray:
+    """``w`` as a float32 array (a quantized weight dequantized: backends that take float32)."""
+    return w.dequantize() if isinstance(w, QuantWeight) else w
 
 
 def _openblas_thread_setters() -> list:

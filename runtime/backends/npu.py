@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flm_runtime.backends import forward_rows
+from flm_runtime.backends import cpu, forward_rows
 from flm_runtime.backends.manifest import Build, KernelFiles, Manifest, RoleSpec, geometry_mismatch
 from flm_runtime.backends.npu_layout import layout_entries, pack, step_array
 from flm_runtime.engine.kv_cache import GROWTH_QUANTUM
@@ -299,7 +299,8 @@ class NpuModel:
 
     def __init__(self, cpu_model, manifest: Manifest, build: Build, *, pyxrt=None):
         c = self.config = cpu_model.config
-        self.embed, self.lm_head = cpu_model.embed, cpu_model.lm_head  # host copies: [V, E] float32
+        # Host copies [V, E] float32 (the NPU kernels take float32, whatever the cpu model holds).
+        self.embed, self.lm_head = cpu.as_float32(cpu_model.embed), cpu.as_float32(cpu_model.lm_head)
         mismatch = geometry_mismatch(build, c)
         if mismatch:
             raise BackendUnavailableError(f"the NPU kernel build for {build.model} does not fit this "
@@ -332,7 +333,7 @@ class NpuModel:
     def _weights(self, manifest: Manifest, layout: str, group: int, tensors: dict) -> Buffer:
         _, total = layout_entries(manifest, layout, self.geometry)
         buf = Buffer(self.pyxrt, self.device, total, group, np.uint8, (total,))
-        buf.array[:] = pack(manifest, layout, self.geometry, tensors)
+        buf.array[:] = pack(manifest, layout, self.geometry, {k: cpu.as_float32(v) for k, v in tensors.items()})
         with xrt_errors(f"syncing {layout} to the device"):
             buf.to_device()
         return buf

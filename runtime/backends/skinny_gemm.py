@@ -51,7 +51,7 @@ MAX_ROWS = 8
 PREFETCH_ROWS = 4
 _CACHE_LINE_FLOATS = 16  # 64-byte lines
 
-_LOCK = threading.Lock()
+KERNEL_LOCK = threading.Lock()  # held by every call of a numba parallel kernel (module docstring)
 _FASTMATH = {"reassoc", "contract"}
 
 
@@ -169,7 +169,7 @@ def skinny_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     assert 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == w.shape[1], f"shapes {x.shape} @ {w.shape}.T"
     assert x.dtype == w.dtype == np.float32 and w.flags.c_contiguous, "float32 operands, C-contiguous weight"
     out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
-    with _LOCK:
+    with KERNEL_LOCK:
         _skinny_matmul(np.ascontiguousarray(x), w, out)
     return out
 

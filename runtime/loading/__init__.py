@@ -1,9 +1,10 @@
-"""Model files -> config, float32 weights, tokenizer and chat template.
+"""Model files -> config, weights, tokenizer and chat template.
 
 Two formats, one result (``ModelBundle``):
 
-- a ``.gguf`` file (llama.cpp; weights dequantized, Q/K rows un-permuted; tokenizer and chat
-  template from the metadata): ``flm_runtime.loading.gguf``;
+- a ``.gguf`` file (llama.cpp; matrices kept in their blocks or dequantized as the weight kind
+  asks, Q/K rows un-permuted; tokenizer and chat template from the metadata):
+  ``flm_runtime.loading.gguf``;
 - a Hugging Face directory (config.json, *.safetensors, tokenizer.json, tokenizer_config.json):
   ``flm_runtime.loading.safetensors_loader``.
 
@@ -16,12 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.gguf import load_gguf
 from flm_runtime.loading.safetensors_loader import load_hf_dir
 from flm_runtime.loading.tokenizer import Tokenizer
+from flm_runtime.loading.weights import Weight, weight_kind
 from flm_runtime.models.llama import LlamaConfig
 
 __all__ = ["ModelBundle", "Tokenizer", "load_model_files"]
@@ -33,49 +33,52 @@ class ModelBundle:
 
     Attributes:
         config: hyper-parameters.
-        weights: Hugging Face name -> float32 C-contiguous array (``[out, in]`` for matrices);
-            ``lm_head.weight`` only when the model does not tie it to the embedding.
+        weights: Hugging Face name -> float32 C-contiguous array or ``QuantWeight`` (``[out, in]``
+            for matrices); ``lm_head.weight`` only when the model does not tie it to the embedding.
         tokenizer: encoder/decoder, special tokens and chat template.
         source: the file or directory loaded.
     """
 
     config: LlamaConfig
-    weights: dict[str, np.ndarray]
+    weights: dict[str, Weight]
     tokenizer: Tokenizer
     source: Path
 
 
-def load_model_files(path: str | Path) -> ModelBundle:
+def load_model_files(path: str | Path, weights: str | None = None) -> ModelBundle:
     """Load a model from a ``.gguf`` file or a Hugging Face directory.
 
     Args:
         path: a GGUF file (any name; its magic is checked) or a directory with config.json.
+        weights: the weight kind (``loading.weights.WEIGHT_KINDS``); None: ``$FLM_WEIGHTS``,
+            else ``auto`` (each GGUF tensor keeps its precision class; safetensors 8-bit).
 
     Returns:
-        The ``ModelBundle`` (weights fully in memory as float32: ~540 MB for SmolLM2-135M).
+        The ``ModelBundle`` (weights fully in memory).
 
     Raises:
         FileNotFoundError: ``path`` (or a file the directory needs) does not exist.
         ModelFormatError: unreadable or unsupported files (architecture, quantization,
             tokenizer type, inconsistent shapes); the message names the file.
+        ValueError: ``weights`` (or ``$FLM_WEIGHTS``) is not a weight kind.
     """
-    path = Path(path)
+    path, kind = Path(path), weight_kind(weights)
     if path.is_dir():
-        return _load_hf_dir(path)
+        return _load_hf_dir(path, kind)
     if path.is_file():
-        return _load_gguf(path)
+        return _load_gguf(path, kind)
     raise FileNotFoundError(2, "model file or directory not found", str(path))
 
 
-def _load_gguf(path: Path) -> ModelBundle:
-    model = load_gguf(path)
+def _load_gguf(path: Path, kind: str) -> ModelBundle:
+    model = load_gguf(path, weights=kind)
     tokenizer = Tokenizer.from_gguf(model.metadata, source=str(path))
     _check_vocab(model.config, tokenizer, path)
     return ModelBundle(model.config, model.weights, tokenizer, path)
 
 
-def _load_hf_dir(path: Path) -> ModelBundle:
-    model = load_hf_dir(path)
+def _load_hf_dir(path: Path, kind: str) -> ModelBundle:
+    model = load_hf_dir(path, weights=kind)
     tokenizer = Tokenizer.from_hf_dir(path)
     _check_vocab(model.config, tokenizer, path)
     return ModelBundle(model.config, model.weights, tokenizer, path)

@@ -1,8 +1,17 @@
-"""GGUF reader for Llama-architecture models: float32 weights under Hugging Face names.
+"""GGUF reader for Llama-architecture models: weights under Hugging Face names.
 
-The file is memory-mapped with ``gguf.GGUFReader`` (gguf-py, llama.cpp's reference Python reader)
-and each tensor is dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, the K-quants and what else gguf-py implements in numpy).
+The file is memory-mapped with ``gguf.GGUFReader`` (gguf-py, llama.cpp's reference Python reader).
+Every matrix is kept quantized in the cpu backend's block format (``flm_runtime.backends.quant``)
+or dequantized to float32, as the weight kind asks (``WEIGHT_KINDS``):
+
+- ``auto`` (what a served model gets unless asked otherwise): each tensor keeps its own precision class: Q4_0, Q4_1 and Q4_K stay
+  4-bit (their blocks are read as they are), Q8_0 stays 8-bit, everything else becomes 8-bit;
+- ``q4`` / ``q8``: every matrix 4-bit / 8-bit (read as it is where the source has that width,
+  otherwise dequantized and quantized again);
+- ``f32``: every tensor dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0, Q4_1,
+  Q5_0, Q5_1, Q8_0, the K-quants and what else gguf-py implements in numpy): the reference.
+
+Norm weights are float32 always.
 
 Layout. GGUF lists dimensions fastest-first (``ne[0]`` = in_features), so a tensor whose GGUF
 shape is ``[in, out]`` is the row-major numpy array ``[out, in]``: Hugging Face's layout.
@@ -23,11 +32,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from gguf import GGUFReader, ReaderTensor
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import Q4_K, dequantize
 
+from flm_runtime.backends import quant
+from flm_runtime.backends.quant import QuantWeight
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.loading.weights import check_llama_weights
+from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_llama_weights
 from flm_runtime.models.llama import LlamaConfig
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -56,22 +67,25 @@ class GGUFModel(NamedTuple):
 
     Attributes:
         config: hyper-parameters from the ``llama.*`` metadata.
-        weights: Hugging Face name -> float32 array (see ``flm_runtime.loading.weights``).
+        weights: Hugging Face name -> float32 array or ``QuantWeight`` (see
+            ``flm_runtime.loading.weights``).
         metadata: every key/value of the file (``tokenizer.ggml.tokens`` is a ``list[str]`` ...).
     """
 
     config: LlamaConfig
-    weights: dict[str, np.ndarray]
+    weights: dict[str, Weight]
     metadata: dict[str, Any]
 
 
-def load_gguf(path: str | Path, *, unpermute_qk: bool = True) -> GGUFModel:
-    """Read a Llama GGUF file into float32 Hugging Face weights, its config and its metadata.
+def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f32") -> GGUFModel:
+    """Read a Llama GGUF file into Hugging Face weights, its config and its metadata.
 
     Args:
         path: the ``.gguf`` file.
         unpermute_qk: undo llama.cpp's Q/K row permutation (default). ``False`` returns the rows
             as stored (interleaved-pair RoPE order); for tests and comparisons only.
+        weights: a weight kind of ``WEIGHT_KINDS`` (module docstring); ``load_model_files``
+            chooses it for a served model.
 
     Returns:
         ``GGUFModel(config, weights, metadata)``; the weights are copies (the file is unmapped
@@ -85,9 +99,9 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True) -> GGUFModel:
     reader = open_gguf(path)
     metadata = read_gguf_metadata(reader)
     config = llama_config_from_gguf(metadata, [t.name for t in reader.tensors], source=str(path))
-    weights = load_gguf_weights(reader, config, unpermute_qk=unpermute_qk)
-    check_llama_weights(config, weights, source=str(path))
-    return GGUFModel(config, weights, metadata)
+    tensors = load_gguf_weights(reader, config, unpermute_qk=unpermute_qk, kind=weights)
+    check_llama_weights(config, tensors, source=str(path))
+    return GGUFModel(config, tensors, metadata)
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
@@ -202,31 +216,89 @@ def gguf_to_hf_name(name: str) -> str:
 
 
 def load_gguf_weights(
-    reader: GGUFReader, config: LlamaConfig, *, unpermute_qk: bool = True
-) -> dict[str, np.ndarray]:
-    """Dequantize every tensor to float32 under its Hugging Face name.
+    reader: GGUFReader, config: LlamaConfig, *, unpermute_qk: bool = True, kind: str = "f32"
+) -> dict[str, Weight]:
+    """Every tensor under its Hugging Face name, as the weight kind ``kind`` asks.
 
     Args:
         reader: an open GGUF file.
         config: its config (head counts for the Q/K un-permutation).
         unpermute_qk: restore Hugging Face's rotate-half row order in q_proj / k_proj.
+        kind: a weight kind of ``WEIGHT_KINDS`` (module docstring).
 
     Returns:
-        name -> C-contiguous float32 array, ``[out_features, in_features]`` for matrices.
+        name -> C-contiguous float32 array or ``QuantWeight``, ``[out_features, in_features]``
+        for matrices.
 
     Raises:
         ModelFormatError: an unsupported tensor name or quantization type.
     """
-    weights: dict[str, np.ndarray] = {}
+    assert kind in WEIGHT_KINDS, f"weight kind {kind!r} not in {WEIGHT_KINDS}"
+    weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
         name = gguf_to_hf_name(tensor.name)
-        w = dequantize_tensor(tensor)
-        if unpermute_qk and name.endswith("self_attn.q_proj.weight"):
-            w = unpermute_rope(w, config.num_attention_heads)
-        elif unpermute_qk and name.endswith("self_attn.k_proj.weight"):
-            w = unpermute_rope(w, config.num_key_value_heads)
+        w = dequantize_tensor(tensor) if kind == "f32" or len(tensor.shape) != 2 else quantized_tensor(tensor, kind)
+        heads = {"self_attn.q_proj.weight": config.num_attention_heads,
+                 "self_attn.k_proj.weight": config.num_key_value_heads}.get(name.split(".", 3)[-1])
+        if unpermute_qk and heads:
+            w = unpermute_rope(w, heads)
         weights[name] = w
     return weights
+
+
+# GGUF block types read as they are: type -> (bits, bytes per block of 32).
+_NATIVE_BLOCKS = {GGMLQuantizationType.Q4_0: (4, 18), GGMLQuantizationType.Q4_1: (4, 20),
+                  GGMLQuantizationType.Q8_0: (8, 34)}
+
+
+def quantized_tensor(tensor: ReaderTensor, kind: str) -> Weight:
+    """One GGUF matrix in the cpu backend's block format (the module docstring's rules), or as
+    float32 when its input width is not a whole number of blocks of 32.
+
+    Raises:
+        ModelFormatError: gguf-py cannot dequantize a type that must be converted.
+    """
+    qtype = tensor.tensor_type
+    n, k = (int(d) for d in reversed(tensor.shape.tolist()))
+    if k % quant.BLOCK:
+        return dequantize_tensor(tensor)
+    native = _NATIVE_BLOCKS.get(qtype, (4, None) if qtype == GGMLQuantizationType.Q4_K else (8, None))[0]
+    bits = native if kind == "auto" else int(kind[1:])
+    if bits == native and qtype in _NATIVE_BLOCKS:
+        return _read_blocks(np.asarray(tensor.data).reshape(n, k // quant.BLOCK, -1), qtype, k)
+    if bits == native == 4:
+        return _read_q4_k(np.asarray(tensor.data).reshape(n, k // 256, -1), k)
+    return quant.quantize(dequantize_tensor(tensor), bits)
+
+
+def _read_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, k: int) -> QuantWeight:
+    """Q4_0 / Q4_1 / Q8_0 blocks ``[N, K/32, bytes]`` (uint8) as a ``QuantWeight``, unchanged:
+    Q4_0 ``w = d * (q - 8)``, Q4_1 ``w = d * q + m``, Q8_0 ``w = d * q`` with ``q`` int8."""
+    n, nb, _ = blocks.shape
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0]  # [N, K/32]
+    if qtype == GGMLQuantizationType.Q8_0:
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return quant.from_blocks(codes.reshape(n, k), scales, None, 8, k)
+    mins = blocks[..., 2:4].copy().view(np.float16)[..., 0] if qtype == GGMLQuantizationType.Q4_1 else None
+    qs = blocks[..., 4:] if mins is not None else blocks[..., 2:]  # [N, K/32, 16]: q[t] | q[t + 16] << 4
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    return quant.from_blocks(codes, scales, mins, 4, k)
+
+
+def _read_q4_k(blocks: np.ndarray, k: int) -> QuantWeight:
+    """Q4_K super-blocks ``[N, K/256, 144]`` as a 4-bit ``QuantWeight``: each sub-block of 32 gets
+    ``scale = d * sc`` and ``min = -dmin * m`` (its 6-bit scale and min folded in, rounded to
+    float16), codes unchanged."""
+    n, ns, _ = blocks.shape
+    flat = blocks.reshape(n * ns, -1)
+    d = flat[:, :2].copy().view(np.float16).astype(np.float32)  # [n*ns, 1]
+    dmin = flat[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(flat[:, 4:4 + Q4_K.K_SCALE_SIZE])  # [n*ns, 8] each
+    qs = flat[:, 4 + Q4_K.K_SCALE_SIZE:].reshape(n * ns, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(n, k)
+    scales = (d * sc.astype(np.float32)).reshape(n, k // quant.BLOCK)
+    mins = (-dmin * mn.astype(np.float32)).reshape(n, k // quant.BLOCK)
+    return quant.from_blocks(codes, scales, mins, 4, k)
 
 
 def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
@@ -267,18 +339,21 @@ def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_rope(w: Weight, n_head: int) -> Weight:
     """llama.cpp (interleaved pairs) row order -> Hugging Face (rotate-half) row order.
 
     The inverse of ``permute_rope``: per head, ``[H, D/2, 2, in] -> [H, 2, D/2, in]``.
 
     Args:
-        w: ``[n_head*D, in]`` q or k weight as stored in a GGUF file.
+        w: ``[n_head*D, in]`` q or k weight as stored in a GGUF file (float32 or quantized: a
+            quantized weight's rows move whole).
         n_head: heads of this projection (H for q_proj, Hkv for k_proj).
 
     Returns:
-        A new C-contiguous array of the same shape.
+        A new C-contiguous array (or ``QuantWeight``) of the same shape.
     """
+    if isinstance(w, QuantWeight):
+        return w.take_rows(unpermute_rope(np.arange(w.shape[0]), n_head))
     d = w.shape[0] // n_head
     assert d * n_head == w.shape[0] and d % 2 == 0, f"rows {w.shape[0]} vs {n_head} heads"
     return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

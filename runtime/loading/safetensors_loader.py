@@ -1,4 +1,5 @@
-"""Hugging Face model directory (config.json + *.safetensors) -> float32 Llama weights.
+"""Hugging Face model directory (config.json + *.safetensors) -> Llama weights (float32, or
+8-bit blocks of the cpu backend's format when the weight kind asks: ``load_hf_dir``).
 
 Checkpoints are usually bfloat16, which numpy has no dtype for: ``safetensors.numpy.load_file``
 and ``safe_open(framework="np")`` raise ``TypeError: data type 'bfloat16' not understood``
@@ -15,14 +16,16 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from flm_runtime.backends import quant
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.hf_files import load_json
-from flm_runtime.loading.weights import check_llama_weights
+from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_llama_weights
 from flm_runtime.models.llama import LlamaConfig
 
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -34,18 +37,21 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
 
 
 class HFModel(NamedTuple):
-    """What ``load_hf_dir`` returns: config, Hugging Face weights (float32), raw config.json."""
+    """What ``load_hf_dir`` returns: config, Hugging Face weights, raw config.json."""
 
     config: LlamaConfig
-    weights: dict[str, np.ndarray]
+    weights: dict[str, Weight]
     config_dict: dict[str, Any]
 
 
-def load_hf_dir(path: str | Path) -> HFModel:
+def load_hf_dir(path: str | Path, *, weights: str = "f32") -> HFModel:
     """Read a Hugging Face Llama checkpoint directory.
 
     Args:
         path: directory with config.json and model.safetensors (or shards + index).
+        weights: a weight kind of ``WEIGHT_KINDS``: ``f32`` (the default) keeps float32 matrices, ``q4``
+            quantizes them to 4 bits, ``auto`` and ``q8`` to 8 bits (a matrix whose input width
+            is not a multiple of 32 stays float32); one tensor is float32 at a time.
 
     Returns:
         ``HFModel``; a tied model's redundant ``lm_head.weight`` is dropped.
@@ -58,14 +64,16 @@ def load_hf_dir(path: str | Path) -> HFModel:
     path = Path(path)
     config_dict = load_json(path / "config.json")
     config = llama_config_from_hf(config_dict, source=str(path))
-    weights: dict[str, np.ndarray] = {}
+    assert weights in WEIGHT_KINDS, f"weight kind {weights!r} not in {WEIGHT_KINDS}"
+    bits = None if weights == "f32" else 4 if weights == "q4" else 8
+    tensors: dict[str, Weight] = {}
     for file in safetensors_files(path):
-        weights.update(read_safetensors(file))
-    weights = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    check_llama_weights(config, weights, source=str(path))
-    return HFModel(config, weights, config_dict)
+        for name, w in iter_safetensors(file):
+            if name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            tensors[name] = quant.quantize(w, bits) if bits and w.ndim == 2 and w.shape[1] % quant.BLOCK == 0 else w
+    check_llama_weights(config, tensors, source=str(path))
+    return HFModel(config, tensors, config_dict)
 
 
 def llama_config_from_hf(config: dict[str, Any], *, source: str = "config.json") -> LlamaConfig:
@@ -121,21 +129,29 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     Raises:
         ModelFormatError: malformed header, offsets past the end, or a non-float dtype.
     """
+    return dict(iter_safetensors(path))
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """``read_safetensors`` one tensor at a time, as ``(name, array)``: a caller can convert each
+    before the next is read.
+
+    Raises:
+        ModelFormatError: malformed header, offsets past the end, or a non-float dtype.
+    """
     header, data_start = _read_header(path)
     size = path.stat().st_size - data_start
     # np.asarray: a plain ndarray view, so the casts below do not come back as np.memmap.
     buffer = (np.asarray(np.memmap(path, dtype=np.uint8, mode="r", offset=data_start,
                                    shape=(size,)))
               if size > 0 else np.zeros(0, np.uint8))
-    out = {}
     for name, info in header.items():
         begin, end = info["data_offsets"]
         if not 0 <= begin <= end <= size:
             raise ModelFormatError(f"{path}: tensor {name} has offsets {begin}..{end} past "
                                    f"the {size}-byte buffer")
         raw = buffer[begin:end]  # [nbytes] uint8, a view into the memory map
-        out[name] = _to_float32(raw, info["dtype"], f"{path}: tensor {name}").reshape(info["shape"])
-    return out
+        yield name, _to_float32(raw, info["dtype"], f"{path}: tensor {name}").reshape(info["shape"])
 
 
 def _read_header(path: Path) -> tuple[dict[str, Any], int]:

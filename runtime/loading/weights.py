@@ -1,16 +1,41 @@
 """The weight dictionary every loader produces, and its validation.
 
 Names and layouts are Hugging Face's (``LlamaForCausalLM.state_dict()``): a linear layer's weight
-is ``[out_features, in_features]``; ``y = x @ W.T``. All arrays are float32 and C-contiguous.
+is ``[out_features, in_features]``; ``y = x @ W.T``. A weight is a C-contiguous float32 array or,
+for matrices, a ``QuantWeight`` of the cpu backend's block format (``WEIGHT_KINDS`` says which).
 RoPE convention: "rotate half" (dimension ``i`` pairs with ``i + D/2`` inside each head).
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
+from flm_runtime.backends.quant import QuantWeight
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.models.llama import LlamaConfig
+
+Weight = np.ndarray | QuantWeight
+# How a model's matrices are held: "auto" keeps each source tensor's precision class (4-bit
+# sources 4-bit, the rest 8-bit); "q4" / "q8" make every matrix 4- / 8-bit; "f32" dequantizes
+# everything (the reference path).
+WEIGHT_KINDS = ("auto", "q4", "q8", "f32")
+WEIGHTS_ENV = "FLM_WEIGHTS"
+
+
+def weight_kind(requested: str | None = None) -> str:
+    """The weight kind to load: ``requested`` (a models-file entry's ``weights``), else
+    ``$FLM_WEIGHTS``, else ``auto``.
+
+    Raises:
+        ValueError: not one of ``WEIGHT_KINDS`` (names where the value came from).
+    """
+    value, origin = (requested, "weights") if requested else (os.environ.get(WEIGHTS_ENV), WEIGHTS_ENV)
+    value = (value or "auto").strip().lower()
+    if value not in WEIGHT_KINDS:
+        raise ValueError(f"{origin}={value!r} is not a weight kind; use one of {', '.join(WEIGHT_KINDS)}")
+    return value
 
 
 def llama_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -47,12 +72,13 @@ def llama_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_llama_weights(config: LlamaConfig, weights: dict[str, np.ndarray], source: str) -> None:
-    """Check that ``weights`` holds exactly the tensors ``config`` asks for, as float32.
+def check_llama_weights(config: LlamaConfig, weights: dict[str, Weight], source: str) -> None:
+    """Check that ``weights`` holds exactly the tensors ``config`` asks for, as float32 arrays
+    or (matrices) ``QuantWeight``.
 
     Args:
         config: the model's hyper-parameters.
-        weights: name -> float32 array in Hugging Face layout.
+        weights: name -> weight in Hugging Face layout.
         source: file or directory the weights came from, for error messages.
 
     Raises:
@@ -71,4 +97,4 @@ def check_llama_weights(config: LlamaConfig, weights: dict[str, np.ndarray], sou
             raise ModelFormatError(
                 f"{source}: tensor {name} has shape {tuple(w.shape)}, the config implies {shape}"
             )
-        assert w.dtype == np.float32, f"{name}: loaders must produce float32, got {w.dtype}"
+        assert isinstance(w, QuantWeight) or w.dtype == np.float32, f"{name}: loaders must produce float32, got {w.dtype}"

@@ -193,7 +193,7 @@ class DFlashDraft:
             raise ModelFormatError(f"unexpected tensors in the draft: {', '.join(unexpected[:8])} "
                                    f"(names carry no model prefix; {c.num_hidden_layers} layers)")
         self.vocab = _draft_vocab(weights, c, lm_head.shape[0])  # [Vd] int64 or None
-        self.head = lm_head if self.vocab is None else np.ascontiguousarray(lm_head[self.vocab])  # [Vd, E]
+        self.head = lm_head if self.vocab is None else cpu.take_rows(lm_head, self.vocab)  # [Vd, E]
         take = _Taker({k: v for k, v in weights.items() if k != "draft_vocab"})
         self.fc = take("fc.weight", (e, c.n_taps * e))  # [E, n*E]
         self.hidden_norm = take("hidden_norm.weight", (e,))
@@ -313,7 +313,7 @@ class DFlashDraft:
         assert all(st + b <= self.max_positions for st in starts), "a block runs past the context"
         n_seq = len(caches)
         x = np.empty((n_seq, b, c.hidden_size), dtype=np.float32)  # [S, B, E]
-        x[:, 0] = self.embed[np.asarray(anchor_ids, dtype=np.int64)]
+        x[:, 0] = cpu.embedding(self.embed, np.asarray(anchor_ids, dtype=np.int64))
         x[:, 1:] = self.mask_embedding
         x = x.reshape(n_seq * b, c.hidden_size)  # [S*B, E]
         positions = (np.asarray(starts)[:, None] + np.arange(b)).reshape(-1)  # [S*B]

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from flm_runtime.backends import cpu
+from flm_runtime.backends.quant import QuantWeight
 from flm_runtime.engine.kv_cache import KVCache
 from flm_runtime.errors import ModelFormatError
 
@@ -80,7 +81,8 @@ class ForwardOutput(NamedTuple):
 
 @dataclass(frozen=True)
 class LlamaLayer:
-    """One decoder layer's weights, fused for fewer matrix products per step.
+    """One decoder layer's weights, fused for fewer matrix products per step. Matrices are
+    ``cpu.Weight``: float32 arrays or quantized blocks (``backends/quant.py``).
 
     Attributes:
         attn_norm, ffn_norm: ``[E]`` RMSNorm weights.
@@ -103,8 +105,9 @@ class LlamaModel:
 
     Args:
         config: hyper-parameters.
-        weights: float32 arrays keyed by Hugging Face names, HF layout and RoPE convention (see
-            module docstring). Matrices are fused into new arrays; the dict is not modified.
+        weights: float32 arrays or (matrices) ``QuantWeight`` keyed by Hugging Face names, HF layout
+            and RoPE convention (see module docstring). Matrices are fused into new arrays; the
+            dict is not modified.
 
     Raises:
         ModelFormatError: a tensor is missing or has the wrong shape.
@@ -124,7 +127,7 @@ class LlamaModel:
             self.layers.append(
                 LlamaLayer(
                     attn_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-                    wqkv=np.concatenate(
+                    wqkv=cpu.stack_rows(
                         [
                             take(p + "self_attn.q_proj.weight", (q_rows, c.hidden_size)),
                             take(p + "self_attn.k_proj.weight", (kv_rows, c.hidden_size)),
@@ -133,7 +136,7 @@ class LlamaModel:
                     ),
                     wo=take(p + "self_attn.o_proj.weight", (c.hidden_size, q_rows)),
                     ffn_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-                    w_gate_up=np.concatenate(
+                    w_gate_up=cpu.stack_rows(
                         [
                             take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
                             take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
@@ -154,6 +157,11 @@ class LlamaModel:
         """Weight bytes read by one decode step (every layer + final norm + LM head, not the embedding row)."""
         n = sum(a.nbytes for layer in self.layers for a in vars(layer).values())
         return n + self.norm.nbytes + self.lm_head.nbytes
+
+    def weight_formats(self) -> set[tuple[int, bool]]:
+        """``(bits, has_mins)`` of every quantized matrix (the integer kernels to compile)."""
+        matrices = [w for layer in self.layers for w in vars(layer).values()] + [self.lm_head]
+        return {(w.bits, w.mins is not None) for w in matrices if isinstance(w, QuantWeight)}
 
     def new_cache(self, capacity: int = 0) -> KVCache:
         """An empty KV cache for one sequence; ``capacity`` (tokens) is a hint, it grows on demand."""
@@ -238,7 +246,7 @@ class LlamaModel:
             s.cache.reserve(s.n_rows)
         positions = np.concatenate([np.arange(s.start, s.start + s.n_rows) for s in spans])  # [R]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [R, D/2] each
-        x = self.embed[token_ids]  # [R, E]
+        x = cpu.embedding(self.embed, token_ids)  # [R, E]
         tapped = {}
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, spans, cos, sin)  # a new array each layer: no copy
@@ -317,15 +325,16 @@ class _Span(NamedTuple):
 
 
 class _Taker:
-    """Looks up named tensors in a weights dict, checking shape and making them float32 C-contiguous."""
+    """Looks up named tensors in a weights dict, checking shape; arrays become float32
+    C-contiguous, quantized matrices (``cpu.Weight``) are taken as they are."""
 
-    def __init__(self, weights: dict[str, np.ndarray]):
+    def __init__(self, weights: dict[str, cpu.Weight]):
         self.weights = weights
 
-    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def __call__(self, name: str, shape: tuple[int, ...]) -> cpu.Weight:
         if name not in self.weights:
             raise ModelFormatError(f"tensor {name!r} is missing from the model file")
         a = self.weights[name]
         if tuple(a.shape) != shape:
             raise ModelFormatError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {shape}")
-        return np.ascontiguousarray(a, dtype=np.float32)
+        return a if isinstance(a, QuantWeight) else np.ascontiguousarray(a, dtype=np.float32)
