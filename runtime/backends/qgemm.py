@@ -39,6 +39,7 @@ kernel at once).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import llvmlite.binding as llvm
 import numba
@@ -46,7 +47,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from flm_runtime.backends import skinny_gemm
 from flm_runtime.backends.quant import BLOCK, CHUNK, CHUNK_ORDER, ZERO_POINT, QuantWeight
@@ -245,7 +246,7 @@ def _loop(builder, count, inits):
     return i, phis, close
 
 
-def _dot_codegen(isa, bits, group, has_mins, context, builder, sig, args):
+def _dot_codegen(isa, bits, group, has_mins, context, builder, sig, args):  # noqa: PLR0913
     """IR of ``_row_dots``: weight row ``j`` against activation rows ``r0 .. r0+group-1``."""
     codes_t, scales_t, mins_t, _, xq_t, dx_t, sx_t, _, out_t = sig.args
     codes, scales, mins, j, xq, dx, sx, r0, out = args
@@ -308,18 +309,27 @@ def _dot_codegen(isa, bits, group, has_mins, context, builder, sig, args):
     return context.get_dummy_value()
 
 
-@functools.cache
-def _row_dots(isa: str, bits: int, group: int, has_mins: bool):
-    """The intrinsic ``row_dots(codes, scales, mins, j, xq, dx, sx, r0, out)``: writes
-    ``out[r0 + g, j]`` for ``g < group`` (the module docstring's arithmetic); ``mins`` is read
-    only when ``has_mins``."""
+def _literal(t, what):
+    if not isinstance(t, (types.IntegerLiteral, types.BooleanLiteral)):
+        raise numba.core.errors.TypingError(f"{what} must be a compile-time constant")
+    return t.literal_value
 
-    @intrinsic
-    def row_dots(typingctx, codes, scales, mins, j, xq, dx, sx, r0, out):  # pragma: no cover - compiled
-        sig = types.void(codes, scales, mins, j, xq, dx, sx, r0, out)
-        return sig, functools.partial(_dot_codegen, isa, bits, group, has_mins)
 
-    return row_dots
+@intrinsic
+def _row_dots(typingctx, isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out):  # pragma: no cover
+    """``_row_dots(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out)``
+    writes ``out[r0 + g, j]`` for ``g < group`` (the module docstring's arithmetic) on the vector
+    path ``ISAS[isa]``; the first four are compile-time constants, ``mins`` is read only when
+    ``has_mins``."""
+    consts = (ISAS[_literal(isa, "isa")], _literal(bits, "bits"), _literal(group, "group"),
+              bool(_literal(has_mins, "has_mins")))
+    sig = types.void(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out)
+
+    def codegen(context, builder, signature, args):
+        inner = signature.replace(args=signature.args[4:])
+        return _dot_codegen(*consts, context, builder, inner, args[4:])
+
+    return sig, codegen
 
 
 # --- the portable path ----------------------------------------------------------------------------
@@ -335,8 +345,18 @@ def _fma(typingctx, a, b, c):  # pragma: no cover - compiled
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
+@intrinsic
+def _f16(typingctx, bits):  # pragma: no cover - compiled
+    """The float16 whose bits are the uint16 ``bits``, as float32 (exact)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+
+    return types.float32(types.uint16), codegen
+
+
 @numba.njit(inline="always")
-def _portable_row(codes, scales, mins, j, xq, dx, sx, r, bits):  # pragma: no cover - compiled
+def _portable_row(codes, scales, mins, j, xq, dx, sx, r, bits, has_mins):  # pragma: no cover - compiled
     """The module's arithmetic for one weight row and one activation row, lane by lane."""
     acc = np.zeros(_LANES, dtype=np.float32)
     nb = scales.shape[1]
@@ -352,11 +372,11 @@ def _portable_row(codes, scales, mins, j, xq, dx, sx, r, bits):  # pragma: no co
                     byte = codes[j, CHUNK // 2 * c + p % 32]
                     code = byte & 0x0F if p < 32 else byte >> 4
                 total += np.int32(code) * np.int32(xq[r, CHUNK * c + p])
-            acc[lane] = _fma(np.float32(total), scales[j, b] * dx[r, 2 * c + lane % 2], acc[lane])
+            acc[lane] = _fma(np.float32(total), _f16(scales[j, b]) * dx[r, b], acc[lane])
     side = np.zeros(8, dtype=np.float32)
     zero = np.float32(-8.0 if bits == 4 else -128.0)
     for b in range(nb):
-        m = mins[j, b] if mins.shape[0] else zero * scales[j, b]
+        m = _f16(mins[j, b]) if has_mins else zero * _f16(scales[j, b])
         side[b % 8] = _fma(m, sx[r, b], side[b % 8])
     for lane in range(8):
         acc[lane] = (acc[lane] + acc[lane + 8]) + side[lane]
@@ -368,43 +388,102 @@ def _portable_row(codes, scales, mins, j, xq, dx, sx, r, bits):  # pragma: no co
     return acc[0]
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _portable_matmul(codes, scales, mins, xq, dx, sx, out, bits):  # pragma: no cover - compiled
-    """``out[r, j]`` for every row pair; ``scales`` / ``mins`` float32 here (``mins`` ``[0, 0]``
-    for a symmetric weight)."""
+# --- the kernels ----------------------------------------------------------------------------------
+
+def _row_group(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out):
+    """Weight row ``j`` against activation rows ``r0 .. r0+group-1`` (compiled: ``_row_group_impl``)."""
+
+
+@overload(_row_group, inline="always")
+def _row_group_impl(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out):
+    """The portable path row by row, the vector paths through ``_row_dots``; chosen while typing
+    (the four leading arguments are constants), so a host compiles only the path it runs."""
+    if ISAS[_literal(isa, "isa")] != "portable":
+        def vector(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out):  # pragma: no cover
+            _row_dots(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out)
+
+        return vector
+
+    def portable(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out):  # pragma: no cover
+        for r in range(r0, r0 + group):
+            out[r, j] = _portable_row(codes, scales, mins, j, xq, dx, sx, r, bits, has_mins)
+
+    return portable
+
+
+@numba.njit(inline="always")
+def product(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, out):  # pragma: no cover - compiled
+    """``out[r, j]`` for every activation row ``r`` and weight row ``j``, weight rows over the
+    threads (a ``prange``: call it from a ``parallel=True`` function with constant ``isa``,
+    ``bits``, ``has_mins``), activation rows in groups of 8, 4, 2, 1 (one weight row read a group).
+    ``codes, scales, mins`` are ``operands(w)``; ``xq, dx, sx`` ``quantize_activations``'."""
+    m = xq.shape[0]
     for j in numba.prange(codes.shape[0]):
-        for r in range(xq.shape[0]):
-            out[r, j] = _portable_row(codes, scales, mins, j, xq, dx, sx, r, bits)
+        r = 0
+        while r < m:
+            rem = m - r
+            if rem >= 8:
+                _row_group(isa, bits, has_mins, 8, codes, scales, mins, j, xq, dx, sx, r, out)
+                r += 8
+            elif rem >= 4:
+                _row_group(isa, bits, has_mins, 4, codes, scales, mins, j, xq, dx, sx, r, out)
+                r += 4
+            elif rem >= 2:
+                _row_group(isa, bits, has_mins, 2, codes, scales, mins, j, xq, dx, sx, r, out)
+                r += 2
+            else:
+                _row_group(isa, bits, has_mins, 1, codes, scales, mins, j, xq, dx, sx, r, out)
+                r += 1
 
 
-# --- the vector paths -------------------------------------------------------------------------------
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _matmul(codes, scales, mins, xq, dx, sx, out, isa, bits, has_mins):  # pragma: no cover - compiled
+    numba.literally(isa)
+    numba.literally(bits)
+    numba.literally(has_mins)
+    product(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, out)
+
 
 @functools.cache
-def _vector_matmul(isa: str, bits: int, has_mins: bool):
-    """The parallel kernel of one path and code width: weight rows over the threads, activation
-    rows in groups of 8, 4, 2, 1."""
-    dot8, dot4, dot2, dot1 = (_row_dots(isa, bits, g, has_mins) for g in (8, 4, 2, 1))
+def _matmul_of(fmt: Format):
+    """``_matmul`` with ``fmt`` bound: a call from Python cannot pass constants (numba would
+    retype the call every time), a compiled caller can (``_matmul`` itself is cached on disk)."""
+    isa, bits, has_mins = fmt
 
-    @numba.njit(parallel=True, nogil=True)
+    @numba.njit(nogil=True)
     def matmul(codes, scales, mins, xq, dx, sx, out):  # pragma: no cover - compiled
-        m = xq.shape[0]
-        for j in numba.prange(codes.shape[0]):
-            r = 0
-            while r < m:
-                rem = m - r
-                if rem >= 8:
-                    dot8(codes, scales, mins, j, xq, dx, sx, r, out); r += 8
-                elif rem >= 4:
-                    dot4(codes, scales, mins, j, xq, dx, sx, r, out); r += 4
-                elif rem >= 2:
-                    dot2(codes, scales, mins, j, xq, dx, sx, r, out); r += 2
-                else:
-                    dot1(codes, scales, mins, j, xq, dx, sx, r, out); r += 1
+        _matmul(codes, scales, mins, xq, dx, sx, out, isa, bits, has_mins)
 
     return matmul
 
 
 _NO_MINS = np.zeros((0, 2), dtype=np.uint16)
+
+
+class Format(NamedTuple):
+    """A weight's kernel format: the path's index in ``ISAS``, code bits, stored mins."""
+
+    isa: int
+    bits: int
+    has_mins: bool
+
+
+def operands(w: QuantWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(codes, scales, mins)`` of ``w`` as the kernels take them (float16 as uint16 bits; no
+    stored mins: an empty array)."""
+    return w.codes, w.scales.view(np.uint16), _NO_MINS if w.mins is None else w.mins.view(np.uint16)
+
+
+def format_of(w: QuantWeight, isa: str | None = None) -> Format:
+    """``w``'s ``Format`` on ``isa`` (default ``select_isa()``).
+
+    Raises:
+        ValueError: the host cannot run ``isa``.
+    """
+    isa = isa or _DEFAULT_ISA
+    if isa not in host_isas():
+        raise ValueError(f"instruction set {isa!r} is not available here (host runs {host_isas()})")
+    return Format(ISAS.index(isa), w.bits, w.mins is not None)
 
 
 def qlinear(x: np.ndarray, w: QuantWeight, isa: str | None = None) -> np.ndarray:
@@ -419,20 +498,12 @@ def qlinear(x: np.ndarray, w: QuantWeight, isa: str | None = None) -> np.ndarray
     Raises:
         ValueError: the host cannot run ``isa``.
     """
-    isa = isa or _DEFAULT_ISA
-    if isa not in host_isas():
-        raise ValueError(f"instruction set {isa!r} is not available here (host runs {host_isas()})")
+    fmt = format_of(w, isa)
     assert x.ndim == 2 and x.shape[1] == w.in_features, f"shapes {x.shape} @ {w.shape}.T"
     xq, dx, sx = quantize_activations(x, w.padded_in_features)
     out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
     with skinny_gemm.KERNEL_LOCK:
-        if isa == "portable":
-            mins = np.zeros((0, 0), np.float32) if w.mins is None else w.mins.astype(np.float32)
-            _portable_matmul(w.codes, w.scales.astype(np.float32), mins, xq, dx, sx, out, w.bits)
-        else:
-            mins = _NO_MINS if w.mins is None else w.mins.view(np.uint16)
-            _vector_matmul(isa, w.bits, w.mins is not None)(w.codes, w.scales.view(np.uint16), mins, xq, dx, sx,
-                                                            out)
+        _matmul_of(fmt)(*operands(w), xq, dx, sx, out)
     return out
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flm_runtime.backends import cpu
+from flm_runtime.backends import cpu, fused
 from flm_runtime.backends.quant import QuantWeight
 from flm_runtime.engine.kv_cache import KVCache
 from flm_runtime.errors import ModelFormatError
@@ -151,6 +151,12 @@ class LlamaModel:
         else:
             self.lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))
         self.rope_cos, self.rope_sin = cpu.rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
+        # Layers whose matrices are all quantized run compiled (backends/fused.py); the rest the
+        # numpy reference.
+        self.fused = [fused.FusedLayer(layer, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                       c.rms_norm_eps)
+                      if all(isinstance(w, QuantWeight) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+                      else None for layer in self.layers]
 
     @property
     def nbytes_per_token(self) -> int:
@@ -249,12 +255,16 @@ class LlamaModel:
         x = cpu.embedding(self.embed, token_ids)  # [R, E]
         tapped = {}
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, spans, cos, sin)  # a new array each layer: no copy
+            if self.fused[i] is not None:
+                x = self.fused[i](i, x, [(s.cache, s.start, s.rows) for s in spans], cos, sin)
+            else:
+                x = self._layer(i, layer, x, spans, cos, sin)  # a new array each layer: no copy
             if i in taps:
                 tapped[i] = x
         if sum(s.n_logits for s in spans) < x.shape[0]:
             x = x[np.concatenate([np.arange(s.rows.stop - s.n_logits, s.rows.stop) for s in spans])]
-        logits = np.ascontiguousarray(cpu.linear(cpu.rms_norm(x, self.norm, self.config.rms_norm_eps),
+        norm = fused.rms_norm if isinstance(self.lm_head, QuantWeight) else cpu.rms_norm
+        logits = np.ascontiguousarray(cpu.linear(norm(x, self.norm, self.config.rms_norm_eps),
                                                  self.lm_head))  # [sum n_logits, V]
         for s in spans:  # last: a step that raised has appended nothing
             s.cache.commit(s.n_rows)

@@ -1,0 +1,248 @@
+"""The cpu backend's decoder layer for quantized weights, compiled: a layer is two numba calls
+(norm, QKV product and RoPE; then O product, residual, norm, gate/up product, SwiGLU, down
+product, residual) with attention between them, one call per sequence of the step.
+
+Every computation is per row, in an order that does not depend on how many rows run or where in
+the step a row sits: the products are ``qgemm``'s (bit-identical for any row count), norms and
+RoPE are row-wise, and attention gives each query row its own pass over its own keys. So a
+row's logits are bit-identical whether it runs alone (decode), among the rows of a DFlash verify
+pass, or in a batched step beside other sequences (docs/design.md, "Batch invariance").
+
+The float32 reference of the same layer is ``cpu.py``'s numpy functions (``LlamaModel._layer``).
+
+Axis legend as ``cpu.py``: R rows of the step, T rows of one sequence, N positions attended,
+H / Hkv query / key-value heads, D head dim, E hidden size, F FFN width.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+from flm_runtime.backends import qgemm, skinny_gemm
+from flm_runtime.backends.quant import BLOCK, CHUNK_ORDER, QuantWeight
+
+# fastmath without nnan/ninf: reassociation lets LLVM vectorize the reductions (norms, attention
+# dots), in an order fixed by the compiled code alone, the same for every row.
+_FASTMATH = {"reassoc", "contract", "arcp"}
+
+
+class Product(NamedTuple):
+    """A quantized matrix as the compiled layer takes it: ``qgemm.operands``, its padded input
+    width and its kernel format."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray
+    padded: int  # Kp
+    bits: int
+    has_mins: bool
+
+    @classmethod
+    def of(cls, w: QuantWeight) -> Product:
+        return cls(*qgemm.operands(w), w.padded_in_features, w.bits, w.mins is not None)
+
+
+@numba.njit(nogil=True, fastmath=_FASTMATH)
+def _rms_norm(x, weight, eps):  # pragma: no cover - compiled
+    """RMSNorm of each row of ``x`` ``[R, E]`` (as ``cpu.rms_norm``)."""
+    r, e = x.shape
+    out = np.empty_like(x)
+    for i in range(r):
+        ss = np.float32(0.0)
+        for j in range(e):
+            ss += x[i, j] * x[i, j]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(e) + np.float32(eps))
+        for j in range(e):
+            out[i, j] = x[i, j] * inv * weight[j]
+    return out
+
+
+@numba.njit(inline="always")
+def _product(isa, bits, has_mins, codes, scales, mins, padded, x):  # pragma: no cover - compiled
+    """``x @ w.T`` of a quantized ``w`` (``Product``'s fields): activations quantized, then
+    ``qgemm.product`` (a ``prange``: the caller is parallel, ``isa, bits, has_mins`` constants)."""
+    m, nb = x.shape[0], padded // BLOCK
+    xq = np.empty((m, padded), dtype=np.int8)
+    dx = np.empty((m, nb), dtype=np.float32)
+    sx = np.empty((m, -(-nb // 8) * 8), dtype=np.float32)
+    qgemm._quantize_rows(x, CHUNK_ORDER, xq, dx, sx)
+    out = np.empty((m, codes.shape[0]), dtype=np.float32)
+    qgemm.product(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, out)
+    return out
+
+
+@numba.njit(nogil=True)
+def _rope(x, cos, sin, first, heads, d):  # pragma: no cover - compiled
+    """Rotate-half RoPE of ``heads`` heads of width ``d`` starting at column ``first`` of each
+    row of ``x`` (as ``cpu.apply_rope``); ``[R, heads, D]`` float32."""
+    r, half = x.shape[0], d // 2
+    out = np.empty((r, heads, d), dtype=np.float32)
+    for i in range(r):
+        for h in range(heads):
+            base = first + h * d
+            for j in range(half):
+                x1, x2, c, s = x[i, base + j], x[i, base + half + j], cos[i, j], sin[i, j]
+                out[i, h, j] = x1 * c - x2 * s
+                out[i, h, half + j] = x2 * c + x1 * s
+    return out
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def attention_in(x, norm, eps, codes, scales, mins, padded, cos, sin, n_heads, n_kv_heads, head_dim,
+                 isa, bits, has_mins):  # pragma: no cover - compiled
+    """Norm, fused QKV product (``codes .. padded``: its ``Product`` fields; ``isa, bits,
+    has_mins`` its format) and RoPE of the rows ``x`` ``[R, E]``.
+
+    Returns:
+        ``(q [R, H, D], k [R, Hkv, D], v [R, Hkv, D])`` float32, RoPE applied to q and k.
+    """
+    numba.literally(isa)
+    numba.literally(bits)
+    numba.literally(has_mins)
+    qkv = _product(isa, bits, has_mins, codes, scales, mins, padded, _rms_norm(x, norm, eps))  # [R, (H+2Hkv)*D]
+    q = _rope(qkv, cos, sin, 0, n_heads, head_dim)
+    k = _rope(qkv, cos, sin, n_heads * head_dim, n_kv_heads, head_dim)
+    v = qkv[:, (n_heads + n_kv_heads) * head_dim:].copy().reshape(x.shape[0], n_kv_heads, head_dim)
+    return q, k, v
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FASTMATH)
+def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
+    """Grouped-query attention of ``T`` query rows over a sequence's cached keys (as
+    ``cpu.attention``): query row ``t`` sits at position ``start + t`` and attends keys
+    ``0 .. start + t`` (``causal``) or all ``start + T``.
+
+    Args:
+        q: ``[T, H, D]`` (RoPE applied).
+        k, v: ``[Hkv, S, D]`` C-contiguous, one layer of the KV cache, holding the step's keys
+            already (positions ``0 .. start + T - 1``; the rest of its capacity is not read).
+        out: ``[T, H * D]`` float32, written.
+    """
+    t_rows, h, d = q.shape
+    hkv = k.shape[0]
+    group = h // hkv
+    scale = np.float32(1.0 / np.sqrt(d))
+    for pair in numba.prange(hkv * t_rows):
+        g, t = pair // t_rows, pair % t_rows
+        n = start + t + 1 if causal else start + t_rows
+        scores = np.empty((group, n), dtype=np.float32)
+        for i in range(n):
+            for j in range(group):
+                acc = np.float32(0.0)
+                for e in range(d):
+                    acc += q[t, g * group + j, e] * k[g, i, e]
+                scores[j, i] = acc * scale
+        for j in range(group):
+            top = scores[j].max()
+            total = np.float32(0.0)
+            for i in range(n):
+                p = np.exp(scores[j, i] - top)
+                scores[j, i] = p
+                total += p
+            acc_v = np.zeros(d, dtype=np.float32)
+            for i in range(n):
+                p = scores[j, i]
+                for e in range(d):
+                    acc_v[e] += p * v[g, i, e]
+            inv = np.float32(1.0) / total
+            col = (g * group + j) * d
+            for e in range(d):
+                out[t, col + e] = acc_v[e] * inv
+
+
+@numba.njit(nogil=True, fastmath=_FASTMATH)
+def _swiglu(gate_up):  # pragma: no cover - compiled
+    r, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = np.empty((r, f), dtype=np.float32)
+    for i in range(r):
+        for j in range(f):
+            g = gate_up[i, j]
+            out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[i, f + j]
+    return out
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, gu_codes, gu_scales, gu_mins,
+                  gu_padded, d_codes, d_scales, d_mins, d_padded, isa, o_bits, o_has_mins, gu_bits, gu_has_mins,
+                  d_bits, d_has_mins):  # pragma: no cover - compiled
+    """The rest of the layer: ``x + attn @ wo.T``, then the SwiGLU FFN and its residual (the
+    three products' ``Product`` fields, then their formats).
+
+    Args:
+        x: ``[R, E]`` the layer's input rows; attn: ``[R, H * D]``.
+    Returns:
+        ``[R, E]`` float32, the layer's output.
+    """
+    numba.literally(isa)
+    numba.literally(o_bits)
+    numba.literally(o_has_mins)
+    numba.literally(gu_bits)
+    numba.literally(gu_has_mins)
+    numba.literally(d_bits)
+    numba.literally(d_has_mins)
+    x = x + _product(isa, o_bits, o_has_mins, o_codes, o_scales, o_mins, o_padded, attn)
+    gate_up = _product(isa, gu_bits, gu_has_mins, gu_codes, gu_scales, gu_mins, gu_padded, _rms_norm(x, ffn_norm, eps))
+    return x + _product(isa, d_bits, d_has_mins, d_codes, d_scales, d_mins, d_padded, _swiglu(gate_up))
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of each row ``[R, E]`` -> ``[R, E]`` float32, row by row (the fused layer's)."""
+    return _rms_norm(np.ascontiguousarray(x, dtype=np.float32), weight, np.float32(eps))
+
+
+@functools.cache
+def _bound(isa: int, qkv: tuple[int, bool], o: tuple[int, bool], gu: tuple[int, bool], dn: tuple[int, bool]):
+    """``attention_in`` and ``attention_out`` with the layer's formats (``(bits, has_mins)`` per
+    product) bound as constants: a call from Python cannot pass constants (numba would retype
+    every call), a compiled caller can, and the two are cached on disk for each format."""
+    (qkv_bits, qkv_has), (o_bits, o_has), (gu_bits, gu_has), (d_bits, d_has) = qkv, o, gu, dn
+
+    @numba.njit(nogil=True)
+    def layer_in(x, norm, eps, codes, scales, mins, padded, cos, sin, n_heads, n_kv_heads, head_dim):  # pragma: no cover
+        return attention_in(x, norm, eps, codes, scales, mins, padded, cos, sin, n_heads, n_kv_heads, head_dim,
+                            isa, qkv_bits, qkv_has)
+
+    @numba.njit(nogil=True)
+    def layer_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, gu_codes, gu_scales, gu_mins,
+                  gu_padded, d_codes, d_scales, d_mins, d_padded):  # pragma: no cover
+        return attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, gu_codes, gu_scales,
+                             gu_mins, gu_padded, d_codes, d_scales, d_mins, d_padded, isa, o_bits, o_has, gu_bits,
+                             gu_has, d_bits, d_has)
+
+    return layer_in, layer_out
+
+
+class FusedLayer:
+    """One decoder layer whose matrices are all ``QuantWeight``.
+
+    Args:
+        layer: a ``LlamaLayer`` (norm vectors float32, matrices quantized).
+        n_heads, n_kv_heads, head_dim, eps: the model's geometry and RMSNorm epsilon.
+    """
+
+    def __init__(self, layer, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
+        self.attn_norm, self.ffn_norm = layer.attn_norm, layer.ffn_norm
+        products = [Product.of(w) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        self.wqkv, self.wo, self.w_gate_up, self.w_down = (p[:4] for p in products)
+        self._in, self._out = _bound(qgemm.format_of(layer.wqkv).isa, *(p[4:] for p in products))
+        self.geometry = (n_heads, n_kv_heads, head_dim)
+        self.eps = np.float32(eps)
+
+    def __call__(self, index: int, x: np.ndarray, spans, cos: np.ndarray, sin: np.ndarray,
+                 causal: bool = True) -> np.ndarray:
+        """The layer over the rows ``x`` ``[R, E]`` (``cos``, ``sin`` ``[R, D/2]`` at their
+        positions). ``spans``: per sequence, ``(cache, start, rows)``: its KV cache (layer
+        ``index`` is written), the cache length before the step and its slice of the rows.
+        Returns ``[R, E]``."""
+        h, hkv, d = self.geometry
+        with skinny_gemm.KERNEL_LOCK:
+            q, k, v = self._in(x, self.attn_norm, self.eps, *self.wqkv, cos, sin, h, hkv, d)
+            attn = np.empty((x.shape[0], h * d), dtype=np.float32)
+            for cache, start, rows in spans:
+                cache.write(index, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2))
+                attend(q[rows], cache.k[index], cache.v[index], start, causal, attn[rows])
+            return self._out(x, attn, self.ffn_norm, self.eps, *self.wo, *self.w_gate_up, *self.w_down)
