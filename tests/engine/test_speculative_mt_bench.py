@@ -2,11 +2,13 @@
 (128 new tokens each), with the shipped draft of ``smollm2-dflash:135m``, all 80 requests batched
 in one engine (so the verify rows of many sequences share each target pass).
 
-Comparison rule (DESIGN §9.1): token for token, except where the baseline's top-1/top-2 logit
-margin is below ``MARGIN_TOL``: the verify pass and a decode step differ by float rounding, which
-may flip a near-tie; the comparison of that prompt stops there and the position is counted
-(``record_property`` "near_ties", also printed). The baseline is plain prefill + batched 1-token
-decode, computed here with its logits.
+Comparison rule (DESIGN §9.1): token for token. On the float32 reference path the verify pass and a
+decode step differ by float rounding, which may flip a near-tie: where the baseline's top-1/top-2
+logit margin is below ``MARGIN_TOL`` the comparison of that prompt stops there and the position
+is counted (``record_property`` "near_ties", also printed). The quantized path computes every row
+bit-identically in a verify pass, a decode step or a batch (backends/fused.py), so there it is
+token for token with no exemption. The baseline is plain prefill + batched 1-token decode,
+computed here with its logits.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import time
 
 import numpy as np
+import pytest
 
 from flm_runtime import api
 from flm_runtime.engine.request import SamplingParams
@@ -42,8 +45,10 @@ def greedy_baseline(model, prompts: list[np.ndarray], n: int, stop_ids: set[int]
     return tokens, margins
 
 
-def test_speculative_equals_baseline_on_all_mt_bench_first_turns(mt_bench_path, smollm2_model, smollm2_tokenizer,
+@pytest.mark.parametrize("weights", ["f32", "auto"])
+def test_speculative_equals_baseline_on_all_mt_bench_first_turns(weights, mt_bench_path, request, smollm2_tokenizer,
                                                                  make_engine, record_property):
+    smollm2_model = request.getfixturevalue("smollm2_model" if weights == "f32" else "smollm2_quantized")
     tok = smollm2_tokenizer
     questions = [json.loads(line) for line in mt_bench_path.read_text().splitlines() if line.strip()]
     assert len(questions) == 80
@@ -81,4 +86,4 @@ def test_speculative_equals_baseline_on_all_mt_bench_first_turns(mt_bench_path, 
     print(f"MT-Bench greedy equivalence: {compared} tokens equal, {near_ties} near-tie cut(s) in 80 questions "
           f"(margin < {MARGIN_TOL}); AL {emitted / steps:.2f} over {steps} speculative steps; "
           f"{t_baseline:.0f} s baseline, {t_spec:.0f} s speculative")
-    assert near_ties <= 4  # a near-tie is rare (0 of 3 x 24 tokens in test_speculative_smollm2.py)
+    assert near_ties <= (4 if weights == "f32" else 0)  # rare in float32 (0 of 3 x 24 tokens in test_speculative_smollm2.py)

@@ -1,0 +1,80 @@
+"""The integer products of the cpu backend (``backends/qgemm.py``): every instruction-set path
+this host runs gives the same bits as the portable path, a row's result does not depend on the
+rows beside it, and the product is within activation-quantization error of the float32 one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flm_runtime.backends import qgemm, quant
+
+FORMATS = {  # name -> weight of 40 outputs x 160 inputs (not a multiple of 64: a padded chunk)
+    "q4 symmetric": lambda w: quant.quantize(w, 4),
+    "q8 symmetric": lambda w: quant.quantize(w, 8),
+    "q4 with mins": lambda w: quant.from_blocks(*_q4_with_mins(w), 4, w.shape[1]),
+}
+
+
+def _q4_with_mins(w: np.ndarray):
+    """Q4_1's rule: per block, min and (max - min) / 15."""
+    blocks = w.reshape(w.shape[0], -1, quant.BLOCK)
+    lo, hi = blocks.min(-1), blocks.max(-1)
+    scale = ((hi - lo) / 15).astype(np.float16)
+    codes = np.clip(np.rint((blocks - lo[..., None]) / scale.astype(np.float32)[..., None]), 0, 15)
+    return codes.astype(np.uint8).reshape(w.shape), scale, lo.astype(np.float16)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((40, 160)).astype(np.float32) * 0.1
+    return {name: make(w) for name, make in FORMATS.items()}
+
+
+@pytest.fixture(scope="module")
+def x():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((16, 160)).astype(np.float32)
+    x[3, :32] = 0  # an all-zero block: scale 0
+    x[5, 7] = 40.0  # an outlier
+    return x
+
+
+# Every path on the two formats SmolLM2 serves with (each path and format compiles its own kernel).
+@pytest.mark.parametrize("fmt", ["q4 with mins", "q8 symmetric"])
+@pytest.mark.parametrize("isa", qgemm.host_isas())
+def test_every_path_gives_the_portable_bits(weights, x, fmt, isa):
+    w = weights[fmt]
+    for rows in (1, 3, 8, 13):
+        assert np.array_equal(qgemm.qlinear(x[:rows], w, isa), qgemm.qlinear(x[:rows], w, "portable")), (isa, rows)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_gives_the_same_bits_alone_or_among_others(weights, x, fmt):
+    w = weights[fmt]
+    together = qgemm.qlinear(x, w)  # 16 rows: groups of 8
+    alone = np.concatenate([qgemm.qlinear(x[i:i + 1], w) for i in range(16)])
+    in_eights = np.concatenate([qgemm.qlinear(x[:8], w), qgemm.qlinear(x[8:], w)])
+    in_threes = np.concatenate([qgemm.qlinear(x[i:i + 3], w) for i in range(0, 16, 3)])
+    for other in (alone, in_eights, in_threes):
+        assert np.array_equal(together, other)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_product_is_within_activation_quantization_error(weights, x, fmt):
+    w = weights[fmt]
+    got, want = qgemm.qlinear(x, w), x @ w.dequantize().T
+    # Rounding each activation to 1/254 of its block's largest magnitude: the error of a dot
+    # product is at most sum_i |w_i| * dx_b / 2 over the blocks.
+    dx = np.abs(x.reshape(16, -1, quant.BLOCK)).max(-1) / 127  # [16, K/32]
+    absw = np.abs(w.dequantize()).reshape(40, -1, quant.BLOCK).sum(-1)  # [40, K/32]
+    bound = 0.5 * dx @ absw.T + 1e-5  # [16, 40]
+    assert np.all(np.abs(got - want) <= bound)
+    assert np.array_equal(got[3] == 0, want[3] == 0)  # nothing else special about a zero block
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.01
+
+
+def test_an_unavailable_path_is_refused(weights, x):
+    with pytest.raises(ValueError, match="not available here"):
+        qgemm.qlinear(x, weights["q8 symmetric"], "sse9")

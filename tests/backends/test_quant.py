@@ -1,0 +1,74 @@
+"""The quantized weight format (``backends/quant.py``) and the GGUF blocks read into it as they
+are (``loading/gguf.py``): the same weights as gguf-py's own dequantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from flm_runtime.backends import quant
+from flm_runtime.loading import gguf as gguf_loader
+
+N, K = 12, 512  # K: two Q4_K super-blocks, 16 blocks of 32
+
+
+@pytest.fixture(scope="module")
+def w():
+    return (np.random.default_rng(3).standard_normal((N, K)) * 0.05).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_native_blocks_dequantize_as_gguf_py(w, qtype):
+    qtype = GGMLQuantizationType[qtype]
+    raw = quantize(w, qtype)  # [N, bytes]
+    got = gguf_loader._read_blocks(raw.reshape(N, K // quant.BLOCK, -1), qtype, K)
+    assert got.bits == (8 if qtype == GGMLQuantizationType.Q8_0 else 4)
+    assert (got.mins is not None) == (qtype == GGMLQuantizationType.Q4_1)
+    assert np.array_equal(got.dequantize(), dequantize(raw, qtype).reshape(N, K))
+
+
+def test_q4_k_folds_into_blocks_of_32():
+    # Any bytes are Q4_K super-blocks (6-bit scales and mins, 4-bit codes) once d and dmin are
+    # finite: random ones exercise every scale/min packing.
+    rng = np.random.default_rng(6)
+    raw = rng.integers(0, 256, (N, K // 256, 144), dtype=np.uint8)
+    raw[..., 0:4] = np.array([0.01, 0.002], np.float16).view(np.uint8)  # d, dmin
+    got = gguf_loader._read_q4_k(raw, K)
+    want = dequantize(raw.reshape(N, -1), GGMLQuantizationType.Q4_K).reshape(N, K)
+    # Sub-block scale x super-block scale rounded to float16: within 2^-11 of each weight's scale.
+    np.testing.assert_allclose(got.dequantize(), want, rtol=0, atol=np.abs(want).max() * 2e-3)
+    assert np.abs(got.dequantize() - want).max() > 0  # the rounding is real: not a copy of the reference
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_rounds_each_weight_to_its_block_grid(w, bits):
+    q = quant.quantize(w, bits)
+    scales = np.repeat(q.scales.astype(np.float32), quant.BLOCK, axis=1)[:, :K]
+    err = np.abs(q.dequantize() - w)
+    # Half a step; 4-bit (Q4_0's rule) maps the largest magnitude to code 0, so the other end of
+    # the block may clip at code 15, a whole step away.
+    assert np.all(err <= np.abs(scales) * (0.5 if bits == 8 else 1.0) * (1 + 1e-3))
+    assert q.nbytes == N * K * bits // 8 + N * K // quant.BLOCK * 2  # codes + one float16 scale a block
+
+
+def test_rows_taken_stacked_and_unpermuted_as_float32(w):
+    a, b = quant.quantize(w, 4), quant.quantize(w[::-1].copy(), 4)
+    stacked = quant.stack_rows([a, b])
+    assert np.array_equal(stacked.dequantize(), np.concatenate([a.dequantize(), b.dequantize()]))
+    rows = np.array([5, 0, 11])
+    assert np.array_equal(a.take_rows(rows).dequantize(), a.dequantize()[rows])
+    assert np.array_equal(a.dequantize(rows), a.dequantize()[rows])
+    assert np.array_equal(gguf_loader.unpermute_rope(a, 2).dequantize(), gguf_loader.unpermute_rope(a.dequantize(), 2))
+
+
+def test_padding_to_a_whole_chunk_adds_nothing():
+    w = np.random.default_rng(4).standard_normal((3, 96)).astype(np.float32)  # 96: one chunk and a half
+    q = quant.quantize(w, 8)
+    assert q.padded_in_features == 128 and q.shape == (3, 96)
+    assert q.dequantize().shape == (3, 96)
+    x = np.random.default_rng(5).standard_normal((2, 96)).astype(np.float32)
+    from flm_runtime.backends import qgemm
+
+    np.testing.assert_allclose(qgemm.qlinear(x, q), x @ q.dequantize().T, rtol=0, atol=0.05)

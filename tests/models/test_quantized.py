@@ -1,0 +1,130 @@
+"""The quantized cpu path (default weights: ``backends/quant.py``, ``qgemm.py``, ``fused.py``)
+against the float32 reference: perplexity, and the batch invariance that makes greedy DFlash
+equal plain decoding bit for bit (a row's logits are the same bits alone, in a verify pass, or
+beside other sequences)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from test_llama import PASSAGE, REFERENCE_PERPLEXITY, REFERENCE_TOKENS, TINY, perplexity, tiny_weights
+
+from flm_runtime.backends import quant
+from flm_runtime.models.llama import LlamaModel
+
+
+def test_perplexity_within_one_percent_of_the_float32_path(smollm2_quantized, smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode(PASSAGE.read_text())
+    assert len(ids) == REFERENCE_TOKENS
+    ppl = perplexity(smollm2_quantized, ids)
+    assert abs(ppl / REFERENCE_PERPLEXITY - 1) < 0.01, ppl
+
+
+def _rows_alone_in_a_pass_and_in_a_batch(model, ids):
+    """Logits of 8 positions (after a 40-token prefix): decoded one at a time, as one 8-row
+    verify pass, and as 8 of the 16 rows of a batched step beside another sequence."""
+    prefix, block, other = ids[:40], ids[40:48], ids[:25]
+    cache = model.new_cache()
+    model.forward(prefix, cache)
+    alone = np.stack([model.forward(ids[40 + j:41 + j], cache)[0] for j in range(8)])
+    cache.trim(40)
+    verify = model.forward(block, cache, all_logits=True)
+    cache.trim(40)
+    neighbour = model.new_cache()
+    model.forward(other[:17], neighbour)
+    batched = model.forward_batch([other[17:25], block], [neighbour, cache])[8:]
+    return alone, verify, batched
+
+
+def test_smollm2_rows_are_batch_invariant(smollm2_quantized, smollm2_tokenizer):
+    ids = np.array(smollm2_tokenizer.encode(PASSAGE.read_text()))
+    alone, verify, batched = _rows_alone_in_a_pass_and_in_a_batch(smollm2_quantized, ids)
+    assert np.array_equal(alone, verify) and np.array_equal(alone, batched)
+
+
+# TINY's widths made multiples of 32 (quantizable); 96 is not a multiple of 64: a padded chunk.
+TINY_Q = dataclasses.replace(TINY, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16)
+
+
+def test_tiny_model_is_batch_invariant_and_near_float32():
+    weights = tiny_weights(TINY_Q)
+    f32 = LlamaModel(TINY_Q, weights)
+    q8 = LlamaModel(TINY_Q, {k: quant.quantize(v, 8) if v.ndim == 2 and v.shape[1] % 32 == 0 else v
+                             for k, v in weights.items()})
+    assert all(f is not None for f in q8.fused)
+    ids = np.random.default_rng(1).integers(0, TINY_Q.vocab_size, 60)
+    alone, verify, batched = _rows_alone_in_a_pass_and_in_a_batch(q8, ids)
+    assert np.array_equal(alone, verify) and np.array_equal(alone, batched)
+    want = f32.forward(ids, f32.new_cache(), all_logits=True)
+    got = q8.forward(ids, q8.new_cache(), all_logits=True)
+    cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert cos.mean() > 0.999 and cos.min() > 0.99, (cos.mean(), cos.min())
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
+
+
+GIB = 1 << 30
+
+
+def test_a_gguf_too_big_for_float32_loads_quantized(tmp_path):
+    """A 4-bit GGUF whose float32 weights (1.3 GiB) exceed the process's data limit (0.9 GiB above
+    its size after imports) loads with the default weights, in a child process under that limit."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    hidden, ffn, layers = 2048, 8192, 6  # 6 x 67M parameters
+    path = tmp_path / "big.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    for key, value in {"context_length": 64, "embedding_length": hidden, "feed_forward_length": ffn,
+                       "block_count": layers, "attention.head_count": 16, "attention.head_count_kv": 16,
+                       "attention.layer_norm_rms_epsilon": 1e-5, "vocab_size": 64}.items():
+        (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(f"llama.{key}", value)
+    rng = np.random.default_rng(0)
+    block = quantize(rng.standard_normal((ffn, hidden)).astype(np.float32) * 0.02, GGMLQuantizationType.Q4_0)
+
+    def matrix(rows, cols):  # the same quantized bytes, cut to shape: content does not matter here
+        raw = block[: rows * cols // hidden] if cols == hidden else quantize(
+            rng.standard_normal((rows, cols)).astype(np.float32) * 0.02, GGMLQuantizationType.Q4_0)
+        return raw.reshape(rows, -1)
+
+    writer.add_tensor("token_embd.weight", matrix(64, hidden), raw_dtype=GGMLQuantizationType.Q4_0)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    down = matrix(hidden, ffn)
+    for i in range(layers):
+        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (hidden, hidden)), ("attn_v", (hidden, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden))):
+            writer.add_tensor(f"blk.{i}.{name}.weight", matrix(*shape), raw_dtype=GGMLQuantizationType.Q4_0)
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", down, raw_dtype=GGMLQuantizationType.Q4_0)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    params = 64 * hidden + layers * (4 * hidden * hidden + 3 * hidden * ffn)
+    assert params * 4 > 1.3 * GIB
+
+    child = textwrap.dedent(f"""
+        import resource, sys
+        import numpy as np
+        from flm_runtime.loading.gguf import load_gguf
+        from flm_runtime.models.llama import LlamaModel
+        used = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        resource.setrlimit(resource.RLIMIT_DATA, (used + int(0.9 * {GIB}), resource.RLIM_INFINITY))
+        try:
+            model = load_gguf(sys.argv[1], weights=sys.argv[2])
+            LlamaModel(model.config, model.weights)
+        except MemoryError:
+            print("MemoryError")
+        else:
+            print("loaded")
+    """)
+    run = lambda kind: subprocess.run([sys.executable, "-c", child, str(path), kind], capture_output=True,  # noqa: E731
+                                      text=True, timeout=600).stdout.strip().splitlines()[-1:]
+    assert run("auto") == ["loaded"]
+    assert run("f32") == ["MemoryError"]  # the limit is real: the float32 path does not fit under it
