@@ -6,8 +6,10 @@ document, the target prefills ``context`` tokens of the text, then computes the 
 
 - the **verify path**: ``forward(8 tokens, all_logits=True)`` blocks, each appending to the KV
   cache the previous blocks wrote, as speculative steps do (the 8-token layer);
-- the **reference**: token-by-token decoding (the 1-token layer) of the same tokens, from the same
-  prefill (the cache is trimmed back to the context first: rollback is a trim).
+- the **reference**: token-by-token decoding (the 1-token layer) of the same tokens, on the float32
+  weights of the same files (``--reference f32``, the default: the card compares its NPU path
+  with token-by-token decoding the same way) or on the served model itself (``--reference same``:
+  its own prefill, the cache trimmed back to the context, rollback being a trim).
 
 At each position the verify path's pick (argmax) is compared with the reference's:
 
@@ -35,11 +37,14 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from flm_runtime import registry
 from flm_runtime.api import get_engine
 from flm_runtime.bench import report
 from flm_runtime.bench.documents import load_documents, token_stream
 from flm_runtime.bench.engines import Context, parse_contexts
 from flm_runtime.errors import InvalidRequestError
+from flm_runtime.loading import load_model_files
+from flm_runtime.models.llama import LlamaModel
 
 NEAR_TIE_STEPS = 2
 BF16_MANTISSA_BITS = 7  # explicit fraction bits of bfloat16 (8 significant bits with the implicit one)
@@ -126,12 +131,14 @@ def compare_logits(reference: np.ndarray, test: np.ndarray) -> Agreement:
 
 
 def teacher_forced(model, ids: np.ndarray, context: int, positions: int, block: int,
-                   step=lambda n: None) -> Agreement:
+                   step=lambda n: None, reference=None) -> Agreement:
     """Prefill ``ids[:context]``, then compare the verify path with token-by-token decoding on the
     next ``positions`` positions (see the module docstring).
 
     Args:
         model: the target (``forward``, ``prefill``, ``decode``, ``new_cache``).
+        reference: the model that decodes token by token (another copy of the weights, with its
+            own prefill); None: ``model`` itself.
         ids: ``[>= context + positions]`` int64 token ids of the text.
         context: tokens prefilled.
         positions: positions compared, a multiple of ``block``.
@@ -148,10 +155,16 @@ def teacher_forced(model, ids: np.ndarray, context: int, positions: int, block: 
     for s in range(context, context + positions, block):
         verify.append(model.forward(ids[s : s + block], cache, all_logits=True))  # [block, V]
         step(block)
-    cache.trim(context)
+    if reference is None:
+        reference, ref_cache = model, cache
+        cache.trim(context)
+    else:
+        ref_cache = reference.new_cache(context + positions)
+        reference.prefill(ids[:context], ref_cache)
+        step(context)
     total = Agreement()
     for b, s in enumerate(range(context, context + positions, block)):
-        decoded = np.stack([model.decode(int(ids[p]), cache) for p in range(s, s + block)])  # [block, V]
+        decoded = np.stack([reference.decode(int(ids[p]), ref_cache) for p in range(s, s + block)])  # [block, V]
         total = total + compare_logits(decoded, verify[b])
         step(block)
     return total
@@ -169,7 +182,12 @@ def main(args: argparse.Namespace) -> int:
                                   param="--contexts")
     docs = load_documents(args.documents)
     info = report.machine_info()
-    work = sum(c.tokens + 2 * args.positions for c in contexts) * len(docs)  # prefilled + compared twice
+    reference = None
+    if args.reference == "f32":
+        bundle = load_model_files(registry.locate(args.tag), weights="f32")
+        reference = LlamaModel(bundle.config, bundle.weights)
+    prefills = 1 if reference is None else 2
+    work = sum(prefills * c.tokens + 2 * args.positions for c in contexts) * len(docs)  # prefilled, compared twice
     bar = tqdm(total=work, desc="agreement", unit="tok", disable=args.quiet, file=sys.stderr)
     rows, totals = [], []
     for ctx in contexts:
@@ -177,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
         for i, doc in enumerate(docs):
             bar.set_postfix_str(f"{ctx.label} {doc.name}")
             ids = np.asarray(token_stream(tok, docs, i, ctx.tokens + args.positions), dtype=np.int64)
-            a = teacher_forced(model, ids, ctx.tokens, args.positions, args.block, bar.update)
+            a = teacher_forced(model, ids, ctx.tokens, args.positions, args.block, bar.update, reference)
             rows.append(_row(ctx, doc.name, a))
             total = total + a
         rows.append(_row(ctx, "all", total))
@@ -207,7 +225,8 @@ def tables(args: argparse.Namespace, engine, totals: list[tuple[Context, Agreeme
     header = (f"## Agreement with token-by-token decoding\n\nThe verify path checks {args.block} positions in one "
               f"pass. Teacher-forced on real text ({n:,} positions at {where} tokens of context: {args.positions} "
               f"per document, {n_docs} documents), the token it picks at each position matches token-by-token "
-              f"decoding of `{args.tag}` ({'npu' if engine.name.endswith('[npu]') else 'cpu'} backend):")
+              f"decoding of `{args.tag}` ({'npu' if engine.name.endswith('[npu]') else 'cpu'} backend; reference: "
+              f"{'its float32 weights' if args.reference == 'f32' else 'the same weights'}):")
     table = report.markdown_table(
         ["Context", "Positions", "Same top-1 token", "Different by more than a near-tie", "Mean cosine of the logits",
          "Largest logit difference"],
@@ -225,4 +244,4 @@ def tables(args: argparse.Namespace, engine, totals: list[tuple[Context, Agreeme
 def command(args: argparse.Namespace) -> str:
     return report.command_text("agreement", [
         ("--tag", args.tag), ("--contexts", args.contexts), ("--positions", args.positions), ("--block", args.block),
-        ("--documents", args.documents), ("--out", args.out)])
+        ("--reference", args.reference), ("--documents", args.documents), ("--out", args.out)])

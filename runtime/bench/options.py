@@ -59,3 +59,6 @@ def agreement_arguments(p: argparse.ArgumentParser) -> None:
                    help="teacher-forced positions per document and context, a multiple of --block (default 256)")
     p.add_argument("--block", type=int, default=8,
                    help="positions per verify pass: the draft's block, anchor + 7 drafted (default 8)")
+    p.add_argument("--reference", choices=("f32", "same"), default="f32",
+                   help="weights of the token-by-token reference: f32 (the float32 path of the same files; "
+                        "default) or same (the served model itself)")

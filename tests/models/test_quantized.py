@@ -128,3 +128,16 @@ def test_a_gguf_too_big_for_float32_loads_quantized(tmp_path):
                                       text=True, timeout=600).stdout.strip().splitlines()[-1:]
     assert run("auto") == ["loaded"]
     assert run("f32") == ["MemoryError"]  # the limit is real: the float32 path does not fit under it
+
+
+def test_agreement_of_the_quantized_verify_pass_with_float32_decoding(smollm2_quantized, smollm2_model,
+                                                                      smollm2_tokenizer):
+    """``litellm-flm agreement``'s measure on one window of the test passage: the default weights'
+    8-position verify against float32 token-by-token decoding (the card: 97.9% same top-1)."""
+    from flm_runtime.bench.agreement import teacher_forced
+
+    ids = np.array(smollm2_tokenizer.encode(PASSAGE.read_text()))
+    a = teacher_forced(smollm2_quantized, ids, 200, 128, 8, reference=smollm2_model)
+    assert a.positions == 128
+    assert a.same_top1_pct >= 90 and a.mean_cosine > 0.99, (a.same_top1_pct, a.mean_cosine)
+    assert a.same_top1 < a.positions or a.max_abs_diff > 0  # a real comparison of two weight kinds
