@@ -1,8 +1,7 @@
 """Resident memory a model's weights add, per weight kind: each kind loaded in a fresh child
 process by ``flm_runtime.api.load_model`` (files, tokenizer, model, the heap's free pages handed
 back), RSS read from /proc before and after, next to the bytes of the arrays the model holds.
-The kernels are compiled (or loaded from numba's cache) before the first reading, so that
-compiled code is not counted.
+The model is loaded once before the first reading (compiled kernels, imports), then again.
 
     python benchmarks/weights_memory.py [--tag smollm2:135m] [--kinds auto,q8,q4,f32]
 
@@ -21,7 +20,6 @@ _CHILD = r"""
 import gc, json, sys
 import numpy as np
 from flm_runtime import api
-from flm_runtime.backends import qgemm, skinny_gemm
 
 def rss():
     with open("/proc/self/statm") as f:
@@ -29,9 +27,9 @@ def rss():
 
 import os
 os.environ["FLM_WEIGHTS"] = sys.argv[2]
-skinny_gemm.compile_kernel()
-qgemm.compile_kernels({(4, False), (4, True), (8, False)})
+api.load_model(sys.argv[1])  # the kernels compiled or loaded from numba's cache, the file in the page cache
 gc.collect()
+api._return_free_memory()  # that model's pages back to the system before the reading
 before = rss()
 model = api.load_model(sys.argv[1]).model
 gc.collect()

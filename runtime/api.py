@@ -34,8 +34,10 @@ import ctypes
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from flm_runtime import paths, registry
-from flm_runtime.backends import TargetModel, qgemm, skinny_gemm
+from flm_runtime.backends import TargetModel, skinny_gemm
 from flm_runtime.backends.select import log_once, requested_backend, select_backend
 from flm_runtime.engine.admission import limits_from_env
 from flm_runtime.engine.engine import Engine
@@ -84,8 +86,10 @@ def load_model(tag: str) -> LoadedModel:
     model, tokenizer = LlamaModel(bundle.config, bundle.weights), bundle.tokenizer
     del bundle  # the model holds its own (fused) copies of the weights
     _return_free_memory()
-    skinny_gemm.compile_kernel()  # here, not in the first request's decode time
-    qgemm.compile_kernels(model.weight_formats())
+    # Compile (or load from numba's cache) the kernels here, not in the first request's time: the
+    # skinny float32 kernel, and one step of the model for the quantized ones.
+    skinny_gemm.compile_kernel()
+    model.forward_batch([np.zeros(1, dtype=np.int64)], [model.new_cache(1)])
     return LoadedModel(tag, model, tokenizer)
 
 

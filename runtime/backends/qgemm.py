@@ -57,7 +57,6 @@ _ISA_FEATURES = {"avx512vnni": ("avx512vnni", "avx512bw", "avx512f", "f16c", "fm
                  "avxvnni": ("avxvnni", "avx2", "f16c", "fma"),
                  "avx2": ("avx2", "f16c", "fma"),
                  "portable": ()}
-MAX_GROUP = 8  # activation rows that share one pass over a weight row (accumulators in registers)
 _LANES = 16  # int32 lanes per chunk
 
 
@@ -505,16 +504,6 @@ def qlinear(x: np.ndarray, w: QuantWeight, isa: str | None = None) -> np.ndarray
     with skinny_gemm.KERNEL_LOCK:
         _matmul_of(fmt)(*operands(w), xq, dx, sx, out)
     return out
-
-
-def compile_kernels(formats: set[tuple[int, bool]], isa: str | None = None) -> None:
-    """Compile the kernels of ``formats`` (``(bits, has_mins)`` pairs) now, so that compilation
-    is not counted in a first request's time (a model's load calls it)."""
-    for bits, has_mins in formats:
-        w = QuantWeight(bits, np.zeros((1, CHUNK * bits // 8), np.uint8), np.zeros((1, 2), np.float16),
-                        np.zeros((1, 2), np.float16) if has_mins else None, CHUNK)
-        for rows in (1, 2, 4, 8):  # every group size
-            qlinear(np.zeros((rows, CHUNK), np.float32), w, isa)
 
 
 _DEFAULT_ISA = select_isa()

@@ -164,11 +164,6 @@ class LlamaModel:
         n = sum(a.nbytes for layer in self.layers for a in vars(layer).values())
         return n + self.norm.nbytes + self.lm_head.nbytes
 
-    def weight_formats(self) -> set[tuple[int, bool]]:
-        """``(bits, has_mins)`` of every quantized matrix (the integer kernels to compile)."""
-        matrices = [w for layer in self.layers for w in vars(layer).values()] + [self.lm_head]
-        return {(w.bits, w.mins is not None) for w in matrices if isinstance(w, QuantWeight)}
-
     def new_cache(self, capacity: int = 0) -> KVCache:
         """An empty KV cache for one sequence; ``capacity`` (tokens) is a hint, it grows on demand."""
         c = self.config
