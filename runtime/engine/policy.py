@@ -1,8 +1,10 @@
-"""The speculation policy (DESIGN §7): when a speculative step pays, as data, plus an online check.
+"""The speculation policy: when a speculative step pays, as data, plus an online check.
+
+The design and its reasons: docs/design.md, "Speculation policy".
 
 A speculative step costs ``t_propose + t_verify(K+1)`` and yields AL tokens (acceptance length,
 bonus included); plain decoding costs ``t_decode`` per token. Speculation pays when
-``AL * t_decode > t_propose + t_verify(K+1)`` (DESIGN §7), i.e. when ``AL > cost_ratio`` with
+``AL * t_decode > t_propose + t_verify(K+1)``, i.e. when ``AL > cost_ratio`` with
 ``cost_ratio = (t_propose + t_verify(K+1)) / t_decode``. Both sides move: the verify pass grows
 with context (attention over the cache: the card's engine turns speculation off at 32k), and AL
 depends on the draft, the text, and the request.
