@@ -16,8 +16,9 @@ the target pass (``forward_batch``), and for the DFlash engine of the draft's wo
 The DFlash engine's steps are also split by the tokens they verify, K (K = 0: a plain step; "K = 0
 gated": the confidence gate left nothing to verify), with their count and ms per step. Then
 ``step / baseline step`` is the served cost of a speculative step in decodes: speculation pays
-where AL exceeds it (DESIGN §7). Forced, the same passes are then timed alone in the main thread
-by calibration's own measurement (``calibrate.step_costs``, 9 interleaved rounds, medians).
+where AL exceeds it (docs/design.md, "Speculation policy"). Forced, the same passes are then
+timed alone in the main thread by calibration's own measurement (``calibrate.step_costs``, 9
+interleaved rounds, medians).
 
     python benchmarks/served_step_cost.py [--k 1 | --policy FILE] [--max-tokens 256] [--prompts 3] [--rounds 2]
 

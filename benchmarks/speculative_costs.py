@@ -9,8 +9,9 @@ disturbed by other processes, so the ratio of minima estimates the quiet-machine
 - propose: the draft's ``propose`` (its layers over [context ; block] and the target's LM head on 7 rows);
 - add_context: the draft projecting one committed token's taps to context K/V.
 
-Speculation pays when ``AL * t_decode > t_propose + t_add + t_verify`` (DESIGN §7), so
-``(propose + add + verify) / decode`` is the break-even acceptance length (AL, bonus included).
+Speculation pays when ``AL * t_decode > t_propose + t_add + t_verify`` (docs/design.md,
+"Speculation policy"), so ``(propose + add + verify) / decode`` is the break-even acceptance
+length (AL, bonus included).
 
     python benchmarks/speculative_costs.py [--tag smollm2:135m] [--draft DIR | --draft-layers 1]
         [--contexts 0,1024] [--rounds 30]

@@ -1,6 +1,6 @@
 """Runtime errors -> the LiteLLM exceptions clients, the Router and the proxy act on.
 
-The choice of class decides what LiteLLM does next (DESIGN.md §8):
+The choice of class decides what LiteLLM does next (docs/design.md, "LiteLLM facts"):
 
 - ``ContextWindowExceededError`` (over the context, or over the engine's whole KV memory budget)
   fires the Router's ``context_window_fallbacks``;

@@ -1,12 +1,12 @@
 """``FlmLLM``: the LiteLLM ``CustomLLM`` that runs ``flm/<tag>`` models on ``flm_runtime``.
 
-A request travels (DESIGN.md §3): LiteLLM strips the ``flm/`` prefix and calls one of the four
-methods below with ``optional_params``; ``params`` validates them into ``SamplingParams`` and the
-messages into template input; the engine of the tag renders the model's own chat template, counts
-the prompt tokens and queues the request (or raises ``ContextLengthError`` / ``KVBudgetError`` /
-``EngineOverloadedError``); its events become a ``ModelResponse`` or ``GenericStreamingChunk``s
-here. Nothing deeper: sampling, stop strings, UTF-8-safe detokenizing and token counting are the
-engine's.
+A request travels (docs/design.md, "The way a request travels"): LiteLLM strips the ``flm/`` prefix
+and calls one of the four methods below with ``optional_params``; ``params`` validates them into
+``SamplingParams`` and the messages into template input; the engine of the tag renders the model's
+own chat template, counts the prompt tokens and queues the request (or raises ``ContextLengthError``
+/ ``KVBudgetError`` / ``EngineOverloadedError``); its events become a ``ModelResponse`` or
+``GenericStreamingChunk``s here. Nothing deeper: sampling, stop strings, UTF-8-safe detokenizing and
+token counting are the engine's.
 
 Blocking work (loading a model, tokenizing, waiting for tokens) never runs on the event loop: the
 async methods hand it to a worker thread or to the engine's own async iterator.
@@ -178,7 +178,8 @@ class FlmLLM(CustomLLM):
     async def astreaming(
         self, model: str, messages: list, optional_params: dict, timeout=None, **_: Any
     ) -> AsyncIterator[GenericStreamingChunk]:
-        # Must be an async generator (DESIGN §8): litellm iterates the object it gets back.
+        # Must be an async generator (docs/design.md, "LiteLLM facts"): litellm iterates the
+        # object it gets back.
         finished = False
         handle = None
         try:

@@ -122,7 +122,8 @@ def request_fields(optional_params: Mapping[str, Any]) -> dict[str, Any]:
         ``SamplingParams`` keyword arguments, runtime names, only those the request gave (``stop``
         as a tuple). The model's default sampler fills the rest: ``Engine.sampling_params``, field
         by field (a request setting only ``temperature=0.7`` keeps the model's top_k / top_p).
-        ``max_tokens`` left unset means up to the context: no hidden cap (DESIGN §9.4).
+        ``max_tokens`` left unset means up to the context: no hidden cap (docs/design.md,
+        "Contract", 4).
 
     Raises:
         InvalidRequestError: an unknown, unsupported or mistyped parameter; ``param`` names it as the

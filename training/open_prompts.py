@@ -2,8 +2,8 @@
 
 ``templates`` and ``composed`` draw their subjects from a few dozen topics each, so across
 thousands of prompts the target keeps answering about the same things: the draft's held-out
-acceptance on those sources rises much faster than on MT-Bench (docs/training.md, "The fifth
-run"). This source asks the same kinds of requests (the eight categories, with the audiences,
+acceptance on those sources rises much faster than on MT-Bench (docs/history/training.md, "The
+fifth run"). This source asks the same kinds of requests (the eight categories, with the audiences,
 forms, constraints and formats of ``composed``) about ``TOPICS``: over four hundred topics of our
 own wording in twenty-five domains, from household chores to law, so that what the target writes,
 and what the draft learns to predict, covers far more of the language users bring.

@@ -1,7 +1,7 @@
 """The target (a Llama-family model) in torch, batched, for self-distillation data.
 
-The numpy ``flm_runtime.models.llama.LlamaModel`` runs one sequence at ~30 tokens/s here; this
-module runs up to a few dozen at once from the *same* float32 weights (Hugging Face names and
+The numpy ``flm_runtime.models.llama.LlamaModel`` decodes one sequence at a time; this module
+runs up to a few dozen at once from the *same* float32 weights (Hugging Face names and
 rotate-half RoPE, as ``flm_runtime.loading`` returns them), so the responses it generates are the
 target's own. ``tests/training/test_target.py`` checks logits and greedy tokens against numpy.
 
@@ -53,10 +53,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
 
     Grouped-query: query head ``h`` reads key/value head ``h // R`` (Hugging Face's ``repeat_kv``
     order). torch's ``scaled_dot_product_attention`` runs this shape (48 slots, R = 3 query rows
-    per key/value head, every slot padded to the longest) as many tiny products: 28% of a
-    generation run's time. ``_decode_attention`` reads each slot's K/V once, only up to its own
-    position: one worker's generation went from 115 to 138 new tokens/s, its attention from 29.7 s
-    to 11.4 s of the run, with the same tokens (docs/training.md, "Data").
+    per key/value head, every slot padded to the longest) as many tiny products.
+    ``_decode_attention`` reads each slot's K/V once, only up to its own position, with the same
+    tokens out (profile: docs/history/training.md, "Generation's decode attention").
 
     Args:
         q: ``[B, H, 1, D]`` float32 (RoPE applied).

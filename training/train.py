@@ -8,8 +8,9 @@ against the target's tokens at offsets ``k = 1..7``, weighted ``exp(-(k-1)/gamma
 distribution there instead (its top-16 log-probabilities, recorded at generation; renormalised
 over those the draft can propose): knowledge distillation (Hinton et al. 2015, arXiv:1503.02531),
 as DistillSpec (Zhou et al. 2023, arXiv:2310.08461) uses it for speculative drafts. AdamW, linear
-warmup then cosine decay to 10%, gradient clipping. The frozen LM head runs in bfloat16 (2.3x
-faster here; the logits are float32 for the loss); evaluation uses float32 like serving.
+warmup then cosine decay to 10%, gradient clipping. The frozen LM head runs in bfloat16 (faster on
+CPUs with bfloat16 support; the logits are float32 for the loss); evaluation uses float32 like
+serving.
 
 Checkpoints (``<out>/ckpt/last.pt``, written atomically every ``--ckpt-minutes`` and at the end)
 hold the draft, the optimizer, the step, the RNG states and the data cursor; a rerun resumes from
@@ -248,8 +249,8 @@ def simulated_al(draft: DFlashDraft, data: Shards, seqs: list[Seq]) -> dict:
       the serving runtime reports on these prompts (greedy, whole blocks, no policy): the same
       steps, the same AL (``tests/training/test_simulated_al.py``).
     - ``grid_al``, over ``blocks``, with ``accept_at_k`` (the fraction of blocks keeping ``d1..dk``):
-      anchors every ``K``-th response position. Higher than ``sim_al`` (by 0.25-0.33 in the eighth run):
-      a served block starts right after a token the draft got wrong, where the next ones are harder.
+      anchors every ``K``-th response position. Higher than ``sim_al``: a served block starts
+      right after a token the draft got wrong, where the next ones are harder.
     """
     k = draft.c.block_size
     steps = emitted = 0

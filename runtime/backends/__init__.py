@@ -39,8 +39,8 @@ class KVCacheLike(Protocol):
 
 @runtime_checkable
 class TargetModel(Protocol):
-    """The step interface of a target model (DESIGN §6): per sequence, and batched (the engine's
-    steps go through ``forward_batch`` only).
+    """The step interface of a target model (docs/design.md, "Backends"): per sequence, and
+    batched (the engine's steps go through ``forward_batch`` only).
 
     Attributes:
         config: ``LlamaConfig`` (``vocab_size``, ``hidden_size``, ``max_position_embeddings``,

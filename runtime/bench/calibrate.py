@@ -17,8 +17,8 @@ Two measurements, then one decision per context bucket (``flm_runtime.engine.pol
    draft catching up one position and drafting a block, its LM head on K rows) and
    ``t_verify(K+1)``, for K = 1..7. With ``--spells N`` all of it is measured N times,
    ``--spell-gap`` seconds apart: on a shared machine the one-row decode pass, which streams the
-   weights, speeds up and slows down by a third over minutes while the verify pass moves less
-   (docs/benchmarks.md), and that alone flips the decision.
+   weights, speeds up and slows down over minutes more than the verify pass does, and that alone
+   can flip the decision (docs/benchmarks.md).
 
 Per bucket (contexts above the previous measured one, up to this one): the draft length K and
 confidence gate g (``GATES``; ``policy.confident_length``) maximising ``AL(K, g) / r(K, g)`` over
@@ -27,16 +27,12 @@ mean of ``(t_propose(K) + t_verify(k'+1)) / t_decode`` (``t_decode`` for ``k' = 
 largest measured at the bucket's edges (the first bucket: its upper edge only) over all spells;
 speculation is on when that expected speed-up exceeds ``--min-speedup``
 (``MIN_SPEEDUP``, 1.1), i.e. where it paid by that margin in every spell at both edges. The
-margin covers the acceptance that serving falls short of calibration's: the eighth-run draft
-kept 1.69 tokens a step on calibration's prompts and 1.53-1.58 served (``litellm-flm bench``,
-with and without ``--stop-at-eos``), 7-9% less, and a table speculating at an expected 1.05x ran
-0.97-1.01x served (docs/benchmarks.md). The ratio is not monotonic in context: attention adds
-about as much to both passes, so the ratio falls as the context grows (a table timed at 1,024
-tokens only for its 257-1,024 bucket had K = 1 there at a ratio of 1.11, while K = 1 steps
-served at 257-290 tokens cost 1.32-1.49 decodes: ``benchmarks/served_step_cost.py --policy``,
-docs/benchmarks.md), until the 1-row pass leaves the skinny kernel for BLAS above
-``cpu.SKINNY_DECODE_CONTEXT`` and it jumps. Each request's own acceptance then moves its
-decision online.
+margin covers the acceptance that serving falls short of calibration's, as it has in every
+recorded run (docs/history/benchmarks.md). Both edges count because the ratio is not monotonic
+in context: attention adds about as much to both passes, so the ratio falls as the context grows
+and a bucket timed at its upper edge only underestimates its lower part, until the 1-row pass
+leaves the skinny kernel for BLAS above ``cpu.SKINNY_DECODE_CONTEXT`` and it jumps. Each
+request's own acceptance then moves its decision online.
 
     litellm-flm calibrate [--tag smollm2-dflash:135m] [--backend cpu] [--contexts 256,1024,4096,8192]
         [--rounds 5] [--spells 1] [--spell-gap 300] [--min-speedup 1.1] [--max-new 128] [--out PATH]
@@ -76,13 +72,12 @@ CALIBRATION_PROMPTS = (
     "Summarise the main causes of the fall of the Western Roman Empire in a short paragraph.",
 )
 # Contexts (tokens) from which the acceptance records come from a long document instead of chat
-# prompts: a chat prompt is tens of tokens, and our drafts keep 1.2-1.4 tokens a step on chat but
-# 1.03-1.06 on long summaries (docs/benchmarks.md).
+# prompts: a chat prompt is tens of tokens, and a draft keeps far fewer tokens a step on long
+# summaries than on chat (docs/benchmarks.md).
 LONG_CONTEXT = 1024
 MIN_SPEEDUP = 1.1  # a bucket's expected speed-up must exceed this to speculate (module docstring)
-# The confidence gates tried per bucket (policy.py): 0 (none) and a grid where our draft's gated
-# steps move between few and half of all steps (first-token confidence below 0.4 on 44% of the
-# steps on MT-Bench: docs/dflash.md, "Confidence").
+# The confidence gates tried per bucket (policy.py): 0 (none) and a grid over which the share of
+# gated steps goes from few to about half of all steps (docs/benchmarks.md, draft_confidence.py).
 GATES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
 
 

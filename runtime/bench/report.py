@@ -1,9 +1,10 @@
 """What every benchmark report carries: the machine it ran on, the exact command, tables in
 Markdown and CSV, and ``mean ± std`` formatting.
 
-Speed depends on the machine: reports quote ratios measured in the same run (DESIGN §4), and say
-what the machine was (CPU, cores, memory, BLAS and the OpenBLAS kernel it chose, the
-``OPENBLAS_CORETYPE`` / ``OPENBLAS_L2_SIZE`` settings that slow a current numpy, the load average).
+Speed depends on the machine: reports quote ratios measured in the same run (docs/design.md,
+"Measuring speed"), and say what the machine was (CPU, cores, memory, BLAS and the OpenBLAS
+kernel it chose, the ``OPENBLAS_CORETYPE`` / ``OPENBLAS_L2_SIZE`` settings that slow a current
+numpy, the load average).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ pass: a prompt chunk of each sequence still prefilling (within a per-step token 
 decode rows of every decoding sequence (continuous batching with chunked prefill: requests join
 and leave between steps, and a long prompt does not stall the others' decoding; see ``_step``).
 A ``Sequence`` holds everything that is per request (cache, RNG, output pipeline), so a request's
-output depends only on its own inputs and seed (DESIGN §9.6), up to the float rounding of a
-batched matrix product.
+output depends only on its own inputs and seed (docs/design.md, "Contract", item 6), up to the
+float rounding of a batched matrix product.
 
 Per-request stats (``Completion.stats``): ``prompt_tokens``, ``completion_tokens`` (delivered, see
 ``stop.py``), ``generated_tokens`` (including an end-of-turn token or stop-string tokens),

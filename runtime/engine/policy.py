@@ -1,8 +1,10 @@
-"""The speculation policy (DESIGN §7): when a speculative step pays, as data, plus an online check.
+"""The speculation policy: when a speculative step pays, as data, plus an online check.
+
+The design and its reasons: docs/design.md, "Speculation policy".
 
 A speculative step costs ``t_propose + t_verify(K+1)`` and yields AL tokens (acceptance length,
 bonus included); plain decoding costs ``t_decode`` per token. Speculation pays when
-``AL * t_decode > t_propose + t_verify(K+1)`` (DESIGN §7), i.e. when ``AL > cost_ratio`` with
+``AL * t_decode > t_propose + t_verify(K+1)``, i.e. when ``AL > cost_ratio`` with
 ``cost_ratio = (t_propose + t_verify(K+1)) / t_decode``. Both sides move: the verify pass grows
 with context (attention over the cache: the card's engine turns speculation off at 32k), and AL
 depends on the draft, the text, and the request.
@@ -153,9 +155,8 @@ class AcceptanceTracker:
     confidence gate left plain counts, with its one token). Each time
     speculation (re)starts, the window starts full of the bucket's calibrated ``expected_al``: a
     prior worth ``window`` steps, which the request's own steps then push out. One step emits 1 to
-    K+1 tokens, with a standard deviation of 0.50 tokens at K = 1 and 0.75 at K = 2 at our
-    draft's acceptance (AL 1.45 and 1.60: the shipped ``policy-cpu.json``'s profile at 256
-    tokens), so the mean of 16 steps is known to 0.12-0.19 tokens. One step alone says little:
+    K+1 tokens; at an AL of 1.45 (K = 1) or 1.60 (K = 2) that is a standard deviation of 0.50 or
+    0.75 tokens, so the mean of 16 steps is known to 0.12-0.19 tokens. One step alone says little:
     more than half of them emit a single token even where speculation pays. A request whose AL is
     far below the ``cost_ratio`` is switched off within about ten steps.
 

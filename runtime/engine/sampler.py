@@ -1,7 +1,8 @@
 """Turning logits into tokens: the warp (temperature, top-k, top-p, min-p) and the draw.
 
-Everything here is a pure function of its arguments, so the speculative verifier reuses it: DESIGN
-§5 asks every emitted token to be distributed as the target's warped distribution ``p'``, and
+Everything here is a pure function of its arguments, so the speculative verifier reuses it:
+lossless speculation (docs/design.md, "DFlash") asks every emitted token to be distributed as
+the target's warped distribution ``p'``, and
 ``warp`` is that ``p'`` for one row or for the ``T`` rows of a verify pass (``[..., V]``).
 
 Order of the filters (the one Hugging Face ``transformers`` uses in

@@ -13,10 +13,10 @@ Finish reasons: an EOS / end-of-turn token or a completed stop string -> "stop" 
 completes in the very token that reaches ``max_tokens`` is still "stop"); the budget -> "length".
 The engine sets the budget to ``min(max_tokens, context - prompt)``, so a full context is "length".
 
-*Delivered* tokens (DESIGN §9.4: ``completion_tokens`` == tokens delivered). The output text is
-cut into characters, and each character belongs to the token whose bytes completed it. A generated
-token is delivered iff it is not an EOS / end-of-turn token (unless ``ignore_eos``) and some
-delivered character belongs to it or to a later token. So:
+*Delivered* tokens (docs/design.md, "Contract", 4: ``completion_tokens`` == tokens delivered). The
+output text is cut into characters, and each character belongs to the token whose bytes completed
+it. A generated token is delivered iff it is not an EOS / end-of-turn token (unless ``ignore_eos``)
+and some delivered character belongs to it or to a later token. So:
 
 - without a stop string, every generated token but the EOS / end-of-turn one is delivered;
 - a token whose text begins before a stop string and runs into it (``"x\\n"`` with stop ``"\\n"``)

@@ -20,7 +20,8 @@ RoPE. llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders th
 ``q_proj``/``k_proj`` head so that llama.cpp can rotate adjacent pairs ``(2i, 2i+1)``; Hugging Face
 rotates ``(i, i + D/2)`` ("rotate half"). ``unpermute_rope`` restores Hugging Face's order, which
 is what ``flm_runtime.models.llama`` expects. Mixing the conventions gives fluent-looking text with
-about 2.5x the perplexity (DESIGN.md §4), so the raw order is available only on request.
+a much higher perplexity (docs/design.md, "The embedded model"), so the raw order is available
+only on request.
 
 Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """

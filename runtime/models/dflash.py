@@ -373,9 +373,8 @@ class Proposal(NamedTuple):
         confidence: ``[S, K]`` float32, the draft's softmax probability of each drafted token (its
             top-1 probability over the draft vocabulary). The speculation policy reads it as an
             estimate of that token's acceptance (EAGLE-2: Li et al. 2024, arXiv:2406.16858, find
-            draft confidence a good proxy of the acceptance rate; on our draft, greedy, MT-Bench, a
-            first drafted token given 0.2-0.4 / 0.6-0.8 / 0.95-1 was accepted 26% / 63% / 95% of
-            the time: docs/dflash.md, "Confidence").
+            draft confidence a good proxy of the acceptance rate, and so does
+            ``benchmarks/draft_confidence.py`` for ours: docs/dflash.md, "Confidence").
     """
 
     ids: np.ndarray

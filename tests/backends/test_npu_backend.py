@@ -99,7 +99,7 @@ def test_accuracy_against_the_float32_cpu_backend(tmp_path):
 
 def test_dflash_on_the_npu_target_equals_plain_greedy(tmp_path):
     """The speculative step (taps, 8-position verify, trim) on an NpuModel: greedy output equals
-    the same target's plain greedy output (DESIGN §9.1), with a random draft."""
+    the same target's plain greedy output (docs/design.md, "Contract", 1), with a random draft."""
     _, model, _ = build(tmp_path)
     outputs = []
     for speculative in (None, SpeculativeDecoder(model, random_draft(model))):

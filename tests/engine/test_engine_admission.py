@@ -26,7 +26,8 @@ BYTES_PER_TOKEN = 32  # the fake models' float32 K and V of one position
 
 
 def test_kv_bytes_per_token_of_smollm2_with_and_without_a_draft():
-    # SmolLM2-135M (DESIGN §4): 30 layers, 3 KV heads of 64; a 1-layer draft of the same heads.
+    # SmolLM2-135M (docs/design.md, "The embedded model"): 30 layers, 3 KV heads of 64; a 1-layer
+    # draft of the same heads.
     target = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
     draft = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,

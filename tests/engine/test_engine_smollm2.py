@@ -80,10 +80,10 @@ def test_four_concurrent_requests_equal_each_alone(engine, smollm2_tokenizer, pa
 
 
 def test_eight_batched_requests_equal_each_alone(engine, smollm2_tokenizer, monkeypatch):
-    """Isolation (DESIGN §9.6) under continuous batching: 8 concurrent requests of mixed prompt
-    lengths and budgets, greedy ones beside ones sampling with other seeds, give the tokens each
-    gives alone; and they did share forward passes: prompt chunks of several requests in one pass
-    (chunked prefill, 256 prompt tokens per pass), and all 8 decode rows in one pass."""
+    """Isolation (docs/design.md, "Contract", 6) under continuous batching: 8 concurrent requests of
+    mixed prompt lengths and budgets, greedy ones beside ones sampling with other seeds, give the
+    tokens each gives alone; and they did share forward passes: prompt chunks of several requests in
+    one pass (chunked prefill, 256 prompt tokens per pass), and all 8 decode rows in one pass."""
     tok = smollm2_tokenizer
     passage = tok.encode(PASSAGE.read_text())
     prompts = [tok.encode(p) for p in PROMPTS] + [passage[:40], passage[100:220], [passage[7]], passage[:300]]

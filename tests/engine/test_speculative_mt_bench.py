@@ -2,13 +2,13 @@
 (128 new tokens each), with the shipped draft of ``smollm2-dflash:135m``, all 80 requests batched
 in one engine (so the verify rows of many sequences share each target pass).
 
-Comparison rule (DESIGN §9.1): token for token. On the float32 reference path the verify pass and a
-decode step differ by float rounding, which may flip a near-tie: where the baseline's top-1/top-2
-logit margin is below ``MARGIN_TOL`` the comparison of that prompt stops there and the position
-is counted (``record_property`` "near_ties", also printed). The quantized path computes every row
-bit-identically in a verify pass, a decode step or a batch (backends/fused.py), so there it is
-token for token with no exemption. The baseline is plain prefill + batched 1-token decode,
-computed here with its logits.
+Comparison rule (docs/design.md, "Contract", 1): token for token. On the float32 reference path
+the verify pass and a decode step differ by float rounding, which may flip a near-tie: where the
+baseline's top-1/top-2 logit margin is below ``MARGIN_TOL`` the comparison of that prompt stops
+there and the position is counted (``record_property`` "near_ties", also printed). The quantized
+path computes every row bit-identically in a verify pass, a decode step or a batch
+(backends/fused.py), so there it is token for token with no exemption. The baseline is plain
+prefill + batched 1-token decode, computed here with its logits.
 """
 
 from __future__ import annotations

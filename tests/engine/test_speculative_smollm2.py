@@ -3,10 +3,10 @@ does not exist in the test suite): greedy output equals the baseline token for t
 ``get_engine`` of a DFlash tag (sharing the base tag's model object) and with a proposer that
 replays the baseline with corrupted positions (long acceptances and rollbacks).
 
-Comparison rule (DESIGN §9.1): the outputs must agree except where the baseline's top-1/top-2
-logit margin is below ``MARGIN_TOL``: the verify pass and a decode step differ by float rounding
-(~1e-3 on a logit, tests/models/test_llama.py), which may flip a near-tie. Such positions are
-counted and reported (``record_property`` "near_ties"); comparison of that prompt stops there.
+Comparison rule (docs/design.md, "Contract", 1): the outputs must agree except where the baseline's
+top-1/top-2 logit margin is below ``MARGIN_TOL``: the verify pass and a decode step differ by float
+rounding (~1e-3 on a logit, tests/models/test_llama.py), which may flip a near-tie. Such positions
+are counted and reported (``record_property`` "near_ties"); comparison of that prompt stops there.
 """
 
 from __future__ import annotations
@@ -134,10 +134,10 @@ def test_replaying_proposer_accepts_blocks_and_stays_exact(smollm2_model, chats,
 
 def test_eight_batched_speculative_requests_equal_each_alone(make_engine, smollm2_model, smollm2_tokenizer,
                                                              chats, monkeypatch):
-    """Isolation (DESIGN §9.6) with speculative decoding: 8 concurrent requests (mixed prompts
-    and budgets, greedy beside sampled with other seeds) through the shipped draft give the tokens
-    each gives alone, and their verify rows did share target passes (8 lanes drafted together and
-    verified in one ``forward_batch``)."""
+    """Isolation (docs/design.md, "Contract", 6) with speculative decoding: 8 concurrent requests
+    (mixed prompts and budgets, greedy beside sampled with other seeds) through the shipped draft
+    give the tokens each gives alone, and their verify rows did share target passes (8 lanes drafted
+    together and verified in one ``forward_batch``)."""
     decoder = SpeculativeDecoder(smollm2_model, api.load_draft("smollm2-dflash:135m", smollm2_model))
     engine = make_engine(smollm2_model, smollm2_tokenizer, speculative=decoder)
     prompts = [p for p, _, _ in chats] + [smollm2_tokenizer.encode(t) for t in

@@ -147,5 +147,6 @@ def test_smollm2_weights_are_complete_float32_hf_layout(smollm2_bundle):
     assert "lm_head.weight" not in weights
     assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
     assert weights["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
-    assert sum(w.nbytes for w in weights.values()) == 538_060_032  # ~540 MB, DESIGN.md §4
+    # ~540 MB: docs/design.md, "The embedded model"
+    assert sum(w.nbytes for w in weights.values()) == 538_060_032
     assert all(np.isfinite(w).all() for w in weights.values())
