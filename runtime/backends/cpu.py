@@ -29,8 +29,7 @@ Weight = np.ndarray | QuantWeight  # a matrix: float32 ``[out, in]``, or the blo
 SKINNY_ROWS = skinny_gemm.MAX_ROWS
 # A 1-row pass attending over more positions than this runs on OpenBLAS's threads instead: its
 # attention, single-threaded in a skinny pass, then costs more than the kernel saves
-# (``benchmarks/skinny_gemm.py --rows 1``: 30.1 against 40.2 ms at 2,048 positions, 48.8 against
-# 43.5 at 4,096, 87.3 against 69.0 at 8,000). Passes of 2-8 rows gain at every context.
+# (docs/benchmarks.md, "`benchmarks/skinny_gemm.py`"). Passes of 2-8 rows gain at every context.
 SKINNY_DECODE_CONTEXT = 3072
 
 
@@ -109,7 +108,7 @@ def forward_pass(rows: int, context: int) -> Iterator[None]:
     its products (``linear``) on the skinny kernel's threads; BLAS
     (the attention's small products) runs single-threaded meanwhile, because OpenBLAS's idle
     workers spin for up to ~0.1 s after each call and would take a core from the kernel on a
-    2-core machine (measured: a 1-row pass at 1k context 88 ms instead of 32 ms). Skinny passes
+    2-core machine (a 1-row pass at 1k context took almost 3x as long). Skinny passes
     of concurrent engines take turns (one lock); larger passes (prefill) run as they come, with
     BLAS's own threads.
 

@@ -1,21 +1,14 @@
-"""The cpu backend's product for a few rows: ``x @ w.T`` with ``x`` ``[M, K]``, ``M <= MAX_ROWS``.
+"""The cpu backend's float32 product for a few rows: ``x @ w.T`` with ``x`` ``[M, K]``, ``M <= MAX_ROWS``.
 
 Decode (M = 1), a DFlash verify pass (M = K + 1 <= 8) and a small batched decode step are
 "skinny" products: the weight matrix is read once and each of its rows meets only M activation
-rows. On our 2-core machine OpenBLAS runs them below what the memory allows (M = 1 as a GEMV;
-M = 2..8 as a GEMM that packs both operands: 2 rows cost 2.9x one row). This kernel streams each
-weight row once, prefetching a few rows ahead, and takes its dot products with up to 8 activation
-rows at a time, the rows held in cache, the output columns split over the cores. All of
-SmolLM2-135M's products (30 layers and the LM head), medians of 3 rounds,
-``python benchmarks/skinny_gemm.py --rows 1,2,3,4,8`` in a busy spell of this shared machine
-(a quiet one runs the 1-row products in about 19 ms):
-
-    rows    1      2      3      4      8
-    BLAS    30.0   86.4   96.2   97.4   92.3 ms
-    here    30.4   32.1   34.6   39.0   51.9 ms
-
-so a verify pass of 2-4 positions costs little more than one decode, which is what could make
-drafting short blocks pay on a CPU (docs/dflash.md, "Cost on the cpu backend").
+rows. On a 2-core machine OpenBLAS runs them below what the memory allows (M = 1 as a GEMV;
+M = 2..8 as a GEMM that packs both operands). This kernel streams each weight row once,
+prefetching a few rows ahead, and takes its dot products with up to 8 activation rows at a time,
+the rows held in cache, the output columns split over the cores, so that a verify pass of 2-4
+positions costs little more than one decode (figures: docs/benchmarks.md,
+"`benchmarks/skinny_gemm.py`").
+It serves the float32 reference path; quantized weights run ``qgemm``.
 
 The kernel is compiled by numba and cached on disk: ``compile_kernel`` runs when a model loads
 (``flm_runtime.api.load_model``), so that the compilation (seconds on a fresh install, then a load
@@ -39,15 +32,12 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 # Above 8 rows the kernel reads each weight row once more per 8 rows, and OpenBLAS's GEMM, whose
-# cost hardly grows with rows here (60-63 ms from 4 to 8 rows), is as fast.
+# cost hardly grows with rows there, is as fast.
 MAX_ROWS = 8
 
 # Weight rows ahead of the one being multiplied whose cache lines a thread prefetches: the
 # hardware prefetcher alone leaves the multi-row loops, which spend more instructions per cache
-# line, short of the memory's speed (all of SmolLM2's products in a busy spell of this machine,
-# a throwaway script's 1-, 2- and 4-row loops alternating in one process: 33.5 / 37.8 / 45.3 ms
-# without, 27.6 / 30.6 / 37.0 ms 4 rows ahead, 28.5 / 30.2 / 36.9 2 ahead, 29.0 / 32.5 / 38.6 8
-# ahead).
+# line, short of the memory's speed (4 ahead measured best of 2, 4 and 8).
 PREFETCH_ROWS = 4
 _CACHE_LINE_FLOATS = 16  # 64-byte lines
 
@@ -132,9 +122,8 @@ def _skinny_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pr
 
     Output columns (weight rows) are split over the threads; a thread prefetches the weight row
     ``PREFETCH_ROWS`` ahead of the one it multiplies. Each weight row meets the activation rows in
-    groups of exactly 8, then 4, 3, 2 or 1 (5 rows: 4 + 1): a group computes only real rows (groups
-    padded to 4 or 8 rows, as this kernel had them, cost 2 rows 1.16x and 5 rows 1.15x the exact
-    groups' time in a busy spell), and a weight row read for the first group is in L1 for the next.
+    groups of exactly 8, then 4, 3, 2 or 1 (5 rows: 4 + 1): a group computes only real rows (padded
+    groups measured slower), and a weight row read for the first group is in L1 for the next.
     """
     m = x.shape[0]
     n, k = w.shape
