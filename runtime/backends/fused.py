@@ -65,14 +65,10 @@ def _rms_norm(x, weight, eps):  # pragma: no cover - compiled
 def _product(isa, bits, has_mins, codes, scales, mins, padded, x):  # pragma: no cover - compiled
     """``x @ w.T`` of a quantized ``w`` (``Product``'s fields): activations quantized, then
     ``qgemm.product`` (a ``prange``: the caller is parallel, ``isa, bits, has_mins`` constants)."""
-    m, nb = x.shape[0], padded // BLOCK
-    xq = np.empty((m, padded), dtype=np.int8)
-    dx = np.empty((m, nb), dtype=np.float32)
-    sx = np.empty((m, -(-nb // 8) * 8), dtype=np.float32)
-    qgemm._quantize_rows(x, CHUNK_ORDER, xq, dx, sx)
-    out = np.empty((m, codes.shape[0]), dtype=np.float32)
+    xq, dx, sx = qgemm.quantize_two_levels(x, padded)
+    out = np.empty((xq.shape[0], codes.shape[0]), dtype=np.float32)
     qgemm.product(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, out)
-    return out
+    return qgemm.combine(out)
 
 
 @numba.njit(nogil=True)
