@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from flm_runtime import registry
+from flm_runtime.backends.quant import QuantWeight
 from flm_runtime.loading import load_model_files
 from flm_runtime.loading.weights import WEIGHT_KINDS
 from flm_runtime.models.llama import LlamaModel
@@ -263,8 +264,9 @@ class Ours:
     def __init__(self, path: Path, kind: str):
         bundle = load_model_files(path, weights=kind)
         self.model = LlamaModel(bundle.config, bundle.weights)
-        formats = self.model.weight_formats()
-        self.held = "f32" if not formats else "/".join(sorted({f"q{bits}" for bits, _ in formats}))
+        m = self.model
+        matrices = [w for layer in m.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)] + [m.lm_head]
+        self.held = "/".join(f"q{b}" for b in sorted({w.bits for w in matrices if isinstance(w, QuantWeight)})) or "f32"
         self.caches = {}
 
     def prepare(self, tokens: list[int]) -> None:
