@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from flm_runtime.models.llama import ForwardOutput, LlamaConfig
+    from flm_runtime.core import ForwardOutput, LlamaConfig
 
 
 @runtime_checkable
@@ -100,7 +100,7 @@ def forward_rows(model, token_rows: list[np.ndarray], caches: list, *, taps: tup
     sequence. Same returns; if a sequence raises, every cache is rolled back to its length before
     the call and the error propagates.
     """
-    from flm_runtime.models.llama import ForwardOutput
+    from flm_runtime.core import ForwardOutput
 
     lengths = [c.length for c in caches]
     rows = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_rows]

@@ -46,9 +46,8 @@ import numpy as np
 from flm_runtime.backends import cpu, forward_rows
 from flm_runtime.backends.manifest import Build, KernelFiles, Manifest, RoleSpec, geometry_mismatch
 from flm_runtime.backends.npu_layout import layout_entries, pack, step_array
-from flm_runtime.engine.kv_cache import GROWTH_QUANTUM
+from flm_runtime.core import GROWTH_QUANTUM, ForwardOutput
 from flm_runtime.errors import BackendUnavailableError
-from flm_runtime.models.llama import ForwardOutput
 
 VERIFY_POSITIONS = 8
 XRT_PYTHON_DIRS = ("/opt/xilinx/xrt/python",)  # where XRT installs pyxrt (not on PyPI)
@@ -231,7 +230,7 @@ class _Segment:
 
 class NpuKVCache:
     """The KV cache of one sequence in one ``host_only`` BO: ``[L, 2, Hkv, S, D]`` bfloat16, a
-    sub-buffer per layer. Same API as ``engine.kv_cache.KVCache`` (``length``, ``max_length``,
+    sub-buffer per layer. Same API as ``core.KVCache`` (``length``, ``max_length``,
     ``reserve``, ``commit``, ``trim``); growing reallocates and copies the held positions."""
 
     def __init__(self, model: NpuModel, capacity: int):

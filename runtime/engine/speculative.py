@@ -49,11 +49,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from flm_runtime.core import KVCache, Proposal
 from flm_runtime.engine import sampler
-from flm_runtime.engine.kv_cache import KVCache
 from flm_runtime.engine.policy import AcceptanceTracker, Bucket, PolicyTable, confident_length
 from flm_runtime.engine.request import SamplingParams
-from flm_runtime.models.dflash import Proposal
 
 # Pending taps of plain steps are folded into the draft cache once this many accumulate (while
 # the policy keeps a request decoding plainly), so that each step copies a bounded array.

@@ -9,74 +9,15 @@ Weights follow Hugging Face's names and layout (``model.layers.{i}.self_attn.q_p
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from flm_runtime.backends import cpu, fused
 from flm_runtime.backends.quant import QuantWeight
-from flm_runtime.engine.kv_cache import KVCache
+from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
 from flm_runtime.errors import ModelFormatError
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Hyper-parameters, named as in a Hugging Face ``config.json`` (unknown keys are ignored).
-
-    Attributes:
-        vocab_size: tokens in the vocabulary (V).
-        hidden_size: width of the residual stream (hidden).
-        intermediate_size: SwiGLU FFN width.
-        num_hidden_layers: decoder layers (L).
-        num_attention_heads: query heads (H).
-        num_key_value_heads: key/value heads (Hkv); H % Hkv == 0 (grouped-query attention).
-        max_position_embeddings: context length (tokens).
-        rope_theta: RoPE base frequency.
-        rms_norm_eps: epsilon inside RMSNorm.
-        tie_word_embeddings: the LM head is the embedding matrix.
-        head_dim: per-head width (D); defaults to hidden_size // num_attention_heads.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    head_dim: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        assert self.num_attention_heads % self.num_key_value_heads == 0, "H must be a multiple of Hkv"
-
-    @classmethod
-    def from_dict(cls, config: dict) -> "LlamaConfig":
-        """Build from a ``config.json`` mapping, ignoring keys this class does not name."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in config.items() if k in names and v is not None})
-
-    @property
-    def n_rep(self) -> int:
-        """Query heads per key/value head."""
-        return self.num_attention_heads // self.num_key_value_heads
-
-
-class ForwardOutput(NamedTuple):
-    """``LlamaModel.forward`` with taps requested.
-
-    Attributes:
-        logits: ``[T, V]`` (``all_logits``) or ``[1, V]`` float32.
-        taps: ``[T, n_taps * E]`` float32, the tapped layers' outputs concatenated per position.
-    """
-
-    logits: np.ndarray
-    taps: np.ndarray
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ import pytest
 from flm_runtime.backends import TargetModel, npu
 from flm_runtime.backends.npu import NpuModel
 from flm_runtime.backends.npu_layout import from_bf16, to_bf16
+from flm_runtime.core import KVCache
 from flm_runtime.engine.engine import Engine
-from flm_runtime.engine.kv_cache import KVCache
 from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import BackendUnavailableError
 

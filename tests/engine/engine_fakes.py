@@ -18,7 +18,7 @@ import weakref
 
 import numpy as np
 
-from flm_runtime.models.llama import LlamaConfig
+from flm_runtime.core import LlamaConfig
 
 EOS, EOT, BOT = 256, 257, 258
 SPECIALS = {EOS: b"<eos>", EOT: b"<|im_end|>", BOT: b"<|im_start|>"}

@@ -15,11 +15,10 @@ import numpy as np
 from engine_fakes import EOS
 
 from flm_runtime.backends import forward_rows
+from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
 from flm_runtime.engine import sampler
-from flm_runtime.engine.kv_cache import KVCache
 from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
-from flm_runtime.models.llama import ForwardOutput, LlamaConfig
 
 # The tiny-model and draft-file helpers live beside the model tests (tests/models).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))

@@ -11,10 +11,11 @@ import pytest
 from engine_fakes import EOS, FakeTokenizer
 from spec_fakes import ScriptTarget, plain_generate, random_draft, replay_proposer, spec_generate
 
+from flm_runtime.core import LlamaConfig
 from flm_runtime.engine import sampler
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import SpeculativeDecoder, verify, verify_greedy, verify_sampled
-from flm_runtime.models.llama import LlamaConfig, LlamaModel
+from flm_runtime.models.llama import LlamaModel
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11)

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flm_runtime.core import LlamaConfig
 from flm_runtime.loading.gguf import load_gguf
-from flm_runtime.models.llama import LlamaConfig, LlamaModel
+from flm_runtime.models.llama import LlamaModel
 
 PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
 # Golden value: tests/reference/perplexity_transformers.py (Hugging Face transformers 5.24.0,

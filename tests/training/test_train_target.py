@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
 
-from flm_runtime.models.llama import LlamaConfig, LlamaModel
+from flm_runtime.core import LlamaConfig
+from flm_runtime.models.llama import LlamaModel
 from flm_train.generate import TOP_K, generate_shard
 from flm_train.target import TorchLlama, default_tap_layers
 
