@@ -57,14 +57,13 @@ _engines: dict[str, Engine] = {}  # engine name (the tag; "tag[npu]" on the npu 
 class LoadedModel:
     """A target model ready to run, with its tokenizer (chat template included).
 
-    ``model`` is a ``LlamaModel`` (``backend`` "cpu") or an ``NpuModel`` ("npu"); both implement
+    ``model`` is a ``LlamaModel`` (``backend`` cpu) or an ``NpuModel`` (npu); both implement
     ``flm_runtime.backends.TargetModel``.
     """
 
     tag: str
     model: TargetModel
     tokenizer: Tokenizer
-    backend: str = "cpu"
 
 
 _targets: dict[str, LoadedModel] = {}  # canonical plain tag -> its cpu model, shared by engines
@@ -223,5 +222,5 @@ def _target(tag: str, backend: str = "cpu") -> LoadedModel:
     loaded = _npu_targets.get(tag)
     if loaded is None:
         cpu = _target(tag)
-        loaded = _npu_targets[tag] = LoadedModel(tag, load_npu_model(tag, cpu.model), cpu.tokenizer, "npu")
+        loaded = _npu_targets[tag] = LoadedModel(tag, load_npu_model(tag, cpu.model), cpu.tokenizer)
     return loaded
