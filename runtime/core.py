@@ -127,15 +127,18 @@ class KVCache:
 
 
 class ForwardOutput(NamedTuple):
-    """What a target step returns with taps requested (``TargetModel.forward_batch``).
+    """What a target step returns (``TargetModel.forward_batch`` and the helpers over it in
+    ``flm_runtime.backends``).
 
     Attributes:
-        logits: ``[T, V]`` (``all_logits``) or ``[1, V]`` float32.
-        taps: ``[T, n_taps * E]`` float32, the tapped layers' outputs concatenated per position.
+        logits: float32 ``[N, V]`` of the rows the call asked logits for (or ``[V]`` of the one
+            next position: ``prefill``, ``decode``).
+        taps: ``[T, n_taps * E]`` float32, the tapped layers' outputs concatenated per position;
+            None when no taps were asked.
     """
 
     logits: np.ndarray
-    taps: np.ndarray
+    taps: np.ndarray | None
 
 
 class Proposal(NamedTuple):
