@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from flm_runtime.api import load_model
+from flm_runtime.backends import prefill
 
 
 def step_seconds(model, tokens: list[int], caches: list) -> float:
@@ -41,7 +42,7 @@ def measure(model, prompt: np.ndarray, batches: list[int], rounds: int) -> dict[
     """Seconds per step of each ``B=<b>``, one per round."""
     caches = [model.new_cache(len(prompt) + 8) for _ in range(max(batches))]
     for cache in caches:
-        logits = model.prefill(prompt, cache)
+        logits = prefill(model, prompt, cache).logits
     tokens = [int(np.argmax(logits))] * max(batches)
     times: dict[str, list[float]] = {}
     for _ in range(rounds):

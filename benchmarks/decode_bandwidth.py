@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from flm_runtime.api import load_model
-from flm_runtime.backends import cpu
+from flm_runtime.backends import cpu, decode, prefill
 
 PROBE_BYTES = 1 << 30
 
@@ -44,10 +44,10 @@ def decode_rate(loaded, prompt_ids: list[int], n_tokens: int) -> float:
     """Greedy 1-token decode tokens/s after prefilling ``prompt_ids`` (prefill not timed)."""
     model = loaded.model
     cache = model.new_cache(len(prompt_ids) + n_tokens)
-    token = int(np.argmax(model.prefill(np.array(prompt_ids), cache)))
+    token = int(np.argmax(prefill(model, np.array(prompt_ids), cache).logits))
     t0 = time.perf_counter()
     for _ in range(n_tokens):
-        token = int(np.argmax(model.decode(token, cache)))
+        token = int(np.argmax(decode(model, token, cache).logits))
     return n_tokens / (time.perf_counter() - t0)
 
 

@@ -37,7 +37,7 @@ def worker(tag: str, mode: str, rows: list[int], context: int, repeat: int) -> d
     import numpy as np
 
     from flm_runtime.api import load_model
-    from flm_runtime.backends import cpu
+    from flm_runtime.backends import cpu, forward, prefill
 
     model = load_model(tag).model
     cpu.SKINNY_ROWS = 0 if mode == "BLAS" else cpu.SKINNY_ROWS
@@ -45,7 +45,7 @@ def worker(tag: str, mode: str, rows: list[int], context: int, repeat: int) -> d
     weights.append(model.lm_head)
     rng = np.random.default_rng(0)
     cache = model.new_cache(context + max(rows))
-    model.prefill(rng.integers(100, 1000, context), cache)
+    prefill(model, rng.integers(100, 1000, context), cache)
     start = cache.length
     out: dict[str, dict[int, float]] = {"products": {}, "pass": {}}
     for t in rows:
@@ -57,7 +57,7 @@ def worker(tag: str, mode: str, rows: list[int], context: int, repeat: int) -> d
                     cpu.linear(xs[w.shape[1]], w)
 
         def one_pass():
-            model.forward(rng.integers(100, 1000, t), cache, all_logits=True)
+            forward(model, rng.integers(100, 1000, t), cache, all_logits=True)
             cache.trim(start)
 
         for name, fn in (("products", products), ("pass", one_pass)):

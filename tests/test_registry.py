@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flm_runtime import paths, registry
+from flm_runtime import paths, pull, registry
 from flm_runtime.errors import ModelFilesMissingError, ModelFormatError, UnknownModelError
 from flm_runtime.registry import ModelEntry, ModelFile
 
@@ -108,7 +108,7 @@ def test_inconsistent_entries_are_rejected(bad):
 
 def test_nemotron_without_files_names_the_files_and_the_directory():
     with pytest.raises(ModelFilesMissingError) as info:
-        registry.locate("nemotron3.5-bolt:e4b")
+        pull.locate("nemotron3.5-bolt:e4b")
     msg = str(info.value)
     assert f"{paths.model_dir() / 'nemotron3.5-bolt' / 'e4b'}/" in msg
     for name in ("config.json", "tokenizer.json", "*.safetensors"):
@@ -117,7 +117,7 @@ def test_nemotron_without_files_names_the_files_and_the_directory():
 
 def test_nemotron_dflash_names_the_draft_and_the_base_directories():
     with pytest.raises(ModelFilesMissingError) as info:
-        registry.locate("nemotron3.5-bolt-dflash:e4b")
+        pull.locate("nemotron3.5-bolt-dflash:e4b")
     msg = str(info.value)
     assert f"{paths.model_dir() / 'nemotron3.5-bolt-dflash' / 'e4b'}/" in msg
     assert f"{paths.model_dir() / 'nemotron3.5-bolt' / 'e4b'}/" in msg
@@ -126,30 +126,28 @@ def test_nemotron_dflash_names_the_draft_and_the_base_directories():
 def test_nemotron_is_found_once_its_files_are_in_place():
     root = write_hf_dir(paths.model_dir() / "nemotron3.5-bolt" / "e4b")
     assert registry.is_installed(registry.resolve("nemotron3.5-bolt:e4b"))
-    assert registry.locate("nemotron3.5-bolt:e4b") == root
+    assert pull.locate("nemotron3.5-bolt:e4b") == root
     with pytest.raises(ModelFilesMissingError) as info:  # the draft is still missing
-        registry.locate("nemotron3.5-bolt-dflash:e4b")
+        pull.locate("nemotron3.5-bolt-dflash:e4b")
     assert "nemotron3.5-bolt:e4b needs" not in str(info.value)
     draft = write_hf_dir(paths.model_dir() / "nemotron3.5-bolt-dflash" / "e4b")
-    assert registry.locate("nemotron3.5-bolt-dflash:e4b") == root
+    assert pull.locate("nemotron3.5-bolt-dflash:e4b") == root
     assert registry.locate_draft("nemotron3.5-bolt-dflash:e4b") == draft
     assert registry.locate_draft("nemotron3.5-bolt:e4b") is None
 
 
 def test_the_default_without_auto_pull_says_how_to_pull():
     with pytest.raises(ModelFilesMissingError, match="litellm-flm pull smollm2:135m"):
-        registry.locate("smollm2:135m", auto_pull=False)
+        pull.locate("smollm2:135m", auto_pull=False)
 
 
 def test_the_default_is_pulled_on_first_use_and_said_once(monkeypatch, capsys):
-    import flm_runtime.pull
-
     calls = []
-    monkeypatch.setattr(flm_runtime.pull, "pull",
+    monkeypatch.setattr(pull, "pull",
                         lambda entry, progress: calls.append((entry.tag, progress)) or Path("/x.gguf"))
-    monkeypatch.setattr(registry, "_announced", set())
-    assert registry.locate("smollm2:135m") == Path("/x.gguf")
-    assert registry.locate("smollm2:135m") == Path("/x.gguf")
+    monkeypatch.setattr(pull, "_announced", set())
+    assert pull.locate("smollm2:135m") == Path("/x.gguf")
+    assert pull.locate("smollm2:135m") == Path("/x.gguf")
     assert calls == [("smollm2:135m", True), ("smollm2:135m", False)]  # a bar the first time only
     err = capsys.readouterr().err
     assert err.count("smollm2:135m is not in the model cache yet") == 1
@@ -223,11 +221,11 @@ def test_user_file_adds_gguf_hf_and_dflash_tags(isolated):
     assert {"mine:7b", "hfmodel:1b", "hfmodel-dflash:1b"} <= set(tags) and tags == sorted(tags)
     mine = registry.resolve("mine:7b")
     assert mine.format == "gguf" and mine.origin == f"models file {isolated / 'models.yaml'}"
-    assert registry.locate("mine:7b") == gguf
+    assert pull.locate("mine:7b") == gguf
     h = registry.resolve("hfmodel:1b")
     assert (h.format, h.context_length, h.description) == ("hf", 4096, "an HF directory")
-    assert registry.locate("hfmodel:1b") == hf
-    assert registry.locate("hfmodel-dflash:1b") == hf
+    assert pull.locate("hfmodel:1b") == hf
+    assert pull.locate("hfmodel-dflash:1b") == hf
     assert registry.locate_draft("hfmodel-dflash:1b") == draft
 
 
@@ -236,19 +234,19 @@ def test_user_file_tags_are_case_insensitive_and_json_works(isolated, monkeypatc
     (isolated / "models.json").write_text('{"Mine:7B": {"path": "m.gguf", "context_length": 1024}}')
     monkeypatch.setenv("FLM_MODELS_FILE", str(isolated / "models.json"))
     assert registry.resolve("mine:7b").context_length == 1024
-    assert registry.locate("MINE:7b") == isolated / "m.gguf"
+    assert pull.locate("MINE:7b") == isolated / "m.gguf"
 
 
 def test_user_file_may_override_a_builtin(isolated):
     write_gguf(isolated / "other.gguf")
     write_user_file(isolated, f"smollm2:135m: {isolated / 'other.gguf'}\n")
-    assert registry.locate("smollm2:135m") == isolated / "other.gguf"
+    assert pull.locate("smollm2:135m") == isolated / "other.gguf"
 
 
 def test_user_file_missing_files_error_names_the_users_path(isolated):
     write_user_file(isolated, "gone:1b: /nowhere/gone-1b\n")
     with pytest.raises(ModelFilesMissingError, match="/nowhere/gone-1b/"):
-        registry.locate("gone:1b")
+        pull.locate("gone:1b")
 
 
 @pytest.mark.parametrize("text, fragment", [

@@ -151,11 +151,11 @@ def stage_prompts(a: argparse.Namespace) -> list[dict]:
 
 
 def _load_target(tag: str):
-    from flm_runtime import registry
     from flm_runtime.loading import load_model_files
+    from flm_runtime.pull import locate
     from flm_train.target import TorchLlama
 
-    bundle = load_model_files(registry.locate(tag))
+    bundle = load_model_files(locate(tag))
     return bundle, TorchLlama(bundle.config, bundle.weights)
 
 

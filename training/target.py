@@ -21,7 +21,7 @@ import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flm_runtime.models.llama import LlamaConfig
+from flm_runtime.core import LlamaConfig
 
 
 def default_tap_layers(num_layers: int, n_taps: int = 5) -> list[int]:
@@ -118,7 +118,7 @@ class TorchLlama:
     """Llama forward pass in torch from HF-named float32 weights (frozen; inference only).
 
     Args:
-        config: the target's hyper-parameters (``flm_runtime.models.llama.LlamaConfig``).
+        config: the target's hyper-parameters (``flm_runtime.core.LlamaConfig``).
         weights: HF name -> float32 numpy array (``ModelBundle.weights``); shared, not copied.
     """
 

@@ -344,8 +344,8 @@ def load_or_grow(draft: DFlashDraft, state: dict[str, torch.Tensor]) -> int:
 
 
 def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Path]) -> None:
-    from flm_runtime import registry
     from flm_runtime.loading import load_model_files
+    from flm_runtime.pull import locate
 
     ckpt_dir = a.out / "ckpt"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -355,7 +355,7 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
         log.info("train: done (step %d >= --steps %d)", ck["step"], a.steps)
         return
     torch.set_num_threads(a.threads)
-    bundle = load_model_files(registry.locate(a.target))
+    bundle = load_model_files(locate(a.target))
     embed = torch.from_numpy(bundle.weights["model.embed_tokens.weight"])
     lm_head = embed if bundle.config.tie_word_embeddings else torch.from_numpy(bundle.weights["lm_head.weight"])
     data, held = Shards(train_paths), Shards(heldout_paths) if heldout_paths else None

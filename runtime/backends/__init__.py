@@ -6,21 +6,31 @@
   build of ``xclbins/manifest.json``; the same step on an AMD NPU through ``pyxrt``. Never run on
   hardware (see its module docstring).
 
-``select_backend`` (``backends/select.py``) picks one: ``FLM_BACKEND=auto|cpu|npu`` or a
-per-deployment value. The engine, the speculative decoder and the DFlash draft use only what
-``TargetModel`` states, so they run unchanged on either backend.
+A backend implements one step method, ``forward_batch``; ``forward``, ``prefill``,
+``prefill_chunks`` and ``decode`` below are the per-sequence calls, written once over it. Every one
+returns a ``ForwardOutput``. ``backends/select.py`` picks a backend:
+``FLM_BACKEND=auto|cpu|npu`` or a per-deployment value. The engine, the speculative decoder and
+the DFlash draft use only what ``TargetModel`` states, so they run unchanged on either backend.
 
 Nothing here imports ``pyxrt`` or the npu backend: importing this package stays cheap.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+import enum
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from flm_runtime.models.llama import ForwardOutput, LlamaConfig
+from flm_runtime.core import ForwardOutput, LlamaConfig
+
+
+class Backend(enum.Enum):
+    """Where a target's step runs; the value is the backend's name (``FLM_BACKEND``, file names)."""
+
+    CPU = "cpu"
+    NPU = "npu"
 
 
 @runtime_checkable
@@ -39,18 +49,20 @@ class KVCacheLike(Protocol):
 
 @runtime_checkable
 class TargetModel(Protocol):
-    """The step interface of a target model (docs/design.md, "Backends"): per sequence, and
-    batched (the engine's steps go through ``forward_batch`` only).
+    """The step interface of a target model (docs/design.md, "Backends"): one batched step,
+    ``forward_batch``.
 
     Attributes:
         config: ``LlamaConfig`` (``vocab_size``, ``hidden_size``, ``max_position_embeddings``,
             ``num_hidden_layers``, ...).
+        backend: where the step runs.
         embed, lm_head: ``[V, E]`` float32 host arrays; the DFlash draft shares them (frozen).
         prefill_chunk: positions per ``prefill_chunks`` step, and the most rows of one sequence the
             engine puts in one ``forward_batch`` (it bounds attention's score buffer).
     """
 
     config: LlamaConfig
+    backend: Backend
     embed: np.ndarray
     lm_head: np.ndarray
     prefill_chunk: int
@@ -58,59 +70,56 @@ class TargetModel(Protocol):
     def new_cache(self, capacity: int = 0) -> KVCacheLike:
         """An empty cache; ``capacity`` (tokens) is a hint, it grows on demand."""
 
-    def forward(self, token_ids: np.ndarray, cache: KVCacheLike, *, all_logits: bool = False,
-                taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
-        """Append ``T`` positions (``token_ids`` ``[T]`` int) to ``cache``; logits ``[T, V]``
-        (``all_logits``: the verify pass) or ``[1, V]`` float32, plus ``[T, n*E]`` taps (the
-        residual stream after each layer of ``taps``) as a ``ForwardOutput`` when asked."""
-
-    def prefill(self, token_ids: np.ndarray, cache: KVCacheLike, *,
-                taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
-        """A whole prompt; logits ``[V]`` of its last position (and all its taps)."""
-
-    def prefill_chunks(self, token_ids: np.ndarray, cache: KVCacheLike, *, taps: tuple[int, ...] = ()):
-        """A prompt ``prefill_chunk`` positions at a time; yields each chunk's ``forward`` output."""
-
-    def decode(self, token_id: int, cache: KVCacheLike) -> np.ndarray:
-        """One plain decode step (the 1-token layer); logits ``[V]``."""
-
     def forward_batch(self, token_rows: list[np.ndarray], caches: list[KVCacheLike], *,
-                      taps: tuple[int, ...] = (), logit_rows: list[int] | None = None) -> np.ndarray | ForwardOutput:
-        """One step for ``B`` sequences: ``token_rows[b]`` ``[T_b]`` appended to ``caches[b]``;
-        logits ``[sum n_b, V]`` of each sequence's last ``n_b = logit_rows[b]`` rows (None: every
-        row), plus the taps of every row ``[sum T_b, n*E]``, as a ``ForwardOutput``, when asked;
-        rows ``b`` as ``forward(token_rows[b], caches[b], all_logits=True, taps=taps)``. Prefill
-        chunks, plain decode rows and DFlash verify rows of several sequences go through it (the
-        engine's continuous batching). If it raises, no cache's length has changed."""
+                      taps: tuple[int, ...] = (), logit_rows: list[int] | None = None) -> ForwardOutput:
+        """One step for ``B`` sequences: ``token_rows[b]`` ``[T_b]`` int appended to ``caches[b]``
+        (distinct caches; ``T_b >= 1``).
+
+        Args:
+            taps: 0-based layer indices whose output (the residual stream after that layer, before
+                the final norm) to return, concatenated in this order: the DFlash draft's context
+                features (docs/dflash.md).
+            logit_rows: per sequence, how many of its LAST rows need logits (``0 <= n_b <= T_b``:
+                a prefill chunk needs 1 or none, a verify pass all of them); None: every row.
+        Returns:
+            logits ``[sum n_b, V]`` float32 of the selected rows, sequence after sequence; taps
+            ``[sum T_b, len(taps) * E]`` float32 of EVERY row, or None without ``taps``. Prefill
+            chunks, plain decode rows and DFlash verify rows of several sequences go through it
+            (the engine's continuous batching). If it raises, no cache's length has changed.
+        """
 
 
-def select_backend(requested: str | None, tag: str):
-    """See ``flm_runtime.backends.select.select_backend``."""
-    from flm_runtime.backends.select import select_backend as select
+def forward(model: TargetModel, token_ids: np.ndarray, cache: KVCacheLike, *, all_logits: bool = False,
+            taps: tuple[int, ...] = ()) -> ForwardOutput:
+    """Append ``T`` positions (``token_ids`` ``[T]`` int) to ``cache``: one sequence's
+    ``forward_batch``. Logits ``[T, V]`` (``all_logits``: a verify pass, perplexity) or ``[1, V]``
+    float32 of the last position; taps ``[T, len(taps) * E]`` or None."""
+    token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [T]
+    return model.forward_batch([token_ids], [cache], taps=taps, logit_rows=[token_ids.size if all_logits else 1])
 
-    return select(requested, tag)
+
+def prefill_chunks(model: TargetModel, token_ids: np.ndarray, cache: KVCacheLike, *,
+                   taps: tuple[int, ...] = ()) -> Iterator[ForwardOutput]:
+    """Prefill a prompt ``model.prefill_chunk`` positions per ``forward``; yields each chunk's
+    output (last-position logits ``[1, V]``, and its taps ``[T_chunk, n*E]`` when asked), so that
+    a caller can consume the taps chunk by chunk instead of holding a whole prompt's."""
+    token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    assert token_ids.size > 0, "prefill needs at least one token"
+    for s in range(0, token_ids.size, model.prefill_chunk):
+        yield forward(model, token_ids[s : s + model.prefill_chunk], cache, taps=taps)
 
 
-__all__ = ["KVCacheLike", "TargetModel", "select_backend"]
+def prefill(model: TargetModel, token_ids: np.ndarray, cache: KVCacheLike, *,
+            taps: tuple[int, ...] = ()) -> ForwardOutput:
+    """Chunked prefill of a whole prompt: logits ``[V]`` of its last position, taps of every
+    prompt position ``[T, len(taps) * E]`` or None."""
+    outs = list(prefill_chunks(model, token_ids, cache, taps=taps))
+    return ForwardOutput(outs[-1].logits[0], np.concatenate([o.taps for o in outs]) if taps else None)
 
 
-def forward_rows(model, token_rows: list[np.ndarray], caches: list, *, taps: tuple[int, ...] = (),
-                 logit_rows: list[int] | None = None):
-    """``forward_batch`` for a backend without a batched forward: one ``model.forward`` per
-    sequence. Same returns; if a sequence raises, every cache is rolled back to its length before
-    the call and the error propagates.
-    """
-    from flm_runtime.models.llama import ForwardOutput
+def decode(model: TargetModel, token_id: int, cache: KVCacheLike) -> ForwardOutput:
+    """One plain decode step (the 1-token layer): logits ``[V]`` of the new position, taps None."""
+    return ForwardOutput(forward(model, np.array([token_id]), cache).logits[0], None)
 
-    lengths = [c.length for c in caches]
-    rows = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_rows]
-    n_logits = [r.size for r in rows] if logit_rows is None else list(logit_rows)
-    try:
-        outs = [model.forward(r, c, all_logits=n > 1, taps=taps) for r, c, n in zip(rows, caches, n_logits)]
-    except Exception:
-        for cache, n in zip(caches, lengths):
-            cache.trim(n)
-        raise
-    logits = [o.logits if taps else o for o in outs]  # [T_b or 1, V] each
-    logits = np.concatenate([lg[len(lg) - n:] for lg, n in zip(logits, n_logits)])  # [sum n_b, V]
-    return ForwardOutput(logits, np.concatenate([o.taps for o in outs])) if taps else logits
+
+__all__ = ["Backend", "KVCacheLike", "TargetModel", "decode", "forward", "prefill", "prefill_chunks"]

@@ -6,7 +6,7 @@ host-side pattern of AMD's mlir-aie NPU examples, but no line of it has run agai
 real xclbin: none exists on our machines, and no kernel build exists yet. The tests drive it with
 a fake ``pyxrt`` whose kernels are the numpy reference (``npu_reference``).
 
-How a step runs (``NpuModel.forward``, one sequence, T new positions):
+How a step runs (``NpuModel.forward_batch``, sequence by sequence, T new positions each):
 
 1. the host gathers the embedding rows into activation buffer 0 (float32 ``[R, E]``) and writes
    the step buffer (int32 ``[start, T, S, first_row]``); both are synced to the device;
@@ -43,12 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
-from flm_runtime.backends import cpu, forward_rows
+from flm_runtime.backends import Backend, cpu
 from flm_runtime.backends.manifest import Build, KernelFiles, Manifest, RoleSpec, geometry_mismatch
 from flm_runtime.backends.npu_layout import layout_entries, pack, step_array
-from flm_runtime.engine.kv_cache import GROWTH_QUANTUM
+from flm_runtime.core import GROWTH_QUANTUM, ForwardOutput
 from flm_runtime.errors import BackendUnavailableError
-from flm_runtime.models.llama import ForwardOutput
 
 VERIFY_POSITIONS = 8
 XRT_PYTHON_DIRS = ("/opt/xilinx/xrt/python",)  # where XRT installs pyxrt (not on PyPI)
@@ -231,7 +230,7 @@ class _Segment:
 
 class NpuKVCache:
     """The KV cache of one sequence in one ``host_only`` BO: ``[L, 2, Hkv, S, D]`` bfloat16, a
-    sub-buffer per layer. Same API as ``engine.kv_cache.KVCache`` (``length``, ``max_length``,
+    sub-buffer per layer. Same API as ``core.KVCache`` (``length``, ``max_length``,
     ``reserve``, ``commit``, ``trim``); growing reallocates and copies the held positions."""
 
     def __init__(self, model: NpuModel, capacity: int):
@@ -295,7 +294,7 @@ class NpuModel:
             or a kernel / buffer that fails to load.
     """
 
-    backend = "npu"
+    backend = Backend.NPU
 
     def __init__(self, cpu_model, manifest: Manifest, build: Build, *, pyxrt=None):
         c = self.config = cpu_model.config
@@ -338,18 +337,36 @@ class NpuModel:
             buf.to_device()
         return buf
 
-    # ---- the step API (as LlamaModel) ----
+    # ---- the step (TargetModel) ----
 
     def new_cache(self, capacity: int = 0) -> NpuKVCache:
         """An empty KV cache for one sequence (``capacity``: a hint in tokens; it grows)."""
         return NpuKVCache(self, capacity)
 
-    def forward(self, token_ids: np.ndarray, cache: NpuKVCache, *, all_logits: bool = False,
-                taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
-        """``LlamaModel.forward`` on the NPU: T positions appended to ``cache`` in steps of at most
-        ``rows`` positions (see the module docstring); same arguments, same returns."""
-        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [T]
+    def forward_batch(self, token_rows: list[np.ndarray], caches: list[NpuKVCache], *, taps: tuple[int, ...] = (),
+                      logit_rows: list[int] | None = None) -> ForwardOutput:
+        """``TargetModel.forward_batch``, sequence by sequence (the kernel build has no batched
+        layer yet); if a sequence raises, every cache is rolled back to its length before the call
+        and the error propagates."""
+        rows = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_rows]
+        n_logits = [r.size for r in rows] if logit_rows is None else [int(n) for n in logit_rows]
+        lengths = [c.length for c in caches]
+        try:
+            outs = [self._sequence(r, c, n, taps) for r, c, n in zip(rows, caches, n_logits)]
+        except Exception:
+            for cache, n in zip(caches, lengths):
+                cache.trim(n)
+            raise
+        logits = np.concatenate([o.logits for o in outs])  # [sum n_b, V]
+        return ForwardOutput(logits, np.concatenate([o.taps for o in outs]) if taps else None)
+
+    def _sequence(self, token_ids: np.ndarray, cache: NpuKVCache, n_logits: int,
+                  taps: tuple[int, ...]) -> ForwardOutput:
+        """``T`` positions of one sequence appended to ``cache`` in device steps of at most
+        ``rows`` positions (see the module docstring): logits ``[n_logits, V]`` of its last rows,
+        taps ``[T, n*E]`` or None."""
         assert token_ids.size > 0 and all(0 <= i < self.config.num_hidden_layers for i in taps)
+        all_logits = n_logits > 1  # else the LM head runs on the last row only
         chunk = self.rows if "prefill_layer" in self.kernels else VERIFY_POSITIONS
         logits, tapped = [], []
         with self._lock:
@@ -360,29 +377,7 @@ class NpuModel:
                 logits += [out[0]] if out[0] is not None else []
                 tapped += [out[1]] if taps else []
         result = np.concatenate(logits) if all_logits else logits[-1]  # [T, V] or [1, V]
-        return ForwardOutput(result, np.concatenate(tapped)) if taps else result
-
-    def prefill(self, token_ids: np.ndarray, cache: NpuKVCache, *, taps: tuple[int, ...] = ()):
-        """As ``LlamaModel.prefill``: logits ``[V]`` of the last position (and every position's taps)."""
-        out = self.forward(token_ids, cache, taps=taps)
-        return ForwardOutput(out.logits[0], out.taps) if taps else out[0]
-
-    def prefill_chunks(self, token_ids: np.ndarray, cache: NpuKVCache, *, taps: tuple[int, ...] = ()):
-        """As ``LlamaModel.prefill_chunks``: one ``forward`` output per ``prefill_chunk`` positions."""
-        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        assert token_ids.size > 0, "prefill needs at least one token"
-        for s in range(0, token_ids.size, self.prefill_chunk):
-            yield self.forward(token_ids[s : s + self.prefill_chunk], cache, taps=taps)
-
-    def decode(self, token_id: int, cache: NpuKVCache) -> np.ndarray:
-        """One plain decode step (``decode_layer``); logits ``[V]`` of the new position."""
-        return self.forward(np.array([token_id]), cache)[0]
-
-    def forward_batch(self, token_rows: list[np.ndarray], caches: list[NpuKVCache], *, taps: tuple[int, ...] = (),
-                      logit_rows: list[int] | None = None) -> np.ndarray | ForwardOutput:
-        """``TargetModel.forward_batch``, one ``forward`` per sequence (the kernel build has no
-        batched layer yet); a failing sequence rolls every cache back."""
-        return forward_rows(self, token_rows, caches, taps=taps, logit_rows=logit_rows)
+        return ForwardOutput(result[len(result) - n_logits :], np.concatenate(tapped) if taps else None)
 
     # ---- one device step ----
 

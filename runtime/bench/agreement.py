@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from flm_runtime import registry
 from flm_runtime.api import get_engine
+from flm_runtime.backends import decode, forward, prefill
 from flm_runtime.bench import report
 from flm_runtime.bench.documents import load_documents, token_stream
 from flm_runtime.bench.engines import Context, parse_contexts
@@ -149,22 +150,22 @@ def teacher_forced(model, ids: np.ndarray, context: int, positions: int, block: 
     assert positions % block == 0, f"positions {positions} must be a multiple of the block {block}"
     assert ids.shape[0] >= context + positions, "the text is shorter than context + positions"
     cache = model.new_cache(context + positions)
-    model.prefill(ids[:context], cache)
+    prefill(model, ids[:context], cache)
     step(context)
     verify = []
     for s in range(context, context + positions, block):
-        verify.append(model.forward(ids[s : s + block], cache, all_logits=True))  # [block, V]
+        verify.append(forward(model, ids[s : s + block], cache, all_logits=True).logits)  # [block, V]
         step(block)
     if reference is None:
         reference, ref_cache = model, cache
         cache.trim(context)
     else:
         ref_cache = reference.new_cache(context + positions)
-        reference.prefill(ids[:context], ref_cache)
+        prefill(reference, ids[:context], ref_cache)
         step(context)
     total = Agreement()
     for b, s in enumerate(range(context, context + positions, block)):
-        decoded = np.stack([reference.decode(int(ids[p]), ref_cache) for p in range(s, s + block)])  # [block, V]
+        decoded = np.stack([decode(reference, int(ids[p]), ref_cache).logits for p in range(s, s + block)])  # [block, V]
         total = total + compare_logits(decoded, verify[b])
         step(block)
     return total
@@ -225,7 +226,7 @@ def tables(args: argparse.Namespace, engine, totals: list[tuple[Context, Agreeme
     header = (f"## Agreement with token-by-token decoding\n\nThe verify path checks {args.block} positions in one "
               f"pass. Teacher-forced on real text ({n:,} positions at {where} tokens of context: {args.positions} "
               f"per document, {n_docs} documents), the token it picks at each position matches token-by-token "
-              f"decoding of `{args.tag}` ({'npu' if engine.name.endswith('[npu]') else 'cpu'} backend; reference: "
+              f"decoding of `{args.tag}` ({engine.model.backend.value} backend; reference: "
               f"{'its float32 weights' if args.reference == 'f32' else 'the same weights'}):")
     table = report.markdown_table(
         ["Context", "Positions", "Same top-1 token", "Different by more than a near-tie", "Mean cosine of the logits",

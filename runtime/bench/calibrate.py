@@ -52,6 +52,7 @@ import numpy as np
 from tqdm import tqdm
 
 from flm_runtime import paths
+from flm_runtime.backends import forward
 from flm_runtime.bench import documents
 from flm_runtime.engine import sampler
 from flm_runtime.engine.policy import Bucket, PolicyTable, confident_length
@@ -158,7 +159,7 @@ def step_costs(decoder: SpeculativeDecoder, context: int, rounds: int, rng: np.r
     one_tap = np.zeros((1, len(decoder.taps) * target.config.hidden_size), dtype=np.float32)
 
     def decode():
-        target.forward(block[:1], cache)
+        forward(target, block[:1], cache)
         cache.trim(context)
 
     def propose(n: int):
@@ -167,7 +168,7 @@ def step_costs(decoder: SpeculativeDecoder, context: int, rounds: int, rng: np.r
         state.draft_cache.trim(context)
 
     def verify(n: int):
-        target.forward(block[: n + 1], cache, all_logits=True, taps=decoder.taps)
+        forward(target, block[: n + 1], cache, all_logits=True, taps=decoder.taps)
         cache.trim(context)
 
     ops = {"decode": decode, **{f"propose{n}": (lambda n=n: propose(n)) for n in range(1, k + 1)},
@@ -328,7 +329,7 @@ def main(args: argparse.Namespace) -> int:
     if not entry.is_dflash:
         raise InvalidRequestError(f"{args.tag!r} is not a DFlash tag: nothing to calibrate")
     engine = get_engine(entry.tag, args.backend)
-    backend = "npu" if engine.name.endswith("[npu]") else "cpu"
+    backend = engine.model.backend.value
     spec = engine.speculative
     decoder = SpeculativeDecoder(spec.target, spec.draft)  # no policy: whole blocks, always
     top = spec.target.config.max_position_embeddings - decoder.block_size - 1

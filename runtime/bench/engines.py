@@ -14,6 +14,7 @@ from pathlib import Path
 
 from flm_runtime import registry
 from flm_runtime.api import get_engine
+from flm_runtime.backends import Backend
 from flm_runtime.engine.engine import Engine
 from flm_runtime.engine.request import Completion, SamplingParams
 from flm_runtime.engine.speculative import SpeculativeDecoder
@@ -45,7 +46,7 @@ class Engines:
     @property
     def hardware(self) -> str:
         """The backend that runs the target, for report tables ("cpu (numpy)" or "npu")."""
-        return "npu (XDNA2)" if self.baseline.name.endswith("[npu]") else "cpu (numpy)"
+        return "npu (XDNA2)" if self.baseline.model.backend is Backend.NPU else "cpu (numpy)"
 
     def pairs(self) -> list[tuple[str, Engine]]:
         """(tag, engine) of the baseline, then of the DFlash engine when there is one."""

@@ -543,7 +543,7 @@ class Engine:
                 for p in parts:
                     self._forward([p])
             return
-        logits, tapped = (out.logits, out.taps) if taps else (out, None)  # [sum n_logits, V], [R, n*E]
+        logits, tapped = out  # [sum n_logits, V], [R, n*E] or None
         logit_end, row_end = np.cumsum([p.n_logits for p in parts]), np.cumsum([len(p.ids) for p in parts])
         for p, le, re in zip(parts, logit_end, row_end):
             p_logits = logits[le - p.n_logits : le]

@@ -49,11 +49,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from flm_runtime.backends import prefill_chunks
+from flm_runtime.core import KVCache, Proposal
 from flm_runtime.engine import sampler
-from flm_runtime.engine.kv_cache import KVCache
 from flm_runtime.engine.policy import AcceptanceTracker, Bucket, PolicyTable, confident_length
 from flm_runtime.engine.request import SamplingParams
-from flm_runtime.models.dflash import Proposal
 
 # Pending taps of plain steps are folded into the draft cache once this many accumulate (while
 # the policy keeps a request decoding plainly), so that each step copies a bounded array.
@@ -203,8 +203,8 @@ class SpeculativeDecoder:
     """Drives a target and a DFlash draft through prefill and (batched) decoding steps.
 
     Args:
-        target: a ``TargetModel``: ``forward_batch(rows, caches, taps=)``,
-            ``prefill_chunks(ids, cache, taps=)``, ``config``.
+        target: a ``TargetModel``: ``forward_batch(rows, caches, taps=)``, ``prefill_chunk``,
+            ``config``.
         draft: ``DFlashDraft``-like: ``config`` (``target_layer_ids``, ``block_size``),
             ``new_cache``, ``add_context``, ``propose_batch``.
         policy: the speculation policy table of this tag and backend; None speculates at every
@@ -233,7 +233,7 @@ class SpeculativeDecoder:
             ``[V]`` float32 logits of the last prompt position.
         """
         assert cache.length == state.draft_cache.length == 0 and len(state.pending) == 0
-        for out in self.target.prefill_chunks(prompt_ids, cache, taps=self.taps):
+        for out in prefill_chunks(self.target, prompt_ids, cache, taps=self.taps):
             self.add_prompt(cache, state, out.taps)
         return out.logits[0]
 

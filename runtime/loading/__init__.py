@@ -17,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.gguf import load_gguf
 from flm_runtime.loading.safetensors_loader import load_hf_dir
 from flm_runtime.loading.tokenizer import Tokenizer
 from flm_runtime.loading.weights import Weight, weight_kind
-from flm_runtime.models.llama import LlamaConfig
 
 __all__ = ["ModelBundle", "Tokenizer", "load_model_files"]
 

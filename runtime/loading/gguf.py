@@ -38,9 +38,9 @@ from gguf.quants import Q4_K, dequantize
 
 from flm_runtime.backends import quant
 from flm_runtime.backends.quant import QuantWeight
+from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_llama_weights
-from flm_runtime.models.llama import LlamaConfig
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 

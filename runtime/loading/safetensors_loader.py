@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from flm_runtime.backends import quant
+from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.hf_files import load_json
 from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_llama_weights
-from flm_runtime.models.llama import LlamaConfig
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 

@@ -13,8 +13,8 @@ import os
 import numpy as np
 
 from flm_runtime.backends.quant import QuantWeight
+from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.models.llama import LlamaConfig
 
 Weight = np.ndarray | QuantWeight
 # How a model's matrices are held: "auto" keeps each source tensor's precision class (4-bit

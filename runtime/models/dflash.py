@@ -24,14 +24,13 @@ import logging
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
 from flm_runtime.backends import cpu
-from flm_runtime.engine.kv_cache import KVCache
+from flm_runtime.core import KVCache, LlamaConfig, Proposal
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.models.llama import LlamaConfig, LlamaLayer, _Taker
+from flm_runtime.models.llama import LlamaLayer, _Taker
 
 log = logging.getLogger(__name__)
 
@@ -363,22 +362,6 @@ class DFlashDraft:
         confidence = 1.0 / np.exp(logits - top).sum(axis=-1)  # [S, K]: softmax at the argmax
         ids = best if self.vocab is None else self.vocab[best]
         return Proposal(ids.astype(np.int64), confidence.astype(np.float32))
-
-
-class Proposal(NamedTuple):
-    """Drafted tokens of ``S`` sequences.
-
-    Attributes:
-        ids: ``[S, K]`` int64 target token ids ``d1 .. dK``.
-        confidence: ``[S, K]`` float32, the draft's softmax probability of each drafted token (its
-            top-1 probability over the draft vocabulary). The speculation policy reads it as an
-            estimate of that token's acceptance (EAGLE-2: Li et al. 2024, arXiv:2406.16858, find
-            draft confidence a good proxy of the acceptance rate, and so does
-            ``benchmarks/draft_confidence.py`` for ours: docs/dflash.md, "Confidence").
-    """
-
-    ids: np.ndarray
-    confidence: np.ndarray
 
 
 def draft_weight_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:

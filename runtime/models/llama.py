@@ -8,75 +8,15 @@ Weights follow Hugging Face's names and layout (``model.layers.{i}.self_attn.q_p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from flm_runtime.backends import cpu, fused
+from flm_runtime.backends import Backend, cpu, fused
 from flm_runtime.backends.quant import QuantWeight
-from flm_runtime.engine.kv_cache import KVCache
+from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
 from flm_runtime.errors import ModelFormatError
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Hyper-parameters, named as in a Hugging Face ``config.json`` (unknown keys are ignored).
-
-    Attributes:
-        vocab_size: tokens in the vocabulary (V).
-        hidden_size: width of the residual stream (hidden).
-        intermediate_size: SwiGLU FFN width.
-        num_hidden_layers: decoder layers (L).
-        num_attention_heads: query heads (H).
-        num_key_value_heads: key/value heads (Hkv); H % Hkv == 0 (grouped-query attention).
-        max_position_embeddings: context length (tokens).
-        rope_theta: RoPE base frequency.
-        rms_norm_eps: epsilon inside RMSNorm.
-        tie_word_embeddings: the LM head is the embedding matrix.
-        head_dim: per-head width (D); defaults to hidden_size // num_attention_heads.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    head_dim: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        assert self.num_attention_heads % self.num_key_value_heads == 0, "H must be a multiple of Hkv"
-
-    @classmethod
-    def from_dict(cls, config: dict) -> "LlamaConfig":
-        """Build from a ``config.json`` mapping, ignoring keys this class does not name."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in config.items() if k in names and v is not None})
-
-    @property
-    def n_rep(self) -> int:
-        """Query heads per key/value head."""
-        return self.num_attention_heads // self.num_key_value_heads
-
-
-class ForwardOutput(NamedTuple):
-    """``LlamaModel.forward`` with taps requested.
-
-    Attributes:
-        logits: ``[T, V]`` (``all_logits``) or ``[1, V]`` float32.
-        taps: ``[T, n_taps * E]`` float32, the tapped layers' outputs concatenated per position.
-    """
-
-    logits: np.ndarray
-    taps: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -113,6 +53,7 @@ class LlamaModel:
         ModelFormatError: a tensor is missing or has the wrong shape.
     """
 
+    backend = Backend.CPU
     prefill_chunk = 256  # positions per prefill forward; bounds the [Hkv, R*T, N] score buffer
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray]):
@@ -169,49 +110,29 @@ class LlamaModel:
         c = self.config
         return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings, capacity)
 
-    def forward(self, token_ids: np.ndarray, cache: KVCache, *, all_logits: bool = False,
-                taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
-        """Run ``T`` new positions through the model, appending them to ``cache``.
-
-        Args:
-            token_ids: ``[T]`` int token ids at positions ``cache.length .. cache.length + T - 1``.
-            cache: the sequence's KV cache.
-            all_logits: return logits for all ``T`` positions (verify, perplexity) instead of the last.
-            taps: 0-based layer indices whose output (the residual stream after that layer, before
-                the final norm) to return for all ``T`` positions, concatenated in this order: the
-                DFlash draft's context features (docs/dflash.md). Costs one concatenation.
-        Returns:
-            Without ``taps``: ``[T, V]`` if ``all_logits`` else ``[1, V]`` float32 logits. With
-            ``taps``: a ``ForwardOutput`` of those logits and the taps ``[T, len(taps) * E]`` float32.
-        """
-        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [T]
-        t = token_ids.shape[0]
-        logits, tapped = self._run(token_ids, [_Span(cache, cache.length, slice(0, t), t if all_logits else 1)], taps=taps)
-        return ForwardOutput(logits, tapped) if taps else logits
-
     def forward_batch(self, token_rows: list[np.ndarray], caches: list[KVCache], *,
-                      taps: tuple[int, ...] = (), logit_rows: list[int] | None = None) -> np.ndarray | ForwardOutput:
+                      taps: tuple[int, ...] = (), logit_rows: list[int] | None = None) -> ForwardOutput:
         """One step for ``B`` sequences at once (continuous batching): sequence ``b`` appends the
         ``T_b`` positions ``token_rows[b]`` to ``caches[b]`` (a prefill chunk, a plain decode row,
         or a DFlash verify pass: the anchor and the drafted tokens).
 
         All ``R = sum T_b`` rows share every matrix product: one product per weight matrix, so
         the weights are read once per step instead of once per sequence. Attention stays per
-        sequence, over its own cache. The sequences are independent: rows ``b`` equal
-        ``forward(token_rows[b], caches[b], all_logits=True, taps=taps)`` up to float rounding (a
-        product of more rows runs a different BLAS kernel).
+        sequence, over its own cache. The sequences are independent: rows ``b`` equal the step of
+        sequence ``b`` alone up to float rounding (a product of more rows runs a different BLAS
+        kernel).
 
         Args:
             token_rows: ``B`` int arrays ``[T_b]`` (``T_b >= 1``).
             caches: ``B`` distinct KV caches, one per sequence.
-            taps: as ``forward``.
+            taps: the layers to tap (``TargetModel.forward_batch``); costs one concatenation.
             logit_rows: per sequence, how many of its LAST rows need logits (``0 <= n_b <= T_b``:
                 a prefill chunk needs 1 or none, a verify pass all of them); None: every row.
                 The LM head runs only on those rows.
         Returns:
-            logits ``[sum n_b, V]`` float32 of the selected rows, sequence after sequence; with
-            ``taps`` a ``ForwardOutput`` of them and the taps of EVERY row ``[R, len(taps) * E]``.
-            If it raises, no cache's length has changed.
+            logits ``[sum n_b, V]`` float32 of the selected rows, sequence after sequence, and the
+            taps of EVERY row ``[R, len(taps) * E]`` (None without ``taps``). If it raises, no
+            cache's length has changed.
         """
         rows = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_rows]
         n_logits = [r.size for r in rows] if logit_rows is None else [int(n) for n in logit_rows]
@@ -221,15 +142,13 @@ class LlamaModel:
         ends = np.cumsum([r.size for r in rows])
         spans = [_Span(cache, cache.length, slice(int(e) - r.size, int(e)), n)
                  for cache, r, e, n in zip(caches, rows, ends, n_logits)]
-        logits, tapped = self._run(np.concatenate(rows), spans, taps=taps)
-        return ForwardOutput(logits, tapped) if taps else logits
+        return ForwardOutput(*self._run(np.concatenate(rows), spans, taps=taps))
 
     def _run(self, token_ids: np.ndarray, spans: list[_Span], *,
              taps: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
         """The rows ``token_ids`` ``[R]`` through every layer, and the LM head over each span's
         last ``n_logits`` rows; ``spans`` say which rows belong to which sequence (in row order,
-        covering all rows). ``forward`` is one span of ``T`` rows, ``forward_batch`` one span per
-        sequence.
+        covering all rows), one span per sequence.
 
         Returns:
             logits ``[sum n_logits, V]``; the taps ``[R, len(taps) * E]`` or None without ``taps``.
@@ -264,35 +183,6 @@ class LlamaModel:
         for s in spans:  # last: a step that raised has appended nothing
             s.cache.commit(s.n_rows)
         return logits, (np.concatenate([tapped[i] for i in taps], axis=-1) if taps else None)  # [R, n*E]
-
-    def prefill(self, token_ids: np.ndarray, cache: KVCache, *,
-                taps: tuple[int, ...] = ()) -> np.ndarray | ForwardOutput:
-        """Chunked prefill of a prompt.
-
-        Returns:
-            the logits ``[V]`` of its last position; with ``taps``, a ``ForwardOutput`` of those
-            logits and the taps of every prompt position ``[T, len(taps) * E]`` (see ``forward``).
-        """
-        if not taps:
-            for out in self.prefill_chunks(token_ids, cache):
-                pass
-            return out[0]
-        outs = list(self.prefill_chunks(token_ids, cache, taps=taps))
-        return ForwardOutput(outs[-1].logits[0], np.concatenate([o.taps for o in outs]))
-
-    def prefill_chunks(self, token_ids: np.ndarray, cache: KVCache, *,
-                       taps: tuple[int, ...] = ()) -> Iterator[np.ndarray | ForwardOutput]:
-        """Prefill ``prefill_chunk`` positions per forward; yields each chunk's ``forward`` output
-        (last-position logits ``[1, V]``, and its taps ``[T_chunk, n*E]`` when asked), so that a
-        caller can consume the taps chunk by chunk instead of holding a whole prompt's."""
-        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        assert token_ids.size > 0, "prefill needs at least one token"
-        for s in range(0, token_ids.size, self.prefill_chunk):
-            yield self.forward(token_ids[s : s + self.prefill_chunk], cache, taps=taps)
-
-    def decode(self, token_id: int, cache: KVCache) -> np.ndarray:
-        """One plain decode step (the 1-token layer); returns logits ``[V]`` of the new position."""
-        return self.forward(np.array([token_id]), cache)[0]
 
     def _layer(self, i: int, w: LlamaLayer, x: np.ndarray, spans: list[_Span], cos, sin) -> np.ndarray:
         """One decoder layer over the rows ``x`` ``[R, E]`` (``cos``, ``sin`` ``[R, D/2]`` at their

@@ -11,9 +11,10 @@ import numpy as np
 from flm_runtime.backends import manifest as mf
 from flm_runtime.backends import npu_reference
 from flm_runtime.backends.npu_layout import from_bf16, to_bf16, unpack
+from flm_runtime.core import LlamaConfig
 from flm_runtime.loading.weights import llama_weight_shapes
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft, draft_weight_shapes
-from flm_runtime.models.llama import LlamaConfig, LlamaModel
+from flm_runtime.models.llama import LlamaModel
 
 from fake_pyxrt import make_fake_pyxrt
 from xclbin_files import write_build

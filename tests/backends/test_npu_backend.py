@@ -11,11 +11,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from flm_runtime.backends import TargetModel, npu
+from flm_runtime.backends import TargetModel, decode, forward, npu, prefill, prefill_chunks
 from flm_runtime.backends.npu import NpuModel
 from flm_runtime.backends.npu_layout import from_bf16, to_bf16
+from flm_runtime.core import KVCache
 from flm_runtime.engine.engine import Engine
-from flm_runtime.engine.kv_cache import KVCache
 from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import BackendUnavailableError
 
@@ -61,24 +61,24 @@ def build(tmp_path, *, max_positions: int = 128, same_xclbin: bool = False, **fa
 def test_prefill_verify_and_decode_match_the_cpu_backend(tmp_path, same_xclbin, bf16_kv):
     cpu, model, _ = build(tmp_path, same_xclbin=same_xclbin)
     assert isinstance(model, TargetModel) and isinstance(cpu, TargetModel)
-    ref = cpu.forward(PROMPT, cpu.new_cache(), all_logits=True, taps=(0, 2))  # [13, V], [13, 2E]
+    ref = forward(cpu, PROMPT, cpu.new_cache(), all_logits=True, taps=(0, 2))  # [13, V], [13, 2E]
 
     cache = model.new_cache()
-    out = model.forward(PROMPT, cache, all_logits=True, taps=(0, 2))
+    out = forward(model, PROMPT, cache, all_logits=True, taps=(0, 2))
     agree(out.logits, ref.logits)
     np.testing.assert_allclose(out.taps, ref.taps, rtol=0, atol=1e-4 * np.abs(ref.taps).max())
     assert cache.length == 13
 
     cache.trim(5)  # roll back 8 positions (a rejected block), then decode them one by one
     for j, token in enumerate(PROMPT[5:]):
-        agree(model.decode(int(token), cache), ref.logits[5 + j])
+        agree(decode(model, int(token), cache).logits, ref.logits[5 + j])
     assert cache.length == 13
-    agree(model.prefill(PROMPT, model.new_cache()), ref.logits[-1])
-    chunks = list(model.prefill_chunks(PROMPT, model.new_cache(), taps=(1,)))
+    agree(prefill(model, PROMPT, model.new_cache()).logits, ref.logits[-1])
+    chunks = list(prefill_chunks(model, PROMPT, model.new_cache(), taps=(1,)))
     assert [c.taps.shape[0] for c in chunks] == [8, 5]
 
     caches = [model.new_cache(), model.new_cache()]  # an engine step: a decode row beside a prompt chunk
-    model.prefill(PROMPT[:4], caches[0])
+    prefill(model, PROMPT[:4], caches[0])
     out = model.forward_batch([PROMPT[4:5], PROMPT[:3]], caches, taps=(1,), logit_rows=[1, 1])
     agree(out.logits, np.stack([ref.logits[4], ref.logits[2]]))
     assert out.taps.shape[0] == 4 and [c.length for c in caches] == [5, 3]
@@ -88,8 +88,8 @@ def test_accuracy_against_the_float32_cpu_backend(tmp_path):
     """Against the plain cpu backend (float32 KV) the bf16 KV buffer costs a little: the card's
     measures, logit cosine and top-1 agreement (except at near-ties of the cpu logits)."""
     cpu, model, _ = build(tmp_path)
-    a = model.forward(PROMPT, model.new_cache(), all_logits=True)
-    b = cpu.forward(PROMPT, cpu.new_cache(), all_logits=True)
+    a = forward(model, PROMPT, model.new_cache(), all_logits=True).logits
+    b = forward(cpu, PROMPT, cpu.new_cache(), all_logits=True).logits
     cos = (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
     assert cos.min() > 0.999, cos
     top2 = np.sort(b, axis=-1)[:, -2:]
@@ -122,7 +122,7 @@ def test_runlists_buffers_and_syncs(tmp_path):
     assert {e[2] for e in bos if e[3] != 1} == {"host_only"}  # data on group_id(3 + i)
     assert {e[3] for e in bos if e[3] != 1} <= {103, 104, 105, 106, 107}
     pyxrt.log.clear()
-    model.decode(5, model.new_cache())
+    decode(model, 5, model.new_cache())
     runs = [e for e in pyxrt.log if e[0] in ("runlist", "run")]
     assert runs[0] == ("runlist", layers + 1)  # one runlist: every layer, then the LM head
     assert [e[1] for e in runs[1:]] == ["flm_decode_layer"] * layers + ["flm_lm_head"]
@@ -135,8 +135,8 @@ def test_separate_xclbins_and_no_runlist_binding(tmp_path, bf16_kv):
     ``runlist``: start + wait per run, same results."""
     cpu, model, pyxrt = build(tmp_path, runlist=False)
     pyxrt.log.clear()
-    ref = cpu.forward(PROMPT[:8], cpu.new_cache(), all_logits=True)
-    agree(model.forward(PROMPT[:8], model.new_cache(), all_logits=True), ref)
+    ref = forward(cpu, PROMPT[:8], cpu.new_cache(), all_logits=True).logits
+    agree(forward(model, PROMPT[:8], model.new_cache(), all_logits=True).logits, ref)
     assert not [e for e in pyxrt.log if e[0] == "runlist"]
     assert len([e for e in pyxrt.log if e[0] == "hw_context"]) == 0  # contexts were made at load
 
@@ -146,10 +146,10 @@ def test_kv_cache_grows_and_keeps_its_positions(tmp_path, bf16_kv):
     ids = np.random.default_rng(1).integers(0, cpu.config.vocab_size, 300)
     cache = model.new_cache(1)
     assert cache.capacity == 256
-    model.prefill(ids[:250], cache)
-    logits = model.forward(ids[250:], cache, all_logits=True)  # grows to 512 mid-way
+    prefill(model, ids[:250], cache)
+    logits = forward(model, ids[250:], cache, all_logits=True).logits  # grows to 512 mid-way
     assert cache.capacity == 512 and cache.length == 300
-    agree(logits, cpu.forward(ids, cpu.new_cache(), all_logits=True)[250:])
+    agree(logits, forward(cpu, ids, cpu.new_cache(), all_logits=True).logits[250:])
 
 
 def test_geometry_mismatch_is_refused(tmp_path):
@@ -168,7 +168,7 @@ def test_pyxrt_errors_become_backend_errors(tmp_path):
                      pyxrt=fake_pyxrt_for(manifest, cpu, fail="flm_verify_layer"))
     with pytest.raises(BackendUnavailableError, match=r"NPU: running verify_layer x3 \+ lm_head at positions "
                                                       r"0\.\.7 failed: RuntimeError: Command failed"):
-        model.forward(PROMPT[:8], model.new_cache(), all_logits=True)
+        forward(model, PROMPT[:8], model.new_cache(), all_logits=True)
     with pytest.raises(BackendUnavailableError, match=r"no NPU device: pyxrt.device\(0\) failed: No such "
                                                       r"device with index '0' \(sysfs: "):
         npu.close_device()

@@ -18,7 +18,7 @@ import weakref
 
 import numpy as np
 
-from flm_runtime.models.llama import LlamaConfig
+from flm_runtime.core import ForwardOutput, LlamaConfig
 
 EOS, EOT, BOT = 256, 257, 258
 SPECIALS = {EOS: b"<eos>", EOT: b"<|im_end|>", BOT: b"<|im_start|>"}
@@ -109,7 +109,7 @@ class FakeModelBase:
 
     prefill_chunk = 256
 
-    def forward_batch(self, token_rows, caches: list[FakeCache], *, taps=(), logit_rows=None) -> np.ndarray:
+    def forward_batch(self, token_rows, caches: list[FakeCache], *, taps=(), logit_rows=None) -> ForwardOutput:
         """Sequence by sequence: appends each row group to its cache and gives the logits of its
         last row when ``logit_rows`` asks for it (0 or 1 rows per sequence); like the real one,
         leaves the caches as they were if one sequence raises."""
@@ -129,7 +129,8 @@ class FakeModelBase:
             for cache, n in zip(caches, lengths):
                 cache.trim(n)
             raise
-        return np.stack(out) if out else np.zeros((0, self.config.vocab_size), np.float32)  # [sum n_b, V]
+        logits = np.stack(out) if out else np.zeros((0, self.config.vocab_size), np.float32)  # [sum n_b, V]
+        return ForwardOutput(logits, None)
 
     def _call(self, cache: FakeCache) -> np.ndarray:
         self.calls += 1

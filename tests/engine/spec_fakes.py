@@ -14,12 +14,11 @@ from pathlib import Path
 import numpy as np
 from engine_fakes import EOS
 
-from flm_runtime.backends import forward_rows
+from flm_runtime.backends import decode, prefill
+from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
 from flm_runtime.engine import sampler
-from flm_runtime.engine.kv_cache import KVCache
 from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
-from flm_runtime.models.llama import ForwardOutput, LlamaConfig
 
 # The tiny-model and draft-file helpers live beside the model tests (tests/models).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
@@ -46,31 +45,24 @@ class ScriptTarget:
         """The token ids the cache holds, positions ``0 .. length-1``."""
         return cache.k[0, 0, : cache.length, 0].astype(int).tolist()
 
-    def forward(self, token_ids, cache: KVCache, *, all_logits: bool = False, taps: tuple[int, ...] = ()):
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        t, start = ids.size, cache.length
-        cache.reserve(t)
-        cache.write(0, ids.astype(np.float32).reshape(1, t, 1), np.zeros((1, t, 1), np.float32))
-        cache.commit(t)
-        logits = np.zeros((t, self.config.vocab_size), dtype=np.float32)
-        for j in range(t):
-            i = start + j + 1 - self.prompt_len  # the output index this row predicts
-            logits[j, self.script[i] if 0 <= i < len(self.script) else EOS] = 10.0
-        logits = logits if all_logits else logits[-1:]
-        return ForwardOutput(logits, np.zeros((t, len(taps) * 8), np.float32)) if taps else logits
-
-    def prefill_chunks(self, token_ids, cache: KVCache, *, taps: tuple[int, ...] = ()):
-        for s in range(0, len(token_ids), self.prefill_chunk):
-            yield self.forward(token_ids[s : s + self.prefill_chunk], cache, taps=taps)
-
-    def prefill(self, token_ids, cache: KVCache) -> np.ndarray:
-        return self.forward(token_ids, cache)[0]
-
-    def decode(self, token_id: int, cache: KVCache) -> np.ndarray:
-        return self.forward([token_id], cache)[0]
-
     def forward_batch(self, token_rows, caches: list[KVCache], *, taps: tuple[int, ...] = (), logit_rows=None):
-        return forward_rows(self, token_rows, caches, taps=taps, logit_rows=logit_rows)
+        """``TargetModel.forward_batch``: the script's one-hot rows, zero taps."""
+        rows = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_rows]
+        n_logits = [r.size for r in rows] if logit_rows is None else logit_rows
+        logits = []
+        for ids, cache, n in zip(rows, caches, n_logits):
+            t, start = ids.size, cache.length
+            cache.reserve(t)
+            cache.write(0, ids.astype(np.float32).reshape(1, t, 1), np.zeros((1, t, 1), np.float32))
+            cache.commit(t)
+            for j in range(t - n, t):
+                i = start + j + 1 - self.prompt_len  # the output index this row predicts
+                row = np.zeros(self.config.vocab_size, dtype=np.float32)
+                row[self.script[i] if 0 <= i < len(self.script) else EOS] = 10.0
+                logits.append(row)
+        logits = np.stack(logits) if logits else np.zeros((0, self.config.vocab_size), np.float32)  # [sum n_b, V]
+        r = sum(ids.size for ids in rows)
+        return ForwardOutput(logits, np.zeros((r, len(taps) * 8), np.float32) if taps else None)
 
 
 def random_draft(target, *, taps: list[int], layers: int = 1, seed: int = 0) -> DFlashDraft:
@@ -93,9 +85,9 @@ def plain_generate(model, prompt, n: int, params, seed: int | None = None) -> li
     """The baseline: prefill, then ``n - 1`` 1-token decodes, one draw per token (no engine)."""
     rng = sampler.new_rng(seed)
     cache = model.new_cache(len(prompt) + n)
-    out = [sampler.sample(model.prefill(np.asarray(prompt, dtype=np.int64), cache), params, rng)]
+    out = [sampler.sample(prefill(model, np.asarray(prompt, dtype=np.int64), cache).logits, params, rng)]
     while len(out) < n:
-        out.append(sampler.sample(model.decode(out[-1], cache), params, rng))
+        out.append(sampler.sample(decode(model, out[-1], cache).logits, params, rng))
     return out
 
 

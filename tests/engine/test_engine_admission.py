@@ -16,11 +16,11 @@ from engine_fakes import HashModel
 from spec_fakes import ScriptTarget, random_draft
 from test_engine_core import idle, wait_until
 
+from flm_runtime.core import LlamaConfig
 from flm_runtime.engine import admission
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import EngineOverloadedError, InvalidRequestError, KVBudgetError, RequestTimeoutError
-from flm_runtime.models.llama import LlamaConfig
 
 BYTES_PER_TOKEN = 32  # the fake models' float32 K and V of one position
 

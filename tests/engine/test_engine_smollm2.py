@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flm_runtime.backends import decode, prefill
 from flm_runtime.engine.detokenizer import Detokenizer
 from flm_runtime.engine.request import SamplingParams
 
@@ -29,11 +30,11 @@ def engine(smollm2_engine):
 def _greedy_reference(model, prompt_ids, n):
     """Hand-rolled greedy loop straight on the model (independent of the engine)."""
     cache = model.new_cache(len(prompt_ids) + n)
-    logits = model.prefill(np.asarray(prompt_ids, dtype=np.int64), cache)
+    logits = prefill(model, np.asarray(prompt_ids, dtype=np.int64), cache).logits
     out = []
     for _ in range(n):
         out.append(int(np.argmax(logits)))
-        logits = model.decode(out[-1], cache)
+        logits = decode(model, out[-1], cache).logits
     return out
 
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from flm_runtime.engine.kv_cache import GROWTH_QUANTUM, KVCache
+from flm_runtime.core import GROWTH_QUANTUM, KVCache
 
 
 def test_growth_keeps_contents_and_trim_rolls_back():

@@ -11,10 +11,12 @@ import pytest
 from engine_fakes import EOS, FakeTokenizer
 from spec_fakes import ScriptTarget, plain_generate, random_draft, replay_proposer, spec_generate
 
+from flm_runtime.backends import forward
+from flm_runtime.core import LlamaConfig
 from flm_runtime.engine import sampler
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import SpeculativeDecoder, verify, verify_greedy, verify_sampled
-from flm_runtime.models.llama import LlamaConfig, LlamaModel
+from flm_runtime.models.llama import LlamaModel
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11)
@@ -104,7 +106,7 @@ def check_caches(model, decoder, prompt):
     def check(out, cache, state):
         assert state.draft_cache.length + len(state.pending) == cache.length == len(prompt) + len(out) - 1
         fresh = model.new_cache()
-        full = model.forward(np.array(prompt + out[:-1]), fresh, taps=decoder.taps).taps  # [N, n*E]
+        full = forward(model, np.array(prompt + out[:-1]), fresh, taps=decoder.taps).taps  # [N, n*E]
         np.testing.assert_allclose(cache.k[:, :, : cache.length], fresh.k[:, :, : fresh.length], atol=1e-4)
         np.testing.assert_allclose(cache.v[:, :, : cache.length], fresh.v[:, :, : fresh.length], atol=1e-4)
         np.testing.assert_allclose(state.pending, full[state.draft_cache.length :], atol=1e-4)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from flm_runtime import api
+from flm_runtime.backends import prefill
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import SpeculativeDecoder
 
@@ -31,7 +32,7 @@ def greedy_baseline(model, prompts: list[np.ndarray], n: int, stop_ids: set[int]
     """Per prompt: greedy tokens (through the first stop token, at most ``n``) and the top-1/top-2
     logit margin at each, from prefill + batched plain decode."""
     caches = [model.new_cache(len(p) + n) for p in prompts]
-    logits = [model.prefill(p, c) for p, c in zip(prompts, caches)]  # [V] each
+    logits = [prefill(model, p, c).logits for p, c in zip(prompts, caches)]  # [V] each
     tokens, margins = [[] for _ in prompts], [[] for _ in prompts]
     live = list(range(len(prompts)))
     while live:
@@ -41,7 +42,7 @@ def greedy_baseline(model, prompts: list[np.ndarray], n: int, stop_ids: set[int]
             margins[i].append(float(top2[1] - top2[0]))
         live = [i for i in live if len(tokens[i]) < n and tokens[i][-1] not in stop_ids]
         if live:
-            logits = model.forward_batch([[tokens[i][-1]] for i in live], [caches[i] for i in live])  # [B, V]
+            logits = model.forward_batch([[tokens[i][-1]] for i in live], [caches[i] for i in live]).logits  # [B, V]
     return tokens, margins
 
 

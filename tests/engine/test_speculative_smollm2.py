@@ -17,6 +17,7 @@ import yaml
 from spec_fakes import draft_config_dict, random_draft_weights, replay_proposer, spec_generate, write_draft_dir
 
 from flm_runtime import api, registry
+from flm_runtime.backends import decode, prefill
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import ModelFormatError
@@ -30,13 +31,13 @@ DFLASH_TAG = "smollm2-testdraft-dflash:135m"
 def baseline(model, prompt, n):
     """Greedy tokens and the top-1/top-2 logit margin at each, from plain prefill + decode."""
     cache = model.new_cache(len(prompt) + n)
-    logits = model.prefill(np.asarray(prompt, dtype=np.int64), cache)
+    logits = prefill(model, np.asarray(prompt, dtype=np.int64), cache).logits
     tokens, margins = [], []
     for _ in range(n):
         top2 = np.partition(logits, -2)[-2:]
         tokens.append(int(np.argmax(logits)))
         margins.append(float(top2[1] - top2[0]))
-        logits = model.decode(tokens[-1], cache)
+        logits = decode(model, tokens[-1], cache).logits
     return tokens, margins
 
 

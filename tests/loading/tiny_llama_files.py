@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from flm_runtime.models.llama import LlamaConfig
+from flm_runtime.core import LlamaConfig
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "w"), ("o", "r"), ("Ġw", "or")]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from flm_runtime.models.llama import LlamaConfig
+from flm_runtime.core import LlamaConfig
 
 
 def tap_layers(n_layers: int, n_taps: int) -> list[int]:

@@ -11,6 +11,7 @@ import pytest
 from dflash_files import draft_config_dict, random_draft_weights, tap_layers, write_draft_dir
 from test_llama import TINY, tiny_weights
 
+from flm_runtime.backends import forward
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
 from flm_runtime.models.llama import LlamaModel
@@ -77,7 +78,7 @@ def tiny_draft(target: LlamaModel, layers: int = 2, seed: int = 1) -> tuple[dict
 def test_draft_matches_naive_reference(tiny_target):
     cfg, weights, draft = tiny_draft(tiny_target)
     ids = np.array([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 53, 58])
-    taps = tiny_target.forward(ids, tiny_target.new_cache(), taps=(1, 0)).taps  # [14, 2E]
+    taps = forward(tiny_target, ids, tiny_target.new_cache(), taps=(1, 0)).taps  # [14, 2E]
     cache = draft.new_cache()
     draft.add_context(cache, taps[:6], 0)  # context added in two pieces, as decoding does
     draft.add_context(cache, taps[6:10], 6)
@@ -106,7 +107,7 @@ def test_batched_blocks_equal_one_at_a_time(tiny_target):
         ids = rng.integers(0, TINY.vocab_size, n + 1)
         cache = draft.new_cache()
         if n:
-            draft.add_context(cache, tiny_target.forward(ids[:n], tiny_target.new_cache(), taps=(1, 0)).taps, 0)
+            draft.add_context(cache, forward(tiny_target, ids[:n], tiny_target.new_cache(), taps=(1, 0)).taps, 0)
         caches.append(cache)
         anchors.append(int(ids[n]))
     got = draft.draft_logits_batch(caches, anchors)  # [3, 7, V]
@@ -140,7 +141,7 @@ def test_draft_vocabulary_scores_only_its_rows(tiny_target, tmp_path):
     weights = random_draft_weights(cfg, seed=4, scale=0.3) | {"draft_vocab": vocab}
     draft = DFlashDraft.load(write_draft_dir(tmp_path / "d", cfg, weights), tiny_target)
     ids = np.array([3, 14, 15, 92, 65, 35, 89, 79, 32, 38])
-    taps = tiny_target.forward(ids, tiny_target.new_cache(), taps=(1, 0)).taps  # [10, 2E]
+    taps = forward(tiny_target, ids, tiny_target.new_cache(), taps=(1, 0)).taps  # [10, 2E]
     cache = draft.new_cache()
     draft.add_context(cache, taps[:9], 0)
     stored = {k: v.astype(np.float16).astype(np.float32) for k, v in weights.items() if k != "draft_vocab"}

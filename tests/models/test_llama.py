@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flm_runtime.backends import decode, forward, prefill
+from flm_runtime.core import LlamaConfig
 from flm_runtime.loading.gguf import load_gguf
-from flm_runtime.models.llama import LlamaConfig, LlamaModel
+from flm_runtime.models.llama import LlamaModel
 
 PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
 # Golden value: tests/reference/perplexity_transformers.py (Hugging Face transformers 5.24.0,
@@ -21,7 +23,7 @@ REFERENCE_PERPLEXITY = 20.2241
 
 def perplexity(model: LlamaModel, ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of ids[1:] given their prefixes, in float64."""
-    logits = model.forward(np.array(ids), model.new_cache(), all_logits=True)[:-1].astype(np.float64)
+    logits = forward(model, np.array(ids), model.new_cache(), all_logits=True).logits[:-1].astype(np.float64)
     logits -= logits.max(axis=-1, keepdims=True)
     logprobs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
     return float(np.exp(-logprobs[np.arange(len(ids) - 1), ids[1:]].mean()))
@@ -45,17 +47,17 @@ def test_wrong_rope_convention_fails_perplexity(smollm2_gguf, smollm2_tokenizer)
 def test_prefill_decode_and_verify_paths_agree(smollm2_model, smollm2_tokenizer):
     """Chunked prefill, token-by-token decode and one 8-position forward give the same logits."""
     ids = np.array(smollm2_tokenizer.encode(PASSAGE.read_text())[:300])
-    full = smollm2_model.forward(ids, smollm2_model.new_cache(), all_logits=True)  # [300, V]
+    full = forward(smollm2_model, ids, smollm2_model.new_cache(), all_logits=True).logits  # [300, V]
 
     cache = smollm2_model.new_cache()
-    last = smollm2_model.prefill(ids[:292], cache)  # two chunks of 256 and 36
+    last = prefill(smollm2_model, ids[:292], cache).logits  # two chunks of 256 and 36
     np.testing.assert_allclose(last, full[291], rtol=0, atol=2e-3)
-    verify = smollm2_model.forward(ids[292:], cache, all_logits=True)  # the 8-position path
+    verify = forward(smollm2_model, ids[292:], cache, all_logits=True).logits  # the 8-position path
     np.testing.assert_allclose(verify, full[292:], rtol=0, atol=2e-3)
 
     cache.trim(292)  # roll back the 8 positions, then decode them one by one
     for j, token in enumerate(ids[292:]):
-        np.testing.assert_allclose(smollm2_model.decode(int(token), cache), full[292 + j], rtol=0, atol=2e-3)
+        np.testing.assert_allclose(decode(smollm2_model, int(token), cache).logits, full[292 + j], rtol=0, atol=2e-3)
     assert cache.length == 300
     assert np.array_equal(np.argmax(verify, axis=-1), np.argmax(full[292:], axis=-1))
 
@@ -139,13 +141,13 @@ def test_tiny_model_matches_naive_reference():
     ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
     expected = naive_forward(TINY, weights, ids)  # [12, V]
 
-    got = model.forward(np.array(ids), model.new_cache(), all_logits=True)
+    got = forward(model, np.array(ids), model.new_cache(), all_logits=True).logits
     assert got.dtype == np.float32 and got.shape == (len(ids), TINY.vocab_size)
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
 
     model.prefill_chunk = 5  # chunks of 5, 5, 2 must give the same last logits
     cache = model.new_cache()
-    np.testing.assert_allclose(model.prefill(np.array(ids), cache), expected[-1], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(prefill(model, np.array(ids), cache).logits, expected[-1], rtol=0, atol=1e-4)
     assert cache.length == len(ids)
 
 
@@ -160,19 +162,19 @@ def test_taps_are_the_residual_stream_after_the_layers():
     model = LlamaModel(TINY, weights)
     ids = np.array([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26])
     e, eps = TINY.hidden_size, TINY.rms_norm_eps
-    plain = model.forward(ids, model.new_cache(), all_logits=True)  # [12, V]
-    out = model.forward(ids, model.new_cache(), all_logits=True, taps=(1, 0))
+    plain = forward(model, ids, model.new_cache(), all_logits=True).logits  # [12, V]
+    out = forward(model, ids, model.new_cache(), all_logits=True, taps=(1, 0))
     np.testing.assert_array_equal(out.logits, plain)
     assert out.taps.dtype == np.float32 and out.taps.shape == (len(ids), 2 * e)
     np.testing.assert_allclose(rms_norm(out.taps[:, :e], model.norm, eps) @ model.lm_head.T, plain, rtol=0, atol=1e-5)
     one = LlamaModel(replace(TINY, num_hidden_layers=1), weights)
     np.testing.assert_allclose(rms_norm(out.taps[:, e:], model.norm, eps) @ model.lm_head.T,
-                               one.forward(ids, one.new_cache(), all_logits=True), rtol=0, atol=1e-5)
+                               forward(one, ids, one.new_cache(), all_logits=True).logits, rtol=0, atol=1e-5)
 
-    last = model.forward(ids, model.new_cache(), taps=(0,))  # last-position logits, every position's taps
+    last = forward(model, ids, model.new_cache(), taps=(0,))  # last-position logits, every position's taps
     assert last.logits.shape == (1, TINY.vocab_size) and last.taps.shape == (len(ids), e)
     model.prefill_chunk = 5  # chunks of 5, 5, 2: taps of every prompt position
-    pre = model.prefill(ids, model.new_cache(), taps=(1, 0))
+    pre = prefill(model, ids, model.new_cache(), taps=(1, 0))
     np.testing.assert_allclose(pre.taps, out.taps, rtol=0, atol=1e-5)
     np.testing.assert_allclose(pre.logits, plain[-1], rtol=0, atol=1e-5)
 
@@ -190,11 +192,11 @@ def test_batched_decode_rows_equal_single_decodes():
         caches = model.new_cache(), model.new_cache()
         for cache in caches:
             if len(prompt):
-                model.prefill(prompt, cache)
+                prefill(model, prompt, cache)
         batch_caches.append(caches[0])
         alone_caches.append(caches[1])
-        expected.append(model.decode(token, caches[1]))  # [V]
-    got = model.forward_batch([[t] for t in tokens], batch_caches)
+        expected.append(decode(model, token, caches[1]).logits)  # [V]
+    got = model.forward_batch([[t] for t in tokens], batch_caches).logits
     assert got.dtype == np.float32 and got.shape == (len(tokens), TINY.vocab_size)
     np.testing.assert_allclose(got, np.stack(expected), rtol=0, atol=1e-5)
     for batched, alone in zip(batch_caches, alone_caches):
@@ -203,8 +205,8 @@ def test_batched_decode_rows_equal_single_decodes():
 
     # a second batched step over a subset, in another order, still matches
     order = [3, 0, 4]
-    got = model.forward_batch([[tokens[b] + 1] for b in order], [batch_caches[b] for b in order])
-    expected = [model.decode(tokens[b] + 1, alone_caches[b]) for b in order]
+    got = model.forward_batch([[tokens[b] + 1] for b in order], [batch_caches[b] for b in order]).logits
+    expected = [decode(model, tokens[b] + 1, alone_caches[b]).logits for b in order]
     np.testing.assert_allclose(got, np.stack(expected), rtol=0, atol=1e-5)
 
 
@@ -222,9 +224,9 @@ def test_forward_batch_mixes_prefill_chunks_and_decode_rows():
         if n:
             history = rng.integers(0, TINY.vocab_size, n)
             for cache in pair:
-                model.forward(history, cache)
+                forward(model, history, cache)
     out = model.forward_batch(new, [pair[0] for pair in caches], taps=(0, 1), logit_rows=logit_rows)
-    alone = [model.forward(ids, pair[1], all_logits=True, taps=(0, 1)) for ids, pair in zip(new, caches)]
+    alone = [forward(model, ids, pair[1], all_logits=True, taps=(0, 1)) for ids, pair in zip(new, caches)]
     want_logits = np.concatenate([o.logits[len(o.logits) - n:] for o, n in zip(alone, logit_rows)])
     assert out.logits.shape == (sum(logit_rows), TINY.vocab_size)
     np.testing.assert_allclose(out.logits, want_logits, rtol=0, atol=1e-5)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_llama import PASSAGE, REFERENCE_PERPLEXITY, REFERENCE_TOKENS, TINY, perplexity, tiny_weights
 
-from flm_runtime.backends import quant
+from flm_runtime.backends import forward, quant
 from flm_runtime.models.llama import LlamaModel
 
 
@@ -30,14 +30,14 @@ def _rows_alone_in_a_pass_and_in_a_batch(model, ids):
     verify pass, and as 8 of the 16 rows of a batched step beside another sequence."""
     prefix, block, other = ids[:40], ids[40:48], ids[:25]
     cache = model.new_cache()
-    model.forward(prefix, cache)
-    alone = np.stack([model.forward(ids[40 + j:41 + j], cache)[0] for j in range(8)])
+    forward(model, prefix, cache)
+    alone = np.stack([forward(model, ids[40 + j:41 + j], cache).logits[0] for j in range(8)])
     cache.trim(40)
-    verify = model.forward(block, cache, all_logits=True)
+    verify = forward(model, block, cache, all_logits=True).logits
     cache.trim(40)
     neighbour = model.new_cache()
-    model.forward(other[:17], neighbour)
-    batched = model.forward_batch([other[17:25], block], [neighbour, cache])[8:]
+    forward(model, other[:17], neighbour)
+    batched = model.forward_batch([other[17:25], block], [neighbour, cache]).logits[8:]
     return alone, verify, batched
 
 
@@ -61,8 +61,8 @@ def test_tiny_model_is_batch_invariant_and_near_float32():
     ids = np.random.default_rng(1).integers(0, TINY_Q.vocab_size, 60)
     alone, verify, batched = _rows_alone_in_a_pass_and_in_a_batch(q8, ids)
     assert np.array_equal(alone, verify) and np.array_equal(alone, batched)
-    want = f32.forward(ids, f32.new_cache(), all_logits=True)
-    got = q8.forward(ids, q8.new_cache(), all_logits=True)
+    want = forward(f32, ids, f32.new_cache(), all_logits=True).logits
+    got = forward(q8, ids, q8.new_cache(), all_logits=True).logits
     cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
     assert cos.mean() > 0.999 and cos.min() > 0.99, (cos.mean(), cos.min())
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
 
 from flm_runtime import paths
+from flm_runtime.backends import prefill_chunks
 from flm_runtime.engine.engine import Engine
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import SpeculativeDecoder
@@ -39,7 +40,7 @@ def test_simulated_al_counts_the_served_steps(tmp_path, smollm2_model, smollm2_t
 
     tokens = np.array([*prompt, *served.token_ids], dtype=np.int64)
     cache = model.new_cache(len(tokens))
-    taps = np.concatenate([out.taps for out in model.prefill_chunks(tokens, cache,
+    taps = np.concatenate([out.taps for out in prefill_chunks(model, tokens, cache,
                                                                    taps=draft.config.target_layer_ids)])
     np.savez(tmp_path / "shard_0000.npz", tokens=tokens.astype(np.int32), offsets=np.array([0, len(tokens)]),
              prompt_lens=np.array([len(prompt)], np.int32), prompt_ids=np.zeros(1, np.int32),

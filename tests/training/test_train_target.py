@@ -13,7 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
 
-from flm_runtime.models.llama import LlamaConfig, LlamaModel
+from flm_runtime.backends import decode, forward, prefill
+from flm_runtime.core import LlamaConfig
+from flm_runtime.models.llama import LlamaModel
 from flm_train.generate import TOP_K, generate_shard
 from flm_train.target import TorchLlama, default_tap_layers
 
@@ -46,7 +48,7 @@ def tiny():
 
 def numpy_taps(model: LlamaModel, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Logits ``[T, V]`` and taps ``[T, n, E]`` of one causal numpy forward."""
-    out = model.forward(np.array(ids), model.new_cache(), all_logits=True, taps=tuple(TAPS))
+    out = forward(model, np.array(ids), model.new_cache(), all_logits=True, taps=tuple(TAPS))
     return out.logits, out.taps.reshape(len(ids), len(TAPS), -1)
 
 
@@ -77,13 +79,13 @@ def test_continuous_batching_greedy_equals_numpy_one_at_a_time(tiny):
         start, end = shard["offsets"][i], shard["offsets"][i + 1]
         seq = shard["tokens"][start:end].tolist()
         cache, out, steps = np_model.new_cache(), list(p), []
-        logits = np_model.prefill(np.array(p), cache)
+        logits = prefill(np_model, np.array(p), cache).logits
         while len(out) - len(p) < 12:
             steps.append(logits)
             out.append(int(np.argmax(logits)))
             if out[-1] in (0, 2):
                 break
-            logits = np_model.decode(out[-1], cache)
+            logits = decode(np_model, out[-1], cache).logits
         assert seq == out, i
         _, want_taps = numpy_taps(np_model, seq[:-1])
         got = shard["taps"][start: end - 1].astype(np.float32)
@@ -133,7 +135,7 @@ def test_smollm2_torch_target_equals_numpy(smollm2_gguf, smollm2_model, smollm2_
     shard = generate_shard(t_model, items, tap_layers=default_tap_layers(30), max_new=16, slots=2, seed=0)
     for i, (_, ids, _) in enumerate(items):
         seq = shard["tokens"][shard["offsets"][i]: shard["offsets"][i + 1]].tolist()
-        want = smollm2_model.forward(np.array(seq[:-1]), smollm2_model.new_cache(), all_logits=True)  # [T, V]
+        want = forward(smollm2_model, np.array(seq[:-1]), smollm2_model.new_cache(), all_logits=True).logits  # [T, V]
         cache = t_model.new_cache(1, len(seq))
         got, _ = t_model.forward(torch.tensor([seq[:-1]]), torch.arange(len(seq) - 1)[None], cache, 0, all_logits=True)
         np.testing.assert_allclose(got[0].numpy(), want, rtol=1e-3, atol=2e-3)

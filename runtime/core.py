@@ -1,0 +1,161 @@
+"""The types every layer shares: a model's hyper-parameters (``LlamaConfig``), a sequence's KV
+cache (``KVCache``), what a target step returns (``ForwardOutput``) and what a draft proposes
+(``Proposal``). It imports nothing of ``flm_runtime``: the backends, the models, the engine and the
+loaders all build on it.
+
+Axis legend (whole runtime): L layers, Hkv key/value heads, S capacity (positions), D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import numpy as np
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters, named as in a Hugging Face ``config.json`` (unknown keys are ignored).
+
+    Attributes:
+        vocab_size: tokens in the vocabulary (V).
+        hidden_size: width of the residual stream (hidden).
+        intermediate_size: SwiGLU FFN width.
+        num_hidden_layers: decoder layers (L).
+        num_attention_heads: query heads (H).
+        num_key_value_heads: key/value heads (Hkv); H % Hkv == 0 (grouped-query attention).
+        max_position_embeddings: context length (tokens).
+        rope_theta: RoPE base frequency.
+        rms_norm_eps: epsilon inside RMSNorm.
+        tie_word_embeddings: the LM head is the embedding matrix.
+        head_dim: per-head width (D); defaults to hidden_size // num_attention_heads.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        assert self.num_attention_heads % self.num_key_value_heads == 0, "H must be a multiple of Hkv"
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "LlamaConfig":
+        """Build from a ``config.json`` mapping, ignoring keys this class does not name."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in names and v is not None})
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+GROWTH_QUANTUM = 256  # positions; capacity grows in multiples of this to amortize reallocation
+
+
+class KVCache:
+    """Keys and values of one sequence for every layer.
+
+    ``k`` and ``v`` are ``[L, Hkv, S, D]`` float32; positions ``0 .. length-1`` are valid. Appending
+    past the capacity reallocates (doubling, rounded up to ``GROWTH_QUANTUM``) up to ``max_length``.
+    Rolling back (speculative decoding, a rejected block) is ``trim(n)``: the rows past ``n`` are
+    simply overwritten by the next append.
+
+    Args:
+        n_layers, n_kv_heads, head_dim: model geometry (L, Hkv, D).
+        max_length: the model's context length (tokens); appending past it is a bug (assert).
+        capacity: initial capacity (tokens), clamped to ``max_length``.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_length: int, capacity: int = 0):
+        self.max_length = max_length
+        self.length = 0
+        cap = min(max_length, _round_up(max(capacity, 1)))
+        self.k = np.zeros((n_layers, n_kv_heads, cap, head_dim), dtype=np.float32)  # [L, Hkv, S, D]
+        self.v = np.zeros_like(self.k)  # [L, Hkv, S, D]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the allocated arrays (not just the valid positions)."""
+        return self.k.nbytes + self.v.nbytes
+
+    def reserve(self, n_new: int) -> None:
+        """Make room for ``n_new`` more positions (grows the arrays if needed)."""
+        need = self.length + n_new
+        assert need <= self.max_length, f"KV cache overflow: {need} > context length {self.max_length}"
+        if need <= self.capacity:
+            return
+        cap = min(self.max_length, _round_up(max(need, 2 * self.capacity)))
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = np.zeros(old.shape[:2] + (cap,) + old.shape[3:], dtype=old.dtype)
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store new keys/values ``[Hkv, T, D]`` of ``layer`` at positions ``length .. length+T-1``.
+
+        ``reserve(T)`` must have been called for this step; ``commit(T)`` advances ``length`` once all
+        layers are written.
+        """
+        t = k.shape[1]
+        self.k[layer, :, self.length : self.length + t] = k
+        self.v[layer, :, self.length : self.length + t] = v
+
+    def commit(self, n_new: int) -> None:
+        """Advance ``length`` by ``n_new`` positions written by ``write`` for every layer."""
+        self.length += n_new
+
+    def trim(self, length: int) -> None:
+        """Roll back to ``length`` positions (drop everything after)."""
+        assert 0 <= length <= self.length, f"cannot trim a cache of {self.length} to {length}"
+        self.length = length
+
+
+class ForwardOutput(NamedTuple):
+    """What a target step returns (``TargetModel.forward_batch`` and the helpers over it in
+    ``flm_runtime.backends``).
+
+    Attributes:
+        logits: float32 ``[N, V]`` of the rows the call asked logits for (or ``[V]`` of the one
+            next position: ``prefill``, ``decode``).
+        taps: ``[T, n_taps * E]`` float32, the tapped layers' outputs concatenated per position;
+            None when no taps were asked.
+    """
+
+    logits: np.ndarray
+    taps: np.ndarray | None
+
+
+class Proposal(NamedTuple):
+    """Drafted tokens of ``S`` sequences.
+
+    Attributes:
+        ids: ``[S, K]`` int64 target token ids ``d1 .. dK``.
+        confidence: ``[S, K]`` float32, the draft's softmax probability of each drafted token (its
+            top-1 probability over the draft vocabulary). The speculation policy reads it as an
+            estimate of that token's acceptance (EAGLE-2: Li et al. 2024, arXiv:2406.16858, find
+            draft confidence a good proxy of the acceptance rate, and so does
+            ``benchmarks/draft_confidence.py`` for ours: docs/dflash.md, "Confidence").
+    """
+
+    ids: np.ndarray
+    confidence: np.ndarray
+
+
+def _round_up(n: int) -> int:
+    return -(-n // GROWTH_QUANTUM) * GROWTH_QUANTUM
