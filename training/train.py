@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flm_train.draft import DFlashDraft, DraftConfig
+from flm_runtime.models.dflash import DFlashConfig
+from flm_train.draft import DFlashDraft
 from flm_train.export import read_draft
 from flm_train.target import default_tap_layers
 from tqdm import tqdm
@@ -296,13 +297,13 @@ def build_draft(a: argparse.Namespace, target_config, embed: torch.Tensor, lm_he
                 target_norm: torch.Tensor | None, draft_vocab: torch.Tensor | None) -> DFlashDraft:
     """A freshly initialised draft for the target (``draft_vocab`` ``[Vd]`` or None: see ``DFlashDraft``)."""
     c = target_config
-    dc = DraftConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                     num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                     head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-                     num_hidden_layers=a.layers, target_layer_ids=tuple(default_tap_layers(c.num_hidden_layers)),
-                     block_size=a.block_size, mask_token_id=a.mask_token_id,
-                     max_position_embeddings=c.max_position_embeddings,
-                     draft_vocab_size=0 if draft_vocab is None else len(draft_vocab))
+    dc = DFlashConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                      head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                      num_hidden_layers=a.layers, target_layer_ids=tuple(default_tap_layers(c.num_hidden_layers)),
+                      block_size=a.block_size, mask_token_id=a.mask_token_id,
+                      max_position_embeddings=c.max_position_embeddings,
+                      draft_vocab_size=0 if draft_vocab is None else len(draft_vocab))
     draft = DFlashDraft(dc, embed, lm_head, draft_vocab)
     with torch.no_grad():
         for mod in draft.modules():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -58,10 +58,15 @@ class DFlashConfig:
         block_size: B, the anchor plus B - 1 masks (8).
         draft_vocab_size: Vd, target tokens the draft can propose (its ``draft_vocab`` tensor);
             0 means the target's whole vocabulary (docs/dflash.md, "Draft vocabulary").
+        max_position_embeddings: positions the training's RoPE tables span (the target's context
+            length); serving sizes its tables from the target instead.
         architecture: must be ``"dflash-llama"``.
         target: registry tag of the target it was trained for (e.g. ``"smollm2:135m"``).
         target_sha256: sha256 of the target's weight file, or None.
         training: free-form provenance.
+
+    ``target``, ``target_sha256`` and ``training`` are provenance and take no part in equality:
+    two configs are equal when they describe the same draft (a warm start checks that).
     """
 
     target_layer_ids: tuple[int, ...]
@@ -76,9 +81,10 @@ class DFlashConfig:
     mask_token_id: int
     block_size: int = 8
     draft_vocab_size: int = 0
+    max_position_embeddings: int = 8192
     architecture: str = ARCHITECTURE
-    target: str = ""
-    target_sha256: str | None = None
+    target: str = field(default="", compare=False)
+    target_sha256: str | None = field(default=None, compare=False)
     training: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +117,10 @@ class DFlashConfig:
             return cls(**{k: v for k, v in config.items() if k in names and v is not None})
         except TypeError as e:  # a missing required key
             raise ValueError(str(e).replace("__init__()", "config.json")) from e
+
+    def to_dict(self) -> dict:
+        """The ``config.json`` mapping (``from_dict``'s inverse)."""
+        return asdict(self) | {"target_layer_ids": list(self.target_layer_ids)}
 
     @property
     def n_taps(self) -> int:
