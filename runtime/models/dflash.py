@@ -32,7 +32,7 @@ from flm_runtime.backends import cpu
 from flm_runtime.engine.kv_cache import KVCache
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.models.llama import (KV_PROJ, LlamaConfig, _Span, _Taker, decoder_layer, fuse_layer, kv_heads,
-                                     layer_weight_shapes, stack_rows)
+                                     layer_weight_shapes, take_fused)
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class DFlashDraft:
         self.norm = take("norm.weight", (e,))
         self.layers = [fuse_layer(take, c, f"layers.{i}.") for i in range(c.num_hidden_layers)]
         # add_context's projection, each layer's Wk and Wv alone: a product of all wqkv's rows rounds differently
-        self.context_kv = [stack_rows(take, c, f"layers.{i}.", KV_PROJ) for i in range(c.num_hidden_layers)]  # [2*Hkv*D, E]
+        self.context_kv = [take_fused(take, c, f"layers.{i}.", KV_PROJ) for i in range(c.num_hidden_layers)]  # [2*Hkv*D, E]
         self.rope_cos, self.rope_sin = cpu.rope_tables(d, max_positions, c.rope_theta)  # [P, D/2]
 
     @classmethod

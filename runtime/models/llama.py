@@ -128,7 +128,7 @@ def layer_weight_shapes(config: LayerConfig) -> dict[str, tuple[int, ...]]:
             "mlp.gate_proj.weight": (f, e), "mlp.up_proj.weight": (f, e), "mlp.down_proj.weight": (e, f)}
 
 
-def stack_rows(take: _Taker, config: LayerConfig, prefix: str, names: tuple[str, ...]) -> cpu.Weight:
+def take_fused(take: _Taker, config: LayerConfig, prefix: str, names: tuple[str, ...]) -> cpu.Weight:
     """The tensors ``prefix + name`` of one layer (names of ``layer_weight_shapes``) stacked by rows,
     in that order: one matrix product instead of one per tensor (a weight fusion).
 
@@ -153,10 +153,10 @@ def fuse_layer(take: _Taker, config: LayerConfig, prefix: str) -> LlamaLayer:
 
     return LlamaLayer(
         attn_norm=one("input_layernorm.weight"),
-        wqkv=stack_rows(take, config, prefix, QKV_PROJ),
+        wqkv=take_fused(take, config, prefix, QKV_PROJ),
         wo=one("self_attn.o_proj.weight"),
         ffn_norm=one("post_attention_layernorm.weight"),
-        w_gate_up=stack_rows(take, config, prefix, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+        w_gate_up=take_fused(take, config, prefix, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
         w_down=one("mlp.down_proj.weight"),
     )
 
