@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flm_runtime import registry
+from flm_runtime import pull
 from flm_runtime.backends.quant import QuantWeight
 from flm_runtime.loading import load_model_files
 from flm_runtime.loading.weights import WEIGHT_KINDS
@@ -195,7 +195,7 @@ def _wanted_env(args: argparse.Namespace, environ) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     """Load every engine, warm it up, measure ``args.rounds`` interleaved rounds, print the table
     (and write ``args.json``). Assumes ``_wanted_env`` is in effect."""
-    path = registry.locate(args.tag)
+    path = pull.locate(args.tag)
     ours = {engine_label(kind): Ours(path, kind) for kind in args.weights}
     n_vocab = next(iter(ours.values())).model.config.vocab_size
     tokens = np.random.default_rng(0).integers(0, n_vocab, size=max(CONTEXTS) + PASS_ROWS).tolist()

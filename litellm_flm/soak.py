@@ -208,6 +208,7 @@ def draft_models_file(tag: str, draft: str | Path):
         path = Path(tmp) / "models.json"  # JSON is YAML
         path.write_text(json.dumps(specs, indent=2), encoding="utf-8")
         os.environ[paths.MODELS_FILE_ENV] = str(path)
+        registry.reload()
         try:
             yield path
         finally:
@@ -215,6 +216,7 @@ def draft_models_file(tag: str, draft: str | Path):
                 os.environ.pop(paths.MODELS_FILE_ENV, None)
             else:
                 os.environ[paths.MODELS_FILE_ENV] = old
+            registry.reload()
 
 
 def main(args: argparse.Namespace) -> int:

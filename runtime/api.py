@@ -8,7 +8,9 @@
     print(engine.submit(ids, SamplingParams(max_tokens=64)).result().text)
 
 One engine per tag per process, created on first use and shared by every caller (the LiteLLM
-handler, the CLI, tests). Loading holds a lock so concurrent first calls load once.
+handler, the CLI, tests): the engines and loaded models live in a ``Runtime``, and the module's
+``get_engine`` asks ``default_runtime``. A test makes a ``Runtime`` of its own and closes it
+(or ``forget``s one tag's engines). Loading holds a lock so concurrent first calls load once.
 
 A DFlash tag (``X-dflash:size``) gets its own engine that decodes speculatively with the draft of
 ``registry.locate_draft(tag)``, over the *same* target object as the base tag's engine: a target is
@@ -49,9 +51,6 @@ from flm_runtime.loading import Tokenizer, load_model_files
 from flm_runtime.models.dflash import DFlashDraft
 from flm_runtime.models.llama import LlamaModel
 
-_lock = threading.Lock()
-_engines: dict[str, Engine] = {}  # engine name (the tag; "tag[npu]" on the npu backend) -> engine
-
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -66,14 +65,9 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-_targets: dict[str, LoadedModel] = {}  # canonical plain tag -> its cpu model, shared by engines
-_npu_targets: dict[str, LoadedModel] = {}  # canonical plain tag -> its npu model
-_choices: dict[tuple[str, str], str] = {}  # (plain tag, requested backend) -> backend that runs it
-_keys: dict[tuple[str, str], str] = {}  # (tag as asked, requested backend) -> engine name
-
-
-def load_model(tag: str) -> LoadedModel:
-    """Locate (pulling if needed) and load the model of ``tag`` on the cpu backend.
+def load_model(tag: str, models: registry.Registry | None = None) -> LoadedModel:
+    """Locate (pulling if needed) and load the model of ``tag`` on the cpu backend, as ``models``
+    (default ``registry.current()``) defines it.
 
     Raises:
         UnknownModelError: no registry defines ``tag``.
@@ -81,7 +75,8 @@ def load_model(tag: str) -> LoadedModel:
         ModelDownloadError: pulling failed.
         ModelFormatError: the files are unreadable or unsupported.
     """
-    bundle = load_model_files(pull.locate(tag), weights=registry.resolve(tag).weights)
+    models = models or registry.current()
+    bundle = load_model_files(pull.locate(tag, models=models), weights=models.resolve(tag).weights)
     model, tokenizer = LlamaModel(bundle.config, bundle.weights), bundle.tokenizer
     del bundle  # the model holds its own (fused) copies of the weights
     _return_free_memory()
@@ -101,8 +96,9 @@ def _return_free_memory() -> None:
         pass
 
 
-def load_draft(tag: str, target: LlamaModel) -> DFlashDraft:
-    """Load the DFlash draft of ``tag`` for ``target`` (the base tag's loaded model).
+def load_draft(tag: str, target: LlamaModel, models: registry.Registry | None = None) -> DFlashDraft:
+    """Load the DFlash draft of ``tag`` for ``target`` (the base tag's loaded model), as ``models``
+    (default ``registry.current()``) defines it.
 
     The draft's ``target_sha256`` is compared with the base entry's recorded sha256 (which
     ``pull.locate`` has verified on the file) when the base is one file with a recorded hash;
@@ -112,11 +108,12 @@ def load_draft(tag: str, target: LlamaModel) -> DFlashDraft:
         ModelFilesMissingError: the draft's files are absent.
         ModelFormatError: unreadable draft files, or a draft that does not fit ``target``.
     """
-    entry = registry.resolve(tag)
+    models = models or registry.current()
+    entry = models.resolve(tag)
     assert entry.base is not None, f"{tag} is not a DFlash tag"
-    base = registry.resolve(entry.base)
+    base = models.resolve(entry.base)
     sha = base.files[0].sha256 if len(base.files) == 1 else None
-    return DFlashDraft.load(registry.locate_draft(tag), target, target_sha256=sha)
+    return DFlashDraft.load(models.locate_draft(tag), target, target_sha256=sha)
 
 
 def load_npu_model(tag: str, cpu_model: LlamaModel):
@@ -137,90 +134,139 @@ def load_npu_model(tag: str, cpu_model: LlamaModel):
     return NpuModel(cpu_model, manifest, check.build)
 
 
-def load_policy(tag: str, backend: str) -> PolicyTable | None:
+def load_policy(tag: str, backend: str, models: registry.Registry | None = None) -> PolicyTable | None:
     """The speculation policy table of DFlash ``tag`` on ``backend``: the user's calibration
     (``paths.policy_file``) if there is one, else the table shipped in the draft directory
-    (``policy-<backend>.json``), else None (always speculate).
+    (``policy-<backend>.json``; ``models``, default ``registry.current()``, says where that is),
+    else None (always speculate).
 
     Raises:
         ValueError: a table file exists but is not a valid table (naming the file).
     """
-    for path in (paths.policy_file(tag, backend), registry.locate_draft(tag) / POLICY_FILE.format(backend=backend)):
+    draft_dir = (models or registry.current()).locate_draft(tag)
+    for path in (paths.policy_file(tag, backend), draft_dir / POLICY_FILE.format(backend=backend)):
         if path.is_file():
             return PolicyTable.load(path)
     return None
 
 
-def get_engine(tag: str, backend: str | None = None) -> Engine:
-    """The process-wide engine serving ``tag`` on ``backend``, loading the model on first use.
+class Runtime:
+    """The engines and loaded models of one process (``default_runtime``) or one test.
 
-    Args:
-        tag: a registry tag.
-        backend: ``auto``, ``cpu`` or ``npu``; None reads ``$FLM_BACKEND`` (default ``auto``).
-
-    Raises:
-        InvalidRequestError: ``backend`` (or ``$FLM_BACKEND``) is not auto, cpu or npu; or
-            ``$FLM_KV_BUDGET`` / ``$FLM_MAX_QUEUE`` (the new engine's limits, see
-            ``flm_runtime.engine.admission``) is not a positive integer.
-        BackendUnavailableError: ``npu`` was asked for and cannot run (says what is missing).
-        the errors of ``load_model`` (and of ``load_draft`` for a DFlash tag).
+    An engine per (tag, backend that runs it), each plain tag's target loaded once per backend
+    and shared by its plain and DFlash engines, and each (tag, requested backend)'s backend
+    choice, made once.
     """
-    requested = requested_backend(backend)
-    with _lock:
-        key = _keys.get((tag, requested))
-        engine = _engines.get(key) if key is not None else None
-        if engine is None:
-            entry = registry.resolve(tag)
-            base = entry.base or entry.tag
-            name = _backend_for(base, requested)
-            key = _keys[(tag, requested)] = tag if name == "cpu" else f"{tag}[{name}]"
-            engine = _engines.get(key)
-        if engine is None:
-            if entry.is_dflash:
-                pull.locate(tag)  # the draft's and the base's files, pulling the base if need be
-                loaded = _target(base, name)
-                speculative = SpeculativeDecoder(loaded.model, load_draft(tag, loaded.model),
-                                                 policy=load_policy(tag, name))
-            else:
-                loaded, speculative = _target(base, name), None
-            sampling = registry.resolve(base).sampling  # a draft keeps its target's
-            engine = Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
-                            default_sampling=sampling, **limits_from_env())
-            _engines[key] = engine
-        return engine
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engines: dict[str, Engine] = {}  # engine name (the tag; "tag[npu]" on the npu backend) -> engine
+        self._targets: dict[tuple[str, str], LoadedModel] = {}  # (canonical plain tag, backend) -> its model
+        self._choices: dict[tuple[str, str], str] = {}  # (plain tag, requested backend) -> backend that runs it
+        self._keys: dict[tuple[str, str], str] = {}  # (tag as asked, requested backend) -> engine name
 
-def _backend_for(tag: str, requested: str) -> str:
-    """The backend that runs plain ``tag`` for ``requested``, decided once per process (lock held).
+    def get_engine(self, tag: str, backend: str | None = None) -> Engine:
+        """The engine serving ``tag`` on ``backend``, loading the model on first use; one registry
+        (``registry.current()``) answers every lookup of the call.
 
-    ``auto`` that selects npu but whose npu model then fails to start falls back to cpu; ``npu``
-    raises instead, and is not remembered (a later call tries again).
-    """
-    name = _choices.get((tag, requested))
-    if name is None:
-        name = select_backend(requested, tag).name
-        if name == "npu":
-            try:
-                _target(tag, "npu")
-            except BackendUnavailableError as e:
-                if requested == "npu":
-                    raise
-                log_once(f"backend auto chose cpu for {tag}: the npu backend failed to start: {e}")
-                name = "cpu"
-        _choices[(tag, requested)] = name
-    return name
+        Args:
+            tag: a registry tag.
+            backend: ``auto``, ``cpu`` or ``npu``; None reads ``$FLM_BACKEND`` (default ``auto``).
 
+        Raises:
+            InvalidRequestError: ``backend`` (or ``$FLM_BACKEND``) is not auto, cpu or npu; or
+                ``$FLM_KV_BUDGET`` / ``$FLM_MAX_QUEUE`` (the new engine's limits, see
+                ``flm_runtime.engine.admission``) is not a positive integer.
+            BackendUnavailableError: ``npu`` was asked for and cannot run (says what is missing).
+            the errors of ``load_model`` (and of ``load_draft`` for a DFlash tag).
+        """
+        requested = requested_backend(backend)
+        with self._lock:
+            key = self._keys.get((tag, requested))
+            engine = self._engines.get(key) if key is not None else None
+            if engine is None:
+                models = registry.current()
+                entry = models.resolve(tag)
+                base = entry.base or entry.tag
+                name = self._backend_for(base, requested, models)
+                key = self._keys[(tag, requested)] = tag if name == "cpu" else f"{tag}[{name}]"
+                engine = self._engines.get(key)
+            if engine is None:
+                if entry.is_dflash:
+                    pull.locate(tag, models=models)  # the draft's and the base's files, pulling the base if need be
+                    loaded = self._target(base, name, models)
+                    speculative = SpeculativeDecoder(loaded.model, load_draft(tag, loaded.model, models),
+                                                     policy=load_policy(tag, name, models))
+                else:
+                    loaded, speculative = self._target(base, name, models), None
+                sampling = models.resolve(base).sampling  # a draft keeps its target's
+                engine = Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
+                                default_sampling=sampling, **limits_from_env())
+                self._engines[key] = engine
+            return engine
 
-def _target(tag: str, backend: str = "cpu") -> LoadedModel:
-    """The loaded model of plain ``tag`` (canonical) on ``backend``, once per process (lock held)."""
-    if backend == "cpu":
-        loaded = _targets.get(tag)
+    def forget(self, tag: str) -> int:
+        """Close and drop the engines of ``tag`` (as asked, on every backend): the next
+        ``get_engine`` builds a new one, reading its draft and policy table again. Loaded targets
+        stay.
+
+        Returns:
+            how many engines were closed (0: ``tag`` had none).
+        """
+        with self._lock:
+            engines = [e for (asked, _), key in self._keys.items() if asked == tag
+                       and (e := self._engines.pop(key, None)) is not None]
+        for engine in engines:
+            engine.close()
+        return len(engines)
+
+    def close(self) -> None:
+        """Close every engine and drop every engine, target and backend choice."""
+        with self._lock:
+            for engine in self._engines.values():
+                engine.close()
+            self._engines.clear()
+            self._targets.clear()
+            self._choices.clear()
+            self._keys.clear()
+
+    def _backend_for(self, tag: str, requested: str, models: registry.Registry) -> str:
+        """The backend that runs plain ``tag`` for ``requested``, decided once (lock held).
+
+        ``auto`` that selects npu but whose npu model then fails to start falls back to cpu; ``npu``
+        raises instead, and is not remembered (a later call tries again).
+        """
+        name = self._choices.get((tag, requested))
+        if name is None:
+            name = select_backend(requested, tag).name
+            if name == "npu":
+                try:
+                    self._target(tag, "npu", models)
+                except BackendUnavailableError as e:
+                    if requested == "npu":
+                        raise
+                    log_once(f"backend auto chose cpu for {tag}: the npu backend failed to start: {e}")
+                    name = "cpu"
+            self._choices[(tag, requested)] = name
+        return name
+
+    def _target(self, tag: str, backend: str, models: registry.Registry) -> LoadedModel:
+        """The loaded model of plain ``tag`` (canonical) on ``backend``, loaded once (lock held)."""
+        loaded = self._targets.get((tag, backend))
         if loaded is None:
-            loaded = _targets[tag] = load_model(tag)
+            if backend == "cpu":
+                loaded = load_model(tag, models)
+            else:
+                assert backend == "npu", backend
+                cpu = self._target(tag, "cpu", models)
+                loaded = LoadedModel(tag, load_npu_model(tag, cpu.model), cpu.tokenizer)
+            self._targets[(tag, backend)] = loaded
         return loaded
-    assert backend == "npu", backend
-    loaded = _npu_targets.get(tag)
-    if loaded is None:
-        cpu = _target(tag)
-        loaded = _npu_targets[tag] = LoadedModel(tag, load_npu_model(tag, cpu.model), cpu.tokenizer)
-    return loaded
+
+
+default_runtime = Runtime()  # the process's: the one the LiteLLM handler, the CLI and get_engine use
+
+
+def get_engine(tag: str, backend: str | None = None) -> Engine:
+    """``default_runtime.get_engine(tag, backend)``: the process-wide engine of ``tag``."""
+    return default_runtime.get_engine(tag, backend)

@@ -235,8 +235,9 @@ _announced: set[str] = set()
 _announce_lock = threading.Lock()
 
 
-def locate(tag: str, *, auto_pull: bool = True) -> Path:
-    """The GGUF file or HF directory to load for ``tag`` (the base's, for a DFlash tag).
+def locate(tag: str, *, auto_pull: bool = True, models: registry.Registry | None = None) -> Path:
+    """The GGUF file or HF directory to load for ``tag`` (the base's, for a DFlash tag), as
+    ``models`` (default ``registry.current()``) defines it.
 
     A missing model with a source (the embedded default) is pulled on first use when
     ``auto_pull``; this is said once on stderr. For a DFlash tag the draft must be present too:
@@ -248,12 +249,13 @@ def locate(tag: str, *, auto_pull: bool = True) -> Path:
             the files and the directory to put them in.
         ModelDownloadError: the automatic pull failed (nothing partial is left behind).
     """
-    entry = registry.resolve(tag)
+    models = models or registry.current()
+    entry = models.resolve(tag)
     if entry.is_dflash:
-        if missing := registry.dflash_missing(entry, auto_pull=auto_pull):
+        if missing := models.dflash_missing(entry, auto_pull=auto_pull):
             raise registry.missing_files_error(*missing)
         assert entry.base is not None
-        return locate(entry.base, auto_pull=auto_pull)
+        return locate(entry.base, auto_pull=auto_pull, models=models)
     found = registry.problems(entry)
     if not found:
         return entry.location()

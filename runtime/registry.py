@@ -31,6 +31,9 @@ Tags come from three layers, later ones winning a conflict as stated:
    keys ``draft`` (= ``draft_dir``) and ``sha256``/``size`` (of a GGUF ``path``). Relative paths
    are taken from the file's directory (from the module's directory for an entry point).
 
+The layers are read once per process, on first use (``current()``, a ``Registry``); ``reload()``
+reads them again at the next lookup, after the user models file or ``$FLM_MODELS_FILE`` changed.
+
 Files are "installed" when each exists with the recorded size and, where a sha256 is recorded, the
 content hashed to it once: the result is kept in a marker (see ``_marker_path``) that stays valid
 while the file's size, mtime and inode are unchanged, so a 98 MB file is not rehashed every start.
@@ -204,6 +207,12 @@ class ModelEntry(BaseModel):
         return sum(f.size or 0 for f in files)
 
 
+def dflash_tag(tag: str) -> str:
+    """The DFlash tag of plain ``tag``: ``family:size`` -> ``family-dflash:size``."""
+    family, _, size = tag.partition(":")
+    return f"{family}-dflash:{size}"
+
+
 def _model_files(names: Iterable[str]) -> tuple[ModelFile, ...]:
     return tuple(ModelFile(name=n) for n in names)
 
@@ -223,26 +232,27 @@ def builtin_entries() -> list[ModelEntry]:
         # (temperature 1.0, top_k 64) makes a 135M model ramble.
         sampling=SamplingDefaults(temperature=0.2, top_k=0, top_p=0.9, min_p=0.0),
     )
+    nemotron = "nemotron3.5-bolt:e4b"
     return [
         smollm2,
         ModelEntry(
-            tag="smollm2-dflash:135m",
+            tag=dflash_tag(DEFAULT_TAG),
             description="smollm2:135m with our DFlash draft (shipped in the package)",
             base=DEFAULT_TAG,
             draft_dir=paths.package_dir() / "drafts" / "smollm2-135m-dflash",
             draft_files=_model_files(DRAFT_FILES),
         ),
         ModelEntry(
-            tag="nemotron3.5-bolt:e4b",
+            tag=nemotron,
             description="NVIDIA Nemotron-3.5-Bolt-E4B (HF directory; place the files yourself)",
             format="hf",
             files=_model_files(HF_FILES),
         ),
         ModelEntry(
-            tag="nemotron3.5-bolt-dflash:e4b",
-            description="nemotron3.5-bolt:e4b with NVIDIA's DFlash draft (place the draft yourself)",
-            base="nemotron3.5-bolt:e4b",
-            draft_dir=paths.tag_dir("nemotron3.5-bolt-dflash:e4b"),
+            tag=dflash_tag(nemotron),
+            description=f"{nemotron} with NVIDIA's DFlash draft (place the draft yourself)",
+            base=nemotron,
+            draft_dir=paths.tag_dir(dflash_tag(nemotron)),
             draft_files=_model_files(DRAFT_FILES),
         ),
     ]
@@ -362,56 +372,6 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
-# --- the merged registry ------------------------------------------------------------------------
-
-def _all_entries() -> dict[str, ModelEntry]:
-    merged = {e.tag: e for e in builtin_entries()}
-    for e in _entry_point_entries():
-        if e.tag in merged:
-            log.warning("%s redefines %s (from %s); keeping the existing one", e.origin, e.tag,
-                        merged[e.tag].origin)
-            continue
-        merged[e.tag] = e
-    user_file = paths.models_file()
-    if user_file.is_file():
-        for e in _user_file_entries(user_file):
-            if e.tag in merged:
-                log.info("%s overrides %s (from %s)", e.origin, e.tag, merged[e.tag].origin)
-            merged[e.tag] = e
-    return merged
-
-
-def list_entries() -> list[ModelEntry]:
-    """Every known entry, sorted by tag.
-
-    Raises:
-        ModelFormatError: the user models file is unreadable or invalid.
-    """
-    return sorted(_all_entries().values(), key=lambda e: e.tag)
-
-
-def resolve(tag: str) -> ModelEntry:
-    """The entry of ``tag`` (surrounding spaces and case ignored).
-
-    Raises:
-        UnknownModelError: no layer defines the tag; the message lists the known tags.
-        ModelFormatError: the user models file is unreadable or invalid, or a DFlash entry's base
-            is unknown or itself a DFlash entry.
-    """
-    entries = _all_entries()
-    key = tag.strip().lower()
-    entry = entries.get(key)
-    if entry is None:
-        raise UnknownModelError(f"unknown model tag {tag!r}; known tags: {', '.join(sorted(entries))}. "
-                                f"Add your own in {paths.models_file()}")
-    if entry.base is not None:
-        base = entries.get(entry.base)
-        if base is None or base.is_dflash:
-            raise ModelFormatError(f"{entry.tag} ({entry.origin}): base {entry.base!r} is not a known "
-                                   "plain (non-DFlash) tag")
-    return entry
-
-
 # --- installed or not -------------------------------------------------------------------------
 
 def _marker_path(path: Path) -> Path:
@@ -492,14 +452,6 @@ def problems(entry: ModelEntry) -> list[str]:
     return file_problems(entry.root(), entry.files)
 
 
-def is_installed(entry: ModelEntry) -> bool:
-    """All files of ``entry`` present and verified; for DFlash, the draft's and the base's."""
-    if entry.is_dflash:
-        assert entry.base is not None
-        return not problems(entry) and is_installed(resolve(entry.base))
-    return not problems(entry)
-
-
 def missing_files_error(*missing: tuple[ModelEntry, list[str]]) -> ModelFilesMissingError:
     """The error for entries whose files cannot be fetched here.
 
@@ -518,26 +470,145 @@ def missing_files_error(*missing: tuple[ModelEntry, list[str]]) -> ModelFilesMis
     return ModelFilesMissingError(" ".join(parts) + " These files have no automatic download.")
 
 
+# --- the merged registry ------------------------------------------------------------------------
+
+class Registry:
+    """The entries of the three layers, merged once (``read``): every lookup of a tag asks one.
+
+    The process's registry is ``current()``; ``reload()`` makes the next lookup read the layers
+    again (after the user models file, ``$FLM_MODELS_FILE`` or the installed plugins changed).
+    Holding one ``Registry`` across several lookups gives them all the same entries.
+
+    Args:
+        entries: tag -> entry.
+    """
+
+    def __init__(self, entries: Mapping[str, ModelEntry]):
+        self._entries = dict(entries)
+
+    @classmethod
+    def read(cls) -> Registry:
+        """The built-ins, the entry points and the user models file, merged as the module docstring says.
+
+        Raises:
+            ModelFormatError: the user models file is unreadable or invalid.
+        """
+        merged = {e.tag: e for e in builtin_entries()}
+        for e in _entry_point_entries():
+            if e.tag in merged:
+                log.warning("%s redefines %s (from %s); keeping the existing one", e.origin, e.tag,
+                            merged[e.tag].origin)
+                continue
+            merged[e.tag] = e
+        user_file = paths.models_file()
+        if user_file.is_file():
+            for e in _user_file_entries(user_file):
+                if e.tag in merged:
+                    log.info("%s overrides %s (from %s)", e.origin, e.tag, merged[e.tag].origin)
+                merged[e.tag] = e
+        return cls(merged)
+
+    def entries(self) -> list[ModelEntry]:
+        """Every entry, sorted by tag."""
+        return sorted(self._entries.values(), key=lambda e: e.tag)
+
+    def resolve(self, tag: str) -> ModelEntry:
+        """The entry of ``tag`` (surrounding spaces and case ignored).
+
+        Raises:
+            UnknownModelError: no layer defines the tag; the message lists the known tags.
+            ModelFormatError: a DFlash entry's base is unknown or itself a DFlash entry.
+        """
+        key = tag.strip().lower()
+        entry = self._entries.get(key)
+        if entry is None:
+            raise UnknownModelError(f"unknown model tag {tag!r}; known tags: {', '.join(sorted(self._entries))}. "
+                                    f"Add your own in {paths.models_file()}")
+        if entry.base is not None:
+            base = self._entries.get(entry.base)
+            if base is None or base.is_dflash:
+                raise ModelFormatError(f"{entry.tag} ({entry.origin}): base {entry.base!r} is not a known "
+                                       "plain (non-DFlash) tag")
+        return entry
+
+    def is_installed(self, entry: ModelEntry) -> bool:
+        """All files of ``entry`` present and verified; for DFlash, the draft's and the base's."""
+        if entry.is_dflash:
+            assert entry.base is not None
+            return not problems(entry) and self.is_installed(self.resolve(entry.base))
+        return not problems(entry)
+
+    def dflash_missing(self, entry: ModelEntry, *, auto_pull: bool) -> list[tuple[ModelEntry, list[str]]]:
+        """The draft's problems and the base's, where pulling cannot fix the latter."""
+        assert entry.base is not None
+        base = self.resolve(entry.base)
+        missing = [(entry, found)] if (found := problems(entry)) else []
+        if not (base.source is not None and auto_pull) and (found := problems(base)):
+            missing.append((base, found))
+        return missing
+
+    def locate_draft(self, tag: str) -> Path | None:
+        """The DFlash draft directory of ``tag`` (None for a plain tag).
+
+        Raises:
+            ModelFilesMissingError: the draft's files are absent; names them and the directory.
+        """
+        entry = self.resolve(tag)
+        if not entry.is_dflash:
+            return None
+        if found := problems(entry):
+            raise missing_files_error((entry, found))
+        assert entry.draft_dir is not None
+        return entry.draft_dir
+
+
+# --- the process's registry ----------------------------------------------------------------------
+
+_current: Registry | None = None
+_current_lock = threading.Lock()
+
+
+def current() -> Registry:
+    """The process's registry, read on first use (and after ``reload``).
+
+    Raises:
+        ModelFormatError: the user models file is unreadable or invalid (nothing is kept: the
+            next call reads again).
+    """
+    global _current
+    with _current_lock:
+        if _current is None:
+            _current = Registry.read()
+        return _current
+
+
+def reload() -> None:
+    """Forget the registry read so far: the next lookup reads the three layers again."""
+    global _current
+    with _current_lock:
+        _current = None
+
+
+def list_entries() -> list[ModelEntry]:
+    """``current().entries()``."""
+    return current().entries()
+
+
+def resolve(tag: str) -> ModelEntry:
+    """``current().resolve(tag)``."""
+    return current().resolve(tag)
+
+
+def is_installed(entry: ModelEntry) -> bool:
+    """``current().is_installed(entry)``."""
+    return current().is_installed(entry)
+
+
 def dflash_missing(entry: ModelEntry, *, auto_pull: bool) -> list[tuple[ModelEntry, list[str]]]:
-    """The draft's problems and the base's, where pulling cannot fix the latter."""
-    assert entry.base is not None
-    base = resolve(entry.base)
-    missing = [(entry, found)] if (found := problems(entry)) else []
-    if not (base.source is not None and auto_pull) and (found := problems(base)):
-        missing.append((base, found))
-    return missing
+    """``current().dflash_missing(entry, auto_pull=auto_pull)``."""
+    return current().dflash_missing(entry, auto_pull=auto_pull)
 
 
 def locate_draft(tag: str) -> Path | None:
-    """The DFlash draft directory of ``tag`` (None for a plain tag).
-
-    Raises:
-        ModelFilesMissingError: the draft's files are absent; names them and the directory.
-    """
-    entry = resolve(tag)
-    if not entry.is_dflash:
-        return None
-    if found := problems(entry):
-        raise missing_files_error((entry, found))
-    assert entry.draft_dir is not None
-    return entry.draft_dir
+    """``current().locate_draft(tag)``."""
+    return current().locate_draft(tag)

@@ -24,6 +24,17 @@ DEFAULT_TAG = "smollm2:135m"
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+@pytest.fixture(autouse=True)
+def registry_read_again_after_each_test():
+    """A test that points the registry elsewhere (``FLM_MODELS_FILE``, ``FLM_MODEL_PATH``) reloads
+    it; after the test (and after monkeypatch has restored the environment: this fixture is set up
+    first, so torn down last) the next lookup reads the suite's own layers again."""
+    yield
+    from flm_runtime import registry
+
+    registry.reload()
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of the embedded default model's GGUF file (pulled on first use)."""

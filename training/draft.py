@@ -10,49 +10,17 @@ another block; the attention mask encodes that, so M blocks cost one forward.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-
 import torch
 import torch.nn.functional as F
+from flm_runtime.models.dflash import DFlashConfig
 from flm_train.target import apply_rope, rms_norm, rope_tables
 from torch import nn
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    """The draft's ``config.json`` keys that define its shapes (docs/dflash.md, "Files")."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    num_hidden_layers: int
-    target_layer_ids: tuple[int, ...]
-    block_size: int = 8
-    mask_token_id: int = 16
-    max_position_embeddings: int = 8192
-    draft_vocab_size: int = 0  # 0: the target's whole vocabulary
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DraftConfig:
-        names = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names}
-        kw["target_layer_ids"] = tuple(kw["target_layer_ids"])
-        return cls(**kw)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        return d
 
 
 class DraftLayer(nn.Module):
     """One Llama decoder layer whose keys/values also cover the injected context features."""
 
-    def __init__(self, c: DraftConfig):
+    def __init__(self, c: DFlashConfig):
         super().__init__()
         e, h, hkv, d, f = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
         self.c = c
@@ -99,7 +67,7 @@ class DFlashDraft(nn.Module):
             Saved with the draft (a persistent buffer), so a resumed run keeps the same one.
     """
 
-    def __init__(self, c: DraftConfig, embed: torch.Tensor, lm_head: torch.Tensor,
+    def __init__(self, c: DFlashConfig, embed: torch.Tensor, lm_head: torch.Tensor,
                  draft_vocab: torch.Tensor | None = None):
         super().__init__()
         e, n = c.hidden_size, len(c.target_layer_ids)

@@ -11,36 +11,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from flm_train.draft import DFlashDraft, DraftConfig
+from flm_runtime.models.dflash import DFlashConfig
+from flm_train.draft import DFlashDraft
 from safetensors.numpy import save_file
 from safetensors.torch import load_file
-
-
-def dflash_tag(target: str) -> str:
-    """``smollm2:135m`` -> ``smollm2-dflash:135m`` (the registry's naming of DFlash tags)."""
-    family, size = target.split(":", 1)
-    return f"{family}-dflash:{size}"
 
 
 def default_export_dir(target: str) -> Path:
     from flm_runtime import registry
 
-    entry = registry.resolve(dflash_tag(target))
+    entry = registry.resolve(registry.dflash_tag(target))
     assert entry.draft_dir is not None
     return entry.draft_dir
 
 
-def write_draft(out_dir: Path, config: DraftConfig, state: dict[str, torch.Tensor], *, target: str,
+def write_draft(out_dir: Path, config: DFlashConfig, state: dict[str, torch.Tensor], *, target: str,
                 target_sha256: str | None, training: dict) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (float16; ``draft_vocab`` int64) atomically-enough
     (tmp + rename each)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = {"architecture": "dflash-llama", "target": target, "target_sha256": target_sha256,
-           **config.to_dict(), "training": training}
+    cfg = replace(config, target=target, target_sha256=target_sha256, training=training).to_dict()
     tensors = {k: v.detach().cpu().numpy().astype(np.int64 if k == "draft_vocab" else np.float16)
                for k, v in state.items()}
     tmp = out_dir / "model.safetensors.tmp"
@@ -53,7 +48,7 @@ def write_draft(out_dir: Path, config: DraftConfig, state: dict[str, torch.Tenso
     return out_dir
 
 
-def read_draft(draft_dir: Path) -> tuple[DraftConfig, dict[str, torch.Tensor], dict]:
+def read_draft(draft_dir: Path) -> tuple[DFlashConfig, dict[str, torch.Tensor], dict]:
     """A draft directory's config, tensors (float32; ``draft_vocab`` int64) as ``export_state``
     gives them (what ``DFlashDraft.load_export_state`` takes, for a warm start from a shipped
     draft), and the ``training`` record of its ``config.json`` (``{}`` without one).
@@ -63,7 +58,7 @@ def read_draft(draft_dir: Path) -> tuple[DraftConfig, dict[str, torch.Tensor], d
     """
     cfg = json.loads((draft_dir / "config.json").read_text())
     tensors = load_file(str(draft_dir / "model.safetensors"))
-    return (DraftConfig.from_dict(cfg), {k: v.long() if k == "draft_vocab" else v.float() for k, v in tensors.items()},
+    return (DFlashConfig.from_dict(cfg), {k: v.long() if k == "draft_vocab" else v.float() for k, v in tensors.items()},
             cfg.get("training", {}))
 
 
@@ -77,7 +72,7 @@ def _target_sha256(target: str) -> str | None:
 def export_from_checkpoint(a: argparse.Namespace) -> Path:
     """Export the best draft (by held-out simulated AL) of ``<out>/ckpt/last.pt``, else its last state."""
     ck = torch.load(a.out / "ckpt" / "last.pt", weights_only=False)
-    config = DraftConfig.from_dict(ck["draft_config"])
+    config = DFlashConfig.from_dict(ck["draft_config"])
     best = ck.get("best")
     if best is not None:
         state, chosen = best["state"], {"step": best["step"], "sim_al": round(best["sim_al"], 3)}

@@ -15,6 +15,8 @@ index, so a finished slot is refilled with a new prompt while the others keep de
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numba
@@ -166,37 +168,30 @@ class TorchLlama:
         c = self.config
         b, t = ids.shape
         assert (slot is None and t == 1 and b == cache.k.shape[1]) or (slot is not None and b == 1)
-        h, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = self.embed[ids]  # [B', T, E]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B', 1, T, D/2]
         rows = slice(None) if slot is None else slice(slot, slot + 1)
         if slot is not None:  # the slot's prefill attends its cache up to its last new position
             n_keys = int(pos[0, -1]) + 1
             mask = torch.arange(n_keys)[None, :] <= pos[0, :, None]  # [T, S'] causal
-        taps = []
-        for i, w in enumerate(self.layers):
-            qkv = rms_norm(x, w["attn_norm"], c.rms_norm_eps) @ w["wqkv"].T  # [B', T, (H+2Hkv)D]
-            q = apply_rope(qkv[..., : h * d].view(b, t, h, d).transpose(1, 2), cos, sin)  # [B', H, T, D]
-            k = apply_rope(qkv[..., h * d: (h + hkv) * d].view(b, t, hkv, d).transpose(1, 2), cos, sin)
-            v = qkv[..., (h + hkv) * d:].view(b, t, hkv, d).transpose(1, 2)  # [B', Hkv, T, D]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            """Write the new K/V into layer ``i``'s cache, attend the slot's cached positions."""
             ck, cv = cache.k[i], cache.v[i]  # [B, Hkv, S, D]
             if slot is None:
                 ar = torch.arange(b)
                 ck[ar, :, pos[:, 0]] = k[:, :, 0]  # [B, Hkv, D]
                 cv[ar, :, pos[:, 0]] = v[:, :, 0]
-            else:
-                p0 = int(pos[0, 0])
-                ck[slot, :, p0: p0 + t] = k[0]
-                cv[slot, :, p0: p0 + t] = v[0]
-            if slot is None:
-                attn = decode_attention(q, ck, cv, pos[:, 0])  # [B, H, 1, D]
-            else:
-                keys, vals = ck[rows, :, :n_keys], cv[rows, :, :n_keys]  # [1, Hkv, S', D] (views)
-                attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)  # [1, H, T, D]
-            x = x + attn.transpose(1, 2).reshape(b, t, h * d) @ w["wo"].T
-            gu = rms_norm(x, w["ffn_norm"], c.rms_norm_eps) @ w["w_gate_up"].T  # [B', T, 2F]
-            g, u = gu.chunk(2, dim=-1)
-            x = x + (F.silu(g) * u) @ w["w_down"].T  # [B', T, E]
+                return decode_attention(q, ck, cv, pos[:, 0])  # [B, H, 1, D]
+            p0 = int(pos[0, 0])
+            ck[slot, :, p0: p0 + t] = k[0]
+            cv[slot, :, p0: p0 + t] = v[0]
+            keys, vals = ck[rows, :, :n_keys], cv[rows, :, :n_keys]  # [1, Hkv, S', D] (views)
+            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)  # [1, H, T, D]
+
+        taps = []
+        for i, w in enumerate(self.layers):
+            x = self._layer(w, x, cos, sin, functools.partial(attend, i))  # [B', T, E]
             if i in tap_layers:
                 taps.append(x)
         cache.lengths[rows] = pos[:, -1] + 1
@@ -208,21 +203,34 @@ class TorchLlama:
     @torch.inference_mode()
     def taps_only(self, ids: torch.Tensor, tap_layers: list[int]) -> torch.Tensor:
         """Taps ``[T, n, E]`` of one sequence ``ids`` ``[T]`` in one causal forward (no cache, no LM head)."""
-        c = self.config
         t = ids.shape[0]
-        h, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         x = self.embed[ids][None]  # [1, T, E]
         cos, sin = self.cos[:t][None, None], self.sin[:t][None, None]  # [1, 1, T, D/2]
         taps = []
         for i, w in enumerate(self.layers[: max(tap_layers) + 1]):
-            qkv = rms_norm(x, w["attn_norm"], c.rms_norm_eps) @ w["wqkv"].T
-            q = apply_rope(qkv[..., : h * d].view(1, t, h, d).transpose(1, 2), cos, sin)
-            k = apply_rope(qkv[..., h * d: (h + hkv) * d].view(1, t, hkv, d).transpose(1, 2), cos, sin)
-            v = qkv[..., (h + hkv) * d:].view(1, t, hkv, d).transpose(1, 2)
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + attn.transpose(1, 2).reshape(1, t, h * d) @ w["wo"].T
-            g, u = (rms_norm(x, w["ffn_norm"], c.rms_norm_eps) @ w["w_gate_up"].T).chunk(2, dim=-1)
-            x = x + (F.silu(g) * u) @ w["w_down"].T
+            x = self._layer(w, x, cos, sin, _causal_attention)
             if i in tap_layers:
                 taps.append(x[0])
         return torch.stack(taps, dim=1)  # [T, n, E]
+
+    def _layer(self, w: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One decoder layer over ``x`` ``[B', T, E]`` (``cos``, ``sin`` broadcastable to
+        ``[B', 1, T, D/2]``), whose attention is ``attend(q, k, v)``: q ``[B', H, T, D]`` and k, v
+        ``[B', Hkv, T, D]`` of the new positions (RoPE applied) -> ``[B', H, T, D]``. Returns ``[B', T, E]``."""
+        c = self.config
+        b, t, _ = x.shape
+        h, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv = rms_norm(x, w["attn_norm"], c.rms_norm_eps) @ w["wqkv"].T  # [B', T, (H+2Hkv)D]
+        q = apply_rope(qkv[..., : h * d].view(b, t, h, d).transpose(1, 2), cos, sin)  # [B', H, T, D]
+        k = apply_rope(qkv[..., h * d: (h + hkv) * d].view(b, t, hkv, d).transpose(1, 2), cos, sin)
+        v = qkv[..., (h + hkv) * d:].view(b, t, hkv, d).transpose(1, 2)  # [B', Hkv, T, D]
+        x = x + attend(q, k, v).transpose(1, 2).reshape(b, t, h * d) @ w["wo"].T
+        gu = rms_norm(x, w["ffn_norm"], c.rms_norm_eps) @ w["w_gate_up"].T  # [B', T, 2F]
+        g, u = gu.chunk(2, dim=-1)
+        return x + (F.silu(g) * u) @ w["w_down"].T  # [B', T, E]
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention of one sequence's positions among themselves (no cache)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flm_train.draft import DFlashDraft, DraftConfig
+from flm_runtime.models.dflash import DFlashConfig
+from flm_train.draft import DFlashDraft
 from flm_train.export import read_draft
 from flm_train.target import default_tap_layers
 from tqdm import tqdm
@@ -297,13 +298,13 @@ def build_draft(a: argparse.Namespace, target_config, embed: torch.Tensor, lm_he
                 target_norm: torch.Tensor | None, draft_vocab: torch.Tensor | None) -> DFlashDraft:
     """A freshly initialised draft for the target (``draft_vocab`` ``[Vd]`` or None: see ``DFlashDraft``)."""
     c = target_config
-    dc = DraftConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                     num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                     head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-                     num_hidden_layers=a.layers, target_layer_ids=tuple(default_tap_layers(c.num_hidden_layers)),
-                     block_size=a.block_size, mask_token_id=a.mask_token_id,
-                     max_position_embeddings=c.max_position_embeddings,
-                     draft_vocab_size=0 if draft_vocab is None else len(draft_vocab))
+    dc = DFlashConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                      head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                      num_hidden_layers=a.layers, target_layer_ids=tuple(default_tap_layers(c.num_hidden_layers)),
+                      block_size=a.block_size, mask_token_id=a.mask_token_id,
+                      max_position_embeddings=c.max_position_embeddings,
+                      draft_vocab_size=0 if draft_vocab is None else len(draft_vocab))
     draft = DFlashDraft(dc, embed, lm_head, draft_vocab)
     with torch.no_grad():
         for mod in draft.modules():
@@ -343,17 +344,61 @@ def load_or_grow(draft: DFlashDraft, state: dict[str, torch.Tensor]) -> int:
     return len(draft.layers) - have
 
 
-def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Path]) -> None:
+@dataclass
+class Run:
+    """A training run between steps: what ``load_run`` builds, ``train_step`` advances and
+    ``save_run`` checkpoints.
+
+    Attributes:
+        draft, opt: the draft being trained and its AdamW.
+        data, held: the training shards and the held-out ones (None without any).
+        eval_seqs: the held-out greedy sequences that ``simulated_al`` evaluates.
+        heldout_names: the held-out shards' file names (a changed set forgets ``best``).
+        rng: the numpy generator of the epochs' permutations and the anchors.
+        step, epoch, cursor, perm: steps done; the epoch, and the position in its permutation of
+            the training sequences.
+        best: the best draft so far by held-out simulated AL (``sim_al``, ``step``, ``loss_ema``,
+            ``state``: its ``export_state``), or None.
+        history: every evaluation so far.
+        warm_start: the ``--init-draft`` this run started from and how that one was trained, or None.
+        warm_started_now: this call loaded ``--init-draft`` (a fresh run, not a resumed one).
+    """
+
+    draft: DFlashDraft
+    opt: torch.optim.Optimizer
+    data: Shards
+    held: Shards | None
+    eval_seqs: list[Seq]
+    heldout_names: list[str]
+    rng: np.random.Generator
+    step: int
+    epoch: int
+    cursor: int
+    perm: np.ndarray
+    best: dict | None
+    history: list[dict]
+    warm_start: dict | None
+    warm_started_now: bool
+
+
+def load_run(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Path]) -> Run | None:
+    """The run of ``a.out``: resumed from ``<out>/ckpt/last.pt`` when there is one, else a fresh
+    draft (warm-started from ``--init-draft`` if given) for ``--target``.
+
+    Returns:
+        None when the checkpoint has already reached ``--steps``.
+    Raises:
+        SystemExit: ``--init-draft``'s config differs from the draft asked for.
+    """
     from flm_runtime.loading import load_model_files
     from flm_runtime.pull import locate
 
-    ckpt_dir = a.out / "ckpt"
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    last = ckpt_dir / "last.pt"
+    (a.out / "ckpt").mkdir(parents=True, exist_ok=True)
+    last = a.out / "ckpt" / "last.pt"
     ck = torch.load(last, weights_only=False) if last.exists() else None
     if ck is not None and ck["step"] >= a.steps:
         log.info("train: done (step %d >= --steps %d)", ck["step"], a.steps)
-        return
+        return None
     torch.set_num_threads(a.threads)
     bundle = load_model_files(locate(a.target))
     embed = torch.from_numpy(bundle.weights["model.embed_tokens.weight"])
@@ -388,80 +433,109 @@ def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Pa
     log.info("train: %d sequences / %d tokens; held out %d sequences; draft vocabulary %d", len(data.seqs),
              data.n_tokens, len(held.seqs) if held else 0, len(draft.draft_vocab))
     eval_seqs = [s for s in held.seqs if s.greedy][: a.eval_seqs] if held else []
-    heldout_names = [q.name for q in heldout_paths]  # the checkpoint records them
     rng = np.random.default_rng(a.seed)
-    step, epoch, cursor, perm, best = 0, 0, 0, rng.permutation(len(data.seqs)), None
-    history: list[dict] = []
+    run = Run(draft, opt, data, held, eval_seqs, [q.name for q in heldout_paths], rng, step=0, epoch=0, cursor=0,
+              perm=rng.permutation(len(data.seqs)), best=None, history=[], warm_start=warm_start,
+              warm_started_now=init is not None)
     if ck is not None:
-        grown = load_or_grow(draft, ck["model"])
-        if grown:  # Adam's moments belong to the old parameter list
-            log.info("train: the checkpoint's draft grew by %d identity layer(s); the optimizer starts afresh", grown)
-        else:
-            opt.load_state_dict(ck["opt"])
-        step, epoch, cursor, perm = ck["step"], ck["epoch"], ck["cursor"], np.asarray(ck["perm"])
-        rng.bit_generator.state = ck["rng_numpy"]
-        torch.set_rng_state(ck["rng_torch"])
-        random.setstate(ck["rng_python"])
-        best, history = ck.get("best"), ck.get("history", [])
-        if grown or ck.get("heldout") != heldout_names:  # the best so far is not comparable with what follows
-            log.info("train: %s: the best draft so far (%s) is forgotten",
-                     "the draft grew" if grown else "the held-out shards changed",
-                     None if best is None else f"step {best['step']}, simulated AL {best['sim_al']:.3f}")
-            best = None
-        if len(perm) != len(data.seqs):  # the data grew (more --prompts): a new epoch over all of it
-            epoch, cursor, perm = epoch + 1, 0, rng.permutation(len(data.seqs))
-        log.info("train: resumed at step %d (epoch %d, cursor %d)", step, epoch, cursor)
+        _resume(run, ck)
+    return run
 
-    def checkpoint() -> None:
-        save_checkpoint(last, {"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
-                               "cursor": cursor, "perm": perm, "rng_numpy": rng.bit_generator.state,
-                               "rng_torch": torch.get_rng_state(), "rng_python": random.getstate(),
-                               "best": best, "heldout": heldout_names, "history": history,
-                               "args": {k: str(v) for k, v in vars(a).items()}, "warm_start": warm_start,
-                               "draft_config": draft.c.to_dict(), "train_tokens": data.n_tokens})
+
+def _resume(run: Run, ck: dict) -> None:
+    """Put checkpoint ``ck``'s draft, optimizer, counters and RNG states into ``run``."""
+    grown = load_or_grow(run.draft, ck["model"])
+    if grown:  # Adam's moments belong to the old parameter list
+        log.info("train: the checkpoint's draft grew by %d identity layer(s); the optimizer starts afresh", grown)
+    else:
+        run.opt.load_state_dict(ck["opt"])
+    run.step, run.epoch, run.cursor, run.perm = ck["step"], ck["epoch"], ck["cursor"], np.asarray(ck["perm"])
+    run.rng.bit_generator.state = ck["rng_numpy"]
+    torch.set_rng_state(ck["rng_torch"])
+    random.setstate(ck["rng_python"])
+    run.best, run.history = ck.get("best"), ck.get("history", [])
+    if grown or ck.get("heldout") != run.heldout_names:  # the best so far is not comparable with what follows
+        log.info("train: %s: the best draft so far (%s) is forgotten",
+                 "the draft grew" if grown else "the held-out shards changed",
+                 None if run.best is None else f"step {run.best['step']}, simulated AL {run.best['sim_al']:.3f}")
+        run.best = None
+    if len(run.perm) != len(run.data.seqs):  # the data grew (more --prompts): a new epoch over all of it
+        run.epoch, run.cursor, run.perm = run.epoch + 1, 0, run.rng.permutation(len(run.data.seqs))
+    log.info("train: resumed at step %d (epoch %d, cursor %d)", run.step, run.epoch, run.cursor)
+
+
+def train_step(run: Run, a: argparse.Namespace) -> tuple[float, dict, float]:
+    """One optimizer step on the next ``--batch-seqs`` sequences of the epoch (a new epoch, newly
+    permuted, when too few are left), ``--anchors`` blocks each.
+
+    Returns:
+        the loss, ``draft_loss``'s info (``acc1``) and the gradient norm before clipping.
+    """
+    if run.cursor + a.batch_seqs > len(run.perm):
+        run.epoch, run.cursor, run.perm = run.epoch + 1, 0, run.rng.permutation(len(run.data.seqs))
+    seqs = [run.data.seqs[i] for i in run.perm[run.cursor: run.cursor + a.batch_seqs]]
+    run.cursor += a.batch_seqs
+    batch = run.data.batch(seqs, [sample_anchors(s, a.anchors, run.rng) for s in seqs])
+    for g in run.opt.param_groups:
+        g["lr"] = lr_at(run.step, a) * g["lr_mult"]
+    loss, info = draft_loss(run.draft, batch, a.gamma, a.distill)
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(run.draft.parameters(), a.clip)
+    run.opt.step()
+    run.step += 1
+    return loss.item(), info, float(gnorm)
+
+
+def save_run(run: Run, a: argparse.Namespace) -> None:
+    """Checkpoint ``run`` to ``<out>/ckpt/last.pt`` (atomically)."""
+    save_checkpoint(a.out / "ckpt" / "last.pt", {
+        "model": run.draft.state_dict(), "opt": run.opt.state_dict(), "step": run.step, "epoch": run.epoch,
+        "cursor": run.cursor, "perm": run.perm, "rng_numpy": run.rng.bit_generator.state,
+        "rng_torch": torch.get_rng_state(), "rng_python": random.getstate(), "best": run.best,
+        "heldout": run.heldout_names, "history": run.history, "args": {k: str(v) for k, v in vars(a).items()},
+        "warm_start": run.warm_start, "draft_config": run.draft.c.to_dict(), "train_tokens": run.data.n_tokens})
+
+
+def train(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Path]) -> None:
+    """Train (or resume) the draft of ``a.out`` to ``--steps``: evaluate every ``--eval-every`` steps
+    and at the end, keep the best draft, checkpoint every ``--ckpt-minutes`` and at the end."""
+    run = load_run(a, train_paths, heldout_paths)
+    if run is None:
+        return
 
     def metric(rec: dict) -> None:
         with open(a.out / "train_metrics.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    if init is not None and eval_seqs:  # where the warm start begins, on this held-out data
-        ev = {"step": 0, "loss_ema": None, **simulated_al(draft, held, eval_seqs)}
-        history.append(ev)
-        log.info("eval: %s (the --init-draft draft)", ev)
+    def evaluate(loss_ema: float | None, note: str = "") -> dict:
+        ev = {"step": run.step, "loss_ema": loss_ema, **simulated_al(run.draft, run.held, run.eval_seqs)}
+        run.history.append(ev)
+        log.info("eval: %s%s", ev, note)
         metric({"eval": ev})
+        return ev
+
+    if run.warm_started_now and run.eval_seqs:  # where the warm start begins, on this held-out data
+        evaluate(None, " (the --init-draft draft)")
     t_ckpt, t0, steps_run, loss_avg = time.time(), time.time(), 0, None
-    bar = tqdm(total=a.steps, initial=step, desc="train", unit="step", mininterval=30)
-    while step < a.steps:
-        if cursor + a.batch_seqs > len(perm):
-            epoch, cursor, perm = epoch + 1, 0, rng.permutation(len(data.seqs))
-        seqs = [data.seqs[i] for i in perm[cursor: cursor + a.batch_seqs]]
-        cursor += a.batch_seqs
-        batch = data.batch(seqs, [sample_anchors(s, a.anchors, rng) for s in seqs])
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, a) * g["lr_mult"]
-        loss, info = draft_loss(draft, batch, a.gamma, a.distill)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), a.clip)
-        opt.step()
-        step, steps_run = step + 1, steps_run + 1
-        lv = loss.item()
+    bar = tqdm(total=a.steps, initial=run.step, desc="train", unit="step", mininterval=30)
+    while run.step < a.steps:
+        lv, info, gnorm = train_step(run, a)
+        steps_run += 1
         loss_avg = lv if loss_avg is None else 0.98 * loss_avg + 0.02 * lv
         bar.update(1)
         bar.set_postfix(loss=f"{loss_avg:.3f}", acc1=f"{info['acc1']:.2f}", refresh=False)
-        if step % 10 == 0:
-            metric({"step": step, "loss": round(lv, 4), "loss_ema": round(loss_avg, 4),
-                    "acc1": round(info["acc1"], 3), "lr": lr_at(step, a), "grad_norm": float(gnorm), "epoch": epoch,
+        if run.step % 10 == 0:
+            metric({"step": run.step, "loss": round(lv, 4), "loss_ema": round(loss_avg, 4),
+                    "acc1": round(info["acc1"], 3), "lr": lr_at(run.step, a), "grad_norm": gnorm, "epoch": run.epoch,
                     "s_per_step": round((time.time() - t0) / steps_run, 3)})
-        if eval_seqs and (step % a.eval_every == 0 or step == a.steps):
-            ev = {"step": step, "loss_ema": round(loss_avg, 4), **simulated_al(draft, held, eval_seqs)}
-            history.append(ev)
-            log.info("eval: %s", ev)
-            metric({"eval": ev})
-            if best is None or ev["sim_al"] > best["sim_al"]:
-                best = {"sim_al": ev["sim_al"], "step": step, "loss_ema": loss_avg, "state": draft.export_state()}
-        if time.time() - t_ckpt > 60 * a.ckpt_minutes or step == a.steps:
-            checkpoint()
+        if run.eval_seqs and (run.step % a.eval_every == 0 or run.step == a.steps):
+            ev = evaluate(round(loss_avg, 4))
+            if run.best is None or ev["sim_al"] > run.best["sim_al"]:
+                run.best = {"sim_al": ev["sim_al"], "step": run.step, "loss_ema": loss_avg,
+                            "state": run.draft.export_state()}
+        if time.time() - t_ckpt > 60 * a.ckpt_minutes or run.step == a.steps:
+            save_run(run, a)
             t_ckpt = time.time()
     bar.close()
-    log.info("train: finished %d steps (%.3f s/step this run)", step, (time.time() - t0) / max(1, steps_run))
+    log.info("train: finished %d steps (%.3f s/step this run)", run.step, (time.time() - t0) / max(1, steps_run))

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from flm_runtime import registry
+from flm_runtime import pull
 from flm_runtime.api import get_engine
 from flm_runtime.backends import decode, forward, prefill
 from flm_runtime.bench import report
@@ -185,7 +185,7 @@ def main(args: argparse.Namespace) -> int:
     info = report.machine_info()
     reference = None
     if args.reference == "f32":
-        bundle = load_model_files(registry.locate(args.tag), weights="f32")
+        bundle = load_model_files(pull.locate(args.tag), weights="f32")
         reference = LlamaModel(bundle.config, bundle.weights)
     prefills = 1 if reference is None else 2
     work = sum(prefills * c.tokens + 2 * args.positions for c in contexts) * len(docs)  # prefilled, compared twice

@@ -56,12 +56,6 @@ class Engines:
         return out
 
 
-def dflash_tag_of(tag: str) -> str:
-    """``family:size`` -> ``family-dflash:size`` (the registry's naming of DFlash tags)."""
-    family, _, size = tag.partition(":")
-    return f"{family}-dflash:{size}"
-
-
 def load_engines(tag: str, *, draft: str | Path | None = None, baseline_only: bool = False) -> Engines:
     """The baseline engine of ``tag`` and, unless ``baseline_only``, its DFlash engine.
 
@@ -77,7 +71,7 @@ def load_engines(tag: str, *, draft: str | Path | None = None, baseline_only: bo
     """
     entry = registry.resolve(tag)
     base_tag = entry.base or entry.tag
-    dflash_tag = entry.tag if entry.is_dflash else dflash_tag_of(base_tag)
+    dflash_tag = entry.tag if entry.is_dflash else registry.dflash_tag(base_tag)
     baseline = get_engine(base_tag)
     if baseline_only:
         return Engines(base_tag, None, baseline, None)

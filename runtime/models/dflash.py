@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,8 @@ import numpy as np
 from flm_runtime.backends import cpu
 from flm_runtime.core import KVCache, LlamaConfig, Proposal
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.models.llama import LlamaLayer, _Taker
+from flm_runtime.models.llama import (KV_PROJ, LlamaConfig, _Span, _Taker, decoder_layer, fuse_layer, kv_heads,
+                                     layer_weight_shapes, take_fused)
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,15 @@ class DFlashConfig:
         block_size: B, the anchor plus B - 1 masks (8).
         draft_vocab_size: Vd, target tokens the draft can propose (its ``draft_vocab`` tensor);
             0 means the target's whole vocabulary (docs/dflash.md, "Draft vocabulary").
+        max_position_embeddings: positions the training's RoPE tables span (the target's context
+            length); serving sizes its tables from the target instead.
         architecture: must be ``"dflash-llama"``.
         target: registry tag of the target it was trained for (e.g. ``"smollm2:135m"``).
         target_sha256: sha256 of the target's weight file, or None.
         training: free-form provenance.
+
+    ``target``, ``target_sha256`` and ``training`` are provenance and take no part in equality:
+    two configs are equal when they describe the same draft (a warm start checks that).
     """
 
     target_layer_ids: tuple[int, ...]
@@ -74,9 +80,10 @@ class DFlashConfig:
     mask_token_id: int
     block_size: int = 8
     draft_vocab_size: int = 0
+    max_position_embeddings: int = 8192
     architecture: str = ARCHITECTURE
-    target: str = ""
-    target_sha256: str | None = None
+    target: str = field(default="", compare=False)
+    target_sha256: str | None = field(default=None, compare=False)
     training: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +116,10 @@ class DFlashConfig:
             return cls(**{k: v for k, v in config.items() if k in names and v is not None})
         except TypeError as e:  # a missing required key
             raise ValueError(str(e).replace("__init__()", "config.json")) from e
+
+    def to_dict(self) -> dict:
+        """The ``config.json`` mapping (``from_dict``'s inverse)."""
+        return asdict(self) | {"target_layer_ids": list(self.target_layer_ids)}
 
     @property
     def n_taps(self) -> int:
@@ -198,21 +209,9 @@ class DFlashDraft:
         self.hidden_norm = take("hidden_norm.weight", (e,))
         self.mask_embedding = take("mask_embedding", (e,))
         self.norm = take("norm.weight", (e,))
-        q_rows, kv_rows = c.num_attention_heads * d, c.num_key_value_heads * d
-        self.layers = []
-        for i in range(c.num_hidden_layers):
-            p = f"layers.{i}."
-            self.layers.append(LlamaLayer(
-                attn_norm=take(p + "input_layernorm.weight", (e,)),
-                wqkv=np.concatenate([take(p + "self_attn.q_proj.weight", (q_rows, e)),
-                                     take(p + "self_attn.k_proj.weight", (kv_rows, e)),
-                                     take(p + "self_attn.v_proj.weight", (kv_rows, e))]),
-                wo=take(p + "self_attn.o_proj.weight", (e, q_rows)),
-                ffn_norm=take(p + "post_attention_layernorm.weight", (e,)),
-                w_gate_up=np.concatenate([take(p + "mlp.gate_proj.weight", (c.intermediate_size, e)),
-                                          take(p + "mlp.up_proj.weight", (c.intermediate_size, e))]),
-                w_down=take(p + "mlp.down_proj.weight", (e, c.intermediate_size)),
-            ))
+        self.layers = [fuse_layer(take, c, f"layers.{i}.") for i in range(c.num_hidden_layers)]
+        # add_context's projection, each layer's Wk and Wv alone: a product of all wqkv's rows rounds differently
+        self.context_kv = [take_fused(take, c, f"layers.{i}.", KV_PROJ) for i in range(c.num_hidden_layers)]  # [2*Hkv*D, E]
         self.rope_cos, self.rope_sin = cpu.rope_tables(d, max_positions, c.rope_theta)  # [P, D/2]
 
     @classmethod
@@ -257,7 +256,7 @@ class DFlashDraft:
             start_position: position of the first of them.
         """
         c = self.config
-        t, hkv, d = taps.shape[0], c.num_key_value_heads, c.head_dim
+        t = taps.shape[0]
         assert taps.shape == (t, c.n_taps * c.hidden_size), f"taps {taps.shape} != [T, {c.n_taps}*E]"
         assert cache.length == start_position, f"draft cache holds {cache.length}, taps start at {start_position}"
         if t == 0:
@@ -266,12 +265,9 @@ class DFlashDraft:
             ctx = cpu.rms_norm(cpu.linear(taps, self.fc), self.hidden_norm, c.rms_norm_eps)  # [T, E]
             cos = self.rope_cos[start_position : start_position + t]  # [T, D/2]
             sin = self.rope_sin[start_position : start_position + t]
-            q_rows = c.num_attention_heads * d
             cache.reserve(t)
-            for i, layer in enumerate(self.layers):
-                kv = cpu.linear(ctx, layer.wqkv[q_rows:])  # [T, 2*Hkv*D]
-                k = cpu.apply_rope(kv[:, : hkv * d].reshape(t, hkv, d), cos, sin)  # [T, Hkv, D]
-                v = kv[:, hkv * d :].reshape(t, hkv, d)  # [T, Hkv, D]
+            for i, wkv in enumerate(self.context_kv):
+                k, v = kv_heads(cpu.linear(ctx, wkv), cos, sin, c)  # [T, Hkv, D] each
                 cache.write(i, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
             cache.commit(t)
 
@@ -305,7 +301,7 @@ class DFlashDraft:
             ``[S, K, Vd]`` float32.
         """
         c = self.config
-        b, h, hkv, d = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        b = c.block_size
         k_out = b - 1 if n_drafts is None else n_drafts
         assert 1 <= k_out <= b - 1, f"n_drafts {n_drafts} outside 1..{b - 1}"
         starts = [cache.length for cache in caches]
@@ -317,23 +313,13 @@ class DFlashDraft:
         x = x.reshape(n_seq * b, c.hidden_size)  # [S*B, E]
         positions = (np.asarray(starts)[:, None] + np.arange(b)).reshape(-1)  # [S*B]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [S*B, D/2]
+        # the LM head runs on the rows ``hidden`` picks below, not on a span's last rows: n_logits 0
+        spans = [_Span(cache, st, slice(s * b, (s + 1) * b), 0) for s, (cache, st) in enumerate(zip(caches, starts))]
         with cpu.forward_pass(n_seq * b, max(starts) + b):
             for cache in caches:
                 cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
             for i, w in enumerate(self.layers):
-                qkv = cpu.linear(cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps), w.wqkv)  # [S*B, (H+2Hkv)*D]
-                q = cpu.apply_rope(qkv[:, : h * d].reshape(-1, h, d), cos, sin)  # [S*B, H, D]
-                k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(-1, hkv, d), cos, sin)  # [S*B, Hkv, D]
-                v = qkv[:, (h + hkv) * d :].reshape(-1, hkv, d)  # [S*B, Hkv, D]
-                attn = []
-                for s, (cache, st) in enumerate(zip(caches, starts)):
-                    rows = slice(s * b, (s + 1) * b)
-                    cache.write(i, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2))
-                    n = st + b
-                    attn.append(cpu.attention(q[rows], cache.k[i, :, :n], cache.v[i, :, :n], st, causal=False))  # [B, H*D]
-                x = x + cpu.linear(attn[0] if n_seq == 1 else np.concatenate(attn), w.wo)
-                gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps), w.w_gate_up)  # [S*B, 2F]
-                x = x + cpu.linear(cpu.swiglu(gate_up), w.w_down)
+                x = decoder_layer(i, w, x, spans, cos, sin, c, causal=False)  # [S*B, E]
             hidden = x.reshape(n_seq, b, -1)[:, 1 : 1 + k_out].reshape(n_seq * k_out, -1)  # rows 1..K of each block
             h_out = cpu.rms_norm(hidden, self.norm, c.rms_norm_eps)  # [S*K, E]
             return np.ascontiguousarray(cpu.linear(h_out, self.head)).reshape(n_seq, k_out, -1)  # [S, K, Vd]
@@ -366,21 +352,13 @@ class DFlashDraft:
 
 def draft_weight_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a draft's ``model.safetensors`` holds, with its shape (docs/dflash.md)."""
-    c = config
-    e, q_rows, kv_rows = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"fc.weight": (e, c.n_taps * e), "hidden_norm.weight": (e,), "mask_embedding": (e,),
+    e = config.hidden_size
+    shapes = {"fc.weight": (e, config.n_taps * e), "hidden_norm.weight": (e,), "mask_embedding": (e,),
               "norm.weight": (e,)}
-    if c.draft_vocab_size:
-        shapes["draft_vocab"] = (c.draft_vocab_size,)
-    for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,),
-            p + "self_attn.q_proj.weight": (q_rows, e), p + "self_attn.k_proj.weight": (kv_rows, e),
-            p + "self_attn.v_proj.weight": (kv_rows, e), p + "self_attn.o_proj.weight": (e, q_rows),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, e), p + "mlp.up_proj.weight": (c.intermediate_size, e),
-            p + "mlp.down_proj.weight": (e, c.intermediate_size),
-        }
+    if config.draft_vocab_size:
+        shapes["draft_vocab"] = (config.draft_vocab_size,)
+    for i in range(config.num_hidden_layers):
+        shapes |= {f"layers.{i}.{name}": shape for name, shape in layer_weight_shapes(config).items()}
     return shapes
 
 

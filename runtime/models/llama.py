@@ -9,7 +9,7 @@ Weights follow Hugging Face's names and layout (``model.layers.{i}.self_attn.q_p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -40,6 +40,125 @@ class LlamaLayer:
     w_down: np.ndarray
 
 
+KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
+QKV_PROJ = ("self_attn.q_proj.weight", *KV_PROJ)  # LlamaLayer.wqkv's rows, in this order
+
+
+class LayerConfig(Protocol):
+    """The hyper-parameters one decoder layer reads (``LlamaConfig`` and the draft's ``DFlashConfig``
+    both name them as a Hugging Face ``config.json`` does)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+
+
+def layer_weight_shapes(config: LayerConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors of one decoder layer, by Hugging Face name below the layer's prefix, with their
+    ``[out, in]`` shapes."""
+    c = config
+    e, f = c.hidden_size, c.intermediate_size
+    q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return {"input_layernorm.weight": (e,), "post_attention_layernorm.weight": (e,),
+            "self_attn.q_proj.weight": (q_rows, e), "self_attn.k_proj.weight": (kv_rows, e),
+            "self_attn.v_proj.weight": (kv_rows, e), "self_attn.o_proj.weight": (e, q_rows),
+            "mlp.gate_proj.weight": (f, e), "mlp.up_proj.weight": (f, e), "mlp.down_proj.weight": (e, f)}
+
+
+def take_fused(take: _Taker, config: LayerConfig, prefix: str, names: tuple[str, ...]) -> cpu.Weight:
+    """The tensors ``prefix + name`` of one layer (names of ``layer_weight_shapes``) stacked by rows,
+    in that order: one matrix product instead of one per tensor (a weight fusion).
+
+    Raises:
+        ModelFormatError: a tensor is missing or has the wrong shape.
+    """
+    shapes = layer_weight_shapes(config)
+    return cpu.stack_rows([take(prefix + name, shapes[name]) for name in names])
+
+
+def fuse_layer(take: _Taker, config: LayerConfig, prefix: str) -> LlamaLayer:
+    """One decoder layer's weights (the tensors of ``layer_weight_shapes`` below ``prefix``) as a
+    ``LlamaLayer``.
+
+    Raises:
+        ModelFormatError: a tensor is missing or has the wrong shape.
+    """
+    shapes = layer_weight_shapes(config)
+
+    def one(name: str) -> cpu.Weight:
+        return take(prefix + name, shapes[name])
+
+    return LlamaLayer(
+        attn_norm=one("input_layernorm.weight"),
+        wqkv=take_fused(take, config, prefix, QKV_PROJ),
+        wo=one("self_attn.o_proj.weight"),
+        ffn_norm=one("post_attention_layernorm.weight"),
+        w_gate_up=take_fused(take, config, prefix, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+        w_down=one("mlp.down_proj.weight"),
+    )
+
+
+def decoder_layer(i: int, w: LlamaLayer, x: np.ndarray, spans: list[_Span], cos: np.ndarray, sin: np.ndarray,
+                  config: LayerConfig, *, causal: bool = True) -> np.ndarray:
+    """One Llama decoder layer over the rows ``x`` ``[R, E]``: the target's (``causal``) and the
+    DFlash draft's block (not ``causal``: each block row attends its context K/V and the whole
+    block, docs/dflash.md).
+
+    The products cover all rows; attention runs per span: span ``s`` writes its rows' K/V into
+    layer ``i`` of its cache at positions ``s.start ..`` and attends positions ``0 ..
+    s.start + s.n_rows - 1`` of it (``cpu.attention``). Nothing is committed to a cache.
+
+    Args:
+        i: the layer's index in the caches.
+        w: the layer's weights.
+        x: ``[R, E]`` the residual stream.
+        spans: which rows belong to which cache, in row order, covering all rows.
+        cos, sin: ``[R, D/2]`` RoPE rows at the rows' positions.
+        config: the model's hyper-parameters.
+        causal: mask each row's later positions.
+    Returns:
+        ``[R, E]``, a new array.
+    """
+    q, k, v = qkv_heads(cpu.linear(cpu.rms_norm(x, w.attn_norm, config.rms_norm_eps), w.wqkv), cos, sin, config)
+    attn = []
+    for s in spans:
+        s.cache.write(i, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
+        n = s.start + s.n_rows
+        attn.append(cpu.attention(q[s.rows], s.cache.k[i, :, :n], s.cache.v[i, :, :n], s.start, causal=causal))  # [T, H*D]
+    attn = attn[0] if len(attn) == 1 else np.concatenate(attn)  # [R, H*D]
+    x = x + cpu.linear(attn, w.wo)
+    gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, config.rms_norm_eps), w.w_gate_up)  # [R, 2F]
+    return x + cpu.linear(cpu.swiglu(gate_up), w.w_down)
+
+
+def qkv_heads(qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+              config: LayerConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split the fused projection ``qkv`` ``[R, (H + 2*Hkv) * D]`` (``QKV_PROJ``'s rows) into heads,
+    with RoPE (``cos``, ``sin`` ``[R, D/2]``) on the queries and keys.
+
+    Returns:
+        q ``[R, H, D]``, k ``[R, Hkv, D]``, v ``[R, Hkv, D]``.
+    """
+    r, hd = qkv.shape[0], config.num_attention_heads * config.head_dim
+    q = cpu.apply_rope(qkv[:, :hd].reshape(r, config.num_attention_heads, config.head_dim), cos, sin)
+    return (q, *kv_heads(qkv[:, hd:], cos, sin, config))
+
+
+def kv_heads(kv: np.ndarray, cos: np.ndarray, sin: np.ndarray, config: LayerConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Split a key/value projection ``kv`` ``[R, 2 * Hkv * D]`` (``KV_PROJ``'s rows) into heads,
+    with RoPE (``cos``, ``sin`` ``[R, D/2]``) on the keys.
+
+    Returns:
+        k ``[R, Hkv, D]``, v ``[R, Hkv, D]``.
+    """
+    r, hkv, d = kv.shape[0], config.num_key_value_heads, config.head_dim
+    k = cpu.apply_rope(kv[:, : hkv * d].reshape(r, hkv, d), cos, sin)
+    return k, kv[:, hkv * d :].reshape(r, hkv, d)
+
+
 class LlamaModel:
     """A Llama-family target model on the cpu backend.
 
@@ -60,32 +179,8 @@ class LlamaModel:
         self.config = config
         c = config
         take = _Taker(weights)
-        q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))  # [V, E]
-        self.layers = []
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            self.layers.append(
-                LlamaLayer(
-                    attn_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-                    wqkv=cpu.stack_rows(
-                        [
-                            take(p + "self_attn.q_proj.weight", (q_rows, c.hidden_size)),
-                            take(p + "self_attn.k_proj.weight", (kv_rows, c.hidden_size)),
-                            take(p + "self_attn.v_proj.weight", (kv_rows, c.hidden_size)),
-                        ]
-                    ),
-                    wo=take(p + "self_attn.o_proj.weight", (c.hidden_size, q_rows)),
-                    ffn_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-                    w_gate_up=cpu.stack_rows(
-                        [
-                            take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
-                            take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
-                        ]
-                    ),
-                    w_down=take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)),
-                )
-            )
+        self.layers = [fuse_layer(take, c, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
         self.norm = take("model.norm.weight", (c.hidden_size,))
         if c.tie_word_embeddings:
             self.lm_head = self.embed  # [V, E]
@@ -172,7 +267,7 @@ class LlamaModel:
             if self.fused[i] is not None:
                 x = self.fused[i](i, x, [(s.cache, s.start, s.rows) for s in spans], cos, sin)
             else:
-                x = self._layer(i, layer, x, spans, cos, sin)  # a new array each layer: no copy
+                x = decoder_layer(i, layer, x, spans, cos, sin, self.config)  # a new array each layer: no copy
             if i in taps:
                 tapped[i] = x
         if sum(s.n_logits for s in spans) < x.shape[0]:
@@ -184,24 +279,6 @@ class LlamaModel:
             s.cache.commit(s.n_rows)
         return logits, (np.concatenate([tapped[i] for i in taps], axis=-1) if taps else None)  # [R, n*E]
 
-    def _layer(self, i: int, w: LlamaLayer, x: np.ndarray, spans: list[_Span], cos, sin) -> np.ndarray:
-        """One decoder layer over the rows ``x`` ``[R, E]`` (``cos``, ``sin`` ``[R, D/2]`` at their
-        positions); the products cover all rows, attention runs per span. Returns ``[R, E]``."""
-        c = self.config
-        r, h, hkv, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = cpu.linear(cpu.rms_norm(x, w.attn_norm, c.rms_norm_eps), w.wqkv)  # [R, (H+2Hkv)*D]
-        q = cpu.apply_rope(qkv[:, : h * d].reshape(r, h, d), cos, sin)  # [R, H, D]
-        k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(r, hkv, d), cos, sin)  # [R, Hkv, D]
-        v = qkv[:, (h + hkv) * d :].reshape(r, hkv, d)  # [R, Hkv, D]
-        attn = []
-        for s in spans:
-            s.cache.write(i, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
-            n = s.start + s.n_rows
-            attn.append(cpu.attention(q[s.rows], s.cache.k[i, :, :n], s.cache.v[i, :, :n], s.start))  # [T, H*D]
-        attn = attn[0] if len(attn) == 1 else np.concatenate(attn)  # [R, H*D]
-        x = x + cpu.linear(attn, w.wo)
-        gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, c.rms_norm_eps), w.w_gate_up)  # [R, 2F]
-        return x + cpu.linear(cpu.swiglu(gate_up), w.w_down)
 
 
 class _Span(NamedTuple):

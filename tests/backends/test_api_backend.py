@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flm_runtime import api
+from flm_runtime import api, registry
 from flm_runtime.backends import npu, select
 from flm_runtime.backends.npu import NpuModel
 from flm_runtime.errors import BackendUnavailableError, InvalidRequestError
@@ -19,22 +19,22 @@ from npu_fixtures import TAG, ByteTokenizer, fake_pyxrt_for, tiny_model, write_t
 
 @pytest.fixture
 def tiny_api(tmp_path, monkeypatch):
-    """``tiny:1m`` in a user models file, loaded as the tiny random model; fresh api caches."""
+    """``tiny:1m`` in a user models file, loaded as the tiny random model; a runtime of its own."""
     models = tmp_path / "models.yaml"
     models.write_text(f"{TAG}: {tmp_path / 'tiny.gguf'}\n")
     monkeypatch.setenv("FLM_MODELS_FILE", str(models))
+    registry.reload()
     for name in ("FLM_BACKEND", "XILINX_XRT", "FLM_XCLBIN_PATH"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(npu, "XRT_PYTHON_DIRS", ())
     monkeypatch.setattr(select, "_logged", set())
-    for cache in ("_engines", "_targets", "_npu_targets", "_choices", "_keys"):
-        monkeypatch.setattr(api, cache, {})
+    runtime = api.Runtime()
+    monkeypatch.setattr(api, "default_runtime", runtime)
     cpu = tiny_model()
-    monkeypatch.setattr(api, "load_model", lambda tag: api.LoadedModel(tag, cpu, ByteTokenizer()))
+    monkeypatch.setattr(api, "load_model", lambda tag, models: api.LoadedModel(tag, cpu, ByteTokenizer()))
     npu.close_device()
     yield cpu
-    for engine in api._engines.values():
-        engine.close()
+    runtime.close()
     npu.close_device()
 
 

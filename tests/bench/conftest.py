@@ -42,6 +42,4 @@ def forget_dflash_engine():
     """Drop the process-wide engine of the DFlash tag after a test that served it with a test draft
     (later tests must not find the random draft behind the real tag)."""
     yield DFLASH_TAG
-    engine = api._engines.pop(DFLASH_TAG, None)
-    if engine is not None:
-        engine.close()
+    api.default_runtime.forget(DFLASH_TAG)

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from flm_runtime import api, paths
+from flm_runtime import api, paths, registry
 from flm_runtime.bench import calibrate
 from flm_runtime.engine.policy import PolicyTable
 from flm_runtime.engine.request import SamplingParams
@@ -123,6 +123,7 @@ def test_the_command_writes_the_table_the_engine_reads(run_cli, random_draft, tm
     models = tmp_path / "models.yaml"
     models.write_text(json.dumps({"smollm2-rnd-dflash:135m": {"base": "smollm2:135m", "draft": str(random_draft)}}))
     monkeypatch.setenv("FLM_MODELS_FILE", str(models))
+    registry.reload()
     try:
         status, out, _ = run_cli("calibrate", "--tag", "smollm2-rnd-dflash:135m", "--backend", "cpu",
                                  "--contexts", "32", "--rounds", "1", "--max-new", "12")
@@ -131,12 +132,10 @@ def test_the_command_writes_the_table_the_engine_reads(run_cli, random_draft, tm
         assert f"wrote {written}" in out
         table = PolicyTable.load(written)
         assert api.load_policy("smollm2-rnd-dflash:135m", "cpu") == table
-        api._engines.pop("smollm2-rnd-dflash:135m").close()  # an engine reads its table when it starts
+        assert api.default_runtime.forget("smollm2-rnd-dflash:135m")  # an engine reads its table when it starts
         assert api.get_engine("smollm2-rnd-dflash:135m", "cpu").speculative.policy == table
     finally:
-        engine = api._engines.pop("smollm2-rnd-dflash:135m", None)
-        if engine is not None:
-            engine.close()
+        api.default_runtime.forget("smollm2-rnd-dflash:135m")
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -111,6 +111,7 @@ def test_soak_draft_models_file_keeps_the_users_entries(tmp_path, monkeypatch, r
     user = tmp_path / "models.yaml"
     user.write_text(f"mine:1b: {{path: {tmp_path / 'mine.gguf'}, sha256: {'a' * 64}, size: 10}}\n")
     monkeypatch.setenv("FLM_MODELS_FILE", str(user))
+    registry.reload()
     with soak.draft_models_file("smollm2-dflash:135m", random_draft):
         assert registry.resolve("smollm2-dflash:135m").draft_dir == random_draft.resolve()
         mine = registry.resolve("mine:1b")

@@ -74,12 +74,11 @@ def dflash_tag(tmp_path, monkeypatch, smollm2_model):
         models = tmp_path / "models.yaml"
         models.write_text(yaml.safe_dump({DFLASH_TAG: {"base": "smollm2:135m", "draft": str(draft)}}))
         monkeypatch.setenv("FLM_MODELS_FILE", str(models))
+        registry.reload()
         return DFLASH_TAG
 
     yield define
-    engine = api._engines.pop(DFLASH_TAG, None)
-    if engine is not None:
-        engine.close()
+    api.default_runtime.forget(DFLASH_TAG)
 
 
 def test_dflash_engine_shares_the_target_and_equals_greedy_baseline(dflash_tag, smollm2_engine, chats,

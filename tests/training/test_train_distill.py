@@ -65,7 +65,8 @@ def args(out, steps: int, *extra: str):
 
 
 def test_a_warm_start_begins_at_the_exported_draft_and_distils(tmp_path, smollm2_gguf):
-    from flm_train.draft import DFlashDraft, DraftConfig
+    from flm_runtime.models.dflash import DFlashConfig
+    from flm_train.draft import DFlashDraft
 
     (tmp_path / "data").mkdir()
     paths = [tmp_path / "data" / f"shard_{k:04d}.npz" for k in range(3)]
@@ -73,7 +74,7 @@ def test_a_warm_start_begins_at_the_exported_draft_and_distils(tmp_path, smollm2
         write_shard(p, seed=k, top_k=16)
     train(args(tmp_path / "first", 2), paths[:2], paths[2:])
     ck = torch.load(tmp_path / "first" / "ckpt" / "last.pt", weights_only=False)
-    config = DraftConfig.from_dict(ck["draft_config"])
+    config = DFlashConfig.from_dict(ck["draft_config"])
     dummy = torch.zeros(49152, config.hidden_size)
     first = DFlashDraft(config, dummy, dummy, ck["model"]["draft_vocab"])
     first.load_state_dict(ck["model"])

@@ -17,7 +17,7 @@ pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is 
 
 from flm_runtime.models.dflash import DFlashConfig, read_weights
 from flm_runtime.models.dflash import DFlashDraft as NumpyDraft
-from flm_train.draft import DFlashDraft, DraftConfig
+from flm_train.draft import DFlashDraft
 from flm_train.export import write_draft
 
 V, E, T = 101, 64, 23  # vocabulary, hidden size, context positions
@@ -25,10 +25,10 @@ V, E, T = 101, 64, 23  # vocabulary, hidden size, context positions
 
 def tiny_draft(layers: int = 2, seed: int = 0, draft_vocab: torch.Tensor | None = None) -> DFlashDraft:
     torch.manual_seed(seed)
-    c = DraftConfig(hidden_size=E, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    rms_norm_eps=1e-5, rope_theta=10000.0, num_hidden_layers=layers, target_layer_ids=(1, 3, 5),
-                    block_size=8, mask_token_id=7, max_position_embeddings=256,
-                    draft_vocab_size=0 if draft_vocab is None else len(draft_vocab))
+    c = DFlashConfig(hidden_size=E, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     rms_norm_eps=1e-5, rope_theta=10000.0, num_hidden_layers=layers, target_layer_ids=(1, 3, 5),
+                     block_size=8, mask_token_id=7, max_position_embeddings=256,
+                     draft_vocab_size=0 if draft_vocab is None else len(draft_vocab))
     embed = torch.randn(V, E)
     draft = DFlashDraft(c, embed, embed, draft_vocab)  # tied, like SmolLM2
     with torch.no_grad():
@@ -82,7 +82,7 @@ def test_export_roundtrip_float16(tmp_path):
                       training={})
     config = json.loads((out / "config.json").read_text())
     assert config["architecture"] == "dflash-llama" and config["target_layer_ids"] == [1, 3, 5]
-    assert DraftConfig.from_dict(config) == draft.c
+    assert DFlashConfig.from_dict(config) == draft.c
     assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
     back = read_weights(out / "model.safetensors")
     for k, v in draft.export_state().items():
