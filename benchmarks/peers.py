@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from flm_runtime import pull
+from flm_runtime.backends import forward, prefill
 from flm_runtime.backends.quant import QuantWeight
 from flm_runtime.loading import load_model_files
 from flm_runtime.loading.weights import WEIGHT_KINDS
@@ -274,7 +275,7 @@ class Ours:
         the longer caches holding those keys and values repeated (attention's cost does not depend
         on their values, and a real long prefill costs minutes on a busy machine)."""
         first = self.model.new_cache(CONTEXTS[0])
-        self.model.prefill(tokens[: CONTEXTS[0]], first)
+        prefill(self.model, tokens[: CONTEXTS[0]], first)
         for c in CONTEXTS:
             cache = self.caches[c] = self.model.new_cache(c + PASS_ROWS)
             cache.reserve(c)
@@ -288,7 +289,7 @@ class Ours:
         position); the cache is rolled back to ``context`` after."""
         cache = self.caches[context]
         t0 = time.perf_counter()
-        self.model.forward(ids, cache, all_logits=True)
+        forward(self.model, ids, cache, all_logits=True)
         seconds = time.perf_counter() - t0
         cache.trim(context)
         return seconds
@@ -297,7 +298,7 @@ class Ours:
         """Seconds of a chunked prefill of ``ids`` into a new cache (as the engine serves a prompt)."""
         cache = self.model.new_cache(len(ids))
         t0 = time.perf_counter()
-        self.model.prefill(ids, cache)
+        prefill(self.model, ids, cache)
         return time.perf_counter() - t0
 
 
