@@ -23,7 +23,7 @@ import numba
 import numpy as np
 
 from flm_runtime.backends import qgemm, skinny_gemm
-from flm_runtime.backends.quant import BLOCK, CHUNK_ORDER, QuantWeight
+from flm_runtime.backends.quant import QuantWeight
 
 # fastmath without nnan/ninf: reassociation lets LLVM vectorize the reductions (norms, attention
 # dots), in an order fixed by the compiled code alone, the same for every row.
@@ -231,14 +231,15 @@ class FusedLayer:
     def __call__(self, index: int, x: np.ndarray, spans, cos: np.ndarray, sin: np.ndarray,
                  causal: bool = True) -> np.ndarray:
         """The layer over the rows ``x`` ``[R, E]`` (``cos``, ``sin`` ``[R, D/2]`` at their
-        positions). ``spans``: per sequence, ``(cache, start, rows)``: its KV cache (layer
-        ``index`` is written), the cache length before the step and its slice of the rows.
+        positions). ``spans``: per sequence, an object with ``cache`` (its KV cache: layer
+        ``index`` is written), ``start`` (the cache length before the step) and ``rows`` (its
+        slice of the rows), as ``LlamaModel``'s spans.
         Returns ``[R, E]``."""
         h, hkv, d = self.geometry
         with skinny_gemm.KERNEL_LOCK:
             q, k, v = self._in(x, self.attn_norm, self.eps, *self.wqkv, cos, sin, h, hkv, d)
             attn = np.empty((x.shape[0], h * d), dtype=np.float32)
-            for cache, start, rows in spans:
-                cache.write(index, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2))
-                attend(q[rows], cache.k[index], cache.v[index], start, causal, attn[rows])
+            for s in spans:
+                s.cache.write(index, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
+                attend(q[s.rows], s.cache.k[index], s.cache.v[index], s.start, causal, attn[s.rows])
             return self._out(x, attn, self.ffn_norm, self.eps, *self.wo, *self.w_gate_up, *self.w_down)

@@ -77,10 +77,9 @@ def select_isa() -> str:
 # --- activations ------------------------------------------------------------------------------
 
 @numba.njit(cache=True, nogil=True)
-def _quantize_rows(x, order, xq, dx, sx):  # pragma: no cover - compiled
-    """``x`` ``[M, K]`` float32 -> ``xq`` ``[M, Kp]`` int8 in lane order (``order`` is
-    ``CHUNK_ORDER``), per block ``dx`` ``[M, Kp/32]`` and ``sx`` ``[M, Kp/32 rounded up to 8]``
-    float32; padding is zeros."""
+def _quantize_rows(x, xq, dx, sx):  # pragma: no cover - compiled
+    """``x`` ``[M, K]`` float32 -> ``xq`` ``[M, Kp]`` int8 in lane order (``CHUNK_ORDER``), per
+    block ``dx`` ``[M, Kp/32]`` and ``sx`` ``[M, Kp/32 rounded up to 8]`` float32; padding is zeros."""
     m, k = x.shape
     nb = dx.shape[1]
     sx[:, nb:] = 0
@@ -93,13 +92,11 @@ def _quantize_rows(x, order, xq, dx, sx):  # pragma: no cover - compiled
             d = amax / np.float32(127.0)
             inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
             total = 0
-            chunk, half = b // 2 * CHUNK, b % 2 * BLOCK
-            for p in range(CHUNK):
-                i = chunk + order[p]
-                if half <= order[p] < half + BLOCK:
-                    q = int(np.rint(x[r, i] * inv)) if i < k else 0
-                    xq[r, chunk + p] = q
-                    total += q
+            chunk = b // 2 * CHUNK
+            for i in range(lo, lo + BLOCK):
+                q = int(np.rint(x[r, i] * inv)) if i < k else 0
+                xq[r, chunk + _POSITION[i - chunk]] = q
+                total += q
             dx[r, b] = d
             sx[r, b] = d * np.float32(total)
 
@@ -115,13 +112,13 @@ def quantize_two_levels(x, padded):  # pragma: no cover - compiled
     xq = np.empty((2 * m, padded), dtype=np.int8)
     dx = np.empty((2 * m, nb), dtype=np.float32)
     sx = np.empty((2 * m, -(-nb // 8) * 8), dtype=np.float32)
-    _quantize_rows(x, CHUNK_ORDER, xq[:m], dx[:m], sx[:m])
+    _quantize_rows(x, xq[:m], dx[:m], sx[:m])
     rest = np.empty_like(x)
     for r in range(m):
         for i in range(k):
             c, p = divmod(i, CHUNK)
             rest[r, i] = x[r, i] - dx[r, i // BLOCK] * np.float32(xq[r, c * CHUNK + _POSITION[p]])
-    _quantize_rows(rest, CHUNK_ORDER, xq[m:], dx[m:], sx[m:])
+    _quantize_rows(rest, xq[m:], dx[m:], sx[m:])
     return xq, dx, sx
 
 
@@ -130,16 +127,6 @@ def combine(out2):  # pragma: no cover - compiled
     """``[2M, N]`` products of ``quantize_two_levels``' rows -> ``[M, N]``: each row's two halves summed."""
     m = out2.shape[0] // 2
     return out2[:m] + out2[m:]
-
-
-def quantize_activations(x: np.ndarray, padded: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``x`` ``[M, K]`` float32 -> ``(xq [M, Kp] int8, dx [M, Kp/32], sx [M, Kp/32 up to 8] float32)``."""
-    m, nb = x.shape[0], padded // BLOCK
-    xq = np.empty((m, padded), dtype=np.int8)
-    dx = np.empty((m, nb), dtype=np.float32)
-    sx = np.empty((m, -(-nb // 8) * 8), dtype=np.float32)
-    _quantize_rows(np.ascontiguousarray(x, dtype=np.float32), CHUNK_ORDER, xq, dx, sx)
-    return xq, dx, sx
 
 
 # --- LLVM IR building blocks --------------------------------------------------------------------
@@ -445,7 +432,7 @@ def product(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, out):  # pragm
     """``out[r, j]`` for every activation row ``r`` and weight row ``j``, weight rows over the
     threads (a ``prange``: call it from a ``parallel=True`` function with constant ``isa``,
     ``bits``, ``has_mins``), activation rows in groups of 8, 4, 2, 1 (one weight row read a group).
-    ``codes, scales, mins`` are ``operands(w)``; ``xq, dx, sx`` ``quantize_activations``'."""
+    ``codes, scales, mins`` are ``operands(w)``; ``xq, dx, sx`` ``quantize_two_levels``'."""
     m = xq.shape[0]
     for j in numba.prange(codes.shape[0]):
         r = 0

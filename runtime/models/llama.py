@@ -265,7 +265,7 @@ class LlamaModel:
         tapped = {}
         for i, layer in enumerate(self.layers):
             if self.fused[i] is not None:
-                x = self.fused[i](i, x, [(s.cache, s.start, s.rows) for s in spans], cos, sin)
+                x = self.fused[i](i, x, spans, cos, sin)
             else:
                 x = decoder_layer(i, layer, x, spans, cos, sin, self.config)  # a new array each layer: no copy
             if i in taps:
