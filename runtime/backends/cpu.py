@@ -19,9 +19,7 @@ import numpy as np
 import threadpoolctl
 
 from flm_runtime.backends import qgemm, quant, skinny_gemm
-from flm_runtime.backends.quant import QuantWeight
-
-Weight = np.ndarray | QuantWeight  # a matrix: float32 ``[out, in]``, or the block format of ``quant``
+from flm_runtime.backends.quant import QuantWeight, Weight
 
 
 # Rows up to which a forward pass is skinny (decode, a verify pass, a small batched step): its

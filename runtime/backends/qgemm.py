@@ -262,7 +262,7 @@ def _loop(builder, count, inits):
     return i, phis, close
 
 
-def _dot_codegen(isa, bits, group, has_mins, context, builder, sig, args):  # noqa: PLR0913
+def _dot_codegen(isa, bits, group, has_mins, context, builder, sig, args):
     """IR of ``_row_dots``: weight row ``j`` against activation rows ``r0 .. r0+group-1``."""
     codes_t, scales_t, mins_t, _, xq_t, dx_t, sx_t, _, out_t = sig.args
     codes, scales, mins, j, xq, dx, sx, r0, out = args

@@ -109,6 +109,9 @@ class QuantWeight:
                            np.ascontiguousarray(self.scales[rows]), mins, self.in_features)
 
 
+Weight = np.ndarray | QuantWeight  # a matrix: float32 ``[out, in]``, or this module's block format
+
+
 def stack_rows(weights: list[QuantWeight]) -> QuantWeight:
     """Weights of one input width stacked along the output rows (the fused QKV and gate/up)."""
     first = weights[0]

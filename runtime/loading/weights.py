@@ -12,11 +12,10 @@ import os
 
 import numpy as np
 
-from flm_runtime.backends.quant import QuantWeight
+from flm_runtime.backends.quant import QuantWeight, Weight
 from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 
-Weight = np.ndarray | QuantWeight
 # How a model's matrices are held: "auto" keeps each source tensor's precision class (4-bit
 # sources 4-bit, the rest 8-bit); "q4" / "q8" make every matrix 4- / 8-bit; "f32" dequantizes
 # everything (the reference path).

@@ -33,11 +33,11 @@ class LlamaLayer:
     """
 
     attn_norm: np.ndarray
-    wqkv: np.ndarray
-    wo: np.ndarray
+    wqkv: cpu.Weight
+    wo: cpu.Weight
     ffn_norm: np.ndarray
-    w_gate_up: np.ndarray
-    w_down: np.ndarray
+    w_gate_up: cpu.Weight
+    w_down: cpu.Weight
 
 
 KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
