@@ -32,18 +32,19 @@ _FASTMATH = {"reassoc", "contract", "arcp"}
 
 class Product(NamedTuple):
     """A quantized matrix as the compiled layer takes it: ``qgemm.operands``, its padded input
-    width and its kernel format."""
+    width, its output width and its kernel format."""
 
     codes: np.ndarray
     scales: np.ndarray
     mins: np.ndarray
     padded: int  # Kp
+    n_out: int  # N
     bits: int
     has_mins: bool
 
     @classmethod
     def of(cls, w: QuantWeight) -> Product:
-        return cls(*qgemm.operands(w), w.padded_in_features, w.bits, w.mins is not None)
+        return cls(*qgemm.operands(w), w.padded_in_features, w.out_features, w.bits, w.mins is not None)
 
 
 @numba.njit(nogil=True, fastmath=_FASTMATH)
@@ -62,13 +63,13 @@ def _rms_norm(x, weight, eps):  # pragma: no cover - compiled
 
 
 @numba.njit(inline="always")
-def _product(isa, bits, has_mins, codes, scales, mins, padded, x):  # pragma: no cover - compiled
+def _product(isa, bits, has_mins, codes, scales, mins, padded, n_out, x):  # pragma: no cover - compiled
     """``x @ w.T`` of a quantized ``w`` (``Product``'s fields): activations quantized, then
     ``qgemm.product`` (a ``prange``: the caller is parallel, ``isa, bits, has_mins`` constants)."""
-    xq, dx, sx = qgemm.quantize_two_levels(x, padded)
-    out = np.empty((xq.shape[0], codes.shape[0]), dtype=np.float32)
-    qgemm.product(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, out)
-    return qgemm.combine(out)
+    xq, step, sx, s = qgemm.quantize_activations(x, padded)
+    out = np.empty((x.shape[0], n_out), dtype=np.float32)
+    qgemm.product(isa, bits, has_mins, codes, scales, mins, xq, step, sx, s, out)
+    return out
 
 
 @numba.njit(nogil=True)
@@ -88,7 +89,7 @@ def _rope(x, cos, sin, first, heads, d):  # pragma: no cover - compiled
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def attention_in(x, norm, eps, codes, scales, mins, padded, cos, sin, n_heads, n_kv_heads, head_dim,
+def attention_in(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_heads, n_kv_heads, head_dim,
                  isa, bits, has_mins):  # pragma: no cover - compiled
     """Norm, fused QKV product (``codes .. padded``: its ``Product`` fields; ``isa, bits,
     has_mins`` its format) and RoPE of the rows ``x`` ``[R, E]``.
@@ -99,7 +100,7 @@ def attention_in(x, norm, eps, codes, scales, mins, padded, cos, sin, n_heads, n
     numba.literally(isa)
     numba.literally(bits)
     numba.literally(has_mins)
-    qkv = _product(isa, bits, has_mins, codes, scales, mins, padded, _rms_norm(x, norm, eps))  # [R, (H+2Hkv)*D]
+    qkv = _product(isa, bits, has_mins, codes, scales, mins, padded, n_out, _rms_norm(x, norm, eps))  # [R, (H+2Hkv)*D]
     q = _rope(qkv, cos, sin, 0, n_heads, head_dim)
     k = _rope(qkv, cos, sin, n_heads * head_dim, n_kv_heads, head_dim)
     v = qkv[:, (n_heads + n_kv_heads) * head_dim:].copy().reshape(x.shape[0], n_kv_heads, head_dim)
@@ -162,9 +163,9 @@ def _swiglu(gate_up):  # pragma: no cover - compiled
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, gu_codes, gu_scales, gu_mins,
-                  gu_padded, d_codes, d_scales, d_mins, d_padded, isa, o_bits, o_has_mins, gu_bits, gu_has_mins,
-                  d_bits, d_has_mins):  # pragma: no cover - compiled
+def attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, o_n, gu_codes, gu_scales, gu_mins,
+                  gu_padded, gu_n, d_codes, d_scales, d_mins, d_padded, d_n, isa, o_bits, o_has_mins, gu_bits,
+                  gu_has_mins, d_bits, d_has_mins):  # pragma: no cover - compiled
     """The rest of the layer: ``x + attn @ wo.T``, then the SwiGLU FFN and its residual (the
     three products' ``Product`` fields, then their formats).
 
@@ -180,9 +181,10 @@ def attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, g
     numba.literally(gu_has_mins)
     numba.literally(d_bits)
     numba.literally(d_has_mins)
-    x = x + _product(isa, o_bits, o_has_mins, o_codes, o_scales, o_mins, o_padded, attn)
-    gate_up = _product(isa, gu_bits, gu_has_mins, gu_codes, gu_scales, gu_mins, gu_padded, _rms_norm(x, ffn_norm, eps))
-    return x + _product(isa, d_bits, d_has_mins, d_codes, d_scales, d_mins, d_padded, _swiglu(gate_up))
+    x = x + _product(isa, o_bits, o_has_mins, o_codes, o_scales, o_mins, o_padded, o_n, attn)
+    gate_up = _product(isa, gu_bits, gu_has_mins, gu_codes, gu_scales, gu_mins, gu_padded, gu_n,
+                       _rms_norm(x, ffn_norm, eps))
+    return x + _product(isa, d_bits, d_has_mins, d_codes, d_scales, d_mins, d_padded, d_n, _swiglu(gate_up))
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -198,16 +200,17 @@ def _bound(isa: int, qkv: tuple[int, bool], o: tuple[int, bool], gu: tuple[int, 
     (qkv_bits, qkv_has), (o_bits, o_has), (gu_bits, gu_has), (d_bits, d_has) = qkv, o, gu, dn
 
     @numba.njit(nogil=True)
-    def layer_in(x, norm, eps, codes, scales, mins, padded, cos, sin, n_heads, n_kv_heads, head_dim):  # pragma: no cover
-        return attention_in(x, norm, eps, codes, scales, mins, padded, cos, sin, n_heads, n_kv_heads, head_dim,
-                            isa, qkv_bits, qkv_has)
+    def layer_in(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_heads, n_kv_heads,
+                 head_dim):  # pragma: no cover
+        return attention_in(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_heads, n_kv_heads,
+                            head_dim, isa, qkv_bits, qkv_has)
 
     @numba.njit(nogil=True)
-    def layer_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, gu_codes, gu_scales, gu_mins,
-                  gu_padded, d_codes, d_scales, d_mins, d_padded):  # pragma: no cover
-        return attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, gu_codes, gu_scales,
-                             gu_mins, gu_padded, d_codes, d_scales, d_mins, d_padded, isa, o_bits, o_has, gu_bits,
-                             gu_has, d_bits, d_has)
+    def layer_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, o_n, gu_codes, gu_scales,
+                  gu_mins, gu_padded, gu_n, d_codes, d_scales, d_mins, d_padded, d_n):  # pragma: no cover
+        return attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, o_n, gu_codes, gu_scales,
+                             gu_mins, gu_padded, gu_n, d_codes, d_scales, d_mins, d_padded, d_n, isa, o_bits, o_has,
+                             gu_bits, gu_has, d_bits, d_has)
 
     return layer_in, layer_out
 
@@ -223,8 +226,8 @@ class FusedLayer:
     def __init__(self, layer, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
         self.attn_norm, self.ffn_norm = layer.attn_norm, layer.ffn_norm
         products = [Product.of(w) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-        self.wqkv, self.wo, self.w_gate_up, self.w_down = (p[:4] for p in products)
-        self._in, self._out = _bound(qgemm.format_of(layer.wqkv).isa, *(p[4:] for p in products))
+        self.wqkv, self.wo, self.w_gate_up, self.w_down = (p[:5] for p in products)
+        self._in, self._out = _bound(qgemm.format_of(layer.wqkv).isa, *(p[5:] for p in products))
         self.geometry = (n_heads, n_kv_heads, head_dim)
         self.eps = np.float32(eps)
 

@@ -1,39 +1,42 @@
-"""Integer products of the cpu backend: ``x @ w.T`` with ``w`` a ``QuantWeight`` (blocks of 32
-codes in lane order, ``backends/quant.py``) and ``x`` float32 rows quantized to int8 at the
-product's input.
+"""Integer products of the cpu backend: ``x @ w.T`` with ``w`` a ``QuantWeight`` (tiles of 16
+rows, ``backends/quant.py``) and ``x`` float32 rows quantized at the product's input.
 
-Activations. Each row of ``x`` is quantized per block of 32 (llama.cpp's Q8_0 rule on the fly):
-``dx = max|x| / 127``, ``qx = rint(x / dx)``; ``sx = dx * sum(qx)`` carries the block's sum for
-the weight's min. A row's quantization depends on that row alone.
+Activations. Each row of ``x`` is quantized per block of 32 in two int8 levels: ``q1 =
+rint(x / dx)`` with ``dx = max|x| / 127`` (llama.cpp's Q8_0 rule), then what that left, ``q2 =
+rint((x - dx * q1) / step)`` with ``step = dx / 128``, so that ``x ~ step * (128 * q1 + q2)`` to
+about 1/32768 of the block's largest magnitude (one level drifts measurably over a deep model;
+docs/design.md, "Quantized weights"). A row's quantization depends on that row alone.
 
-The dot product of a weight row and an activation row is, per block ``b``,
-``scale_b * dx_b * sum(code * qx) + min_b * sx_b``. The integer sums run on the host's
-dot-product instructions and are exact; everything after them is float32 in ONE fixed order,
-the same on every instruction set and for any number of rows (docs/design.md, "Batch
-invariance"):
+The dot product of weight row ``n`` and an activation row is, per block ``b``, with the integer
+``i_b = 128 * sum(code * q1) + sum(code * q2)`` and ``S_b = 128 * sum(q1) + sum(q2)``:
 
-- a chunk of 64 inputs gives 16 int32 lanes, lane ``l`` the sum over lane-order positions
-  ``4l .. 4l+3`` (even lanes the chunk's first block, odd lanes its second); per lane, chunk
-  after chunk, ``acc = fma(float(lane), scale * dx, acc)`` (``float(lane)`` is exact);
-- the min terms, 8 blocks at a time: ``side[t] = fma(min_b, sx_b, side[t])`` for ``b = 8i + t``;
-- the result is ``((acc[0..7] + acc[8..15]) + side)`` summed as a tree: halves of 4, 2, 1.
+- stored mins: ``acc = fma(float(i_b), scale_b * step_b, acc)``, then ``acc = fma(min_b, step_b *
+  float(S_b), acc)``;
+- symmetric (``min = -zero_point * scale``): ``acc = fma(float(i_b - zero_point * S_b), scale_b *
+  step_b, acc)``: the zero point is taken out exactly, in integers.
 
-So a row's result is bit-identical whether it runs alone, among the 8 rows of a verify pass or
-among the 16 of a batched step, and on every path (``ISAS``), which tests check.
+Blocks run in order, ``acc`` starting at 0. The integer sums run on the host's dot-product
+instructions and are exact; the float32 steps are the same on every instruction set and for any
+number of rows (docs/design.md, "Batch invariance"). So a row's result is bit-identical whether it
+runs alone, among the 8 rows of a verify pass or among the 16 of a batched step, and on every
+path (``ISAS``), which tests check.
+
+A kernel step is one tile (16 weight rows) against up to 8 activation rows: per block, the tile's
+codes are loaded (and 4-bit ones unpacked) once, and each activation row's four inputs of a group
+are broadcast to every lane, so that lane ``l`` accumulates row ``16t + l`` with no horizontal sum.
 
 Paths, fastest first; ``select_isa`` takes the first the host has (LLVM's own view of the CPU):
 
-- ``avx512vnni``: ``vpdpbusd`` on 512-bit vectors (a chunk per instruction and row);
-- ``avxvnni``: ``vpdpbusd`` on 256-bit vectors (VEX or EVEX encoded);
+- ``avx512vnni``: ``vpdpbusd`` on 512-bit vectors (a whole tile per instruction);
+- ``avxvnni``: ``vpdpbusd`` on 256-bit vectors (VEX or EVEX encoded), half a tile at a time;
 - ``avx2``: ``vpmaddubsw`` + ``vpmaddwd``; 8-bit codes go in two nibbles, so that the 16-bit
   pair sums cannot saturate;
 - ``portable``: plain numba code (any CPU), the same arithmetic lane by lane.
 
 AMX is never used: its tile instructions fault on some hosts that report them.
 
-Threads: output rows are split over numba's threads; every call holds
-``skinny_gemm.KERNEL_LOCK`` (numba's workqueue layer aborts when two threads enter a parallel
-kernel at once).
+Threads: tiles are split over numba's threads; every call holds ``skinny_gemm.KERNEL_LOCK``
+(numba's workqueue layer aborts when two threads enter a parallel kernel at once).
 """
 
 from __future__ import annotations
@@ -50,16 +53,17 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from flm_runtime.backends import skinny_gemm
-from flm_runtime.backends.quant import BLOCK, CHUNK, CHUNK_ORDER, ZERO_POINT, QuantWeight
-
-_POSITION = np.argsort(CHUNK_ORDER)  # input offset in a chunk -> its lane-order position
+from flm_runtime.backends.quant import BLOCK, GROUP, TILE, ZERO_POINT, QuantWeight
 
 ISAS = ("avx512vnni", "avxvnni", "avx2", "portable")
 _ISA_FEATURES = {"avx512vnni": ("avx512vnni", "avx512bw", "avx512f", "f16c", "fma"),
                  "avxvnni": ("avxvnni", "avx2", "f16c", "fma"),
                  "avx2": ("avx2", "f16c", "fma"),
                  "portable": ()}
-_LANES = 16  # int32 lanes per chunk
+LEVEL_SHIFT = 7  # step = dx / 2**7: the second level's integers join the first's exactly
+_GROUPS = BLOCK // GROUP  # code vectors per block of a tile
+_CHAINS = 2  # integer accumulators per level and row
+_PREFETCH_BLOCKS = 4  # how far ahead a multi-row kernel step prefetches its codes
 
 
 @functools.cache
@@ -77,61 +81,46 @@ def select_isa() -> str:
 # --- activations ------------------------------------------------------------------------------
 
 @numba.njit(cache=True, nogil=True)
-def _quantize_rows(x, xq, dx, sx):  # pragma: no cover - compiled
-    """``x`` ``[M, K]`` float32 -> ``xq`` ``[M, Kp]`` int8 in lane order (``CHUNK_ORDER``), per
-    block ``dx`` ``[M, Kp/32]`` and ``sx`` ``[M, Kp/32 rounded up to 8]`` float32; padding is zeros."""
-    m, k = x.shape
-    nb = dx.shape[1]
-    sx[:, nb:] = 0
-    for r in range(m):
-        for b in range(nb):
-            lo = b * BLOCK
-            amax = np.float32(0.0)
-            for i in range(lo, min(lo + BLOCK, k)):
-                amax = max(amax, abs(x[r, i]))
-            d = amax / np.float32(127.0)
-            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-            total = 0
-            chunk = b // 2 * CHUNK
-            for i in range(lo, lo + BLOCK):
-                q = int(np.rint(x[r, i] * inv)) if i < k else 0
-                xq[r, chunk + _POSITION[i - chunk]] = q
-                total += q
-            dx[r, b] = d
-            sx[r, b] = d * np.float32(total)
+def quantize_activations(x, padded):  # pragma: no cover - compiled
+    """``x`` ``[M, K]`` float32 in two int8 levels per block of 32 (module docstring).
 
-
-@numba.njit(nogil=True)
-def quantize_two_levels(x, padded):  # pragma: no cover - compiled
-    """``x`` ``[M, K]`` float32 as ``2M`` int8 rows: rows ``0..M-1`` quantize ``x``, rows
-    ``M..2M-1`` what that left (``x - dx * qx``), so that a product's result is the sum of the
-    two halves' (``combine``) with about 127 times less activation error than one int8 level.
-    Returns ``(xq [2M, Kp] int8, dx [2M, Kp/32], sx [2M, Kp/32 up to 8] float32)``."""
+    Returns:
+        ``xq`` ``[M, 2 * Kp]`` int8 (``q1`` in columns ``0 .. Kp-1``, ``q2`` in ``Kp ..``, input
+        order, padding zeros); ``step`` ``[M, Kp/32]`` float32; ``sx`` ``[M, Kp/32]`` float32,
+        ``step * S``; ``s`` ``[M, Kp/32]`` int32, ``S`` (``Kp = padded``).
+    """
     m, k = x.shape
     nb = padded // BLOCK
-    xq = np.empty((2 * m, padded), dtype=np.int8)
-    dx = np.empty((2 * m, nb), dtype=np.float32)
-    sx = np.empty((2 * m, -(-nb // 8) * 8), dtype=np.float32)
-    _quantize_rows(x, xq[:m], dx[:m], sx[:m])
-    rest = np.empty_like(x)
+    xq = np.zeros((m, 2 * padded), dtype=np.int8)
+    step = np.empty((m, nb), dtype=np.float32)
+    sx = np.empty((m, nb), dtype=np.float32)
+    s = np.empty((m, nb), dtype=np.int32)
     for r in range(m):
-        for i in range(k):
-            c, p = divmod(i, CHUNK)
-            rest[r, i] = x[r, i] - dx[r, i // BLOCK] * np.float32(xq[r, c * CHUNK + _POSITION[p]])
-    _quantize_rows(rest, xq[m:], dx[m:], sx[m:])
-    return xq, dx, sx
-
-
-@numba.njit(nogil=True)
-def combine(out2):  # pragma: no cover - compiled
-    """``[2M, N]`` products of ``quantize_two_levels``' rows -> ``[M, N]``: each row's two halves summed."""
-    m = out2.shape[0] // 2
-    return out2[:m] + out2[m:]
+        for b in range(nb):
+            lo, hi = b * BLOCK, min(b * BLOCK + BLOCK, k)
+            amax = np.float32(0.0)
+            for i in range(lo, hi):
+                amax = max(amax, abs(x[r, i]))
+            dx = amax / np.float32(127.0)
+            st = dx * np.float32(1.0 / (1 << LEVEL_SHIFT))  # exact: a power of two
+            inv1 = np.float32(1.0) / dx if dx > 0 else np.float32(0.0)
+            inv2 = np.float32(1.0) / st if st > 0 else np.float32(0.0)
+            total = 0
+            for i in range(lo, hi):
+                q1 = min(max(int(np.rint(x[r, i] * inv1)), -127), 127)
+                q2 = min(max(int(np.rint((x[r, i] - dx * np.float32(q1)) * inv2)), -127), 127)
+                xq[r, i], xq[r, padded + i] = q1, q2
+                total += (q1 << LEVEL_SHIFT) + q2
+            step[r, b] = st
+            s[r, b] = total
+            sx[r, b] = st * np.float32(total)
+    return xq, step, sx, s
 
 
 # --- LLVM IR building blocks --------------------------------------------------------------------
 
-_I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_I1, _I8, _I16, _I32, _I64, _F16, _F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32),
+                                          ir.IntType(64), ir.HalfType(), ir.FloatType())
 
 
 def _vec(t, n):
@@ -154,83 +143,15 @@ def _row_ptr(context, builder, array_type, array_value, row, elem):
     return builder.bitcast(builder.gep(base, [builder.mul(row, stride)]), elem.as_pointer())
 
 
-def _load(builder, ptr, index, vec_type):
-    """Load ``vec_type`` at element ``index`` of ``ptr`` (unaligned)."""
-    p = builder.bitcast(builder.gep(ptr, [index]), vec_type.as_pointer())
-    return builder.load(p, align=1)
+def _load(builder, ptr, index, elem_type):
+    """Load ``elem_type`` at element ``index`` of ``ptr`` (unaligned)."""
+    return builder.load(builder.bitcast(builder.gep(ptr, [index]), elem_type.as_pointer()), align=1)
 
 
-def _lanes(builder, isa, bits, w_bytes, x_bytes):
-    """The 16 int32 lane sums of one chunk, as a list of vectors covering lanes 0..15 in order
-    (one ``<16 x i32>`` on 512-bit paths, two ``<8 x i32>`` on 256-bit ones).
-
-    ``w_bytes``: the chunk's codes as the path wants them (``_weight_chunk``); ``x_bytes``: its
-    64 int8 activations, split the same way."""
-    out = []
-    for w, x in zip(w_bytes, x_bytes):
-        n = w.type.count // 4
-        if isa in ("avx512vnni", "avxvnni"):
-            name = "llvm.x86.avx512.vpdpbusd.512" if n == 16 else "llvm.x86.avx512.vpdpbusd.256"
-            v = _vec(_I32, n)
-            f = _fn(builder, name, v, [v, v, v])
-            out.append(builder.call(f, [ir.Constant(v, None), builder.bitcast(w, v), builder.bitcast(x, v)]))
-            continue
-        pmaddubsw = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [_vec(_I8, 32)] * 2)
-        pmaddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
-        ones = _splat(_I16, 16, 1)
-        if bits == 4:  # codes <= 15: a pair sum is at most 2 * 15 * 128, no saturation
-            out.append(builder.call(pmaddwd, [builder.call(pmaddubsw, [w, x]), ones]))
-            continue
-        low = builder.and_(w, _splat(_I8, 32, 0x0F))
-        high = builder.lshr(w, _splat(_I8, 32, 4))
-        s_low = builder.call(pmaddwd, [builder.call(pmaddubsw, [low, x]), ones])
-        s_high = builder.call(pmaddwd, [builder.call(pmaddubsw, [high, x]), ones])
-        out.append(builder.add(s_low, builder.shl(s_high, _splat(_I32, 8, 4))))
-    return out
-
-
-def _weight_chunk(builder, wide, bits, wrow, c):
-    """Chunk ``c``'s 64 codes of a weight row, one byte each: ``[<64 x i8>]`` (``wide``) or two
-    ``<32 x i8>`` (inputs 0-31, 32-63)."""
-    if bits == 8:
-        at = builder.mul(c, ir.Constant(_I64, 64))
-        if wide:
-            return [_load(builder, wrow, at, _vec(_I8, 64))]
-        return [_load(builder, wrow, at, _vec(_I8, 32)),
-                _load(builder, wrow, builder.add(at, ir.Constant(_I64, 32)), _vec(_I8, 32))]
-    packed = _load(builder, wrow, builder.mul(c, ir.Constant(_I64, 32)), _vec(_I8, 32))
-    mask = _splat(_I8, 64 if wide else 32, 0x0F)
-    if wide:  # both halves of a 512-bit vector hold the 32 bytes; the upper half is shifted by 4
-        both = builder.shuffle_vector(packed, packed, ir.Constant(_vec(_I32, 64), list(range(32)) * 2))
-        q = builder.bitcast(both, _vec(ir.IntType(64), 8))
-        shifts = ir.Constant(_vec(ir.IntType(64), 8), [0] * 4 + [4] * 4)
-        return [builder.and_(builder.bitcast(builder.lshr(q, shifts), _vec(_I8, 64)), mask)]
-    return [builder.and_(packed, mask), builder.and_(builder.lshr(packed, _splat(_I8, 32, 4)), mask)]
-
-
-def _split(builder, vec, parts):
-    """``vec`` cut into ``parts`` equal consecutive vectors."""
-    n = vec.type.count // parts
-    return [builder.shuffle_vector(vec, vec, ir.Constant(_vec(_I32, n), list(range(p * n, (p + 1) * n))))
-            for p in range(parts)]
-
-
-def _splat_value(builder, value, n):
+def _broadcast(builder, value, n):
     """``value`` repeated in an ``n``-lane vector."""
     first = builder.insert_element(ir.Constant(_vec(value.type, n), None), value, ir.Constant(_I32, 0))
     return builder.shuffle_vector(first, first, ir.Constant(_vec(_I32, n), [0] * n))
-
-
-def _tree_sum(builder, parts, side):
-    """The module's fixed final sum: 16 lanes (1 or 2 vectors, in order) folded to 8, plus the
-    8 min-term lanes ``side``, then halves of 4, 2, 1."""
-    if len(parts) == 1:
-        parts = _split(builder, parts[0], 2)
-    v = builder.fadd(builder.fadd(parts[0], parts[1]), side)
-    while v.type.count > 1:
-        lo, hi = _split(builder, v, 2)
-        v = builder.fadd(lo, hi)
-    return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
 def _loop(builder, count, inits):
@@ -262,66 +183,114 @@ def _loop(builder, count, inits):
     return i, phis, close
 
 
-def _dot_codegen(isa, bits, group, has_mins, context, builder, sig, args):
-    """IR of ``_row_dots``: weight row ``j`` against activation rows ``r0 .. r0+group-1``."""
-    codes_t, scales_t, mins_t, _, xq_t, dx_t, sx_t, _, out_t = sig.args
-    codes, scales, mins, j, xq, dx, sx, r0, out = args
-    wide = isa == "avx512vnni"
-    width = 16 if wide else 8
-    parts = _LANES // width
-    vf, v8f = _vec(_F32, width), _vec(_F32, 8)
-    fma, fma8 = (_fn(builder, f"llvm.fma.v{n}f32", _vec(_F32, n), [_vec(_F32, n)] * 3) for n in (width, 8))
+def _dot4(builder, isa, bits, acc, codes, x):
+    """``acc`` (``<n x i32>``) plus, per 32-bit lane, the sum of its four code bytes (unsigned)
+    times the four int8 of ``x`` (``<4n x i8>`` each): exact on every path."""
+    n = codes.type.count // 4
+    v = _vec(_I32, n)
+    if isa in ("avx512vnni", "avxvnni"):
+        name = "llvm.x86.avx512.vpdpbusd.512" if n == 16 else "llvm.x86.avx512.vpdpbusd.256"
+        f = _fn(builder, name, v, [v, v, v])
+        return builder.call(f, [acc, builder.bitcast(codes, v), builder.bitcast(x, v)])
+    return builder.add(acc, _pair_sums(builder, bits, codes, x))
+
+
+def _pair_sums(builder, bits, codes, x):
+    """AVX2's ``vpmaddubsw`` + ``vpmaddwd`` form of ``_dot4``'s sums (``<8 x i32>``)."""
+    pmaddubsw = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [_vec(_I8, 32)] * 2)
+    pmaddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
+    ones = _splat(_I16, 16, 1)
+    if bits == 4:  # codes <= 15: a pair sum is at most 2 * 15 * 128, no saturation
+        return builder.call(pmaddwd, [builder.call(pmaddubsw, [codes, x]), ones])
+    low = builder.and_(codes, _splat(_I8, 32, 0x0F))
+    high = builder.lshr(codes, _splat(_I8, 32, 4))
+    s_low = builder.call(pmaddwd, [builder.call(pmaddubsw, [low, x]), ones])
+    s_high = builder.call(pmaddwd, [builder.call(pmaddubsw, [high, x]), ones])
+    return builder.add(s_low, builder.shl(s_high, _splat(_I32, 8, 4)))
+
+
+def _tile_codes(builder, bits, width, wrow, b, part):
+    """The ``_GROUPS`` code vectors ``<4 * width x i8>`` of block ``b`` of a tile (``wrow``: its
+    codes), lanes ``part * width ..`` of the tile, 4-bit codes unpacked."""
     i64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
-    j, r0 = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (j, r0))
+    n = 4 * width
+    offset = part * n
+    if bits == 8:
+        base = builder.mul(b, i64(TILE * BLOCK))
+        return [_load(builder, wrow, builder.add(base, i64(64 * g + offset)), _vec(_I8, n)) for g in range(_GROUPS)]
+    base = builder.mul(b, i64(TILE * BLOCK // 2))
+    packed = [_load(builder, wrow, builder.add(base, i64(64 * g + offset)), _vec(_I8, n)) for g in range(_GROUPS // 2)]
+    mask = _splat(_I8, n, 0x0F)
+    return ([builder.and_(p, mask) for p in packed]
+            + [builder.and_(builder.lshr(p, _splat(_I8, n, 4)), mask) for p in packed])
+
+
+def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
+    """IR of ``_tile_dots``: tile ``t`` against activation rows ``r0 .. r0+group-1``."""
+    codes_t, scales_t, mins_t, _, xq_t, step_t, sx_t, s_t, _, out_t = sig.args
+    codes, scales, mins, t, xq, step, sx, s, r0, out = args
+    width = 16 if isa == "avx512vnni" else 8
+    vf, vi = _vec(_F32, width), _vec(_I32, width)
+    fma = _fn(builder, f"llvm.fma.v{width}f32", vf, [vf] * 3)
+    i64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    t, r0 = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (t, r0))
 
     def rows_of(array_t, array, elem):
         return [_row_ptr(context, builder, array_t, array, builder.add(r0, i64(g)), elem) for g in range(group)]
 
-    wrow = _row_ptr(context, builder, codes_t, codes, j, _I8)
-    srow = _row_ptr(context, builder, scales_t, scales, j, ir.HalfType())
-    mrow = _row_ptr(context, builder, mins_t, mins, j, ir.HalfType()) if has_mins else srow
-    xrows, drows, sxrows, orows = (rows_of(xq_t, xq, _I8), rows_of(dx_t, dx, _F32), rows_of(sx_t, sx, _F32),
-                                   rows_of(out_t, out, _F32))
-    n_blocks = cgutils.unpack_tuple(builder, context.make_array(scales_t)(context, builder, scales).shape, 2)[1]
-    alternate = ir.Constant(_vec(_I32, width), [0, 1] * (width // 2))  # even lanes block 2c, odd 2c + 1
+    wrow = _row_ptr(context, builder, codes_t, codes, t, _I8)
+    srow = _row_ptr(context, builder, scales_t, scales, t, _F16)
+    mrow = _row_ptr(context, builder, mins_t, mins, t, _F16) if has_mins else None
+    xrows, steps, sxs, ss, outs = (rows_of(xq_t, xq, _I8), rows_of(step_t, step, _F32), rows_of(sx_t, sx, _F32),
+                                   rows_of(s_t, s, _I32), rows_of(out_t, out, _F32))
+    shape = cgutils.unpack_tuple(builder, context.make_array(scales_t)(context, builder, scales).shape, 2)
+    n_blocks = builder.sdiv(shape[1], i64(TILE))
+    padded = builder.mul(n_blocks, i64(BLOCK))
+    n_out = cgutils.unpack_tuple(builder, context.make_array(out_t)(context, builder, out).shape, 2)[1]
+    prefetch = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+    masked_store = _fn(builder, f"llvm.masked.store.v{width}f32.p0", ir.VoidType(),
+                       [vf, _F32.as_pointer(), _I32, _vec(_I1, width)])
 
-    # Chunks: the integer lanes, scaled per block, into ``parts`` accumulators per row.
-    c, accs, close = _loop(builder, builder.sdiv(n_blocks, i64(2)), [ir.Constant(vf, None)] * (group * parts))
-    two = builder.mul(c, i64(2))
-    s2 = builder.fpext(_load(builder, srow, two, _vec(ir.HalfType(), 2)), _vec(_F32, 2))
-    s_lanes = builder.shuffle_vector(s2, s2, alternate)
-    w_bytes = _weight_chunk(builder, wide, bits, wrow, c)
-    x_at = builder.mul(c, i64(CHUNK))
-    new_accs = []
-    for g in range(group):
-        if wide:
-            x_bytes = [_load(builder, xrows[g], x_at, _vec(_I8, 64))]
-        else:
-            x_bytes = [_load(builder, xrows[g], builder.add(x_at, i64(h * 32)), _vec(_I8, 32)) for h in range(2)]
-        d2 = _load(builder, drows[g], two, _vec(_F32, 2))
-        scale = builder.fmul(s_lanes, builder.shuffle_vector(d2, d2, alternate))
-        for p, lanes in enumerate(_lanes(builder, isa, bits, w_bytes, x_bytes)):
-            new_accs.append(builder.call(fma, [builder.sitofp(lanes, vf), scale, accs[g * parts + p]]))
-    close(new_accs)
+    for part in range(TILE // width):  # 256-bit paths: the tile's two halves, one after the other
+        b, accs, close = _loop(builder, n_blocks, [ir.Constant(vf, None)] * group)
+        if part == 0 and group > 1:  # several rows a block: the loads alone run too little ahead
+            block_bytes = TILE * BLOCK * bits // 8
+            ahead = builder.mul(builder.add(b, i64(_PREFETCH_BLOCKS)), i64(block_bytes))
+            for line in range(0, block_bytes, 64):
+                builder.call(prefetch, [builder.gep(wrow, [builder.add(ahead, i64(line))]), ir.Constant(_I32, 0),
+                                        ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        tile_codes = _tile_codes(builder, bits, width, wrow, b, part)
+        lane0 = builder.add(builder.mul(b, i64(TILE)), i64(part * width))
+        scale = builder.fpext(_load(builder, srow, lane0, _vec(_F16, width)), vf)
+        if has_mins:
+            block_mins = builder.fpext(_load(builder, mrow, lane0, _vec(_F16, width)), vf)
+        new_accs = []
+        for g in range(group):
+            levels = []
+            for level in range(2):
+                x0 = builder.add(builder.mul(b, i64(BLOCK)), padded if level else i64(0))
+                chains = [ir.Constant(vi, None)] * _CHAINS  # independent sums: the adds overlap
+                for k, c in enumerate(tile_codes):
+                    word = _load(builder, xrows[g], builder.add(x0, i64(GROUP * k)), _I32)
+                    x_k = builder.bitcast(_broadcast(builder, word, width), c.type)
+                    chains[k % _CHAINS] = _dot4(builder, isa, bits, chains[k % _CHAINS], c, x_k)
+                levels.append(builder.add(*chains))
+            total = builder.add(builder.shl(levels[0], _splat(_I32, width, LEVEL_SHIFT)), levels[1])
+            step_g = _broadcast(builder, _load(builder, steps[g], b, _F32), width)
+            if not has_mins:  # take the zero point out in integers (module docstring)
+                s_g = _broadcast(builder, _load(builder, ss[g], b, _I32), width)
+                total = builder.sub(total, builder.shl(s_g, _splat(_I32, width, ZERO_POINT[bits].bit_length() - 1)))
+            acc = builder.call(fma, [builder.sitofp(total, vf), builder.fmul(scale, step_g), accs[g]])
+            if has_mins:
+                acc = builder.call(fma, [block_mins, _broadcast(builder, _load(builder, sxs[g], b, _F32), width), acc])
+            new_accs.append(acc)
+        close(new_accs)
 
-    # Min terms, 8 blocks a step; the last step masks the blocks past the row.
-    masked_load = _fn(builder, "llvm.masked.load.v8f16.p0", _vec(ir.HalfType(), 8),
-                      [ir.HalfType().as_pointer(), _I32, _vec(ir.IntType(1), 8), _vec(ir.HalfType(), 8)])
-    steps = builder.sdiv(builder.add(n_blocks, i64(7)), i64(8))
-    k, sides, close = _loop(builder, steps, [ir.Constant(v8f, None)] * group)
-    b0 = builder.mul(k, i64(8))
-    mask = builder.icmp_signed("<", builder.add(_splat_value(builder, b0, 8), ir.Constant(_vec(_I64, 8), list(range(8)))),
-                               _splat_value(builder, n_blocks, 8))
-    m8 = builder.fpext(builder.call(masked_load, [builder.gep(mrow, [b0]), ir.Constant(_I32, 2), mask,
-                                                  ir.Constant(_vec(ir.HalfType(), 8), None)]), v8f)
-    if not has_mins:
-        m8 = builder.fmul(m8, ir.Constant(v8f, [ir.Constant(_F32, -float(ZERO_POINT[bits]))] * 8))
-    new_sides = [builder.call(fma8, [m8, _load(builder, sxrows[g], b0, v8f), sides[g]]) for g in range(group)]
-    close(new_sides)
-
-    for g in range(group):
-        total = _tree_sum(builder, new_accs[g * parts:(g + 1) * parts], new_sides[g])
-        builder.store(total, builder.gep(orows[g], [j]))
+        col = builder.add(builder.mul(t, i64(TILE)), i64(part * width))
+        lanes = builder.add(_broadcast(builder, col, width), ir.Constant(_vec(_I64, width), list(range(width))))
+        mask = builder.icmp_signed("<", lanes, _broadcast(builder, n_out, width))
+        for g in range(group):
+            builder.call(masked_store, [new_accs[g], builder.gep(outs[g], [col]), ir.Constant(_I32, 4), mask])
     return context.get_dummy_value()
 
 
@@ -332,18 +301,19 @@ def _literal(t, what):
 
 
 @intrinsic
-def _row_dots(typingctx, isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out):  # pragma: no cover
-    """``_row_dots(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out)``
-    writes ``out[r0 + g, j]`` for ``g < group`` (the module docstring's arithmetic) on the vector
-    path ``ISAS[isa]``; the first four are compile-time constants, ``mins`` is read only when
-    ``has_mins``."""
+def _tile_dots(typingctx, isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0,
+               out):  # pragma: no cover
+    """``_tile_dots(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out)``
+    writes ``out[r0 + g, 16t .. 16t+15]`` (the columns below ``out``'s width) for ``g < group``
+    (the module docstring's arithmetic) on the vector path ``ISAS[isa]``; the first four are
+    compile-time constants, ``mins`` is read only when ``has_mins``."""
     consts = (ISAS[_literal(isa, "isa")], _literal(bits, "bits"), _literal(group, "group"),
               bool(_literal(has_mins, "has_mins")))
-    sig = types.void(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out)
+    sig = types.void(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out)
 
     def codegen(context, builder, signature, args):
         inner = signature.replace(args=signature.args[4:])
-        return _dot_codegen(*consts, context, builder, inner, args[4:])
+        return _tile_codegen(*consts, context, builder, inner, args[4:])
 
     return sig, codegen
 
@@ -366,98 +336,93 @@ def _f16(typingctx, bits):  # pragma: no cover - compiled
     """The float16 whose bits are the uint16 ``bits``, as float32 (exact)."""
 
     def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+        return builder.fpext(builder.bitcast(args[0], _F16), _F32)
 
     return types.float32(types.uint16), codegen
 
 
 @numba.njit(inline="always")
-def _portable_row(codes, scales, mins, j, xq, dx, sx, r, bits, has_mins):  # pragma: no cover - compiled
-    """The module's arithmetic for one weight row and one activation row, lane by lane."""
-    acc = np.zeros(_LANES, dtype=np.float32)
-    nb = scales.shape[1]
-    for c in range(nb // 2):
-        for lane in range(_LANES):
-            b = 2 * c + lane % 2
+def _portable_tile(codes, scales, mins, t, xq, step, sx, s, r, out, bits, has_mins):  # pragma: no cover
+    """The module's arithmetic for one tile and one activation row, lane by lane."""
+    nb = scales.shape[1] // TILE
+    padded = nb * BLOCK
+    zero = 128 if bits == 8 else 8  # ZERO_POINT[bits]
+    for lane in range(min(TILE, out.shape[1] - t * TILE)):
+        acc = np.float32(0.0)
+        for b in range(nb):
             total = 0
-            for t in range(4):
-                p = 4 * lane + t
-                if bits == 8:
-                    code = codes[j, CHUNK * c + p]
-                else:
-                    byte = codes[j, CHUNK // 2 * c + p % 32]
-                    code = byte & 0x0F if p < 32 else byte >> 4
-                total += np.int32(code) * np.int32(xq[r, CHUNK * c + p])
-            acc[lane] = _fma(np.float32(total), _f16(scales[j, b]) * dx[r, b], acc[lane])
-    side = np.zeros(8, dtype=np.float32)
-    zero = np.float32(-8.0 if bits == 4 else -128.0)
-    for b in range(nb):
-        m = _f16(mins[j, b]) if has_mins else zero * _f16(scales[j, b])
-        side[b % 8] = _fma(m, sx[r, b], side[b % 8])
-    for lane in range(8):
-        acc[lane] = (acc[lane] + acc[lane + 8]) + side[lane]
-    width = 4
-    while width >= 1:
-        for lane in range(width):
-            acc[lane] = acc[lane] + acc[lane + width]
-        width //= 2
-    return acc[0]
+            for level in range(2):
+                total <<= LEVEL_SHIFT * level
+                for g in range(_GROUPS):
+                    for i in range(GROUP):
+                        if bits == 8:
+                            code = codes[t, b * TILE * BLOCK + 64 * g + 4 * lane + i]
+                        else:
+                            byte = codes[t, b * TILE * BLOCK // 2 + 64 * (g % 4) + 4 * lane + i]
+                            code = byte & 0x0F if g < 4 else byte >> 4
+                        total += np.int32(code) * np.int32(xq[r, level * padded + b * BLOCK + GROUP * g + i])
+            if not has_mins:
+                total -= zero * s[r, b]
+            acc = _fma(np.float32(total), _f16(scales[t, b * TILE + lane]) * step[r, b], acc)
+            if has_mins:
+                acc = _fma(_f16(mins[t, b * TILE + lane]), sx[r, b], acc)
+        out[r, t * TILE + lane] = acc
 
 
 # --- the kernels ----------------------------------------------------------------------------------
 
-def _row_group(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out):
-    """Weight row ``j`` against activation rows ``r0 .. r0+group-1`` (compiled: ``_row_group_impl``)."""
+def _tile_group(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out):
+    """Tile ``t`` against activation rows ``r0 .. r0+group-1`` (compiled: ``_tile_group_impl``)."""
 
 
-@overload(_row_group, inline="always")
-def _row_group_impl(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out):
-    """The portable path row by row, the vector paths through ``_row_dots``; chosen while typing
+@overload(_tile_group, inline="always")
+def _tile_group_impl(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out):
+    """The portable path row by row, the vector paths through ``_tile_dots``; chosen while typing
     (the four leading arguments are constants), so a host compiles only the path it runs."""
     if ISAS[_literal(isa, "isa")] != "portable":
-        def vector(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out):  # pragma: no cover
-            _row_dots(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out)
+        def vector(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out):  # pragma: no cover
+            _tile_dots(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out)
 
         return vector
 
-    def portable(isa, bits, has_mins, group, codes, scales, mins, j, xq, dx, sx, r0, out):  # pragma: no cover
+    def portable(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out):  # pragma: no cover
         for r in range(r0, r0 + group):
-            out[r, j] = _portable_row(codes, scales, mins, j, xq, dx, sx, r, bits, has_mins)
+            _portable_tile(codes, scales, mins, t, xq, step, sx, s, r, out, bits, has_mins)
 
     return portable
 
 
 @numba.njit(inline="always")
-def product(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, out):  # pragma: no cover - compiled
-    """``out[r, j]`` for every activation row ``r`` and weight row ``j``, weight rows over the
-    threads (a ``prange``: call it from a ``parallel=True`` function with constant ``isa``,
-    ``bits``, ``has_mins``), activation rows in groups of 8, 4, 2, 1 (one weight row read a group).
-    ``codes, scales, mins`` are ``operands(w)``; ``xq, dx, sx`` ``quantize_two_levels``'."""
+def product(isa, bits, has_mins, codes, scales, mins, xq, step, sx, s, out):  # pragma: no cover - compiled
+    """``out[r, n]`` for every activation row ``r`` and weight row ``n``, tiles over the threads
+    (a ``prange``: call it from a ``parallel=True`` function with constant ``isa``, ``bits``,
+    ``has_mins``), activation rows in groups of 8, 4, 2, 1 (a tile's codes read once a group).
+    ``codes, scales, mins`` are ``operands(w)``; ``xq, step, sx, s`` ``quantize_activations``'."""
     m = xq.shape[0]
-    for j in numba.prange(codes.shape[0]):
+    for t in numba.prange(codes.shape[0]):
         r = 0
         while r < m:
             rem = m - r
             if rem >= 8:
-                _row_group(isa, bits, has_mins, 8, codes, scales, mins, j, xq, dx, sx, r, out)
+                _tile_group(isa, bits, has_mins, 8, codes, scales, mins, t, xq, step, sx, s, r, out)
                 r += 8
             elif rem >= 4:
-                _row_group(isa, bits, has_mins, 4, codes, scales, mins, j, xq, dx, sx, r, out)
+                _tile_group(isa, bits, has_mins, 4, codes, scales, mins, t, xq, step, sx, s, r, out)
                 r += 4
             elif rem >= 2:
-                _row_group(isa, bits, has_mins, 2, codes, scales, mins, j, xq, dx, sx, r, out)
+                _tile_group(isa, bits, has_mins, 2, codes, scales, mins, t, xq, step, sx, s, r, out)
                 r += 2
             else:
-                _row_group(isa, bits, has_mins, 1, codes, scales, mins, j, xq, dx, sx, r, out)
+                _tile_group(isa, bits, has_mins, 1, codes, scales, mins, t, xq, step, sx, s, r, out)
                 r += 1
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _matmul(codes, scales, mins, xq, dx, sx, out, isa, bits, has_mins):  # pragma: no cover - compiled
+def _matmul(codes, scales, mins, xq, step, sx, s, out, isa, bits, has_mins):  # pragma: no cover - compiled
     numba.literally(isa)
     numba.literally(bits)
     numba.literally(has_mins)
-    product(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, out)
+    product(isa, bits, has_mins, codes, scales, mins, xq, step, sx, s, out)
 
 
 @functools.cache
@@ -467,13 +432,13 @@ def _matmul_of(fmt: Format):
     isa, bits, has_mins = fmt
 
     @numba.njit(nogil=True)
-    def matmul(codes, scales, mins, xq, dx, sx, out):  # pragma: no cover - compiled
-        _matmul(codes, scales, mins, xq, dx, sx, out, isa, bits, has_mins)
+    def matmul(codes, scales, mins, xq, step, sx, s, out):  # pragma: no cover - compiled
+        _matmul(codes, scales, mins, xq, step, sx, s, out, isa, bits, has_mins)
 
     return matmul
 
 
-_NO_MINS = np.zeros((0, 2), dtype=np.uint16)
+_NO_MINS = np.zeros((0, TILE), dtype=np.uint16)
 
 
 class Format(NamedTuple):
@@ -516,11 +481,11 @@ def qlinear(x: np.ndarray, w: QuantWeight, isa: str | None = None) -> np.ndarray
     """
     fmt = format_of(w, isa)
     assert x.ndim == 2 and x.shape[1] == w.in_features, f"shapes {x.shape} @ {w.shape}.T"
-    xq, dx, sx = quantize_two_levels(np.ascontiguousarray(x, dtype=np.float32), w.padded_in_features)
-    out = np.empty((xq.shape[0], w.shape[0]), dtype=np.float32)
+    acts = quantize_activations(np.ascontiguousarray(x, dtype=np.float32), w.padded_in_features)
+    out = np.empty((x.shape[0], w.out_features), dtype=np.float32)
     with skinny_gemm.KERNEL_LOCK:
-        _matmul_of(fmt)(*operands(w), xq, dx, sx, out)
-    return combine(out)
+        _matmul_of(fmt)(*operands(w), *acts, out)
+    return out
 
 
 _DEFAULT_ISA = select_isa()

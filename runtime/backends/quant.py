@@ -9,18 +9,20 @@ Two widths, one formula:
 - 8-bit: codes 0..255, one per byte. GGUF's Q8_0 (``min = -128 * scale``) loads as it is; every
   other source (Q5/Q6 K-quants, F16, BF16, F32 GGUF tensors, safetensors) is quantized to it.
 
-Layout of one weight row of ``K`` inputs, ``K`` padded with zero blocks to ``Kp``, a multiple of
-``CHUNK`` = 64 (two blocks), so that the kernels step a whole 512-bit vector of codes at a time.
-Inside a chunk the inputs are stored in "lane order", ``CHUNK_ORDER``: four inputs of the first
-block, four of the second, and so on, so that a 32-bit lane of a vector holds four inputs of one
-block and the lanes alternate between the chunk's two blocks (a kernel then needs only the two
-block scales, broadcast, per chunk):
+Layout: tiles of ``TILE`` = 16 output rows. A row's ``K`` inputs are padded with zero blocks to
+``Kp``, a multiple of ``BLOCK``; the rows to ``Np``, a multiple of ``TILE`` (zero scales and mins).
+Within tile ``t`` and block ``b``, the codes of "group" ``g`` (inputs ``32b + 4g .. 32b + 4g + 3``)
+of the tile's 16 rows are one 64-byte vector, row after row, four codes each: a kernel multiplies
+it by four activations broadcast to every 32-bit lane, and lane ``l`` accumulates row ``16t + l``
+(the layout of llama.cpp's repacked CPU kernels, in tiles of 16 rows):
 
-- 8-bit: ``codes[n, 64c + p]`` is the code of input ``64c + CHUNK_ORDER[p]``.
-- 4-bit: chunk ``c`` is 32 bytes; byte ``p`` holds lane-order position ``p`` in its low nibble
-  and position ``p + 32`` in its high nibble.
-- ``scales[n, b]`` / ``mins[n, b]``: block ``b`` (inputs ``32b .. 32b+31``). Without stored mins,
-  ``min = -zero_point * scale`` (8 for 4-bit, 128 for 8-bit): a symmetric source needs no copy.
+- 8-bit: ``codes[t, 512b + 64g + 4l + i]`` is the code of row ``16t + l``, input ``32b + 4g + i``
+  (``g < 8``).
+- 4-bit: ``codes[t, 256b + 64g + 4l + i]`` holds group ``g`` (``g < 4``) in its low nibble and
+  group ``g + 4`` in its high nibble.
+- ``scales[t, 16b + l]`` / ``mins[t, 16b + l]``: row ``16t + l``, block ``b``. Without stored
+  mins, ``min = -zero_point * scale`` (8 for 4-bit, 128 for 8-bit): a symmetric source needs no
+  copy.
 
 Memory: 4-bit 0.5625 bytes a weight (0.625 with mins), 8-bit 1.0625.
 """
@@ -32,22 +34,22 @@ from dataclasses import dataclass
 import numpy as np
 
 BLOCK = 32  # inputs per scale
-CHUNK = 64  # inputs per kernel step: two blocks
+TILE = 16  # output rows per tile: one 32-bit lane each of a 512-bit vector
+GROUP = 4  # inputs per lane of one code vector (what vpdpbusd sums in a lane)
 ZERO_POINT = {4: 8, 8: 128}  # the code of weight 0 in a symmetric block
-# Lane order: position p of a chunk holds input CHUNK_ORDER[p] (module docstring).
-CHUNK_ORDER = np.array([BLOCK * ((p // 4) % 2) + (p // 8) * 4 + p % 4 for p in range(CHUNK)])
 
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """A ``[out_features, in_features]`` linear weight in blocks of 32 (module docstring).
+    """A ``[out_features, in_features]`` linear weight in tiles of blocks (module docstring).
 
     Attributes:
         bits: 4 or 8.
-        codes: ``[N, Kp/2]`` (4-bit) or ``[N, Kp]`` (8-bit) uint8, C-contiguous.
-        scales: ``[N, Kp/32]`` float16.
-        mins: ``[N, Kp/32]`` float16, or None for ``-ZERO_POINT[bits] * scales``.
+        codes: ``[Np/16, Kp/32 * 16 * 32 * bits/8]`` uint8, C-contiguous.
+        scales: ``[Np/16, Kp/32 * 16]`` float16.
+        mins: like ``scales``, or None for ``-ZERO_POINT[bits] * scales``.
         in_features: ``K``, the unpadded input width.
+        out_features: ``N``, the unpadded output width.
     """
 
     bits: int
@@ -55,58 +57,56 @@ class QuantWeight:
     scales: np.ndarray
     mins: np.ndarray | None
     in_features: int
+    out_features: int
 
     def __post_init__(self) -> None:
-        n, kp = self.scales.shape[0], self.scales.shape[1] * BLOCK
-        assert self.bits in ZERO_POINT and kp % CHUNK == 0 and kp - CHUNK < self.in_features <= kp
-        assert self.codes.shape == (n, kp * self.bits // 8) and self.codes.dtype == np.uint8
-        assert self.scales.dtype == np.float16 and (self.mins is None or self.mins.shape == self.scales.shape)
+        tiles, nb = self.scales.shape[0], self.scales.shape[1] // TILE
+        assert self.bits in ZERO_POINT and self.scales.shape[1] == nb * TILE and self.scales.dtype == np.float16
+        assert nb * BLOCK - BLOCK < self.in_features <= nb * BLOCK
+        assert tiles * TILE - TILE < self.out_features <= tiles * TILE
+        assert self.codes.shape == (tiles, nb * TILE * BLOCK * self.bits // 8) and self.codes.dtype == np.uint8
+        assert self.mins is None or self.mins.shape == self.scales.shape
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scales.shape[0], self.in_features
+        return self.out_features, self.in_features
 
     @property
     def padded_in_features(self) -> int:
-        return self.scales.shape[1] * BLOCK
+        return self.scales.shape[1] // TILE * BLOCK
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
 
-    def block_mins(self) -> np.ndarray:
-        """``[N, Kp/32]`` float32 mins (stored, or ``-zero_point * scale``)."""
-        if self.mins is not None:
-            return self.mins.astype(np.float32)
-        return np.float32(-ZERO_POINT[self.bits]) * self.scales.astype(np.float32)
-
-    def unpacked_codes(self) -> np.ndarray:
-        """``[N, Kp]`` uint8 codes in input order."""
-        n = self.codes.shape[0]
+    def rows(self, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows ``rows`` (default all ``N``) in input order: codes ``[R, Kp]`` uint8, block scales
+        and block mins ``[R, Kp/32]`` float32 (stored mins, or ``-zero_point * scale``)."""
+        rows = np.arange(self.out_features) if rows is None else np.asarray(rows, dtype=np.int64)
+        t, lane = rows // TILE, rows % TILE
+        nb = self.scales.shape[1] // TILE
         if self.bits == 8:
-            lanes = self.codes.reshape(n, -1, CHUNK)  # [N, Kp/64, 64] in lane order
+            codes = self.codes.reshape(-1, nb, BLOCK // GROUP, TILE, GROUP)[t, :, :, lane]  # [R, nb, 8, 4]
         else:
-            chunks = self.codes.reshape(n, -1, CHUNK // 2)  # [N, Kp/64, 32]
-            lanes = np.concatenate([chunks & 0x0F, chunks >> 4], axis=-1)
-        out = np.empty_like(lanes)
-        out[..., CHUNK_ORDER] = lanes
-        return out.reshape(n, -1)
+            packed = self.codes.reshape(-1, nb, BLOCK // GROUP // 2, TILE, GROUP)[t, :, :, lane]  # [R, nb, 4, 4]
+            codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2)
+        scales = self.scales.reshape(-1, nb, TILE)[t, :, lane].astype(np.float32)  # [R, nb]
+        if self.mins is None:
+            mins = np.float32(-ZERO_POINT[self.bits]) * scales
+        else:
+            mins = self.mins.reshape(-1, nb, TILE)[t, :, lane].astype(np.float32)
+        return codes.reshape(rows.size, -1), scales, mins
 
     def dequantize(self, rows: np.ndarray | None = None) -> np.ndarray:
         """The float32 weights ``[N, K]`` (or only ``rows``: ``[len(rows), K]``), ``scale * code + min``
         in float32, as gguf-py computes them."""
-        w = self if rows is None else self.take_rows(rows)
-        n = w.scales.shape[0]
-        codes = w.unpacked_codes().reshape(n, -1, BLOCK).astype(np.float32)  # [N, Kp/32, 32]
-        scales, mins = w.scales.astype(np.float32)[..., None], w.block_mins()[..., None]
-        return (scales * codes + mins).reshape(n, -1)[:, : self.in_features]
+        codes, scales, mins = self.rows(rows)
+        blocks = codes.reshape(codes.shape[0], -1, BLOCK).astype(np.float32)  # [R, nb, 32]
+        return (scales[..., None] * blocks + mins[..., None]).reshape(codes.shape[0], -1)[:, : self.in_features]
 
     def take_rows(self, rows: np.ndarray) -> QuantWeight:
         """The weight of output rows ``rows`` (a permutation, a subset), still quantized."""
-        rows = np.asarray(rows, dtype=np.int64)
-        mins = None if self.mins is None else np.ascontiguousarray(self.mins[rows])
-        return QuantWeight(self.bits, np.ascontiguousarray(self.codes[rows]),
-                           np.ascontiguousarray(self.scales[rows]), mins, self.in_features)
+        return _retile(self, [self.rows(rows)])
 
 
 Weight = np.ndarray | QuantWeight  # a matrix: float32 ``[out, in]``, or this module's block format
@@ -116,37 +116,46 @@ def stack_rows(weights: list[QuantWeight]) -> QuantWeight:
     """Weights of one input width stacked along the output rows (the fused QKV and gate/up)."""
     first = weights[0]
     assert all(w.bits == first.bits and w.in_features == first.in_features for w in weights)
-    if all(w.mins is None for w in weights):
-        mins = None
-    else:
-        mins = np.concatenate([w.block_mins().astype(np.float16) if w.mins is None else w.mins for w in weights])
-    return QuantWeight(first.bits, np.concatenate([w.codes for w in weights]),
-                       np.concatenate([w.scales for w in weights]), mins, first.in_features)
+    return _retile(first, [w.rows() for w in weights], keep_mins=any(w.mins is not None for w in weights))
 
 
-def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """``[N, Kp]`` uint8 codes in input order -> the stored layout (module docstring)."""
-    n = codes.shape[0]
-    lanes = codes.reshape(n, -1, CHUNK)[..., CHUNK_ORDER].astype(np.uint8)  # [N, Kp/64, 64] in lane order
-    if bits == 4:
-        lanes = lanes[..., : CHUNK // 2] | (lanes[..., CHUNK // 2 :] << 4)
-    return np.ascontiguousarray(lanes.reshape(n, -1))
+def _retile(like: QuantWeight, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+            keep_mins: bool | None = None) -> QuantWeight:
+    """``QuantWeight.rows`` results stacked in order, tiled again in ``like``'s format."""
+    codes, scales, mins = (np.concatenate(a) for a in zip(*parts))
+    keep = like.mins is not None if keep_mins is None else keep_mins
+    return _tiled(codes, scales, mins if keep else None, like.bits, like.in_features)
 
 
 def from_blocks(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits: int,
                 in_features: int) -> QuantWeight:
     """A ``QuantWeight`` from codes in input order ``[N, K]`` (uint8) and per-block ``scales`` /
-    ``mins`` ``[N, K/32]`` (any float dtype, stored as float16), padding ``K`` to a whole chunk."""
+    ``mins`` ``[N, K/32]`` (any float dtype, stored as float16)."""
     n, k = codes.shape
     assert k == in_features and k % BLOCK == 0 and scales.shape == (n, k // BLOCK)
-    pad = -k % CHUNK
-    codes = np.pad(codes.astype(np.uint8), ((0, 0), (0, pad)))
-    # A zero block has scale 0 and min 0: it adds nothing whatever its codes.
-    scales = np.pad(np.asarray(scales, dtype=np.float16), ((0, 0), (0, pad // BLOCK)))
-    if mins is not None:
-        mins = np.pad(np.asarray(mins, dtype=np.float16), ((0, 0), (0, pad // BLOCK)))
-    return QuantWeight(bits, pack_codes(codes, bits), np.ascontiguousarray(scales),
-                       None if mins is None else np.ascontiguousarray(mins), in_features)
+    return _tiled(codes, scales, mins, bits, in_features)
+
+
+def _tiled(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits: int,
+           in_features: int) -> QuantWeight:
+    """Codes ``[N, Kp']`` in input order (``Kp'`` a multiple of 32 covering ``in_features``),
+    block scales / mins ``[N, Kp'/32]`` -> the tiled layout; rows padded with zero scales and mins
+    (a zero block adds nothing whatever its codes)."""
+    n, nb = scales.shape
+    pad = -n % TILE
+    codes = np.pad(codes.astype(np.uint8), ((0, pad), (0, 0)))
+    tiles = (n + pad) // TILE
+    by_group = codes.reshape(tiles, TILE, nb, BLOCK // GROUP, GROUP).transpose(0, 2, 3, 1, 4)  # [t, b, g, l, i]
+    if bits == 4:
+        half = BLOCK // GROUP // 2
+        by_group = by_group[:, :, :half] | (by_group[:, :, half:] << 4)
+
+    def lanes(a: np.ndarray) -> np.ndarray:  # [N, nb] -> [Np/16, nb * 16] float16
+        a = np.pad(np.asarray(a, dtype=np.float16), ((0, pad), (0, 0)))
+        return np.ascontiguousarray(a.reshape(tiles, TILE, nb).transpose(0, 2, 1).reshape(tiles, -1))
+
+    return QuantWeight(bits, np.ascontiguousarray(by_group.reshape(tiles, -1)), lanes(scales),
+                       None if mins is None else lanes(mins), in_features, n)
 
 
 def quantize(w: np.ndarray, bits: int) -> QuantWeight:
