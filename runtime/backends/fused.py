@@ -21,13 +21,18 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from flm_runtime.backends import qgemm, skinny_gemm
 from flm_runtime.backends.quant import QuantWeight
 
 # fastmath without nnan/ninf: reassociation lets LLVM vectorize the reductions (norms, attention
-# dots), in an order fixed by the compiled code alone, the same for every row.
+# dots), in an order fixed by the compiled code alone, the same for every row. numpy's error model:
+# a division by zero gives inf instead of a check and a branch that stops the loop vectorizing.
 _FASTMATH = {"reassoc", "contract", "arcp"}
+_ELEMENTWISE = {"fastmath": _FASTMATH, "error_model": "numpy"}
 
 
 class Product(NamedTuple):
@@ -47,7 +52,36 @@ class Product(NamedTuple):
         return cls(*qgemm.operands(w), w.padded_in_features, w.out_features, w.bits, w.mins is not None)
 
 
-@numba.njit(nogil=True, fastmath=_FASTMATH)
+@intrinsic
+def _pow2(typingctx, n):  # pragma: no cover - compiled
+    """``2.0 ** n`` as float32 for an int32 ``n`` in ``[-126, 127]`` (the exponent bits, built)."""
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        bits = builder.shl(builder.add(args[0], ir.Constant(i32, 127)), ir.Constant(i32, 23))
+        return builder.bitcast(bits, ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@numba.njit(inline="always", **_ELEMENTWISE)
+def _exp(x):  # pragma: no cover - compiled
+    """``exp(x)`` in float32 within about 2 ulp, clamped to ``[exp(-87), exp(88)]``, in plain
+    arithmetic that LLVM vectorizes (a loop of ``np.exp`` calls libm once per element). Cody-Waite
+    reduction ``x = n ln2 + f`` and Cephes' ``expf`` polynomial on ``|f| <= ln2 / 2``."""
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    n = np.float32(np.rint(x * np.float32(1.44269504)))
+    f = (x - n * np.float32(0.693359375)) + n * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * f + np.float32(1.3981999507e-3)
+    p = p * f + np.float32(8.3334519073e-3)
+    p = p * f + np.float32(4.1665795894e-2)
+    p = p * f + np.float32(1.6666665459e-1)
+    p = p * f + np.float32(5.0000001201e-1)
+    return (p * (f * f) + f + np.float32(1.0)) * _pow2(np.int32(n))
+
+
+@numba.njit(nogil=True, **_ELEMENTWISE)
 def _rms_norm(x, weight, eps):  # pragma: no cover - compiled
     """RMSNorm of each row of ``x`` ``[R, E]`` (as ``cpu.rms_norm``)."""
     r, e = x.shape
@@ -107,7 +141,7 @@ def attention_in(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_h
     return q, k, v
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FASTMATH)
+@numba.njit(parallel=True, cache=True, nogil=True, **_ELEMENTWISE)
 def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
     """Grouped-query attention of ``T`` query rows over a sequence's cached keys (as
     ``cpu.attention``): query row ``t`` sits at position ``start + t`` and attends keys
@@ -137,7 +171,7 @@ def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
             top = scores[j].max()
             total = np.float32(0.0)
             for i in range(n):
-                p = np.exp(scores[j, i] - top)
+                p = _exp(scores[j, i] - top)
                 scores[j, i] = p
                 total += p
             acc_v = np.zeros(d, dtype=np.float32)
@@ -151,14 +185,14 @@ def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
                 out[t, col + e] = acc_v[e] * inv
 
 
-@numba.njit(nogil=True, fastmath=_FASTMATH)
+@numba.njit(nogil=True, **_ELEMENTWISE)
 def _swiglu(gate_up):  # pragma: no cover - compiled
     r, f = gate_up.shape[0], gate_up.shape[1] // 2
     out = np.empty((r, f), dtype=np.float32)
     for i in range(r):
         for j in range(f):
             g = gate_up[i, j]
-            out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[i, f + j]
+            out[i, j] = g / (np.float32(1.0) + _exp(-g)) * gate_up[i, f + j]
     return out
 
 

@@ -63,6 +63,8 @@ _ISA_FEATURES = {"avx512vnni": ("avx512vnni", "avx512bw", "avx512f", "f16c", "fm
 LEVEL_SHIFT = 7  # step = dx / 2**7: the second level's integers join the first's exactly
 _GROUPS = BLOCK // GROUP  # code vectors per block of a tile
 _CHAINS = 2  # integer accumulators per level and row
+# The quantizer's float math (activations are finite: a NaN row is garbage either way).
+_QUANTIZE_MATH = {"nnan", "nsz", "reassoc", "contract", "arcp"}
 _PREFETCH_BLOCKS = 4  # how far ahead a multi-row kernel step prefetches its codes
 
 
@@ -80,7 +82,7 @@ def select_isa() -> str:
 
 # --- activations ------------------------------------------------------------------------------
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath=_QUANTIZE_MATH)
 def quantize_activations(x, padded):  # pragma: no cover - compiled
     """``x`` ``[M, K]`` float32 in two int8 levels per block of 32 (module docstring).
 
@@ -95,25 +97,27 @@ def quantize_activations(x, padded):  # pragma: no cover - compiled
     step = np.empty((m, nb), dtype=np.float32)
     sx = np.empty((m, nb), dtype=np.float32)
     s = np.empty((m, nb), dtype=np.int32)
+    lim = np.float32(127.0)
     for r in range(m):
+        row, q_row = x[r], xq[r]
         for b in range(nb):
             lo, hi = b * BLOCK, min(b * BLOCK + BLOCK, k)
             amax = np.float32(0.0)
             for i in range(lo, hi):
-                amax = max(amax, abs(x[r, i]))
-            dx = amax / np.float32(127.0)
+                amax = max(amax, abs(row[i]))
+            dx = amax / lim
             st = dx * np.float32(1.0 / (1 << LEVEL_SHIFT))  # exact: a power of two
             inv1 = np.float32(1.0) / dx if dx > 0 else np.float32(0.0)
             inv2 = np.float32(1.0) / st if st > 0 else np.float32(0.0)
-            total = 0
+            total = np.float32(0.0)  # a sum of integers below 2**24: exact in any order
             for i in range(lo, hi):
-                q1 = min(max(int(np.rint(x[r, i] * inv1)), -127), 127)
-                q2 = min(max(int(np.rint((x[r, i] - dx * np.float32(q1)) * inv2)), -127), 127)
-                xq[r, i], xq[r, padded + i] = q1, q2
-                total += (q1 << LEVEL_SHIFT) + q2
+                q1 = min(max(np.rint(row[i] * inv1), -lim), lim)
+                q2 = min(max(np.rint((row[i] - dx * q1) * inv2), -lim), lim)
+                q_row[i], q_row[padded + i] = np.int8(q1), np.int8(q2)
+                total += q1 * np.float32(1 << LEVEL_SHIFT) + q2
             step[r, b] = st
-            s[r, b] = total
-            sx[r, b] = st * np.float32(total)
+            s[r, b] = np.int32(total)
+            sx[r, b] = st * total
     return xq, step, sx, s
 
 
