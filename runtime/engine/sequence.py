@@ -11,18 +11,15 @@ cut a block exactly); near the context end (no room for a block) decoding is pla
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from flm_runtime.engine import sampler
 from flm_runtime.engine.detokenizer import Detokenizer
+from flm_runtime.engine.handle import RequestHandle
 from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
 from flm_runtime.engine.speculative import Lane, SpecState
 from flm_runtime.engine.stop import StopChecker
-
-if TYPE_CHECKING:
-    from flm_runtime.engine.engine import RequestHandle
 
 
 class Sequence:

@@ -9,7 +9,7 @@ import time
 import pytest
 from engine_fakes import BOT, EOS, FakeTokenizer, HashModel, ScriptModel
 
-from flm_runtime.engine.engine import RequestCancelledError
+from flm_runtime.engine.handle import RequestCancelledError
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.errors import (BackendUnavailableError, ContextLengthError, EngineOverloadedError,
                                 InvalidRequestError, RequestTimeoutError)
