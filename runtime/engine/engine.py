@@ -11,13 +11,10 @@ A ``Sequence`` holds everything that is per request (cache, RNG, output pipeline
 output depends only on its own inputs and seed (docs/design.md, "Contract", item 6), up to the
 float rounding of a batched matrix product.
 
-Per-request stats (``Completion.stats``): ``prompt_tokens``, ``completion_tokens`` (delivered, see
-``stop.py``), ``generated_tokens`` (including an end-of-turn token or stop-string tokens),
-``queue_s`` (submit to admission, seconds), ``ttft_s`` (submit to the first generated token,
-seconds), ``decode_tokens_per_s`` (tokens after the first / seconds after the first; 0.0 with a
-single token), ``total_s``; with speculative decoding also ``spec_steps``, ``drafted_tokens``,
-``accepted_tokens``, ``acceptance_length`` (AL, tokens per step including the bonus token) and
-``gated_steps`` (see ``speculative.SpecState.stats``). The final ``StreamEvent`` carries the same stats.
+Per-request stats: ``Completion.stats``, a ``request.RequestStats`` (token counts, queue and
+first-token times, decode seconds and tokens/s; with speculative decoding the ``SpecStats``
+counters: steps, drafted, accepted, AL, gated steps). The final ``StreamEvent`` carries the same
+stats.
 
 Admission control (``admission.py``, ``KVBudget``): at most ``max_queue`` requests wait and ``max_active`` run; a
 request is admitted only when its worst-case KV cache fits in what the running ones leave of

@@ -222,7 +222,3 @@ class AcceptanceTracker:
             self._recent.clear()
         elif self._steps == self.window:  # lasted a whole window: a probe that paid
             self.probing, self.probe_after = False, self.first_probe_after
-
-    def stats(self) -> dict:
-        """``spec_switches_off`` and the final ``al_estimate``."""
-        return {"spec_switches_off": self.switches, "al_estimate": self.al}

@@ -17,7 +17,7 @@ import numpy as np
 from flm_runtime.engine import sampler
 from flm_runtime.engine.detokenizer import Detokenizer
 from flm_runtime.engine.handle import RequestHandle
-from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
+from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent
 from flm_runtime.engine.speculative import Lane, SpecState
 from flm_runtime.engine.stop import StopChecker
 
@@ -97,16 +97,11 @@ class Sequence:
         return Completion("".join(self.text_parts), tuple(self.token_ids), self.checker.finish_reason,
                           len(self.prompt_ids), self.checker.delivered, self.stats())
 
-    def stats(self) -> dict:
+    def stats(self) -> RequestStats:
         t0 = self.handle.t_submit
-        decode_s = (self.t_last - self.t_first) if self.t_first else 0.0
-        return {
-            "prompt_tokens": len(self.prompt_ids),
-            "completion_tokens": self.checker.delivered,
-            "generated_tokens": self.checker.generated,
-            "queue_s": (self.t_admit - t0) if self.t_admit else None,
-            "ttft_s": (self.t_first - t0) if self.t_first else None,
-            "decode_tokens_per_s": (self.checker.generated - 1) / decode_s if decode_s > 0 else 0.0,
-            "total_s": time.perf_counter() - t0,
-            **(self.spec.stats() if self.spec is not None else {}),
-        }
+        return RequestStats(
+            prompt_tokens=len(self.prompt_ids), completion_tokens=self.checker.delivered,
+            generated_tokens=self.checker.generated, queue_s=(self.t_admit - t0) if self.t_admit else None,
+            ttft_s=(self.t_first - t0) if self.t_first else None,
+            decode_s=(self.t_last - self.t_first) if self.t_first else 0.0, total_s=time.perf_counter() - t0,
+            spec=self.spec.report() if self.spec is not None else None)

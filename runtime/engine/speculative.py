@@ -44,6 +44,7 @@ seeded request gives the same tokens with or without speculation (up to float ro
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -53,7 +54,7 @@ from flm_runtime.backends import prefill_chunks
 from flm_runtime.core import KVCache, Proposal
 from flm_runtime.engine import sampler
 from flm_runtime.engine.policy import AcceptanceTracker, Bucket, PolicyTable, confident_length
-from flm_runtime.engine.request import SamplingParams
+from flm_runtime.engine.request import SamplingParams, SpecStats
 
 # Pending taps of plain steps are folded into the draft cache once this many accumulate (while
 # the policy keeps a request decoding plainly), so that each step copies a bounded array.
@@ -131,37 +132,22 @@ class SpecState:
         draft_cache: the draft's context K/V.
         pending: ``[P, n*E]`` float32 taps of committed tokens not yet in ``draft_cache``.
         tracker: the request's acceptance estimate and speculate / plain decision (policy.py).
-        steps: speculative steps run (steps that verified drafted tokens).
-        drafted: drafted tokens verified (k per step, after the confidence gate).
-        gated: steps the confidence gate turned into plain decode steps (the draft ran, nothing
-            was verified).
+        stats: the request's speculation counters.
         gated_step: the current step is such a step (set by ``propose``, read by ``finish``).
         confidence: ``[K]`` float32, the draft's confidence in the tokens it proposed last (before
             the gate; ``Proposal.confidence``).
-        accepted: drafted tokens kept and pushed into the output pipeline.
-        emitted: tokens pushed by speculative steps (accepted + one bonus per step; a step cut
-            short by EOS / stop / max_tokens counts only the tokens pushed before the cut).
     """
 
     draft_cache: KVCache
     pending: np.ndarray
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
-    gated: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
     gated_step: bool = False
     confidence: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
 
-    def stats(self) -> dict:
-        """Per-request speculation stats: ``spec_steps``, ``drafted_tokens``, ``accepted_tokens``,
-        ``acceptance_length`` (tokens per speculative step INCLUDING the bonus token; 0.0 before a
-        step), ``gated_steps``, and the policy's ``spec_switches_off`` and ``al_estimate``
-        (``AcceptanceTracker.stats``)."""
-        return {"spec_steps": self.steps, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
-                "acceptance_length": self.emitted / self.steps if self.steps else 0.0, "gated_steps": self.gated,
-                **self.tracker.stats()}
+    def report(self) -> SpecStats:
+        """The counters with the tracker's figures (``switches_off``, ``al_estimate``), a copy."""
+        return dataclasses.replace(self.stats, switches_off=self.tracker.switches, al_estimate=self.tracker.al)
 
 
 class LaneOutput(NamedTuple):
@@ -322,8 +308,8 @@ class SpeculativeDecoder:
             if len(state.pending) >= PENDING_FLUSH:  # bounded: no copy that grows with the output
                 self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
                 state.pending = self._no_taps()
+            state.stats.record_plain(state.gated_step)
             if state.gated_step:  # speculating, but the gate verified nothing: a 1-token step
-                state.gated += 1
                 state.tracker.record_step(self._bucket(start), 1)
             elif self.policy is not None:
                 state.tracker.record_plain()
@@ -332,17 +318,16 @@ class SpeculativeDecoder:
         n_accepted, bonus = verify(draft_ids, logits, lane.params, lane.rng)
         cache.trim(start + n_accepted + 1)  # roll back the rejected positions
         state.pending = taps[: n_accepted + 1]
-        state.steps += 1
-        state.drafted += len(draft_ids)
         if self.policy is not None:
             state.tracker.record_step(self._bucket(start), n_accepted + 1)
         self._check(cache, state)
-        for j, token in enumerate([*draft_ids[:n_accepted].tolist(), bonus]):
-            state.emitted += 1
-            state.accepted += j < n_accepted
-            if lane.emit(int(token)):
-                return True
-        return False
+        emitted, finished = 0, False
+        for token in [*draft_ids[:n_accepted].tolist(), bonus]:
+            emitted += 1
+            if finished := lane.emit(int(token)):
+                break
+        state.stats.record_step(len(draft_ids), min(emitted, n_accepted), emitted)
+        return finished
 
     def _propose(self, caches: list[KVCache], anchor_ids: list[int], n_drafts: int) -> Proposal:
         """The first ``n_drafts`` drafted tokens of ``S`` sequences (``[S, n_drafts]``): one

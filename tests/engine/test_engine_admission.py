@@ -98,13 +98,13 @@ def test_the_first_in_line_is_not_overtaken_by_smaller_requests(make_engine, tok
     assert (engine.stats()["active"], engine.stats()["queued"]) == (1, 2)
     assert [h.result(timeout=30).completion_tokens for h in (running, large, small)] == [40, 80, 2]
     # admitted in arrival order, and `large` only once `running` had ended (perf_counter seconds)
-    ended = running.t_submit + running.result().stats["total_s"]
+    ended = running.t_submit + running.result().stats.total_s
     assert ended <= admitted(large) <= admitted(small)
 
 
 def admitted(handle) -> float:
     """``time.perf_counter()`` at which the engine admitted the request."""
-    return handle.t_submit + handle.result().stats["queue_s"]
+    return handle.t_submit + handle.result().stats.queue_s
 
 
 def test_queue_full_while_the_budget_is_full_is_refused_at_once(make_engine, tok):
