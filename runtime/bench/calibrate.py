@@ -134,12 +134,12 @@ def acceptance_records(decoder: SpeculativeDecoder, tokenizer, prompts: list[lis
             return len(out) >= max_new or token in stop
 
         while len(out) < max_new and out[-1] not in stop and cache.length + decoder.block_size <= cache.max_length:
-            before, produced = state.stats.accepted, len(out)
-            done = decoder.step(Lane(out[-1], cache, state, greedy, rng, emit))
-            if not done:  # a whole step: accepted = emitted - 1
-                confidence.append(state.confidence)
-                accepted.append(state.stats.accepted - before)
-                assert len(out) - produced == state.stats.accepted - before + 1
+            produced = len(out)
+            step = decoder.step(Lane(out[-1], cache, state, greedy, rng, emit))
+            if not step.finished:  # a whole step: accepted = emitted - 1
+                confidence.append(step.draft.confidence)
+                accepted.append(step.accepted)
+                assert len(out) - produced == step.accepted + 1
             if progress is not None:
                 progress.update(len(out) - produced)
     if not accepted:

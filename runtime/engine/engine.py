@@ -35,6 +35,8 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -43,7 +45,7 @@ from flm_runtime.engine import admission, sampler
 from flm_runtime.engine.handle import RequestCancelledError, RequestHandle
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.sequence import Sequence
-from flm_runtime.engine.speculative import LaneOutput, SpeculativeDecoder
+from flm_runtime.engine.speculative import PLAIN, Draft, SpeculativeDecoder
 from flm_runtime.errors import (BackendUnavailableError, EngineOverloadedError, InvalidRequestError,
                                 RequestTimeoutError)
 
@@ -60,15 +62,37 @@ class _Part(NamedTuple):
     Attributes:
         seq: the sequence.
         ids: ``[T]`` int64 token ids appended to its cache: a prompt chunk, or its decode rows
-            (``[last_token]``, or a speculative step's ``[anchor, d1 .. dK]``).
+            (``draft.rows``: ``[last_token]``, or a speculative step's ``[anchor, d1 .. dk]``).
         n_logits: trailing rows whose logits it needs (0: a prompt chunk before the last one).
-        draft_ids: ``[K]`` drafted ids of a speculative decoding step; None otherwise.
+        draft: a decoding step's ``Draft`` (``PLAIN`` in an engine without a draft); None for a
+            prompt chunk.
     """
 
     seq: Sequence
     ids: np.ndarray
     n_logits: int
-    draft_ids: np.ndarray | None = None
+    draft: Draft | None = None
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One engine step that ran a forward pass: seconds (``time.perf_counter``) of its phases.
+
+    Attributes:
+        propose_s: the draft side (``SpeculativeDecoder.propose``: catch-up and draft pass); 0.0
+            without a decoder.
+        forward_s: the batched target pass (verify rows, decode rows and prompt chunks).
+        commit_s: what the sequences did with their rows (verify, roll back, sample, emit).
+        total_s: the whole step, from the cancellation checks to the last commit.
+        drafts: the ``Draft`` of each decoding sequence, in the pass's order (``PLAIN`` in an
+            engine without a draft); empty for a step of prompt chunks only.
+    """
+
+    propose_s: float
+    forward_s: float
+    commit_s: float
+    total_s: float
+    drafts: tuple[Draft, ...]
 
 
 class Engine:
@@ -92,6 +116,8 @@ class Engine:
             ``admission``); None: ``admission.default_kv_budget`` (4 full contexts).
         speculative: decode with this ``SpeculativeDecoder`` (its target must be ``model``);
             None decodes plainly.
+        on_step: called on the engine thread after every step that ran a forward pass, with its
+            ``StepTiming`` (benchmarks and calibration); an attribute, so it may be set later.
         prefill_tokens: prompt tokens one step prefills at most, over all sequences (chunked
             prefill; vLLM calls its analogue ``max_num_batched_tokens``): it bounds how long a
             step, so the gap between two tokens of a decoding stream, grows while prompts
@@ -104,11 +130,13 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, name: str, default_sampling: sampler.SamplingDefaults | None = None,
                  max_queue: int = 64, max_active: int = 16, kv_budget: int | None = None,
-                 speculative: SpeculativeDecoder | None = None, prefill_tokens: int | None = None):
+                 speculative: SpeculativeDecoder | None = None, prefill_tokens: int | None = None,
+                 on_step: Callable[[StepTiming], None] | None = None):
         assert speculative is None or speculative.target is model, "the decoder's target must be the model"
         self.model = model
         self.speculative = speculative
         self.tokenizer = tokenizer
+        self.on_step = on_step
         self.name = name
         self.default_sampling = sampler.default_sampling(default_sampling)
         self.max_queue = admission.positive_int(max_queue, "max_queue")
@@ -266,7 +294,8 @@ class Engine:
                 self._end(seq, error=e)
 
     def _step(self) -> None:
-        """Advance every active sequence with ONE batched forward pass (``_forward``).
+        """Advance every active sequence with ONE batched forward pass: propose, the pass, then
+        each sequence commits its rows.
 
         Sequences still prefilling contribute their next prompt chunk, in admission order, while
         the step's ``prefill_tokens`` last (``_prefill_parts``); every decoding sequence
@@ -274,16 +303,28 @@ class Engine:
         a drafted block (all drafting sequences share one draft pass) or the single plain row
         where its policy says a block does not pay. All rows share one matrix product per weight
         matrix; the LM head runs only on the rows that need logits. New requests join and
-        finished or cancelled ones leave between steps.
+        finished or cancelled ones leave between steps. ``on_step`` then gets the step's timing.
         """
+        t0 = time.perf_counter()
         now = time.monotonic()
         prefilling, decoding = [], []
         for seq in list(self._active):
             if not self._abort_if_needed(seq, now):
                 (decoding if seq.prefilled else prefilling).append(seq)
-        parts = self._prefill_parts(prefilling) + self._decode_parts(decoding)
-        if parts:
-            self._forward(parts)
+        t_propose = time.perf_counter()
+        decode = self._decode_parts(decoding)
+        t_forward = time.perf_counter()
+        parts = self._prefill_parts(prefilling) + decode
+        if not parts:
+            return
+        outputs = self._pass(parts)
+        t_commit = time.perf_counter()
+        for part, logits, taps in outputs:
+            self._advance(part.seq, lambda p=part, lg=logits, tp=taps: self._commit(p, lg, tp))
+        if self.on_step is not None:
+            t_end = time.perf_counter()
+            self.on_step(StepTiming(t_forward - t_propose, t_commit - t_forward, t_end - t_commit, t_end - t0,
+                                    tuple(p.draft for p in decode)))
 
     def _prefill_parts(self, prefilling: list[Sequence]) -> list[_Part]:
         """The next prompt chunk of prefilling sequences, in admission order, each whose chunk
@@ -302,24 +343,26 @@ class Engine:
         return parts
 
     def _decode_parts(self, decoding: list[Sequence]) -> list[_Part]:
-        """Each decoding sequence's rows; with speculation, after one draft pass for all of them
-        (if it raises, sequence by sequence, so that only the culprit fails)."""
+        """Each decoding sequence's rows, from its ``Draft``: with speculation, after one draft
+        pass for all of them (if it raises, sequence by sequence, so that only the culprit
+        fails); without, ``PLAIN``."""
         spec = self.speculative
         if spec is None or not decoding:
-            return [_Part(s, np.array([s.last_token], dtype=np.int64), 1) for s in decoding]
-        lanes = [s.lane() for s in decoding]
-        try:
-            drafts = spec.propose(lanes)
-        except Exception as e:          # noqa: BLE001 - maybe one sequence's fault: isolate it
-            if len(decoding) == 1:
-                self._end(decoding[0], error=e)
-                return []
-            return [p for s in decoding for p in self._decode_parts([s])]
-        return [_Part(s, spec.rows(lane, d), len(d) + 1, d) for s, lane, d in zip(decoding, lanes, drafts)]
+            drafts = [PLAIN] * len(decoding)
+        else:
+            try:
+                drafts = spec.propose([s.lane() for s in decoding])
+            except Exception as e:          # noqa: BLE001 - maybe one sequence's fault: isolate it
+                if len(decoding) == 1:
+                    self._end(decoding[0], error=e)
+                    return []
+                return [p for s in decoding for p in self._decode_parts([s])]
+        return [_Part(s, d.rows(s.last_token), len(d.ids) + 1, d) for s, d in zip(decoding, drafts)]
 
-    def _forward(self, parts: list[_Part]) -> None:
-        """One batched forward pass of ``parts``, then each sequence takes its rows. If the pass
-        raises, no cache has changed: the parts run again one by one, so only the culprit fails."""
+    def _pass(self, parts: list[_Part]) -> list[tuple[_Part, np.ndarray, np.ndarray | None]]:
+        """One batched forward pass of ``parts``: each part with its logits ``[n_logits, V]`` and
+        taps ``[T, n*E]`` (None without a decoder). If the pass raises, no cache has changed: the
+        parts run again one by one, so only the culprit fails (and is left out)."""
         spec = self.speculative
         taps = spec.taps if spec is not None else ()
         try:
@@ -328,29 +371,25 @@ class Engine:
         except Exception as e:          # noqa: BLE001 - maybe one sequence's fault: isolate it
             if len(parts) == 1:
                 self._end(parts[0].seq, error=e)
-            else:
-                for p in parts:
-                    self._forward([p])
-            return
+                return []
+            return [output for p in parts for output in self._pass([p])]
         logits, tapped = out  # [sum n_logits, V], [R, n*E] or None
         logit_end, row_end = np.cumsum([p.n_logits for p in parts]), np.cumsum([len(p.ids) for p in parts])
-        for p, le, re in zip(parts, logit_end, row_end):
-            p_logits = logits[le - p.n_logits : le]
-            p_taps = tapped[re - len(p.ids) : re] if taps else None
-            self._advance(p.seq, lambda p=p, lg=p_logits, tp=p_taps: self._take(p, lg, tp))
+        return [(p, logits[le - p.n_logits : le], tapped[re - len(p.ids) : re] if taps else None)
+                for p, le, re in zip(parts, logit_end, row_end)]
 
-    def _take(self, part: _Part, logits: np.ndarray, taps: np.ndarray | None) -> None:
-        """``part.seq`` takes its rows' outputs: a prompt chunk's taps go to the draft and the
-        last chunk's logits give the first token; a decode row samples a token; a speculative
-        step verifies and emits its block."""
+    def _commit(self, part: _Part, logits: np.ndarray, taps: np.ndarray | None) -> None:
+        """``part.seq`` commits its rows' outputs: a decoding step through the decoder (verify
+        and emit, or a plain step's token), or, without one, its token (``Lane.take``); a prompt
+        chunk's taps go to the draft and the last chunk's logits give the first token."""
         seq, spec = part.seq, self.speculative
-        if part.draft_ids is not None:
-            spec.finish(seq.lane(), LaneOutput(part.draft_ids, logits, taps))
+        if part.draft is not None and spec is not None:
+            spec.commit(seq.lane(), part.draft, logits, taps)
             return
-        if spec is not None and not seq.prefilled:
+        if part.draft is None and spec is not None:
             spec.add_prompt(seq.cache, seq.spec, taps)
         if part.n_logits:
-            seq.take(logits[0])
+            seq.lane().take(logits[0])
 
     def _advance(self, seq: Sequence, step) -> None:
         """Run ``step()`` for ``seq``; retire it when it finished, fail it alone when it raised."""

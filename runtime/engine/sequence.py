@@ -2,10 +2,10 @@
 KV caches, RNG, stop checker, delivered text and tokens, timing, speculation state and stats).
 
 Each engine step gives it rows of one batched forward pass: its next prompt chunk until the prompt
-is in the cache (the last chunk's logits give the first token, through ``take``), then plain
-1-token decodes (``take``) or, when the engine has a ``SpeculativeDecoder``, speculative steps of its
-``lane`` whose kept tokens go through ``accept`` one by one (so EOS, stop strings and ``max_tokens``
-cut a block exactly); near the context end (no room for a block) decoding is plain.
+is in the cache (the last chunk's logits give the first token), then decoding steps of its
+``lane``: plain 1-token steps (``Lane.take``, with or without a ``SpeculativeDecoder``) or
+speculative steps whose kept tokens go through ``accept`` one by one (so EOS, stop strings and
+``max_tokens`` cut a block exactly); near the context end (no room for a block) decoding is plain.
 """
 
 from __future__ import annotations
@@ -63,13 +63,9 @@ class Sequence:
         """The prompt is in the cache: the next step decodes ``last_token``."""
         return self.last_token is not None
 
-    def take(self, logits: np.ndarray) -> bool:
-        """Sample one token from ``logits`` ``[V]`` (this request's params and own RNG, so the
-        draw does not depend on other sequences) and ``accept`` it."""
-        return self.accept(sampler.sample(logits, self.params, self.rng))
-
     def lane(self) -> Lane:
-        """This sequence's part of a (batched) speculative decoding step."""
+        """This sequence's part of a (batched) decoding step (``Lane.take`` samples a plain
+        token, ``emit`` is ``accept``)."""
         return Lane(self.last_token, self.cache, self.spec, self.params, self.rng, self.accept)
 
     def accept(self, token: int) -> bool:
