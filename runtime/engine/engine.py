@@ -79,8 +79,8 @@ class StepTiming:
     """One engine step that ran a forward pass: seconds (``time.perf_counter``) of its phases.
 
     Attributes:
-        propose_s: the draft side (``SpeculativeDecoder.propose``: catch-up and draft pass); 0.0
-            without a decoder.
+        propose_s: the decoding sequences' drafts and rows (with a decoder, its ``propose``:
+            catch-up and draft pass).
         forward_s: the batched target pass (verify rows, decode rows and prompt chunks).
         commit_s: what the sequences did with their rows (verify, roll back, sample, emit).
         total_s: the whole step, from the cancellation checks to the last commit.

@@ -146,7 +146,7 @@ class SpecState:
         return dataclasses.replace(self.stats, switches_off=self.tracker.switches, al_estimate=self.tracker.al)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity
 class Draft:
     """What ``propose`` offers one lane for one step.
 

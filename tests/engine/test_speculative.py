@@ -15,7 +15,7 @@ from flm_runtime.backends import forward
 from flm_runtime.core import LlamaConfig
 from flm_runtime.engine import sampler
 from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder, verify, verify_greedy, verify_sampled
+from flm_runtime.engine.speculative import PLAIN, SpeculativeDecoder, verify, verify_greedy, verify_sampled
 from flm_runtime.models.llama import LlamaModel
 
 GREEDY = SamplingParams()
@@ -178,6 +178,21 @@ def test_max_tokens_is_exact_inside_a_block(make_engine, max_tokens, perfect):
     assert s.spec.accepted + s.spec.steps >= max_tokens - 1 >= s.spec.accepted
     if perfect and max_tokens == 25:  # 1 from prefill + 3 steps of 8: AL = 8 (the bonus included)
         assert (s.spec.steps, s.spec.accepted, s.spec.acceptance_length) == (3, 21, 8.0)
+
+
+def test_on_step_reports_each_pass_with_its_drafts(make_engine):
+    """The engine's per-step hook: one ``StepTiming`` per forward pass, with each decoding lane's
+    ``Draft``: the prefill, then three whole blocks of 7 (25 tokens: 1 + 3 * 8); without a draft,
+    every decoding step is ``PLAIN``."""
+    engine = script_engine(make_engine, LETTERS)
+    steps = []
+    engine.on_step = steps.append
+    assert engine.submit([1, 2, 3], SamplingParams(max_tokens=25)).result().stats.spec.steps == 3
+    assert [[(len(d.ids), d.planned, d.gated) for d in t.drafts] for t in steps] == [[], *[[(7, 7, False)]] * 3]
+    plain = make_engine(ScriptTarget(LETTERS, 3), FakeTokenizer(vocab_size=300), on_step=steps.append)
+    steps.clear()
+    assert plain.submit([1, 2, 3], SamplingParams(max_tokens=5)).result().text == "abcde"
+    assert [len(t.drafts) for t in steps] == [0, 1, 1, 1, 1] and all(d is PLAIN for t in steps for d in t.drafts)
 
 
 def test_stop_string_inside_a_block(make_engine):
