@@ -1,13 +1,13 @@
 """The engine: a background thread that runs requests on one model and streams their tokens.
 
-A caller ``submit``s prompt ids and ``SamplingParams`` and gets a ``RequestHandle`` (``handle.py``); sync
-iteration, ``aiter()``, ``result()`` and ``aresult()`` all consume the same stream of
-``StreamEvent``s, so streamed and non-streamed outputs are the same by construction. The engine
-thread admits queued requests as ``Sequence``s and calls ``_step``, which runs ONE batched forward
-pass: a prompt chunk of each sequence still prefilling (within a per-step token budget) and the
-decode rows of every decoding sequence (continuous batching with chunked prefill: requests join
-and leave between steps, and a long prompt does not stall the others' decoding; see ``_step``).
-A ``Sequence`` holds everything that is per request (cache, RNG, output pipeline), so a request's
+A caller ``submit``s prompt ids and ``SamplingParams`` and gets a ``RequestHandle``
+(``handle.py``); sync iteration, ``aiter()``, ``result()`` and ``aresult()`` all consume the same
+stream of ``StreamEvent``s, so streamed and non-streamed outputs are the same by construction. The
+engine thread admits queued requests as ``Sequence``s and calls ``_step``, which runs ONE batched
+forward pass: a prompt chunk of each sequence still prefilling (within a per-step token budget) and
+the decode rows of every decoding sequence (continuous batching with chunked prefill: requests join
+and leave between steps, and a long prompt does not stall the others' decoding; see ``_step``). A
+``Sequence`` holds everything that is per request (cache, RNG, output pipeline), so a request's
 output depends only on its own inputs and seed (docs/design.md, "Contract", item 6), up to the
 float rounding of a batched matrix product.
 
@@ -16,15 +16,17 @@ first-token times, decode seconds and tokens/s; with speculative decoding the ``
 counters: steps, drafted, accepted, AL, gated steps). The final ``StreamEvent`` carries the same
 stats.
 
-Admission control (``admission.py``, ``KVBudget``): at most ``max_queue`` requests wait and ``max_active`` run; a
-request is admitted only when its worst-case KV cache fits in what the running ones leave of
-``kv_budget`` (bytes), in arrival order. A request that cannot fit even alone is refused at submit
-(``KVBudgetError``); a full queue is refused at submit too (``EngineOverloadedError``), so no caller
-ever hangs on a full engine. ``stats()`` counts what is running, waiting and held.
+Admission control (``admission.py``, ``KVBudget``): at most ``max_queue`` requests wait and
+``max_active`` run; a request is admitted only when its worst-case KV cache fits in what the
+running ones leave of ``kv_budget`` (bytes), in arrival order. A request that cannot fit even alone
+is refused at submit (``KVBudgetError``); a full queue is refused at submit too
+(``EngineOverloadedError``), so no caller ever hangs on a full engine. ``stats()`` counts what is
+running, waiting and held.
 
 Speculative decoding: an engine given a ``SpeculativeDecoder`` runs every sequence's decoding
-through it (draft K, verify K+1, greedy or sampled; or a plain step where its policy says a block
-does not pay), its verify rows in the step's batched target pass.
+through it, a step as propose -> one batched target pass -> commit (draft K, verify K+1, greedy or
+sampled; or a plain step where its policy says a block does not pay, whose token is sampled as in
+an engine without a draft). ``on_step`` hands each step's ``StepTiming`` to benchmarks.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class Engine:
         speculative: decode with this ``SpeculativeDecoder`` (its target must be ``model``);
             None decodes plainly.
         on_step: called on the engine thread after every step that ran a forward pass, with its
-            ``StepTiming`` (benchmarks and calibration); an attribute, so it may be set later.
+            ``StepTiming`` (benchmarks); an attribute, so it may be set later.
         prefill_tokens: prompt tokens one step prefills at most, over all sequences (chunked
             prefill; vLLM calls its analogue ``max_num_batched_tokens``): it bounds how long a
             step, so the gap between two tokens of a decoding stream, grows while prompts

@@ -271,7 +271,7 @@ class SpeculativeDecoder:
         """One decoding step of one lane: propose, one target pass of its rows, verify and
         commit."""
         draft = self.propose([lane])[0]
-        out = self.target.forward_batch([draft.rows(lane.anchor_id)], [lane.cache], taps=self.taps)
+        out = self.target.forward_batch([draft.rows(lane.anchor_id)], [lane.cache], taps=self.taps)  # the verify pass
         return self.commit(lane, draft, out.logits, out.taps)
 
     def propose(self, lanes: list[Lane]) -> list[Draft]:
