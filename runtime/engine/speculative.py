@@ -326,6 +326,8 @@ class SpeculativeDecoder:
             draft: its ``Draft`` from ``propose``.
             logits: ``[k+1, V]`` float32 target logits of ``draft.rows``.
             taps: ``[k+1, n*E]`` float32 taps of the same rows.
+        Returns:
+            the lane's ``LaneStep`` (``finished``: ``emit`` finished the sequence).
         """
         cache, state = lane.cache, lane.state
         start = cache.length - len(logits)
