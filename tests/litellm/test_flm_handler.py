@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+from dataclasses import replace
 
 import litellm
 import pytest
@@ -118,6 +119,16 @@ def test_stream(fake_engine):
 
 SPEC_STATS = RequestStats(prompt_tokens=9, completion_tokens=12, generated_tokens=13, queue_s=0.0, ttft_s=0.1,
                           decode_s=1.2, total_s=1.3, spec=SpecStats(steps=4, drafted=28, accepted=9, emitted=13))
+
+
+def test_flm_stats_keys():
+    """The public keys of ``_hidden_params["flm_stats"]``, with and without speculation."""
+    plain = {"prompt_tokens": 9, "completion_tokens": 12, "generated_tokens": 13, "queue_s": 0.0, "ttft_s": 0.1,
+             "decode_tokens_per_s": 10.0, "total_s": 1.3}
+    assert replace(SPEC_STATS, spec=None).as_dict() == plain
+    assert SPEC_STATS.as_dict() == {**plain, "spec_steps": 4, "drafted_tokens": 28, "accepted_tokens": 9,
+                                    "acceptance_length": 3.25, "gated_steps": 0, "spec_switches_off": 0,
+                                    "al_estimate": None}
 
 
 def test_speculative_stats_reach_the_usage(fake_engine):
