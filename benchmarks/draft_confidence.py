@@ -45,7 +45,7 @@ def main() -> None:
 
     engine = get_engine(a.tag, "cpu")
     spec, tok = engine.speculative, engine.tokenizer
-    decoder = SpeculativeDecoder(spec.target, spec.draft)  # whole blocks, no policy
+    decoder = SpeculativeDecoder(spec.target, spec.draft)  # ALWAYS_SPECULATE: whole blocks, no gate
     if a.prompts:
         texts = [text for _, text in documents.short_prompts(a.prompts, a.n)]
     else:

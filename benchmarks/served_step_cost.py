@@ -9,10 +9,10 @@ that drafts ``--k`` tokens at every step (no switch-off), so every step is a spe
 with ``--policy FILE``, that table as served (its buckets and the per-request acceptance tracker),
 to see where a served run's time goes against what calibration expected.
 
-Per engine, over all its steps: milliseconds per step of the whole step (``Engine._step``), of
-the target pass (``forward_batch``), and for the DFlash engine of the draft's work
-(``SpeculativeDecoder.propose``: catching up on the pending taps, then proposing) and of
-``finish`` (verify, KV roll-back, emitting); decode tokens/s and AL from the engines' own stats.
+Per engine, over all its steps (the engine's ``on_step`` hook, ``StepTiming``): milliseconds per
+step of the whole step, of the target pass, of the draft's work (``SpeculativeDecoder.propose``:
+catching up on the pending taps, then proposing) and of the commit (verify, KV roll-back,
+sampling, emitting); decode tokens/s and AL from the engines' own stats.
 The DFlash engine's steps are also split by the tokens they verify, K (K = 0: a plain step; "K = 0
 gated": the confidence gate left nothing to verify), with their count and ms per step. Then
 ``step / baseline step`` is the served cost of a speculative step in decodes: speculation pays
@@ -22,16 +22,13 @@ interleaved rounds, medians).
 
     python benchmarks/served_step_cost.py [--k 1 | --policy FILE] [--max-tokens 256] [--prompts 3] [--rounds 2]
 
-Timing wraps the methods of these engine instances only (``time.perf_counter``, per call).
+Timing is the engines' own (``time.perf_counter``, per step).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -39,57 +36,47 @@ import numpy as np
 from flm_runtime.bench import calibrate
 from flm_runtime.bench.documents import chat_ids, short_prompts
 from flm_runtime.bench.engines import load_engines, run_request
+from flm_runtime.engine.engine import StepTiming
 from flm_runtime.engine.policy import Bucket, PolicyTable
 from flm_runtime.engine.request import SamplingParams
 
 
-class Timings:
-    """Seconds and calls per (engine thread, label), recorded by the wrapped methods."""
+class StepRecorder:
+    """An engine's ``on_step``: the seconds of its steps, summed per phase and per step label."""
+
+    PHASES = {"step": "total_s", "target pass": "forward_s", "draft (catch-up + propose)": "propose_s",
+              "commit (verify, roll back, sample, emit)": "commit_s"}
 
     def __init__(self):
-        self.seconds: collections.Counter = collections.Counter()
-        self.calls: collections.Counter = collections.Counter()
+        self.steps = 0
+        self.seconds: collections.Counter = collections.Counter()  # phase -> seconds
+        self.by_label: collections.Counter = collections.Counter()  # step label -> seconds
+        self.label_steps: collections.Counter = collections.Counter()
 
-    def wrap(self, obj, method: str, label: str | Callable[[], str]) -> None:
-        """Replace ``obj.method`` by a timed call recorded under (``threading`` name, ``label``),
-        ``label()`` when callable (asked when the call returns)."""
-        inner = getattr(obj, method)
+    def __call__(self, timing: StepTiming) -> None:
+        self.steps += 1
+        for phase, field in self.PHASES.items():
+            self.seconds[phase] += getattr(timing, field)
+        label = step_label(timing)
+        self.by_label[label] += timing.total_s
+        self.label_steps[label] += 1
 
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                key = (threading.current_thread().name, label() if callable(label) else label)
-                self.seconds[key] += time.perf_counter() - t0
-                self.calls[key] += 1
+    def per_step_ms(self) -> dict[str, float]:
+        return {phase: 1e3 * s / self.steps for phase, s in self.seconds.items()}
 
-        setattr(obj, method, timed)
-
-    def per_step_ms(self, thread: str) -> dict[str, float]:
-        steps = self.calls[(thread, "step")]
-        return {label: 1e3 * s / steps for (t, label), s in self.seconds.items()
-                if t == thread and not label.startswith("K=")}
-
-    def by_k(self, thread: str) -> list[tuple[str, int, float]]:
-        """(label ``K=k``, steps, ms per step) of the steps split by draft length."""
-        return sorted((label, self.calls[(t, label)], 1e3 * s / self.calls[(t, label)])
-                      for (t, label), s in self.seconds.items() if t == thread and label.startswith("K="))
+    def by_k(self) -> list[tuple[str, int, float]]:
+        """(label ``K=k``, steps, ms per step) of the steps split by the tokens they verify."""
+        return sorted((label, n, 1e3 * self.by_label[label] / n) for label, n in self.label_steps.items())
 
 
-def record_draft_lengths(decoder) -> Callable[[], str]:
-    """Wrap ``decoder.propose`` to remember its (one) lane's K, the tokens its step verifies;
-    returns the step label ``K=k`` (``K=0 gated`` for a step the confidence gate left plain, after
-    the draft ran; ``K=none`` for a step without decoding lanes: the prefill)."""
-    propose, last = decoder.propose, {}
-
-    def recorded(lanes):
-        drafts = propose(lanes)
-        last["k"] = f"{len(drafts[0])}{' gated' if lanes[0].state.gated_step else ''}"
-        return drafts
-
-    decoder.propose = recorded
-    return lambda: f"K={last.pop('k', 'none')}"
+def step_label(timing: StepTiming) -> str:
+    """``K=k``, the tokens the (one) decoding lane's step verifies (``K=0 gated`` for a step the
+    confidence gate left plain, after the draft ran; ``K=none`` for a step without decoding lanes:
+    the prefill)."""
+    if not timing.drafts:
+        return "K=none"
+    draft = timing.drafts[0]
+    return f"K={len(draft.ids)}{' gated' if draft.gated else ''}"
 
 
 def forced_policy(k: int) -> PolicyTable:
@@ -113,20 +100,13 @@ def main() -> int:
     base, spec = engines.baseline, engines.dflash
     decoder = spec.speculative
     decoder.policy = forced_policy(a.k) if a.policy is None else PolicyTable.load(a.policy)
-    timings = Timings()
-    timings.wrap(base.model, "forward_batch", "target pass")  # one model object: keyed by thread
-    for engine in (base, spec):
-        timings.wrap(engine, "_step", "step")
-    timings.wrap(decoder, "propose", "draft (catch-up + propose)")
-    timings.wrap(spec, "_step", record_draft_lengths(decoder))
-    timings.wrap(decoder, "finish", "finish (verify, roll back, emit)")
-
     prompts = [chat_ids(base.tokenizer, text) for _, text in short_prompts(n=a.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     for engine in (base, spec):  # warm-up: compiled kernels, first allocations
         run_request(engine, prompts[0], SamplingParams(temperature=0.0, max_tokens=16))
-    timings.seconds.clear()
-    timings.calls.clear()
+    recorders = {engine.name: StepRecorder() for engine in (base, spec)}
+    for engine in (base, spec):
+        engine.on_step = recorders[engine.name]
     runs = {base.name: [], spec.name: []}
     for r in range(a.rounds):
         for prompt in prompts:
@@ -140,11 +120,11 @@ def main() -> int:
         steps = sum(r.spec_steps for r in done)
         al = f", AL {sum(r.acceptance_length * r.spec_steps for r in done) / steps:.2f}" if steps else ""
         print(f"{engine.name}: {tokens / seconds:.1f} decode tokens/s{al}")
-        parts = timings.per_step_ms(engine._thread.name)
+        parts = recorders[engine.name].per_step_ms()
         step_ms[engine.name] = parts["step"]
         for label, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
-            print(f"    {label:34s} {ms:7.2f} ms/step")
-    for label, steps, ms in timings.by_k(spec._thread.name):
+            print(f"    {label:40s} {ms:7.2f} ms/step")
+    for label, steps, ms in recorders[spec.name].by_k():
         print(f"    steps with {label:23s} {steps:6d} steps {ms:7.2f} ms/step = {ms / step_ms[base.name]:.3f} decodes")
     switches = sum(r.spec_switches_off for r in runs[spec.name])
     print(f"    acceptance tracker switched speculation off {switches} times")

@@ -67,15 +67,15 @@ def main() -> int:
         order = list(engines) if r % 2 == 0 else list(engines)[::-1]
         for name in order:
             done = engines[name].submit(ids, params).result()
-            rates[name].append(done.stats["generated_tokens"] / done.stats["total_s"])
+            rates[name].append(done.stats.generated_tokens / done.stats.total_s)
             stats = done.stats if name == "policy" else stats
         print(f"round {r + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in engines))
     for name in ("policy", "always"):
         per_round = [x / b for x, b in zip(rates[name], rates["baseline"])]
         print(f"{name} / baseline: median {statistics.median(per_round):.3f}, min {min(per_round):.3f}, "
               f"max {max(per_round):.3f} (per round)")
-    print(f"policy request: {stats['spec_steps']} speculative steps in {stats['generated_tokens']} tokens, "
-          f"switched off {stats['spec_switches_off']} time(s), AL of its steps {stats['acceptance_length']:.2f}")
+    print(f"policy request: {stats.spec.steps} speculative steps in {stats.generated_tokens} tokens, "
+          f"switched off {stats.spec.switches_off} time(s), AL of its steps {stats.spec.acceptance_length:.2f}")
     for name in ("policy", "always"):
         engines[name].close()
     return 0

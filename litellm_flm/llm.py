@@ -23,7 +23,7 @@ import httpx
 from litellm import CustomLLM
 from litellm.types.utils import GenericStreamingChunk, ModelResponse, Usage
 
-from flm_runtime.engine.request import Completion, StreamEvent
+from flm_runtime.engine.request import Completion, RequestStats, StreamEvent
 
 from .errors import litellm_errors
 from .params import backend_of, normalize_messages, request_fields
@@ -84,14 +84,14 @@ def build_response(model_response: ModelResponse, model: str, done: Completion) 
     model_response.created = int(time.time())
     usage = Usage(**usage_fields(done.prompt_tokens, done.completion_tokens, done.stats))
     setattr(model_response, "usage", usage)  # not a declared field of ModelResponse
-    model_response._hidden_params["flm_stats"] = dict(done.stats)
+    model_response._hidden_params["flm_stats"] = done.stats.as_dict()
     return model_response
 
 
-def usage_fields(prompt_tokens: int, completion_tokens: int, stats: dict | None) -> dict:
+def usage_fields(prompt_tokens: int, completion_tokens: int, stats: RequestStats | None) -> dict:
     """OpenAI usage fields of a finished request.
 
-    With speculative decoding (stats with ``drafted_tokens``) ``completion_tokens_details`` says
+    With speculative decoding (``stats.spec`` set) ``completion_tokens_details`` says
     how the draft's proposals fared: ``accepted_prediction_tokens`` = drafted tokens the target
     kept, ``rejected_prediction_tokens`` = the other drafted tokens. These are OpenAI's "predicted
     outputs" fields applied to the draft's predictions; unlike OpenAI's, rejected tokens are not
@@ -100,10 +100,10 @@ def usage_fields(prompt_tokens: int, completion_tokens: int, stats: dict | None)
     """
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
-    if stats and "drafted_tokens" in stats:
-        accepted = stats["accepted_tokens"]
+    if stats is not None and stats.spec is not None:
+        accepted = stats.spec.accepted
         usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                              "rejected_prediction_tokens": stats["drafted_tokens"] - accepted}
+                                              "rejected_prediction_tokens": stats.spec.drafted - accepted}
     return usage
 
 

@@ -43,8 +43,8 @@ from flm_runtime.backends import TargetModel, skinny_gemm
 from flm_runtime.backends.select import log_once, requested_backend, select_backend
 from flm_runtime.engine.admission import limits_from_env
 from flm_runtime.engine.engine import Engine
+from flm_runtime.engine.policy import ALWAYS_SPECULATE, PolicyTable, SpeculationPolicy
 from flm_runtime.engine.policy import FILE_NAME as POLICY_FILE
-from flm_runtime.engine.policy import PolicyTable
 from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import BackendUnavailableError
 from flm_runtime.loading import Tokenizer, load_model_files
@@ -134,11 +134,11 @@ def load_npu_model(tag: str, cpu_model: LlamaModel):
     return NpuModel(cpu_model, manifest, check.build)
 
 
-def load_policy(tag: str, backend: str, models: registry.Registry | None = None) -> PolicyTable | None:
+def load_policy(tag: str, backend: str, models: registry.Registry | None = None) -> SpeculationPolicy:
     """The speculation policy table of DFlash ``tag`` on ``backend``: the user's calibration
     (``paths.policy_file``) if there is one, else the table shipped in the draft directory
     (``policy-<backend>.json``; ``models``, default ``registry.current()``, says where that is),
-    else None (always speculate).
+    else ``ALWAYS_SPECULATE`` (the null policy: whole blocks, always).
 
     Raises:
         ValueError: a table file exists but is not a valid table (naming the file).
@@ -147,7 +147,7 @@ def load_policy(tag: str, backend: str, models: registry.Registry | None = None)
     for path in (paths.policy_file(tag, backend), draft_dir / POLICY_FILE.format(backend=backend)):
         if path.is_file():
             return PolicyTable.load(path)
-    return None
+    return ALWAYS_SPECULATE
 
 
 class Runtime:

@@ -154,8 +154,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.write(event.text)
         sys.stdout.flush()
     stats = handle.result().stats
-    print(f"\n[{args.tag}: {stats['prompt_tokens']} prompt tokens, {stats['completion_tokens']} completion "
-          f"tokens, TTFT {stats['ttft_s']:.2f} s, decode {stats['decode_tokens_per_s']:.1f} tokens/s]",
+    print(f"\n[{args.tag}: {stats.prompt_tokens} prompt tokens, {stats.completion_tokens} completion "
+          f"tokens, TTFT {stats.ttft_s:.2f} s, decode {stats.decode_tokens_per_s:.1f} tokens/s]",
           file=sys.stderr)
     return 0
 

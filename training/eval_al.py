@@ -59,11 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     n_tokens = 0
     for q, handle in zip(questions, handles):
         s = handle.result().stats
-        emitted = round(s["acceptance_length"] * s["spec_steps"])
-        n_tokens += s["generated_tokens"]
-        by_cat[q["category"]][0] += emitted
-        by_cat[q["category"]][1] += s["spec_steps"]
-        print(f"q{q['question_id']} {q['category']}: {s['generated_tokens']} tokens, AL {s['acceptance_length']:.2f}",
+        n_tokens += s.generated_tokens
+        by_cat[q["category"]][0] += s.spec.emitted
+        by_cat[q["category"]][1] += s.spec.steps
+        print(f"q{q['question_id']} {q['category']}: {s.generated_tokens} tokens, AL {s.spec.acceptance_length:.2f}",
               flush=True)
     engine.close()
     emitted = sum(v[0] for v in by_cat.values())

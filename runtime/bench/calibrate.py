@@ -134,12 +134,12 @@ def acceptance_records(decoder: SpeculativeDecoder, tokenizer, prompts: list[lis
             return len(out) >= max_new or token in stop
 
         while len(out) < max_new and out[-1] not in stop and cache.length + decoder.block_size <= cache.max_length:
-            before, produced = state.accepted, len(out)
-            done = decoder.step(Lane(out[-1], cache, state, greedy, rng, emit))
-            if not done:  # a whole step: accepted = emitted - 1
-                confidence.append(state.confidence)
-                accepted.append(state.accepted - before)
-                assert len(out) - produced == state.accepted - before + 1
+            produced = len(out)
+            step = decoder.step(Lane(out[-1], cache, state, greedy, rng, emit))
+            if not step.finished:  # a whole step: accepted = emitted - 1
+                confidence.append(step.draft.confidence)
+                accepted.append(step.accepted)
+                assert len(out) - produced == step.accepted + 1
             if progress is not None:
                 progress.update(len(out) - produced)
     if not accepted:
@@ -331,7 +331,7 @@ def main(args: argparse.Namespace) -> int:
     engine = get_engine(entry.tag, args.backend)
     backend = engine.model.backend.value
     spec = engine.speculative
-    decoder = SpeculativeDecoder(spec.target, spec.draft)  # no policy: whole blocks, always
+    decoder = SpeculativeDecoder(spec.target, spec.draft)  # ALWAYS_SPECULATE: whole blocks, always
     top = spec.target.config.max_position_embeddings - decoder.block_size - 1
     contexts = sorted({min(c, top) for c in args.contexts})  # the last: at most the context end
     table = calibrate(decoder, engine.tokenizer, tag=entry.tag, backend=backend, contexts=contexts,

@@ -166,11 +166,11 @@ class Run:
 
     @classmethod
     def from_completion(cls, done: Completion) -> Run:
-        s = done.stats
-        tps = s["decode_tokens_per_s"]
-        decode_s = (s["generated_tokens"] - 1) / tps if tps > 0 else 0.0
-        return cls(s["prompt_tokens"], s["generated_tokens"], s["ttft_s"], decode_s,
-                   s.get("spec_steps", 0), s.get("acceptance_length", 0.0), s.get("spec_switches_off", 0))
+        s, spec = done.stats, done.stats.spec
+        if spec is None:
+            return cls(s.prompt_tokens, s.generated_tokens, s.ttft_s, s.decode_s)
+        return cls(s.prompt_tokens, s.generated_tokens, s.ttft_s, s.decode_s, spec.steps, spec.acceptance_length,
+                   spec.switches_off)
 
 
 def run_request(engine: Engine, prompt_ids, params: SamplingParams, timeout: float = 3600.0) -> Run:

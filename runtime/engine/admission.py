@@ -25,9 +25,9 @@ sets them in its config's ``environment_variables``):
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from flm_runtime.errors import InvalidRequestError
+from flm_runtime.errors import ContextLengthError, InvalidRequestError, KVBudgetError
 
 KV_BUDGET_ENV = "FLM_KV_BUDGET"
 MAX_QUEUE_ENV = "FLM_MAX_QUEUE"
@@ -54,6 +54,65 @@ def kv_bytes_per_token(config, draft_config=None) -> int:
 def default_kv_budget(context_length: int, bytes_per_token: int) -> int:
     """``DEFAULT_KV_BUDGET_CONTEXTS`` full contexts, bytes."""
     return DEFAULT_KV_BUDGET_CONTEXTS * context_length * bytes_per_token
+
+
+class KVBudget:
+    """The KV memory budget of one engine: what a request may hold at most, and what is reserved.
+
+    Args:
+        engine: the engine's name (in ``KVBudgetError``).
+        context_length: the model's context, tokens.
+        bytes_per_token: ``kv_bytes_per_token`` of the target (and draft).
+        headroom: positions a verify pass writes past the last kept token before rolling back
+            (``block_size - 1`` with speculative decoding, else 0).
+        budget: bytes the running sequences may reserve together; None:
+            ``default_kv_budget``.
+
+    Raises:
+        InvalidRequestError: ``budget`` not a positive integer (param ``kv_budget``).
+    """
+
+    def __init__(self, engine: str, context_length: int, bytes_per_token: int, headroom: int,
+                 budget: int | None = None):
+        self.engine = engine
+        self.context_length = context_length
+        self.bytes_per_token = bytes_per_token
+        self.headroom = headroom
+        self.budget = (default_kv_budget(context_length, bytes_per_token) if budget is None
+                       else positive_int(budget, "kv_budget"))
+
+    def generated_tokens(self, n_prompt: int, max_tokens: int | None) -> int:
+        """Generated tokens a request may have: ``max_tokens``; when None, all the context leaves
+        (or all the budget leaves, if that is less: only where the budget holds less than one
+        context).
+
+        Raises:
+            ContextLengthError: ``n_prompt + max_tokens > context`` (a prompt filling the whole
+                context counts as asking for 1 token).
+            KVBudgetError: the request's worst-case KV cache is over the budget.
+        """
+        room = self.context_length - n_prompt
+        if max_tokens is None:
+            kv_room = self.budget // self.bytes_per_token - n_prompt - self.headroom
+            wanted = max(min(room, kv_room), 1)
+        else:
+            wanted = max_tokens
+        if wanted > room:
+            raise ContextLengthError(prompt_tokens=n_prompt, max_tokens=wanted, context_length=self.context_length)
+        need = self.need(n_prompt, wanted)
+        if need > self.budget:
+            raise KVBudgetError(engine=self.engine, prompt_tokens=n_prompt, max_tokens=wanted, need_bytes=need,
+                                budget_bytes=self.budget, bytes_per_token=self.bytes_per_token)
+        return wanted
+
+    def need(self, n_prompt: int, generated: int) -> int:
+        """Bytes of KV cache a request of ``n_prompt`` prompt tokens and ``generated`` generated
+        tokens may hold at most (its reservation while it runs)."""
+        return min(self.context_length, n_prompt + generated + self.headroom) * self.bytes_per_token
+
+    def reserved(self, requests: Iterable[tuple[int, int]]) -> int:
+        """Bytes reserved by running requests, given as ``(n_prompt, generated)`` pairs."""
+        return sum(self.need(n_prompt, generated) for n_prompt, generated in requests)
 
 
 def limits_from_env(environ: Mapping[str, str] = os.environ) -> dict[str, int]:

@@ -1,60 +1,58 @@
 """The engine: a background thread that runs requests on one model and streams their tokens.
 
-A caller ``submit``s prompt ids and ``SamplingParams`` and gets a ``RequestHandle``; sync
-iteration, ``aiter()``, ``result()`` and ``aresult()`` all consume the same stream of
-``StreamEvent``s, so streamed and non-streamed outputs are the same by construction. The engine
-thread admits queued requests as ``Sequence``s and calls ``_step``, which runs ONE batched forward
-pass: a prompt chunk of each sequence still prefilling (within a per-step token budget) and the
-decode rows of every decoding sequence (continuous batching with chunked prefill: requests join
-and leave between steps, and a long prompt does not stall the others' decoding; see ``_step``).
-A ``Sequence`` holds everything that is per request (cache, RNG, output pipeline), so a request's
+A caller ``submit``s prompt ids and ``SamplingParams`` and gets a ``RequestHandle``
+(``handle.py``); sync iteration, ``aiter()``, ``result()`` and ``aresult()`` all consume the same
+stream of ``StreamEvent``s, so streamed and non-streamed outputs are the same by construction. The
+engine thread admits queued requests as ``Sequence``s and calls ``_step``, which runs ONE batched
+forward pass: a prompt chunk of each sequence still prefilling (within a per-step token budget) and
+the decode rows of every decoding sequence (continuous batching with chunked prefill: requests join
+and leave between steps, and a long prompt does not stall the others' decoding; see ``_step``). A
+``Sequence`` holds everything that is per request (cache, RNG, output pipeline), so a request's
 output depends only on its own inputs and seed (docs/design.md, "Contract", item 6), up to the
 float rounding of a batched matrix product.
 
-Per-request stats (``Completion.stats``): ``prompt_tokens``, ``completion_tokens`` (delivered, see
-``stop.py``), ``generated_tokens`` (including an end-of-turn token or stop-string tokens),
-``queue_s`` (submit to admission, seconds), ``ttft_s`` (submit to the first generated token,
-seconds), ``decode_tokens_per_s`` (tokens after the first / seconds after the first; 0.0 with a
-single token), ``total_s``; with speculative decoding also ``spec_steps``, ``drafted_tokens``,
-``accepted_tokens``, ``acceptance_length`` (AL, tokens per step including the bonus token) and
-``gated_steps`` (see ``speculative.SpecState.stats``). The final ``StreamEvent`` carries the same stats.
+Per-request stats: ``Completion.stats``, a ``request.RequestStats`` (token counts, queue and
+first-token times, decode seconds and tokens/s; with speculative decoding the ``SpecStats``
+counters: steps, drafted, accepted, AL, gated steps). The final ``StreamEvent`` carries the same
+stats.
 
-Admission control (``admission.py``): at most ``max_queue`` requests wait and ``max_active`` run; a
-request is admitted only when its worst-case KV cache fits in what the running ones leave of
-``kv_budget`` (bytes), in arrival order. A request that cannot fit even alone is refused at submit
-(``KVBudgetError``); a full queue is refused at submit too (``EngineOverloadedError``), so no caller
-ever hangs on a full engine. ``stats()`` counts what is running, waiting and held.
+Admission control (``admission.py``, ``KVBudget``): at most ``max_queue`` requests wait and
+``max_active`` run; a request is admitted only when its worst-case KV cache fits in what the
+running ones leave of ``kv_budget`` (bytes), in arrival order. A request that cannot fit even alone
+is refused at submit (``KVBudgetError``); a full queue is refused at submit too
+(``EngineOverloadedError``), so no caller ever hangs on a full engine. ``stats()`` counts what is
+running, waiting and held.
 
 Speculative decoding: an engine given a ``SpeculativeDecoder`` runs every sequence's decoding
-through it (draft K, verify K+1, greedy or sampled; or a plain step where its policy says a block
-does not pay), its verify rows in the step's batched target pass.
+through it, a step as propose -> one batched target pass -> commit (draft K, verify K+1, greedy or
+sampled; or a plain step where its policy says a block does not pay, whose token is sampled as in
+an engine without a draft). ``on_step`` hands each step's ``StepTiming`` to benchmarks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import concurrent.futures
 import dataclasses
 import json
 import logging
-import queue
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from flm_runtime.engine import admission, sampler
-from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
+from flm_runtime.engine.handle import RequestCancelledError, RequestHandle
+from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.sequence import Sequence
-from flm_runtime.engine.speculative import LaneOutput, SpeculativeDecoder
-from flm_runtime.errors import (BackendUnavailableError, ContextLengthError, EngineOverloadedError,
-                                FlmError, InvalidRequestError, KVBudgetError, RequestTimeoutError)
+from flm_runtime.engine.speculative import PLAIN, Draft, SpeculativeDecoder
+from flm_runtime.errors import (BackendUnavailableError, EngineOverloadedError, InvalidRequestError,
+                                RequestTimeoutError)
 
 log = logging.getLogger(__name__)
 
-_END = object()   # stream terminator, after the final event or instead of it on failure
 # Positions a new cache reserves beyond the prompt (a hint: caches grow on demand), so that a
 # request with max_tokens None does not allocate the whole context up front.
 INITIAL_DECODE_ROOM = 256
@@ -66,188 +64,37 @@ class _Part(NamedTuple):
     Attributes:
         seq: the sequence.
         ids: ``[T]`` int64 token ids appended to its cache: a prompt chunk, or its decode rows
-            (``[last_token]``, or a speculative step's ``[anchor, d1 .. dK]``).
+            (``draft.rows``: ``[last_token]``, or a speculative step's ``[anchor, d1 .. dk]``).
         n_logits: trailing rows whose logits it needs (0: a prompt chunk before the last one).
-        draft_ids: ``[K]`` drafted ids of a speculative decoding step; None otherwise.
+        draft: a decoding step's ``Draft`` (``PLAIN`` in an engine without a draft); None for a
+            prompt chunk.
     """
 
     seq: Sequence
     ids: np.ndarray
     n_logits: int
-    draft_ids: np.ndarray | None = None
+    draft: Draft | None = None
 
 
-class RequestCancelledError(FlmError, concurrent.futures.CancelledError):
-    """``result()`` / ``aresult()`` of a request its caller cancelled."""
-
-
-class RequestHandle:
-    """The caller's side of one request. Its stream can be consumed once (sync or async);
-    ``result()`` / ``aresult()`` work alongside or instead.
-
-    Abandoning a stream (``break`` out of the loop and dropping the iterator, or cancelling the
-    asyncio task that iterates) cancels the request, freeing its sequence at the next step.
-    A cancelled stream just ends; ``result()`` then raises ``RequestCancelledError``.
+@dataclass(frozen=True)
+class StepTiming:
+    """One engine step that ran a forward pass: seconds (``time.perf_counter``) of its phases.
 
     Attributes:
-        timeout: seconds from submit, or None.
-        deadline: ``time.monotonic()`` value past which the engine cancels the request.
-        t_submit: ``time.perf_counter()`` at submit.
+        propose_s: the decoding sequences' drafts and rows (with a decoder, its ``propose``:
+            catch-up and draft pass).
+        forward_s: the batched target pass (verify rows, decode rows and prompt chunks).
+        commit_s: what the sequences did with their rows (verify, roll back, sample, emit).
+        total_s: the whole step, from the cancellation checks to the last commit.
+        drafts: the ``Draft`` of each decoding sequence, in the pass's order (``PLAIN`` in an
+            engine without a draft); empty for a step of prompt chunks only.
     """
 
-    def __init__(self, timeout: float | None = None):
-        self.t_submit = time.perf_counter()
-        self.timeout = timeout
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-        self._lock = threading.Lock()
-        self._items: queue.SimpleQueue = queue.SimpleQueue()   # sync consumer's events
-        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None
-        self._done = threading.Event()
-        self._callbacks: list = []
-        self._completion: Completion | None = None
-        self._error: BaseException | None = None
-        self._cancel = False
-        self._claimed = False
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def cancel_requested(self) -> bool:
-        return self._cancel
-
-    def cancel(self) -> None:
-        """Ask the engine to drop the request at its next step (no-op once done)."""
-        self._cancel = True
-
-    def __iter__(self):
-        """Yields ``StreamEvent``s until the final one (``finish_reason`` set).
-
-        Raises:
-            RequestTimeoutError: the deadline passed.
-            RuntimeError: the stream was already consumed.
-            Exception: whatever failed inside the engine for this request.
-        """
-        with self._lock:
-            self._claim()
-        return self._iter_sync()
-
-    def _iter_sync(self):
-        try:
-            while (item := self._items.get()) is not _END:
-                yield item
-            self._raise_error()
-        finally:
-            if not self.done:
-                self.cancel()
-
-    async def aiter(self):
-        """Async form of iteration; hands events from the engine thread to this event loop
-        without blocking it. Same events and errors as sync iteration."""
-        loop = asyncio.get_running_loop()
-        aqueue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self._claim()
-            while not self._items.empty():        # events that arrived before we attached
-                aqueue.put_nowait(self._items.get_nowait())
-            self._async = (loop, aqueue)
-        try:
-            while (item := await aqueue.get()) is not _END:
-                yield item
-            self._raise_error()
-        finally:
-            if not self.done:
-                self.cancel()
-
-    def __aiter__(self):
-        return self.aiter()
-
-    def result(self, timeout: float | None = None) -> Completion:
-        """Block until the request ends; returns the join of its events.
-
-        Args:
-            timeout: seconds to wait here (not the request's own timeout); None waits forever.
-
-        Raises:
-            TimeoutError: ``timeout`` passed before the request ended (the request goes on).
-            RequestCancelledError, RequestTimeoutError, or the engine-side error of this request.
-        """
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"the request did not end within {timeout} s")
-        return self._outcome()
-
-    async def aresult(self) -> Completion:
-        """Async ``result()``; cancelling the awaiting task cancels the request."""
-        if not self.done:
-            loop = asyncio.get_running_loop()
-            fut = loop.create_future()
-
-            def wake() -> None:
-                try:
-                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
-                except RuntimeError:              # the loop is closed: nobody is waiting
-                    pass
-
-            self._on_done(wake)
-            try:
-                await fut
-            except asyncio.CancelledError:
-                self.cancel()
-                raise
-        return self._outcome()
-
-    # ---- engine side ------------------------------------------------------------------------
-
-    def _put(self, item) -> None:
-        with self._lock:
-            self._route(item)
-
-    def _end(self, event: StreamEvent | None, completion: Completion | None, error: BaseException | None) -> None:
-        """The request is over: deliver the final event (or the error), then wake waiters."""
-        with self._lock:
-            if self.done:
-                return
-            if event is not None:
-                self._route(event)
-            self._completion, self._error = completion, error
-            self._route(_END)
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb()
-
-    def _route(self, item) -> None:
-        """To the async consumer's loop if one attached, else to the sync queue (lock held)."""
-        if self._async is None:
-            self._items.put(item)
-            return
-        loop, aqueue = self._async
-        try:
-            loop.call_soon_threadsafe(aqueue.put_nowait, item)
-        except RuntimeError:                     # the consumer's loop is gone: nobody listens
-            self._cancel = True
-
-    def _claim(self) -> None:
-        if self._claimed:
-            raise RuntimeError("a RequestHandle's stream can be consumed only once")
-        self._claimed = True
-
-    def _on_done(self, cb) -> None:
-        with self._lock:
-            if not self.done:
-                self._callbacks.append(cb)
-                return
-        cb()
-
-    def _raise_error(self) -> None:
-        if self._error is not None and not isinstance(self._error, RequestCancelledError):
-            raise self._error
-
-    def _outcome(self) -> Completion:
-        if self._error is not None:
-            raise self._error
-        return self._completion
+    propose_s: float
+    forward_s: float
+    commit_s: float
+    total_s: float
+    drafts: tuple[Draft, ...]
 
 
 class Engine:
@@ -271,6 +118,8 @@ class Engine:
             ``admission``); None: ``admission.default_kv_budget`` (4 full contexts).
         speculative: decode with this ``SpeculativeDecoder`` (its target must be ``model``);
             None decodes plainly.
+        on_step: called on the engine thread after every step that ran a forward pass, with its
+            ``StepTiming`` (benchmarks); an attribute, so it may be set later.
         prefill_tokens: prompt tokens one step prefills at most, over all sequences (chunked
             prefill; vLLM calls its analogue ``max_num_batched_tokens``): it bounds how long a
             step, so the gap between two tokens of a decoding stream, grows while prompts
@@ -283,11 +132,13 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, name: str, default_sampling: sampler.SamplingDefaults | None = None,
                  max_queue: int = 64, max_active: int = 16, kv_budget: int | None = None,
-                 speculative: SpeculativeDecoder | None = None, prefill_tokens: int | None = None):
+                 speculative: SpeculativeDecoder | None = None, prefill_tokens: int | None = None,
+                 on_step: Callable[[StepTiming], None] | None = None):
         assert speculative is None or speculative.target is model, "the decoder's target must be the model"
         self.model = model
         self.speculative = speculative
         self.tokenizer = tokenizer
+        self.on_step = on_step
         self.name = name
         self.default_sampling = sampler.default_sampling(default_sampling)
         self.max_queue = admission.positive_int(max_queue, "max_queue")
@@ -296,11 +147,9 @@ class Engine:
             model.prefill_chunk if prefill_tokens is None else prefill_tokens, "prefill_tokens")
         self.context_length = int(model.config.max_position_embeddings)
         draft_config = speculative.draft.config if speculative is not None else None
-        self.kv_bytes_per_token = admission.kv_bytes_per_token(model.config, draft_config)
-        # Positions a verify pass writes past the last kept token before rolling back.
-        self.kv_headroom = speculative.block_size - 1 if speculative is not None else 0
-        self.kv_budget = (admission.default_kv_budget(self.context_length, self.kv_bytes_per_token)
-                          if kv_budget is None else admission.positive_int(kv_budget, "kv_budget"))
+        self.kv = admission.KVBudget(name, self.context_length,
+                                     admission.kv_bytes_per_token(model.config, draft_config),
+                                     speculative.block_size - 1 if speculative is not None else 0, kv_budget)
         self._cv = threading.Condition()      # guards _waiting, _active, _counts, _closed
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._active: list[Sequence] = []
@@ -336,7 +185,10 @@ class Engine:
             BackendUnavailableError: the engine is closed.
         """
         prompt = self._check_prompt(prompt_ids)
-        budget = self._budget(len(prompt), params)
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
+                                      param="params")
+        budget = self.kv.generated_tokens(len(prompt), params.max_tokens)
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}",
                                       param="timeout")
@@ -348,7 +200,7 @@ class Engine:
                 raise EngineOverloadedError(
                     f"engine {self.name!r} is full: {len(self._waiting)} requests waiting (max_queue="
                     f"{self.max_queue}), {len(self._active)} running (max_active={self.max_active}), "
-                    f"{self._kv_reserved():,} of {self.kv_budget:,} KV bytes reserved; retry later")
+                    f"{self._kv_reserved():,} of {self.kv.budget:,} KV bytes reserved; retry later")
             self._waiting.append(seq)
             self._cv.notify()
             if log.isEnabledFor(logging.DEBUG):
@@ -360,18 +212,18 @@ class Engine:
 
         - ``active``: sequences running; ``queued``: requests waiting for admission;
         - ``kv_tokens``: KV positions the running sequences hold; ``kv_bytes``: their bytes
-          (``kv_tokens * kv_bytes_per_token``; the cache arrays grow in steps of 256 positions, but
+          (``kv_tokens * kv.bytes_per_token``; the cache arrays grow in steps of 256 positions, but
           numpy's zeroed pages past the held positions are not touched, so not resident);
           ``kv_reserved_bytes``: the worst case the running sequences reserved at admission;
-          ``kv_budget_bytes``: ``kv_budget``. All 0 but the budget when nothing runs;
+          ``kv_budget_bytes``: ``kv.budget``. All 0 but the budget when nothing runs;
         - ``finished`` (ended with a finish reason), ``failed``, ``cancelled``, ``timed_out``:
           requests so far.
         """
         with self._cv:
             kv_tokens = sum(s.kv_tokens for s in self._active)
             return {"name": self.name, "active": len(self._active), "queued": len(self._waiting),
-                    "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * self.kv_bytes_per_token,
-                    "kv_reserved_bytes": self._kv_reserved(), "kv_budget_bytes": self.kv_budget,
+                    "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * self.kv.bytes_per_token,
+                    "kv_reserved_bytes": self._kv_reserved(), "kv_budget_bytes": self.kv.budget,
                     **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out")}}
 
     def close(self, timeout: float | None = 10.0) -> None:
@@ -392,42 +244,9 @@ class Engine:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="messages")
         return ids.astype(np.int64)
 
-    def _budget(self, n_prompt: int, params) -> int:
-        """Generated tokens allowed: ``max_tokens``; when None, all the context leaves (or all the
-        KV budget leaves, if that is less: only where ``kv_budget`` holds less than one context).
-
-        Raises:
-            InvalidRequestError: params of the wrong type.
-            ContextLengthError: ``n_prompt + max_tokens > context`` (a prompt filling the whole
-                context counts as asking for 1 token).
-            KVBudgetError: the request's worst-case KV cache is over ``kv_budget``.
-        """
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
-                                      param="params")
-        room = self.context_length - n_prompt
-        if params.max_tokens is None:
-            kv_room = self.kv_budget // self.kv_bytes_per_token - n_prompt - self.kv_headroom
-            wanted = max(min(room, kv_room), 1)
-        else:
-            wanted = params.max_tokens
-        if wanted > room:
-            raise ContextLengthError(prompt_tokens=n_prompt, max_tokens=wanted,
-                                     context_length=self.context_length)
-        need = self._kv_need(n_prompt, wanted)
-        if need > self.kv_budget:
-            raise KVBudgetError(engine=self.name, prompt_tokens=n_prompt, max_tokens=wanted, need_bytes=need,
-                                budget_bytes=self.kv_budget, bytes_per_token=self.kv_bytes_per_token)
-        return wanted
-
-    def _kv_need(self, n_prompt: int, budget: int) -> int:
-        """Bytes of KV cache a request of ``n_prompt`` prompt tokens and ``budget`` generated
-        tokens may hold at most (its reservation while it runs)."""
-        return min(self.context_length, n_prompt + budget + self.kv_headroom) * self.kv_bytes_per_token
-
     def _kv_reserved(self) -> int:
         """Bytes reserved by the running sequences (lock held)."""
-        return sum(self._kv_need(len(s.prompt_ids), s.budget) for s in self._active)
+        return self.kv.reserved((len(s.prompt_ids), s.budget) for s in self._active)
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -461,8 +280,8 @@ class Engine:
         """
         reserved = self._kv_reserved()
         while self._waiting and len(self._active) < self.max_active:
-            need = self._kv_need(len(self._waiting[0].prompt_ids), self._waiting[0].budget)
-            if reserved + need > self.kv_budget:
+            need = self.kv.need(len(self._waiting[0].prompt_ids), self._waiting[0].budget)
+            if reserved + need > self.kv.budget:
                 break
             reserved += need
             seq = self._waiting.popleft()
@@ -477,7 +296,8 @@ class Engine:
                 self._end(seq, error=e)
 
     def _step(self) -> None:
-        """Advance every active sequence with ONE batched forward pass (``_forward``).
+        """Advance every active sequence with ONE batched forward pass: propose, the pass, then
+        each sequence commits its rows.
 
         Sequences still prefilling contribute their next prompt chunk, in admission order, while
         the step's ``prefill_tokens`` last (``_prefill_parts``); every decoding sequence
@@ -485,16 +305,28 @@ class Engine:
         a drafted block (all drafting sequences share one draft pass) or the single plain row
         where its policy says a block does not pay. All rows share one matrix product per weight
         matrix; the LM head runs only on the rows that need logits. New requests join and
-        finished or cancelled ones leave between steps.
+        finished or cancelled ones leave between steps. ``on_step`` then gets the step's timing.
         """
+        t0 = time.perf_counter()
         now = time.monotonic()
         prefilling, decoding = [], []
         for seq in list(self._active):
             if not self._abort_if_needed(seq, now):
                 (decoding if seq.prefilled else prefilling).append(seq)
-        parts = self._prefill_parts(prefilling) + self._decode_parts(decoding)
-        if parts:
-            self._forward(parts)
+        t_propose = time.perf_counter()
+        decode = self._decode_parts(decoding)
+        t_forward = time.perf_counter()
+        parts = self._prefill_parts(prefilling) + decode
+        if not parts:
+            return
+        outputs = self._pass(parts)
+        t_commit = time.perf_counter()
+        for part, logits, taps in outputs:
+            self._advance(part.seq, lambda p=part, lg=logits, tp=taps: self._commit(p, lg, tp))
+        if self.on_step is not None:
+            t_end = time.perf_counter()
+            self.on_step(StepTiming(t_forward - t_propose, t_commit - t_forward, t_end - t_commit, t_end - t0,
+                                    tuple(p.draft for p in decode)))
 
     def _prefill_parts(self, prefilling: list[Sequence]) -> list[_Part]:
         """The next prompt chunk of prefilling sequences, in admission order, each whose chunk
@@ -513,24 +345,26 @@ class Engine:
         return parts
 
     def _decode_parts(self, decoding: list[Sequence]) -> list[_Part]:
-        """Each decoding sequence's rows; with speculation, after one draft pass for all of them
-        (if it raises, sequence by sequence, so that only the culprit fails)."""
+        """Each decoding sequence's rows, from its ``Draft``: with speculation, after one draft
+        pass for all of them (if it raises, sequence by sequence, so that only the culprit
+        fails); without, ``PLAIN``."""
         spec = self.speculative
         if spec is None or not decoding:
-            return [_Part(s, np.array([s.last_token], dtype=np.int64), 1) for s in decoding]
-        lanes = [s.lane() for s in decoding]
-        try:
-            drafts = spec.propose(lanes)
-        except Exception as e:          # noqa: BLE001 - maybe one sequence's fault: isolate it
-            if len(decoding) == 1:
-                self._end(decoding[0], error=e)
-                return []
-            return [p for s in decoding for p in self._decode_parts([s])]
-        return [_Part(s, spec.rows(lane, d), len(d) + 1, d) for s, lane, d in zip(decoding, lanes, drafts)]
+            drafts = [PLAIN] * len(decoding)
+        else:
+            try:
+                drafts = spec.propose([s.lane() for s in decoding])
+            except Exception as e:          # noqa: BLE001 - maybe one sequence's fault: isolate it
+                if len(decoding) == 1:
+                    self._end(decoding[0], error=e)
+                    return []
+                return [p for s in decoding for p in self._decode_parts([s])]
+        return [_Part(s, d.rows(s.last_token), len(d.ids) + 1, d) for s, d in zip(decoding, drafts)]
 
-    def _forward(self, parts: list[_Part]) -> None:
-        """One batched forward pass of ``parts``, then each sequence takes its rows. If the pass
-        raises, no cache has changed: the parts run again one by one, so only the culprit fails."""
+    def _pass(self, parts: list[_Part]) -> list[tuple[_Part, np.ndarray, np.ndarray | None]]:
+        """One batched forward pass of ``parts``: each part with its logits ``[n_logits, V]`` and
+        taps ``[T, n*E]`` (None without a decoder). If the pass raises, no cache has changed: the
+        parts run again one by one, so only the culprit fails (and is left out)."""
         spec = self.speculative
         taps = spec.taps if spec is not None else ()
         try:
@@ -539,29 +373,25 @@ class Engine:
         except Exception as e:          # noqa: BLE001 - maybe one sequence's fault: isolate it
             if len(parts) == 1:
                 self._end(parts[0].seq, error=e)
-            else:
-                for p in parts:
-                    self._forward([p])
-            return
+                return []
+            return [output for p in parts for output in self._pass([p])]
         logits, tapped = out  # [sum n_logits, V], [R, n*E] or None
         logit_end, row_end = np.cumsum([p.n_logits for p in parts]), np.cumsum([len(p.ids) for p in parts])
-        for p, le, re in zip(parts, logit_end, row_end):
-            p_logits = logits[le - p.n_logits : le]
-            p_taps = tapped[re - len(p.ids) : re] if taps else None
-            self._advance(p.seq, lambda p=p, lg=p_logits, tp=p_taps: self._take(p, lg, tp))
+        return [(p, logits[le - p.n_logits : le], tapped[re - len(p.ids) : re] if taps else None)
+                for p, le, re in zip(parts, logit_end, row_end)]
 
-    def _take(self, part: _Part, logits: np.ndarray, taps: np.ndarray | None) -> None:
-        """``part.seq`` takes its rows' outputs: a prompt chunk's taps go to the draft and the
-        last chunk's logits give the first token; a decode row samples a token; a speculative
-        step verifies and emits its block."""
+    def _commit(self, part: _Part, logits: np.ndarray, taps: np.ndarray | None) -> None:
+        """``part.seq`` commits its rows' outputs: a decoding step through the decoder (verify
+        and emit, or a plain step's token), or, without one, its token (``Lane.take``); a prompt
+        chunk's taps go to the draft and the last chunk's logits give the first token."""
         seq, spec = part.seq, self.speculative
-        if part.draft_ids is not None:
-            spec.finish(seq.lane(), LaneOutput(part.draft_ids, logits, taps))
+        if part.draft is not None and spec is not None:
+            spec.commit(seq.lane(), part.draft, logits, taps)
             return
-        if spec is not None and not seq.prefilled:
+        if part.draft is None and spec is not None:
             spec.add_prompt(seq.cache, seq.spec, taps)
         if part.n_logits:
-            seq.take(logits[0])
+            seq.lane().take(logits[0])
 
     def _advance(self, seq: Sequence, step) -> None:
         """Run ``step()`` for ``seq``; retire it when it finished, fail it alone when it raised."""

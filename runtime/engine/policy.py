@@ -23,6 +23,11 @@ drafted row doubles the rows and the later ones are rarely kept: the gate spends
 draft is sure and skips the verify where it guesses (EAGLE-2, Li et al. 2024, arXiv:2406.16858,
 grows its draft tree by the same estimate).
 
+The policy is an object with one interface (``SpeculationPolicy``: ``plan`` a step, then
+``record_step`` or ``record_plain`` what it did): a ``PolicyTable`` with the request's tracker,
+or ``ALWAYS_SPECULATE``, the null policy of a tag without a table (whole blocks, no gate, no
+switch-off).
+
 Then, per request, an ``AcceptanceTracker`` follows that request's own AL (the mean of its last
 16 speculative steps, the window starting full of the table's AL). When ``AL_estimate /
 cost_ratio`` drops below 1 the request decodes plainly for ``probe_after`` tokens, then probes:
@@ -36,11 +41,60 @@ import json
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 FILE_NAME = "policy-{backend}.json"  # in the draft directory (shipped) or the user's policy dir
+
+
+class Plan(NamedTuple):
+    """One lane's next step, as the policy plans it.
+
+    Attributes:
+        draft_length: K, tokens to draft (0: a plain decode step, the draft does not run).
+        min_confidence: the confidence gate (``confident_length``) of the verified prefix; 0
+            verifies all K.
+    """
+
+    draft_length: int
+    min_confidence: float
+
+
+class SpeculationPolicy(Protocol):
+    """When and how far a decoder speculates; a request's own state is its ``AcceptanceTracker``.
+
+    ``context`` is the target's KV cache length (tokens) at the step, ``most`` the most tokens
+    one step can draft (``block_size - 1``).
+    """
+
+    def plan(self, context: int, tracker: AcceptanceTracker, most: int) -> Plan:
+        """The plan of a step at ``context`` (K at most ``most``)."""
+
+    def record_step(self, context: int, tracker: AcceptanceTracker, emitted: int) -> None:
+        """A speculative step (or a gated one, ``emitted`` = 1) at ``context`` kept ``emitted``
+        tokens, the bonus included."""
+
+    def record_plain(self, tracker: AcceptanceTracker) -> None:
+        """A step planned plain (K = 0) generated one token."""
+
+
+class AlwaysSpeculate:
+    """The null policy: whole blocks at every context, every drafted token verified, never
+    switched off; it records nothing."""
+
+    def plan(self, context: int, tracker: AcceptanceTracker, most: int) -> Plan:
+        return Plan(most, 0.0)
+
+    def record_step(self, context: int, tracker: AcceptanceTracker, emitted: int) -> None:
+        pass
+
+    def record_plain(self, tracker: AcceptanceTracker) -> None:
+        pass
+
+
+ALWAYS_SPECULATE = AlwaysSpeculate()
 
 
 class Bucket(BaseModel):
@@ -122,6 +176,20 @@ class PolicyTable(BaseModel):
             if context <= b.max_context:
                 return b
         return self.buckets[-1]
+
+    def plan(self, context: int, tracker: AcceptanceTracker, most: int) -> Plan:
+        """``SpeculationPolicy.plan``: the bucket's K as the request's tracker allows it, and the
+        bucket's gate."""
+        bucket = self.bucket(context)
+        return Plan(min(tracker.draft_length(bucket), most), bucket.min_confidence)
+
+    def record_step(self, context: int, tracker: AcceptanceTracker, emitted: int) -> None:
+        """``SpeculationPolicy.record_step``: into the request's tracker, against the bucket."""
+        tracker.record_step(self.bucket(context), emitted)
+
+    def record_plain(self, tracker: AcceptanceTracker) -> None:
+        """``SpeculationPolicy.record_plain``: into the request's tracker."""
+        tracker.record_plain()
 
     @classmethod
     def load(cls, path: Path) -> PolicyTable:
@@ -222,7 +290,3 @@ class AcceptanceTracker:
             self._recent.clear()
         elif self._steps == self.window:  # lasted a whole window: a probe that paid
             self.probing, self.probe_after = False, self.first_probe_after
-
-    def stats(self) -> dict:
-        """``spec_switches_off`` and the final ``al_estimate``."""
-        return {"spec_switches_off": self.switches, "al_estimate": self.al}

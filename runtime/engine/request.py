@@ -1,5 +1,5 @@
 """What a caller hands the engine (``SamplingParams``) and what it gets back (``StreamEvent``,
-``Completion``).
+``Completion``, with the request's ``RequestStats``).
 
 Vocabulary: *prompt tokens* are the rendered chat prompt; *completion tokens* are tokens the
 engine delivered to the caller (a stop string's tokens and an end-of-turn token are not
@@ -9,7 +9,7 @@ delivered, so they are not counted).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from flm_runtime.errors import InvalidRequestError
@@ -73,6 +73,94 @@ def _check(value, name: str, low: float, high: float, low_open: bool = False, hi
         raise InvalidRequestError(f"{name} must lie in {lo}{low}, {high}{hi}, got {value!r}", param=name)
 
 
+@dataclass
+class SpecStats:
+    """One request's speculation counters.
+
+    Attributes:
+        steps: speculative steps run (steps that verified drafted tokens).
+        drafted: drafted tokens verified (k per step, after the confidence gate).
+        accepted: drafted tokens kept and pushed into the output pipeline.
+        emitted: tokens pushed by speculative steps (accepted + one bonus per step; a step cut
+            short by EOS / stop / max_tokens counts only the tokens pushed before the cut).
+        gated: plain steps the confidence gate made (the draft ran, nothing was verified).
+        switches_off: times the request's acceptance tracker turned speculation off, and
+        al_estimate: its final AL estimate (None before a step): the policy's figures
+            (``policy.AcceptanceTracker``), copied in when the request ends.
+    """
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    gated: int = 0
+    switches_off: int = 0
+    al_estimate: float | None = None
+
+    def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
+        """A speculative step verified ``drafted`` tokens and pushed ``emitted`` tokens, of which
+        ``accepted`` were drafted ones."""
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += emitted
+
+    def record_plain(self, gated: bool) -> None:
+        """A plain decode step; ``gated``: the confidence gate made it one."""
+        self.gated += gated
+
+    @property
+    def acceptance_length(self) -> float:
+        """AL: tokens per speculative step INCLUDING the bonus token; 0.0 before a step."""
+        return self.emitted / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """One finished request's figures (times from ``time.perf_counter``, seconds).
+
+    Attributes:
+        prompt_tokens: prompt length.
+        completion_tokens: tokens delivered (see ``stop.py``).
+        generated_tokens: tokens generated, an end-of-turn token or stop-string tokens included.
+        queue_s: submit to admission; None if never admitted.
+        ttft_s: submit to the first generated token; None before one.
+        decode_s: the first generated token to the last (0.0 with one token or none).
+        total_s: submit to the end.
+        spec: the speculation counters; None without speculative decoding.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    generated_tokens: int
+    queue_s: float | None
+    ttft_s: float | None
+    decode_s: float
+    total_s: float
+    spec: SpecStats | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first per second after the first; 0.0 with a single token."""
+        return (self.generated_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        """The flat JSON form (LiteLLM's ``_hidden_params["flm_stats"]``): ``prompt_tokens``,
+        ``completion_tokens``, ``generated_tokens``, ``queue_s``, ``ttft_s``,
+        ``decode_tokens_per_s``, ``total_s``; with ``spec`` also ``spec_steps``,
+        ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length``, ``gated_steps``,
+        ``spec_switches_off`` and ``al_estimate``."""
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "generated_tokens": self.generated_tokens, "queue_s": self.queue_s, "ttft_s": self.ttft_s,
+               "decode_tokens_per_s": self.decode_tokens_per_s, "total_s": self.total_s}
+        if self.spec is not None:
+            s = self.spec
+            out |= {"spec_steps": s.steps, "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
+                    "acceptance_length": s.acceptance_length, "gated_steps": s.gated,
+                    "spec_switches_off": s.switches_off, "al_estimate": s.al_estimate}
+        return out
+
+
 @dataclass(frozen=True)
 class StreamEvent:
     """One delivery to a streaming caller.
@@ -92,16 +180,16 @@ class StreamEvent:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
-    stats: dict | None = None
+    stats: RequestStats | None = None
 
 
 @dataclass(frozen=True)
 class Completion:
-    """A finished request: the join of its stream events."""
+    """A finished request: the join of its stream events, with its stats."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
-    stats: dict = field(default_factory=dict)
+    stats: RequestStats

@@ -2,27 +2,24 @@
 KV caches, RNG, stop checker, delivered text and tokens, timing, speculation state and stats).
 
 Each engine step gives it rows of one batched forward pass: its next prompt chunk until the prompt
-is in the cache (the last chunk's logits give the first token, through ``take``), then plain
-1-token decodes (``take``) or, when the engine has a ``SpeculativeDecoder``, speculative steps of its
-``lane`` whose kept tokens go through ``accept`` one by one (so EOS, stop strings and ``max_tokens``
-cut a block exactly); near the context end (no room for a block) decoding is plain.
+is in the cache (the last chunk's logits give the first token), then decoding steps of its
+``lane``: plain 1-token steps (``Lane.take``, with or without a ``SpeculativeDecoder``) or
+speculative steps whose kept tokens go through ``accept`` one by one (so EOS, stop strings and
+``max_tokens`` cut a block exactly); near the context end (no room for a block) decoding is plain.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from flm_runtime.engine import sampler
 from flm_runtime.engine.detokenizer import Detokenizer
-from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
+from flm_runtime.engine.handle import RequestHandle
+from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent
 from flm_runtime.engine.speculative import Lane, SpecState
 from flm_runtime.engine.stop import StopChecker
-
-if TYPE_CHECKING:
-    from flm_runtime.engine.engine import RequestHandle
 
 
 class Sequence:
@@ -66,13 +63,9 @@ class Sequence:
         """The prompt is in the cache: the next step decodes ``last_token``."""
         return self.last_token is not None
 
-    def take(self, logits: np.ndarray) -> bool:
-        """Sample one token from ``logits`` ``[V]`` (this request's params and own RNG, so the
-        draw does not depend on other sequences) and ``accept`` it."""
-        return self.accept(sampler.sample(logits, self.params, self.rng))
-
     def lane(self) -> Lane:
-        """This sequence's part of a (batched) speculative decoding step."""
+        """This sequence's part of a (batched) decoding step (``Lane.take`` samples a plain
+        token, ``emit`` is ``accept``)."""
         return Lane(self.last_token, self.cache, self.spec, self.params, self.rng, self.accept)
 
     def accept(self, token: int) -> bool:
@@ -100,16 +93,11 @@ class Sequence:
         return Completion("".join(self.text_parts), tuple(self.token_ids), self.checker.finish_reason,
                           len(self.prompt_ids), self.checker.delivered, self.stats())
 
-    def stats(self) -> dict:
+    def stats(self) -> RequestStats:
         t0 = self.handle.t_submit
-        decode_s = (self.t_last - self.t_first) if self.t_first else 0.0
-        return {
-            "prompt_tokens": len(self.prompt_ids),
-            "completion_tokens": self.checker.delivered,
-            "generated_tokens": self.checker.generated,
-            "queue_s": (self.t_admit - t0) if self.t_admit else None,
-            "ttft_s": (self.t_first - t0) if self.t_first else None,
-            "decode_tokens_per_s": (self.checker.generated - 1) / decode_s if decode_s > 0 else 0.0,
-            "total_s": time.perf_counter() - t0,
-            **(self.spec.stats() if self.spec is not None else {}),
-        }
+        return RequestStats(
+            prompt_tokens=len(self.prompt_ids), completion_tokens=self.checker.delivered,
+            generated_tokens=self.checker.generated, queue_s=(self.t_admit - t0) if self.t_admit else None,
+            ttft_s=(self.t_first - t0) if self.t_first else None,
+            decode_s=(self.t_last - self.t_first) if self.t_first else 0.0, total_s=time.perf_counter() - t0,
+            spec=self.spec.report() if self.spec is not None else None)

@@ -9,14 +9,17 @@ the anchor; the target runs ``[anchor, d1 .. dK]`` at positions ``start .. start
 target's own; the target KV cache is rolled back (``trim``) past what was kept, and the verify
 pass's taps of the kept positions become the draft's pending context.
 
-Batching: the engine advances several sequences ("lanes") per step. ``SpeculativeDecoder.propose``
-drafts for all drafting lanes in one draft pass; each lane then contributes its verify rows
-``[anchor, d1 .. dk]``, or the single row ``[anchor]`` of a plain decode step when the speculation
-policy (``policy.py``: a table of context buckets plus the request's own acceptance estimate) says
-a block does not pay, to ONE target pass (``TargetModel.forward_batch``, shared with other
-sequences' prefill chunks); ``finish`` then verifies and emits lane by lane. The policy's
-confidence gate verifies only the first k <= K drafted tokens, those the draft is sure enough of
-(k = 0: the step decodes plainly, "gated"). Plain steps still record taps, so the draft can resume
+A step reads propose -> verify -> commit (``SpeculativeDecoder.step`` for one lane, as gpt-fast's
+``speculative_decode``). Batched, the engine advances several sequences ("lanes") per step, split
+as vLLM v1 splits its proposer and its rejection sampler: ``propose`` plans every lane with the
+speculation policy (``policy.py``: a table of context buckets plus the request's own acceptance
+estimate) and drafts for all drafting lanes in one draft pass, returning a ``Draft`` per lane;
+each lane contributes ``Draft.rows``, its verify rows ``[anchor, d1 .. dk]`` or the single row
+``[anchor]`` of a plain decode step, to ONE target pass (``TargetModel.forward_batch``, shared
+with other sequences' prefill chunks); ``commit`` then verifies (``verify``, pure) and commits lane
+by lane. The policy's confidence gate verifies only the first k <= K drafted tokens, those the
+draft is sure enough of (k = 0: the step decodes plainly, "gated"). A plain step samples its token
+as an engine without a draft does (``Lane.take``) and still records taps, so the draft can resume
 at any step.
 
 Glossary (after vLLM's rejection sampler, ``vllm/v1/sample/rejection_sampler.py``):
@@ -43,6 +46,7 @@ seeded request gives the same tokens with or without speculation (up to float ro
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -52,15 +56,13 @@ import numpy as np
 from flm_runtime.backends import prefill_chunks
 from flm_runtime.core import KVCache, Proposal
 from flm_runtime.engine import sampler
-from flm_runtime.engine.policy import AcceptanceTracker, Bucket, PolicyTable, confident_length
-from flm_runtime.engine.request import SamplingParams
+from flm_runtime.engine.policy import (ALWAYS_SPECULATE, AcceptanceTracker, Plan, SpeculationPolicy,
+                                      confident_length)
+from flm_runtime.engine.request import SamplingParams, SpecStats
 
 # Pending taps of plain steps are folded into the draft cache once this many accumulate (while
 # the policy keeps a request decoding plainly), so that each step copies a bounded array.
 PENDING_FLUSH = 64
-
-# Without a policy table: speculate everywhere, verifying every drafted token.
-_NO_POLICY = Bucket(max_context=1, speculate=True)
 
 # proposer(draft_cache, anchor_id, start) -> [K] int64 drafted ids: a stand-in for the draft's
 # proposals (tests replay known tokens to force long acceptances).
@@ -131,51 +133,63 @@ class SpecState:
         draft_cache: the draft's context K/V.
         pending: ``[P, n*E]`` float32 taps of committed tokens not yet in ``draft_cache``.
         tracker: the request's acceptance estimate and speculate / plain decision (policy.py).
-        steps: speculative steps run (steps that verified drafted tokens).
-        drafted: drafted tokens verified (k per step, after the confidence gate).
-        gated: steps the confidence gate turned into plain decode steps (the draft ran, nothing
-            was verified).
-        gated_step: the current step is such a step (set by ``propose``, read by ``finish``).
-        confidence: ``[K]`` float32, the draft's confidence in the tokens it proposed last (before
-            the gate; ``Proposal.confidence``).
-        accepted: drafted tokens kept and pushed into the output pipeline.
-        emitted: tokens pushed by speculative steps (accepted + one bonus per step; a step cut
-            short by EOS / stop / max_tokens counts only the tokens pushed before the cut).
+        stats: the request's speculation counters.
     """
 
     draft_cache: KVCache
     pending: np.ndarray
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
-    gated: int = 0
-    gated_step: bool = False
-    confidence: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    stats: SpecStats = field(default_factory=SpecStats)
 
-    def stats(self) -> dict:
-        """Per-request speculation stats: ``spec_steps``, ``drafted_tokens``, ``accepted_tokens``,
-        ``acceptance_length`` (tokens per speculative step INCLUDING the bonus token; 0.0 before a
-        step), ``gated_steps``, and the policy's ``spec_switches_off`` and ``al_estimate``
-        (``AcceptanceTracker.stats``)."""
-        return {"spec_steps": self.steps, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
-                "acceptance_length": self.emitted / self.steps if self.steps else 0.0, "gated_steps": self.gated,
-                **self.tracker.stats()}
+    def report(self) -> SpecStats:
+        """The counters with the tracker's figures (``switches_off``, ``al_estimate``), a copy."""
+        return dataclasses.replace(self.stats, switches_off=self.tracker.switches, al_estimate=self.tracker.al)
 
 
-class LaneOutput(NamedTuple):
-    """One lane's rows of a (batched) target pass.
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity
+class Draft:
+    """What ``propose`` offers one lane for one step.
 
     Attributes:
-        draft_ids: ``[k]`` int64 drafted tokens to verify (k = 0: a plain decode step).
-        logits: ``[k+1, V]`` float32 target logits of ``[anchor, d1 .. dk]``.
-        taps: ``[k+1, n*E]`` float32 taps of the same rows.
+        ids: ``[k]`` int64 drafted tokens to verify, after the confidence gate (k = 0: a plain
+            decode step).
+        planned: K, the tokens the policy planned to draft (0: the draft did not run).
+        confidence: ``[K]`` float32, the draft's confidence in each of its K tokens, before the
+            gate (``Proposal.confidence``).
     """
 
-    draft_ids: np.ndarray
-    logits: np.ndarray
-    taps: np.ndarray
+    ids: np.ndarray
+    planned: int
+    confidence: np.ndarray
+
+    @property
+    def gated(self) -> bool:
+        """The draft ran but the gate left nothing to verify: a plain step."""
+        return self.planned > 0 and not len(self.ids)
+
+    def rows(self, anchor_id: int) -> np.ndarray:
+        """The lane's target rows ``[k+1]`` int64: ``[anchor, d1 .. dk]`` (k = 0: the plain decode
+        row)."""
+        return np.concatenate([[anchor_id], self.ids]).astype(np.int64)
+
+
+# A plain decode step's record: nothing planned, nothing drafted.
+PLAIN = Draft(np.zeros(0, dtype=np.int64), 0, np.zeros(0, dtype=np.float32))
+
+
+class LaneStep(NamedTuple):
+    """One lane's committed step.
+
+    Attributes:
+        draft: what was proposed.
+        accepted: drafted tokens the verifier kept (0 on a plain step), including any after a
+            stop that cut the step short.
+        finished: the lane's output pipeline finished the sequence.
+    """
+
+    draft: Draft
+    accepted: int
+    finished: bool
 
 
 @dataclass
@@ -183,20 +197,27 @@ class Lane:
     """One sequence's part of a (batched) decoding step.
 
     Attributes:
-        anchor_id: the last committed token (not yet in ``cache``).
+        anchor_id: the last committed token (not yet in ``cache``); None before the first (the
+            prompt's last chunk gives it, through ``take``).
         cache: the target's KV cache of the sequence.
-        state: the sequence's ``SpecState``.
+        state: the sequence's ``SpecState``; None in an engine without a draft.
         params, rng: the request's sampling parameters and own generator.
         emit: pushes one token through the sequence's output pipeline (stop checks, delivery) and
             returns True once the sequence is finished; tokens after that are not pushed.
     """
 
-    anchor_id: int
+    anchor_id: int | None
     cache: KVCache
-    state: SpecState
+    state: SpecState | None
     params: SamplingParams
     rng: np.random.Generator
     emit: Callable[[int], bool]
+
+    def take(self, logits: np.ndarray) -> bool:
+        """A plain step's token: one draw from ``logits`` ``[V]`` (this request's params and own
+        RNG, so the draw does not depend on other sequences), pushed through ``emit``; True
+        once the sequence is finished."""
+        return self.emit(sampler.sample(logits, self.params, self.rng))
 
 
 class SpeculativeDecoder:
@@ -207,13 +228,15 @@ class SpeculativeDecoder:
             ``config``.
         draft: ``DFlashDraft``-like: ``config`` (``target_layer_ids``, ``block_size``),
             ``new_cache``, ``add_context``, ``propose_batch``.
-        policy: the speculation policy table of this tag and backend; None speculates at every
-            context with the whole block (K = block_size - 1) and never switches off.
+        policy: the speculation policy of this tag and backend (a ``PolicyTable``); the default
+            ``ALWAYS_SPECULATE`` drafts the whole block (K = block_size - 1) at every context,
+            verifies all of it and never switches off.
         proposer: replaces the draft's proposals (tests), called per sequence as
             ``proposer(draft_cache, anchor_id, start)``; the draft still keeps its context cache.
     """
 
-    def __init__(self, target, draft, *, policy: PolicyTable | None = None, proposer: Proposer | None = None):
+    def __init__(self, target, draft, *, policy: SpeculationPolicy = ALWAYS_SPECULATE,
+                 proposer: Proposer | None = None):
         self.target = target
         self.draft = draft
         self.taps = tuple(draft.config.target_layer_ids)
@@ -244,105 +267,107 @@ class SpeculativeDecoder:
         self.draft.add_context(state.draft_cache, taps, state.draft_cache.length)
         self._check(cache, state)
 
-    def draft_length(self, lane: Lane) -> int:
-        """K for ``lane``'s next step: the policy's (bucket of its context, its own acceptance);
-        0 means a plain decode step, as near the context end where a whole block (the draft
-        always runs all ``block_size`` positions) does not fit."""
-        cache = lane.cache
-        if cache.length + self.block_size > cache.max_length:
-            return 0
-        if self.policy is None:
-            return self.block_size - 1
-        return min(lane.state.tracker.draft_length(self.policy.bucket(cache.length)), self.block_size - 1)
+    def step(self, lane: Lane) -> LaneStep:
+        """One decoding step of one lane: propose, one target pass of its rows, verify and
+        commit."""
+        draft = self.propose([lane])[0]
+        out = self.target.forward_batch([draft.rows(lane.anchor_id)], [lane.cache], taps=self.taps)  # the verify pass
+        return self.commit(lane, draft, out.logits, out.taps)
 
-    def step(self, lane: Lane) -> bool:
-        """One decoding step of one lane (``propose``, a target pass of its rows, ``finish``);
-        True if it finished the sequence."""
-        draft_ids = self.propose([lane])[0]
-        out = self.target.forward_batch([self.rows(lane, draft_ids)], [lane.cache], taps=self.taps)
-        return self.finish(lane, LaneOutput(draft_ids, out.logits, out.taps))
+    def propose(self, lanes: list[Lane]) -> list[Draft]:
+        """The draft side of one decoding step of every lane: its plan, then one batched draft
+        pass for the lanes that draft.
 
-    def propose(self, lanes: list[Lane]) -> list[np.ndarray]:
-        """The draft side of one decoding step of every lane: one batched draft pass.
-
-        Per lane, from ``anchor_id`` at position ``start = cache.length``: with ``K =
-        draft_length(lane) > 0`` the draft catches up on the pending taps and proposes
+        Per lane, from ``anchor_id`` at position ``start = cache.length``: the policy plans K (0
+        also near the context end, where a whole block, which the draft always runs, does not
+        fit) and the gate; with ``K > 0`` the draft catches up on the pending taps and proposes
         ``d1 .. dK``, of which the lane keeps the first ``k = confident_length(confidence,
-        min_confidence)`` (the bucket's gate; k = 0 makes the step a gated plain step); ``K = 0``
-        is a plain decode step. The caller runs ``rows(lane, d)`` of every lane through the
-        target (with ``taps=self.taps``) and ``finish``es each lane.
+        min_confidence)`` (k = 0 makes the step a gated plain step). The caller runs
+        ``draft.rows(lane.anchor_id)`` of every lane through the target (with ``taps=self.taps``)
+        and ``commit``s each lane.
 
         Returns:
-            per lane, its drafted ids to verify ``[k]`` int64. Whatever follows, every lane's invariant
-            holds (the catch-up only moved taps from pending into the draft cache): a target pass
-            that raises may be retried.
+            per lane, its ``Draft``. Whatever follows, every lane's invariant holds (the catch-up
+            only moved taps from pending into the draft cache): a target pass that raises may be
+            retried.
         """
         for lane in lanes:
             self._check(lane.cache, lane.state)
-        ks = [self.draft_length(lane) for lane in lanes]
-        drafting = [lane for lane, k in zip(lanes, ks) if k]
+        plans = [self._plan(lane) for lane in lanes]
+        drafting = [lane for lane, plan in zip(lanes, plans) if plan.draft_length]
         for lane in drafting:
             state = lane.state
             self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
             state.pending = self._no_taps()
-        proposal = self._propose([lane.state.draft_cache for lane in drafting],
-                                 [lane.anchor_id for lane in drafting], max(ks)) if drafting else None  # [S, max K]
+        proposal = self._propose([lane.state.draft_cache for lane in drafting], [lane.anchor_id for lane in drafting],
+                                 max(plan.draft_length for plan in plans)) if drafting else None  # [S, max K]
         rows = iter(range(len(drafting)))  # the proposal's row of each drafting lane, in order
         drafts = []
-        for lane, k in zip(lanes, ks):
-            ids = np.zeros(0, dtype=np.int64)
-            if k:
-                row = next(rows)
-                lane.state.confidence = proposal.confidence[row, :k]
-                ids = proposal.ids[row, : confident_length(lane.state.confidence,
-                                                            self._bucket(lane.cache.length).min_confidence)]
-            lane.state.gated_step = bool(k) and not len(ids)
-            drafts.append(ids)
+        for k, min_confidence in plans:
+            if not k:
+                drafts.append(PLAIN)
+                continue
+            row = next(rows)
+            confidence = proposal.confidence[row, :k]
+            drafts.append(Draft(proposal.ids[row, : confident_length(confidence, min_confidence)], k, confidence))
         return drafts
 
-    @staticmethod
-    def rows(lane: Lane, draft_ids: np.ndarray) -> np.ndarray:
-        """The lane's target rows ``[K+1]`` int64: ``[anchor, d1 .. dK]`` (K = 0: the plain decode row)."""
-        return np.concatenate([[lane.anchor_id], draft_ids]).astype(np.int64)
+    def commit(self, lane: Lane, draft: Draft, logits: np.ndarray, taps: np.ndarray) -> LaneStep:
+        """Complete one lane's step from its rows of the target pass.
 
-    def finish(self, lane: Lane, output: LaneOutput) -> bool:
-        """Complete one lane's step from its rows of the target pass: verify (or sample the
-        plain step's token), roll the cache back past what was kept, make the kept positions'
-        taps pending, update the stats and the acceptance tracker, and emit the kept tokens one
-        by one through ``lane.emit``.
+        A speculative step verifies ``draft.ids`` (``verify``), rolls the cache back past what was
+        kept, makes the kept positions' taps pending, records the step (policy, stats) and emits
+        the kept tokens one by one through ``lane.emit``. A plain step (``draft.ids`` empty)
+        makes its row's taps pending, records it, and takes its token as an engine without a
+        draft does (``lane.take``).
 
+        Args:
+            lane: the lane, as given to ``propose``.
+            draft: its ``Draft`` from ``propose``.
+            logits: ``[k+1, V]`` float32 target logits of ``draft.rows``.
+            taps: ``[k+1, n*E]`` float32 taps of the same rows.
         Returns:
-            True if ``emit`` finished the sequence.
+            the lane's ``LaneStep`` (``finished``: ``emit`` finished the sequence).
         """
-        draft_ids, logits, taps = output
         cache, state = lane.cache, lane.state
         start = cache.length - len(logits)
-        if not len(draft_ids):  # a plain decode step
-            state.pending = np.concatenate([state.pending, taps])
-            if len(state.pending) >= PENDING_FLUSH:  # bounded: no copy that grows with the output
-                self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
-                state.pending = self._no_taps()
-            if state.gated_step:  # speculating, but the gate verified nothing: a 1-token step
-                state.gated += 1
-                state.tracker.record_step(self._bucket(start), 1)
-            elif self.policy is not None:
-                state.tracker.record_plain()
-            self._check(cache, state)
-            return lane.emit(sampler.sample(logits[0], lane.params, lane.rng))
-        n_accepted, bonus = verify(draft_ids, logits, lane.params, lane.rng)
+        if not len(draft.ids):
+            self._commit_plain(lane, draft, start, taps)
+            return LaneStep(draft, 0, lane.take(logits[0]))
+        n_accepted, bonus = verify(draft.ids, logits, lane.params, lane.rng)
         cache.trim(start + n_accepted + 1)  # roll back the rejected positions
         state.pending = taps[: n_accepted + 1]
-        state.steps += 1
-        state.drafted += len(draft_ids)
-        if self.policy is not None:
-            state.tracker.record_step(self._bucket(start), n_accepted + 1)
+        self.policy.record_step(start, state.tracker, n_accepted + 1)
         self._check(cache, state)
-        for j, token in enumerate([*draft_ids[:n_accepted].tolist(), bonus]):
-            state.emitted += 1
-            state.accepted += j < n_accepted
-            if lane.emit(int(token)):
-                return True
-        return False
+        emitted, finished = 0, False
+        for token in [*draft.ids[:n_accepted].tolist(), bonus]:
+            emitted += 1
+            if finished := lane.emit(int(token)):
+                break
+        state.stats.record_step(len(draft.ids), min(emitted, n_accepted), emitted)
+        return LaneStep(draft, n_accepted, finished)
+
+    def _plan(self, lane: Lane) -> Plan:
+        """The policy's plan for ``lane``'s next step; plain near the context end."""
+        cache = lane.cache
+        if cache.length + self.block_size > cache.max_length:
+            return Plan(0, 0.0)
+        return self.policy.plan(cache.length, lane.state.tracker, self.block_size - 1)
+
+    def _commit_plain(self, lane: Lane, draft: Draft, start: int, taps: np.ndarray) -> None:
+        """A plain step's row (at position ``start``): its taps become pending, the step is
+        recorded (a gated one as a 1-token speculative step)."""
+        state = lane.state
+        state.pending = np.concatenate([state.pending, taps])
+        if len(state.pending) >= PENDING_FLUSH:  # bounded: no copy that grows with the output
+            self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
+            state.pending = self._no_taps()
+        if draft.gated:
+            self.policy.record_step(start, state.tracker, 1)
+        else:
+            self.policy.record_plain(state.tracker)
+        state.stats.record_plain(draft.gated)
+        self._check(lane.cache, state)
 
     def _propose(self, caches: list[KVCache], anchor_ids: list[int], n_drafts: int) -> Proposal:
         """The first ``n_drafts`` drafted tokens of ``S`` sequences (``[S, n_drafts]``): one
@@ -356,10 +381,6 @@ class SpeculativeDecoder:
             out = Proposal(ids, np.ones(ids.shape, dtype=np.float32))
         assert out.ids.shape == out.confidence.shape == (len(caches), n_drafts), f"proposals {out.ids.shape}"
         return out
-
-    def _bucket(self, context: int) -> Bucket:
-        """The policy's bucket of ``context`` tokens; without a policy, whole blocks, no gate."""
-        return self.policy.bucket(context) if self.policy is not None else _NO_POLICY
 
     def _no_taps(self) -> np.ndarray:
         return np.zeros((0, self._tap_width), dtype=np.float32)  # [0, n*E]

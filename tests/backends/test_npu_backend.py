@@ -111,7 +111,7 @@ def test_dflash_on_the_npu_target_equals_plain_greedy(tmp_path):
             engine.close()
         outputs.append(list(done.token_ids))
     assert outputs[0] == outputs[1]
-    assert done.stats["spec_steps"] >= 3 and done.stats["drafted_tokens"] == 7 * done.stats["spec_steps"]
+    assert done.stats.spec.steps >= 3 and done.stats.spec.drafted == 7 * done.stats.spec.steps
 
 
 def test_runlists_buffers_and_syncs(tmp_path):

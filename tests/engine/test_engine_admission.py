@@ -39,7 +39,7 @@ def test_kv_bytes_per_token_of_smollm2_with_and_without_a_draft():
 
 def test_default_budget_is_four_contexts_and_idle_stats_are_zero(make_engine, tok):
     engine = make_engine(HashModel(context=2048), tok)
-    assert engine.kv_bytes_per_token == BYTES_PER_TOKEN
+    assert engine.kv.bytes_per_token == BYTES_PER_TOKEN
     s = engine.stats()
     assert s["kv_budget_bytes"] == 4 * 2048 * BYTES_PER_TOKEN
     assert (s["active"], s["queued"], s["kv_tokens"], s["kv_bytes"], s["kv_reserved_bytes"]) == (0, 0, 0, 0, 0)
@@ -70,7 +70,7 @@ def test_the_speculative_reservation_counts_the_draft_and_the_verify_block(make_
     spec = SpeculativeDecoder(target, random_draft(target, taps=[0]))
     engine = make_engine(target, tok, speculative=spec, kv_budget=1000)
     # target 2 * 2 layers * 1 head * 4 * 4 B = 64 B; the 1-layer draft 32 B; 7 verify positions more
-    assert engine.kv_bytes_per_token == 96
+    assert engine.kv.bytes_per_token == 96
     with pytest.raises(KVBudgetError) as e:
         engine.submit([1] * 10, SamplingParams(max_tokens=20))
     assert e.value.need_bytes == (10 + 20 + 7) * 96
@@ -98,13 +98,13 @@ def test_the_first_in_line_is_not_overtaken_by_smaller_requests(make_engine, tok
     assert (engine.stats()["active"], engine.stats()["queued"]) == (1, 2)
     assert [h.result(timeout=30).completion_tokens for h in (running, large, small)] == [40, 80, 2]
     # admitted in arrival order, and `large` only once `running` had ended (perf_counter seconds)
-    ended = running.t_submit + running.result().stats["total_s"]
+    ended = running.t_submit + running.result().stats.total_s
     assert ended <= admitted(large) <= admitted(small)
 
 
 def admitted(handle) -> float:
     """``time.perf_counter()`` at which the engine admitted the request."""
-    return handle.t_submit + handle.result().stats["queue_s"]
+    return handle.t_submit + handle.result().stats.queue_s
 
 
 def test_queue_full_while_the_budget_is_full_is_refused_at_once(make_engine, tok):

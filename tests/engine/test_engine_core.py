@@ -9,7 +9,7 @@ import time
 import pytest
 from engine_fakes import BOT, EOS, FakeTokenizer, HashModel, ScriptModel
 
-from flm_runtime.engine.engine import RequestCancelledError
+from flm_runtime.engine.handle import RequestCancelledError
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.errors import (BackendUnavailableError, ContextLengthError, EngineOverloadedError,
                                 InvalidRequestError, RequestTimeoutError)
@@ -50,15 +50,15 @@ def test_max_tokens_exact_and_stats(make_engine, tok):
     assert done.finish_reason == "length"
     assert done.completion_tokens == len(done.token_ids) == 17
     s = done.stats
-    assert (s["prompt_tokens"], s["completion_tokens"], s["generated_tokens"]) == (10, 17, 17)
-    assert 0 < s["ttft_s"] <= s["total_s"] and s["decode_tokens_per_s"] > 0
+    assert (s.prompt_tokens, s.completion_tokens, s.generated_tokens) == (10, 17, 17)
+    assert 0 < s.ttft_s <= s.total_s and s.decode_tokens_per_s > 0
 
 
 def test_eos_finishes_with_stop(make_engine, tok):
     script = [ord(c) for c in "Hi!"] + [EOS]
     done = make_engine(ScriptModel(script), tok).submit([1], SamplingParams(max_tokens=50)).result()
     assert (done.text, done.finish_reason, done.completion_tokens) == ("Hi!", "stop", 3)
-    assert EOS not in done.token_ids and done.stats["generated_tokens"] == 4
+    assert EOS not in done.token_ids and done.stats.generated_tokens == 4
 
 
 def test_special_tokens_are_delivered_without_text(make_engine, tok):
@@ -295,8 +295,8 @@ def test_requests_progress_concurrently(make_engine, tok):
     model = HashModel(delay=0.002)
     engine = make_engine(model, tok)
     handles = [engine.submit([i + 1], SamplingParams(max_tokens=30)) for i in range(4)]
-    first_done = min(h.result().stats["total_s"] for h in handles)
-    ttft = max(h.result().stats["ttft_s"] for h in handles)
+    first_done = min(h.result().stats.total_s for h in handles)
+    ttft = max(h.result().stats.ttft_s for h in handles)
     assert ttft < first_done                   # all four started before any finished
 
 

@@ -110,14 +110,14 @@ def test_engine_turns_speculation_off_when_acceptance_collapses(make_engine):
     s = done.stats
     # 1 token from prefill, then: 9 failing steps (off), 16 plain, a probe of 9 failing steps, 32
     # plain, 9, 64 plain (the pending taps folded into the draft cache on the way), 9, 51 plain.
-    assert (s["spec_steps"], s["accepted_tokens"], s["spec_switches_off"], s["generated_tokens"]) == (36, 0, 4, 200)
+    assert (s.spec.steps, s.spec.accepted, s.spec.switches_off, s.generated_tokens) == (36, 0, 4, 200)
 
 
 def test_engine_keeps_speculating_while_it_pays(make_engine):
     done = collapsing_engine(make_engine, perfect=True).submit([1, 2, 3], SamplingParams(max_tokens=97)).result()
     assert done.token_ids == tuple(LETTERS[:97])
     s = done.stats
-    assert (s["spec_steps"], s["accepted_tokens"], s["spec_switches_off"]) == (12, 84, 0)  # 1 + 12 blocks of 8
+    assert (s.spec.steps, s.spec.accepted, s.spec.switches_off) == (12, 84, 0)  # 1 + 12 blocks of 8
 
 
 def test_the_draft_scores_only_the_k_rows_the_policy_verifies(make_engine):
@@ -133,8 +133,8 @@ def test_the_draft_scores_only_the_k_rows_the_policy_verifies(make_engine):
         [1, 2, 3], SamplingParams(max_tokens=20)).result()
     assert done.token_ids == tuple(LETTERS[:20])
     s = done.stats
-    assert asked == [2] * s["spec_steps"] and s["spec_steps"] > 0
-    assert s["drafted_tokens"] == 2 * s["spec_steps"]
+    assert asked == [2] * s.spec.steps and s.spec.steps > 0
+    assert s.spec.drafted == 2 * s.spec.steps
 
 
 def gated_engine(make_engine, confidence: list[float], gate: float):
@@ -167,7 +167,7 @@ def test_the_gate_verifies_only_the_confident_prefix(make_engine):
     done = engine.submit([1, 2, 3], SamplingParams(max_tokens=20)).result()
     assert done.token_ids == tuple(LETTERS[:20])
     s = done.stats
-    assert (s["spec_steps"], s["drafted_tokens"], s["accepted_tokens"], s["gated_steps"]) == (7, 14, 13, 0)
+    assert (s.spec.steps, s.spec.drafted, s.spec.accepted, s.spec.gated) == (7, 14, 13, 0)
 
 
 def test_a_draft_unsure_of_its_first_token_leaves_every_step_plain(make_engine):
@@ -175,4 +175,4 @@ def test_a_draft_unsure_of_its_first_token_leaves_every_step_plain(make_engine):
     done = engine.submit([1, 2, 3], SamplingParams(max_tokens=20)).result()
     assert done.token_ids == tuple(LETTERS[:20])
     s = done.stats
-    assert (s["spec_steps"], s["drafted_tokens"], s["gated_steps"], s["spec_switches_off"]) == (0, 0, 19, 0)
+    assert (s.spec.steps, s.spec.drafted, s.spec.gated, s.spec.switches_off) == (0, 0, 19, 0)

@@ -15,7 +15,7 @@ from flm_runtime.backends import forward
 from flm_runtime.core import LlamaConfig
 from flm_runtime.engine import sampler
 from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder, verify, verify_greedy, verify_sampled
+from flm_runtime.engine.speculative import PLAIN, SpeculativeDecoder, verify, verify_greedy, verify_sampled
 from flm_runtime.models.llama import LlamaModel
 
 GREEDY = SamplingParams()
@@ -128,7 +128,7 @@ def test_speculative_equals_plain_decoding(tiny, params, proposer):
                                  proposer=propose if proposer == "replay" else None)
     out, _, state = spec_generate(decoder, PROMPT, 40, params, seed=7, on_step=check_caches(tiny, decoder, PROMPT))
     assert out == base
-    al = state.stats()["acceptance_length"]
+    al = state.stats.acceptance_length
     assert (al > 2.0) if proposer == "replay" else (1.0 <= al < 1.5), al
 
 
@@ -137,7 +137,7 @@ def test_near_the_context_end_decoding_is_plain(tiny):
     decoder = SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]))
     out, cache, state = spec_generate(decoder, prompt, 15, GREEDY, on_step=check_caches(tiny, decoder, prompt))
     assert out == plain_generate(tiny, prompt, 15, GREEDY)
-    assert 1 <= state.steps <= 7 and cache.length <= 300
+    assert 1 <= state.stats.steps <= 7 and cache.length <= 300
 
 
 # ---- the engine on a scripted target ------------------------------------------------------------
@@ -162,8 +162,8 @@ def test_eos_inside_an_accepted_block_ends_the_output(make_engine):
     assert done.token_ids == tuple(LETTERS[:4]) and sum(len(e.token_ids) for e in events) == 4
     s = done.stats
     # prefill gave "a"; one step drafted 7, all right; "b c d EOS" pushed, the rest never.
-    assert (s["spec_steps"], s["drafted_tokens"], s["accepted_tokens"], s["generated_tokens"]) == (1, 7, 4, 5)
-    assert s["acceptance_length"] == 4.0
+    assert (s.spec.steps, s.spec.drafted, s.spec.accepted, s.generated_tokens) == (1, 7, 4, 5)
+    assert s.spec.acceptance_length == 4.0
     assert events[-1].stats == s
 
 
@@ -173,11 +173,26 @@ def test_max_tokens_is_exact_inside_a_block(make_engine, max_tokens, perfect):
     engine = script_engine(make_engine, LETTERS, perfect=perfect)
     done = engine.submit([1, 2, 3], SamplingParams(max_tokens=max_tokens)).result()
     assert done.text == "abcdefghijklmnopqrstuvwxyz"[:max_tokens] and done.finish_reason == "length"
-    assert done.completion_tokens == len(done.token_ids) == done.stats["generated_tokens"] == max_tokens
+    assert done.completion_tokens == len(done.token_ids) == done.stats.generated_tokens == max_tokens
     s = done.stats
-    assert s["accepted_tokens"] + s["spec_steps"] >= max_tokens - 1 >= s["accepted_tokens"]
+    assert s.spec.accepted + s.spec.steps >= max_tokens - 1 >= s.spec.accepted
     if perfect and max_tokens == 25:  # 1 from prefill + 3 steps of 8: AL = 8 (the bonus included)
-        assert (s["spec_steps"], s["accepted_tokens"], s["acceptance_length"]) == (3, 21, 8.0)
+        assert (s.spec.steps, s.spec.accepted, s.spec.acceptance_length) == (3, 21, 8.0)
+
+
+def test_on_step_reports_each_pass_with_its_drafts(make_engine):
+    """The engine's per-step hook: one ``StepTiming`` per forward pass, with each decoding lane's
+    ``Draft``: the prefill, then three whole blocks of 7 (25 tokens: 1 + 3 * 8); without a draft,
+    every decoding step is ``PLAIN``."""
+    engine = script_engine(make_engine, LETTERS)
+    steps = []
+    engine.on_step = steps.append
+    assert engine.submit([1, 2, 3], SamplingParams(max_tokens=25)).result().stats.spec.steps == 3
+    assert [[(len(d.ids), d.planned, d.gated) for d in t.drafts] for t in steps] == [[], *[[(7, 7, False)]] * 3]
+    plain = make_engine(ScriptTarget(LETTERS, 3), FakeTokenizer(vocab_size=300), on_step=steps.append)
+    steps.clear()
+    assert plain.submit([1, 2, 3], SamplingParams(max_tokens=5)).result().text == "abcde"
+    assert [len(t.drafts) for t in steps] == [0, 1, 1, 1, 1] and all(d is PLAIN for t in steps for d in t.drafts)
 
 
 def test_stop_string_inside_a_block(make_engine):
@@ -204,7 +219,7 @@ def test_rollback_leaves_only_committed_tokens():
         assert target.fed(cache) == [1, 2, 3] + out[:-1]
 
     out, _, state = spec_generate(decoder, [1, 2, 3], 20, GREEDY, on_step=check)
-    assert out == LETTERS[:20] and state.steps >= 3
+    assert out == LETTERS[:20] and state.stats.steps >= 3
 
 
 def test_chunked_prefill_beside_speculative_decoding(make_engine, tiny, monkeypatch):
@@ -233,4 +248,4 @@ def test_seeded_sampled_speculative_is_reproducible_and_equals_plain(make_engine
     first, second = (spec.submit(PROMPT, params).result() for _ in range(2))
     assert first.token_ids == second.token_ids and first.text == second.text
     assert first.token_ids == plain.submit(PROMPT, params).result().token_ids
-    assert first.stats["spec_steps"] >= 1 and "spec_steps" not in plain.submit(PROMPT, params).result().stats
+    assert first.stats.spec.steps >= 1 and plain.submit(PROMPT, params).result().stats.spec is None

@@ -81,8 +81,8 @@ def test_speculative_equals_baseline_on_all_mt_bench_first_turns(weights, mt_ben
             compared += 1
         else:
             assert got == w, f"question {q['question_id']}: {len(got)} tokens, the baseline has {len(w)}"
-    steps = sum(d.stats["spec_steps"] for d in done)
-    emitted = sum(d.stats["acceptance_length"] * d.stats["spec_steps"] for d in done)
+    steps = sum(d.stats.spec.steps for d in done)
+    emitted = sum(d.stats.spec.acceptance_length * d.stats.spec.steps for d in done)
     record_property("near_ties", near_ties)
     print(f"MT-Bench greedy equivalence: {compared} tokens equal, {near_ties} near-tie cut(s) in 80 questions "
           f"(margin < {MARGIN_TOL}); AL {emitted / steps:.2f} over {steps} speculative steps; "

@@ -91,8 +91,8 @@ def test_dflash_engine_shares_the_target_and_equals_greedy_baseline(dflash_tag, 
         done = engine.submit(prompt, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)).result()
         near_ties += compare(list(done.token_ids), want, margins)
         s = done.stats
-        assert s["spec_steps"] >= 1 and s["drafted_tokens"] == 7 * s["spec_steps"]
-        assert 1.0 <= s["acceptance_length"] <= 8.0
+        assert s.spec.steps >= 1 and s.spec.drafted == 7 * s.spec.steps
+        assert 1.0 <= s.spec.acceptance_length <= 8.0
     record_property("near_ties", near_ties)
     print(f"greedy equivalence, random draft: {near_ties} near-tie cut(s) in {len(chats)} prompts")
 
@@ -126,7 +126,7 @@ def test_replaying_proposer_accepts_blocks_and_stays_exact(smollm2_model, chats,
         decoder = SpeculativeDecoder(smollm2_model, draft, proposer=proposer)
         got, _, state = spec_generate(decoder, prompt, N_TOKENS, SamplingParams())
         near_ties += compare(got, want, margins)
-        steps, emitted = steps + state.steps, emitted + state.emitted
+        steps, emitted = steps + state.stats.steps, emitted + state.stats.emitted
     assert emitted / steps > 2.5, emitted / steps  # AL, bonus included
     record_property("near_ties", near_ties)
     print(f"greedy equivalence, replaying proposer: AL {emitted / steps:.2f}, {near_ties} near-tie cut(s)")
@@ -156,4 +156,4 @@ def test_eight_batched_speculative_requests_equal_each_alone(make_engine, smollm
     assert lanes[0] == 8, lanes
     assert [d.token_ids for d in together] == alone
     assert [d.completion_tokens for d in together] == [q.max_tokens for q in params]
-    assert all(d.stats["spec_steps"] >= 1 for d in together)
+    assert all(d.stats.spec.steps >= 1 for d in together)

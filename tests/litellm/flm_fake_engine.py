@@ -11,7 +11,7 @@ import asyncio
 import threading
 from dataclasses import dataclass, field, replace
 
-from flm_runtime.engine.request import Completion, SamplingParams, StreamEvent
+from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent
 from flm_runtime.engine.sampler import CARD_DEFAULT
 from flm_runtime.errors import ContextLengthError
 
@@ -55,7 +55,8 @@ class FakeHandle:
             finish_reason=events[-1].finish_reason,
             prompt_tokens=events[-1].prompt_tokens,
             completion_tokens=events[-1].completion_tokens,
-            stats=events[-1].stats or {"fake": True},
+            stats=events[-1].stats or RequestStats(events[-1].prompt_tokens, events[-1].completion_tokens,
+                                                   events[-1].completion_tokens, 0.0, 0.0, 0.0, 0.0),
         )
 
     async def aresult(self) -> Completion:
@@ -73,7 +74,7 @@ class FakeEngine:
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     submit_error: BaseException | None = None
     stream_error: BaseException | None = None  # raised mid-stream, after one event
-    stats: dict | None = None  # engine stats of every request (on the final event and the result)
+    stats: RequestStats | None = None  # stats of every request (on the final event and the result)
     submitted: list[tuple[list[int], SamplingParams, float | None]] = field(default_factory=list)
     handles: list[FakeHandle] = field(default_factory=list)
 

@@ -18,7 +18,8 @@ import litellm
 import pytest
 
 import litellm_flm.llm
-from flm_runtime.engine.engine import Engine, RequestCancelledError
+from flm_runtime.engine.engine import Engine
+from flm_runtime.engine.handle import RequestCancelledError
 
 MODEL = "flm/smollm2:135m"
 N_REQUESTS = 100
@@ -113,5 +114,5 @@ async def test_cancelling_50_of_100_streams_leaves_nothing_behind(engine, monkey
     # ... and nothing is left behind.
     assert engine.stats() == {
         "name": engine.name, "active": 0, "queued": 0, "kv_tokens": 0, "kv_bytes": 0, "kv_reserved_bytes": 0,
-        "kv_budget_bytes": engine.kv_budget, "finished": len(QUESTIONS) + N_REQUESTS // 2, "failed": 0,
+        "kv_budget_bytes": engine.kv.budget, "finished": len(QUESTIONS) + N_REQUESTS // 2, "failed": 0,
         "cancelled": N_REQUESTS // 2, "timed_out": 0}

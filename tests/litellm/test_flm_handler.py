@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+from dataclasses import replace
 
 import litellm
 import pytest
@@ -16,7 +17,7 @@ import pytest
 import litellm_flm
 from flm_runtime import errors as rt
 from litellm_flm.llm import FlmLLM, build_chunk
-from flm_runtime.engine.request import StreamEvent
+from flm_runtime.engine.request import RequestStats, SpecStats, StreamEvent
 
 MODEL = "flm/smollm2:135m"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -116,8 +117,18 @@ def test_stream(fake_engine):
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(fake_engine.submitted[0][0]), 12)
 
 
-SPEC_STATS = {"prompt_tokens": 9, "completion_tokens": 12, "spec_steps": 4, "drafted_tokens": 28,
-              "accepted_tokens": 9, "acceptance_length": 3.25}
+SPEC_STATS = RequestStats(prompt_tokens=9, completion_tokens=12, generated_tokens=13, queue_s=0.0, ttft_s=0.1,
+                          decode_s=1.2, total_s=1.3, spec=SpecStats(steps=4, drafted=28, accepted=9, emitted=13))
+
+
+def test_flm_stats_keys():
+    """The public keys of ``_hidden_params["flm_stats"]``, with and without speculation."""
+    plain = {"prompt_tokens": 9, "completion_tokens": 12, "generated_tokens": 13, "queue_s": 0.0, "ttft_s": 0.1,
+             "decode_tokens_per_s": 10.0, "total_s": 1.3}
+    assert replace(SPEC_STATS, spec=None).as_dict() == plain
+    assert SPEC_STATS.as_dict() == {**plain, "spec_steps": 4, "drafted_tokens": 28, "accepted_tokens": 9,
+                                    "acceptance_length": 3.25, "gated_steps": 0, "spec_switches_off": 0,
+                                    "al_estimate": None}
 
 
 def test_speculative_stats_reach_the_usage(fake_engine):
@@ -125,7 +136,7 @@ def test_speculative_stats_reach_the_usage(fake_engine):
     rejected in usage.completion_tokens_details (completion_tokens stays the tokens delivered)."""
     fake_engine.stats = SPEC_STATS
     r = litellm.completion(model=MODEL, messages=MESSAGES, max_tokens=12)
-    assert r._hidden_params["flm_stats"] == SPEC_STATS
+    assert r._hidden_params["flm_stats"] == SPEC_STATS.as_dict()
     details = r.usage.completion_tokens_details
     assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (9, 19)
     assert r.usage.completion_tokens == 12

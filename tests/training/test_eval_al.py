@@ -39,8 +39,8 @@ def test_eval_al_pools_the_requests_and_matches_greedy_decoding(tmp_path, smollm
     baseline = [smollm2_engine.submit(tok.encode(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}])),
                                       greedy).result() for q in (QUESTIONS[0], QUESTIONS[2])]
     assert result["questions"] == 2 and result["max_new"] == MAX_NEW
-    assert result["tokens"] == sum(done.stats["generated_tokens"] for done in baseline)  # end of turn included
-    assert [int(line.split()[2]) for line in lines] == [done.stats["generated_tokens"] for done in baseline]
+    assert result["tokens"] == sum(done.stats.generated_tokens for done in baseline)  # end of turn included
+    assert [int(line.split()[2]) for line in lines] == [done.stats.generated_tokens for done in baseline]
     assert set(result["per_category"]) == {"writing", "math"}
     assert all(1.0 <= al <= 8.0 for al in [result["acceptance_length"], *result["per_category"].values()])
     assert min(result["per_category"].values()) <= result["acceptance_length"] <= max(result["per_category"].values())

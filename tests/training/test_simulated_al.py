@@ -52,7 +52,7 @@ def test_simulated_al_counts_the_served_steps(tmp_path, smollm2_model, smollm2_t
     twin.load_export_state(state)
 
     got = simulated_al(twin, data, data.seqs)
-    assert got["steps"] == served.stats["spec_steps"]
-    assert got["sim_al"] == pytest.approx(served.stats["acceptance_length"], abs=1e-9)
+    assert got["steps"] == served.stats.spec.steps
+    assert got["sim_al"] == pytest.approx(served.stats.spec.acceptance_length, abs=1e-9)
     assert got["sim_al"] == pytest.approx((MAX_TOKENS - 1) / got["steps"])  # the first token is the prefill's
     assert got["blocks"] == -(-(MAX_TOKENS - 1) // 8)  # anchors at response tokens 0, 8, .., 88
