@@ -154,35 +154,35 @@ def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
         out: ``[T, H * D]`` float32, written.
     """
     t_rows, h, d = q.shape
-    hkv = k.shape[0]
-    group = h // hkv
+    group = h // k.shape[0]
     scale = np.float32(1.0 / np.sqrt(d))
-    for pair in numba.prange(hkv * t_rows):
-        g, t = pair // t_rows, pair % t_rows
+    # One item per query head and row (not per key-value head): a decode step's 9 heads split
+    # evenly over two threads where its 3 key-value heads would not.
+    for item in numba.prange(t_rows * h):
+        t, head = item // h, item % h
         n = start + t + 1 if causal else start + t_rows
-        scores = np.empty((group, n), dtype=np.float32)
+        query, keys, values = q[t, head], k[head // group], v[head // group]
+        scores = np.empty(n, dtype=np.float32)
         for i in range(n):
-            for j in range(group):
-                acc = np.float32(0.0)
-                for e in range(d):
-                    acc += q[t, g * group + j, e] * k[g, i, e]
-                scores[j, i] = acc * scale
-        for j in range(group):
-            top = scores[j].max()
-            total = np.float32(0.0)
-            for i in range(n):
-                p = _exp(scores[j, i] - top)
-                scores[j, i] = p
-                total += p
-            acc_v = np.zeros(d, dtype=np.float32)
-            for i in range(n):
-                p = scores[j, i]
-                for e in range(d):
-                    acc_v[e] += p * v[g, i, e]
-            inv = np.float32(1.0) / total
-            col = (g * group + j) * d
+            key = keys[i]
+            acc = np.float32(0.0)
             for e in range(d):
-                out[t, col + e] = acc_v[e] * inv
+                acc += query[e] * key[e]
+            scores[i] = acc * scale
+        top = scores.max()
+        total = np.float32(0.0)
+        for i in range(n):
+            p = _exp(scores[i] - top)
+            scores[i] = p
+            total += p
+        acc_v = np.zeros(d, dtype=np.float32)
+        for i in range(n):
+            p, value = scores[i], values[i]
+            for e in range(d):
+                acc_v[e] += p * value[e]
+        inv = np.float32(1.0) / total
+        for e in range(d):
+            out[t, head * d + e] = acc_v[e] * inv
 
 
 @numba.njit(nogil=True, **_ELEMENTWISE)
