@@ -15,8 +15,10 @@ Registration on import is deliberate: LiteLLM has no entry-point discovery, and 
 ever imports the handler, so an explicit ``register()`` call would have no place to live there.
 It is cheap (no model is loaded) and idempotent.
 
-``reasoning_effort`` / ``thinking`` are refused by this provider; other OpenAI parameters LiteLLM
-does not forward to custom providers by default can be let through with ``allowed_openai_params``.
+``reasoning_effort`` / ``thinking`` are refused by this provider (dropped with ``drop_params``,
+like every OpenAI parameter it does not support: ``litellm_flm.params``); other OpenAI parameters
+LiteLLM does not forward to custom providers by default can be let through with
+``allowed_openai_params``.
 
 ``$FLM_LOG_LEVEL`` (e.g. ``INFO``), read at import, sends the log records of ``flm_runtime`` and
 ``litellm_flm`` of that level and up to stderr (``configure_logging``). A LiteLLM proxy sets up
@@ -38,6 +40,8 @@ from .llm import FlmLLM
 __all__ = ["FlmLLM", "handler", "register", "configure_logging", "PROVIDER"]
 
 PROVIDER = "flm"
+# LiteLLM's model-info capability flags (supports_<feature>) that are False for every flm model.
+UNSUPPORTED_FEATURES = ("function_calling", "parallel_function_calling", "tool_choice", "response_schema", "vision")
 LOG_LEVEL_ENV = "FLM_LOG_LEVEL"
 
 # The CustomLLM instance LiteLLM calls (custom_provider_map needs an instance, not the class).
@@ -74,7 +78,8 @@ def _context_lengths(entries: list) -> dict[str, int | None]:
 
 def model_info(context_length: int | None) -> dict:
     """LiteLLM's model-cost entry of a local model: free, chat, the context shared by prompt and
-    output (left out when the registry does not record it: it is read from the model files)."""
+    output (left out when the registry does not record it: it is read from the model files), no
+    tools, structured output or images (``UNSUPPORTED_FEATURES``)."""
     window = {}
     if context_length:
         window = {"max_tokens": context_length, "max_input_tokens": context_length, "max_output_tokens": context_length}
@@ -87,6 +92,9 @@ def model_info(context_length: int | None) -> dict:
         "cache_read_input_token_cost": 0.0,
         "litellm_provider": PROVIDER,
         "mode": "chat",
+        # What litellm.supports_function_calling / supports_response_schema / ... answer: these
+        # are refused (litellm_flm.params.NEUTRAL_ONLY), so say so rather than leave them unknown.
+        **{f"supports_{feature}": False for feature in UNSUPPORTED_FEATURES},
     }
 
 

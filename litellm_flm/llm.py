@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
+import litellm
 from litellm import CustomLLM
 from litellm.types.utils import GenericStreamingChunk, ModelResponse, Usage
 
@@ -52,8 +53,17 @@ def _timeout_seconds(timeout: float | httpx.Timeout | None) -> float | None:
     return None if timeout is None else float(timeout)
 
 
-def _start(model: str, messages: list, optional_params: dict, timeout: Any):
+def _drops_unsupported(litellm_params: dict | None) -> bool:
+    """Whether the caller asked for ``drop_params`` (``litellm.drop_params``, the proxy's
+    ``litellm_settings``, or the request's or deployment's ``drop_params``, which LiteLLM has
+    already turned into a bool in ``litellm_params``)."""
+    return litellm.drop_params is True or (litellm_params or {}).get("drop_params") is True
+
+
+def _start(model: str, messages: list, optional_params: dict, timeout: Any, drop_unsupported: bool):
     """Validate, render, tokenize and submit one request (blocking: may load the model).
+
+    ``drop_unsupported``: leave out the OpenAI parameters we do not support (``request_fields``).
 
     Returns:
         The engine's RequestHandle.
@@ -61,7 +71,7 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any):
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
     """
-    fields = request_fields(optional_params)  # before loading the model: a bad request fails fast
+    fields = request_fields(optional_params, drop_unsupported)  # before loading the model: a bad request fails fast
     chat = normalize_messages(messages)
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
@@ -127,14 +137,16 @@ class FlmLLM(CustomLLM):
     """LiteLLM entry points. ``model`` is the tag with the ``flm/`` prefix already stripped.
 
     The signatures take what LiteLLM passes by keyword and ignore the rest (api_base, api_key,
-    headers, client, ...: a local engine has no use for them).
+    headers, client, ...: a local engine has no use for them); of ``litellm_params`` only
+    ``drop_params`` is read.
     """
 
     def completion(
-        self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None, **_: Any
+        self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
+        litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handle = _start(model, messages, optional_params, timeout)
+            handle = _start(model, messages, optional_params, timeout, _drops_unsupported(litellm_params))
             try:
                 done = handle.result()
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequence
@@ -143,10 +155,13 @@ class FlmLLM(CustomLLM):
         return build_response(model_response, model, done)
 
     async def acompletion(
-        self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None, **_: Any
+        self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
+        litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handle = await asyncio.to_thread(_start, model, messages, optional_params, timeout)
+            handle = await asyncio.to_thread(
+                _start, model, messages, optional_params, timeout, _drops_unsupported(litellm_params)
+            )
             try:
                 done = await handle.aresult()
             except BaseException:  # CancelledError: the client went away
@@ -155,12 +170,13 @@ class FlmLLM(CustomLLM):
         return build_response(model_response, model, done)
 
     def streaming(
-        self, model: str, messages: list, optional_params: dict, timeout=None, **_: Any
+        self, model: str, messages: list, optional_params: dict, timeout=None,
+        litellm_params: dict | None = None, **_: Any
     ) -> Iterator[GenericStreamingChunk]:
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            handle = _start(model, messages, optional_params, timeout)
+            handle = _start(model, messages, optional_params, timeout, _drops_unsupported(litellm_params))
         return self._stream(model, handle)
 
     @staticmethod
@@ -176,7 +192,8 @@ class FlmLLM(CustomLLM):
                 handle.cancel()
 
     async def astreaming(
-        self, model: str, messages: list, optional_params: dict, timeout=None, **_: Any
+        self, model: str, messages: list, optional_params: dict, timeout=None,
+        litellm_params: dict | None = None, **_: Any
     ) -> AsyncIterator[GenericStreamingChunk]:
         # Must be an async generator (docs/design.md, "LiteLLM facts"): litellm iterates the
         # object it gets back.
@@ -184,7 +201,9 @@ class FlmLLM(CustomLLM):
         handle = None
         try:
             with litellm_errors(model):
-                handle = await asyncio.to_thread(_start, model, messages, optional_params, timeout)
+                handle = await asyncio.to_thread(
+                    _start, model, messages, optional_params, timeout, _drops_unsupported(litellm_params)
+                )
                 async for event in handle.aiter():
                     finished = event.finish_reason is not None
                     yield build_chunk(event)

@@ -15,6 +15,12 @@ rather than how it samples (``DEPLOYMENT_KEYS``: ``backend``, read by ``backend_
 ``InvalidRequestError`` naming the parameter, which ``litellm_flm.errors`` turns into
 ``litellm.BadRequestError``. Range checks live in ``SamplingParams`` itself and the default sampler
 in the runtime (``SamplingDefaults``, per model): one place each.
+
+``drop_params``: LiteLLM decides what to drop from a provider's supported-parameter list, but for
+every custom provider it uses the same OpenAI-compatible list (litellm 1.110.2 has no hook for a
+``CustomLLM`` to give its own), which names everything in ``NEUTRAL_ONLY``. So LiteLLM passes those
+through, and ``request_fields(..., drop_unsupported=True)`` drops them here instead: the effect
+LiteLLM's ``drop_params`` has on a built-in provider whose list is ``SUPPORTED_OPENAI_PARAMS``.
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ IGNORED: frozenset[str] = frozenset(
 )
 
 # Known OpenAI parameters we do not implement: accepted only at the value that means "off", so a
-# client that always sends the default still works; anything else is refused rather than ignored.
+# client that always sends the default still works; anything else is refused rather than ignored,
+# or dropped when the caller asks for drop_params.
 NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), "only n=1 is supported"),
     "presence_penalty": ((0, 0.0), "presence_penalty is not supported; send 0 or leave it out"),
@@ -69,10 +76,23 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "function_call": (("none",), "function_call is not supported (functions are not supported)"),
     "modalities": ((["text"],), "only text output is supported (modalities=['text'])"),
     "audio": ((), "audio output is not supported"),
+    "prediction": ((), "prediction (predicted outputs) is not supported"),
+    "web_search_options": ((), "web_search_options (web search) is not supported"),
     # LiteLLM refuses these itself (UnsupportedParamsError) unless allowed_openai_params lets them by.
     "reasoning_effort": ((), "reasoning_effort is not supported by this provider"),
     "thinking": ((), "thinking is not supported by this provider"),
 }
+
+# The keys of OPENAI_TO_RUNTIME that are not OpenAI parameters (vLLM / Ollama spellings).
+NON_OPENAI: frozenset[str] = frozenset({"top_k", "min_p", "ignore_eos"})
+
+# The OpenAI chat parameters this provider honours at every valid value: what LiteLLM's
+# get_supported_openai_params would answer for a built-in provider. parallel_tool_calls is ignored
+# only because there are no tools, so it is not listed. NEUTRAL_ONLY is the "not yet supported"
+# rest (README.md, "Parameters").
+SUPPORTED_OPENAI_PARAMS: tuple[str, ...] = tuple(
+    sorted((set(OPENAI_TO_RUNTIME) | IGNORED) - NON_OPENAI - {"parallel_tool_calls"})
+)
 
 # Keys that choose where the model runs: a Router deployment's litellm_params (they arrive at the
 # top level of optional_params) or a request's extra_body. backend: auto | cpu | npu, as FLM_BACKEND.
@@ -112,11 +132,14 @@ def merge_extra_body(optional_params: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def request_fields(optional_params: Mapping[str, Any]) -> dict[str, Any]:
+def request_fields(optional_params: Mapping[str, Any], drop_unsupported: bool = False) -> dict[str, Any]:
     """Validate LiteLLM's ``optional_params`` into the ``SamplingParams`` fields the request sets.
 
     Args:
         optional_params: as LiteLLM passes them to a ``CustomLLM`` (``extra_body`` nested).
+        drop_unsupported: the caller's ``drop_params``: leave out the known OpenAI parameters we do
+            not support (``NEUTRAL_ONLY``) at any value instead of refusing them. Unknown keys are
+            still refused, as LiteLLM's own ``drop_params`` drops only OpenAI parameters.
 
     Returns:
         ``SamplingParams`` keyword arguments, runtime names, only those the request gave (``stop``
@@ -135,6 +158,8 @@ def request_fields(optional_params: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in flat.items():
         if key in OPENAI_TO_RUNTIME:
             mapped[key] = value
+        elif key in NEUTRAL_ONLY and drop_unsupported:
+            continue
         elif key in NEUTRAL_ONLY:
             neutral, why = NEUTRAL_ONLY[key]
             if not _is_neutral(value, neutral):

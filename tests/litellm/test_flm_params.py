@@ -6,7 +6,7 @@ import pytest
 
 from flm_runtime.errors import InvalidRequestError
 from flm_runtime.engine.sampler import CARD_DEFAULT, SamplingDefaults
-from litellm_flm.params import OPENAI_TO_RUNTIME, normalize_messages, request_fields, to_sampling_params
+from litellm_flm.params import NEUTRAL_ONLY, OPENAI_TO_RUNTIME, normalize_messages, request_fields, to_sampling_params
 
 
 def test_empty_request_sets_nothing_and_gets_the_default_sampler_with_no_token_cap():
@@ -118,6 +118,32 @@ def test_rejected_params_are_named(params, name):
         to_sampling_params(params)
     assert info.value.param == name
     assert name in str(info.value)
+
+
+def test_drop_unsupported_leaves_out_every_unsupported_openai_param_at_any_value():
+    unsupported = {
+        "n": 2, "presence_penalty": 0.5, "frequency_penalty": -1.0, "logprobs": True, "top_logprobs": 3,
+        "logit_bias": {"50256": -100}, "response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
+        "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
+        "audio": {"voice": "alloy"}, "reasoning_effort": "low", "thinking": {"type": "enabled"},
+        "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+    }
+    assert set(unsupported) == set(NEUTRAL_ONLY)
+    assert request_fields({**unsupported, "temperature": 0, "max_tokens": 3}, drop_unsupported=True) == {
+        "temperature": 0, "max_tokens": 3
+    }
+
+
+@pytest.mark.parametrize(
+    "params, name",
+    [({"frobnicate": 1}, "frobnicate"), ({"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
+     ({"temperature": "0.5", "n": 2}, "temperature")],
+)
+def test_drop_unsupported_still_refuses_unknown_keys_and_bad_values(params, name):
+    # LiteLLM's drop_params drops only OpenAI parameters; a mistyped supported one stays an error.
+    with pytest.raises(InvalidRequestError) as info:
+        request_fields(params, drop_unsupported=True)
+    assert info.value.param == name
 
 
 def test_messages_are_normalized():
