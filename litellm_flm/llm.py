@@ -22,12 +22,12 @@ from typing import Any
 import httpx
 import litellm
 from litellm import CustomLLM
-from litellm.types.utils import GenericStreamingChunk, ModelResponse, Usage
+from litellm.types.utils import Choices, GenericStreamingChunk, Message, ModelResponse, Usage
 
 from flm_runtime.engine.request import Completion, RequestStats, StreamEvent
 
 from .errors import litellm_errors
-from .params import backend_of, normalize_messages, request_fields
+from .params import backend_of, normalize_messages, raw_prompts, request_fields
 
 
 def _get_engine(tag: str, backend: str | None = None):
@@ -60,42 +60,76 @@ def _drops_unsupported(litellm_params: dict | None) -> bool:
     return litellm.drop_params is True or (litellm_params or {}).get("drop_params") is True
 
 
-def _start(model: str, messages: list, optional_params: dict, timeout: Any, drop_unsupported: bool):
-    """Validate, render, tokenize and submit one request (blocking: may load the model).
+def _start(model: str, messages: list, optional_params: dict, timeout: Any, litellm_params: dict | None, *,
+           stream: bool = False) -> list:
+    """Validate, render, tokenize and submit a request (blocking: may load the model).
 
-    ``drop_unsupported``: leave out the OpenAI parameters we do not support (``request_fields``).
+    ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
+    (``request_fields``). A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
+    message) continues each prompt's raw text, with no chat template: one engine request per
+    prompt, all submitted before any is awaited, so the engine batches them.
 
     Returns:
-        The engine's RequestHandle.
+        The engine's RequestHandles, one per prompt (one for a chat).
 
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
     """
-    fields = request_fields(optional_params, drop_unsupported)  # before loading the model: a bad request fails fast
-    chat = normalize_messages(messages)
+    fields = request_fields(optional_params, _drops_unsupported(litellm_params))  # before loading: fail fast
+    raw = (litellm_params or {}).get("text_completion") is True
+    prompts = raw_prompts(messages, stream=stream) if raw else None
+    chat = None if raw else normalize_messages(messages)
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
-    prompt = engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
-    prompt_ids = engine.tokenizer.encode(prompt)
-    return engine.submit(prompt_ids, params, timeout=_timeout_seconds(timeout))
+    texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)]
+    handles = []
+    try:
+        for text in texts:
+            handles.append(engine.submit(engine.tokenizer.encode(text), params, timeout=_timeout_seconds(timeout)))
+    except BaseException:  # one prompt refused (too long, queue full): none of them runs
+        _cancel(handles)
+        raise
+    return handles
 
 
-def build_response(model_response: ModelResponse, model: str, done: Completion) -> ModelResponse:
-    """Fill LiteLLM's pre-made ``ModelResponse`` from a finished request.
+def _cancel(handles: list) -> None:
+    for handle in handles:
+        handle.cancel()
+
+
+def build_response(model_response: ModelResponse, model: str, dones: list[Completion]) -> ModelResponse:
+    """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: choice ``i`` is
+    ``dones[i]``, usage their sum.
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
+    ``_hidden_params["flm_stats"]`` is the request's stats (``RequestStats.as_dict``), or with
+    several choices a list of them in choice order.
     """
-    choice = model_response.choices[0]
-    choice.message.content = done.text
-    choice.message.role = "assistant"
-    choice.finish_reason = done.finish_reason
+    model_response.choices = [
+        Choices(index=i, finish_reason=done.finish_reason, message=Message(content=done.text, role="assistant"))
+        for i, done in enumerate(dones)
+    ]
     model_response.model = model
     model_response.created = int(time.time())
-    usage = Usage(**usage_fields(done.prompt_tokens, done.completion_tokens, done.stats))
-    setattr(model_response, "usage", usage)  # not a declared field of ModelResponse
-    model_response._hidden_params["flm_stats"] = done.stats.as_dict()
+    setattr(model_response, "usage", Usage(**summed_usage(dones)))  # not a declared field of ModelResponse
+    stats = [done.stats.as_dict() for done in dones]
+    model_response._hidden_params["flm_stats"] = stats[0] if len(stats) == 1 else stats
     return model_response
+
+
+def summed_usage(dones: list[Completion]) -> dict:
+    """``usage_fields`` of each finished request, added up field by field."""
+    total: dict = {}
+    for done in dones:
+        for key, value in usage_fields(done.prompt_tokens, done.completion_tokens, done.stats).items():
+            if isinstance(value, dict):
+                inner = total.setdefault(key, {})
+                for k, v in value.items():
+                    inner[k] = inner.get(k, 0) + v
+            else:
+                total[key] = total.get(key, 0) + value
+    return total
 
 
 def usage_fields(prompt_tokens: int, completion_tokens: int, stats: RequestStats | None) -> dict:
@@ -138,7 +172,7 @@ class FlmLLM(CustomLLM):
 
     The signatures take what LiteLLM passes by keyword and ignore the rest (api_base, api_key,
     headers, client, ...: a local engine has no use for them); of ``litellm_params`` only
-    ``drop_params`` is read.
+    ``drop_params`` and ``text_completion`` are read.
     """
 
     def completion(
@@ -146,28 +180,26 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handle = _start(model, messages, optional_params, timeout, _drops_unsupported(litellm_params))
+            handles = _start(model, messages, optional_params, timeout, litellm_params)
             try:
-                done = handle.result()
-            except BaseException:  # KeyboardInterrupt, or an engine error: free the sequence
-                handle.cancel()
+                dones = [handle.result() for handle in handles]
+            except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
+                _cancel(handles)
                 raise
-        return build_response(model_response, model, done)
+        return build_response(model_response, model, dones)
 
     async def acompletion(
         self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handle = await asyncio.to_thread(
-                _start, model, messages, optional_params, timeout, _drops_unsupported(litellm_params)
-            )
+            handles = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params)
             try:
-                done = await handle.aresult()
+                dones = list(await asyncio.gather(*(handle.aresult() for handle in handles)))
             except BaseException:  # CancelledError: the client went away
-                handle.cancel()
+                _cancel(handles)
                 raise
-        return build_response(model_response, model, done)
+        return build_response(model_response, model, dones)
 
     def streaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
@@ -176,7 +208,7 @@ class FlmLLM(CustomLLM):
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            handle = _start(model, messages, optional_params, timeout, _drops_unsupported(litellm_params))
+            [handle] = _start(model, messages, optional_params, timeout, litellm_params, stream=True)
         return self._stream(model, handle)
 
     @staticmethod
@@ -201,9 +233,8 @@ class FlmLLM(CustomLLM):
         handle = None
         try:
             with litellm_errors(model):
-                handle = await asyncio.to_thread(
-                    _start, model, messages, optional_params, timeout, _drops_unsupported(litellm_params)
-                )
+                [handle] = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params,
+                                                   stream=True)
                 async for event in handle.aiter():
                     finished = event.finish_reason is not None
                     yield build_chunk(event)

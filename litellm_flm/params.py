@@ -256,3 +256,33 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             )
         out.append({"role": ROLE_ALIASES[role], "content": msg.get("content")})
     return out
+
+
+def raw_prompts(messages: Any, *, stream: bool) -> list[str]:
+    """The prompts of a text completion, as LiteLLM hands them to a custom provider: one
+    ``{"role": "user", "content": prompt}`` message per prompt string (a prompt of token ids
+    LiteLLM refuses itself).
+
+    Args:
+        stream: the request streams. LiteLLM's text stream wrapper numbers every chunk choice 0,
+            so the chunks of several prompts could not be told apart: a stream takes one prompt.
+
+    Raises:
+        InvalidRequestError: ``param`` ``prompt`` (one prompt) or ``prompt[i]``: not a text prompt,
+            an empty prompt, or several prompts in a stream.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("prompt must be a string or a non-empty list of strings", param="prompt")
+    if stream and len(messages) > 1:
+        raise InvalidRequestError(f"a stream takes one prompt, got {len(messages)}; send them as separate "
+                                  "requests or without stream", param="prompt")
+    prompts = []
+    for i, msg in enumerate(messages):
+        where = "prompt" if len(messages) == 1 else f"prompt[{i}]"
+        content = msg.get("content") if isinstance(msg, Mapping) and msg.get("role") == "user" else None
+        if not isinstance(content, str):
+            raise InvalidRequestError(f"{where} must be a string", param=where)
+        if not content:
+            raise InvalidRequestError(f"{where} is empty; give the text to continue", param=where)
+        prompts.append(content)
+    return prompts

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent
@@ -70,6 +71,7 @@ class FakeHandle:
 @dataclass
 class FakeEngine:
     reply: str = "Paris is the capital of France."
+    reply_to: Callable[[str], str] | None = None  # the reply to a prompt's text, when set (else ``reply``)
     context_length: int = 256
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     submit_error: BaseException | None = None
@@ -90,7 +92,7 @@ class FakeEngine:
             raise ContextLengthError(
                 prompt_tokens=n_prompt, max_tokens=params.max_tokens or 0, context_length=self.context_length
             )
-        text, finish = self.reply, "stop"
+        text, finish = self.reply if self.reply_to is None else self.reply_to("".join(map(chr, prompt_ids))), "stop"
         for s in params.stop:
             if s in text:
                 text = text[: text.index(s)]

@@ -181,3 +181,22 @@ def test_timeout_is_enforced_by_the_engine(engine):
     s = engine.stats()
     assert s["timed_out"] == timed_out + 2
     assert (s["active"], s["queued"], s["kv_tokens"], s["kv_reserved_bytes"]) == (0, 0, 0, 0)
+
+
+RAW_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def test_text_completion_continues_the_raw_text_batched_as_alone(engine):
+    alone = [engine.submit(engine.tokenizer.encode(p), engine.sampling_params(temperature=0.0, max_tokens=12),
+                           timeout=300).result() for p in RAW_PROMPTS]
+    r = litellm.text_completion(model=MODEL, prompt=RAW_PROMPTS, temperature=0, max_tokens=12)
+    assert [c.text for c in r.choices] == [a.text for a in alone]
+    assert [c.finish_reason for c in r.choices] == [a.finish_reason for a in alone]
+    assert r.usage.prompt_tokens == sum(len(engine.tokenizer.encode(p)) for p in RAW_PROMPTS)
+    assert r.usage.completion_tokens == sum(a.completion_tokens for a in alone)
+    # A continuation, not a chat answer: the chat template's reply to the same text differs.
+    chat = litellm.completion(model=MODEL, messages=[{"role": "user", "content": RAW_PROMPTS[0]}],
+                              temperature=0, max_tokens=12)
+    assert chat.choices[0].message.content != r.choices[0].text
+    streamed = litellm.text_completion(model=MODEL, prompt=RAW_PROMPTS[1], temperature=0, max_tokens=12, stream=True)
+    assert "".join(c.choices[0].text or "" for c in streamed) == alone[1].text

@@ -224,3 +224,72 @@ async def test_cancelled_acompletion_cancels_the_request(fake_engine, monkeypatc
 def test_handler_instance_is_registered():
     entries = [e for e in litellm.custom_provider_map if e["provider"] == "flm"]
     assert entries == [{"provider": "flm", "custom_handler": litellm_flm.handler}]
+
+
+# ---- text completions: the raw prompt, one choice per prompt ----
+
+def test_text_completion_continues_the_raw_prompt(fake_engine):
+    r = litellm.text_completion(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert fake_engine.submitted[0][0] == fake_engine.tokenizer.encode("Once upon a time")  # no chat template
+    assert r.object == "text_completion"
+    assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [(0, fake_engine.reply[:8], "length")]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len("Once upon a time"), 8)
+
+
+def test_a_list_of_prompts_gives_one_choice_per_prompt_in_order_with_usage_summed(fake_engine):
+    fake_engine.reply_to = lambda prompt: f"<{prompt.upper()}>"
+    prompts = ["ab", "cde", "f"]
+    r = litellm.text_completion(model=MODEL, prompt=prompts, max_tokens=20, seed=5)
+    assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [
+        (i, f"<{p.upper()}>", "stop") for i, p in enumerate(prompts)]
+    assert [ids for ids, _, _ in fake_engine.submitted] == [fake_engine.tokenizer.encode(p) for p in prompts]
+    assert {p.seed for _, p, _ in fake_engine.submitted} == {5}
+    assert r.usage.prompt_tokens == 2 + 3 + 1
+    assert r.usage.completion_tokens == r.usage.total_tokens - r.usage.prompt_tokens == 4 + 5 + 3
+    assert [s["prompt_tokens"] for s in r._hidden_params["flm_stats"]] == [2, 3, 1]
+
+
+def test_speculative_prediction_details_are_summed_over_prompts(fake_engine):
+    fake_engine.stats = SPEC_STATS
+    r = litellm.text_completion(model=MODEL, prompt=["ab", "cd"], max_tokens=20)
+    details = r.usage.completion_tokens_details
+    accepted = SPEC_STATS.spec.accepted
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (
+        2 * accepted, 2 * (SPEC_STATS.spec.drafted - accepted))
+
+
+async def test_atext_completion_of_a_list(fake_engine):
+    fake_engine.reply_to = lambda prompt: prompt[::-1]
+    r = await litellm.atext_completion(model=MODEL, prompt=["abc", "xy"], max_tokens=20)
+    assert [c.text for c in r.choices] == ["cba", "yx"]
+    assert r.usage.prompt_tokens == 5
+
+
+def test_text_completion_streams_one_prompt(fake_engine):
+    chunks = list(litellm.text_completion(model=MODEL, prompt="Once", max_tokens=6, stream=True))
+    assert "".join(c.choices[0].text or "" for c in chunks) == fake_engine.reply[:6]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert fake_engine.submitted[0][0] == fake_engine.tokenizer.encode("Once")
+
+
+async def test_atext_completion_streams_one_prompt(fake_engine):
+    stream = await litellm.atext_completion(model=MODEL, prompt="Once", max_tokens=6, stream=True)
+    assert "".join([c.choices[0].text or "" async for c in stream]) == fake_engine.reply[:6]
+
+
+@pytest.mark.parametrize("prompt, stream, name", [
+    (["a", "b"], True, "prompt"),  # LiteLLM's text stream wrapper numbers every choice 0
+    ("", False, "prompt"),
+    (["a", ""], False, "prompt[1]"),
+])
+def test_bad_text_prompts_are_named(fake_engine, prompt, stream, name):
+    with pytest.raises(litellm.BadRequestError) as info:
+        litellm.text_completion(model=MODEL, prompt=prompt, max_tokens=4, stream=stream)
+    assert info.value.body["param"] == name
+    assert fake_engine.submitted == []
+
+
+def test_one_prompt_over_the_context_runs_none_of_them(fake_engine):
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.text_completion(model=MODEL, prompt=["short", "x" * 300], max_tokens=4)
+    assert [h.cancelled for h in fake_engine.handles] == [True]
