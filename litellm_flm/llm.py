@@ -15,6 +15,7 @@ async methods hand it to a worker thread or to the engine's own async iterator.
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -22,12 +23,13 @@ from typing import Any
 import httpx
 import litellm
 from litellm import CustomLLM
-from litellm.types.utils import Choices, GenericStreamingChunk, Message, ModelResponse, Usage
+from litellm.types.utils import Choices, EmbeddingResponse, GenericStreamingChunk, Message, ModelResponse, Usage
 
 from flm_runtime.engine.request import Completion, RequestStats, StreamEvent
 
 from .errors import litellm_errors
-from .params import backend_of, normalize_messages, raw_prompts, request_fields
+from .params import (backend_of, embedding_inputs, encoding_format, normalize_messages, raw_prompts,
+                     request_fields)
 
 
 def _get_engine(tag: str, backend: str | None = None):
@@ -151,6 +153,40 @@ def usage_fields(prompt_tokens: int, completion_tokens: int, stats: RequestStats
     return usage
 
 
+def _embed(model: str, input: Any, optional_params: dict, litellm_params: dict | None) -> tuple[list, int, str]:
+    """Validate, tokenize and embed ``input`` (blocking: may load the model, runs the target).
+
+    Returns:
+        The vectors (``[B, E]`` float32, unit L2 norm: ``flm_runtime.embedding``), the prompt
+        tokens of all texts, and the encoding format asked for.
+
+    Raises:
+        flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
+    """
+    from flm_runtime.embedding import embed  # imports the kernels: not at ``import litellm_flm``
+
+    request = (litellm_params or {}).get("proxy_server_request") or {}
+    fmt = encoding_format(optional_params, request.get("body") if isinstance(request, dict) else None)
+    texts = embedding_inputs(input)
+    engine = _get_engine(model, backend_of(optional_params))
+    token_lists = [engine.tokenizer.encode(t) if isinstance(t, str) else t for t in texts]
+    return embed(engine.model, token_lists), sum(len(ids) for ids in token_lists), fmt
+
+
+def build_embedding_response(model_response: EmbeddingResponse, model: str, vectors, prompt_tokens: int,
+                             fmt: str) -> EmbeddingResponse:
+    """Fill LiteLLM's pre-made ``EmbeddingResponse``: item ``i`` is ``vectors[i]`` as a list of
+    floats, or for ``fmt`` ``base64`` its little-endian float32 bytes in base64 (OpenAI's)."""
+    def encoded(v):
+        return base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") if fmt == "base64" else v.tolist()
+
+    model_response.data = [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)]
+    model_response.model = model
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
+    setattr(model_response, "usage", usage)  # as on a ModelResponse
+    return model_response
+
+
 def build_chunk(event: StreamEvent) -> GenericStreamingChunk:
     """One engine event -> one LiteLLM chunk; the final one (finish_reason set) carries the usage."""
     finished = event.finish_reason is not None
@@ -172,7 +208,7 @@ class FlmLLM(CustomLLM):
 
     The signatures take what LiteLLM passes by keyword and ignore the rest (api_base, api_key,
     headers, client, ...: a local engine has no use for them); of ``litellm_params`` only
-    ``drop_params`` and ``text_completion`` are read.
+    ``drop_params``, ``text_completion`` and (for embeddings) ``proxy_server_request`` are read.
     """
 
     def completion(
@@ -241,3 +277,19 @@ class FlmLLM(CustomLLM):
         finally:
             if handle is not None and not finished:
                 handle.cancel()
+
+    def embedding(
+        self, model: str, input: list, model_response: EmbeddingResponse, optional_params: dict,
+        litellm_params=None, **_: Any
+    ) -> EmbeddingResponse:
+        with litellm_errors(model):
+            result = _embed(model, input, optional_params, litellm_params)
+        return build_embedding_response(model_response, model, *result)
+
+    async def aembedding(
+        self, model: str, input: list, model_response: EmbeddingResponse, optional_params: dict,
+        litellm_params=None, **_: Any
+    ) -> EmbeddingResponse:
+        with litellm_errors(model):
+            result = await asyncio.to_thread(_embed, model, input, optional_params, litellm_params)
+        return build_embedding_response(model_response, model, *result)

@@ -286,3 +286,63 @@ def raw_prompts(messages: Any, *, stream: bool) -> list[str]:
             raise InvalidRequestError(f"{where} is empty; give the text to continue", param=where)
         prompts.append(content)
     return prompts
+
+
+ENCODING_FORMATS = ("float", "base64")
+
+
+def embedding_inputs(input: Any) -> list[str | list[int]]:
+    """OpenAI's embedding ``input`` -> one item per text: a string, or a text already tokenized
+    (a list of token ids), as OpenAI accepts them (a string, a list of strings, a list of token
+    ids, a list of such lists).
+
+    Raises:
+        InvalidRequestError: ``param`` ``input`` or ``input[i]``: no texts, an empty string, or an
+            item of another type.
+    """
+    if isinstance(input, str) or (isinstance(input, list) and input and all(_is_token_id(t) for t in input)):
+        input = [input]
+    if not isinstance(input, list) or not input:
+        raise InvalidRequestError("input must be a string or a non-empty list of strings or token-id lists",
+                                  param="input")
+    for i, item in enumerate(input):
+        if isinstance(item, str):
+            if not item:
+                raise InvalidRequestError(f"input[{i}] is an empty string", param=f"input[{i}]")
+        elif not (isinstance(item, list) and item and all(_is_token_id(t) for t in item)):
+            raise InvalidRequestError(f"input[{i}] must be a non-empty string or a non-empty list of token ids",
+                                      param=f"input[{i}]")
+    return input
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def encoding_format(optional_params: Mapping[str, Any], request_body: Mapping[str, Any] | None) -> str:
+    """The embedding's ``encoding_format``: ``float`` (the default) or ``base64`` (little-endian
+    float32 bytes, as OpenAI's).
+
+    LiteLLM refuses ``encoding_format`` for a custom provider unless it is dropped (``drop_params``,
+    or ``additional_drop_params: [encoding_format]`` on the deployment), and a dropped one never
+    reaches the handler; behind the proxy the caller's value is still in the HTTP request's body
+    (``request_body``, the proxy's ``proxy_server_request["body"]``), so it is read from there.
+
+    Raises:
+        InvalidRequestError: another value, or another parameter in ``optional_params`` (an
+            embedding takes no sampling parameter); ``param`` names it.
+    """
+    flat = {k: v for k, v in merge_extra_body(optional_params).items()
+            if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS}
+    value = flat.pop("encoding_format", None)
+    if flat:
+        key = next(iter(flat))
+        raise InvalidRequestError(f"unknown or unsupported embedding parameter {key!r} for provider flm", param=key)
+    if value is None and isinstance(request_body, Mapping):
+        value = request_body.get("encoding_format")
+    if value is None:
+        return "float"
+    if value not in ENCODING_FORMATS:
+        raise InvalidRequestError(f"encoding_format must be one of {list(ENCODING_FORMATS)}, got {value!r}",
+                                  param="encoding_format")
+    return value

@@ -26,14 +26,15 @@ class InvalidRequestError(FlmError, ValueError):
 
 
 class ContextLengthError(InvalidRequestError):
-    """Prompt tokens + ``max_tokens`` exceed the model's context length (tokens)."""
+    """Prompt tokens + ``max_tokens`` exceed the model's context length (tokens); ``param`` names
+    the prompt (``messages``, or ``input[i]`` for an embedding's text)."""
 
-    def __init__(self, *, prompt_tokens: int, max_tokens: int, context_length: int):
+    def __init__(self, *, prompt_tokens: int, max_tokens: int, context_length: int, param: str = "messages"):
         super().__init__(
             f"this model's context length is {context_length} tokens; the prompt has "
             f"{prompt_tokens} tokens and max_tokens asks for {max_tokens} more "
             f"({prompt_tokens + max_tokens} in all)",
-            param="messages",
+            param=param,
         )
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens

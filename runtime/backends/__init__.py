@@ -57,6 +57,8 @@ class TargetModel(Protocol):
             ``num_hidden_layers``, ...).
         backend: where the step runs.
         embed, lm_head: ``[V, E]`` float32 host arrays; the DFlash draft shares them (frozen).
+        norm: ``[E]`` float32, the final RMSNorm's weight (the LM head reads the last layer's
+            output through it; embeddings pool it, ``flm_runtime.embedding``).
         prefill_chunk: positions per ``prefill_chunks`` step, and the most rows of one sequence the
             engine puts in one ``forward_batch`` (it bounds attention's score buffer).
     """
@@ -65,6 +67,7 @@ class TargetModel(Protocol):
     backend: Backend
     embed: np.ndarray
     lm_head: np.ndarray
+    norm: np.ndarray
     prefill_chunk: int
 
     def new_cache(self, capacity: int = 0) -> KVCacheLike:

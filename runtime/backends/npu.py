@@ -300,6 +300,7 @@ class NpuModel:
         c = self.config = cpu_model.config
         # Host copies [V, E] float32 (the NPU kernels take float32, whatever the cpu model holds).
         self.embed, self.lm_head = cpu.as_float32(cpu_model.embed), cpu.as_float32(cpu_model.lm_head)
+        self.norm = cpu_model.norm  # [E] float32
         mismatch = geometry_mismatch(build, c)
         if mismatch:
             raise BackendUnavailableError(f"the NPU kernel build for {build.model} does not fit this "
