@@ -12,6 +12,7 @@ queued or ends (``Engine.submit`` and ``Engine._end``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import re
@@ -23,6 +24,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import litellm
+import numpy as np
 import pytest
 
 pytest.importorskip("flm_runtime.api", reason="flm_runtime.api (get_engine) is not there yet")
@@ -120,6 +123,38 @@ def test_bad_param_is_a_400_naming_it(client):
             model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2, presence_penalty=1.0
         )
     assert "presence_penalty" in str(info.value)
+
+
+EMBED_TEXTS = ["The cat sat on the mat.", "A cat was sitting on the rug.", "Stock markets fell sharply on Monday."]
+
+
+def test_embeddings_through_the_proxy_as_floats_and_base64(client):
+    local = np.array([d["embedding"] for d in litellm.embedding(model="flm/smollm2:135m", input=EMBED_TEXTS).data])
+    floats = client.embeddings.create(model="smollm2", input=EMBED_TEXTS, encoding_format="float")
+    default = client.embeddings.create(model="smollm2", input=EMBED_TEXTS)  # the SDK asks base64 and decodes it
+    raw = client.embeddings.create(model="smollm2", input=EMBED_TEXTS, encoding_format="base64")
+    assert [d.index for d in floats.data] == [0, 1, 2]
+    as_floats = np.array([d.embedding for d in floats.data])
+    np.testing.assert_allclose(as_floats, local, rtol=0, atol=2e-6)  # the proxy's own engine, same weights
+    assert np.array_equal(np.array([d.embedding for d in default.data]), as_floats)
+    assert all(isinstance(d.embedding, str) for d in raw.data)
+    decoded = np.stack([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in raw.data])
+    assert np.array_equal(decoded, as_floats)
+    assert floats.usage.prompt_tokens == raw.usage.prompt_tokens == default.usage.prompt_tokens > 0
+
+
+def test_completions_through_the_proxy_continue_each_prompt(client):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    r = client.completions.create(model="smollm2", prompt=prompts, temperature=0, max_tokens=8)
+    alone = [client.completions.create(model="smollm2", prompt=p, temperature=0, max_tokens=8) for p in prompts]
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert "Paris" in r.choices[0].text
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    streamed = client.completions.create(model="smollm2", prompt=prompts[1], temperature=0, max_tokens=8, stream=True)
+    # LiteLLM's text stream wrapper sends the finishing chunk with text null (OpenAI sends "").
+    assert "".join(c.choices[0].text or "" for c in streamed if c.choices) == alone[1].choices[0].text
 
 
 ENGINE_LINE = re.compile(r"flm_runtime\.engine\.engine (?:DEBUG|INFO): request (\w+); engine stats (\{.*\})")
