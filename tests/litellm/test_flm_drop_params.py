@@ -9,6 +9,7 @@ from pathlib import Path
 
 import litellm
 import pytest
+from litellm.utils import get_optional_params
 
 from litellm_flm.params import IGNORED, NEUTRAL_ONLY, SUPPORTED_OPENAI_PARAMS
 
@@ -104,4 +105,22 @@ async def test_router_request_drop_params_async(plain, router):
     r = await router().acompletion(
         model="local", messages=QUESTION, drop_params=True, **GREEDY, **UNSUPPORTED["logit_bias"]
     )
+    assert r.choices[0].message.content == plain
+
+
+@pytest.mark.parametrize("name", ["logit_bias", "logprobs", "presence_penalty", "n"])
+def test_drop_params_does_what_litellm_does_for_a_builtin_provider(plain, name):
+    """ollama_chat does not support these either: LiteLLM's own rule (get_optional_params)
+    refuses each without drop_params and drops it with; flm gives the same two outcomes."""
+    extra = UNSUPPORTED[name]
+    assert name not in litellm.get_supported_openai_params(model="llama3", custom_llm_provider="ollama_chat")
+    with pytest.raises(litellm.BadRequestError, match=name):
+        get_optional_params(model="llama3", custom_llm_provider="ollama_chat", temperature=0, **extra)
+    kept = get_optional_params(model="llama3", custom_llm_provider="ollama_chat", temperature=0, drop_params=True,
+                               **extra)
+    assert not set(extra) & set(kept) and kept["temperature"] == 0
+
+    with pytest.raises(litellm.BadRequestError, match=name):
+        litellm.completion(model=MODEL, messages=QUESTION, **GREEDY, **extra)
+    r = litellm.completion(model=MODEL, messages=QUESTION, drop_params=True, **GREEDY, **extra)
     assert r.choices[0].message.content == plain
