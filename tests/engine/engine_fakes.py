@@ -38,6 +38,11 @@ class FakeTokenizer:
         assert len(self.vocab) >= vocab_size, "PAD_TEXT too short for this vocab_size"
         self.stop_token_ids = frozenset({EOS, EOT})
         self.special_token_ids = frozenset(SPECIALS)
+        self.bos_token_id, self.eos_token_id = None, EOS
+
+    @property
+    def token_bytes_table(self) -> list[bytes]:
+        return self.vocab
 
     def id_of(self, piece: bytes | str) -> int:
         piece = piece.encode() if isinstance(piece, str) else piece
@@ -46,8 +51,8 @@ class FakeTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return self.vocab[token_id]
 
-    def encode(self, text: str) -> list[int]:
-        """Greedy longest match over the non-special vocabulary."""
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Greedy longest match over the non-special vocabulary (there is no BOS)."""
         data, ids, i = text.encode(), [], 0
         longest = sorted(range(259, len(self.vocab)), key=lambda t: -len(self.vocab[t]))
         while i < len(data):
