@@ -1,5 +1,6 @@
 """``Sequence``: one admitted request inside the engine, with everything that is per request (prompt,
-KV caches, RNG, stop checker, delivered text and tokens, timing, speculation state and stats).
+KV caches, picker (logits processors and RNG), stop checker, delivered text and tokens, timing,
+speculation state and stats).
 
 Each engine step gives it rows of one batched forward pass: its next prompt chunk until the prompt
 is in the cache (the last chunk's logits give the first token), then decoding steps of its
@@ -17,13 +18,15 @@ import numpy as np
 from flm_runtime.engine import sampler
 from flm_runtime.engine.detokenizer import Detokenizer
 from flm_runtime.engine.handle import RequestHandle
+from flm_runtime.engine.picker import Picker
+from flm_runtime.engine.processors import LogitsProcessor
 from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent
 from flm_runtime.engine.speculative import Lane, SpecState
 from flm_runtime.engine.stop import StopChecker
 
 
 class Sequence:
-    """One admitted request: its prompt, KV cache, RNG, output pipeline and timing.
+    """One admitted request: its prompt, KV cache, picker, output pipeline and timing.
 
     Args:
         handle: where its events go.
@@ -31,17 +34,18 @@ class Sequence:
         params: sampling parameters.
         budget: generated tokens at most (``max_tokens`` folded with the context length).
         tokenizer: for ``token_bytes`` and ``stop_token_ids``.
+        processors: the request's logits processors, in the order they apply (``Picker``).
     """
 
     def __init__(self, handle: RequestHandle, prompt_ids: np.ndarray, params: SamplingParams,
-                 budget: int, tokenizer):
+                 budget: int, tokenizer, processors: list[LogitsProcessor] = ()):
         self.handle = handle
         self.prompt_ids = prompt_ids
         self.params = params
         self.budget = budget
         self.cache = None                      # allocated at admission
         self.spec: SpecState | None = None     # speculative state, allocated at admission
-        self.rng = sampler.new_rng(params.seed)
+        self.picker = Picker(params, sampler.new_rng(params.seed), processors)
         stop_ids = frozenset(tokenizer.stop_token_ids)
         # Special tokens are markers, not text (as decode(skip_special_tokens=True)): delivered
         # and counted when generated, but they add no text.
@@ -64,9 +68,9 @@ class Sequence:
         return self.last_token is not None
 
     def lane(self) -> Lane:
-        """This sequence's part of a (batched) decoding step (``Lane.take`` samples a plain
+        """This sequence's part of a (batched) decoding step (``Lane.take`` picks a plain
         token, ``emit`` is ``accept``)."""
-        return Lane(self.last_token, self.cache, self.spec, self.params, self.rng, self.accept)
+        return Lane(self.last_token, self.cache, self.spec, self.picker, self.accept)
 
     def accept(self, token: int) -> bool:
         """Take one generated token: stop checks, then delivery. True once the sequence is

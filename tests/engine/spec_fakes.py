@@ -17,6 +17,7 @@ from engine_fakes import EOS
 from flm_runtime.backends import decode, prefill
 from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
 from flm_runtime.engine import sampler
+from flm_runtime.engine.picker import Picker
 from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
 
@@ -94,17 +95,17 @@ def plain_generate(model, prompt, n: int, params, seed: int | None = None) -> li
 def spec_generate(decoder: SpeculativeDecoder, prompt, n: int, params, seed: int | None = None, on_step=None):
     """Speculative generation of ``n`` tokens by hand (no engine). ``on_step(out, cache, state)``
     runs after every step that did not finish. Returns (tokens, cache, state)."""
-    rng = sampler.new_rng(seed)
+    picker = Picker(params, sampler.new_rng(seed))
     cache = decoder.target.new_cache(len(prompt) + n + 8)
     state = decoder.new_state()
-    out = [sampler.sample(decoder.prefill(np.asarray(prompt, dtype=np.int64), cache, state), params, rng)]
+    out = [picker.take(decoder.prefill(np.asarray(prompt, dtype=np.int64), cache, state))]
 
     def emit(token: int) -> bool:
         out.append(token)
         return len(out) >= n
 
     while len(out) < n:
-        decoder.step(Lane(out[-1], cache, state, params, rng, emit))
+        decoder.step(Lane(out[-1], cache, state, picker, emit))
         if len(out) < n and on_step is not None:
             on_step(out, cache, state)
     return out, cache, state
