@@ -37,7 +37,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -45,6 +45,7 @@ import numpy as np
 
 from flm_runtime.engine import admission, sampler
 from flm_runtime.engine.handle import RequestCancelledError, RequestHandle
+from flm_runtime.engine.processors import LogitsProcessor
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.sequence import Sequence
 from flm_runtime.engine.speculative import PLAIN, Draft, SpeculativeDecoder
@@ -164,7 +165,8 @@ class Engine:
         """``SamplingParams`` with this model's default sampler for the fields given as None."""
         return self.default_sampling.resolve(**given)
 
-    def submit(self, prompt_ids, params: SamplingParams, *, timeout: float | None = None) -> RequestHandle:
+    def submit(self, prompt_ids, params: SamplingParams, *, timeout: float | None = None,
+               processors: Iterable[LogitsProcessor] = ()) -> RequestHandle:
         """Queue a request.
 
         Args:
@@ -172,6 +174,8 @@ class Engine:
             params: sampling parameters; ``max_tokens`` None means up to the context length.
             timeout: seconds from now after which the engine cancels the request and its stream
                 raises ``RequestTimeoutError``; None for no limit.
+            processors: logits processors the caller built for this request alone (its grammar,
+                ``grammar.GrammarProcessor``), fresh, applied in order to every position it picks.
 
         Returns:
             the request's handle.
@@ -192,7 +196,7 @@ class Engine:
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}",
                                       param="timeout")
-        seq = Sequence(RequestHandle(timeout), prompt, params, budget, self.tokenizer)
+        seq = Sequence(RequestHandle(timeout), prompt, params, budget, self.tokenizer, list(processors))
         with self._cv:
             if self._closed:
                 raise BackendUnavailableError(f"engine {self.name!r} is closed")
