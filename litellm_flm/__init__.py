@@ -40,8 +40,10 @@ from .llm import FlmLLM
 __all__ = ["FlmLLM", "handler", "register", "configure_logging", "PROVIDER"]
 
 PROVIDER = "flm"
-# LiteLLM's model-info capability flags (supports_<feature>) that are False for every flm model.
-UNSUPPORTED_FEATURES = ("function_calling", "parallel_function_calling", "tool_choice", "response_schema", "vision")
+# LiteLLM's model-info capability flags (supports_<feature>) of every flm model: tools and
+# structured output by constrained decoding (litellm_flm.structured), no images.
+FEATURES = {"function_calling": True, "parallel_function_calling": True, "tool_choice": True, "response_schema": True,
+            "vision": False}
 LOG_LEVEL_ENV = "FLM_LOG_LEVEL"
 
 # The CustomLLM instance LiteLLM calls (custom_provider_map needs an instance, not the class).
@@ -79,7 +81,7 @@ def _context_lengths(entries: list) -> dict[str, int | None]:
 def model_info(context_length: int | None) -> dict:
     """LiteLLM's model-cost entry of a local model: free, chat, the context shared by prompt and
     output (left out when the registry does not record it: it is read from the model files), no
-    tools, structured output or images (``UNSUPPORTED_FEATURES``)."""
+    tools and structured output but no images (``FEATURES``)."""
     window = {}
     if context_length:
         window = {"max_tokens": context_length, "max_input_tokens": context_length, "max_output_tokens": context_length}
@@ -92,9 +94,8 @@ def model_info(context_length: int | None) -> dict:
         "cache_read_input_token_cost": 0.0,
         "litellm_provider": PROVIDER,
         "mode": "chat",
-        # What litellm.supports_function_calling / supports_response_schema / ... answer: these
-        # are refused (litellm_flm.params.NEUTRAL_ONLY), so say so rather than leave them unknown.
-        **{f"supports_{feature}": False for feature in UNSUPPORTED_FEATURES},
+        # What litellm.supports_function_calling / supports_response_schema / ... answer.
+        **{f"supports_{feature}": value for feature, value in FEATURES.items()},
     }
 
 

@@ -23,13 +23,17 @@ from typing import Any
 import httpx
 import litellm
 from litellm import CustomLLM
-from litellm.types.utils import Choices, EmbeddingResponse, GenericStreamingChunk, Message, ModelResponse, Usage
+from litellm.types.utils import (ChatCompletionMessageToolCall, Choices, EmbeddingResponse, Function,
+                                 GenericStreamingChunk, Message, ModelResponse, Usage)
 
+from flm_runtime.engine.grammar import compiler_for
 from flm_runtime.engine.request import Completion, RequestStats, StreamEvent
+from flm_runtime.tool_format import ToolCall, ToolCallStream, parse_tool_calls, render_messages
 
 from .errors import litellm_errors
-from .params import (backend_of, embedding_inputs, encoding_format, normalize_messages, raw_prompts,
-                     request_fields)
+from .params import (backend_of, embedding_inputs, encoding_format, merge_extra_body, normalize_messages,
+                     raw_prompts, request_fields)
+from .structured import OutputFormat, output_format
 
 
 def _get_engine(tag: str, backend: str | None = None):
@@ -63,35 +67,43 @@ def _drops_unsupported(litellm_params: dict | None) -> bool:
 
 
 def _start(model: str, messages: list, optional_params: dict, timeout: Any, litellm_params: dict | None, *,
-           stream: bool = False) -> list:
+           stream: bool = False) -> tuple[list, OutputFormat]:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
     (``request_fields``). A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
     message) continues each prompt's raw text, with no chat template: one engine request per
-    prompt, all submitted before any is awaited, so the engine batches them.
+    prompt, all submitted before any is awaited, so the engine batches them. A chat's tools and
+    tool messages are rendered in the generic tool-call format (``flm_runtime.tool_format``); a
+    response format or tool choice becomes a grammar, compiled for each engine request
+    (``flm_runtime.engine.grammar``).
 
     Returns:
-        The engine's RequestHandles, one per prompt (one for a chat).
+        The engine's RequestHandles, one per prompt (one for a chat), and the request's
+        ``OutputFormat`` (how to read its answers).
 
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
     """
     fields = request_fields(optional_params, _drops_unsupported(litellm_params))  # before loading: fail fast
+    output = output_format(merge_extra_body(optional_params))
     raw = (litellm_params or {}).get("text_completion") is True
     prompts = raw_prompts(messages, stream=stream) if raw else None
-    chat = None if raw else normalize_messages(messages)
+    chat = None if raw else render_messages(normalize_messages(messages), output.functions)
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
     texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)]
+    compiler = compiler_for(engine.tokenizer) if output.grammar is not None else None
     handles = []
     try:
         for text in texts:
-            handles.append(engine.submit(engine.tokenizer.encode(text), params, timeout=_timeout_seconds(timeout)))
-    except BaseException:  # one prompt refused (too long, queue full): none of them runs
+            processors = [compiler.processor(output.grammar, param=output.param)] if compiler else []
+            handles.append(engine.submit(engine.tokenizer.encode(text), params, timeout=_timeout_seconds(timeout),
+                                         processors=processors))
+    except BaseException:  # one prompt refused (too long, queue full, a grammar that fails): none of them runs
         _cancel(handles)
         raise
-    return handles
+    return handles, output
 
 
 def _cancel(handles: list) -> None:
@@ -99,25 +111,36 @@ def _cancel(handles: list) -> None:
         handle.cancel()
 
 
-def build_response(model_response: ModelResponse, model: str, dones: list[Completion]) -> ModelResponse:
+def build_response(model_response: ModelResponse, model: str, dones: list[Completion],
+                   reads_tool_calls: bool = False) -> ModelResponse:
     """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: choice ``i`` is
-    ``dones[i]``, usage their sum.
+    ``dones[i]``, usage their sum. With ``reads_tool_calls`` an answer's calls become the message's
+    ``tool_calls`` (``content`` None) and its ``finish_reason`` ``tool_calls``.
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
     ``_hidden_params["flm_stats"]`` is the request's stats (``RequestStats.as_dict``), or with
     several choices a list of them in choice order.
     """
-    model_response.choices = [
-        Choices(index=i, finish_reason=done.finish_reason, message=Message(content=done.text, role="assistant"))
-        for i, done in enumerate(dones)
-    ]
+    model_response.choices = [_choice(i, done, reads_tool_calls) for i, done in enumerate(dones)]
     model_response.model = model
     model_response.created = int(time.time())
     setattr(model_response, "usage", Usage(**summed_usage(dones)))  # not a declared field of ModelResponse
     stats = [done.stats.as_dict() for done in dones]
     model_response._hidden_params["flm_stats"] = stats[0] if len(stats) == 1 else stats
     return model_response
+
+
+def _choice(index: int, done: Completion, reads_tool_calls: bool) -> Choices:
+    content, calls = parse_tool_calls(done.text) if reads_tool_calls else (done.text, [])
+    if not calls:
+        return Choices(index=index, finish_reason=done.finish_reason, message=Message(content=content, role="assistant"))
+    tool_calls = [ChatCompletionMessageToolCall(id=c.id, type="function", function=Function(name=c.name, arguments=c.arguments))
+                  for c in calls]
+    # A call cut short by max_tokens leaves the calls before it, and finish_reason "length".
+    finish = "tool_calls" if done.finish_reason == "stop" else done.finish_reason
+    return Choices(index=index, finish_reason=finish,
+                   message=Message(content=content, role="assistant", tool_calls=tool_calls))
 
 
 def summed_usage(dones: list[Completion]) -> dict:
@@ -203,6 +226,43 @@ def build_chunk(event: StreamEvent) -> GenericStreamingChunk:
     )
 
 
+class ChunkMaker:
+    """One streamed request's events -> LiteLLM chunks (``chunks``).
+
+    Plain: one ``build_chunk`` per event. With ``reads_tool_calls`` the answer goes through a
+    ``ToolCallStream``: its content as content, and each call, once complete, as a chunk of its
+    own whose ``tool_use`` carries its index, id, name and arguments (OpenAI's tool-call delta);
+    the final chunk says ``tool_calls`` when the answer made calls and ended on its own.
+    """
+
+    def __init__(self, reads_tool_calls: bool):
+        self._reader = ToolCallStream() if reads_tool_calls else None
+        self._calls = 0
+
+    def chunks(self, event: StreamEvent) -> list[GenericStreamingChunk]:
+        chunk = build_chunk(event)
+        if self._reader is None:
+            return [chunk]
+        content, calls = self._reader.feed(event.text)
+        if event.finish_reason is not None:
+            content += self._reader.finish()
+        out = [_call_chunk(call, self._calls + k) for k, call in enumerate(calls)]
+        self._calls += len(calls)
+        chunk["text"] = content
+        if self._calls and event.finish_reason == "stop":
+            chunk["finish_reason"] = "tool_calls"
+        if content or event.finish_reason is not None:
+            out.append(chunk)
+        return out
+
+
+def _call_chunk(call: ToolCall, index: int) -> GenericStreamingChunk:
+    return GenericStreamingChunk(
+        text="", is_finished=False, finish_reason="", index=0, usage=None,
+        tool_use={"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments},
+                  "index": index})
+
+
 class FlmLLM(CustomLLM):
     """LiteLLM entry points. ``model`` is the tag with the ``flm/`` prefix already stripped.
 
@@ -216,26 +276,27 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles = _start(model, messages, optional_params, timeout, litellm_params)
+            handles, output = _start(model, messages, optional_params, timeout, litellm_params)
             try:
                 dones = [handle.result() for handle in handles]
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones)
+        return build_response(model_response, model, dones, output.reads_tool_calls)
 
     async def acompletion(
         self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params)
+            handles, output = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
+                                                      litellm_params)
             try:
                 dones = list(await asyncio.gather(*(handle.aresult() for handle in handles)))
             except BaseException:  # CancelledError: the client went away
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones)
+        return build_response(model_response, model, dones, output.reads_tool_calls)
 
     def streaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
@@ -244,17 +305,17 @@ class FlmLLM(CustomLLM):
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            [handle] = _start(model, messages, optional_params, timeout, litellm_params, stream=True)
-        return self._stream(model, handle)
+            [handle], output = _start(model, messages, optional_params, timeout, litellm_params, stream=True)
+        return self._stream(model, handle, ChunkMaker(output.reads_tool_calls))
 
     @staticmethod
-    def _stream(model: str, handle) -> Iterator[GenericStreamingChunk]:
+    def _stream(model: str, handle, maker: ChunkMaker) -> Iterator[GenericStreamingChunk]:
         finished = False
         try:
             with litellm_errors(model):
                 for event in handle:
                     finished = event.finish_reason is not None
-                    yield build_chunk(event)
+                    yield from maker.chunks(event)
         finally:
             if not finished:  # the caller stopped reading, or an error: free the sequence now
                 handle.cancel()
@@ -269,11 +330,13 @@ class FlmLLM(CustomLLM):
         handle = None
         try:
             with litellm_errors(model):
-                [handle] = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params,
-                                                   stream=True)
+                [handle], output = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
+                                                           litellm_params, stream=True)
+                maker = ChunkMaker(output.reads_tool_calls)
                 async for event in handle.aiter():
                     finished = event.finish_reason is not None
-                    yield build_chunk(event)
+                    for chunk in maker.chunks(event):
+                        yield chunk
         finally:
             if handle is not None and not finished:
                 handle.cancel()

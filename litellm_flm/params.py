@@ -9,7 +9,8 @@ rewritten (checked on litellm 1.110.2):
 - the Router adds ``stream`` and ``max_retries``; ``user`` and ``metadata`` go elsewhere, but may
   still show up from other callers.
 
-Every key is then one of: *mapped* (``OPENAI_TO_RUNTIME``), *ignored* (``IGNORED``), *accepted only
+Every key is then one of: *mapped* (``OPENAI_TO_RUNTIME``), an *output* key (``OUTPUT_KEYS``:
+response format and tools, read by ``litellm_flm.structured``), *ignored* (``IGNORED``), *accepted only
 at its neutral value* (``NEUTRAL_ONLY``), a *deployment* key that chooses where the model runs
 rather than how it samples (``DEPLOYMENT_KEYS``: ``backend``, read by ``backend_of``), or rejected. Anything rejected raises
 ``InvalidRequestError`` naming the parameter, which ``litellm_flm.errors`` turns into
@@ -50,12 +51,11 @@ OPENAI_TO_RUNTIME: dict[str, str] = {
 
 # Keys that carry no meaning for a local model, or that LiteLLM / the Router handles itself
 # (the Router adds max_retries to every call; stream is decided by which method LiteLLM calls;
-# usage is always on the last chunk, whatever stream_options says). parallel_tool_calls means
-# nothing without tools, which are refused.
+# usage is always on the last chunk, whatever stream_options says).
 IGNORED: frozenset[str] = frozenset(
     {
         "stream", "stream_options", "max_retries", "user", "safety_identifier", "metadata", "store",
-        "service_tier", "prompt_cache_key", "prompt_cache_retention", "parallel_tool_calls",
+        "service_tier", "prompt_cache_key", "prompt_cache_retention",
     }
 )
 
@@ -69,9 +69,6 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "logprobs": ((False,), "logprobs are not supported yet"),
     "top_logprobs": ((0,), "top_logprobs is not supported yet (logprobs are not supported yet)"),
     "logit_bias": (({},), "logit_bias is not supported"),
-    "response_format": (({"type": "text"},), "response_format (JSON mode, structured output) is not supported"),
-    "tools": (([],), "tools (function calling) are not supported"),
-    "tool_choice": (("none",), "tool_choice is not supported (tools are not supported)"),
     "functions": (([],), "functions (function calling) are not supported"),
     "function_call": (("none",), "function_call is not supported (functions are not supported)"),
     "modalities": ((["text"],), "only text output is supported (modalities=['text'])"),
@@ -87,12 +84,10 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
 NON_OPENAI: frozenset[str] = frozenset({"top_k", "min_p", "ignore_eos"})
 
 # The OpenAI chat parameters this provider honours at every valid value: what LiteLLM's
-# get_supported_openai_params would answer for a built-in provider. parallel_tool_calls is ignored
-# only because there are no tools, so it is not listed. NEUTRAL_ONLY is the "not yet supported"
-# rest (README.md, "Parameters").
-SUPPORTED_OPENAI_PARAMS: tuple[str, ...] = tuple(
-    sorted((set(OPENAI_TO_RUNTIME) | IGNORED) - NON_OPENAI - {"parallel_tool_calls"})
-)
+# get_supported_openai_params would answer for a built-in provider. NEUTRAL_ONLY is the "not yet
+# supported" rest (README.md, "Parameters").
+OUTPUT_KEYS: frozenset[str] = frozenset({"response_format", "tools", "tool_choice", "parallel_tool_calls"})
+SUPPORTED_OPENAI_PARAMS: tuple[str, ...] = tuple(sorted((set(OPENAI_TO_RUNTIME) | IGNORED | OUTPUT_KEYS) - NON_OPENAI))
 
 # Keys that choose where the model runs: a Router deployment's litellm_params (they arrive at the
 # top level of optional_params) or a request's extra_body. backend: auto | cpu | npu, as FLM_BACKEND.
@@ -153,7 +148,7 @@ def request_fields(optional_params: Mapping[str, Any], drop_unsupported: bool = 
             caller spelled it. Ranges are checked later, by ``SamplingParams`` itself.
     """
     flat = {k: v for k, v in merge_extra_body(optional_params).items()
-            if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS}
+            if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS and k not in OUTPUT_KEYS}
     mapped: dict[str, Any] = {}
     for key, value in flat.items():
         if key in OPENAI_TO_RUNTIME:
@@ -225,15 +220,17 @@ def _first_error(e: ValidationError, max_tokens_name: str) -> InvalidRequestErro
     return InvalidRequestError(f"{param}: {err['msg']}, got {err.get('input')!r}", param=param)
 
 
-ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI chat messages -> ``[{"role", "content"}]`` for the model's chat template.
+    """OpenAI chat messages -> ``[{"role", "content"}]`` (and an assistant's ``tool_calls``) for
+    ``flm_runtime.tool_format.render_messages`` and the model's chat template.
 
-    ``developer`` is OpenAI's newer name for ``system``. Tool and function messages and tool calls
-    are refused: the models here have no tool-call template. Content is passed on as given: the
-    runtime's template renderer flattens text parts and refuses images and audio.
+    ``developer`` is OpenAI's newer name for ``system``. ``tool`` messages (the results of calls)
+    and an assistant's ``tool_calls`` are kept; the deprecated ``function`` messages and
+    ``function_call`` are refused. Content is passed on as given: the runtime's template renderer
+    flattens text parts and refuses images and audio.
 
     Raises:
         InvalidRequestError: with ``param`` naming the message, e.g. ``messages[2].role``.
@@ -250,11 +247,15 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             raise InvalidRequestError(
                 f"{where}.role {role!r} is not supported; use one of {sorted(ROLE_ALIASES)}", param=f"{where}.role"
             )
-        if msg.get("tool_calls") or msg.get("function_call"):
-            raise InvalidRequestError(
-                f"{where} carries tool calls, which are not supported", param=f"{where}.tool_calls"
-            )
-        out.append({"role": ROLE_ALIASES[role], "content": msg.get("content")})
+        if msg.get("function_call"):
+            raise InvalidRequestError(f"{where}.function_call (deprecated) is not supported; use tool_calls",
+                                      param=f"{where}.function_call")
+        tool_calls = msg.get("tool_calls")
+        if tool_calls and (role != "assistant" or not isinstance(tool_calls, list)):
+            raise InvalidRequestError(f"{where}.tool_calls must be a list on an assistant message",
+                                      param=f"{where}.tool_calls")
+        out.append({"role": ROLE_ALIASES[role], "content": msg.get("content")}
+                   | ({"tool_calls": tool_calls} if tool_calls else {}))
     return out
 
 

@@ -83,7 +83,9 @@ class FakeEngine:
     def sampling_params(self, **given) -> SamplingParams:
         return CARD_DEFAULT.resolve(**given)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, *, timeout: float | None) -> FakeHandle:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, timeout: float | None,
+               processors=()) -> FakeHandle:
+        assert not processors, "the fake engine has no vocabulary to constrain: test grammars on a real one"
         self.submitted.append((prompt_ids, params, timeout))
         if self.submit_error is not None:
             raise self.submit_error

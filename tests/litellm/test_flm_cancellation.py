@@ -59,8 +59,8 @@ async def test_cancelling_50_of_100_streams_leaves_nothing_behind(engine, monkey
     submitted = []  # (prompt ids, params, handle) of every request LiteLLM hands the engine
     submit = engine.submit
 
-    def recording_submit(ids, params, *, timeout=None):
-        handle = submit(ids, params, timeout=timeout)
+    def recording_submit(ids, params, **kw):
+        handle = submit(ids, params, **kw)
         submitted.append((tuple(ids), params, handle))
         return handle
 

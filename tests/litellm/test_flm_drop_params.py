@@ -16,14 +16,12 @@ from litellm_flm.params import IGNORED, NEUTRAL_ONLY, SUPPORTED_OPENAI_PARAMS
 MODEL = "flm/smollm2:135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_tokens": 8}
-TOOL = {"type": "function", "function": {"name": "capital", "parameters": {"type": "object", "properties": {}}}}
+FUNCTION = {"name": "capital", "parameters": {"type": "object", "properties": {}}}
 
 # One request-level value of each unsupported parameter a user is likely to send, named by the
 # parameter the error must name.
 UNSUPPORTED = {
-    "response_format": {"response_format": {"type": "json_object"}},
-    "tools": {"tools": [TOOL]},
-    "tool_choice": {"tool_choice": "required"},
+    "functions": {"functions": [FUNCTION]},
     "logprobs": {"logprobs": True, "top_logprobs": 3},
     "presence_penalty": {"presence_penalty": 0.5},
     "frequency_penalty": {"frequency_penalty": 0.5},
@@ -47,10 +45,12 @@ def router(smollm2_engine):
     return make
 
 
-def test_litellm_is_told_no_tools_no_structured_output():
-    assert litellm.supports_function_calling(model=MODEL) is False
-    assert litellm.supports_response_schema(model=MODEL) is False
-    assert litellm.supports_parallel_function_calling(model=MODEL) is False
+def test_litellm_is_told_tools_and_structured_output_but_no_images():
+    assert litellm.supports_function_calling(model=MODEL) is True
+    assert litellm.supports_response_schema(model=MODEL) is True
+    assert litellm.supports_parallel_function_calling(model=MODEL) is True
+    assert litellm.supports_tool_choice(model=MODEL) is True
+    assert litellm.supports_vision(model=MODEL) is False
 
 
 def test_every_parameter_litellm_forwards_is_supported_ignored_or_droppable():
@@ -80,18 +80,18 @@ def test_completion_drops_or_names_the_parameter(plain, name):
 
 def test_stream_drops_the_parameter(plain):
     chunks = litellm.completion(
-        model=MODEL, messages=QUESTION, stream=True, drop_params=True, **GREEDY, **UNSUPPORTED["response_format"]
+        model=MODEL, messages=QUESTION, stream=True, drop_params=True, **GREEDY, **UNSUPPORTED["functions"]
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
 
 
 def test_global_drop_params_drops_the_parameter(plain, monkeypatch):
     monkeypatch.setattr(litellm, "drop_params", True)  # what the proxy's litellm_settings set
-    r = litellm.completion(model=MODEL, messages=QUESTION, **GREEDY, **UNSUPPORTED["tools"])
+    r = litellm.completion(model=MODEL, messages=QUESTION, **GREEDY, **UNSUPPORTED["functions"])
     assert r.choices[0].message.content == plain
 
 
-@pytest.mark.parametrize("name", ["response_format", "presence_penalty"])
+@pytest.mark.parametrize("name", ["functions", "presence_penalty"])
 def test_router_deployment_drops_or_names_the_parameter(plain, router, name):
     extra = UNSUPPORTED[name]
     r = router(drop_params=True).completion(model="local", messages=QUESTION, **GREEDY, **extra)

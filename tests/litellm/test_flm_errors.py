@@ -82,11 +82,11 @@ def overloaded_for(fake_engine, tag: str, times: int | None = None) -> list[str]
     or always); returns the list of tags it was asked for, in order."""
     calls, submit = [], fake_engine.submit
 
-    def full_or_submit(prompt_ids, params, *, timeout):
+    def full_or_submit(prompt_ids, params, **kw):
         calls.append(fake_engine.requested_tags[-1])
         if calls[-1] == tag and (times is None or calls.count(tag) <= times):
             raise rt.EngineOverloadedError(f"engine {tag!r} is full")
-        return submit(prompt_ids, params, timeout=timeout)
+        return submit(prompt_ids, params, **kw)
 
     fake_engine.submit = full_or_submit
     return calls

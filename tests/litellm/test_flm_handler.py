@@ -208,7 +208,7 @@ async def test_cancelled_acompletion_cancels_the_request(fake_engine, monkeypatc
         def cancel(self):
             self.cancelled = True
 
-    def submit(prompt_ids, params, *, timeout):
+    def submit(prompt_ids, params, **kw):
         handles.append(SlowHandle())
         return handles[-1]
 

@@ -63,7 +63,7 @@ def test_neutral_values_of_unsupported_params_are_accepted():
     to_sampling_params(
         {
             "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "top_logprobs": 0,
-            "response_format": {"type": "text"}, "modalities": ["text"], "tools": [], "logit_bias": {},
+            "modalities": ["text"], "logit_bias": {},
         }
     )
 
@@ -72,7 +72,7 @@ def test_ignored_params_are_ignored():
     # Each of these reached a custom handler's optional_params in a probe of litellm 1.110.2.
     ignored = {
         "user": "u1", "metadata": {"k": "v"}, "max_retries": 2, "stream": True, "stream_options": {"include_usage": True},
-        "safety_identifier": "s", "store": True, "parallel_tool_calls": False,
+        "safety_identifier": "s", "store": True,
     }
     assert request_fields(ignored) == {}
 
@@ -86,9 +86,6 @@ def test_ignored_params_are_ignored():
         ({"logprobs": True}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
         ({"modalities": ["text", "audio"]}, "modalities"),
@@ -123,8 +120,7 @@ def test_rejected_params_are_named(params, name):
 def test_drop_unsupported_leaves_out_every_unsupported_openai_param_at_any_value():
     unsupported = {
         "n": 2, "presence_penalty": 0.5, "frequency_penalty": -1.0, "logprobs": True, "top_logprobs": 3,
-        "logit_bias": {"50256": -100}, "response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
-        "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
+        "logit_bias": {"50256": -100}, "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
         "audio": {"voice": "alloy"}, "reasoning_effort": "low", "thinking": {"type": "enabled"},
         "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
     }
@@ -169,9 +165,10 @@ def test_messages_are_normalized():
         ([], "messages"),
         ("hi", "messages"),
         (["hi"], "messages[0]"),
-        ([{"role": "tool", "content": "42", "tool_call_id": "x"}], "messages[0].role"),
+        ([{"role": "function", "content": "42", "name": "f"}], "messages[0].role"),
         ([{"content": "no role"}], "messages[0].role"),
-        ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{"id": "x"}]}], "messages[1].tool_calls"),
+        ([{"role": "user", "content": "a", "tool_calls": [{"id": "x"}]}], "messages[0].tool_calls"),
+        ([{"role": "assistant", "content": None, "function_call": {"name": "f"}}], "messages[0].function_call"),
     ],
 )
 def test_bad_messages_are_named(messages, name):

@@ -100,11 +100,11 @@ async def test_router_async_and_context_window_fallback(fake_registry, fake_engi
     calls = []
     original = fake_engine.submit
 
-    def submit(prompt_ids, params, *, timeout):
+    def submit(prompt_ids, params, **kw):
         calls.append(fake_engine.requested_tags[-1])
         if len(calls) == 2:
             fake_engine.context_length = 1000  # the fallback model has room
-        return original(prompt_ids, params, timeout=timeout)
+        return original(prompt_ids, params, **kw)
 
     fake_engine.submit = submit
     r = await router.acompletion(model="small", messages=[{"role": "user", "content": "x" * 30}])
