@@ -10,8 +10,8 @@ import json
 import jsonschema
 import pytest
 
-from flm_runtime import api
-from flm_runtime.engine.grammar import compiler_for, json_object_grammar, json_schema_grammar
+from flm_runtime import api, tool_format
+from flm_runtime.engine.grammar import compiler_for, json_object_grammar, json_schema_grammar, lark_grammar
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import SpeculativeDecoder
 
@@ -30,7 +30,11 @@ CASES = [
                                                                                         "maxLength": 30}},
                                              "required": ["capital"], "additionalProperties": False}),
     ('Give me a JSON object describing a cat, with keys "name" and "color".', None),  # JSON mode: any object
+    ("What is the weather in Paris?", "tools"),  # a required call of get_weather (tool_format)
 ]
+WEATHER = {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}
 MAX_TOKENS = 160
 
 
@@ -46,23 +50,33 @@ def engines(smollm2_quantized, smollm2_tokenizer):
     spec.close()
 
 
-def prompt_ids(tok, question):
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True))
+def prompt_ids(tok, question, schema):
+    messages = [{"role": "user", "content": question}]
+    if schema == "tools":
+        messages = tool_format.render_messages(messages, [WEATHER])
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
 
 
 def grammar_of(schema):
+    if schema == "tools":
+        return lark_grammar(tool_format.tool_grammar([WEATHER], "required", parallel=True))
     return json_object_grammar() if schema is None else json_schema_grammar(schema)
 
 
 def submit(engine, tok, question, schema, params):
-    return engine.submit(prompt_ids(tok, question), params,
+    return engine.submit(prompt_ids(tok, question, schema), params,
                          processors=[compiler_for(tok).processor(grammar_of(schema))])
 
 
 def check_valid(done, schema):
     assert done.finish_reason == "stop", done.text
-    value = json.loads(done.text)
-    jsonschema.validate(value, schema or {"type": "object"})
+    if schema == "tools":
+        content, calls = tool_format.parse_tool_calls(done.text)
+        assert content is None and calls
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+        return
+    jsonschema.validate(json.loads(done.text), schema or {"type": "object"})
 
 
 def test_greedy_constrained_output_is_valid_and_speculation_changes_no_token(engines, smollm2_tokenizer):
@@ -79,7 +93,8 @@ def test_greedy_constrained_output_is_valid_and_speculation_changes_no_token(eng
 def test_constrained_requests_batched_with_speculation_equal_each_alone(engines, smollm2_tokenizer):
     plain, spec = engines
     params = [SamplingParams(max_tokens=MAX_TOKENS), SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=MAX_TOKENS)]
+              SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=MAX_TOKENS),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=MAX_TOKENS)]
     alone = [submit(plain, smollm2_tokenizer, q, s, p).result() for (q, s), p in zip(CASES, params)]
     with spec._cv:  # hold the engine thread back until all are queued: they run as one batch
         handles = [submit(spec, smollm2_tokenizer, q, s, p) for (q, s), p in zip(CASES, params)]

@@ -125,6 +125,69 @@ def test_bad_param_is_a_400_naming_it(client):
     assert "presence_penalty" in str(info.value)
 
 
+# ---- structured output and tools, on the plain and the DFlash deployment ----
+
+DEPLOYMENTS = ["smollm2", "smollm2-dflash"]
+ORDER = {"type": "object", "properties": {
+    "customer": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                                  "tier": {"enum": ["free", "pro", "enterprise"]}},
+                 "required": ["name", "tier"], "additionalProperties": False},
+    "items": {"type": "array", "items": {"type": "object", "properties": {
+        "product": {"type": "string", "maxLength": 20}, "quantity": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["product", "quantity"], "additionalProperties": False}, "minItems": 1, "maxItems": 3},
+    "status": {"enum": ["pending", "shipped", "delivered"]},
+}, "required": ["customer", "items", "status"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("model", DEPLOYMENTS)
+def test_json_mode_through_the_proxy(client, model):
+    r = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=100, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": 'Give me a JSON object describing a cat, with keys "name" and "color".'}])
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("model", DEPLOYMENTS)
+def test_json_schema_through_the_proxy(client, model):
+    """A nested object, enums and an array: the answer validates against the schema."""
+    import jsonschema
+
+    r = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER, "strict": True}},
+        messages=[{"role": "user", "content": "Record an order: Ann, a pro customer, bought two books. It has shipped."}])
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), ORDER)
+
+
+@pytest.mark.parametrize("model", DEPLOYMENTS)
+def test_a_named_tool_call_through_the_proxy(client, model):
+    import jsonschema
+
+    r = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=100, tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        messages=[{"role": "user", "content": "What is the weather like in Paris today?"}])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    streamed = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=100, tools=[WEATHER_TOOL], stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        messages=[{"role": "user", "content": "What is the weather like in Paris today?"}])
+    deltas = [tc for c in streamed if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "get_weather", call.function.arguments)]
+
+
 EMBED_TEXTS = ["The cat sat on the mat.", "A cat was sitting on the rug.", "Stock markets fell sharply on Monday."]
 
 
