@@ -63,8 +63,8 @@ def output_format(optional_params: Mapping[str, Any]) -> OutputFormat:
         return OutputFormat(grammar=response_format)
     functions = tool_format.check_tools(tools)
     mode, chosen = tool_format.chosen_functions(functions, tool_choice)
-    if mode == "none":
-        return OutputFormat(grammar=response_format, functions=functions)
+    if mode == "none":  # the tools are left out of the prompt: nothing would read a call
+        return OutputFormat(grammar=response_format)
     if response_format is not None:
         raise InvalidRequestError("response_format json_object / json_schema cannot be combined with tools "
                                   "(tool_choice other than 'none'): both constrain the whole output",

@@ -49,7 +49,7 @@ def test_litellm_is_told_tools_and_structured_output_but_no_images():
     assert litellm.supports_function_calling(model=MODEL) is True
     assert litellm.supports_response_schema(model=MODEL) is True
     assert litellm.supports_parallel_function_calling(model=MODEL) is True
-    assert litellm.supports_tool_choice(model=MODEL) is True
+    assert litellm.utils.supports_tool_choice(model=MODEL) is True
     assert litellm.supports_vision(model=MODEL) is False
 
 
