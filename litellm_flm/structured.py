@@ -22,10 +22,6 @@ from flm_runtime import tool_format
 from flm_runtime.engine.grammar import json_object_grammar, json_schema_grammar, lark_grammar
 from flm_runtime.errors import InvalidRequestError
 
-# The optional_params keys this module reads (params.request_fields leaves them here).
-KEYS: frozenset[str] = frozenset({"response_format", "tools", "tool_choice", "parallel_tool_calls"})
-
-
 @dataclass(frozen=True)
 class OutputFormat:
     """What a request's output is held to.

@@ -197,16 +197,15 @@ def render_messages(messages: list[dict], functions: list[dict] | None) -> list[
         role, content = message["role"], message.get("content") or ""
         if role == "tool":
             block = f"<tool_response>\n{content}\n</tool_response>"
-            if out and out[-1].get("tool_responses"):
+            if i and messages[i - 1]["role"] == "tool":  # the results of one turn's calls share a user turn
                 out[-1]["content"] += "\n" + block
             else:
-                out.append({"role": "user", "content": block, "tool_responses": True})
+                out.append({"role": "user", "content": block})
             continue
         if role == "assistant" and message.get("tool_calls"):
             calls = [_call_text(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(message["tool_calls"])]
             content = "\n".join(([content] if content else []) + calls)
         out.append({"role": role, "content": content})
-    out = [{"role": m["role"], "content": m["content"]} for m in out]
     if functions:
         text = tools_system_text(functions)
         if out and out[0]["role"] == "system":
@@ -231,7 +230,7 @@ def _call_text(call: Any, where: str) -> str:
     return CALL_OPEN + json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False) + CALL_CLOSE
 
 
-def new_call_id() -> str:
+def _new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
@@ -243,7 +242,7 @@ def _read_call(block: str) -> ToolCall | None:
         return None
     if not (isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("arguments"), dict)):
         return None
-    return ToolCall(new_call_id(), value["name"], json.dumps(value["arguments"], ensure_ascii=False))
+    return ToolCall(_new_call_id(), value["name"], json.dumps(value["arguments"], ensure_ascii=False))
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:

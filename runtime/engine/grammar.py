@@ -114,11 +114,6 @@ class GrammarProcessor:
         self._matcher.consume_token(int(token))
         self._check()
 
-    @property
-    def done(self) -> bool:
-        """The grammar is complete: nothing but a stop token may follow."""
-        return self._matcher.is_stopped() and not self._matcher.is_error()
-
     def _check(self) -> None:
         if self._matcher.is_error():
             raise RuntimeError(f"constrained decoding failed: {self._matcher.get_error()}")
