@@ -17,15 +17,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
 import litellm
 from litellm import CustomLLM
-from litellm.types.utils import Choices, EmbeddingResponse, GenericStreamingChunk, Message, ModelResponse, Usage
+from litellm.types.utils import (ChatCompletionTokenLogprob, ChoiceLogprobs, Choices, EmbeddingResponse,
+                                 GenericStreamingChunk, Message, ModelResponse, TopLogprob, Usage)
 
-from flm_runtime.engine.request import Completion, RequestStats, StreamEvent
+from flm_runtime.engine.request import Completion, RequestStats, StreamEvent, TokenLogprob
 
 from .errors import litellm_errors
 from .params import (backend_of, embedding_inputs, encoding_format, normalize_messages, raw_prompts,
@@ -63,7 +64,7 @@ def _drops_unsupported(litellm_params: dict | None) -> bool:
 
 
 def _start(model: str, messages: list, optional_params: dict, timeout: Any, litellm_params: dict | None, *,
-           stream: bool = False) -> list:
+           stream: bool = False) -> tuple[Callable[[int], bytes], list]:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
@@ -72,7 +73,8 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any, lite
     prompt, all submitted before any is awaited, so the engine batches them.
 
     Returns:
-        The engine's RequestHandles, one per prompt (one for a chat).
+        The model's ``token_bytes`` (id -> the token's bytes: for logprobs) and the engine's
+        RequestHandles, one per prompt (one for a chat).
 
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
@@ -91,7 +93,7 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any, lite
     except BaseException:  # one prompt refused (too long, queue full): none of them runs
         _cancel(handles)
         raise
-    return handles
+    return engine.tokenizer.token_bytes, handles
 
 
 def _cancel(handles: list) -> None:
@@ -99,9 +101,10 @@ def _cancel(handles: list) -> None:
         handle.cancel()
 
 
-def build_response(model_response: ModelResponse, model: str, dones: list[Completion]) -> ModelResponse:
+def build_response(model_response: ModelResponse, model: str, dones: list[Completion],
+                   token_bytes: Callable[[int], bytes]) -> ModelResponse:
     """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: choice ``i`` is
-    ``dones[i]``, usage their sum.
+    ``dones[i]`` (with its ``logprobs`` when asked for: ``choice_logprobs``), usage their sum.
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
@@ -109,7 +112,8 @@ def build_response(model_response: ModelResponse, model: str, dones: list[Comple
     several choices a list of them in choice order.
     """
     model_response.choices = [
-        Choices(index=i, finish_reason=done.finish_reason, message=Message(content=done.text, role="assistant"))
+        Choices(index=i, finish_reason=done.finish_reason, message=Message(content=done.text, role="assistant"),
+                logprobs=None if done.logprobs is None else choice_logprobs(done.logprobs, token_bytes))
         for i, done in enumerate(dones)
     ]
     model_response.model = model
@@ -118,6 +122,28 @@ def build_response(model_response: ModelResponse, model: str, dones: list[Comple
     stats = [done.stats.as_dict() for done in dones]
     model_response._hidden_params["flm_stats"] = stats[0] if len(stats) == 1 else stats
     return model_response
+
+
+# What a log-probability of -inf (a token the request's filters left no probability) becomes in
+# JSON, which has no infinity: vLLM's OpenAI server's floor.
+LOGPROB_FLOOR = -9999.0
+
+
+def choice_logprobs(records: tuple[TokenLogprob, ...], token_bytes: Callable[[int], bytes]) -> ChoiceLogprobs:
+    """The runtime's ``TokenLogprob``s -> OpenAI's ``choices[i].logprobs``: one ``content`` entry
+    per token, ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``. ``token`` is
+    the token's UTF-8 text, a byte that is not (part of) valid UTF-8 written ``\\xNN``; ``bytes``
+    its exact bytes; ``-inf`` is ``LOGPROB_FLOOR``."""
+    def entry(token_id: int, logprob: float) -> dict:
+        raw = token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="backslashreplace"), "logprob": max(logprob, LOGPROB_FLOOR),
+                "bytes": list(raw)}
+
+    return ChoiceLogprobs(content=[
+        ChatCompletionTokenLogprob(**entry(r.token_id, r.logprob),
+                                   top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in r.top])
+        for r in records
+    ])
 
 
 def summed_usage(dones: list[Completion]) -> dict:
@@ -187,13 +213,19 @@ def build_embedding_response(model_response: EmbeddingResponse, model: str, vect
     return model_response
 
 
-def build_chunk(event: StreamEvent) -> GenericStreamingChunk:
-    """One engine event -> one LiteLLM chunk; the final one (finish_reason set) carries the usage."""
+def build_chunk(event: StreamEvent, token_bytes: Callable[[int], bytes]) -> GenericStreamingChunk:
+    """One engine event -> one LiteLLM chunk; the final one (finish_reason set) carries the usage.
+
+    The logprobs of the event's tokens, when asked for, go under ``chunk_choice_fields``: a
+    ``GenericStreamingChunk`` has no logprobs field, and LiteLLM's stream wrapper (1.110.2) sets
+    each key of that mapping on the chunk's choice, as it does for an OpenAI-compatible
+    provider's chunks; a chunk with logprobs but no text (a special token) is still sent.
+    """
     finished = event.finish_reason is not None
     usage = None
     if finished:
         usage = usage_fields(event.prompt_tokens, event.completion_tokens, event.stats)
-    return GenericStreamingChunk(
+    chunk = GenericStreamingChunk(
         text=event.text,
         is_finished=finished,
         finish_reason=event.finish_reason or "",
@@ -201,6 +233,9 @@ def build_chunk(event: StreamEvent) -> GenericStreamingChunk:
         tool_use=None,
         usage=usage,
     )
+    if event.logprobs:
+        chunk["chunk_choice_fields"] = {"logprobs": choice_logprobs(event.logprobs, token_bytes)}
+    return chunk
 
 
 class FlmLLM(CustomLLM):
@@ -216,26 +251,27 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles = _start(model, messages, optional_params, timeout, litellm_params)
+            token_bytes, handles = _start(model, messages, optional_params, timeout, litellm_params)
             try:
                 dones = [handle.result() for handle in handles]
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones)
+        return build_response(model_response, model, dones, token_bytes)
 
     async def acompletion(
         self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params)
+            token_bytes, handles = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
+                                                           litellm_params)
             try:
                 dones = list(await asyncio.gather(*(handle.aresult() for handle in handles)))
             except BaseException:  # CancelledError: the client went away
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones)
+        return build_response(model_response, model, dones, token_bytes)
 
     def streaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
@@ -244,17 +280,17 @@ class FlmLLM(CustomLLM):
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            [handle] = _start(model, messages, optional_params, timeout, litellm_params, stream=True)
-        return self._stream(model, handle)
+            token_bytes, [handle] = _start(model, messages, optional_params, timeout, litellm_params, stream=True)
+        return self._stream(model, handle, token_bytes)
 
     @staticmethod
-    def _stream(model: str, handle) -> Iterator[GenericStreamingChunk]:
+    def _stream(model: str, handle, token_bytes: Callable[[int], bytes]) -> Iterator[GenericStreamingChunk]:
         finished = False
         try:
             with litellm_errors(model):
                 for event in handle:
                     finished = event.finish_reason is not None
-                    yield build_chunk(event)
+                    yield build_chunk(event, token_bytes)
         finally:
             if not finished:  # the caller stopped reading, or an error: free the sequence now
                 handle.cancel()
@@ -269,11 +305,11 @@ class FlmLLM(CustomLLM):
         handle = None
         try:
             with litellm_errors(model):
-                [handle] = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params,
-                                                   stream=True)
+                token_bytes, [handle] = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
+                                                                litellm_params, stream=True)
                 async for event in handle.aiter():
                     finished = event.finish_reason is not None
-                    yield build_chunk(event)
+                    yield build_chunk(event, token_bytes)
         finally:
             if handle is not None and not finished:
                 handle.cancel()

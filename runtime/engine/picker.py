@@ -11,7 +11,7 @@ and its log-probability (``SamplingParams.logprobs``) is computed from that same
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -38,7 +38,7 @@ class Picker:
     (``sampler.sample_with_logprob``) until ``pop_logprobs`` hands it on with its delivery.
     """
 
-    def __init__(self, params: SamplingParams, rng: np.random.Generator, processors: Sequence[LogitsProcessor] = ()):
+    def __init__(self, params: SamplingParams, rng: np.random.Generator, processors: Iterable[LogitsProcessor] = ()):
         self.params = params
         self.rng = rng
         self.processors = tuple(processors)

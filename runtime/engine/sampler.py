@@ -1,4 +1,8 @@
-"""Turning logits into tokens: the warp (temperature, top-k, top-p, min-p) and the draw.
+"""Turning logits into tokens: the warp (temperature, top-k, top-p, min-p), the draw, and the
+drawn token's log-probabilities (``sample_with_logprob``).
+
+The logits given here are already adjusted by the request's processors (penalties, bias, a
+grammar mask: ``processors.py``, run by the request's ``picker.Picker``).
 
 Everything here is a pure function of its arguments, so the speculative verifier reuses it:
 lossless speculation (docs/design.md, "DFlash") asks every emitted token to be distributed as

@@ -12,6 +12,7 @@ speculative steps whose kept tokens go through ``accept`` one by one (so EOS, st
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -38,7 +39,7 @@ class Sequence:
     """
 
     def __init__(self, handle: RequestHandle, prompt_ids: np.ndarray, params: SamplingParams,
-                 budget: int, tokenizer, processors: list[LogitsProcessor] = ()):
+                 budget: int, tokenizer, processors: Iterable[LogitsProcessor] = ()):
         self.handle = handle
         self.prompt_ids = prompt_ids
         self.params = params

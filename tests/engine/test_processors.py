@@ -160,7 +160,8 @@ def test_speculative_equals_plain_with_penalties_bias_and_logprobs(make_engine, 
     want = make_engine(tiny, tok).submit(PROMPT, params).result()
     truth = dict(enumerate(want.token_ids, start=len(PROMPT)))
     replay = replay_proposer(lambda p: truth.get(p, 0), 300, corrupt=lambda p: p % 3 == 0)
-    decoder = SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]), proposer=replay if proposer == "replay" else None)
+    decoder = SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]),
+                                 proposer=replay if proposer == "replay" else None)
     got = make_engine(tiny, tok, speculative=decoder).submit(PROMPT, params).result()
     assert_same(got, want)
     assert 140 not in got.token_ids
