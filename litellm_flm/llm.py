@@ -17,17 +17,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
 import litellm
 from litellm import CustomLLM
-from litellm.types.utils import (ChatCompletionMessageToolCall, Choices, EmbeddingResponse, Function,
-                                 GenericStreamingChunk, Message, ModelResponse, Usage)
+from litellm.types.utils import (ChatCompletionMessageToolCall, ChatCompletionTokenLogprob, ChoiceLogprobs, Choices,
+                                 EmbeddingResponse, Function, GenericStreamingChunk, Message, ModelResponse,
+                                 TopLogprob, Usage)
 
 from flm_runtime.engine.grammar import compiler_for
-from flm_runtime.engine.request import Completion, RequestStats, StreamEvent
+from flm_runtime.engine.request import Completion, RequestStats, StreamEvent, TokenLogprob
 from flm_runtime.tool_format import ToolCall, ToolCallStream, parse_tool_calls, render_messages
 
 from .errors import litellm_errors
@@ -67,7 +68,7 @@ def _drops_unsupported(litellm_params: dict | None) -> bool:
 
 
 def _start(model: str, messages: list, optional_params: dict, timeout: Any, litellm_params: dict | None, *,
-           stream: bool = False) -> tuple[list, OutputFormat]:
+           stream: bool = False) -> tuple[Callable[[int], bytes], list, OutputFormat]:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
@@ -79,8 +80,9 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any, lite
     (``flm_runtime.engine.grammar``).
 
     Returns:
-        The engine's RequestHandles, one per prompt (one for a chat), and the request's
-        ``OutputFormat`` (how to read its answers).
+        The model's ``token_bytes`` (id -> the token's bytes: for logprobs), the engine's
+        RequestHandles, one per prompt (one for a chat), and the request's ``OutputFormat`` (how
+        to read its answers).
 
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
@@ -103,7 +105,7 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any, lite
     except BaseException:  # one prompt refused (too long, queue full, a grammar that fails): none of them runs
         _cancel(handles)
         raise
-    return handles, output
+    return engine.tokenizer.token_bytes, handles, output
 
 
 def _cancel(handles: list) -> None:
@@ -112,17 +114,23 @@ def _cancel(handles: list) -> None:
 
 
 def build_response(model_response: ModelResponse, model: str, dones: list[Completion],
-                   reads_tool_calls: bool = False) -> ModelResponse:
+                   token_bytes: Callable[[int], bytes], reads_tool_calls: bool = False) -> ModelResponse:
     """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: choice ``i`` is
-    ``dones[i]``, usage their sum. With ``reads_tool_calls`` an answer's calls become the message's
-    ``tool_calls`` (``content`` None) and its ``finish_reason`` ``tool_calls``.
+    ``dones[i]`` (with its ``logprobs`` when asked for: ``choice_logprobs``), usage their sum.
+    With ``reads_tool_calls`` an answer's calls become the message's ``tool_calls`` (``content``
+    None) and its ``finish_reason`` ``tool_calls``.
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
     ``_hidden_params["flm_stats"]`` is the request's stats (``RequestStats.as_dict``), or with
     several choices a list of them in choice order.
     """
-    model_response.choices = [_choice(i, done, reads_tool_calls) for i, done in enumerate(dones)]
+    model_response.choices = [
+        Choices(index=i, finish_reason=_finish_reason(done, calls), message=_message(content, calls),
+                logprobs=None if done.logprobs is None else choice_logprobs(done.logprobs, token_bytes))
+        for i, done in enumerate(dones)
+        for content, calls in [parse_tool_calls(done.text) if reads_tool_calls else (done.text, [])]
+    ]
     model_response.model = model
     model_response.created = int(time.time())
     setattr(model_response, "usage", Usage(**summed_usage(dones)))  # not a declared field of ModelResponse
@@ -131,16 +139,38 @@ def build_response(model_response: ModelResponse, model: str, dones: list[Comple
     return model_response
 
 
-def _choice(index: int, done: Completion, reads_tool_calls: bool) -> Choices:
-    content, calls = parse_tool_calls(done.text) if reads_tool_calls else (done.text, [])
-    if not calls:
-        return Choices(index=index, finish_reason=done.finish_reason, message=Message(content=content, role="assistant"))
-    tool_calls = [ChatCompletionMessageToolCall(id=c.id, type="function", function=Function(name=c.name, arguments=c.arguments))
+def _message(content: str | None, calls: list[ToolCall]) -> Message:
+    tool_calls = [ChatCompletionMessageToolCall(id=c.id, type="function", function=Function(name=c.name,
+                                                                                            arguments=c.arguments))
                   for c in calls]
+    return Message(content=content, role="assistant", tool_calls=tool_calls or None)
+
+
+def _finish_reason(done: Completion, calls: list[ToolCall]) -> str:
     # A call cut short by max_tokens leaves the calls before it, and finish_reason "length".
-    finish = "tool_calls" if done.finish_reason == "stop" else done.finish_reason
-    return Choices(index=index, finish_reason=finish,
-                   message=Message(content=content, role="assistant", tool_calls=tool_calls))
+    return "tool_calls" if calls and done.finish_reason == "stop" else done.finish_reason
+
+
+# What a log-probability of -inf (a token the request's filters left no probability) becomes in
+# JSON, which has no infinity: vLLM's OpenAI server's floor.
+LOGPROB_FLOOR = -9999.0
+
+
+def choice_logprobs(records: tuple[TokenLogprob, ...], token_bytes: Callable[[int], bytes]) -> ChoiceLogprobs:
+    """The runtime's ``TokenLogprob``s -> OpenAI's ``choices[i].logprobs``: one ``content`` entry
+    per token, ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``. ``token`` is
+    the token's UTF-8 text, a byte that is not (part of) valid UTF-8 written ``\\xNN``; ``bytes``
+    its exact bytes; ``-inf`` is ``LOGPROB_FLOOR``."""
+    def entry(token_id: int, logprob: float) -> dict:
+        raw = token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="backslashreplace"), "logprob": max(logprob, LOGPROB_FLOOR),
+                "bytes": list(raw)}
+
+    return ChoiceLogprobs(content=[
+        ChatCompletionTokenLogprob(**entry(r.token_id, r.logprob),
+                                   top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in r.top])
+        for r in records
+    ])
 
 
 def summed_usage(dones: list[Completion]) -> dict:
@@ -210,13 +240,19 @@ def build_embedding_response(model_response: EmbeddingResponse, model: str, vect
     return model_response
 
 
-def build_chunk(event: StreamEvent) -> GenericStreamingChunk:
-    """One engine event -> one LiteLLM chunk; the final one (finish_reason set) carries the usage."""
+def build_chunk(event: StreamEvent, token_bytes: Callable[[int], bytes]) -> GenericStreamingChunk:
+    """One engine event -> one LiteLLM chunk; the final one (finish_reason set) carries the usage.
+
+    The logprobs of the event's tokens, when asked for, go under ``chunk_choice_fields``: a
+    ``GenericStreamingChunk`` has no logprobs field, and LiteLLM's stream wrapper (1.110.2) sets
+    each key of that mapping on the chunk's choice, as it does for an OpenAI-compatible
+    provider's chunks; a chunk with logprobs but no text (a special token) is still sent.
+    """
     finished = event.finish_reason is not None
     usage = None
     if finished:
         usage = usage_fields(event.prompt_tokens, event.completion_tokens, event.stats)
-    return GenericStreamingChunk(
+    chunk = GenericStreamingChunk(
         text=event.text,
         is_finished=finished,
         finish_reason=event.finish_reason or "",
@@ -224,6 +260,9 @@ def build_chunk(event: StreamEvent) -> GenericStreamingChunk:
         tool_use=None,
         usage=usage,
     )
+    if event.logprobs:
+        chunk["chunk_choice_fields"] = {"logprobs": choice_logprobs(event.logprobs, token_bytes)}
+    return chunk
 
 
 class ChunkMaker:
@@ -235,12 +274,13 @@ class ChunkMaker:
     the final chunk says ``tool_calls`` when the answer made calls and ended on its own.
     """
 
-    def __init__(self, reads_tool_calls: bool):
+    def __init__(self, token_bytes: Callable[[int], bytes], reads_tool_calls: bool):
+        self._token_bytes = token_bytes
         self._reader = ToolCallStream() if reads_tool_calls else None
         self._calls = 0
 
     def chunks(self, event: StreamEvent) -> list[GenericStreamingChunk]:
-        chunk = build_chunk(event)
+        chunk = build_chunk(event, self._token_bytes)
         if self._reader is None:
             return [chunk]
         content, calls = self._reader.feed(event.text)
@@ -251,7 +291,7 @@ class ChunkMaker:
         chunk["text"] = content
         if self._calls and event.finish_reason == "stop":
             chunk["finish_reason"] = "tool_calls"
-        if content or event.finish_reason is not None:
+        if content or event.finish_reason is not None or "chunk_choice_fields" in chunk:
             out.append(chunk)
         return out
 
@@ -276,27 +316,27 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles, output = _start(model, messages, optional_params, timeout, litellm_params)
+            token_bytes, handles, output = _start(model, messages, optional_params, timeout, litellm_params)
             try:
                 dones = [handle.result() for handle in handles]
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones, output.reads_tool_calls)
+        return build_response(model_response, model, dones, token_bytes, output.reads_tool_calls)
 
     async def acompletion(
         self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles, output = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
-                                                      litellm_params)
+            token_bytes, handles, output = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
+                                                                   litellm_params)
             try:
                 dones = list(await asyncio.gather(*(handle.aresult() for handle in handles)))
             except BaseException:  # CancelledError: the client went away
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones, output.reads_tool_calls)
+        return build_response(model_response, model, dones, token_bytes, output.reads_tool_calls)
 
     def streaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
@@ -305,8 +345,9 @@ class FlmLLM(CustomLLM):
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            [handle], output = _start(model, messages, optional_params, timeout, litellm_params, stream=True)
-        return self._stream(model, handle, ChunkMaker(output.reads_tool_calls))
+            token_bytes, [handle], output = _start(model, messages, optional_params, timeout, litellm_params,
+                                                   stream=True)
+        return self._stream(model, handle, ChunkMaker(token_bytes, output.reads_tool_calls))
 
     @staticmethod
     def _stream(model: str, handle, maker: ChunkMaker) -> Iterator[GenericStreamingChunk]:
@@ -330,9 +371,9 @@ class FlmLLM(CustomLLM):
         handle = None
         try:
             with litellm_errors(model):
-                [handle], output = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
-                                                           litellm_params, stream=True)
-                maker = ChunkMaker(output.reads_tool_calls)
+                token_bytes, [handle], output = await asyncio.to_thread(_start, model, messages, optional_params,
+                                                                        timeout, litellm_params, stream=True)
+                maker = ChunkMaker(token_bytes, output.reads_tool_calls)
                 async for event in handle.aiter():
                     finished = event.finish_reason is not None
                     for chunk in maker.chunks(event):

@@ -12,6 +12,7 @@ speculative steps whose kept tokens go through ``accept`` one by one (so EOS, st
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from flm_runtime.engine.detokenizer import Detokenizer
 from flm_runtime.engine.handle import RequestHandle
 from flm_runtime.engine.picker import Picker
 from flm_runtime.engine.processors import LogitsProcessor
-from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent
+from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent, TokenLogprob
 from flm_runtime.engine.speculative import Lane, SpecState
 from flm_runtime.engine.stop import StopChecker
 
@@ -38,7 +39,7 @@ class Sequence:
     """
 
     def __init__(self, handle: RequestHandle, prompt_ids: np.ndarray, params: SamplingParams,
-                 budget: int, tokenizer, processors: list[LogitsProcessor] = ()):
+                 budget: int, tokenizer, processors: Iterable[LogitsProcessor] = ()):
         self.handle = handle
         self.prompt_ids = prompt_ids
         self.params = params
@@ -56,6 +57,7 @@ class Sequence:
         self.final: StreamEvent | None = None  # the last event, held until the engine retires us
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs else None
         self.t_admit = self.t_first = self.t_last = None
 
     @property
@@ -85,7 +87,11 @@ class Sequence:
             return False
         self.text_parts.append(d.text)
         self.token_ids.extend(d.token_ids)
-        event = StreamEvent(d.text, d.token_ids, d.finish_reason, len(self.prompt_ids), self.checker.delivered)
+        logprobs = self.picker.pop_logprobs(d.token_ids)
+        if logprobs is not None:
+            self.logprobs.extend(logprobs)
+        event = StreamEvent(d.text, d.token_ids, d.finish_reason, len(self.prompt_ids), self.checker.delivered,
+                            logprobs=logprobs)
         if d.finish_reason is None:
             self.handle._put(event)
         else:
@@ -95,7 +101,8 @@ class Sequence:
     def completion(self) -> Completion:
         """The join of the delivered events, with per-request stats."""
         return Completion("".join(self.text_parts), tuple(self.token_ids), self.checker.finish_reason,
-                          len(self.prompt_ids), self.checker.delivered, self.stats())
+                          len(self.prompt_ids), self.checker.delivered, self.stats(),
+                          None if self.logprobs is None else tuple(self.logprobs))
 
     def stats(self) -> RequestStats:
         t0 = self.handle.t_submit

@@ -20,6 +20,7 @@ from flm_runtime.engine import sampler
 from flm_runtime.engine.picker import Picker
 from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
+from flm_runtime.models.llama import LlamaModel
 
 # The tiny-model and draft-file helpers live beside the model tests (tests/models).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
@@ -64,6 +65,19 @@ class ScriptTarget:
         logits = np.stack(logits) if logits else np.zeros((0, self.config.vocab_size), np.float32)  # [sum n_b, V]
         r = sum(ids.size for ids in rows)
         return ForwardOutput(logits, np.zeros((r, len(taps) * 8), np.float32) if taps else None)
+
+
+# A tiny random Llama (``tiny_model``) and a prompt for it.
+TINY300 = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=300,
+                      rope_theta=500.0, rms_norm_eps=1e-6)
+PROMPT = [5, 17, 200, 33, 9, 140, 71, 2, 250, 64]
+
+
+def tiny_model() -> LlamaModel:
+    from test_llama import tiny_weights  # tests/models is on sys.path (above)
+
+    return LlamaModel(TINY300, tiny_weights(TINY300, seed=4))
 
 
 def random_draft(target, *, taps: list[int], layers: int = 1, seed: int = 0) -> DFlashDraft:

@@ -9,15 +9,13 @@ import math
 import numpy as np
 import pytest
 from engine_fakes import EOS, FakeTokenizer
-from spec_fakes import ScriptTarget, plain_generate, random_draft, replay_proposer, spec_generate
+from spec_fakes import PROMPT, ScriptTarget, plain_generate, random_draft, replay_proposer, spec_generate
 
 from flm_runtime.backends import forward
-from flm_runtime.core import LlamaConfig
 from flm_runtime.engine import sampler
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.picker import Picker
 from flm_runtime.engine.speculative import PLAIN, SpeculativeDecoder, verify
-from flm_runtime.models.llama import LlamaModel
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11)
@@ -121,19 +119,6 @@ def test_verify_sampled_emits_the_target_distribution():
 
 # ---- the step on tiny random models ------------------------------------------------------------
 
-TINY300 = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=300,
-                      rope_theta=500.0, rms_norm_eps=1e-6)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from test_llama import tiny_weights  # tests/models is on sys.path (spec_fakes)
-
-    return LlamaModel(TINY300, tiny_weights(TINY300, seed=4))
-
-
-PROMPT = [5, 17, 200, 33, 9, 140, 71, 2, 250, 64]
 
 
 def check_caches(model, decoder, prompt):

@@ -16,6 +16,7 @@ import pytest
 
 import litellm_flm
 from flm_runtime import errors as rt
+from flm_fake_engine import FakeTokenizer
 from litellm_flm.llm import FlmLLM, build_chunk
 from flm_runtime.engine.request import RequestStats, SpecStats, StreamEvent
 
@@ -83,7 +84,7 @@ def test_context_overflow(fake_engine):
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_param_is_bad_request_at_call_time(fake_engine, stream):
     with pytest.raises(litellm.BadRequestError) as info:
-        litellm.completion(model=MODEL, messages=MESSAGES, presence_penalty=0.5, stream=stream)
+        litellm.completion(model=MODEL, messages=MESSAGES, presence_penalty="high", stream=stream)
     assert "presence_penalty" in str(info.value)
     assert fake_engine.requested_tags == []  # refused before the model is even looked up
 
@@ -95,11 +96,11 @@ def test_overloaded_engine_is_rate_limit(fake_engine):
 
 
 def test_build_chunk():
-    mid = build_chunk(StreamEvent("Pa", (1, 2), None, 10, 2))
+    mid = build_chunk(StreamEvent("Pa", (1, 2), None, 10, 2), FakeTokenizer().token_bytes)
     assert mid == {
         "text": "Pa", "is_finished": False, "finish_reason": "", "index": 0, "tool_use": None, "usage": None
     }
-    last = build_chunk(StreamEvent("", (), "length", 10, 5))
+    last = build_chunk(StreamEvent("", (), "length", 10, 5), FakeTokenizer().token_bytes)
     assert last["is_finished"] and last["finish_reason"] == "length"
     assert last["usage"] == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
 
