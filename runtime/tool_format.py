@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flm_runtime.errors import InvalidRequestError
+from flm_runtime.loading.chat_template import normalize_messages
 
 CALL_OPEN = "<tool_call>\n"
 CALL_CLOSE = "\n</tool_call>"
@@ -180,7 +181,7 @@ def render_messages(messages: list[dict], functions: list[dict] | None) -> list[
 
     Args:
         messages: ``system`` / ``user`` / ``assistant`` (perhaps with ``tool_calls``) / ``tool``
-            messages, content already text (or None).
+            messages; content a string, a list of text parts or None.
         functions: the tools to describe (``check_tools``), or None to describe none (the
             history may still hold calls and results).
 
@@ -190,8 +191,10 @@ def render_messages(messages: list[dict], functions: list[dict] | None) -> list[
 
     Raises:
         InvalidRequestError: a tool call without a function name or with arguments that are not
-            a JSON object string (``param`` ``messages[i].tool_calls[j]``).
+            a JSON object string (``param`` ``messages[i].tool_calls[j]``); content that is not
+            text (``param`` ``messages``).
     """
+    messages = normalize_messages(messages)  # content as one string
     out: list[dict] = []
     for i, message in enumerate(messages):
         role, content = message["role"], message.get("content") or ""

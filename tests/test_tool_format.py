@@ -103,7 +103,7 @@ def test_render_puts_tools_in_the_system_message_and_the_history_in_the_format()
                                                               "arguments": '{"city": "Paris", "unit": "celsius"}'}},
             {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
-        {"role": "tool", "tool_call_id": "call_2", "content": "5"},
+        {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "5"}]},
     ]
     out = tf.render_messages(messages, tf.check_tools(TOOLS))
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
@@ -114,6 +114,7 @@ def test_render_puts_tools_in_the_system_message_and_the_history_in_the_format()
     assert out[3]["content"] == "<tool_response>\n18 C, sunny\n</tool_response>\n<tool_response>\n5\n</tool_response>"
     assert tf.render_messages(messages[1:2], tf.check_tools(TOOLS))[0]["role"] == "system"  # a system message of its own
     assert tf.render_messages(messages[:2], None) == messages[:2]
+    assert tf.render_messages(messages[2:3], None) == [{"role": "assistant", "content": CALL_WEATHER + "\n" + CALL_ADD}]
 
 
 def test_render_refuses_a_call_whose_arguments_are_not_an_object():
