@@ -81,8 +81,8 @@ def _response_format_grammar(response_format: Any) -> str | None:
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, Mapping) or "schema" not in spec:
-            raise InvalidRequestError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
-                                      param="response_format.json_schema")
+            raise InvalidRequestError('response_format json_schema needs {"json_schema": {"name": ..., '
+                                      '"schema": {...}}}', param="response_format.json_schema")
         return json_schema_grammar(spec["schema"], param="response_format.json_schema.schema")
     raise InvalidRequestError(f"response_format type must be text, json_object or json_schema, got {response_format!r}",
                               param="response_format")

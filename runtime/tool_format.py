@@ -124,7 +124,7 @@ def chosen_functions(functions: list[dict], tool_choice: Any) -> tuple[str, list
         return tool_choice, functions
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, Mapping) else None
     if not (isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function" and isinstance(name, str)):
-        raise InvalidRequestError(f'tool_choice must be a string or {{"type": "function", "function": {{"name": ...}}}}, '
+        raise InvalidRequestError('tool_choice must be a string or {"type": "function", "function": {"name": ...}}, '
                                   f"got {tool_choice!r}", param="tool_choice")
     named = [f for f in functions if f["name"] == name]
     if not named:
@@ -243,9 +243,12 @@ def _read_call(block: str) -> ToolCall | None:
         value = json.loads(block)
     except json.JSONDecodeError:
         return None
-    if not (isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("arguments"), dict)):
+    if not isinstance(value, dict):
         return None
-    return ToolCall(_new_call_id(), value["name"], json.dumps(value["arguments"], ensure_ascii=False))
+    name, arguments = value.get("name"), value.get("arguments")
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return None
+    return ToolCall(_new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:

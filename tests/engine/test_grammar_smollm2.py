@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import numpy as np
 import pytest
 
 from flm_runtime import api, tool_format
@@ -102,3 +103,36 @@ def test_constrained_requests_batched_with_speculation_equal_each_alone(engines,
     assert [d.token_ids for d in together] == [d.token_ids for d in alone]
     for done, (_, schema) in zip(alone, CASES):
         check_valid(done, schema)
+
+
+def test_drafted_tokens_the_grammar_forbids_end_the_accepted_prefix(smollm2_quantized, smollm2_tokenizer, engines):
+    """A proposer that drafts the plain answer's own tokens, but ``<|im_start|>`` (which no grammar
+    allows) at every third position, and a ``logit_bias`` of +100 that makes that token the
+    target's favourite everywhere: only the mask stands between it and acceptance. Blocks are
+    accepted up to it, the mask rejects it, and the answer is still exactly the plain one."""
+    from flm_runtime.engine.engine import Engine
+
+    plain, _ = engines
+    tok, forbidden = smollm2_tokenizer, smollm2_tokenizer.token_to_id("<|im_start|>")
+    question, schema = CASES[0]
+    params = SamplingParams(max_tokens=MAX_TOKENS, logit_bias={forbidden: 100.0})
+    want = submit(plain, tok, question, schema, params).result()
+    unbiased = submit(plain, tok, question, schema, SamplingParams(max_tokens=MAX_TOKENS)).result()
+    assert want.token_ids == unbiased.token_ids
+    truth = dict(enumerate(want.token_ids, start=len(prompt_ids(tok, question, schema))))
+
+    def proposer(draft_cache, anchor_id, start):
+        return np.array([forbidden if p % 3 == 0 else truth.get(p, forbidden) for p in range(start + 1, start + 8)])
+
+    decoder = SpeculativeDecoder(smollm2_quantized, api.load_draft("smollm2-dflash:135m", smollm2_quantized),
+                                 proposer=proposer)
+    engine = Engine(smollm2_quantized, tok, name="grammar-forbidden", speculative=decoder)
+    try:
+        got = submit(engine, tok, question, schema, params).result()
+    finally:
+        engine.close()
+    assert got.token_ids == want.token_ids
+    spec = got.stats.spec
+    assert spec.accepted >= spec.steps                     # blocks were kept up to the forbidden token ...
+    assert spec.drafted - spec.accepted >= spec.steps      # ... and from it on rejected, at every step
+    assert spec.acceptance_length > 2.0

@@ -165,7 +165,8 @@ def test_json_schema_through_the_proxy(client, model):
     r = client.chat.completions.create(
         model=model, temperature=0, max_tokens=200,
         response_format={"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER, "strict": True}},
-        messages=[{"role": "user", "content": "Record an order: Ann, a pro customer, bought two books. It has shipped."}])
+        messages=[{"role": "user",
+                   "content": "Record an order: Ann, a pro customer, bought two books. It has shipped."}])
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), ORDER)
 
