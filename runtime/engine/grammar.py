@@ -80,7 +80,8 @@ class GrammarProcessor:
 
     Args:
         matcher: a fresh ``llguidance.LLMatcher`` of the request's grammar (not in error).
-        vocab_size: ``V``, the length of the logits rows it will mask.
+        vocab_size: the tokenizer's vocabulary; a model's logits rows may be longer (a padded
+            vocabulary), and the ids past it are never text, so never allowed.
 
     Raises (from ``process`` / ``accept``):
         RuntimeError: the matcher failed (a token the mask forbade was emitted, or llguidance hit
@@ -93,17 +94,19 @@ class GrammarProcessor:
         self._vocab_size = vocab_size
         self._bitmask = allocate_token_bitmask(1, vocab_size)  # [1, ceil(V/32)] int32, reused
 
-    def allowed(self) -> np.ndarray:
-        """``[V]`` bool: the tokens the grammar allows at the next position."""
+    def allowed(self, size: int | None = None) -> np.ndarray:
+        """``[size]`` bool (default: the tokenizer's vocabulary): the tokens the grammar allows at
+        the next position."""
         fill_next_token_bitmask(self._matcher, self._bitmask)
         self._check()
-        # Bit t of the little-endian int32 words is token t; ids past the tokenizer's are never text.
-        return np.unpackbits(self._bitmask.view(np.uint8), count=self._vocab_size, bitorder="little").view(bool)
+        # Bit t of the little-endian int32 words is token t; unpacking past them gives False.
+        bits = self._bitmask.view(np.uint8)
+        return np.unpackbits(bits, count=size or self._vocab_size, bitorder="little").view(bool)
 
     def process(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` ``[V]`` float32 with every token the grammar forbids set to ``-inf`` (in
         place); once the grammar is complete only the stop tokens stay."""
-        allowed = self.allowed()
+        allowed = self.allowed(logits.shape[-1])
         if not allowed.any():
             raise RuntimeError(f"the grammar allows no token here: {self._matcher.get_error() or 'no stop token'}")
         np.putmask(logits, ~allowed, -np.inf)

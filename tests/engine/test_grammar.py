@@ -60,6 +60,12 @@ def test_json_object_mode_allows_any_object_and_nothing_else(fake_compiler):
     assert allowed_ids(proc) == sorted([EOS, EOT])
 
 
+def test_logits_longer_than_the_vocabulary_are_masked_past_it(fake_compiler):
+    proc = fake_compiler.processor(json_object_grammar())
+    out = proc.process(np.zeros(320, dtype=np.float32))       # a model padded 20 ids past the tokenizer
+    assert np.flatnonzero(np.isfinite(out)).tolist() == [ord("{")]
+
+
 def test_a_forbidden_token_fails_the_processor(fake_compiler):
     proc = fake_compiler.processor(json_schema_grammar(OK_SCHEMA))
     with pytest.raises(RuntimeError, match="constrained decoding failed"):
