@@ -63,8 +63,6 @@ _ISA_FEATURES = {"avx512vnni": ("avx512vnni", "avx512bw", "avx512f", "f16c", "fm
 LEVEL_SHIFT = 7  # step = dx / 2**7: the second level's integers join the first's exactly
 _GROUPS = BLOCK // GROUP  # code vectors per block of a tile
 _CHAINS = 2  # integer accumulators per level and row
-# The quantizer's float math (activations are finite: a NaN row is garbage either way).
-_QUANTIZE_MATH = {"nnan", "nsz", "reassoc", "contract", "arcp"}
 _PREFETCH_BLOCKS = 4  # how far ahead a multi-row kernel step prefetches its codes
 
 
@@ -78,47 +76,6 @@ def host_isas() -> tuple[str, ...]:
 def select_isa() -> str:
     """The fastest path this host runs."""
     return host_isas()[0]
-
-
-# --- activations ------------------------------------------------------------------------------
-
-@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath=_QUANTIZE_MATH)
-def quantize_activations(x, padded):  # pragma: no cover - compiled
-    """``x`` ``[M, K]`` float32 in two int8 levels per block of 32 (module docstring).
-
-    Returns:
-        ``xq`` ``[M, 2 * Kp]`` int8 (``q1`` in columns ``0 .. Kp-1``, ``q2`` in ``Kp ..``, input
-        order, padding zeros); ``step`` ``[M, Kp/32]`` float32; ``sx`` ``[M, Kp/32]`` float32,
-        ``step * S``; ``s`` ``[M, Kp/32]`` int32, ``S`` (``Kp = padded``).
-    """
-    m, k = x.shape
-    nb = padded // BLOCK
-    xq = np.zeros((m, 2 * padded), dtype=np.int8)
-    step = np.empty((m, nb), dtype=np.float32)
-    sx = np.empty((m, nb), dtype=np.float32)
-    s = np.empty((m, nb), dtype=np.int32)
-    lim = np.float32(127.0)
-    for r in range(m):
-        row, q_row = x[r], xq[r]
-        for b in range(nb):
-            lo, hi = b * BLOCK, min(b * BLOCK + BLOCK, k)
-            amax = np.float32(0.0)
-            for i in range(lo, hi):
-                amax = max(amax, abs(row[i]))
-            dx = amax / lim
-            st = dx * np.float32(1.0 / (1 << LEVEL_SHIFT))  # exact: a power of two
-            inv1 = np.float32(1.0) / dx if dx > 0 else np.float32(0.0)
-            inv2 = np.float32(1.0) / st if st > 0 else np.float32(0.0)
-            total = np.float32(0.0)  # a sum of integers below 2**24: exact in any order
-            for i in range(lo, hi):
-                q1 = min(max(np.rint(row[i] * inv1), -lim), lim)
-                q2 = min(max(np.rint((row[i] - dx * q1) * inv2), -lim), lim)
-                q_row[i], q_row[padded + i] = np.int8(q1), np.int8(q2)
-                total += q1 * np.float32(1 << LEVEL_SHIFT) + q2
-            step[r, b] = st
-            s[r, b] = np.int32(total)
-            sx[r, b] = st * total
-    return xq, step, sx, s
 
 
 # --- LLVM IR building blocks --------------------------------------------------------------------
@@ -185,6 +142,83 @@ def _loop(builder, count, inits):
         builder.position_at_end(after)
 
     return i, phis, close
+
+
+# --- activations ------------------------------------------------------------------------------
+
+@numba.njit(cache=True, nogil=True)
+def quantize_activations(x, padded):  # pragma: no cover - compiled
+    """``x`` ``[M, K]`` float32 in two int8 levels per block of 32 (module docstring), a block at a
+    time on whole vectors (``_quantize_block``).
+
+    Returns:
+        ``xq`` ``[M, 2 * Kp]`` int8 (``q1`` in columns ``0 .. Kp-1``, ``q2`` in ``Kp ..``, input
+        order, padding zeros); ``step`` ``[M, Kp/32]`` float32; ``sx`` ``[M, Kp/32]`` float32,
+        ``step * S``; ``s`` ``[M, Kp/32]`` int32, ``S`` (``Kp = padded``).
+    """
+    m, k = x.shape
+    nb = padded // BLOCK
+    xq = np.empty((m, 2 * padded), dtype=np.int8)
+    step = np.empty((m, nb), dtype=np.float32)
+    sx = np.empty((m, nb), dtype=np.float32)
+    s = np.empty((m, nb), dtype=np.int32)
+    padded_row = np.zeros(padded, dtype=np.float32)  # a row whose width is not whole blocks, padded
+    for r in range(m):
+        row = x[r]
+        if k < padded:
+            padded_row[:k] = row
+            row = padded_row
+        for b in range(nb):
+            st, total = _quantize_block(row, xq, r, b, padded)
+            step[r, b] = st
+            s[r, b] = total
+            sx[r, b] = st * np.float32(total)  # exact: |S| < 2**24
+    return xq, step, sx, s
+
+@intrinsic
+def _quantize_block(typingctx, row, xq, r, b, padded):  # pragma: no cover - compiled
+    """``_quantize_block(row, xq, r, b, padded) -> (step, S)``: inputs ``32b .. 32b+31`` of ``row``
+    (1-D float32) in two levels (module docstring), written to ``xq[r, 32b ..]`` (``q1``) and
+    ``xq[r, padded + 32b ..]`` (``q2``), as ``<32 x float>`` vector IR (the scalar loop's max
+    and rounding did not vectorize). ``S = sum(128 * q1 + q2)``, in integers."""
+    sig = types.Tuple((types.float32, types.int32))(row, xq, r, b, padded)
+
+    def codegen(context, builder, signature, args):
+        row_t, xq_t = signature.args[:2]
+        row_v, xq_v, r_v, b_v, padded_v = args
+        r_v, b_v, padded_v = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (r_v, b_v, padded_v))
+        vf, vi = _vec(_F32, BLOCK), _vec(_I32, BLOCK)
+        f32 = lambda v: ir.Constant(_F32, v)  # noqa: E731
+        data = builder.bitcast(context.make_array(row_t)(context, builder, row_v).data, _F32.as_pointer())
+        first = builder.mul(b_v, ir.Constant(_I64, BLOCK))
+        v = _load(builder, data, first, vf)
+        amax = builder.call(_fn(builder, "llvm.vector.reduce.fmax.v32f32", _F32, [vf]),
+                            [builder.call(_fn(builder, "llvm.fabs.v32f32", vf, [vf]), [v])])
+        dx = builder.fdiv(amax, f32(127.0))
+        st = builder.fmul(dx, f32(1.0 / (1 << LEVEL_SHIFT)))  # exact: a power of two
+
+        def inverse(a):  # 1 / a, or 0 for an all-zero block
+            return builder.select(builder.fcmp_ordered(">", a, f32(0.0)), builder.fdiv(f32(1.0), a), f32(0.0))
+
+        rint = _fn(builder, "llvm.rint.v32f32", vf, [vf])
+        lo, hi = _fn(builder, "llvm.maxnum.v32f32", vf, [vf, vf]), _fn(builder, "llvm.minnum.v32f32", vf, [vf, vf])
+
+        def level(a, inv):  # clamp(rint(a * inv), -127, 127)
+            q = builder.call(rint, [builder.fmul(a, _broadcast(builder, inv, BLOCK))])
+            return builder.call(hi, [builder.call(lo, [q, _splat(_F32, BLOCK, -127.0)]), _splat(_F32, BLOCK, 127.0)])
+
+        q1 = level(v, inverse(dx))
+        q2 = level(builder.fsub(v, builder.fmul(_broadcast(builder, dx, BLOCK), q1)), inverse(st))
+        i1, i2 = builder.fptosi(q1, vi), builder.fptosi(q2, vi)
+        out = _row_ptr(context, builder, xq_t, xq_v, r_v, _I8)
+        for column, q in ((first, i1), (builder.add(padded_v, first), i2)):
+            builder.store(builder.trunc(q, _vec(_I8, BLOCK)),
+                          builder.bitcast(builder.gep(out, [column]), _vec(_I8, BLOCK).as_pointer()), align=1)
+        joined = builder.add(builder.shl(i1, _splat(_I32, BLOCK, LEVEL_SHIFT)), i2)
+        total = builder.call(_fn(builder, "llvm.vector.reduce.add.v32i32", _I32, [vi]), [joined])
+        return context.make_tuple(builder, signature.return_type, [st, total])
+
+    return sig, codegen
 
 
 def _dot4(builder, isa, bits, acc, codes, x):
