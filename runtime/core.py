@@ -118,8 +118,13 @@ class KVCache:
         layers are written.
         """
         t = k.shape[1]
-        positions = np.arange(self.length, self.length + t)
-        self.k[layer, :, positions // KEY_TILE, :, positions % KEY_TILE] = k.transpose(1, 0, 2)  # [T, Hkv, D]
+        position, end = self.length, self.length + t
+        while position < end:  # the runs of positions that share a key tile: slices, not fancy indexing
+            tile, lane = divmod(position, KEY_TILE)
+            n = min(end - position, KEY_TILE - lane)
+            first = position - self.length
+            self.k[layer, :, tile, :, lane : lane + n] = k[:, first : first + n].transpose(0, 2, 1)  # [Hkv, D, n]
+            position += n
         self.v[layer, :, self.length : self.length + t] = v
 
     def keys(self, layer: int | None = None) -> np.ndarray:

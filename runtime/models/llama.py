@@ -248,7 +248,7 @@ class LlamaModel:
         assert all(0 <= i < len(self.layers) for i in taps), f"tap layers {taps} out of range"
         assert spans[0].rows.start == 0 and spans[-1].rows.stop == token_ids.shape[0]
         assert all(a.rows.stop == b.rows.start for a, b in zip(spans, spans[1:])), "spans out of row order"
-        with cpu.forward_pass(token_ids.shape[0], max(s.start + s.n_rows for s in spans)):
+        with cpu.forward_pass(token_ids.shape[0]):
             return self._run_rows(token_ids, spans, taps=taps)
 
     def _run_rows(self, token_ids: np.ndarray, spans: list[_Span], *,
