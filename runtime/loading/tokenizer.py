@@ -22,7 +22,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.loading.chat_template import render_chat_template
+from flm_runtime.loading.chat_template import render_chat_template, thinking_format
 from flm_runtime.loading.gguf import read_gguf_metadata
 from flm_runtime.loading.hf_files import read_hf_tokenizer_files
 
@@ -80,6 +80,9 @@ class Tokenizer:
             Hugging Face tokenizer does (SmolLM2 lacks 0x04, 0x06, 0x13, 0x14, 0x16, 0x1D and
             bytes never seen in UTF-8). Text without them round-trips exactly.
         chat_template: Jinja source, or ``None`` (the ChatML fallback is used).
+        thinking: the template's thinking switch and output markers (``thinking_format``), or
+            ``None`` when the template has no switch. A registry entry may declare its own
+            (``flm_runtime.api.load_model`` sets it then).
     """
 
     def __init__(self, hf: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: list[int],
@@ -90,6 +93,7 @@ class Tokenizer:
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.add_bos = add_bos
         self.chat_template = chat_template or None
+        self.thinking = thinking_format(self.chat_template)
         added = hf.get_added_tokens_decoder()  # id -> AddedToken
         self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
         self._token_bytes = _token_bytes_table(hf, added)
