@@ -4,12 +4,14 @@ the tokenizer, declared with other markers by a registry entry, and rendered on 
 from __future__ import annotations
 
 import pytest
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFTokenizer
 
 from flm_runtime import api, registry
 from flm_runtime.loading import Tokenizer
 from flm_runtime.loading.chat_template import CHATML_FALLBACK, ThinkingFormat, thinking_format
 
-from tiny_llama_files import CHATML, random_hf_weights, tiny_config, write_tiny_hf_dir
+from tiny_llama_files import CHATML, random_hf_weights, tiny_config, tiny_tokenizer_json, write_tiny_hf_dir
 
 # A Qwen3-style switch: thinking unless enable_thinking is false, which writes an empty block.
 TEMPLATE = (
@@ -75,3 +77,17 @@ def test_a_registry_entry_declares_other_markers(thinking_dir, tmp_path, monkeyp
         assert api.load_model("plain:1m").tokenizer.thinking == ThinkingFormat()
     finally:
         registry.reload()
+
+
+def test_markers_made_special_tokens_stay_in_the_text():
+    """A vocabulary may make <think> and </think> control tokens: a model with a thinking switch
+    keeps them in its output (the reasoning split reads them), one without drops them."""
+    hf = HFTokenizer.from_str(tiny_tokenizer_json())
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<think>", "</think>")])
+    ids = hf.encode("<think>he</think>the").ids
+    thinker = Tokenizer(hf, bos_token_id=None, eos_token_ids=[2], add_bos=False, chat_template=TEMPLATE, source="t")
+    plain = Tokenizer(hf, bos_token_id=None, eos_token_ids=[2], add_bos=False, chat_template=CHATML, source="t")
+    assert thinker.decode(ids, skip_special_tokens=True) == "<think>he</think>the"
+    assert plain.decode(ids, skip_special_tokens=True) == "hethe"
+    thinker.thinking = ThinkingFormat(start="<reason>", end="</reason>")  # a registry entry's markers
+    assert thinker.decode(ids, skip_special_tokens=True) == "hethe"
