@@ -234,7 +234,8 @@ def _thinking_type(thinking: Any) -> bool:
     allowed = {"type", "budget_tokens"} if thinking["type"] == "enabled" else {"type"}
     for key in thinking:
         if key not in allowed:
-            raise InvalidRequestError(f"thinking of type {thinking['type']!r} takes no {key!r}", param=f"thinking.{key}")
+            raise InvalidRequestError(f"thinking of type {thinking['type']!r} takes no {key!r}",
+                                      param=f"thinking.{key}")
     budget = thinking.get("budget_tokens")
     if budget is not None and (type(budget) is not int or budget < 1):
         raise InvalidRequestError(f"thinking.budget_tokens must be a positive integer, got {budget!r}",

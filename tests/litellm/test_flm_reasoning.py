@@ -220,7 +220,8 @@ def test_unset_leaves_the_template_default(thinking_engine):
 def test_stream_equals_non_stream(thinking_engine):
     full = litellm.completion(model=MODEL, messages=QUESTION, thinking={"type": "enabled", "budget_tokens": 1024},
                               **LET_BY)
-    chunks = list(litellm.completion(model=MODEL, messages=QUESTION, stream=True, stream_options={"include_usage": True},
+    chunks = list(litellm.completion(model=MODEL, messages=QUESTION, stream=True,
+                                     stream_options={"include_usage": True},
                                      thinking={"type": "enabled", "budget_tokens": 1024}, **LET_BY))
     assert joined(chunks) == (REASONING, CONTENT, "stop")
     assert parts(full) == (REASONING, CONTENT)
@@ -233,7 +234,8 @@ def test_stream_equals_non_stream(thinking_engine):
 
 def test_async_stream_equals_non_stream(thinking_engine):
     async def run():
-        stream = await litellm.acompletion(model=MODEL, messages=QUESTION, stream=True, reasoning_effort="low", **LET_BY)
+        stream = await litellm.acompletion(model=MODEL, messages=QUESTION, stream=True, reasoning_effort="low",
+                                           **LET_BY)
         full = await litellm.acompletion(model=MODEL, messages=QUESTION, reasoning_effort="low", **LET_BY)
         return [c async for c in stream], full
 
@@ -279,7 +281,8 @@ def test_raw_text_completion_is_not_split(thinking_engine):
 
 def test_model_without_switch_refuses_thinking_on(fake_engine):
     assert fake_engine.tokenizer.thinking is None
-    for on, name in (({"reasoning_effort": "high"}, "reasoning_effort"), ({"thinking": {"type": "enabled"}}, "thinking")):
+    for on, name in (({"reasoning_effort": "high"}, "reasoning_effort"),
+                     ({"thinking": {"type": "enabled"}}, "thinking")):
         with pytest.raises(litellm.BadRequestError, match=name):
             litellm.completion(model=MODEL, messages=QUESTION, **on, **LET_BY)
         with pytest.raises(litellm.BadRequestError, match=name):
@@ -303,3 +306,13 @@ def test_litellm_itself_refuses_or_drops_without_allowed_openai_params(fake_engi
         litellm.completion(model=MODEL, messages=QUESTION, reasoning_effort="high")
     r = litellm.completion(model=MODEL, messages=QUESTION, reasoning_effort="high", drop_params=True)
     assert r.choices[0].message.content == fake_engine.reply
+
+
+def test_a_router_deployment_lets_the_parameters_through(thinking_engine):
+    """The proxy's way: allowed_openai_params in the deployment's litellm_params."""
+    router = litellm.Router(model_list=[{"model_name": "local", "litellm_params": {"model": MODEL, **LET_BY}}],
+                            num_retries=0)
+    thinking_engine.reply = "Paris."
+    r = router.completion(model="local", messages=QUESTION, reasoning_effort="none")
+    assert prompt_of(thinking_engine) == PROMPT + "<think>\n\n</think>\n\n"
+    assert parts(r) == (None, "Paris.")
