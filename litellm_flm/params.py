@@ -199,9 +199,10 @@ def requested_thinking(optional_params: Mapping[str, Any]) -> tuple[bool, str] |
     parameter that says so; None leaves the model's chat template to its default.
 
     ``reasoning_effort`` maps through ``REASONING_EFFORTS``; Anthropic's ``thinking`` is
-    ``{"type": "enabled", "budget_tokens": N}`` or ``{"type": "disabled"}`` (``budget_tokens`` is
+    ``{"type": "enabled", "budget_tokens": N}`` (on), ``{"type": "disabled"}`` (off) or
+    ``{"type": "adaptive"}`` (the model decides: the template's default). ``budget_tokens`` is
     accepted but not enforced: the model ends its own thinking, and ``max_tokens`` bounds the
-    whole reply).
+    whole reply.
 
     Raises:
         InvalidRequestError: a value not understood (``param`` names it, e.g. ``thinking.type``),
@@ -217,19 +218,22 @@ def requested_thinking(optional_params: Mapping[str, Any]) -> tuple[bool, str] |
         if REASONING_EFFORTS[effort] is not None:
             asked.append((REASONING_EFFORTS[effort], "reasoning_effort"))
     thinking = flat.get("thinking")
-    if thinking is not None:
-        asked.append((_thinking_type(thinking), "thinking"))
+    if thinking is not None and (on := _thinking_type(thinking)) is not None:
+        asked.append((on, "thinking"))
     if len(asked) == 2 and asked[0][0] != asked[1][0]:
         raise InvalidRequestError(f"reasoning_effort={effort!r} and thinking={thinking!r} ask for opposite things; "
                                   "give one of them", param="thinking")
     return asked[0] if asked else None
 
 
-def _thinking_type(thinking: Any) -> bool:
-    """Anthropic's ``thinking`` parameter -> on (True) or off (False)."""
-    if not isinstance(thinking, Mapping) or thinking.get("type") not in ("enabled", "disabled"):
+THINKING_TYPES: dict[str, bool | None] = {"enabled": True, "disabled": False, "adaptive": None}
+
+
+def _thinking_type(thinking: Any) -> bool | None:
+    """Anthropic's ``thinking`` parameter -> on (True), off (False) or the template's default (None)."""
+    if not isinstance(thinking, Mapping) or thinking.get("type") not in THINKING_TYPES:
         got = thinking.get("type") if isinstance(thinking, Mapping) else thinking
-        raise InvalidRequestError(f"thinking must be {{'type': 'enabled' | 'disabled'}}, got {got!r}",
+        raise InvalidRequestError(f"thinking must be {{'type': one of {list(THINKING_TYPES)}}}, got {got!r}",
                                   param="thinking.type")
     allowed = {"type", "budget_tokens"} if thinking["type"] == "enabled" else {"type"}
     for key in thinking:
@@ -240,7 +244,7 @@ def _thinking_type(thinking: Any) -> bool:
     if budget is not None and (type(budget) is not int or budget < 1):
         raise InvalidRequestError(f"thinking.budget_tokens must be a positive integer, got {budget!r}",
                                   param="thinking.budget_tokens")
-    return thinking["type"] == "enabled"
+    return THINKING_TYPES[thinking["type"]]
 
 
 def backend_of(optional_params: Mapping[str, Any]) -> str | None:
