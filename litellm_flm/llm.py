@@ -5,8 +5,9 @@ and calls one of the four methods below with ``optional_params``; ``params`` val
 ``SamplingParams`` and the messages into template input; the engine of the tag renders the model's
 own chat template, counts the prompt tokens and queues the request (or raises ``ContextLengthError``
 / ``KVBudgetError`` / ``EngineOverloadedError``); its events become a ``ModelResponse`` or
-``GenericStreamingChunk``s here. Nothing deeper: sampling, stop strings, UTF-8-safe detokenizing and
-token counting are the engine's.
+``ModelResponseStream`` chunks here, a reasoning model's thinking split out into
+``reasoning_content`` (``reasoning``). Nothing deeper: sampling, stop strings, UTF-8-safe
+detokenizing and token counting are the engine's.
 
 Blocking work (loading a model, tokenizing, waiting for tokens) never runs on the event loop: the
 async methods hand it to a worker thread or to the engine's own async iterator.
@@ -17,19 +18,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import litellm
 from litellm import CustomLLM
-from litellm.types.utils import Choices, EmbeddingResponse, GenericStreamingChunk, Message, ModelResponse, Usage
+from litellm.types.utils import (Choices, Delta, EmbeddingResponse, Message, ModelResponse, ModelResponseStream,
+                                 StreamingChoices, Usage)
 
 from flm_runtime.engine.request import Completion, RequestStats, StreamEvent
 
 from .errors import litellm_errors
 from .params import (backend_of, embedding_inputs, encoding_format, normalize_messages, raw_prompts,
-                     request_fields)
+                     request_fields, requested_thinking)
+from .reasoning import Reasoning, template_switch
 
 
 def _get_engine(tag: str, backend: str | None = None):
@@ -63,27 +67,34 @@ def _drops_unsupported(litellm_params: dict | None) -> bool:
 
 
 def _start(model: str, messages: list, optional_params: dict, timeout: Any, litellm_params: dict | None, *,
-           stream: bool = False) -> list:
+           stream: bool = False) -> tuple[list, Reasoning | None]:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
-    (``request_fields``). A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
+    (``request_fields``), and a thinking switch the model does not have (``template_switch``).
+    A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
     message) continues each prompt's raw text, with no chat template: one engine request per
     prompt, all submitted before any is awaited, so the engine batches them.
 
     Returns:
-        The engine's RequestHandles, one per prompt (one for a chat).
+        The engine's RequestHandles, one per prompt (one for a chat); and how to split a chat's
+        output into reasoning and content (None: all of it is content).
 
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
     """
-    fields = request_fields(optional_params, _drops_unsupported(litellm_params))  # before loading: fail fast
+    drop = _drops_unsupported(litellm_params)
+    fields = request_fields(optional_params, drop)  # before loading: fail fast
+    thinking = requested_thinking(optional_params)
     raw = (litellm_params or {}).get("text_completion") is True
     prompts = raw_prompts(messages, stream=stream) if raw else None
     chat = None if raw else normalize_messages(messages)
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
-    texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)]
+    fmt = None if raw else engine.tokenizer.thinking
+    switch = template_switch(fmt, thinking, drop=drop)
+    texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **switch)]
+    reasoning = None if raw else Reasoning.of_prompt(fmt, texts[0])
     handles = []
     try:
         for text in texts:
@@ -91,7 +102,7 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any, lite
     except BaseException:  # one prompt refused (too long, queue full): none of them runs
         _cancel(handles)
         raise
-    return handles
+    return handles, reasoning
 
 
 def _cancel(handles: list) -> None:
@@ -99,9 +110,11 @@ def _cancel(handles: list) -> None:
         handle.cancel()
 
 
-def build_response(model_response: ModelResponse, model: str, dones: list[Completion]) -> ModelResponse:
+def build_response(model_response: ModelResponse, model: str, dones: list[Completion],
+                   reasoning: Reasoning | None = None) -> ModelResponse:
     """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: choice ``i`` is
-    ``dones[i]``, usage their sum.
+    ``dones[i]`` (its thinking in ``reasoning_content`` where ``reasoning`` says how to find it),
+    usage their sum.
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
@@ -109,7 +122,7 @@ def build_response(model_response: ModelResponse, model: str, dones: list[Comple
     several choices a list of them in choice order.
     """
     model_response.choices = [
-        Choices(index=i, finish_reason=done.finish_reason, message=Message(content=done.text, role="assistant"))
+        Choices(index=i, finish_reason=done.finish_reason, message=_message(done.text, reasoning))
         for i, done in enumerate(dones)
     ]
     model_response.model = model
@@ -118,6 +131,13 @@ def build_response(model_response: ModelResponse, model: str, dones: list[Comple
     stats = [done.stats.as_dict() for done in dones]
     model_response._hidden_params["flm_stats"] = stats[0] if len(stats) == 1 else stats
     return model_response
+
+
+def _message(text: str, reasoning: Reasoning | None) -> Message:
+    if reasoning is None:
+        return Message(content=text, role="assistant")
+    thought, content = reasoning.split(text)
+    return Message(content=content, role="assistant", reasoning_content=thought)
 
 
 def summed_usage(dones: list[Completion]) -> dict:
@@ -187,20 +207,49 @@ def build_embedding_response(model_response: EmbeddingResponse, model: str, vect
     return model_response
 
 
-def build_chunk(event: StreamEvent) -> GenericStreamingChunk:
-    """One engine event -> one LiteLLM chunk; the final one (finish_reason set) carries the usage."""
-    finished = event.finish_reason is not None
-    usage = None
-    if finished:
-        usage = usage_fields(event.prompt_tokens, event.completion_tokens, event.stats)
-    return GenericStreamingChunk(
-        text=event.text,
-        is_finished=finished,
-        finish_reason=event.finish_reason or "",
-        index=0,
-        tool_use=None,
-        usage=usage,
-    )
+class StreamChunks:
+    """The engine events of one streamed chat -> LiteLLM ``ModelResponseStream`` chunks.
+
+    ModelResponseStream rather than GenericStreamingChunk because only its delta carries
+    ``reasoning_content`` (docs/design.md, "LiteLLM facts"). LiteLLM passes a custom provider's
+    ModelResponseStream on as it is, so each chunk has the stream's one id, ``model`` and the
+    role on the first. LiteLLM discards a chunk with a finish_reason but no content or tool
+    calls, usage and reasoning included, so the last event gives two: its delta with the usage,
+    then the finish_reason alone (LiteLLM sends it on a chunk of its own in any case).
+
+    Args:
+        model: the tag as LiteLLM passed it.
+        reasoning: how to split the output (``_start``); None: all content.
+    """
+
+    def __init__(self, model: str, reasoning: Reasoning | None):
+        self._id = f"chatcmpl-{uuid.uuid4()}"
+        self._created = int(time.time())
+        self._model = model
+        self._splitter = reasoning.splitter() if reasoning is not None else None
+        self._role: str | None = "assistant"  # on the first chunk only
+
+    def __call__(self, event: StreamEvent) -> list[ModelResponseStream]:
+        """The chunks of one event: none while text is held back (a marker may be starting)."""
+        finished = event.finish_reason is not None
+        thought, text = "", event.text
+        if self._splitter is not None:
+            thought, text = self._splitter.feed(event.text)
+            if finished:
+                tail_thought, tail_text = self._splitter.finish()
+                thought, text = thought + tail_thought, text + tail_text
+        chunks = []
+        if thought or text or finished:
+            chunks.append(self._chunk(Delta(content=text or None, reasoning_content=thought or None, role=self._role)))
+            self._role = None
+        if finished:
+            chunks[-1].usage = Usage(**usage_fields(event.prompt_tokens, event.completion_tokens, event.stats))
+            chunks.append(self._chunk(Delta(), finish_reason=event.finish_reason))
+        return chunks
+
+    def _chunk(self, delta: Delta, finish_reason: str | None = None) -> ModelResponseStream:
+        return ModelResponseStream(id=self._id, created=self._created, model=self._model,
+                                   choices=[StreamingChoices(index=0, delta=delta, finish_reason=finish_reason)])
 
 
 class FlmLLM(CustomLLM):
@@ -216,45 +265,46 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles = _start(model, messages, optional_params, timeout, litellm_params)
+            handles, reasoning = _start(model, messages, optional_params, timeout, litellm_params)
             try:
                 dones = [handle.result() for handle in handles]
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones)
+        return build_response(model_response, model, dones, reasoning)
 
     async def acompletion(
         self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params)
+            handles, reasoning = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
+                                                         litellm_params)
             try:
                 dones = list(await asyncio.gather(*(handle.aresult() for handle in handles)))
             except BaseException:  # CancelledError: the client went away
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones)
+        return build_response(model_response, model, dones, reasoning)
 
     def streaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
-    ) -> Iterator[GenericStreamingChunk]:
+    ) -> Iterator[ModelResponseStream]:
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            [handle] = _start(model, messages, optional_params, timeout, litellm_params, stream=True)
-        return self._stream(model, handle)
+            [handle], reasoning = _start(model, messages, optional_params, timeout, litellm_params, stream=True)
+        return self._stream(model, handle, StreamChunks(model, reasoning))
 
     @staticmethod
-    def _stream(model: str, handle) -> Iterator[GenericStreamingChunk]:
+    def _stream(model: str, handle, chunks: StreamChunks) -> Iterator[ModelResponseStream]:
         finished = False
         try:
             with litellm_errors(model):
                 for event in handle:
                     finished = event.finish_reason is not None
-                    yield build_chunk(event)
+                    yield from chunks(event)
         finally:
             if not finished:  # the caller stopped reading, or an error: free the sequence now
                 handle.cancel()
@@ -262,18 +312,20 @@ class FlmLLM(CustomLLM):
     async def astreaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
-    ) -> AsyncIterator[GenericStreamingChunk]:
+    ) -> AsyncIterator[ModelResponseStream]:
         # Must be an async generator (docs/design.md, "LiteLLM facts"): litellm iterates the
         # object it gets back.
         finished = False
         handle = None
         try:
             with litellm_errors(model):
-                [handle] = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params,
-                                                   stream=True)
+                [handle], reasoning = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
+                                                              litellm_params, stream=True)
+                chunks = StreamChunks(model, reasoning)
                 async for event in handle.aiter():
                     finished = event.finish_reason is not None
-                    yield build_chunk(event)
+                    for chunk in chunks(event):
+                        yield chunk
         finally:
             if handle is not None and not finished:
                 handle.cancel()

@@ -16,7 +16,7 @@ import pytest
 
 import litellm_flm
 from flm_runtime import errors as rt
-from litellm_flm.llm import FlmLLM, build_chunk
+from litellm_flm.llm import FlmLLM, StreamChunks
 from flm_runtime.engine.request import RequestStats, SpecStats, StreamEvent
 
 MODEL = "flm/smollm2:135m"
@@ -94,14 +94,20 @@ def test_overloaded_engine_is_rate_limit(fake_engine):
         litellm.completion(model=MODEL, messages=MESSAGES)
 
 
-def test_build_chunk():
-    mid = build_chunk(StreamEvent("Pa", (1, 2), None, 10, 2))
-    assert mid == {
-        "text": "Pa", "is_finished": False, "finish_reason": "", "index": 0, "tool_use": None, "usage": None
-    }
-    last = build_chunk(StreamEvent("", (), "length", 10, 5))
-    assert last["is_finished"] and last["finish_reason"] == "length"
-    assert last["usage"] == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+def test_stream_chunks():
+    chunks = StreamChunks("smollm2:135m", None)
+    [first] = chunks(StreamEvent("Pa", (1, 2), None, 10, 2))
+    assert (first.choices[0].delta.role, first.choices[0].delta.content, first.choices[0].finish_reason) == (
+        "assistant", "Pa", None)
+    assert first.model == "smollm2:135m"
+    [mid] = chunks(StreamEvent("ri", (3,), None, 10, 3))
+    assert (mid.choices[0].delta.role, mid.choices[0].delta.content, mid.id) == (None, "ri", first.id)
+    # The last event: its delta with the usage (none here), then the finish_reason alone.
+    last, finish = chunks(StreamEvent("", (), "length", 10, 5))
+    assert (last.choices[0].delta.content, last.choices[0].finish_reason) == (None, None)
+    assert last.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == {
+        "prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+    assert (finish.choices[0].delta.content, finish.choices[0].finish_reason, finish.id) == (None, "length", first.id)
 
 
 def test_stream(fake_engine):
