@@ -152,35 +152,44 @@ def _contiguous(*array_types):
 
 
 @intrinsic
-def _score_tiles(typingctx, query, tiles, first, count, scale, scores):  # pragma: no cover - compiled
-    """``_score_tiles(query, tiles, first, count, scale, scores)``: for the ``count`` (a constant)
-    key tiles ``first ..`` of ``tiles`` ``[n_tiles, D, 16]``, ``scores[16 i + l] = scale *
-    sum_e query[e] * tiles[i, e, l]``, each lane a chain of fused multiply-adds over ``e`` in
-    order (the same arithmetic for any ``count``: several tiles only run side by side, so that
-    the chains' latencies overlap)."""
-    _contiguous(query, tiles, scores)
-    n = literal(count, "count")
-    sig = types.void(query, tiles, first, count, scale, scores)
+def _score_tiles(typingctx, queries, n_queries, tiles, first, count, scale, scores):  # pragma: no cover - compiled
+    """``_score_tiles(queries, n_queries, tiles, first, count, scale, scores)``: for each of the
+    first ``n_queries`` (a constant) rows ``j`` of ``queries`` ``[G, D]`` and each of the
+    ``count`` (a constant) key tiles ``i = first ..`` of ``tiles`` ``[n_tiles, D, 16]``,
+    ``scores[j, 16 i + l] = scale * sum_e queries[j, e] * tiles[i, e, l]``, each lane a chain of
+    fused multiply-adds over ``e`` in order. A tile's row is loaded once for all the queries,
+    and the chains run side by side so that their latencies overlap; each chain's arithmetic is
+    the same whatever runs beside it."""
+    _contiguous(queries, tiles, scores)
+    g, n = literal(n_queries, "n_queries"), literal(count, "count")
+    sig = types.void(queries, n_queries, tiles, first, count, scale, scores)
 
     def codegen(context, builder, signature, args):
-        q_t, k_t, _, _, _, s_t = signature.args
-        query_v, tiles_v, first_v, _, scale_v, scores_v = args
+        q_t, _, k_t, _, _, _, s_t = signature.args
+        queries_v, _, tiles_v, first_v, _, scale_v, scores_v = args
         first_v = as_i64(builder, first_v)
-        d = builder.extract_value(context.make_array(q_t)(context, builder, query_v).shape, 0)
-        qp, kp, sp = (data_ptr(context, builder, t, v, F32) for t, v in ((q_t, query_v), (k_t, tiles_v),
-                                                                          (s_t, scores_v)))
+        qa, sa = context.make_array(q_t)(context, builder, queries_v), context.make_array(s_t)(context, builder, scores_v)
+        d, score_width = builder.extract_value(qa.shape, 1), builder.extract_value(sa.shape, 1)
+        qp, sp = builder.bitcast(qa.data, F32.as_pointer()), builder.bitcast(sa.data, F32.as_pointer())
+        kp = data_ptr(context, builder, k_t, tiles_v, F32)
         vf = vec(F32, KEY_TILE)
         fma = declare(builder, f"llvm.fma.v{KEY_TILE}f32", vf, [vf] * 3)
-        tiles_at = [builder.add(first_v, ir.Constant(I64, g)) for g in range(n)]
-        bases = [builder.mul(i, builder.mul(d, ir.Constant(I64, KEY_TILE))) for i in tiles_at]
-        e, accs, close = counted_loop(builder, d, [ir.Constant(vf, None)] * n)
-        qe = broadcast(builder, load(builder, qp, e, F32), KEY_TILE)
-        row = builder.mul(e, ir.Constant(I64, KEY_TILE))
-        sums = [builder.call(fma, [qe, load(builder, kp, builder.add(base, row), vf), acc]) for base, acc in zip(bases, accs)]
+        i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
+        tiles_at = [builder.add(first_v, i64(t)) for t in range(n)]
+        bases = [builder.mul(i, builder.mul(d, i64(KEY_TILE))) for i in tiles_at]
+        e, accs, close = counted_loop(builder, d, [ir.Constant(vf, None)] * (g * n))
+        row = builder.mul(e, i64(KEY_TILE))
+        keys = [load(builder, kp, builder.add(base, row), vf) for base in bases]
+        sums = []
+        for j in range(g):
+            qe = broadcast(builder, load(builder, qp, builder.add(builder.mul(i64(j), d), e), F32), KEY_TILE)
+            sums += [builder.call(fma, [qe, key, acc]) for key, acc in zip(keys, accs[j * n:(j + 1) * n])]
         close(sums)
-        for i, acc in zip(tiles_at, sums):
-            store(builder, builder.fmul(acc, broadcast(builder, scale_v, KEY_TILE)), sp,
-                  builder.mul(i, ir.Constant(I64, KEY_TILE)))
+        scale_v = broadcast(builder, scale_v, KEY_TILE)
+        for j in range(g):
+            for i, acc in zip(tiles_at, sums[j * n:(j + 1) * n]):
+                at = builder.add(builder.mul(i64(j), score_width), builder.mul(i, i64(KEY_TILE)))
+                store(builder, builder.fmul(acc, scale_v), sp, at)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -207,66 +216,101 @@ def _max_of_tiles(typingctx, scores, n_tiles):  # pragma: no cover - compiled
 
 
 @intrinsic
-def _weighted_values(typingctx, weights, values, n, column, width, scale, out):  # pragma: no cover - compiled
-    """``_weighted_values(weights, values, n, column, width, scale, out)``: ``out[column + j] =
-    scale * sum_i weights[i] * values[i, column + j]`` over ``i < n`` for ``j < width`` (a
-    constant multiple of 16) and ``column + j`` below the row width of ``values`` (the lanes
-    past it are neither read nor written), in registers. Even and odd positions are summed
-    apart (two chains a lane, so that one does not wait on the other's multiply-add), then
-    added: the same order for any ``n``."""
-    _contiguous(weights, values, out)
-    w = literal(width, "width")
+def _weighted_values(typingctx, weights, n_queries, values, n, column, width, scales, out):  # pragma: no cover - compiled
+    """``_weighted_values(weights, n_queries, values, n, column, width, scales, out)``: for each
+    of the first ``n_queries`` (a constant) rows ``j`` of ``weights`` ``[G, N']``, ``out[j * D +
+    column + c] = scales[j] * sum_i weights[j, i] * values[i, column + c]`` over ``i < n`` for
+    ``c < width`` (a constant multiple of 16) and ``column + c`` below the row width ``D`` of
+    ``values`` (the lanes past it are neither read nor written). The sums stay in registers,
+    each lane a chain over ``i`` in order (the same whatever runs beside it); a value row is
+    loaded once for all the queries."""
+    _contiguous(weights, values, scales, out)
+    g, w = literal(n_queries, "n_queries"), literal(width, "width")
     assert w % KEY_TILE == 0
-    sig = types.void(weights, values, n, column, width, scale, out)
+    sig = types.void(weights, n_queries, values, n, column, width, scales, out)
 
     def codegen(context, builder, signature, args):
-        p_t, v_t, _, _, _, _, o_t = signature.args
-        weights_v, values_v, n_v, column_v, _, scale_v, out_v = args
+        p_t, _, v_t, _, _, _, c_t, o_t = signature.args
+        weights_v, _, values_v, n_v, column_v, _, scales_v, out_v = args
         n_v, column_v = as_i64(builder, n_v), as_i64(builder, column_v)
-        pp, op = data_ptr(context, builder, p_t, weights_v, F32), data_ptr(context, builder, o_t, out_v, F32)
-        vp = data_ptr(context, builder, v_t, values_v, F32)
+        pa = context.make_array(p_t)(context, builder, weights_v)
+        pp, weights_width = builder.bitcast(pa.data, F32.as_pointer()), builder.extract_value(pa.shape, 1)
+        vp, op = data_ptr(context, builder, v_t, values_v, F32), data_ptr(context, builder, o_t, out_v, F32)
+        cp = data_ptr(context, builder, c_t, scales_v, F32)
         row_width = builder.extract_value(context.make_array(v_t)(context, builder, values_v).shape, 1)
         vf, mask_t = vec(F32, KEY_TILE), vec(I1, KEY_TILE)
+        i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
         fma = declare(builder, f"llvm.fma.v{KEY_TILE}f32", vf, [vf] * 3)
-        masked_load = declare(builder, f"llvm.masked.load.v{KEY_TILE}f32.p0", vf,
-                              [vf.as_pointer(), I32, mask_t, vf])
+        masked_load = declare(builder, f"llvm.masked.load.v{KEY_TILE}f32.p0", vf, [vf.as_pointer(), I32, mask_t, vf])
         masked_store = declare(builder, f"llvm.masked.store.v{KEY_TILE}f32.p0", ir.VoidType(),
                                [vf, vf.as_pointer(), I32, mask_t])
         chunks = w // KEY_TILE
-        zero = ir.Constant(vf, None)
         lane = ir.Constant(vec(I64, KEY_TILE), list(range(KEY_TILE)))
-        masks = [builder.icmp_signed("<", builder.add(broadcast(builder, builder.add(column_v, ir.Constant(
-            I64, KEY_TILE * c)), KEY_TILE), lane), broadcast(builder, row_width, KEY_TILE)) for c in range(chunks)]
+        masks = [builder.icmp_signed("<", builder.add(broadcast(builder, builder.add(column_v, i64(KEY_TILE * c)), KEY_TILE),
+                                                      lane), broadcast(builder, row_width, KEY_TILE))
+                 for c in range(chunks)]
 
         def at(ptr, index):
             return builder.bitcast(builder.gep(ptr, [index]), vf.as_pointer())
 
-        def add(position, acc):  # acc + weights[position] * values[position, column ..]
-            p = broadcast(builder, load(builder, pp, position, F32), KEY_TILE)
-            first = builder.add(builder.mul(position, row_width), column_v)
-            return [builder.call(fma, [p, builder.call(masked_load, [at(vp, builder.add(first, ir.Constant(
-                I64, KEY_TILE * c))), ir.Constant(I32, 4), masks[c], zero]), a]) for c, a in enumerate(acc)]
-
-        pairs = builder.sdiv(builder.add(n_v, ir.Constant(I64, 1)), ir.Constant(I64, 2))  # >= 1
-        two = ir.Constant(I64, 2)
-        i, acc, close = counted_loop(builder, pairs, [zero] * (2 * chunks))
-        even = add(builder.mul(i, two), acc[:chunks])
-        odd_position = builder.add(builder.mul(i, two), ir.Constant(I64, 1))
-        in_range = builder.icmp_signed("<", odd_position, n_v)  # the last pair of an odd n has one
-        with_odd = add(builder.select(in_range, odd_position, ir.Constant(I64, 0)), acc[chunks:])
-        odd = [builder.select(in_range, a, b) for a, b in zip(with_odd, acc[chunks:])]
-        close(even + odd)
-        for c in range(chunks):
-            total = builder.fmul(builder.fadd(even[c], odd[c]), broadcast(builder, scale_v, KEY_TILE))
-            builder.call(masked_store, [total, at(op, builder.add(column_v, ir.Constant(I64, KEY_TILE * c))),
-                                        ir.Constant(I32, 4), masks[c]])
+        i, accs, close = counted_loop(builder, n_v, [ir.Constant(vf, None)] * (g * chunks))
+        first = builder.add(builder.mul(i, row_width), column_v)
+        rows = [builder.call(masked_load, [at(vp, builder.add(first, i64(KEY_TILE * c))), ir.Constant(I32, 4), masks[c],
+                                           ir.Constant(vf, None)]) for c in range(chunks)]
+        sums = []
+        for j in range(g):
+            p = broadcast(builder, load(builder, pp, builder.add(builder.mul(i64(j), weights_width), i), F32), KEY_TILE)
+            sums += [builder.call(fma, [p, value, acc]) for value, acc in zip(rows, accs[j * chunks:(j + 1) * chunks])]
+        close(sums)
+        for j in range(g):
+            scale = broadcast(builder, load(builder, cp, i64(j), F32), KEY_TILE)
+            for c in range(chunks):
+                dst = builder.add(builder.mul(i64(j), row_width), builder.add(column_v, i64(KEY_TILE * c)))
+                builder.call(masked_store, [builder.fmul(sums[j * chunks + c], scale), at(op, dst), ir.Constant(I32, 4),
+                                            masks[c]])
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-_SCORE_CHAINS = 8  # key tiles scored side by side: enough independent multiply-adds to fill the FMA units
+_SCORE_TILES = 8  # key tiles scored side by side
+_QUERY_GROUP = 3  # query heads of one key-value head taken together: 24 score chains, 12 value sums in registers
 _VALUE_COLUMNS = 64  # head-dimension columns summed in registers at a time
+
+
+@numba.njit(inline="always", **_ELEMENTWISE)
+def _attend_heads(queries, g, tiles, values, n, scale, scores, out):  # pragma: no cover - compiled
+    """``g`` (a constant) query heads ``queries`` ``[g, D]`` of one row over the first ``n``
+    positions of one key-value head (``tiles``, ``values``): softmax of the scaled scores, then
+    the weighted values into ``out`` ``[g * D]``; ``scores`` ``[>= g, >= 16 n_tiles]`` is scratch."""
+    d = queries.shape[1]
+    n_tiles = (n + KEY_TILE - 1) // KEY_TILE
+    tile = 0
+    while tile + _SCORE_TILES <= n_tiles:
+        _score_tiles(queries, g, tiles, tile, _SCORE_TILES, scale, scores)
+        tile += _SCORE_TILES
+    while tile < n_tiles:
+        _score_tiles(queries, g, tiles, tile, 1, scale, scores)
+        tile += 1
+    inverse = np.empty(g, dtype=np.float32)
+    for j in range(g):
+        row = scores[j]
+        for i in range(n, n_tiles * KEY_TILE):  # the last tile's positions past n
+            row[i] = -np.inf
+        top = _max_of_tiles(row, n_tiles)
+        total = np.float32(0.0)
+        for i in range(n):
+            p = _exp(row[i] - top)
+            row[i] = p
+            total += p
+        inverse[j] = np.float32(1.0) / total
+    column = 0
+    while column + _VALUE_COLUMNS <= d:
+        _weighted_values(scores, g, values, n, column, _VALUE_COLUMNS, inverse, out)
+        column += _VALUE_COLUMNS
+    while column < d:
+        _weighted_values(scores, g, values, n, column, KEY_TILE, inverse, out)
+        column += KEY_TILE
 
 
 @numba.njit(parallel=True, cache=True, nogil=True, **_ELEMENTWISE)
@@ -276,51 +320,35 @@ def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
     ``0 .. start + t`` (``causal``) or all ``start + T``; query head ``h`` reads key/value head
     ``h // (H / Hkv)``.
 
-    One parallel item per query row and head, each with its own pass over its keys in a fixed
-    order that depends on its position alone (``_score_tiles``, ``_weighted_values``): a row's
-    output is bit-identical whatever rows run beside it (docs/design.md, "Batch invariance").
+    One parallel item per query row and key-value head, its query heads taken up to
+    ``_QUERY_GROUP`` at a time over keys and values loaded once for them. Each query's scores and
+    sums run in a fixed order that depends on its position alone (``_score_tiles``,
+    ``_weighted_values``): a row's output is bit-identical whatever rows run beside it
+    (docs/design.md, "Batch invariance").
 
     Args:
-        q: ``[T, H, D]`` float32 C-contiguous (RoPE applied; ``D`` a multiple of 16).
+        q: ``[T, H, D]`` float32 C-contiguous (RoPE applied).
         k: ``[Hkv, S/16, D, 16]``, v: ``[Hkv, S, D]``: one layer of a ``KVCache`` (keys in tiles),
             holding the step's keys and values already (positions ``0 .. start + T - 1``; the
             rest of its capacity is not used).
         out: ``[T, H * D]`` float32 C-contiguous, written.
     """
     t_rows, h, d = q.shape
-    group = h // k.shape[0]
+    hkv = k.shape[0]
+    group = h // hkv
     scale = np.float32(1.0 / np.sqrt(d))
-    # One item per query head and row (not per key-value head): a decode step's 9 heads split
-    # evenly over two threads where its 3 key-value heads would not.
-    for item in numba.prange(t_rows * h):
-        t, head = item // h, item % h
+    for item in numba.prange(t_rows * hkv):
+        t, kv = item // hkv, item % hkv
         n = start + t + 1 if causal else start + t_rows
-        n_tiles = (n + KEY_TILE - 1) // KEY_TILE
-        query, tiles, values = q[t, head], k[head // group], v[head // group]
-        scores = np.empty(n_tiles * KEY_TILE, dtype=np.float32)
-        tile = 0
-        while tile + _SCORE_CHAINS <= n_tiles:
-            _score_tiles(query, tiles, tile, _SCORE_CHAINS, scale, scores)
-            tile += _SCORE_CHAINS
-        while tile < n_tiles:
-            _score_tiles(query, tiles, tile, 1, scale, scores)
-            tile += 1
-        for i in range(n, n_tiles * KEY_TILE):  # the last tile's positions past n
-            scores[i] = -np.inf
-        top = _max_of_tiles(scores, n_tiles)
-        total = np.float32(0.0)
-        for i in range(n):
-            p = _exp(scores[i] - top)
-            scores[i] = p
-            total += p
-        inv, row = np.float32(1.0) / total, out[t]
-        column = 0
-        while column + _VALUE_COLUMNS <= d:
-            _weighted_values(scores, values, n, column, _VALUE_COLUMNS, inv, row[head * d:])
-            column += _VALUE_COLUMNS
-        while column < d:
-            _weighted_values(scores, values, n, column, KEY_TILE, inv, row[head * d:])
-            column += KEY_TILE
+        scores = np.empty((min(group, _QUERY_GROUP), (n + KEY_TILE - 1) // KEY_TILE * KEY_TILE), dtype=np.float32)
+        head = kv * group
+        while head + _QUERY_GROUP <= (kv + 1) * group:
+            _attend_heads(q[t, head:head + _QUERY_GROUP], _QUERY_GROUP, k[kv], v[kv], n, scale, scores,
+                          out[t, head * d:(head + _QUERY_GROUP) * d])
+            head += _QUERY_GROUP
+        while head < (kv + 1) * group:
+            _attend_heads(q[t, head:head + 1], 1, k[kv], v[kv], n, scale, scores, out[t, head * d:(head + 1) * d])
+            head += 1
 
 
 @numba.njit(nogil=True, **_ELEMENTWISE)

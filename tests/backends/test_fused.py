@@ -39,9 +39,10 @@ def _cache_of(k: np.ndarray, v: np.ndarray) -> KVCache:
 
 @pytest.mark.parametrize("head_dim", [8, 64, 80])  # 80: a last block of 16 columns; 8: part of one
 @pytest.mark.parametrize("causal", [True, False])
-def test_attention_kernel_matches_numpy_and_is_row_invariant(head_dim, causal):
+@pytest.mark.parametrize("h, hkv", [(6, 2), (4, 1)])  # query heads a key-value head: 3 (one group), 4 (3 + 1)
+def test_attention_kernel_matches_numpy_and_is_row_invariant(head_dim, causal, h, hkv):
     rng = np.random.default_rng(head_dim)
-    h, hkv, t = 6, 2, 8
+    t = 8
     for n in (1, 15, 16, 17, 130, 301):  # partial and whole key tiles, odd and even positions
         k = rng.standard_normal((hkv, n, head_dim)).astype(np.float32)
         v = rng.standard_normal((hkv, n, head_dim)).astype(np.float32)
