@@ -1,14 +1,18 @@
-"""The cpu backend's decoder layer for quantized weights, compiled: a layer is two numba calls
-(norm, QKV product and RoPE; then O product, residual, norm, gate/up product, SwiGLU, down
-product, residual) with attention between them, one call per sequence of the step.
+"""The cpu backend's compiled decoder layer for quantized weights, and the attention kernel
+every layer uses.
+
+A quantized layer is two numba calls (norm, QKV product and RoPE; then O product, residual, norm,
+gate/up product, SwiGLU, down product, residual) with attention between them, one attention
+call per sequence of the step (``attend``, over the ``KVCache``'s key tiles; the float32 layer
+``models.llama.decoder_layer`` calls it too).
 
 Every computation is per row, in an order that does not depend on how many rows run or where in
 the step a row sits: the products are ``qgemm``'s (bit-identical for any row count), norms and
-RoPE are row-wise, and attention gives each query row its own pass over its own keys. So a
-row's logits are bit-identical whether it runs alone (decode), among the rows of a DFlash verify
-pass, or in a batched step beside other sequences (docs/design.md, "Batch invariance").
+RoPE are row-wise, and attention runs each query's scores and sums in a fixed order of its own.
+So a row's logits are bit-identical whether it runs alone (decode), among the rows of a DFlash
+verify pass, or in a batched step beside other sequences (docs/design.md, "Batch invariance").
 
-The float32 reference of the same layer is ``cpu.py``'s numpy functions (``LlamaModel._layer``).
+The float32 reference of the same layer is ``models.llama.decoder_layer`` over ``cpu.py``'s numpy functions.
 
 Axis legend as ``cpu.py``: R rows of the step, T rows of one sequence, N positions attended,
 H / Hkv query / key-value heads, D head dim, E hidden size, F FFN width.
@@ -168,10 +172,10 @@ def _score_tiles(typingctx, queries, n_queries, tiles, first, count, scale, scor
         q_t, _, k_t, _, _, _, s_t = signature.args
         queries_v, _, tiles_v, first_v, _, scale_v, scores_v = args
         first_v = as_i64(builder, first_v)
-        qa, sa = context.make_array(q_t)(context, builder, queries_v), context.make_array(s_t)(context, builder, scores_v)
-        d, score_width = builder.extract_value(qa.shape, 1), builder.extract_value(sa.shape, 1)
-        qp, sp = builder.bitcast(qa.data, F32.as_pointer()), builder.bitcast(sa.data, F32.as_pointer())
-        kp = data_ptr(context, builder, k_t, tiles_v, F32)
+        d = builder.extract_value(context.make_array(q_t)(context, builder, queries_v).shape, 1)
+        score_width = builder.extract_value(context.make_array(s_t)(context, builder, scores_v).shape, 1)
+        qp, kp, sp = (data_ptr(context, builder, t, v, F32) for t, v in ((q_t, queries_v), (k_t, tiles_v),
+                                                                          (s_t, scores_v)))
         vf = vec(F32, KEY_TILE)
         fma = declare(builder, f"llvm.fma.v{KEY_TILE}f32", vf, [vf] * 3)
         i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
@@ -233,10 +237,9 @@ def _weighted_values(typingctx, weights, n_queries, values, n, column, width, sc
         p_t, _, v_t, _, _, _, c_t, o_t = signature.args
         weights_v, _, values_v, n_v, column_v, _, scales_v, out_v = args
         n_v, column_v = as_i64(builder, n_v), as_i64(builder, column_v)
-        pa = context.make_array(p_t)(context, builder, weights_v)
-        pp, weights_width = builder.bitcast(pa.data, F32.as_pointer()), builder.extract_value(pa.shape, 1)
-        vp, op = data_ptr(context, builder, v_t, values_v, F32), data_ptr(context, builder, o_t, out_v, F32)
-        cp = data_ptr(context, builder, c_t, scales_v, F32)
+        weights_width = builder.extract_value(context.make_array(p_t)(context, builder, weights_v).shape, 1)
+        pp, vp, cp, op = (data_ptr(context, builder, t, v, F32) for t, v in ((p_t, weights_v), (v_t, values_v),
+                                                                              (c_t, scales_v), (o_t, out_v)))
         row_width = builder.extract_value(context.make_array(v_t)(context, builder, values_v).shape, 1)
         vf, mask_t = vec(F32, KEY_TILE), vec(I1, KEY_TILE)
         i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
