@@ -12,7 +12,8 @@ RoPE are row-wise, and attention runs each query's scores and sums in a fixed or
 So a row's logits are bit-identical whether it runs alone (decode), among the rows of a DFlash
 verify pass, or in a batched step beside other sequences (docs/design.md, "Batch invariance").
 
-The float32 reference of the same layer is ``models.llama.decoder_layer`` over ``cpu.py``'s numpy functions.
+The float32 reference of the same layer is ``models.llama.decoder_layer`` over ``cpu.py``'s numpy
+functions.
 
 Axis legend as ``cpu.py``: R rows of the step, T rows of one sequence, N positions attended,
 H / Hkv query / key-value heads, D head dim, E hidden size, F FFN width.
