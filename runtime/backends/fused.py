@@ -221,7 +221,8 @@ def _max_of_tiles(typingctx, scores, n_tiles):  # pragma: no cover - compiled
 
 
 @intrinsic
-def _weighted_values(typingctx, weights, n_queries, values, n, column, width, scales, out):  # pragma: no cover - compiled
+def _weighted_values(typingctx, weights, n_queries, values, n, column, width, scales,
+                     out):  # pragma: no cover - compiled
     """``_weighted_values(weights, n_queries, values, n, column, width, scales, out)``: for each
     of the first ``n_queries`` (a constant) rows ``j`` of ``weights`` ``[G, N']``, ``out[j * D +
     column + c] = scales[j] * sum_i weights[j, i] * values[i, column + c]`` over ``i < n`` for
@@ -250,9 +251,9 @@ def _weighted_values(typingctx, weights, n_queries, values, n, column, width, sc
                                [vf, vf.as_pointer(), I32, mask_t])
         chunks = w // KEY_TILE
         lane = ir.Constant(vec(I64, KEY_TILE), list(range(KEY_TILE)))
-        masks = [builder.icmp_signed("<", builder.add(broadcast(builder, builder.add(column_v, i64(KEY_TILE * c)), KEY_TILE),
-                                                      lane), broadcast(builder, row_width, KEY_TILE))
-                 for c in range(chunks)]
+        width_v = broadcast(builder, row_width, KEY_TILE)
+        masks = [builder.icmp_signed("<", builder.add(broadcast(builder, builder.add(column_v, i64(KEY_TILE * c)),
+                                                                KEY_TILE), lane), width_v) for c in range(chunks)]
 
         def at(ptr, index):
             return builder.bitcast(builder.gep(ptr, [index]), vf.as_pointer())

@@ -138,7 +138,8 @@ def _quantize_block(typingctx, row, xq, r, b, padded):  # pragma: no cover - com
             return builder.select(builder.fcmp_ordered(">", a, f32(0.0)), builder.fdiv(f32(1.0), a), f32(0.0))
 
         rint = declare(builder, "llvm.rint.v32f32", vf, [vf])
-        lo, hi = declare(builder, "llvm.maxnum.v32f32", vf, [vf, vf]), declare(builder, "llvm.minnum.v32f32", vf, [vf, vf])
+        lo = declare(builder, "llvm.maxnum.v32f32", vf, [vf, vf])
+        hi = declare(builder, "llvm.minnum.v32f32", vf, [vf, vf])
 
         def level(a, inv):  # clamp(rint(a * inv), -127, 127)
             q = builder.call(rint, [builder.fmul(a, broadcast(builder, inv, BLOCK))])
