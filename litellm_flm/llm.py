@@ -5,8 +5,9 @@ and calls one of the four methods below with ``optional_params``; ``params`` val
 ``SamplingParams`` and the messages into template input; the engine of the tag renders the model's
 own chat template, counts the prompt tokens and queues the request (or raises ``ContextLengthError``
 / ``KVBudgetError`` / ``EngineOverloadedError``); its events become a ``ModelResponse`` or
-``GenericStreamingChunk``s here. Nothing deeper: sampling, stop strings, UTF-8-safe detokenizing and
-token counting are the engine's.
+``ModelResponseStream`` chunks here, a reasoning model's thinking split out into
+``reasoning_content`` (``reasoning``). Nothing deeper: sampling, stop strings, UTF-8-safe
+detokenizing and token counting are the engine's.
 
 Blocking work (loading a model, tokenizing, waiting for tokens) never runs on the event loop: the
 async methods hand it to a worker thread or to the engine's own async iterator.
@@ -17,20 +18,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import litellm
 from litellm import CustomLLM
-from litellm.types.utils import (ChatCompletionTokenLogprob, ChoiceLogprobs, Choices, EmbeddingResponse,
-                                 GenericStreamingChunk, Message, ModelResponse, TopLogprob, Usage)
+from litellm.types.utils import (ChatCompletionTokenLogprob, ChoiceLogprobs, Choices, Delta, EmbeddingResponse,
+                                 Message, ModelResponse, ModelResponseStream, StreamingChoices, TopLogprob, Usage)
 
 from flm_runtime.engine.request import Completion, RequestStats, StreamEvent, TokenLogprob
 
 from .errors import litellm_errors
 from .params import (backend_of, embedding_inputs, encoding_format, normalize_messages, raw_prompts,
-                     request_fields)
+                     request_fields, requested_thinking)
+from .reasoning import Reasoning, template_switch
 
 
 def _get_engine(tag: str, backend: str | None = None):
@@ -63,29 +66,48 @@ def _drops_unsupported(litellm_params: dict | None) -> bool:
     return litellm.drop_params is True or (litellm_params or {}).get("drop_params") is True
 
 
+class Started(NamedTuple):
+    """A submitted request (``_start``).
+
+    Attributes:
+        handles: the engine's RequestHandles, one per prompt (one for a chat).
+        reasoning: how to split a chat's output into reasoning and content (None: all content).
+        token_bytes: the model's ``id -> bytes`` of a token (for logprobs).
+    """
+
+    handles: list
+    reasoning: Reasoning | None
+    token_bytes: Callable[[int], bytes]
+
+
 def _start(model: str, messages: list, optional_params: dict, timeout: Any, litellm_params: dict | None, *,
-           stream: bool = False) -> tuple[Callable[[int], bytes], list]:
+           stream: bool = False) -> Started:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
-    (``request_fields``). A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
+    (``request_fields``), and a thinking switch the model does not have (``template_switch``).
+    A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
     message) continues each prompt's raw text, with no chat template: one engine request per
     prompt, all submitted before any is awaited, so the engine batches them.
 
     Returns:
-        The model's ``token_bytes`` (id -> the token's bytes: for logprobs) and the engine's
-        RequestHandles, one per prompt (one for a chat).
+        The handles, the reasoning split and the tokens' bytes (``Started``).
 
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
     """
-    fields = request_fields(optional_params, _drops_unsupported(litellm_params))  # before loading: fail fast
+    drop = _drops_unsupported(litellm_params)
+    fields = request_fields(optional_params, drop)  # before loading: fail fast
+    thinking = requested_thinking(optional_params)
     raw = (litellm_params or {}).get("text_completion") is True
     prompts = raw_prompts(messages, stream=stream) if raw else None
     chat = None if raw else normalize_messages(messages)
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
-    texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)]
+    fmt = None if raw else engine.tokenizer.thinking
+    switch = template_switch(fmt, thinking, drop=drop)
+    texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **switch)]
+    reasoning = None if raw else Reasoning.of_prompt(fmt, texts[0])
     handles = []
     try:
         for text in texts:
@@ -93,7 +115,7 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any, lite
     except BaseException:  # one prompt refused (too long, queue full): none of them runs
         _cancel(handles)
         raise
-    return engine.tokenizer.token_bytes, handles
+    return Started(handles, reasoning, engine.tokenizer.token_bytes)
 
 
 def _cancel(handles: list) -> None:
@@ -102,9 +124,12 @@ def _cancel(handles: list) -> None:
 
 
 def build_response(model_response: ModelResponse, model: str, dones: list[Completion],
-                   token_bytes: Callable[[int], bytes]) -> ModelResponse:
+                   reasoning: Reasoning | None = None,
+                   token_bytes: Callable[[int], bytes] | None = None) -> ModelResponse:
     """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: choice ``i`` is
-    ``dones[i]`` (with its ``logprobs`` when asked for: ``choice_logprobs``), usage their sum.
+    ``dones[i]`` (its thinking in ``reasoning_content`` where ``reasoning`` says how to find it;
+    its ``logprobs`` when asked for, ``choice_logprobs``: ``token_bytes`` is then needed),
+    usage their sum.
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
@@ -112,7 +137,7 @@ def build_response(model_response: ModelResponse, model: str, dones: list[Comple
     several choices a list of them in choice order.
     """
     model_response.choices = [
-        Choices(index=i, finish_reason=done.finish_reason, message=Message(content=done.text, role="assistant"),
+        Choices(index=i, finish_reason=done.finish_reason, message=_message(done.text, reasoning),
                 logprobs=None if done.logprobs is None else choice_logprobs(done.logprobs, token_bytes))
         for i, done in enumerate(dones)
     ]
@@ -129,7 +154,8 @@ def build_response(model_response: ModelResponse, model: str, dones: list[Comple
 LOGPROB_FLOOR = -9999.0
 
 
-def choice_logprobs(records: tuple[TokenLogprob, ...], token_bytes: Callable[[int], bytes]) -> ChoiceLogprobs:
+def choice_logprobs(records: list[TokenLogprob] | tuple[TokenLogprob, ...],
+                    token_bytes: Callable[[int], bytes]) -> ChoiceLogprobs:
     """The runtime's ``TokenLogprob``s -> OpenAI's ``choices[i].logprobs``: one ``content`` entry
     per token, ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``. ``token`` is
     the token's UTF-8 text, a byte that is not (part of) valid UTF-8 written ``\\xNN``; ``bytes``
@@ -144,6 +170,13 @@ def choice_logprobs(records: tuple[TokenLogprob, ...], token_bytes: Callable[[in
                                    top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in r.top])
         for r in records
     ])
+
+
+def _message(text: str, reasoning: Reasoning | None) -> Message:
+    if reasoning is None:
+        return Message(content=text, role="assistant")
+    thought, content = reasoning.split(text)
+    return Message(content=content, role="assistant", reasoning_content=thought)
 
 
 def summed_usage(dones: list[Completion]) -> dict:
@@ -213,29 +246,60 @@ def build_embedding_response(model_response: EmbeddingResponse, model: str, vect
     return model_response
 
 
-def build_chunk(event: StreamEvent, token_bytes: Callable[[int], bytes]) -> GenericStreamingChunk:
-    """One engine event -> one LiteLLM chunk; the final one (finish_reason set) carries the usage.
+class StreamChunks:
+    """The engine events of one streamed chat -> LiteLLM ``ModelResponseStream`` chunks.
 
-    The logprobs of the event's tokens, when asked for, go under ``chunk_choice_fields``: a
-    ``GenericStreamingChunk`` has no logprobs field, and LiteLLM's stream wrapper (1.110.2) sets
-    each key of that mapping on the chunk's choice, as it does for an OpenAI-compatible
-    provider's chunks; a chunk with logprobs but no text (a special token) is still sent.
+    ModelResponseStream rather than GenericStreamingChunk because only its delta carries
+    ``reasoning_content`` (docs/design.md, "LiteLLM facts"). LiteLLM passes a custom provider's
+    ModelResponseStream on as it is, so each chunk has the stream's one id, ``model`` and the
+    role on the first. LiteLLM discards a chunk with a finish_reason but no content or tool
+    calls, usage and reasoning included, so the last event gives two: its delta with the usage,
+    then the finish_reason alone (LiteLLM sends it on a chunk of its own in any case).
+
+    Logprobs, when asked for, ride on the choice of the chunk that sends their tokens' text
+    (``choice_logprobs``): held back with the text the splitter holds, and sent on a chunk of
+    their own for tokens that have no text (a special token).
+
+    Args:
+        model: the tag as LiteLLM passed it.
+        reasoning: how to split the output (``_start``); None: all content.
+        token_bytes: the model's ``id -> bytes`` of a token; needed for logprobs.
     """
-    finished = event.finish_reason is not None
-    usage = None
-    if finished:
-        usage = usage_fields(event.prompt_tokens, event.completion_tokens, event.stats)
-    chunk = GenericStreamingChunk(
-        text=event.text,
-        is_finished=finished,
-        finish_reason=event.finish_reason or "",
-        index=0,
-        tool_use=None,
-        usage=usage,
-    )
-    if event.logprobs:
-        chunk["chunk_choice_fields"] = {"logprobs": choice_logprobs(event.logprobs, token_bytes)}
-    return chunk
+
+    def __init__(self, model: str, reasoning: Reasoning | None, token_bytes: Callable[[int], bytes] | None = None):
+        self._id = f"chatcmpl-{uuid.uuid4()}"
+        self._created = int(time.time())
+        self._model = model
+        self._splitter = reasoning.splitter() if reasoning is not None else None
+        self._role: str | None = "assistant"  # on the first chunk only
+        self._token_bytes = token_bytes
+        self._logprobs: list[TokenLogprob] = []  # of tokens whose chunk is not sent yet
+
+    def __call__(self, event: StreamEvent) -> list[ModelResponseStream]:
+        """The chunks of one event: none while text is held back (a marker may be starting)."""
+        finished = event.finish_reason is not None
+        thought, text = "", event.text
+        if self._splitter is not None:
+            thought, text = self._splitter.feed(event.text)
+            if finished:
+                tail_thought, tail_text = self._splitter.finish()
+                thought, text = thought + tail_thought, text + tail_text
+        chunks = []
+        self._logprobs.extend(event.logprobs or ())
+        if thought or text or finished or (self._logprobs and not event.text):
+            chunks.append(self._chunk(Delta(content=text or None, reasoning_content=thought or None, role=self._role)))
+            self._role = None
+            if self._logprobs:
+                chunks[-1].choices[0].logprobs = choice_logprobs(self._logprobs, self._token_bytes)
+                self._logprobs = []
+        if finished:
+            chunks[-1].usage = Usage(**usage_fields(event.prompt_tokens, event.completion_tokens, event.stats))
+            chunks.append(self._chunk(Delta(), finish_reason=event.finish_reason))
+        return chunks
+
+    def _chunk(self, delta: Delta, finish_reason: str | None = None) -> ModelResponseStream:
+        return ModelResponseStream(id=self._id, created=self._created, model=self._model,
+                                   choices=[StreamingChoices(index=0, delta=delta, finish_reason=finish_reason)])
 
 
 class FlmLLM(CustomLLM):
@@ -251,46 +315,47 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            token_bytes, handles = _start(model, messages, optional_params, timeout, litellm_params)
+            handles, reasoning, token_bytes = _start(model, messages, optional_params, timeout, litellm_params)
             try:
                 dones = [handle.result() for handle in handles]
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones, token_bytes)
+        return build_response(model_response, model, dones, reasoning, token_bytes)
 
     async def acompletion(
         self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            token_bytes, handles = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
-                                                           litellm_params)
+            handles, reasoning, token_bytes = await asyncio.to_thread(_start, model, messages, optional_params,
+                                                                      timeout, litellm_params)
             try:
                 dones = list(await asyncio.gather(*(handle.aresult() for handle in handles)))
             except BaseException:  # CancelledError: the client went away
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones, token_bytes)
+        return build_response(model_response, model, dones, reasoning, token_bytes)
 
     def streaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
-    ) -> Iterator[GenericStreamingChunk]:
+    ) -> Iterator[ModelResponseStream]:
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            token_bytes, [handle] = _start(model, messages, optional_params, timeout, litellm_params, stream=True)
-        return self._stream(model, handle, token_bytes)
+            [handle], reasoning, token_bytes = _start(model, messages, optional_params, timeout, litellm_params,
+                                                      stream=True)
+        return self._stream(model, handle, StreamChunks(model, reasoning, token_bytes))
 
     @staticmethod
-    def _stream(model: str, handle, token_bytes: Callable[[int], bytes]) -> Iterator[GenericStreamingChunk]:
+    def _stream(model: str, handle, chunks: StreamChunks) -> Iterator[ModelResponseStream]:
         finished = False
         try:
             with litellm_errors(model):
                 for event in handle:
                     finished = event.finish_reason is not None
-                    yield build_chunk(event, token_bytes)
+                    yield from chunks(event)
         finally:
             if not finished:  # the caller stopped reading, or an error: free the sequence now
                 handle.cancel()
@@ -298,18 +363,20 @@ class FlmLLM(CustomLLM):
     async def astreaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
-    ) -> AsyncIterator[GenericStreamingChunk]:
+    ) -> AsyncIterator[ModelResponseStream]:
         # Must be an async generator (docs/design.md, "LiteLLM facts"): litellm iterates the
         # object it gets back.
         finished = False
         handle = None
         try:
             with litellm_errors(model):
-                token_bytes, [handle] = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
-                                                                litellm_params, stream=True)
+                [handle], reasoning, token_bytes = await asyncio.to_thread(_start, model, messages, optional_params,
+                                                                           timeout, litellm_params, stream=True)
+                chunks = StreamChunks(model, reasoning, token_bytes)
                 async for event in handle.aiter():
                     finished = event.finish_reason is not None
-                    yield build_chunk(event, token_bytes)
+                    for chunk in chunks(event):
+                        yield chunk
         finally:
             if handle is not None and not finished:
                 handle.cancel()
