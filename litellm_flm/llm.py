@@ -19,16 +19,16 @@ import asyncio
 import base64
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, NamedTuple
 
 import httpx
 import litellm
 from litellm import CustomLLM
-from litellm.types.utils import (Choices, Delta, EmbeddingResponse, Message, ModelResponse, ModelResponseStream,
-                                 StreamingChoices, Usage)
+from litellm.types.utils import (ChatCompletionTokenLogprob, ChoiceLogprobs, Choices, Delta, EmbeddingResponse,
+                                 Message, ModelResponse, ModelResponseStream, StreamingChoices, TopLogprob, Usage)
 
-from flm_runtime.engine.request import Completion, RequestStats, StreamEvent
+from flm_runtime.engine.request import Completion, RequestStats, StreamEvent, TokenLogprob
 
 from .errors import litellm_errors
 from .params import (backend_of, embedding_inputs, encoding_format, normalize_messages, raw_prompts,
@@ -66,8 +66,22 @@ def _drops_unsupported(litellm_params: dict | None) -> bool:
     return litellm.drop_params is True or (litellm_params or {}).get("drop_params") is True
 
 
+class Started(NamedTuple):
+    """A submitted request (``_start``).
+
+    Attributes:
+        handles: the engine's RequestHandles, one per prompt (one for a chat).
+        reasoning: how to split a chat's output into reasoning and content (None: all content).
+        token_bytes: the model's ``id -> bytes`` of a token (for logprobs).
+    """
+
+    handles: list
+    reasoning: Reasoning | None
+    token_bytes: Callable[[int], bytes]
+
+
 def _start(model: str, messages: list, optional_params: dict, timeout: Any, litellm_params: dict | None, *,
-           stream: bool = False) -> tuple[list, Reasoning | None]:
+           stream: bool = False) -> Started:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
@@ -77,8 +91,7 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any, lite
     prompt, all submitted before any is awaited, so the engine batches them.
 
     Returns:
-        The engine's RequestHandles, one per prompt (one for a chat); and how to split a chat's
-        output into reasoning and content (None: all of it is content).
+        The handles, the reasoning split and the tokens' bytes (``Started``).
 
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
@@ -102,7 +115,7 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any, lite
     except BaseException:  # one prompt refused (too long, queue full): none of them runs
         _cancel(handles)
         raise
-    return handles, reasoning
+    return Started(handles, reasoning, engine.tokenizer.token_bytes)
 
 
 def _cancel(handles: list) -> None:
@@ -111,9 +124,11 @@ def _cancel(handles: list) -> None:
 
 
 def build_response(model_response: ModelResponse, model: str, dones: list[Completion],
-                   reasoning: Reasoning | None = None) -> ModelResponse:
+                   reasoning: Reasoning | None = None,
+                   token_bytes: Callable[[int], bytes] | None = None) -> ModelResponse:
     """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: choice ``i`` is
-    ``dones[i]`` (its thinking in ``reasoning_content`` where ``reasoning`` says how to find it),
+    ``dones[i]`` (its thinking in ``reasoning_content`` where ``reasoning`` says how to find it;
+    its ``logprobs`` when asked for, ``choice_logprobs``: ``token_bytes`` is then needed),
     usage their sum.
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
@@ -122,7 +137,8 @@ def build_response(model_response: ModelResponse, model: str, dones: list[Comple
     several choices a list of them in choice order.
     """
     model_response.choices = [
-        Choices(index=i, finish_reason=done.finish_reason, message=_message(done.text, reasoning))
+        Choices(index=i, finish_reason=done.finish_reason, message=_message(done.text, reasoning),
+                logprobs=None if done.logprobs is None else choice_logprobs(done.logprobs, token_bytes))
         for i, done in enumerate(dones)
     ]
     model_response.model = model
@@ -131,6 +147,29 @@ def build_response(model_response: ModelResponse, model: str, dones: list[Comple
     stats = [done.stats.as_dict() for done in dones]
     model_response._hidden_params["flm_stats"] = stats[0] if len(stats) == 1 else stats
     return model_response
+
+
+# What a log-probability of -inf (a token the request's filters left no probability) becomes in
+# JSON, which has no infinity: vLLM's OpenAI server's floor.
+LOGPROB_FLOOR = -9999.0
+
+
+def choice_logprobs(records: list[TokenLogprob] | tuple[TokenLogprob, ...],
+                    token_bytes: Callable[[int], bytes]) -> ChoiceLogprobs:
+    """The runtime's ``TokenLogprob``s -> OpenAI's ``choices[i].logprobs``: one ``content`` entry
+    per token, ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``. ``token`` is
+    the token's UTF-8 text, a byte that is not (part of) valid UTF-8 written ``\\xNN``; ``bytes``
+    its exact bytes; ``-inf`` is ``LOGPROB_FLOOR``."""
+    def entry(token_id: int, logprob: float) -> dict:
+        raw = token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="backslashreplace"), "logprob": max(logprob, LOGPROB_FLOOR),
+                "bytes": list(raw)}
+
+    return ChoiceLogprobs(content=[
+        ChatCompletionTokenLogprob(**entry(r.token_id, r.logprob),
+                                   top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in r.top])
+        for r in records
+    ])
 
 
 def _message(text: str, reasoning: Reasoning | None) -> Message:
@@ -217,17 +256,24 @@ class StreamChunks:
     calls, usage and reasoning included, so the last event gives two: its delta with the usage,
     then the finish_reason alone (LiteLLM sends it on a chunk of its own in any case).
 
+    Logprobs, when asked for, ride on the choice of the chunk that sends their tokens' text
+    (``choice_logprobs``): held back with the text the splitter holds, and sent on a chunk of
+    their own for tokens that have no text (a special token).
+
     Args:
         model: the tag as LiteLLM passed it.
         reasoning: how to split the output (``_start``); None: all content.
+        token_bytes: the model's ``id -> bytes`` of a token; needed for logprobs.
     """
 
-    def __init__(self, model: str, reasoning: Reasoning | None):
+    def __init__(self, model: str, reasoning: Reasoning | None, token_bytes: Callable[[int], bytes] | None = None):
         self._id = f"chatcmpl-{uuid.uuid4()}"
         self._created = int(time.time())
         self._model = model
         self._splitter = reasoning.splitter() if reasoning is not None else None
         self._role: str | None = "assistant"  # on the first chunk only
+        self._token_bytes = token_bytes
+        self._logprobs: list[TokenLogprob] = []  # of tokens whose chunk is not sent yet
 
     def __call__(self, event: StreamEvent) -> list[ModelResponseStream]:
         """The chunks of one event: none while text is held back (a marker may be starting)."""
@@ -239,9 +285,13 @@ class StreamChunks:
                 tail_thought, tail_text = self._splitter.finish()
                 thought, text = thought + tail_thought, text + tail_text
         chunks = []
-        if thought or text or finished:
+        self._logprobs.extend(event.logprobs or ())
+        if thought or text or finished or (self._logprobs and not event.text):
             chunks.append(self._chunk(Delta(content=text or None, reasoning_content=thought or None, role=self._role)))
             self._role = None
+            if self._logprobs:
+                chunks[-1].choices[0].logprobs = choice_logprobs(self._logprobs, self._token_bytes)
+                self._logprobs = []
         if finished:
             chunks[-1].usage = Usage(**usage_fields(event.prompt_tokens, event.completion_tokens, event.stats))
             chunks.append(self._chunk(Delta(), finish_reason=event.finish_reason))
@@ -265,27 +315,27 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles, reasoning = _start(model, messages, optional_params, timeout, litellm_params)
+            handles, reasoning, token_bytes = _start(model, messages, optional_params, timeout, litellm_params)
             try:
                 dones = [handle.result() for handle in handles]
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones, reasoning)
+        return build_response(model_response, model, dones, reasoning, token_bytes)
 
     async def acompletion(
         self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles, reasoning = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
-                                                         litellm_params)
+            handles, reasoning, token_bytes = await asyncio.to_thread(_start, model, messages, optional_params,
+                                                                      timeout, litellm_params)
             try:
                 dones = list(await asyncio.gather(*(handle.aresult() for handle in handles)))
             except BaseException:  # CancelledError: the client went away
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones, reasoning)
+        return build_response(model_response, model, dones, reasoning, token_bytes)
 
     def streaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
@@ -294,8 +344,9 @@ class FlmLLM(CustomLLM):
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            [handle], reasoning = _start(model, messages, optional_params, timeout, litellm_params, stream=True)
-        return self._stream(model, handle, StreamChunks(model, reasoning))
+            [handle], reasoning, token_bytes = _start(model, messages, optional_params, timeout, litellm_params,
+                                                      stream=True)
+        return self._stream(model, handle, StreamChunks(model, reasoning, token_bytes))
 
     @staticmethod
     def _stream(model: str, handle, chunks: StreamChunks) -> Iterator[ModelResponseStream]:
@@ -319,9 +370,9 @@ class FlmLLM(CustomLLM):
         handle = None
         try:
             with litellm_errors(model):
-                [handle], reasoning = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
-                                                              litellm_params, stream=True)
-                chunks = StreamChunks(model, reasoning)
+                [handle], reasoning, token_bytes = await asyncio.to_thread(_start, model, messages, optional_params,
+                                                                           timeout, litellm_params, stream=True)
+                chunks = StreamChunks(model, reasoning, token_bytes)
                 async for event in handle.aiter():
                     finished = event.finish_reason is not None
                     for chunk in chunks(event):

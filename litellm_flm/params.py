@@ -47,6 +47,12 @@ OPENAI_TO_RUNTIME: dict[str, str] = {
     "max_completion_tokens": "max_tokens",  # litellm renames it, but other callers may not
     "stop": "stop",
     "ignore_eos": "ignore_eos",  # not OpenAI; for benchmarks (vLLM spelling)
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",  # not OpenAI; vLLM / HF spelling, via extra_body
+    "logit_bias": "logit_bias",  # token id (a string of digits in JSON) -> [-100, 100]
+    "logprobs": "logprobs",
+    "top_logprobs": "top_logprobs",
 }
 
 # Keys that carry no meaning for a local model, or that LiteLLM / the Router handles itself
@@ -65,11 +71,6 @@ IGNORED: frozenset[str] = frozenset(
 # or dropped when the caller asks for drop_params.
 NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), "only n=1 is supported"),
-    "presence_penalty": ((0, 0.0), "presence_penalty is not supported; send 0 or leave it out"),
-    "frequency_penalty": ((0, 0.0), "frequency_penalty is not supported; send 0 or leave it out"),
-    "logprobs": ((False,), "logprobs are not supported yet"),
-    "top_logprobs": ((0,), "top_logprobs is not supported yet (logprobs are not supported yet)"),
-    "logit_bias": (({},), "logit_bias is not supported"),
     "response_format": (({"type": "text"},), "response_format (JSON mode, structured output) is not supported"),
     "tools": (([],), "tools (function calling) are not supported"),
     "tool_choice": (("none",), "tool_choice is not supported (tools are not supported)"),
@@ -96,7 +97,7 @@ REASONING_EFFORTS: dict[str, bool | None] = {
 }
 
 # The keys of OPENAI_TO_RUNTIME that are not OpenAI parameters (vLLM / Ollama spellings).
-NON_OPENAI: frozenset[str] = frozenset({"top_k", "min_p", "ignore_eos"})
+NON_OPENAI: frozenset[str] = frozenset({"top_k", "min_p", "ignore_eos", "repetition_penalty"})
 
 # The OpenAI chat parameters this provider honours at every valid value: what LiteLLM's
 # get_supported_openai_params would answer for a built-in provider. parallel_tool_calls is ignored
@@ -126,6 +127,12 @@ class ChatParams(BaseModel):
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str | int, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 def merge_extra_body(optional_params: Mapping[str, Any]) -> dict[str, Any]:
@@ -191,6 +198,8 @@ def request_fields(optional_params: Mapping[str, Any], drop_unsupported: bool = 
     fields = checked.model_dump(exclude_none=True)
     if "stop" in fields:
         fields["stop"] = _stop_tuple(checked.stop)
+    if "logit_bias" in fields:
+        fields["logit_bias"] = _token_ids(checked.logit_bias)
     return fields
 
 
@@ -279,6 +288,16 @@ def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     if any(s == "" for s in stops):
         raise InvalidRequestError("stop strings must not be empty", param="stop")
     return stops
+
+
+def _token_ids(bias: dict[str | int, float]) -> dict[int, float]:
+    """``logit_bias`` with its keys as ints: JSON (OpenAI's SDK, the proxy) sends ``{"1234": -100}``."""
+    out = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and not (key.isascii() and key.isdigit()):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _first_error(e: ValidationError, max_tokens_name: str) -> InvalidRequestError:

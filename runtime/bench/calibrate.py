@@ -54,6 +54,7 @@ from flm_runtime import paths
 from flm_runtime.backends import forward
 from flm_runtime.bench import documents
 from flm_runtime.engine import sampler
+from flm_runtime.engine.picker import Picker
 from flm_runtime.engine.policy import Bucket, PolicyTable, confident_length
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
@@ -124,8 +125,8 @@ def acceptance_records(decoder: SpeculativeDecoder, tokenizer, prompts: list[lis
         ids = np.asarray(prompt, dtype=np.int64)
         cache = decoder.target.new_cache(len(ids) + max_new + decoder.block_size)
         state = decoder.new_state()
-        rng = sampler.new_rng(0)
-        out = [sampler.sample(decoder.prefill(ids, cache, state), greedy, rng)]
+        picker = Picker(greedy, sampler.new_rng(0))
+        out = [picker.take(decoder.prefill(ids, cache, state))]
         stop = set(tokenizer.stop_token_ids)
 
         def emit(token: int) -> bool:
@@ -134,7 +135,7 @@ def acceptance_records(decoder: SpeculativeDecoder, tokenizer, prompts: list[lis
 
         while len(out) < max_new and out[-1] not in stop and cache.length + decoder.block_size <= cache.max_length:
             produced = len(out)
-            step = decoder.step(Lane(out[-1], cache, state, greedy, rng, emit))
+            step = decoder.step(Lane(out[-1], cache, state, picker, emit))
             if not step.finished:  # a whole step: accepted = emitted - 1
                 confidence.append(step.draft.confidence)
                 accepted.append(step.accepted)

@@ -45,6 +45,7 @@ import numpy as np
 
 from flm_runtime.engine import admission, sampler
 from flm_runtime.engine.handle import RequestCancelledError, RequestHandle
+from flm_runtime.engine.processors import request_processors
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.sequence import Sequence
 from flm_runtime.engine.speculative import PLAIN, Draft, SpeculativeDecoder
@@ -178,7 +179,8 @@ class Engine:
 
         Raises:
             InvalidRequestError: empty or out-of-vocabulary prompt (param "messages"), a bad
-                timeout (param "timeout"), params not a ``SamplingParams`` (param "params").
+                timeout (param "timeout"), params not a ``SamplingParams`` (param "params"), a
+                ``logit_bias`` id outside the vocabulary (param "logit_bias").
             ContextLengthError: prompt tokens + ``max_tokens`` over the context length.
             KVBudgetError: the request's KV cache could outgrow ``kv_budget`` even alone.
             EngineOverloadedError: ``max_queue`` requests are already waiting.
@@ -189,10 +191,11 @@ class Engine:
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
                                       param="params")
         budget = self.kv.generated_tokens(len(prompt), params.max_tokens)
+        processors = request_processors(params, prompt, int(self.model.config.vocab_size))
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}",
                                       param="timeout")
-        seq = Sequence(RequestHandle(timeout), prompt, params, budget, self.tokenizer)
+        seq = Sequence(RequestHandle(timeout), prompt, params, budget, self.tokenizer, processors)
         with self._cv:
             if self._closed:
                 raise BackendUnavailableError(f"engine {self.name!r} is closed")

@@ -9,12 +9,16 @@ delivered, so they are not counted).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from flm_runtime.errors import InvalidRequestError
 
 FinishReason = Literal["stop", "length"]
+
+MAX_TOP_LOGPROBS = 20   # OpenAI's limit on top_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,21 @@ class SamplingParams:
         max_tokens: completion tokens at most; None means up to the context length.
         stop: strings that end the output; the stop string itself is not delivered.
         ignore_eos: keep generating past EOS / end-of-turn tokens (benchmarks).
+        presence_penalty: subtracted once from the logit of every token generated so far
+            (OpenAI's definition); [-2, 2]; 0 disables.
+        frequency_penalty: subtracted from the logit of every generated token once per time it
+            was generated (OpenAI's); [-2, 2]; 0 disables.
+        repetition_penalty: CTRL's penalty (Keskar et al. 2019, arXiv:1909.05858, as HF's
+            ``RepetitionPenaltyLogitsProcessor``) over the prompt and the generated tokens: a
+            positive logit is divided by it, a negative one multiplied; > 0; 1 disables.
+        logit_bias: token id -> value in [-100, 100] added to that token's logit (OpenAI's);
+            ids are checked against the vocabulary at submit (``processors.request_processors``).
+        logprobs: record each emitted token's log-probability (``TokenLogprob``).
+        top_logprobs: also this many of the most likely tokens at each position; [0, 20], > 0 only
+            with ``logprobs``.
+
+    The order these apply in, and what the log-probabilities are: ``processors.request_processors``
+    and ``sampler.sample_with_logprob``.
 
     Raises:
         InvalidRequestError: a value out of range, naming the parameter.
@@ -43,6 +62,12 @@ class SamplingParams:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         _check(self.temperature, "temperature", 0.0, 2.0)
@@ -58,14 +83,48 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer >= 0, got {self.seed!r}", param="seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError(f"stop must hold non-empty strings, got {self.stop!r}", param="stop")
+        _check(self.presence_penalty, "presence_penalty", -2.0, 2.0)
+        _check(self.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+        _check(self.repetition_penalty, "repetition_penalty", 0.0, math.inf, low_open=True, high_open=True)
+        self._check_logit_bias()
+        if not isinstance(self.logprobs, bool):
+            raise InvalidRequestError(f"logprobs must be a boolean, got {self.logprobs!r}", param="logprobs")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                                      f"{self.top_logprobs!r}", param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+
+    def _check_logit_bias(self) -> None:
+        """A ``Mapping`` of integer ids >= 0 to values in [-100, 100]; kept as a copy."""
+        if not isinstance(self.logit_bias, Mapping):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}",
+                                      param="logit_bias")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or token < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}",
+                                          param="logit_bias")
+            if not (_is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise InvalidRequestError(f"logit_bias values must lie in [-100, 100], got {bias!r} for token "
+                                          f"{token}", param="logit_bias")
+        object.__setattr__(self, "logit_bias", dict(self.logit_bias))  # the caller's dict may change later
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check(value, name: str, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = _is_number(value)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:
@@ -162,6 +221,23 @@ class RequestStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability, and the most likely tokens at its position.
+
+    Attributes:
+        token_id: the token.
+        logprob: its natural log-probability (``sampler.sample_with_logprob`` says of which
+            distribution); finite.
+        top: ``top_logprobs`` pairs ``(token id, logprob)``, most likely first (lowest id first
+            among equals); ``-inf`` for a token the request's filters left no probability.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class StreamEvent:
     """One delivery to a streaming caller.
 
@@ -173,6 +249,8 @@ class StreamEvent:
         prompt_tokens: prompt length (tokens).
         completion_tokens: completion tokens delivered so far, this event included.
         stats: on the final event only, the request's stats (``Completion.stats``); else None.
+        logprobs: with ``SamplingParams.logprobs``, one ``TokenLogprob`` per token of
+            ``token_ids``, in order; else None.
     """
 
     text: str
@@ -181,11 +259,13 @@ class StreamEvent:
     prompt_tokens: int
     completion_tokens: int
     stats: RequestStats | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Completion:
-    """A finished request: the join of its stream events, with its stats."""
+    """A finished request: the join of its stream events, with its stats (``logprobs``: the join
+    of the events' ``logprobs``, one per token of ``token_ids``; None when not asked for)."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -193,3 +273,4 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     stats: RequestStats
+    logprobs: tuple[TokenLogprob, ...] | None = None

@@ -1,4 +1,8 @@
-"""Turning logits into tokens: the warp (temperature, top-k, top-p, min-p) and the draw.
+"""Turning logits into tokens: the warp (temperature, top-k, top-p, min-p), the draw, and the
+drawn token's log-probabilities (``sample_with_logprob``).
+
+The logits given here are already adjusted by the request's processors (penalties, bias, a
+grammar mask: ``processors.py``, run by the request's ``picker.Picker``).
 
 Everything here is a pure function of its arguments, so the speculative verifier reuses it:
 lossless speculation (docs/design.md, "DFlash") asks every emitted token to be distributed as
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flm_runtime.engine.request import SamplingParams
+from flm_runtime.engine.request import SamplingParams, TokenLogprob
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -83,9 +87,64 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     assert logits.ndim == 1, f"sample takes one row [V], got shape {logits.shape}"
     if params.greedy:
         return int(np.argmax(logits))
-    # Same token as sample_from_probs(warp(logits), u): the zeros warp adds change no cdf value.
+    return _draw(*_warp_sparse(logits, params), rng)
+
+
+def sample_with_logprob(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+                        top_n: int) -> tuple[int, TokenLogprob]:
+    """``sample``'s token (the same token, the same draws) with its log-probability.
+
+    The log-probabilities are those of the distribution the token is drawn from, as OpenAI's
+    and vLLM's "processed" logprobs: ``log p'`` of ``warp`` (temperature, top-k, top-p, min-p
+    over these logits, which the request's processors already adjusted); a token the filters
+    drop has ``-inf``. Greedy has no such distribution (it is one-hot), so greedy gives the
+    log-softmax of the logits themselves (temperature 1, no filter).
+
+    Args:
+        logits: ``[V]`` float logits of the position.
+        params, rng: as ``sample``.
+        top_n: how many of the most likely tokens to list (``TokenLogprob.top``): by
+            log-probability, then (among tokens of ``-inf``) by logit, then lowest id first.
+
+    Returns:
+        ``(token, TokenLogprob)``.
+    """
+    assert logits.ndim == 1, f"sample takes one row [V], got shape {logits.shape}"
+    if params.greedy:
+        token = int(np.argmax(logits))
+        z = logits.astype(np.float64)
+        logp = z - (z[token] + np.log(np.sum(np.exp(z - z[token]))))   # [V] log-softmax
+        top = _top_ids(logp, top_n)
+        return token, TokenLogprob(token, float(logp[token]), tuple(zip(top.tolist(), logp[top].tolist())))
     ids, probs = _warp_sparse(logits, params)
+    token = _draw(ids, probs, rng)
+    with np.errstate(divide="ignore"):   # a kept token can underflow to probability 0
+        logp = np.log(probs)                                           # [C]
+    best = _top_ids(logp, top_n)                                       # ids ascending: ties by id
+    top = list(zip(ids[best].tolist(), logp[best].tolist()))
+    if len(top) < top_n:  # fewer tokens kept than asked for: the others by logit, at -inf
+        others = np.ones(logits.shape[0], dtype=bool)
+        others[ids] = False
+        pool = np.flatnonzero(others)
+        top += [(t, -np.inf) for t in pool[_top_ids(logits[pool], top_n - len(top))].tolist()]
+    return token, TokenLogprob(token, float(logp[np.searchsorted(ids, token)]), tuple(top))
+
+
+def _draw(ids: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from ``warp``'s sparse row (``_warp_sparse``): the same token as
+    ``sample_from_probs(warp(logits), u)``, as the zeros ``warp`` adds change no cdf value."""
     return int(ids[sample_from_probs(probs, rng.random())])
+
+
+def _top_ids(scores: np.ndarray, n: int) -> np.ndarray:
+    """Indexes of the ``n`` highest of ``scores`` ``[C]`` (all of them when ``n >= C``), highest
+    first, the lowest index first among equals."""
+    n = min(n, scores.size)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    kth = np.partition(scores, scores.size - n)[scores.size - n]
+    ids = np.flatnonzero(scores >= kth)
+    return ids[np.lexsort((ids, -scores[ids]))][:n]
 
 
 def sample_from_probs(probs: np.ndarray, u) -> np.ndarray:

@@ -1,5 +1,6 @@
 """``Sequence``: one admitted request inside the engine, with everything that is per request (prompt,
-KV caches, RNG, stop checker, delivered text and tokens, timing, speculation state and stats).
+KV caches, picker (logits processors and RNG), stop checker, delivered text and tokens, timing,
+speculation state and stats).
 
 Each engine step gives it rows of one batched forward pass: its next prompt chunk until the prompt
 is in the cache (the last chunk's logits give the first token), then decoding steps of its
@@ -11,19 +12,22 @@ speculative steps whose kept tokens go through ``accept`` one by one (so EOS, st
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
 from flm_runtime.engine import sampler
 from flm_runtime.engine.detokenizer import Detokenizer
 from flm_runtime.engine.handle import RequestHandle
-from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent
+from flm_runtime.engine.picker import Picker
+from flm_runtime.engine.processors import LogitsProcessor
+from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent, TokenLogprob
 from flm_runtime.engine.speculative import Lane, SpecState
 from flm_runtime.engine.stop import StopChecker
 
 
 class Sequence:
-    """One admitted request: its prompt, KV cache, RNG, output pipeline and timing.
+    """One admitted request: its prompt, KV cache, picker, output pipeline and timing.
 
     Args:
         handle: where its events go.
@@ -31,17 +35,18 @@ class Sequence:
         params: sampling parameters.
         budget: generated tokens at most (``max_tokens`` folded with the context length).
         tokenizer: for ``token_bytes`` and ``stop_token_ids``.
+        processors: the request's logits processors, in the order they apply (``Picker``).
     """
 
     def __init__(self, handle: RequestHandle, prompt_ids: np.ndarray, params: SamplingParams,
-                 budget: int, tokenizer):
+                 budget: int, tokenizer, processors: Iterable[LogitsProcessor] = ()):
         self.handle = handle
         self.prompt_ids = prompt_ids
         self.params = params
         self.budget = budget
         self.cache = None                      # allocated at admission
         self.spec: SpecState | None = None     # speculative state, allocated at admission
-        self.rng = sampler.new_rng(params.seed)
+        self.picker = Picker(params, sampler.new_rng(params.seed), processors)
         stop_ids = frozenset(tokenizer.stop_token_ids)
         # Special tokens are markers, not text (as decode(skip_special_tokens=True)): delivered
         # and counted when generated, but they add no text.
@@ -52,6 +57,7 @@ class Sequence:
         self.final: StreamEvent | None = None  # the last event, held until the engine retires us
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs else None
         self.t_admit = self.t_first = self.t_last = None
 
     @property
@@ -64,9 +70,9 @@ class Sequence:
         return self.last_token is not None
 
     def lane(self) -> Lane:
-        """This sequence's part of a (batched) decoding step (``Lane.take`` samples a plain
+        """This sequence's part of a (batched) decoding step (``Lane.take`` picks a plain
         token, ``emit`` is ``accept``)."""
-        return Lane(self.last_token, self.cache, self.spec, self.params, self.rng, self.accept)
+        return Lane(self.last_token, self.cache, self.spec, self.picker, self.accept)
 
     def accept(self, token: int) -> bool:
         """Take one generated token: stop checks, then delivery. True once the sequence is
@@ -81,7 +87,11 @@ class Sequence:
             return False
         self.text_parts.append(d.text)
         self.token_ids.extend(d.token_ids)
-        event = StreamEvent(d.text, d.token_ids, d.finish_reason, len(self.prompt_ids), self.checker.delivered)
+        logprobs = self.picker.pop_logprobs(d.token_ids)
+        if logprobs is not None:
+            self.logprobs.extend(logprobs)
+        event = StreamEvent(d.text, d.token_ids, d.finish_reason, len(self.prompt_ids), self.checker.delivered,
+                            logprobs=logprobs)
         if d.finish_reason is None:
             self.handle._put(event)
         else:
@@ -91,7 +101,8 @@ class Sequence:
     def completion(self) -> Completion:
         """The join of the delivered events, with per-request stats."""
         return Completion("".join(self.text_parts), tuple(self.token_ids), self.checker.finish_reason,
-                          len(self.prompt_ids), self.checker.delivered, self.stats())
+                          len(self.prompt_ids), self.checker.delivered, self.stats(),
+                          None if self.logprobs is None else tuple(self.logprobs))
 
     def stats(self) -> RequestStats:
         t0 = self.handle.t_submit

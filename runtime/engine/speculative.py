@@ -32,10 +32,13 @@ Glossary (after vLLM's rejection sampler, ``vllm/v1/sample/rejection_sampler.py`
 - **AL**, acceptance length: tokens kept per step *including the bonus* (1 <= AL <= K + 1);
   acceptance rate would be accepted / drafted, without it.
 
-Losslessness: greedy keeps the longest prefix that equals the target's argmax, so the output is
-the target's greedy output. Sampled decoding uses the rule for a one-hot (argmax) draft: at each
-position draw ``t ~ p'`` (the target's warped distribution, ``sampler.warp``, the baseline's) with
-the request's own RNG, accept while ``t`` equals the drafted token, emit ``t`` at the first
+Losslessness: every position's token is taken by the request's ``Picker`` (``picker.py``) as in
+plain decoding: its logits processors (penalties, bias, a grammar mask), run on row ``j`` with the
+state after the ``j`` tokens kept before it, then the warp and draw. Greedy keeps the longest
+prefix that equals the processed target's argmax, so the output is plain greedy decoding's.
+Sampled decoding uses the rule for a one-hot (argmax) draft: at each position draw ``t ~ p'``
+(the target's processed and warped distribution, ``sampler.warp``, the baseline's) with the
+request's own RNG, accept while ``t`` equals the drafted token, emit ``t`` at the first
 mismatch. Each emitted token is then distributed exactly as ``p'`` of its position: this is
 speculative sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318)
 with ``draft_probs`` one-hot, where accepting ``d`` with ``min(1, target_probs(d) / 1)`` and
@@ -55,10 +58,10 @@ import numpy as np
 
 from flm_runtime.backends import prefill_chunks
 from flm_runtime.core import KVCache, Proposal
-from flm_runtime.engine import sampler
 from flm_runtime.engine.policy import (ALWAYS_SPECULATE, AcceptanceTracker, Plan, SpeculationPolicy,
                                       confident_length)
-from flm_runtime.engine.request import SamplingParams, SpecStats
+from flm_runtime.engine.picker import Picker
+from flm_runtime.engine.request import SpecStats
 
 # Pending taps of plain steps are folded into the draft cache once this many accumulate (while
 # the policy keeps a request decoding plainly), so that each step copies a bounded array.
@@ -69,57 +72,32 @@ PENDING_FLUSH = 64
 Proposer = Callable[[KVCache, int, int], np.ndarray]
 
 
-def verify_greedy(draft_ids: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
-    """Greedy verifier: the longest drafted prefix equal to the target's argmax, plus the bonus.
+def verify(draft_ids: np.ndarray, target_logits: np.ndarray, picker: Picker) -> tuple[int, int]:
+    """Lossless verifier for a one-hot (argmax) draft (see the module docstring).
+
+    For ``j = 0, 1, ..``: ``t = picker.take(row j)`` (row ``j`` processed with the state after the
+    ``j`` tokens kept before it, then warped and drawn as plain decoding would); if ``j < K`` and
+    ``t == d(j+1)`` accept and go on, else stop with ``t`` (recovered at a mismatch, bonus after
+    all K accepted). Greedy, ``t`` is the processed row's argmax (lowest id on ties), so the kept
+    prefix is the longest one equal to the target's greedy tokens; a drafted token a processor
+    forbids (a grammar mask, a bias of -100) can never equal ``t`` and ends the prefix.
 
     Args:
         draft_ids: ``[K]`` int drafted tokens ``d1 .. dK``.
-        target_logits: ``[K+1, V]`` float target logits of the verify pass; row ``j`` predicts
+        target_logits: ``[K+1, V]`` float32 target logits of the verify pass; row ``j`` predicts
             the token after block position ``j`` (row 0 follows the anchor).
-    Returns:
-        ``(n_accepted, bonus_token)``: ``d1 .. d_n`` are kept, then ``bonus = argmax(row n)``
-        (lowest id on ties, as ``np.argmax`` and the baseline sampler).
-    """
-    k = draft_ids.shape[0]
-    assert target_logits.shape[0] == k + 1, f"target_logits {target_logits.shape} != [K+1={k + 1}, V]"
-    target_ids = np.argmax(target_logits, axis=-1)  # [K+1]
-    mismatch = np.flatnonzero(np.asarray(draft_ids) != target_ids[:k])
-    n = int(mismatch[0]) if mismatch.size else k
-    return n, int(target_ids[n])
-
-
-def verify_sampled(draft_ids: np.ndarray, target_logits: np.ndarray, params: SamplingParams,
-                   rng: np.random.Generator) -> tuple[int, int]:
-    """Lossless verifier for a one-hot (argmax) draft (see the module docstring).
-
-    For ``j = 0, 1, ..``: draw ``t ~ warp(row j)`` (``sampler.sample``, which equals
-    ``sample_from_probs(warp(row), rng.random())``); if ``j < K`` and ``t == d(j+1)`` accept and
-    go on, else stop with ``t`` (recovered at a mismatch, bonus after all K accepted).
-
-    Args:
-        draft_ids: ``[K]`` int drafted tokens.
-        target_logits: ``[K+1, V]`` float target logits of the verify pass.
-        params: the request's sampling parameters (the baseline's warp).
-        rng: the request's own generator; consumes one ``rng.random()`` per emitted token
-            (none when greedy).
+        picker: the request's picker; takes (picks and accepts) exactly the emitted tokens, so it
+            consumes one ``rng.random()`` per emitted token (none when greedy).
     Returns:
         ``(n_accepted, token)``: ``d1 .. d_n`` are kept, then ``token``.
     """
     k = draft_ids.shape[0]
     assert target_logits.shape[0] == k + 1, f"target_logits {target_logits.shape} != [K+1={k + 1}, V]"
     for j in range(k + 1):
-        t = sampler.sample(target_logits[j], params, rng)
+        t = picker.take(target_logits[j])
         if j == k or t != int(draft_ids[j]):
             return j, t
     raise AssertionError("unreachable")
-
-
-def verify(draft_ids: np.ndarray, target_logits: np.ndarray, params: SamplingParams,
-           rng: np.random.Generator) -> tuple[int, int]:
-    """``verify_greedy`` for greedy requests, else ``verify_sampled``."""
-    if params.greedy:
-        return verify_greedy(draft_ids, target_logits)
-    return verify_sampled(draft_ids, target_logits, params, rng)
 
 
 @dataclass
@@ -201,7 +179,7 @@ class Lane:
             prompt's last chunk gives it, through ``take``).
         cache: the target's KV cache of the sequence.
         state: the sequence's ``SpecState``; None in an engine without a draft.
-        params, rng: the request's sampling parameters and own generator.
+        picker: the request's ``Picker`` (processors, sampling parameters, own generator).
         emit: pushes one token through the sequence's output pipeline (stop checks, delivery) and
             returns True once the sequence is finished; tokens after that are not pushed.
     """
@@ -209,15 +187,14 @@ class Lane:
     anchor_id: int | None
     cache: KVCache
     state: SpecState | None
-    params: SamplingParams
-    rng: np.random.Generator
+    picker: Picker
     emit: Callable[[int], bool]
 
     def take(self, logits: np.ndarray) -> bool:
-        """A plain step's token: one draw from ``logits`` ``[V]`` (this request's params and own
-        RNG, so the draw does not depend on other sequences), pushed through ``emit``; True
-        once the sequence is finished."""
-        return self.emit(sampler.sample(logits, self.params, self.rng))
+        """A plain step's token: taken from ``logits`` ``[V]`` by the request's picker (its own
+        processors, params and RNG, so the token does not depend on other sequences), pushed
+        through ``emit``; True once the sequence is finished."""
+        return self.emit(self.picker.take(logits))
 
 
 class SpeculativeDecoder:
@@ -334,7 +311,7 @@ class SpeculativeDecoder:
         if not len(draft.ids):
             self._commit_plain(lane, draft, start, taps)
             return LaneStep(draft, 0, lane.take(logits[0]))
-        n_accepted, bonus = verify(draft.ids, logits, lane.params, lane.rng)
+        n_accepted, bonus = verify(draft.ids, logits, lane.picker)
         cache.trim(start + n_accepted + 1)  # roll back the rejected positions
         state.pending = taps[: n_accepted + 1]
         self.policy.record_step(start, state.tracker, n_accepted + 1)

@@ -14,6 +14,14 @@ def tok() -> FakeTokenizer:
     return FakeTokenizer(vocab_size=300)
 
 
+@pytest.fixture(scope="session")
+def tiny():
+    """``spec_fakes.tiny_model()``: a tiny random Llama (vocabulary 300, context 300)."""
+    from spec_fakes import tiny_model
+
+    return tiny_model()
+
+
 @pytest.fixture
 def make_engine():
     """``make_engine(model, tokenizer, **kw) -> Engine``; every engine is closed at teardown."""

@@ -17,8 +17,10 @@ from engine_fakes import EOS
 from flm_runtime.backends import decode, prefill
 from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
 from flm_runtime.engine import sampler
+from flm_runtime.engine.picker import Picker
 from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
+from flm_runtime.models.llama import LlamaModel
 
 # The tiny-model and draft-file helpers live beside the model tests (tests/models).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
@@ -65,6 +67,19 @@ class ScriptTarget:
         return ForwardOutput(logits, np.zeros((r, len(taps) * 8), np.float32) if taps else None)
 
 
+# A tiny random Llama (``tiny_model``) and a prompt for it.
+TINY300 = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=300,
+                      rope_theta=500.0, rms_norm_eps=1e-6)
+PROMPT = [5, 17, 200, 33, 9, 140, 71, 2, 250, 64]
+
+
+def tiny_model() -> LlamaModel:
+    from test_llama import tiny_weights  # tests/models is on sys.path (above)
+
+    return LlamaModel(TINY300, tiny_weights(TINY300, seed=4))
+
+
 def random_draft(target, *, taps: list[int], layers: int = 1, seed: int = 0) -> DFlashDraft:
     """A random-weight draft for ``target`` (shares its embedding and LM head)."""
     cfg = draft_config_dict(target.config, layers=layers, taps=taps, mask_token_id=1)
@@ -94,17 +109,17 @@ def plain_generate(model, prompt, n: int, params, seed: int | None = None) -> li
 def spec_generate(decoder: SpeculativeDecoder, prompt, n: int, params, seed: int | None = None, on_step=None):
     """Speculative generation of ``n`` tokens by hand (no engine). ``on_step(out, cache, state)``
     runs after every step that did not finish. Returns (tokens, cache, state)."""
-    rng = sampler.new_rng(seed)
+    picker = Picker(params, sampler.new_rng(seed))
     cache = decoder.target.new_cache(len(prompt) + n + 8)
     state = decoder.new_state()
-    out = [sampler.sample(decoder.prefill(np.asarray(prompt, dtype=np.int64), cache, state), params, rng)]
+    out = [picker.take(decoder.prefill(np.asarray(prompt, dtype=np.int64), cache, state))]
 
     def emit(token: int) -> bool:
         out.append(token)
         return len(out) >= n
 
     while len(out) < n:
-        decoder.step(Lane(out[-1], cache, state, params, rng, emit))
+        decoder.step(Lane(out[-1], cache, state, picker, emit))
         if len(out) < n and on_step is not None:
             on_step(out, cache, state)
     return out, cache, state

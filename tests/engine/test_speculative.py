@@ -9,14 +9,13 @@ import math
 import numpy as np
 import pytest
 from engine_fakes import EOS, FakeTokenizer
-from spec_fakes import ScriptTarget, plain_generate, random_draft, replay_proposer, spec_generate
+from spec_fakes import PROMPT, ScriptTarget, plain_generate, random_draft, replay_proposer, spec_generate
 
 from flm_runtime.backends import forward
-from flm_runtime.core import LlamaConfig
 from flm_runtime.engine import sampler
 from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import PLAIN, SpeculativeDecoder, verify, verify_greedy, verify_sampled
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.engine.picker import Picker
+from flm_runtime.engine.speculative import PLAIN, SpeculativeDecoder, verify
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11)
@@ -31,8 +30,10 @@ def test_verify_greedy_rejects_at_k(k):
     logits[np.arange(k), DRAFT[:k]] = 10.0  # the target agrees with d1..dk
     if k < 7:
         logits[k, DRAFT[k]] = -10.0  # and not with d(k+1)
-    assert verify_greedy(DRAFT, logits) == (k, int(np.argmax(logits[k])))  # k == 7: bonus from row 7
-    assert verify(DRAFT, logits, GREEDY, np.random.default_rng(0)) == (k, int(np.argmax(logits[k])))
+    rng = sampler.new_rng(0)
+    before = rng.bit_generator.state
+    assert verify(DRAFT, logits, Picker(GREEDY, rng)) == (k, int(np.argmax(logits[k])))  # k == 7: bonus from row 7
+    assert rng.bit_generator.state == before  # greedy draws nothing
 
 
 @pytest.mark.parametrize("k", range(8))
@@ -43,11 +44,44 @@ def test_verify_sampled_rejects_at_k_with_one_draw_per_emitted_token(k):
     if k < 7:
         logits[k, DRAFT[k]] = -np.inf  # d(k+1) impossible: rejected surely
     rng, twin = sampler.new_rng(5), sampler.new_rng(5)
-    n, token = verify_sampled(DRAFT, logits, SAMPLED, rng)
+    n, token = verify(DRAFT, logits, Picker(SAMPLED, rng))
     assert n == k
     assert sampler.warp(logits[k], SAMPLED)[token] > 0 and (k == 7 or token != DRAFT[k])
     twin.random(k + 1)  # k + 1 tokens emitted: exactly k + 1 draws
     assert rng.random() == twin.random()
+
+
+class NoRepeat:
+    """A stateful processor: the last accepted token may not come next. Records what it accepted."""
+
+    def __init__(self):
+        self.accepted: list[int] = []
+
+    def process(self, logits):
+        if self.accepted:
+            logits[self.accepted[-1]] = -np.inf
+        return logits
+
+    def accept(self, token):
+        self.accepted.append(token)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_verify_processes_row_j_after_the_j_kept_tokens(params):
+    """Row j is processed with the state after d1 .. dj: a drafted token the processor forbids
+    there (d3 repeats d2) ends the accepted prefix, although the raw target agrees with it; the
+    processor accepts exactly the emitted tokens, in order, and the pass's logits are left as
+    they were."""
+    draft = np.array([11, 12, 12, 14, 15, 16, 17])
+    logits = np.full((8, 50), -np.inf, dtype=np.float32)
+    logits[np.arange(7), draft] = 10.0           # the raw target agrees with every drafted token
+    logits[2, 30] = 5.0                          # row 2's only token left once 12 is forbidden
+    raw = logits.copy()
+    processor = NoRepeat()
+    n, token = verify(draft, logits, Picker(params, sampler.new_rng(0), [processor]))
+    assert (n, token) == (2, 30)
+    assert processor.accepted == [11, 12, 30]
+    np.testing.assert_array_equal(logits, raw)
 
 
 def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -70,10 +104,10 @@ def test_verify_sampled_emits_the_target_distribution():
     params = SamplingParams(temperature=0.8, top_k=5)  # 5 tokens keep mass: df = 4
     p0, p1 = sampler.warp(logits[0], params), sampler.warp(logits[1], params)
     draft = np.array([np.argsort(-p0)[1], np.argsort(-p1)[0], 0, 1, 2, 3, 4])
-    rng = sampler.new_rng(1234)
+    picker = Picker(params, sampler.new_rng(1234))
     first, second = np.zeros(12, int), np.zeros(12, int)
     for _ in range(20_000):
-        n, token = verify_sampled(draft, logits, params, rng)
+        n, token = verify(draft, logits, picker)
         emitted = [*draft[:n], token]
         first[emitted[0]] += 1
         if n >= 1:
@@ -85,19 +119,6 @@ def test_verify_sampled_emits_the_target_distribution():
 
 # ---- the step on tiny random models ------------------------------------------------------------
 
-TINY300 = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=300,
-                      rope_theta=500.0, rms_norm_eps=1e-6)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from test_llama import tiny_weights  # tests/models is on sys.path (spec_fakes)
-
-    return LlamaModel(TINY300, tiny_weights(TINY300, seed=4))
-
-
-PROMPT = [5, 17, 200, 33, 9, 140, 71, 2, 250, 64]
 
 
 def check_caches(model, decoder, prompt):

@@ -157,3 +157,29 @@ def test_eight_batched_speculative_requests_equal_each_alone(make_engine, smollm
     assert [d.token_ids for d in together] == alone
     assert [d.completion_tokens for d in together] == [q.max_tokens for q in params]
     assert all(d.stats.spec.steps >= 1 for d in together)
+
+
+def test_penalties_bias_and_logprobs_speculative_and_batched_equal_plain(make_engine, smollm2_engine, smollm2_model,
+                                                                         smollm2_tokenizer, chats):
+    """The shipped draft verifying whole blocks at every step (``ALWAYS_SPECULATE``), requests with
+    penalties, a logit bias and logprobs, greedy and seeded-sampled, run together: each gives the
+    tokens and logprobs (within 1e-4) that plain decoding gives it alone."""
+    decoder = SpeculativeDecoder(smollm2_model, api.load_draft("smollm2-dflash:135m", smollm2_model))
+    engine = make_engine(smollm2_model, smollm2_tokenizer, speculative=decoder)
+    shared = dict(logprobs=True, top_logprobs=5, max_tokens=16, ignore_eos=True)
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.5, logit_bias={28: 3.0}, **shared),
+              SamplingParams(temperature=0.8, top_p=0.95, seed=5, repetition_penalty=1.3, **shared),
+              SamplingParams(temperature=1.0, top_k=64, seed=9, frequency_penalty=-0.5, logit_bias={314: -100.0},
+                             **shared)]
+    prompts = [p for p, _, _ in chats]
+    plain = [smollm2_engine.submit(p, q).result() for p, q in zip(prompts, params)]
+    with engine._cv:  # (re-entrant) all queued before the first step
+        handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
+    for handle, want in zip(handles, plain):
+        got = handle.result()
+        assert got.token_ids == want.token_ids and len(got.logprobs) == got.completion_tokens == 16
+        assert [(r.token_id, [t for t, _ in r.top]) for r in got.logprobs] == \
+            [(r.token_id, [t for t, _ in r.top]) for r in want.logprobs]
+        np.testing.assert_allclose([[r.logprob, *(lp for _, lp in r.top)] for r in got.logprobs],
+                                   [[r.logprob, *(lp for _, lp in r.top)] for r in want.logprobs], atol=1e-4)
+        assert got.stats.spec.steps >= 1 and got.stats.spec.accepted >= 1

@@ -32,6 +32,9 @@ class FakeTokenizer:
         self.encode_threads.append(threading.get_ident())
         return [ord(c) for c in text]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return chr(token_id).encode()
+
 
 class TemplateTokenizer(FakeTokenizer):
     """A FakeTokenizer that renders a real Jinja chat template with the runtime's renderer, and

@@ -12,12 +12,14 @@ import threading
 from dataclasses import replace
 
 import litellm
+import numpy as np
 import pytest
 
 import litellm_flm
 from flm_runtime import errors as rt
+from flm_fake_engine import FakeTokenizer
 from litellm_flm.llm import FlmLLM, StreamChunks
-from flm_runtime.engine.request import RequestStats, SpecStats, StreamEvent
+from flm_runtime.engine.request import RequestStats, SpecStats, StreamEvent, TokenLogprob
 
 MODEL = "flm/smollm2:135m"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -83,7 +85,7 @@ def test_context_overflow(fake_engine):
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_param_is_bad_request_at_call_time(fake_engine, stream):
     with pytest.raises(litellm.BadRequestError) as info:
-        litellm.completion(model=MODEL, messages=MESSAGES, presence_penalty=0.5, stream=stream)
+        litellm.completion(model=MODEL, messages=MESSAGES, presence_penalty="high", stream=stream)
     assert "presence_penalty" in str(info.value)
     assert fake_engine.requested_tags == []  # refused before the model is even looked up
 
@@ -108,6 +110,24 @@ def test_stream_chunks():
     assert last.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == {
         "prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
     assert (finish.choices[0].delta.content, finish.choices[0].finish_reason, finish.id) == (None, "length", first.id)
+
+
+def test_stream_chunks_carry_their_tokens_logprobs():
+    """Each chunk carries the entries of the tokens whose text it sends; a token with no text (a
+    special token) gets a chunk of its own; -inf becomes vLLM's floor, -9999.0."""
+    chunks = StreamChunks("smollm2:135m", None, FakeTokenizer().token_bytes)
+    pa = (TokenLogprob(ord("P"), -0.5, ((ord("P"), -0.5), (ord("Q"), -np.inf))), TokenLogprob(ord("a"), -0.25))
+    [first] = chunks(StreamEvent("Pa", (ord("P"), ord("a")), None, 10, 2, logprobs=pa))
+    assert [e.model_dump() for e in first.choices[0].logprobs.content] == [
+        {"token": "P", "logprob": -0.5, "bytes": [80],
+         "top_logprobs": [{"token": "P", "logprob": -0.5, "bytes": [80]},
+                          {"token": "Q", "logprob": -9999.0, "bytes": [81]}]},
+        {"token": "a", "logprob": -0.25, "bytes": [97], "top_logprobs": []}]
+    [special] = chunks(StreamEvent("", (258,), None, 10, 3, logprobs=(TokenLogprob(258, -1.0),)))
+    assert special.choices[0].delta.content is None
+    assert [(e.token, e.bytes) for e in special.choices[0].logprobs.content] == [(chr(258), list(chr(258).encode()))]
+    last, finish = chunks(StreamEvent("", (), "stop", 10, 3, logprobs=()))
+    assert last.choices[0].logprobs is None and finish.choices[0].logprobs is None
 
 
 def test_stream(fake_engine):

@@ -44,6 +44,14 @@ def test_every_mapped_param_reaches_the_runtime():
     )
 
 
+def test_penalties_bias_and_logprobs_reach_the_runtime():
+    # As the OpenAI SDK sends them: logit_bias keys are JSON strings; repetition_penalty in extra_body.
+    p = to_sampling_params({"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"50256": -100, "7": 2.5},
+                            "logprobs": True, "top_logprobs": 20, "extra_body": {"repetition_penalty": 1.2}})
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert p.logit_bias == {50256: -100.0, 7: 2.5} and (p.logprobs, p.top_logprobs) == (True, 20)
+
+
 def test_request_values_override_the_default_per_field():
     p = to_sampling_params({"temperature": 0.7})
     assert p.temperature == 0.7 and p.top_k == CARD_DEFAULT.top_k and p.top_p == CARD_DEFAULT.top_p
@@ -62,8 +70,7 @@ def test_stop_list_and_none():
 def test_neutral_values_of_unsupported_params_are_accepted():
     to_sampling_params(
         {
-            "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "top_logprobs": 0,
-            "response_format": {"type": "text"}, "modalities": ["text"], "tools": [], "logit_bias": {},
+            "n": 1, "response_format": {"type": "text"}, "modalities": ["text"], "tools": [],
         }
     )
 
@@ -81,18 +88,22 @@ def test_ignored_params_are_ignored():
     "params, name",
     [
         ({"n": 2}, "n"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": -1.0}, "frequency_penalty"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 3}, "top_logprobs"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"frequency_penalty": "0.5"}, "frequency_penalty"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logit_bias": {"50256": -101}}, "logit_bias"),
+        ({"logit_bias": {"the": 5}}, "logit_bias"),
+        ({"logit_bias": {"-3": 5}}, "logit_bias"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"frobnicate": 1}, "frobnicate"),
-        ({"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
         ({"temperature": "0.5"}, "temperature"),
         ({"temperature": 2.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
@@ -120,8 +131,7 @@ def test_rejected_params_are_named(params, name):
 
 def test_drop_unsupported_leaves_out_every_unsupported_openai_param_at_any_value():
     unsupported = {
-        "n": 2, "presence_penalty": 0.5, "frequency_penalty": -1.0, "logprobs": True, "top_logprobs": 3,
-        "logit_bias": {"50256": -100}, "response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
+        "n": 2, "response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
         "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
         "audio": {"voice": "alloy"},
         "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
@@ -134,7 +144,7 @@ def test_drop_unsupported_leaves_out_every_unsupported_openai_param_at_any_value
 
 @pytest.mark.parametrize(
     "params, name",
-    [({"frobnicate": 1}, "frobnicate"), ({"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
+    [({"frobnicate": 1}, "frobnicate"), ({"extra_body": {"repetition_penalty": "1.1"}}, "repetition_penalty"),
      ({"temperature": "0.5", "n": 2}, "temperature")],
 )
 def test_drop_unsupported_still_refuses_unknown_keys_and_bad_values(params, name):

@@ -27,6 +27,7 @@ from pathlib import Path
 import litellm
 import numpy as np
 import pytest
+from forced_speculation import write_always_speculate_policy
 
 pytest.importorskip("flm_runtime.api", reason="flm_runtime.api (get_engine) is not there yet")
 openai = pytest.importorskip("openai")
@@ -67,8 +68,11 @@ def proxy_url(smollm2_gguf, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("proxy") / "proxy.log"
     key = f"sk-{secrets.token_hex(32)}"
+    # smollm2-dflash speculates at every step (its shipped cpu table speculates nowhere).
+    config_home = write_always_speculate_policy(tmp_path_factory.mktemp("config"))
     env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", OPENAI_API_KEY="sk-dummy-not-used",
-               LITELLM_MASTER_KEY=key, FLM_LOG_LEVEL="DEBUG", FLM_MAX_QUEUE=str(IN_FLIGHT))
+               LITELLM_MASTER_KEY=key, FLM_LOG_LEVEL="DEBUG", FLM_MAX_QUEUE=str(IN_FLIGHT), FLM_BACKEND="cpu",
+               XDG_CONFIG_HOME=str(config_home))
     litellm_cli = Path(sys.executable).with_name("litellm")
     cmd = [str(litellm_cli), "--config", str(CONFIG), "--host", "127.0.0.1", "--port", str(port), "--telemetry", "False"]
     with open(log, "wb") as out:
@@ -120,9 +124,44 @@ def test_stream_through_the_proxy(client):
 def test_bad_param_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2, presence_penalty=1.0
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2, presence_penalty=3.0
         )
     assert "presence_penalty" in str(info.value)
+
+
+def _stream_logprobs(client, model: str, **kw) -> tuple[str, list, int]:
+    """A stream's text, logprobs entries (in order) and completion_tokens."""
+    chunks = list(client.chat.completions.create(model=model, stream=True, stream_options={"include_usage": True},
+                                                 **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    return text, entries, chunks[-1].usage.completion_tokens
+
+
+def test_streamed_logprobs_through_the_proxy_on_both_tags(client):
+    """``logprobs`` with ``top_logprobs=5``, streamed, on smollm2 and on smollm2-dflash (speculating
+    at every step): one entry per completion token in OpenAI's shape, equal to the non-streamed
+    ones, and the same tokens and values (1e-4) on both tags, penalties and bias included."""
+    request = dict(messages=[{"role": "user", "content": "Name three colours of the rainbow."}], temperature=0,
+                   max_tokens=10, logprobs=True, top_logprobs=5, presence_penalty=0.4, frequency_penalty=0.2,
+                   logit_bias={"28": 1.5}, extra_body={"repetition_penalty": 1.1})
+    results = {}
+    for model in ("smollm2", "smollm2-dflash"):
+        text, entries, completion_tokens = _stream_logprobs(client, model, **request)
+        whole = client.chat.completions.create(model=model, **request)
+        assert text == whole.choices[0].message.content and len(entries) == completion_tokens == 10
+        assert [e.model_dump() for e in entries] == [e.model_dump() for e in whole.choices[0].logprobs.content]
+        for e in entries:
+            assert len(e.top_logprobs) == 5 and e.top_logprobs[0].token == e.token
+            assert bytes(e.bytes).decode() == e.token
+        if model == "smollm2-dflash":  # it speculated: drafted tokens were verified, some kept
+            details = whole.usage.completion_tokens_details
+            assert details.accepted_prediction_tokens >= 1 and details.rejected_prediction_tokens >= 1
+        results[model] = (text, [(e.token, [t.token for t in e.top_logprobs]) for e in entries],
+                          [[e.logprob, *(t.logprob for t in e.top_logprobs)] for e in entries])
+    (text, tokens, values), (spec_text, spec_tokens, spec_values) = results["smollm2"], results["smollm2-dflash"]
+    assert (spec_text, spec_tokens) == (text, tokens)
+    np.testing.assert_allclose(spec_values, values, atol=1e-4)
 
 
 EMBED_TEXTS = ["The cat sat on the mat.", "A cat was sitting on the rug.", "Stock markets fell sharply on Monday."]

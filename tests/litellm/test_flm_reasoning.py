@@ -19,7 +19,10 @@ import pytest
 from flm_runtime.errors import InvalidRequestError
 from flm_runtime.loading.chat_template import ThinkingFormat
 from litellm_flm.params import REASONING_EFFORTS, request_fields, requested_thinking
-from litellm_flm.reasoning import ReasoningSplitter, split_reasoning, starts_inside_thinking, template_switch
+from flm_runtime.engine.request import StreamEvent, TokenLogprob
+from litellm_flm.llm import StreamChunks
+from litellm_flm.reasoning import (Reasoning, ReasoningSplitter, split_reasoning, starts_inside_thinking,
+                                   template_switch)
 
 from flm_fake_engine import FakeTokenizer, TemplateTokenizer
 
@@ -320,3 +323,21 @@ def test_a_router_deployment_lets_the_parameters_through(thinking_engine):
     r = router.completion(model="local", messages=QUESTION, reasoning_effort="none")
     assert prompt_of(thinking_engine) == PROMPT + "<think>\n\n</think>\n\n"
     assert parts(r) == (None, "Paris.")
+
+
+def test_stream_chunks_send_each_logprob_once_in_order_while_markers_are_held():
+    """The reply one character per token with logprobs: while the splitter holds text back around
+    the markers, their entries wait too, and each token's entry comes out exactly once, in order
+    (the markers' tokens included: they are completion tokens)."""
+    chunks = StreamChunks("m", Reasoning.of_prompt(THINK, PROMPT), FakeTokenizer().token_bytes)
+    sent, text_before = [], []
+    for i, ch in enumerate(REPLY):
+        last = i == len(REPLY) - 1
+        event = StreamEvent(ch, (ord(ch),), "stop" if last else None, 5, i + 1,
+                            logprobs=(TokenLogprob(ord(ch), -0.01 * i),))
+        for chunk in chunks(event):
+            delta, lp = chunk.choices[0].delta, chunk.choices[0].logprobs
+            text_before.append((getattr(delta, "reasoning_content", None) or "") + (delta.content or ""))
+            sent += [(e.token, e.logprob) for e in (lp.content if lp is not None else [])]
+    assert sent == [(ch, pytest.approx(-0.01 * i)) for i, ch in enumerate(REPLY)]
+    assert "".join(text_before) == REASONING + CONTENT
