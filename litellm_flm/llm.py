@@ -5,8 +5,9 @@ and calls one of the four methods below with ``optional_params``; ``params`` val
 ``SamplingParams`` and the messages into template input; the engine of the tag renders the model's
 own chat template, counts the prompt tokens and queues the request (or raises ``ContextLengthError``
 / ``KVBudgetError`` / ``EngineOverloadedError``); its events become a ``ModelResponse`` or
-``GenericStreamingChunk``s here. Nothing deeper: sampling, stop strings, UTF-8-safe detokenizing and
-token counting are the engine's.
+``ModelResponseStream`` chunks here, a reasoning model's thinking split out into
+``reasoning_content`` (``reasoning``). Nothing deeper: sampling, stop strings, UTF-8-safe
+detokenizing and token counting are the engine's.
 
 Blocking work (loading a model, tokenizing, waiting for tokens) never runs on the event loop: the
 async methods hand it to a worker thread or to the engine's own async iterator.
@@ -17,15 +18,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import litellm
 from litellm import CustomLLM
 from litellm.types.utils import (ChatCompletionMessageToolCall, ChatCompletionTokenLogprob, ChoiceLogprobs, Choices,
-                                 EmbeddingResponse, Function, GenericStreamingChunk, Message, ModelResponse,
-                                 TopLogprob, Usage)
+                                 Delta, EmbeddingResponse, Function, Message, ModelResponse, ModelResponseStream,
+                                 StreamingChoices, TopLogprob, Usage)
 
 from flm_runtime.engine.grammar import compiler_for
 from flm_runtime.engine.request import Completion, RequestStats, StreamEvent, TokenLogprob
@@ -33,7 +35,8 @@ from flm_runtime.tool_format import ToolCall, ToolCallStream, parse_tool_calls, 
 
 from .errors import litellm_errors
 from .params import (backend_of, embedding_inputs, encoding_format, merge_extra_body, normalize_messages,
-                     raw_prompts, request_fields)
+                     raw_prompts, request_fields, requested_thinking)
+from .reasoning import Reasoning, template_switch
 from .structured import OutputFormat, output_format
 
 
@@ -67,12 +70,29 @@ def _drops_unsupported(litellm_params: dict | None) -> bool:
     return litellm.drop_params is True or (litellm_params or {}).get("drop_params") is True
 
 
+class Started(NamedTuple):
+    """A submitted request (``_start``).
+
+    Attributes:
+        handles: the engine's RequestHandles, one per prompt (one for a chat).
+        reasoning: how to split a chat's output into reasoning and content (None: all content).
+        token_bytes: the model's ``id -> bytes`` of a token (for logprobs).
+        output: what the output is held to, and whether its answers hold tool calls.
+    """
+
+    handles: list
+    reasoning: Reasoning | None
+    token_bytes: Callable[[int], bytes]
+    output: OutputFormat
+
+
 def _start(model: str, messages: list, optional_params: dict, timeout: Any, litellm_params: dict | None, *,
-           stream: bool = False) -> tuple[Callable[[int], bytes], list, OutputFormat]:
+           stream: bool = False) -> Started:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
-    (``request_fields``). A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
+    (``request_fields``), and a thinking switch the model does not have (``template_switch``).
+    A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
     message) continues each prompt's raw text, with no chat template: one engine request per
     prompt, all submitted before any is awaited, so the engine batches them. A chat's tools and
     tool messages are rendered in the generic tool-call format (``flm_runtime.tool_format``); a
@@ -80,21 +100,24 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any, lite
     (``flm_runtime.engine.grammar``).
 
     Returns:
-        The model's ``token_bytes`` (id -> the token's bytes: for logprobs), the engine's
-        RequestHandles, one per prompt (one for a chat), and the request's ``OutputFormat`` (how
-        to read its answers).
+        The handles, the reasoning split, the tokens' bytes and the output format (``Started``).
 
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
     """
-    fields = request_fields(optional_params, _drops_unsupported(litellm_params))  # before loading: fail fast
+    drop = _drops_unsupported(litellm_params)
+    fields = request_fields(optional_params, drop)  # before loading: fail fast
+    thinking = requested_thinking(optional_params)
     output = output_format(merge_extra_body(optional_params))
     raw = (litellm_params or {}).get("text_completion") is True
     prompts = raw_prompts(messages, stream=stream) if raw else None
     chat = None if raw else render_messages(normalize_messages(messages), output.functions)
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
-    texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)]
+    fmt = None if raw else engine.tokenizer.thinking
+    switch = template_switch(fmt, thinking, drop=drop)
+    texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **switch)]
+    reasoning = None if raw else Reasoning.of_prompt(fmt, texts[0])
     compiler = compiler_for(engine.tokenizer) if output.grammar is not None else None
     handles = []
     try:
@@ -105,7 +128,7 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any, lite
     except BaseException:  # one prompt refused (too long, queue full, a grammar that fails): none of them runs
         _cancel(handles)
         raise
-    return engine.tokenizer.token_bytes, handles, output
+    return Started(handles, reasoning, engine.tokenizer.token_bytes, output)
 
 
 def _cancel(handles: list) -> None:
@@ -114,23 +137,26 @@ def _cancel(handles: list) -> None:
 
 
 def build_response(model_response: ModelResponse, model: str, dones: list[Completion],
-                   token_bytes: Callable[[int], bytes], reads_tool_calls: bool = False) -> ModelResponse:
+                   reasoning: Reasoning | None = None,
+                   token_bytes: Callable[[int], bytes] | None = None, reads_tool_calls: bool = False) -> ModelResponse:
     """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: choice ``i`` is
-    ``dones[i]`` (with its ``logprobs`` when asked for: ``choice_logprobs``), usage their sum.
-    With ``reads_tool_calls`` an answer's calls become the message's ``tool_calls`` (``content``
-    None) and its ``finish_reason`` ``tool_calls``.
+    ``dones[i]`` (its thinking in ``reasoning_content`` where ``reasoning`` says how to find it;
+    its ``logprobs`` when asked for, ``choice_logprobs``: ``token_bytes`` is then needed),
+    usage their sum. With ``reads_tool_calls`` an answer's calls become the message's
+    ``tool_calls`` (``content`` None) and its ``finish_reason`` ``tool_calls``.
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
     ``_hidden_params["flm_stats"]`` is the request's stats (``RequestStats.as_dict``), or with
     several choices a list of them in choice order.
     """
-    model_response.choices = [
-        Choices(index=i, finish_reason=_finish_reason(done, calls), message=_message(content, calls),
-                logprobs=None if done.logprobs is None else choice_logprobs(done.logprobs, token_bytes))
-        for i, done in enumerate(dones)
-        for content, calls in [parse_tool_calls(done.text) if reads_tool_calls else (done.text, [])]
-    ]
+    model_response.choices = []
+    for i, done in enumerate(dones):
+        message = _message(done.text, reasoning, reads_tool_calls)
+        finish = "tool_calls" if message.tool_calls and done.finish_reason == "stop" else done.finish_reason
+        model_response.choices.append(Choices(
+            index=i, finish_reason=finish, message=message,
+            logprobs=None if done.logprobs is None else choice_logprobs(done.logprobs, token_bytes)))
     model_response.model = model
     model_response.created = int(time.time())
     setattr(model_response, "usage", Usage(**summed_usage(dones)))  # not a declared field of ModelResponse
@@ -139,24 +165,13 @@ def build_response(model_response: ModelResponse, model: str, dones: list[Comple
     return model_response
 
 
-def _message(content: str | None, calls: list[ToolCall]) -> Message:
-    tool_calls = [ChatCompletionMessageToolCall(id=c.id, type="function", function=Function(name=c.name,
-                                                                                            arguments=c.arguments))
-                  for c in calls]
-    return Message(content=content, role="assistant", tool_calls=tool_calls or None)
-
-
-def _finish_reason(done: Completion, calls: list[ToolCall]) -> str:
-    # A call cut short by max_tokens leaves the calls before it, and finish_reason "length".
-    return "tool_calls" if calls and done.finish_reason == "stop" else done.finish_reason
-
-
 # What a log-probability of -inf (a token the request's filters left no probability) becomes in
 # JSON, which has no infinity: vLLM's OpenAI server's floor.
 LOGPROB_FLOOR = -9999.0
 
 
-def choice_logprobs(records: tuple[TokenLogprob, ...], token_bytes: Callable[[int], bytes]) -> ChoiceLogprobs:
+def choice_logprobs(records: list[TokenLogprob] | tuple[TokenLogprob, ...],
+                    token_bytes: Callable[[int], bytes]) -> ChoiceLogprobs:
     """The runtime's ``TokenLogprob``s -> OpenAI's ``choices[i].logprobs``: one ``content`` entry
     per token, ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``. ``token`` is
     the token's UTF-8 text, a byte that is not (part of) valid UTF-8 written ``\\xNN``; ``bytes``
@@ -171,6 +186,18 @@ def choice_logprobs(records: tuple[TokenLogprob, ...], token_bytes: Callable[[in
                                    top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in r.top])
         for r in records
     ])
+
+
+def _message(text: str, reasoning: Reasoning | None, reads_tool_calls: bool) -> Message:
+    """The assistant message of an answer: its thinking split out, its calls read (a call cut
+    short by ``max_tokens`` stays text, beside the calls before it)."""
+    thought, content = (None, text) if reasoning is None else reasoning.split(text)
+    content, calls = parse_tool_calls(content) if reads_tool_calls else (content, [])
+    tool_calls = [ChatCompletionMessageToolCall(id=c.id, type="function",
+                                                function=Function(name=c.name, arguments=c.arguments))
+                  for c in calls]
+    extra = {"reasoning_content": thought} if reasoning is not None else {}
+    return Message(content=content, role="assistant", tool_calls=tool_calls or None, **extra)
 
 
 def summed_usage(dones: list[Completion]) -> dict:
@@ -240,67 +267,80 @@ def build_embedding_response(model_response: EmbeddingResponse, model: str, vect
     return model_response
 
 
-def build_chunk(event: StreamEvent, token_bytes: Callable[[int], bytes]) -> GenericStreamingChunk:
-    """One engine event -> one LiteLLM chunk; the final one (finish_reason set) carries the usage.
+class StreamChunks:
+    """The engine events of one streamed chat -> LiteLLM ``ModelResponseStream`` chunks.
 
-    The logprobs of the event's tokens, when asked for, go under ``chunk_choice_fields``: a
-    ``GenericStreamingChunk`` has no logprobs field, and LiteLLM's stream wrapper (1.110.2) sets
-    each key of that mapping on the chunk's choice, as it does for an OpenAI-compatible
-    provider's chunks; a chunk with logprobs but no text (a special token) is still sent.
-    """
-    finished = event.finish_reason is not None
-    usage = None
-    if finished:
-        usage = usage_fields(event.prompt_tokens, event.completion_tokens, event.stats)
-    chunk = GenericStreamingChunk(
-        text=event.text,
-        is_finished=finished,
-        finish_reason=event.finish_reason or "",
-        index=0,
-        tool_use=None,
-        usage=usage,
-    )
-    if event.logprobs:
-        chunk["chunk_choice_fields"] = {"logprobs": choice_logprobs(event.logprobs, token_bytes)}
-    return chunk
+    ModelResponseStream rather than GenericStreamingChunk because only its delta carries
+    ``reasoning_content`` (docs/design.md, "LiteLLM facts"). LiteLLM passes a custom provider's
+    ModelResponseStream on as it is, so each chunk has the stream's one id, ``model`` and the
+    role on the first. LiteLLM discards a chunk with a finish_reason but no content or tool
+    calls, usage and reasoning included, so the last event gives two: its delta with the usage,
+    then the finish_reason alone (LiteLLM sends it on a chunk of its own in any case).
 
+    Logprobs, when asked for, ride on the choice of the chunk that sends their tokens' text
+    (``choice_logprobs``): held back with the text the splitter holds, and sent on a chunk of
+    their own for tokens that have no text (a special token).
 
-class ChunkMaker:
-    """One streamed request's events -> LiteLLM chunks (``chunks``).
+    An answer that may hold tool calls (``reads_tool_calls``) goes through a ``ToolCallStream``:
+    its content as content, and each call, once complete, as a chunk of its own whose
+    ``delta.tool_calls`` holds it whole (index, id, name, arguments: OpenAI's tool-call delta);
+    the finish_reason is ``tool_calls`` when the answer made calls and ended on its own.
 
-    Plain: one ``build_chunk`` per event. With ``reads_tool_calls`` the answer goes through a
-    ``ToolCallStream``: its content as content, and each call, once complete, as a chunk of its
-    own whose ``tool_use`` carries its index, id, name and arguments (OpenAI's tool-call delta);
-    the final chunk says ``tool_calls`` when the answer made calls and ended on its own.
+    Args:
+        model: the tag as LiteLLM passed it.
+        reasoning: how to split the output (``_start``); None: all content.
+        token_bytes: the model's ``id -> bytes`` of a token; needed for logprobs.
+        reads_tool_calls: read calls out of the answer.
     """
 
-    def __init__(self, token_bytes: Callable[[int], bytes], reads_tool_calls: bool):
+    def __init__(self, model: str, reasoning: Reasoning | None, token_bytes: Callable[[int], bytes] | None = None,
+                 reads_tool_calls: bool = False):
+        self._id = f"chatcmpl-{uuid.uuid4()}"
+        self._created = int(time.time())
+        self._model = model
+        self._splitter = reasoning.splitter() if reasoning is not None else None
+        self._role: str | None = "assistant"  # on the first chunk only
         self._token_bytes = token_bytes
-        self._reader = ToolCallStream() if reads_tool_calls else None
-        self._calls = 0
+        self._logprobs: list[TokenLogprob] = []  # of tokens whose chunk is not sent yet
+        self._calls = ToolCallStream() if reads_tool_calls else None
+        self._n_calls = 0
 
-    def chunks(self, event: StreamEvent) -> list[GenericStreamingChunk]:
-        chunk = build_chunk(event, self._token_bytes)
-        if self._reader is None:
-            return [chunk]
-        content, calls = self._reader.feed(event.text)
-        if event.finish_reason is not None:
-            content += self._reader.finish()
-        out = [_call_chunk(call, self._calls + k) for k, call in enumerate(calls)]
-        self._calls += len(calls)
-        chunk["text"] = content
-        if self._calls and event.finish_reason == "stop":
-            chunk["finish_reason"] = "tool_calls"
-        if content or event.finish_reason is not None or "chunk_choice_fields" in chunk:
-            out.append(chunk)
-        return out
+    def __call__(self, event: StreamEvent) -> list[ModelResponseStream]:
+        """The chunks of one event: none while text is held back (a marker may be starting)."""
+        finished = event.finish_reason is not None
+        thought, text = "", event.text
+        if self._splitter is not None:
+            thought, text = self._splitter.feed(event.text)
+            if finished:
+                tail_thought, tail_text = self._splitter.finish()
+                thought, text = thought + tail_thought, text + tail_text
+        calls: list[ToolCall] = []
+        if self._calls is not None:
+            text, calls = self._calls.feed(text)
+            if finished:
+                text += self._calls.finish()
+        chunks = []
+        self._logprobs.extend(event.logprobs or ())
+        for call in calls:
+            chunks.append(self._chunk(Delta(role=self._role, tool_calls=[
+                {"index": self._n_calls, "id": call.id, "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}])))
+            self._role, self._n_calls = None, self._n_calls + 1
+        if thought or text or finished or (self._logprobs and not event.text):
+            chunks.append(self._chunk(Delta(content=text or None, reasoning_content=thought or None, role=self._role)))
+            self._role = None
+            if self._logprobs:
+                chunks[-1].choices[0].logprobs = choice_logprobs(self._logprobs, self._token_bytes)
+                self._logprobs = []
+        if finished:
+            chunks[-1].usage = Usage(**usage_fields(event.prompt_tokens, event.completion_tokens, event.stats))
+            reason = "tool_calls" if self._n_calls and event.finish_reason == "stop" else event.finish_reason
+            chunks.append(self._chunk(Delta(), finish_reason=reason))
+        return chunks
 
-
-def _call_chunk(call: ToolCall, index: int) -> GenericStreamingChunk:
-    return GenericStreamingChunk(
-        text="", is_finished=False, finish_reason="", index=0, usage=None,
-        tool_use={"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments},
-                  "index": index})
+    def _chunk(self, delta: Delta, finish_reason: str | None = None) -> ModelResponseStream:
+        return ModelResponseStream(id=self._id, created=self._created, model=self._model,
+                                   choices=[StreamingChoices(index=0, delta=delta, finish_reason=finish_reason)])
 
 
 class FlmLLM(CustomLLM):
@@ -316,47 +356,47 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            token_bytes, handles, output = _start(model, messages, optional_params, timeout, litellm_params)
+            handles, reasoning, token_bytes, output = _start(model, messages, optional_params, timeout, litellm_params)
             try:
                 dones = [handle.result() for handle in handles]
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones, token_bytes, output.reads_tool_calls)
+        return build_response(model_response, model, dones, reasoning, token_bytes, output.reads_tool_calls)
 
     async def acompletion(
         self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            token_bytes, handles, output = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
-                                                                   litellm_params)
+            handles, reasoning, token_bytes, output = await asyncio.to_thread(
+                _start, model, messages, optional_params, timeout, litellm_params)
             try:
                 dones = list(await asyncio.gather(*(handle.aresult() for handle in handles)))
             except BaseException:  # CancelledError: the client went away
                 _cancel(handles)
                 raise
-        return build_response(model_response, model, dones, token_bytes, output.reads_tool_calls)
+        return build_response(model_response, model, dones, reasoning, token_bytes, output.reads_tool_calls)
 
     def streaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
-    ) -> Iterator[GenericStreamingChunk]:
+    ) -> Iterator[ModelResponseStream]:
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            token_bytes, [handle], output = _start(model, messages, optional_params, timeout, litellm_params,
-                                                   stream=True)
-        return self._stream(model, handle, ChunkMaker(token_bytes, output.reads_tool_calls))
+            [handle], reasoning, token_bytes, output = _start(model, messages, optional_params, timeout,
+                                                              litellm_params, stream=True)
+        return self._stream(model, handle, StreamChunks(model, reasoning, token_bytes, output.reads_tool_calls))
 
     @staticmethod
-    def _stream(model: str, handle, maker: ChunkMaker) -> Iterator[GenericStreamingChunk]:
+    def _stream(model: str, handle, chunks: StreamChunks) -> Iterator[ModelResponseStream]:
         finished = False
         try:
             with litellm_errors(model):
                 for event in handle:
                     finished = event.finish_reason is not None
-                    yield from maker.chunks(event)
+                    yield from chunks(event)
         finally:
             if not finished:  # the caller stopped reading, or an error: free the sequence now
                 handle.cancel()
@@ -364,19 +404,19 @@ class FlmLLM(CustomLLM):
     async def astreaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
-    ) -> AsyncIterator[GenericStreamingChunk]:
+    ) -> AsyncIterator[ModelResponseStream]:
         # Must be an async generator (docs/design.md, "LiteLLM facts"): litellm iterates the
         # object it gets back.
         finished = False
         handle = None
         try:
             with litellm_errors(model):
-                token_bytes, [handle], output = await asyncio.to_thread(_start, model, messages, optional_params,
-                                                                        timeout, litellm_params, stream=True)
-                maker = ChunkMaker(token_bytes, output.reads_tool_calls)
+                [handle], reasoning, token_bytes, output = await asyncio.to_thread(
+                    _start, model, messages, optional_params, timeout, litellm_params, stream=True)
+                chunks = StreamChunks(model, reasoning, token_bytes, output.reads_tool_calls)
                 async for event in handle.aiter():
                     finished = event.finish_reason is not None
-                    for chunk in maker.chunks(event):
+                    for chunk in chunks(event):
                         yield chunk
         finally:
             if handle is not None and not finished:

@@ -1,14 +1,19 @@
-"""The cpu backend's decoder layer for quantized weights, compiled: a layer is two numba calls
-(norm, QKV product and RoPE; then O product, residual, norm, gate/up product, SwiGLU, down
-product, residual) with attention between them, one call per sequence of the step.
+"""The cpu backend's compiled decoder layer for quantized weights, and the attention kernel
+every layer uses.
+
+A quantized layer is two numba calls (norm, QKV product and RoPE; then O product, residual, norm,
+gate/up product, SwiGLU, down product, residual) with attention between them, one attention
+call per sequence of the step (``attend``, over the ``KVCache``'s key tiles; the float32 layer
+``models.llama.decoder_layer`` calls it too).
 
 Every computation is per row, in an order that does not depend on how many rows run or where in
 the step a row sits: the products are ``qgemm``'s (bit-identical for any row count), norms and
-RoPE are row-wise, and attention gives each query row its own pass over its own keys. So a
-row's logits are bit-identical whether it runs alone (decode), among the rows of a DFlash verify
-pass, or in a batched step beside other sequences (docs/design.md, "Batch invariance").
+RoPE are row-wise, and attention runs each query's scores and sums in a fixed order of its own.
+So a row's logits are bit-identical whether it runs alone (decode), among the rows of a DFlash
+verify pass, or in a batched step beside other sequences (docs/design.md, "Batch invariance").
 
-The float32 reference of the same layer is ``cpu.py``'s numpy functions (``LlamaModel._layer``).
+The float32 reference of the same layer is ``models.llama.decoder_layer`` over ``cpu.py``'s numpy
+functions.
 
 Axis legend as ``cpu.py``: R rows of the step, T rows of one sequence, N positions attended,
 H / Hkv query / key-value heads, D head dim, E hidden size, F FFN width.
@@ -26,7 +31,10 @@ from numba import types
 from numba.extending import intrinsic
 
 from flm_runtime.backends import qgemm, skinny_gemm
+from flm_runtime.backends.irgen import (F32, I1, I32, I64, as_i64, broadcast, counted_loop, data_ptr, declare,
+                                        literal, load, store, vec)
 from flm_runtime.backends.quant import QuantWeight
+from flm_runtime.core import KEY_TILE
 
 # fastmath without nnan/ninf: reassociation lets LLVM vectorize the reductions (norms, attention
 # dots), in an order fixed by the compiled code alone, the same for every row. numpy's error model:
@@ -141,48 +149,211 @@ def attention_in(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_h
     return q, k, v
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, **_ELEMENTWISE)
-def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
-    """Grouped-query attention of ``T`` query rows over a sequence's cached keys (as
-    ``cpu.attention``): query row ``t`` sits at position ``start + t`` and attends keys
-    ``0 .. start + t`` (``causal``) or all ``start + T``.
+def _contiguous(*array_types):
+    """Typing check of the attention intrinsics, which address their arrays' rows directly."""
+    for t in array_types:
+        if not (isinstance(t, types.Array) and t.layout == "C" and t.dtype == types.float32):
+            raise numba.core.errors.TypingError(f"attention takes C-contiguous float32 arrays, got {t}")
 
-    Args:
-        q: ``[T, H, D]`` (RoPE applied).
-        k, v: ``[Hkv, S, D]`` C-contiguous, one layer of the KV cache, holding the step's keys
-            already (positions ``0 .. start + T - 1``; the rest of its capacity is not read).
-        out: ``[T, H * D]`` float32, written.
-    """
-    t_rows, h, d = q.shape
-    group = h // k.shape[0]
-    scale = np.float32(1.0 / np.sqrt(d))
-    # One item per query head and row (not per key-value head): a decode step's 9 heads split
-    # evenly over two threads where its 3 key-value heads would not.
-    for item in numba.prange(t_rows * h):
-        t, head = item // h, item % h
-        n = start + t + 1 if causal else start + t_rows
-        query, keys, values = q[t, head], k[head // group], v[head // group]
-        scores = np.empty(n, dtype=np.float32)
-        for i in range(n):
-            key = keys[i]
-            acc = np.float32(0.0)
-            for e in range(d):
-                acc += query[e] * key[e]
-            scores[i] = acc * scale
-        top = scores.max()
+
+@intrinsic
+def _score_tiles(typingctx, queries, n_queries, tiles, first, count, scale, scores):  # pragma: no cover - compiled
+    """``_score_tiles(queries, n_queries, tiles, first, count, scale, scores)``: for each of the
+    first ``n_queries`` (a constant) rows ``j`` of ``queries`` ``[G, D]`` and each of the
+    ``count`` (a constant) key tiles ``i = first ..`` of ``tiles`` ``[n_tiles, D, 16]``,
+    ``scores[j, 16 i + l] = scale * sum_e queries[j, e] * tiles[i, e, l]``, each lane a chain of
+    fused multiply-adds over ``e`` in order. A tile's row is loaded once for all the queries,
+    and the chains run side by side so that their latencies overlap; each chain's arithmetic is
+    the same whatever runs beside it."""
+    _contiguous(queries, tiles, scores)
+    g, n = literal(n_queries, "n_queries"), literal(count, "count")
+    sig = types.void(queries, n_queries, tiles, first, count, scale, scores)
+
+    def codegen(context, builder, signature, args):
+        q_t, _, k_t, _, _, _, s_t = signature.args
+        queries_v, _, tiles_v, first_v, _, scale_v, scores_v = args
+        first_v = as_i64(builder, first_v)
+        d = builder.extract_value(context.make_array(q_t)(context, builder, queries_v).shape, 1)
+        score_width = builder.extract_value(context.make_array(s_t)(context, builder, scores_v).shape, 1)
+        qp, kp, sp = (data_ptr(context, builder, t, v, F32) for t, v in ((q_t, queries_v), (k_t, tiles_v),
+                                                                          (s_t, scores_v)))
+        vf = vec(F32, KEY_TILE)
+        fma = declare(builder, f"llvm.fma.v{KEY_TILE}f32", vf, [vf] * 3)
+        i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
+        tiles_at = [builder.add(first_v, i64(t)) for t in range(n)]
+        bases = [builder.mul(i, builder.mul(d, i64(KEY_TILE))) for i in tiles_at]
+        e, accs, close = counted_loop(builder, d, [ir.Constant(vf, None)] * (g * n))
+        row = builder.mul(e, i64(KEY_TILE))
+        keys = [load(builder, kp, builder.add(base, row), vf) for base in bases]
+        sums = []
+        for j in range(g):
+            qe = broadcast(builder, load(builder, qp, builder.add(builder.mul(i64(j), d), e), F32), KEY_TILE)
+            sums += [builder.call(fma, [qe, key, acc]) for key, acc in zip(keys, accs[j * n:(j + 1) * n])]
+        close(sums)
+        scale_v = broadcast(builder, scale_v, KEY_TILE)
+        for j in range(g):
+            for i, acc in zip(tiles_at, sums[j * n:(j + 1) * n]):
+                at = builder.add(builder.mul(i64(j), score_width), builder.mul(i, i64(KEY_TILE)))
+                store(builder, builder.fmul(acc, scale_v), sp, at)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _max_of_tiles(typingctx, scores, n_tiles):  # pragma: no cover - compiled
+    """``_max_of_tiles(scores, n_tiles)``: the largest of ``scores[0 .. 16 n_tiles - 1]``
+    (``n_tiles >= 1``), a lane-wise maximum then one reduction (exact in any order)."""
+    _contiguous(scores)
+    sig = types.float32(scores, n_tiles)
+
+    def codegen(context, builder, signature, args):
+        sp = data_ptr(context, builder, signature.args[0], args[0], F32)
+        vf = vec(F32, KEY_TILE)
+        top = declare(builder, f"llvm.maxnum.v{KEY_TILE}f32", vf, [vf, vf])
+        first = load(builder, sp, ir.Constant(I64, 0), vf)
+        i, acc, close = counted_loop(builder, as_i64(builder, args[1]), [first])
+        acc = builder.call(top, [acc[0], load(builder, sp, builder.mul(i, ir.Constant(I64, KEY_TILE)), vf)])
+        close([acc])
+        return builder.call(declare(builder, f"llvm.vector.reduce.fmax.v{KEY_TILE}f32", F32, [vf]), [acc])
+
+    return sig, codegen
+
+
+@intrinsic
+def _weighted_values(typingctx, weights, n_queries, values, n, column, width, scales,
+                     out):  # pragma: no cover - compiled
+    """``_weighted_values(weights, n_queries, values, n, column, width, scales, out)``: for each
+    of the first ``n_queries`` (a constant) rows ``j`` of ``weights`` ``[G, N']``, ``out[j * D +
+    column + c] = scales[j] * sum_i weights[j, i] * values[i, column + c]`` over ``i < n`` for
+    ``c < width`` (a constant multiple of 16) and ``column + c`` below the row width ``D`` of
+    ``values`` (the lanes past it are neither read nor written). The sums stay in registers,
+    each lane a chain over ``i`` in order (the same whatever runs beside it); a value row is
+    loaded once for all the queries."""
+    _contiguous(weights, values, scales, out)
+    g, w = literal(n_queries, "n_queries"), literal(width, "width")
+    assert w % KEY_TILE == 0
+    sig = types.void(weights, n_queries, values, n, column, width, scales, out)
+
+    def codegen(context, builder, signature, args):
+        p_t, _, v_t, _, _, _, c_t, o_t = signature.args
+        weights_v, _, values_v, n_v, column_v, _, scales_v, out_v = args
+        n_v, column_v = as_i64(builder, n_v), as_i64(builder, column_v)
+        weights_width = builder.extract_value(context.make_array(p_t)(context, builder, weights_v).shape, 1)
+        pp, vp, cp, op = (data_ptr(context, builder, t, v, F32) for t, v in ((p_t, weights_v), (v_t, values_v),
+                                                                              (c_t, scales_v), (o_t, out_v)))
+        row_width = builder.extract_value(context.make_array(v_t)(context, builder, values_v).shape, 1)
+        vf, mask_t = vec(F32, KEY_TILE), vec(I1, KEY_TILE)
+        i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
+        fma = declare(builder, f"llvm.fma.v{KEY_TILE}f32", vf, [vf] * 3)
+        masked_load = declare(builder, f"llvm.masked.load.v{KEY_TILE}f32.p0", vf, [vf.as_pointer(), I32, mask_t, vf])
+        masked_store = declare(builder, f"llvm.masked.store.v{KEY_TILE}f32.p0", ir.VoidType(),
+                               [vf, vf.as_pointer(), I32, mask_t])
+        chunks = w // KEY_TILE
+        lane = ir.Constant(vec(I64, KEY_TILE), list(range(KEY_TILE)))
+        width_v = broadcast(builder, row_width, KEY_TILE)
+        masks = [builder.icmp_signed("<", builder.add(broadcast(builder, builder.add(column_v, i64(KEY_TILE * c)),
+                                                                KEY_TILE), lane), width_v) for c in range(chunks)]
+
+        def at(ptr, index):
+            return builder.bitcast(builder.gep(ptr, [index]), vf.as_pointer())
+
+        i, accs, close = counted_loop(builder, n_v, [ir.Constant(vf, None)] * (g * chunks))
+        first = builder.add(builder.mul(i, row_width), column_v)
+        rows = [builder.call(masked_load, [at(vp, builder.add(first, i64(KEY_TILE * c))), ir.Constant(I32, 4), masks[c],
+                                           ir.Constant(vf, None)]) for c in range(chunks)]
+        sums = []
+        for j in range(g):
+            p = broadcast(builder, load(builder, pp, builder.add(builder.mul(i64(j), weights_width), i), F32), KEY_TILE)
+            sums += [builder.call(fma, [p, value, acc]) for value, acc in zip(rows, accs[j * chunks:(j + 1) * chunks])]
+        close(sums)
+        for j in range(g):
+            scale = broadcast(builder, load(builder, cp, i64(j), F32), KEY_TILE)
+            for c in range(chunks):
+                dst = builder.add(builder.mul(i64(j), row_width), builder.add(column_v, i64(KEY_TILE * c)))
+                builder.call(masked_store, [builder.fmul(sums[j * chunks + c], scale), at(op, dst), ir.Constant(I32, 4),
+                                            masks[c]])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_SCORE_TILES = 8  # key tiles scored side by side
+_QUERY_GROUP = 3  # query heads of one key-value head taken together: 24 score chains, 12 value sums in registers
+_VALUE_COLUMNS = 64  # head-dimension columns summed in registers at a time
+
+
+@numba.njit(inline="always", **_ELEMENTWISE)
+def _attend_heads(queries, g, tiles, values, n, scale, scores, out):  # pragma: no cover - compiled
+    """``g`` (a constant) query heads ``queries`` ``[g, D]`` of one row over the first ``n``
+    positions of one key-value head (``tiles``, ``values``): softmax of the scaled scores, then
+    the weighted values into ``out`` ``[g * D]``; ``scores`` ``[>= g, >= 16 n_tiles]`` is scratch."""
+    d = queries.shape[1]
+    n_tiles = (n + KEY_TILE - 1) // KEY_TILE
+    tile = 0
+    while tile + _SCORE_TILES <= n_tiles:
+        _score_tiles(queries, g, tiles, tile, _SCORE_TILES, scale, scores)
+        tile += _SCORE_TILES
+    while tile < n_tiles:
+        _score_tiles(queries, g, tiles, tile, 1, scale, scores)
+        tile += 1
+    inverse = np.empty(g, dtype=np.float32)
+    for j in range(g):
+        row = scores[j]
+        for i in range(n, n_tiles * KEY_TILE):  # the last tile's positions past n
+            row[i] = -np.inf
+        top = _max_of_tiles(row, n_tiles)
         total = np.float32(0.0)
         for i in range(n):
-            p = _exp(scores[i] - top)
-            scores[i] = p
+            p = _exp(row[i] - top)
+            row[i] = p
             total += p
-        acc_v = np.zeros(d, dtype=np.float32)
-        for i in range(n):
-            p, value = scores[i], values[i]
-            for e in range(d):
-                acc_v[e] += p * value[e]
-        inv = np.float32(1.0) / total
-        for e in range(d):
-            out[t, head * d + e] = acc_v[e] * inv
+        inverse[j] = np.float32(1.0) / total
+    column = 0
+    while column + _VALUE_COLUMNS <= d:
+        _weighted_values(scores, g, values, n, column, _VALUE_COLUMNS, inverse, out)
+        column += _VALUE_COLUMNS
+    while column < d:
+        _weighted_values(scores, g, values, n, column, KEY_TILE, inverse, out)
+        column += KEY_TILE
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, **_ELEMENTWISE)
+def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
+    """Grouped-query attention of ``T`` query rows over one layer of a sequence's KV cache (as
+    ``cpu.attention``): query row ``t`` sits at position ``start + t`` and attends positions
+    ``0 .. start + t`` (``causal``) or all ``start + T``; query head ``h`` reads key/value head
+    ``h // (H / Hkv)``.
+
+    One parallel item per query row and key-value head, its query heads taken up to
+    ``_QUERY_GROUP`` at a time over keys and values loaded once for them. Each query's scores and
+    sums run in a fixed order that depends on its position alone (``_score_tiles``,
+    ``_weighted_values``): a row's output is bit-identical whatever rows run beside it
+    (docs/design.md, "Batch invariance").
+
+    Args:
+        q: ``[T, H, D]`` float32 C-contiguous (RoPE applied).
+        k: ``[Hkv, S/16, D, 16]``, v: ``[Hkv, S, D]``: one layer of a ``KVCache`` (keys in tiles),
+            holding the step's keys and values already (positions ``0 .. start + T - 1``; the
+            rest of its capacity is not used).
+        out: ``[T, H * D]`` float32 C-contiguous, written.
+    """
+    t_rows, h, d = q.shape
+    hkv = k.shape[0]
+    group = h // hkv
+    scale = np.float32(1.0 / np.sqrt(d))
+    for item in numba.prange(t_rows * hkv):
+        t, kv = item // hkv, item % hkv
+        n = start + t + 1 if causal else start + t_rows
+        scores = np.empty((min(group, _QUERY_GROUP), (n + KEY_TILE - 1) // KEY_TILE * KEY_TILE), dtype=np.float32)
+        head = kv * group
+        while head + _QUERY_GROUP <= (kv + 1) * group:
+            _attend_heads(q[t, head:head + _QUERY_GROUP], _QUERY_GROUP, k[kv], v[kv], n, scale, scores,
+                          out[t, head * d:(head + _QUERY_GROUP) * d])
+            head += _QUERY_GROUP
+        while head < (kv + 1) * group:
+            _attend_heads(q[t, head:head + 1], 1, k[kv], v[kv], n, scale, scores, out[t, head * d:(head + 1) * d])
+            head += 1
 
 
 @numba.njit(nogil=True, **_ELEMENTWISE)
@@ -219,6 +390,23 @@ def attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, o
     gate_up = _product(isa, gu_bits, gu_has_mins, gu_codes, gu_scales, gu_mins, gu_padded, gu_n,
                        _rms_norm(x, ffn_norm, eps))
     return x + _product(isa, d_bits, d_has_mins, d_codes, d_scales, d_mins, d_padded, d_n, _swiglu(gate_up))
+
+
+def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans, causal: bool) -> np.ndarray:
+    """A layer's attention over a step's rows, sequence by sequence: each span's new keys and
+    values ``k``, ``v`` ``[R, Hkv, D]`` go into layer ``index`` of its cache, then its queries
+    ``q`` ``[R, H, D]`` attend it (``attend``). ``spans``: per sequence, an object with ``cache``,
+    ``start`` (the cache length before the step) and ``rows`` (its slice of the rows), as
+    ``LlamaModel``'s spans. The caller holds ``skinny_gemm.KERNEL_LOCK``.
+
+    Returns:
+        ``[R, H * D]`` float32.
+    """
+    out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
+    for s in spans:
+        s.cache.write(index, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
+        attend(q[s.rows], s.cache.k[index], s.cache.v[index], s.start, causal, out[s.rows])
+    return out
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -275,8 +463,5 @@ class FusedLayer:
         h, hkv, d = self.geometry
         with skinny_gemm.KERNEL_LOCK:
             q, k, v = self._in(x, self.attn_norm, self.eps, *self.wqkv, cos, sin, h, hkv, d)
-            attn = np.empty((x.shape[0], h * d), dtype=np.float32)
-            for s in spans:
-                s.cache.write(index, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
-                attend(q[s.rows], s.cache.k[index], s.cache.v[index], s.start, causal, attn[s.rows])
+            attn = attend_spans(index, q, k, v, spans, causal)
             return self._out(x, attn, self.ffn_norm, self.eps, *self.wo, *self.w_gate_up, *self.w_down)

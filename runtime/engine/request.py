@@ -44,11 +44,11 @@ class SamplingParams:
         logit_bias: token id -> value in [-100, 100] added to that token's logit (OpenAI's);
             ids are checked against the vocabulary at submit (``processors.request_processors``).
         logprobs: record each emitted token's log-probability (``TokenLogprob``).
-        top_logprobs: also the this many most likely tokens at each position; [0, 20], > 0 only
+        top_logprobs: also this many of the most likely tokens at each position; [0, 20], > 0 only
             with ``logprobs``.
 
-    The order these apply in, and what the log-probabilities are: ``processors`` and
-    ``sampler.token_logprob``.
+    The order these apply in, and what the log-probabilities are: ``processors.request_processors``
+    and ``sampler.sample_with_logprob``.
 
     Raises:
         InvalidRequestError: a value out of range, naming the parameter.
@@ -226,7 +226,7 @@ class TokenLogprob:
 
     Attributes:
         token_id: the token.
-        logprob: its natural log-probability (``sampler.token_logprob`` says of which
+        logprob: its natural log-probability (``sampler.sample_with_logprob`` says of which
             distribution); finite.
         top: ``top_logprobs`` pairs ``(token id, logprob)``, most likely first (lowest id first
             among equals); ``-inf`` for a token the request's filters left no probability.

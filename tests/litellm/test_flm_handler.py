@@ -12,13 +12,14 @@ import threading
 from dataclasses import replace
 
 import litellm
+import numpy as np
 import pytest
 
 import litellm_flm
 from flm_runtime import errors as rt
 from flm_fake_engine import FakeTokenizer
-from litellm_flm.llm import FlmLLM, build_chunk
-from flm_runtime.engine.request import RequestStats, SpecStats, StreamEvent
+from litellm_flm.llm import FlmLLM, StreamChunks
+from flm_runtime.engine.request import RequestStats, SpecStats, StreamEvent, TokenLogprob
 
 MODEL = "flm/smollm2:135m"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -95,14 +96,38 @@ def test_overloaded_engine_is_rate_limit(fake_engine):
         litellm.completion(model=MODEL, messages=MESSAGES)
 
 
-def test_build_chunk():
-    mid = build_chunk(StreamEvent("Pa", (1, 2), None, 10, 2), FakeTokenizer().token_bytes)
-    assert mid == {
-        "text": "Pa", "is_finished": False, "finish_reason": "", "index": 0, "tool_use": None, "usage": None
-    }
-    last = build_chunk(StreamEvent("", (), "length", 10, 5), FakeTokenizer().token_bytes)
-    assert last["is_finished"] and last["finish_reason"] == "length"
-    assert last["usage"] == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+def test_stream_chunks():
+    chunks = StreamChunks("smollm2:135m", None)
+    [first] = chunks(StreamEvent("Pa", (1, 2), None, 10, 2))
+    assert (first.choices[0].delta.role, first.choices[0].delta.content, first.choices[0].finish_reason) == (
+        "assistant", "Pa", None)
+    assert first.model == "smollm2:135m"
+    [mid] = chunks(StreamEvent("ri", (3,), None, 10, 3))
+    assert (mid.choices[0].delta.role, mid.choices[0].delta.content, mid.id) == (None, "ri", first.id)
+    # The last event: its delta with the usage (none here), then the finish_reason alone.
+    last, finish = chunks(StreamEvent("", (), "length", 10, 5))
+    assert (last.choices[0].delta.content, last.choices[0].finish_reason) == (None, None)
+    assert last.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == {
+        "prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+    assert (finish.choices[0].delta.content, finish.choices[0].finish_reason, finish.id) == (None, "length", first.id)
+
+
+def test_stream_chunks_carry_their_tokens_logprobs():
+    """Each chunk carries the entries of the tokens whose text it sends; a token with no text (a
+    special token) gets a chunk of its own; -inf becomes vLLM's floor, -9999.0."""
+    chunks = StreamChunks("smollm2:135m", None, FakeTokenizer().token_bytes)
+    pa = (TokenLogprob(ord("P"), -0.5, ((ord("P"), -0.5), (ord("Q"), -np.inf))), TokenLogprob(ord("a"), -0.25))
+    [first] = chunks(StreamEvent("Pa", (ord("P"), ord("a")), None, 10, 2, logprobs=pa))
+    assert [e.model_dump() for e in first.choices[0].logprobs.content] == [
+        {"token": "P", "logprob": -0.5, "bytes": [80],
+         "top_logprobs": [{"token": "P", "logprob": -0.5, "bytes": [80]},
+                          {"token": "Q", "logprob": -9999.0, "bytes": [81]}]},
+        {"token": "a", "logprob": -0.25, "bytes": [97], "top_logprobs": []}]
+    [special] = chunks(StreamEvent("", (258,), None, 10, 3, logprobs=(TokenLogprob(258, -1.0),)))
+    assert special.choices[0].delta.content is None
+    assert [(e.token, e.bytes) for e in special.choices[0].logprobs.content] == [(chr(258), list(chr(258).encode()))]
+    last, finish = chunks(StreamEvent("", (), "stop", 10, 3, logprobs=()))
+    assert last.choices[0].logprobs is None and finish.choices[0].logprobs is None
 
 
 def test_stream(fake_engine):
