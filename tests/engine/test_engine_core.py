@@ -261,7 +261,7 @@ def test_decoding_sequences_share_one_batched_step(make_engine, tok):
     handles = [engine.submit([i + 1], SamplingParams(max_tokens=n)) for i, n in enumerate(budgets)]
     wait_until(lambda: any(len(p) == 3 for p in model.passes))
     late = engine.submit([9], SamplingParams(max_tokens=5))
-    assert [h.result().completion_tokens for h in handles + [late]] == budgets + [5]
+    assert [h.result().stats.generated_tokens for h in handles + [late]] == budgets + [5]
     # every token is one sequence's part of one call: the first from its (1-token) prompt's
     # chunk, the others from decode rows
     sizes = [len(p) for p in model.passes]
