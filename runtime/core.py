@@ -125,6 +125,14 @@ class KVCache:
         assert 0 <= length <= self.length, f"cannot trim a cache of {self.length} to {length}"
         self.length = length
 
+    def copy(self) -> "KVCache":
+        """An independent cache holding the same positions (the engine's ``n`` > 1: each choice
+        decodes on its own copy of the prompt's keys and values), with the same capacity."""
+        out = KVCache.__new__(KVCache)
+        out.max_length, out.length = self.max_length, self.length
+        out.k, out.v = self.k.copy(), self.v.copy()
+        return out
+
 
 class ForwardOutput(NamedTuple):
     """What a target step returns (``TargetModel.forward_batch`` and the helpers over it in

@@ -90,8 +90,13 @@ def test_context_limits(make_engine, tok):
     with pytest.raises(ContextLengthError) as e:
         engine.submit([1] * 100, SamplingParams(max_tokens=29))
     assert (e.value.param, e.value.prompt_tokens, e.value.max_tokens, e.value.context_length) == ("messages", 100, 29, 128)
-    with pytest.raises(ContextLengthError):
-        engine.submit([1] * 128, SamplingParams())
+    # max_tokens unset: the message gives the prompt and the context, not a max_tokens nobody sent.
+    for n_prompt in (128, 140):
+        with pytest.raises(ContextLengthError) as e:
+            engine.submit([1] * n_prompt, SamplingParams())
+        assert str(e.value) == (f"this model's context length is 128 tokens; the prompt has {n_prompt} tokens, "
+                                "which leaves no room for a completion")
+        assert (e.value.param, e.value.prompt_tokens, e.value.max_tokens) == ("messages", n_prompt, None)
     done = engine.submit([1] * 100, SamplingParams(max_tokens=28)).result()
     assert done.completion_tokens == 28
     # max_tokens None: up to the context, then "length".
