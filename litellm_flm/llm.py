@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -25,10 +26,10 @@ import litellm
 from litellm import CustomLLM
 from litellm.types.utils import Choices, EmbeddingResponse, GenericStreamingChunk, Message, ModelResponse, Usage
 
-from flm_runtime.engine.request import Completion, RequestStats, StreamEvent
+from flm_runtime.engine.request import Completion, StreamEvent
 
 from .errors import litellm_errors
-from .params import (backend_of, embedding_inputs, encoding_format, normalize_messages, raw_prompts,
+from .params import (backend_of, choices_of, embedding_inputs, encoding_format, normalize_messages, raw_prompts,
                      request_fields)
 
 
@@ -62,80 +63,74 @@ def _drops_unsupported(litellm_params: dict | None) -> bool:
     return litellm.drop_params is True or (litellm_params or {}).get("drop_params") is True
 
 
-def _start(model: str, messages: list, optional_params: dict, timeout: Any, litellm_params: dict | None, *,
-           stream: bool = False) -> list:
+def _start(model: str, messages: list, optional_params: dict, timeout: Any,
+           litellm_params: dict | None) -> list[list]:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
     (``request_fields``). A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
     message) continues each prompt's raw text, with no chat template: one engine request per
-    prompt, all submitted before any is awaited, so the engine batches them.
+    prompt, all submitted before any is awaited, so the engine batches them. ``n`` > 1: each
+    prompt's request has ``n`` choices (``Engine.submit_choices``: one prefill).
 
     Returns:
-        The engine's RequestHandles, one per prompt (one for a chat).
+        The engine's RequestHandles, per prompt (one for a chat) its ``n`` choices.
 
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
     """
     fields = request_fields(optional_params, _drops_unsupported(litellm_params))  # before loading: fail fast
+    n = choices_of(optional_params)
     raw = (litellm_params or {}).get("text_completion") is True
-    prompts = raw_prompts(messages, stream=stream) if raw else None
+    prompts = raw_prompts(messages) if raw else None
     chat = None if raw else normalize_messages(messages)
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
     texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)]
-    handles = []
+    groups: list[list] = []
     try:
         for text in texts:
-            handles.append(engine.submit(engine.tokenizer.encode(text), params, timeout=_timeout_seconds(timeout)))
+            groups.append(engine.submit_choices(engine.tokenizer.encode(text), params, n,
+                                                timeout=_timeout_seconds(timeout)))
     except BaseException:  # one prompt refused (too long, queue full): none of them runs
-        _cancel(handles)
+        _cancel(groups)
         raise
-    return handles
+    return groups
 
 
-def _cancel(handles: list) -> None:
-    for handle in handles:
-        handle.cancel()
+def _cancel(groups: list[list]) -> None:
+    for handles in groups:
+        for handle in handles:
+            handle.cancel()
 
 
-def build_response(model_response: ModelResponse, model: str, dones: list[Completion]) -> ModelResponse:
-    """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: choice ``i`` is
-    ``dones[i]``, usage their sum.
+def build_response(model_response: ModelResponse, model: str, groups: list[list[Completion]]) -> ModelResponse:
+    """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: per prompt its ``n``
+    choices, numbered in that order (OpenAI's for a list of prompts), and ``usage``
+    (``usage_fields``).
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
     ``_hidden_params["flm_stats"]`` is the request's stats (``RequestStats.as_dict``), or with
     several choices a list of them in choice order.
     """
+    dones = [done for group in groups for done in group]
     model_response.choices = [
         Choices(index=i, finish_reason=done.finish_reason, message=Message(content=done.text, role="assistant"))
         for i, done in enumerate(dones)
     ]
     model_response.model = model
     model_response.created = int(time.time())
-    setattr(model_response, "usage", Usage(**summed_usage(dones)))  # not a declared field of ModelResponse
+    setattr(model_response, "usage", Usage(**usage_fields(groups)))  # not a declared field of ModelResponse
     stats = [done.stats.as_dict() for done in dones]
     model_response._hidden_params["flm_stats"] = stats[0] if len(stats) == 1 else stats
     return model_response
 
 
-def summed_usage(dones: list[Completion]) -> dict:
-    """``usage_fields`` of each finished request, added up field by field."""
-    total: dict = {}
-    for done in dones:
-        for key, value in usage_fields(done.prompt_tokens, done.completion_tokens, done.stats).items():
-            if isinstance(value, dict):
-                inner = total.setdefault(key, {})
-                for k, v in value.items():
-                    inner[k] = inner.get(k, 0) + v
-            else:
-                total[key] = total.get(key, 0) + value
-    return total
-
-
-def usage_fields(prompt_tokens: int, completion_tokens: int, stats: RequestStats | None) -> dict:
-    """OpenAI usage fields of a finished request.
+def usage_fields(groups: list[list[Completion | StreamEvent]]) -> dict:
+    """OpenAI usage fields of finished requests: per prompt, its choices' ``Completion``s or final
+    ``StreamEvent``s (same fields). Each prompt counts once, however many choices share it; every
+    choice's completion tokens count.
 
     With speculative decoding (``stats.spec`` set) ``completion_tokens_details`` says
     how the draft's proposals fared: ``accepted_prediction_tokens`` = drafted tokens the target
@@ -144,12 +139,16 @@ def usage_fields(prompt_tokens: int, completion_tokens: int, stats: RequestStats
     part of ``completion_tokens`` (always the tokens delivered). The full per-request stats
     (acceptance length and all) are in ``_hidden_params["flm_stats"]``.
     """
+    dones = [done for group in groups for done in group]
+    prompt_tokens = sum(group[0].prompt_tokens for group in groups)
+    completion_tokens = sum(done.completion_tokens for done in dones)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
-    if stats is not None and stats.spec is not None:
-        accepted = stats.spec.accepted
+    spec = [done.stats.spec for done in dones if done.stats is not None and done.stats.spec is not None]
+    if spec:
+        accepted = sum(s.accepted for s in spec)
         usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                              "rejected_prediction_tokens": stats.spec.drafted - accepted}
+                                              "rejected_prediction_tokens": sum(s.drafted for s in spec) - accepted}
     return usage
 
 
@@ -187,20 +186,89 @@ def build_embedding_response(model_response: EmbeddingResponse, model: str, vect
     return model_response
 
 
-def build_chunk(event: StreamEvent) -> GenericStreamingChunk:
-    """One engine event -> one LiteLLM chunk; the final one (finish_reason set) carries the usage."""
-    finished = event.finish_reason is not None
-    usage = None
-    if finished:
-        usage = usage_fields(event.prompt_tokens, event.completion_tokens, event.stats)
-    return GenericStreamingChunk(
-        text=event.text,
-        is_finished=finished,
-        finish_reason=event.finish_reason or "",
-        index=0,
-        tool_use=None,
-        usage=usage,
-    )
+def interleave(streams: list[Iterator]) -> Iterator[tuple[int, Any]]:
+    """``(i, item)`` of ``streams[i]``, one item of each stream in turn, until all are exhausted
+    (the choices of a request decode in the same steps, so their events come in step)."""
+    live = list(enumerate(streams))
+    while live:
+        for entry in list(live):
+            item = next(entry[1], _EXHAUSTED)
+            if item is _EXHAUSTED:
+                live.remove(entry)
+            else:
+                yield entry[0], item
+
+
+async def ainterleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """``interleave`` of async iterators."""
+    live = list(enumerate(streams))
+    while live:
+        for entry in list(live):
+            item = await anext(entry[1], _EXHAUSTED)
+            if item is _EXHAUSTED:
+                live.remove(entry)
+            else:
+                yield entry[0], item
+
+
+_EXHAUSTED = object()
+
+
+class ChunkStream:
+    """The events of a request's choices -> LiteLLM chunks, each naming its choice.
+
+    LiteLLM 1.110.2's stream wrapper (docs/design.md, "LiteLLM facts") numbers a custom provider's
+    chunk by its ``choice_index`` key (not ``GenericStreamingChunk``'s ``index``, which it
+    ignores), ends the stream after the first chunk with ``is_finished`` (whose ``finish_reason``
+    it gives choice 0), and finishes any other choice with a chunk's ``sibling_finish_reason``. So
+    choice ``i > 0`` finishes with ``sibling_finish_reason``, and choice 0's finish, carrying the
+    usage of all (``usage_fields``), is the last chunk: it waits for every other choice.
+
+    Args:
+        n: choices per prompt; choice ``i`` belongs to prompt ``i // n``.
+        total: choices in all (prompts times ``n``).
+
+    Attributes:
+        finished: every choice has finished.
+    """
+
+    def __init__(self, n: int, total: int):
+        self.n = n
+        self.total = total
+        self.finals: dict[int, StreamEvent] = {}
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finals) == self.total
+
+    def chunks(self, index: int, event: StreamEvent) -> list[GenericStreamingChunk]:
+        """The chunks that choice ``index``'s ``event`` makes (0, 1 or 2)."""
+        if event.finish_reason is None:
+            return [build_chunk(index, event.text)]
+        self.finals[index] = event
+        out = []
+        if index:
+            out.append(build_chunk(index, event.text, sibling_finish_reason=event.finish_reason))
+        elif not self.finished and event.text:
+            out.append(build_chunk(0, event.text))  # its finish waits for the other choices
+        if self.finished:
+            first = self.finals[0]
+            groups = [[self.finals[i] for i in range(p, p + self.n)] for p in range(0, self.total, self.n)]
+            text = first.text if index == 0 else ""
+            out.append(build_chunk(0, text, finish_reason=first.finish_reason, usage=usage_fields(groups)))
+        return out
+
+
+def build_chunk(index: int, text: str, *, finish_reason: str | None = None, usage: dict | None = None,
+                sibling_finish_reason: str | None = None) -> GenericStreamingChunk:
+    """One LiteLLM chunk of choice ``index`` (``ChunkStream``): ``finish_reason`` and ``usage``
+    end the stream; ``sibling_finish_reason`` ends choice ``index`` > 0 only."""
+    chunk = GenericStreamingChunk(text=text, is_finished=finish_reason is not None, finish_reason=finish_reason or "",
+                                  index=index, tool_use=None, usage=usage)
+    chunk["choice_index"] = index  # what LiteLLM reads (see ChunkStream)
+    if sibling_finish_reason is not None:
+        chunk["sibling_finish_reason"] = sibling_finish_reason
+    return chunk
 
 
 class FlmLLM(CustomLLM):
@@ -216,11 +284,11 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles = _start(model, messages, optional_params, timeout, litellm_params)
+            groups = _start(model, messages, optional_params, timeout, litellm_params)
             try:
-                dones = [handle.result() for handle in handles]
+                dones = [[handle.result() for handle in handles] for handles in groups]
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
-                _cancel(handles)
+                _cancel(groups)
                 raise
         return build_response(model_response, model, dones)
 
@@ -229,11 +297,11 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params)
+            groups = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params)
             try:
-                dones = list(await asyncio.gather(*(handle.aresult() for handle in handles)))
+                dones = [list(await asyncio.gather(*(handle.aresult() for handle in handles))) for handles in groups]
             except BaseException:  # CancelledError: the client went away
-                _cancel(handles)
+                _cancel(groups)
                 raise
         return build_response(model_response, model, dones)
 
@@ -244,20 +312,24 @@ class FlmLLM(CustomLLM):
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            [handle] = _start(model, messages, optional_params, timeout, litellm_params, stream=True)
-        return self._stream(model, handle)
+            groups = _start(model, messages, optional_params, timeout, litellm_params)
+        stream = self._stream(model, groups)
+        # Its ``finally`` runs only once it has started: a stream dropped before its first chunk
+        # frees the sequences when it is collected (at once, by reference counting).
+        weakref.finalize(stream, _cancel, groups)
+        return stream
 
     @staticmethod
-    def _stream(model: str, handle) -> Iterator[GenericStreamingChunk]:
-        finished = False
+    def _stream(model: str, groups: list[list]) -> Iterator[GenericStreamingChunk]:
+        handles = [handle for group in groups for handle in group]
+        out = ChunkStream(len(groups[0]), len(handles))
         try:
             with litellm_errors(model):
-                for event in handle:
-                    finished = event.finish_reason is not None
-                    yield build_chunk(event)
+                for index, event in interleave([iter(handle) for handle in handles]):
+                    yield from out.chunks(index, event)
         finally:
-            if not finished:  # the caller stopped reading, or an error: free the sequence now
-                handle.cancel()
+            if not out.finished:  # the caller stopped reading, or an error: free the sequences now
+                _cancel(groups)
 
     async def astreaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
@@ -265,18 +337,18 @@ class FlmLLM(CustomLLM):
     ) -> AsyncIterator[GenericStreamingChunk]:
         # Must be an async generator (docs/design.md, "LiteLLM facts"): litellm iterates the
         # object it gets back.
-        finished = False
-        handle = None
+        groups, out = [], None
         try:
             with litellm_errors(model):
-                [handle] = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params,
-                                                   stream=True)
-                async for event in handle.aiter():
-                    finished = event.finish_reason is not None
-                    yield build_chunk(event)
+                groups = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params)
+                handles = [handle for group in groups for handle in group]
+                out = ChunkStream(len(groups[0]), len(handles))
+                async for index, event in ainterleave([handle.aiter() for handle in handles]):
+                    for chunk in out.chunks(index, event):
+                        yield chunk
         finally:
-            if handle is not None and not finished:
-                handle.cancel()
+            if out is not None and not out.finished:
+                _cancel(groups)
 
     def embedding(
         self, model: str, input: list, model_response: EmbeddingResponse, optional_params: dict,

@@ -11,7 +11,8 @@ rewritten (checked on litellm 1.110.2):
 
 Every key is then one of: *mapped* (``OPENAI_TO_RUNTIME``), *ignored* (``IGNORED``), *accepted only
 at its neutral value* (``NEUTRAL_ONLY``), a *deployment* key that chooses where the model runs
-rather than how it samples (``DEPLOYMENT_KEYS``: ``backend``, read by ``backend_of``), or rejected. Anything rejected raises
+rather than how it samples (``DEPLOYMENT_KEYS``: ``backend``, read by ``backend_of``), ``n`` (the
+choices per prompt, read by ``choices_of``), or rejected. Anything rejected raises
 ``InvalidRequestError`` naming the parameter, which ``litellm_flm.errors`` turns into
 ``litellm.BadRequestError``. Range checks live in ``SamplingParams`` itself and the default sampler
 in the runtime (``SamplingDefaults``, per model): one place each.
@@ -63,7 +64,6 @@ IGNORED: frozenset[str] = frozenset(
 # client that always sends the default still works; anything else is refused rather than ignored,
 # or dropped when the caller asks for drop_params.
 NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "only n=1 is supported"),
     "presence_penalty": ((0, 0.0), "presence_penalty is not supported; send 0 or leave it out"),
     "frequency_penalty": ((0, 0.0), "frequency_penalty is not supported; send 0 or leave it out"),
     "logprobs": ((False,), "logprobs are not supported yet"),
@@ -86,12 +86,15 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
 # The keys of OPENAI_TO_RUNTIME that are not OpenAI parameters (vLLM / Ollama spellings).
 NON_OPENAI: frozenset[str] = frozenset({"top_k", "min_p", "ignore_eos"})
 
+# The number of choices per prompt: a request-level key, not a SamplingParams field (choices_of).
+CHOICES_KEY = "n"
+
 # The OpenAI chat parameters this provider honours at every valid value: what LiteLLM's
 # get_supported_openai_params would answer for a built-in provider. parallel_tool_calls is ignored
 # only because there are no tools, so it is not listed. NEUTRAL_ONLY is the "not yet supported"
 # rest (README.md, "Parameters").
 SUPPORTED_OPENAI_PARAMS: tuple[str, ...] = tuple(
-    sorted((set(OPENAI_TO_RUNTIME) | IGNORED) - NON_OPENAI - {"parallel_tool_calls"})
+    sorted((set(OPENAI_TO_RUNTIME) | IGNORED | {CHOICES_KEY}) - NON_OPENAI - {"parallel_tool_calls"})
 )
 
 # Keys that choose where the model runs: a Router deployment's litellm_params (they arrive at the
@@ -153,7 +156,7 @@ def request_fields(optional_params: Mapping[str, Any], drop_unsupported: bool = 
             caller spelled it. Ranges are checked later, by ``SamplingParams`` itself.
     """
     flat = {k: v for k, v in merge_extra_body(optional_params).items()
-            if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS}
+            if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS and k != CHOICES_KEY}
     mapped: dict[str, Any] = {}
     for key, value in flat.items():
         if key in OPENAI_TO_RUNTIME:
@@ -180,6 +183,21 @@ def request_fields(optional_params: Mapping[str, Any], drop_unsupported: bool = 
     if "stop" in fields:
         fields["stop"] = _stop_tuple(checked.stop)
     return fields
+
+
+def choices_of(optional_params: Mapping[str, Any]) -> int:
+    """OpenAI's ``n``: how many choices to generate for each prompt (1 when unset). The engine
+    bounds it by how many sequences it runs at once (``max_active``).
+
+    Raises:
+        InvalidRequestError: not an integer >= 1 (``param`` is ``n``).
+    """
+    value = merge_extra_body(optional_params).get(CHOICES_KEY)
+    if value is None:
+        return 1
+    if type(value) is not int or value < 1:
+        raise InvalidRequestError(f"n must be an integer >= 1, got {value!r}", param=CHOICES_KEY)
+    return value
 
 
 def backend_of(optional_params: Mapping[str, Any]) -> str | None:
@@ -258,24 +276,17 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def raw_prompts(messages: Any, *, stream: bool) -> list[str]:
+def raw_prompts(messages: Any) -> list[str]:
     """The prompts of a text completion, as LiteLLM hands them to a custom provider: one
     ``{"role": "user", "content": prompt}`` message per prompt string (a prompt of token ids
     LiteLLM refuses itself).
 
-    Args:
-        stream: the request streams. LiteLLM's text stream wrapper numbers every chunk choice 0,
-            so the chunks of several prompts could not be told apart: a stream takes one prompt.
-
     Raises:
-        InvalidRequestError: ``param`` ``prompt`` (one prompt) or ``prompt[i]``: not a text prompt,
-            an empty prompt, or several prompts in a stream.
+        InvalidRequestError: ``param`` ``prompt`` (one prompt) or ``prompt[i]``: not a text prompt
+            or an empty prompt.
     """
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("prompt must be a string or a non-empty list of strings", param="prompt")
-    if stream and len(messages) > 1:
-        raise InvalidRequestError(f"a stream takes one prompt, got {len(messages)}; send them as separate "
-                                  "requests or without stream", param="prompt")
     prompts = []
     for i, msg in enumerate(messages):
         where = "prompt" if len(messages) == 1 else f"prompt[{i}]"

@@ -28,7 +28,6 @@ UNSUPPORTED = {
     "presence_penalty": {"presence_penalty": 0.5},
     "frequency_penalty": {"frequency_penalty": 0.5},
     "logit_bias": {"logit_bias": {"42": 10}},
-    "n": {"n": 2},
 }
 
 
@@ -108,7 +107,7 @@ async def test_router_request_drop_params_async(plain, router):
     assert r.choices[0].message.content == plain
 
 
-@pytest.mark.parametrize("name", ["logit_bias", "logprobs", "presence_penalty", "n"])
+@pytest.mark.parametrize("name", ["logit_bias", "logprobs", "presence_penalty"])
 def test_drop_params_does_what_litellm_does_for_a_builtin_provider(plain, name):
     """ollama_chat does not support these either: LiteLLM's own rule (get_optional_params)
     refuses each without drop_params and drops it with; flm gives the same two outcomes."""

@@ -16,8 +16,10 @@ import pytest
 
 import litellm_flm
 from flm_runtime import errors as rt
-from litellm_flm.llm import FlmLLM, build_chunk
+from litellm_flm.llm import ChunkStream, FlmLLM, build_chunk
+from stream_choices import joined_choices
 from flm_runtime.engine.request import RequestStats, SpecStats, StreamEvent
+from flm_runtime.engine.sampler import choice_seed
 
 MODEL = "flm/smollm2:135m"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -95,13 +97,29 @@ def test_overloaded_engine_is_rate_limit(fake_engine):
 
 
 def test_build_chunk():
-    mid = build_chunk(StreamEvent("Pa", (1, 2), None, 10, 2))
-    assert mid == {
-        "text": "Pa", "is_finished": False, "finish_reason": "", "index": 0, "tool_use": None, "usage": None
-    }
-    last = build_chunk(StreamEvent("", (), "length", 10, 5))
-    assert last["is_finished"] and last["finish_reason"] == "length"
+    out = ChunkStream(1, 1)
+    assert out.chunks(0, StreamEvent("Pa", (1, 2), None, 10, 2)) == [{
+        "text": "Pa", "is_finished": False, "finish_reason": "", "index": 0, "tool_use": None, "usage": None,
+        "choice_index": 0}]
+    [last] = out.chunks(0, StreamEvent("", (), "length", 10, 5))
+    assert last["is_finished"] and last["finish_reason"] == "length" and out.finished
     assert last["usage"] == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+    assert build_chunk(2, "x", sibling_finish_reason="stop") == {
+        "text": "x", "is_finished": False, "finish_reason": "", "index": 2, "tool_use": None, "usage": None,
+        "choice_index": 2, "sibling_finish_reason": "stop"}
+
+
+def test_choice_zero_finishes_the_stream_after_the_others():
+    """LiteLLM ends the stream at the first ``is_finished`` chunk: choice 0's finish waits for the
+    others, which finish with ``sibling_finish_reason``; the usage counts the prompt once."""
+    out = ChunkStream(3, 3)
+    assert [c["choice_index"] for c in out.chunks(0, StreamEvent("ab", (1,), "stop", 10, 1))] == [0]
+    [one] = out.chunks(1, StreamEvent("c", (2,), "length", 10, 4))
+    assert (one["choice_index"], one["sibling_finish_reason"], one["is_finished"]) == (1, "length", False)
+    sibling, last = out.chunks(2, StreamEvent("", (), "stop", 10, 2))
+    assert (sibling["choice_index"], sibling["text"], sibling["sibling_finish_reason"]) == (2, "", "stop")
+    assert (last["choice_index"], last["text"], last["is_finished"], last["finish_reason"]) == (0, "", True, "stop")
+    assert last["usage"] == {"prompt_tokens": 10, "completion_tokens": 1 + 4 + 2, "total_tokens": 17}
 
 
 def test_stream(fake_engine):
@@ -159,6 +177,40 @@ def test_closing_a_stream_early_cancels_the_request(fake_engine):
     next(iter(stream))
     stream.completion_stream.close()
     assert fake_engine.handles[0].cancelled
+
+
+def test_a_stream_dropped_before_its_first_chunk_cancels_the_request(fake_engine):
+    stream = litellm.completion(model=MODEL, messages=MESSAGES, stream=True, n=2)
+    assert not any(h.cancelled for h in fake_engine.handles)
+    del stream  # never iterated: its generator's finally never runs, the finalizer does
+    assert [h.cancelled for h in fake_engine.handles] == [True, True]
+
+
+# ---- n choices: per prompt n engine requests, usage counting each prompt once ----
+
+def test_n_choices(fake_engine):
+    r = litellm.completion(model=MODEL, messages=MESSAGES, n=3, seed=4, max_tokens=100)
+    prompt_ids = fake_engine.submitted[0][0]
+    assert [(ids, p.seed) for ids, p, _ in fake_engine.submitted] == [
+        (prompt_ids, 4), (prompt_ids, choice_seed(4, 1)), (prompt_ids, choice_seed(4, 2))]
+    assert [(c.index, c.message.content) for c in r.choices] == [(i, fake_engine.reply) for i in range(3)]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt_ids), 3 * len(fake_engine.reply))
+    assert len(r._hidden_params["flm_stats"]) == 3
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+async def test_n_choices_stream_each_under_its_index(fake_engine, asynchronous):
+    fake_engine.seeded_replies = {4: "abcdef", choice_seed(4, 1): "xy", choice_seed(4, 2): "12345678"}
+    kw = dict(model=MODEL, messages=MESSAGES, n=3, seed=4, max_tokens=7, stream=True,
+              stream_options={"include_usage": True})
+    if asynchronous:
+        chunks = [c async for c in await litellm.acompletion(**kw)]
+    else:
+        chunks = list(litellm.completion(**kw))
+    texts, finishes = joined_choices(chunks)
+    assert texts == {0: "abcdef", 1: "xy", 2: "1234567"} and finishes == {0: "stop", 1: "stop", 2: "length"}
+    n_prompt = len(fake_engine.submitted[0][0])
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (n_prompt, 6 + 2 + 7)
 
 
 async def test_acompletion_runs_blocking_work_off_the_event_loop(fake_engine):
@@ -278,7 +330,6 @@ async def test_atext_completion_streams_one_prompt(fake_engine):
 
 
 @pytest.mark.parametrize("prompt, stream, name", [
-    (["a", "b"], True, "prompt"),  # LiteLLM's text stream wrapper numbers every choice 0
     ("", False, "prompt"),
     (["a", ""], False, "prompt[1]"),
 ])
@@ -287,6 +338,20 @@ def test_bad_text_prompts_are_named(fake_engine, prompt, stream, name):
         litellm.text_completion(model=MODEL, prompt=prompt, max_tokens=4, stream=stream)
     assert info.value.body["param"] == name
     assert fake_engine.submitted == []
+
+
+def test_a_text_stream_of_prompts_and_choices_numbers_them_in_order(fake_engine):
+    """Per prompt its n choices, as OpenAI numbers them: index = prompt * n + choice."""
+    fake_engine.reply_to = lambda prompt: prompt.upper()
+    chunks = list(litellm.text_completion(model=MODEL, prompt=["ab", "cde"], n=2, max_tokens=20, stream=True))
+    texts = {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.text or "")
+    assert texts == {0: "AB", 1: "AB", 2: "CDE", 3: "CDE"}
+    r = litellm.text_completion(model=MODEL, prompt=["ab", "cde"], n=2, max_tokens=20)
+    assert [(c.index, c.text) for c in r.choices] == [(0, "AB"), (1, "AB"), (2, "CDE"), (3, "CDE")]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (2 + 3, 2 * 2 + 2 * 3)
 
 
 def test_one_prompt_over_the_context_runs_none_of_them(fake_engine):
