@@ -221,7 +221,7 @@ def to_sampling_params(optional_params: Mapping[str, Any], defaults: SamplingDef
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
-    # bool is an int in Python: make sure logprobs=False does not accept n=False and n=1 not True.
+    # bool is an int in Python: make sure top_logprobs=0 does not accept False, nor logprobs=False 0.
     return any(type(value) is type(n) and value == n for n in neutral)
 
 
