@@ -8,6 +8,7 @@ Axis legend (whole runtime): L layers, Hkv key/value heads, S capacity (position
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -128,8 +129,7 @@ class KVCache:
     def copy(self) -> "KVCache":
         """An independent cache holding the same positions (the engine's ``n`` > 1: each choice
         decodes on its own copy of the prompt's keys and values), with the same capacity."""
-        out = KVCache.__new__(KVCache)
-        out.max_length, out.length = self.max_length, self.length
+        out = copy.copy(self)
         out.k, out.v = self.k.copy(), self.v.copy()
         return out
 
