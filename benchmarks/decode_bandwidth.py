@@ -32,7 +32,7 @@ def read_bandwidth(matrix: np.ndarray, vector: np.ndarray) -> float:
     """Bytes/s streamed by one 1-row product (as a decode step runs it) and one numpy sum over
     ``matrix`` (the better of the two)."""
     t0 = time.perf_counter()
-    with cpu.forward_pass(1, 0):
+    with cpu.forward_pass(1):
         cpu.linear(vector[None], matrix)
     t1 = time.perf_counter()
     matrix.sum(dtype=np.float32)

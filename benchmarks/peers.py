@@ -52,6 +52,7 @@ import numpy as np
 from flm_runtime import pull
 from flm_runtime.backends import forward, prefill
 from flm_runtime.backends.quant import QuantWeight
+from flm_runtime.core import KEY_TILE
 from flm_runtime.loading import load_model_files
 from flm_runtime.loading.weights import WEIGHT_KINDS
 from flm_runtime.models.llama import LlamaModel
@@ -281,7 +282,8 @@ class Ours:
             cache.reserve(c)
             for s in range(0, c, CONTEXTS[0]):
                 n = min(CONTEXTS[0], c - s)
-                cache.k[:, :, s : s + n], cache.v[:, :, s : s + n] = first.k[:, :, :n], first.v[:, :, :n]
+                tiles = slice(s // KEY_TILE, (s + n) // KEY_TILE)  # CONTEXTS[0] is whole key tiles
+                cache.k[:, :, tiles], cache.v[:, :, s : s + n] = first.k[:, :, : n // KEY_TILE], first.v[:, :, :n]
             cache.commit(c)
 
     def step(self, context: int, ids: list[int]) -> float:

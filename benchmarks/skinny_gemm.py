@@ -52,7 +52,7 @@ def worker(tag: str, mode: str, rows: list[int], context: int, repeat: int) -> d
         xs = {n: rng.standard_normal((t, n)).astype(np.float32) for n in {w.shape[1] for w in weights}}
 
         def products():
-            with cpu.forward_pass(t, 0):
+            with cpu.forward_pass(t):
                 for w in weights:
                     cpu.linear(xs[w.shape[1]], w)
 

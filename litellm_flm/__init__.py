@@ -15,10 +15,9 @@ Registration on import is deliberate: LiteLLM has no entry-point discovery, and 
 ever imports the handler, so an explicit ``register()`` call would have no place to live there.
 It is cheap (no model is loaded) and idempotent.
 
-``reasoning_effort`` / ``thinking`` are refused by this provider (dropped with ``drop_params``,
-like every OpenAI parameter it does not support: ``litellm_flm.params``); other OpenAI parameters
-LiteLLM does not forward to custom providers by default can be let through with
-``allowed_openai_params``.
+``reasoning_effort`` / ``thinking`` switch a reasoning model's thinking (``litellm_flm.reasoning``);
+LiteLLM forwards them to a custom provider only when ``allowed_openai_params`` lets them through
+(or in ``extra_body``), as any OpenAI parameter it does not forward by default.
 
 ``$FLM_LOG_LEVEL`` (e.g. ``INFO``), read at import, sends the log records of ``flm_runtime`` and
 ``litellm_flm`` of that level and up to stderr (``configure_logging``). A LiteLLM proxy sets up

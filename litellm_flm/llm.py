@@ -5,8 +5,9 @@ and calls one of the four methods below with ``optional_params``; ``params`` val
 ``SamplingParams`` and the messages into template input; the engine of the tag renders the model's
 own chat template, counts the prompt tokens and queues the request (or raises ``ContextLengthError``
 / ``KVBudgetError`` / ``EngineOverloadedError``); its events become a ``ModelResponse`` or
-``GenericStreamingChunk``s here. Nothing deeper: sampling, stop strings, UTF-8-safe detokenizing and
-token counting are the engine's.
+``ModelResponseStream`` chunks here, a reasoning model's thinking split out into
+``reasoning_content`` (``reasoning``). Nothing deeper: sampling, stop strings, UTF-8-safe
+detokenizing and token counting are the engine's.
 
 Blocking work (loading a model, tokenizing, waiting for tokens) never runs on the event loop: the
 async methods hand it to a worker thread or to the engine's own async iterator.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -24,13 +26,15 @@ from typing import Any
 import httpx
 import litellm
 from litellm import CustomLLM
-from litellm.types.utils import Choices, EmbeddingResponse, GenericStreamingChunk, Message, ModelResponse, Usage
+from litellm.types.utils import (Choices, Delta, EmbeddingResponse, GenericStreamingChunk, Message, ModelResponse,
+                                 ModelResponseStream, StreamingChoices, Usage)
 
 from flm_runtime.engine.request import Completion, StreamEvent
 
 from .errors import litellm_errors
 from .params import (backend_of, choices_of, embedding_inputs, encoding_format, normalize_messages, raw_prompts,
-                     request_fields)
+                     request_fields, requested_thinking)
+from .reasoning import Reasoning, template_switch
 
 
 def _get_engine(tag: str, backend: str | None = None):
@@ -64,29 +68,36 @@ def _drops_unsupported(litellm_params: dict | None) -> bool:
 
 
 def _start(model: str, messages: list, optional_params: dict, timeout: Any,
-           litellm_params: dict | None) -> list[list]:
+           litellm_params: dict | None) -> tuple[list[list], Reasoning | None]:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
-    (``request_fields``). A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
+    (``request_fields``), and a thinking switch the model does not have (``template_switch``).
+    A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
     message) continues each prompt's raw text, with no chat template: one engine request per
     prompt, all submitted before any is awaited, so the engine batches them. ``n`` > 1: each
     prompt's request has ``n`` choices (``Engine.submit_choices``: one prefill).
 
     Returns:
-        The engine's RequestHandles, per prompt (one for a chat) its ``n`` choices.
+        The engine's RequestHandles, per prompt (one for a chat) its ``n`` choices; and how to
+        split a chat's output into reasoning and content (None: all of it is content).
 
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
     """
-    fields = request_fields(optional_params, _drops_unsupported(litellm_params))  # before loading: fail fast
+    drop = _drops_unsupported(litellm_params)
+    fields = request_fields(optional_params, drop)  # before loading: fail fast
+    thinking = requested_thinking(optional_params)
     n = choices_of(optional_params)
     raw = (litellm_params or {}).get("text_completion") is True
     prompts = raw_prompts(messages) if raw else None
     chat = None if raw else normalize_messages(messages)
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
-    texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)]
+    fmt = None if raw else engine.tokenizer.thinking
+    switch = template_switch(fmt, thinking, drop=drop)
+    texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **switch)]
+    reasoning = None if raw else Reasoning.of_prompt(fmt, texts[0])
     groups: list[list] = []
     try:
         for text in texts:
@@ -95,7 +106,7 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     except BaseException:  # one prompt refused (too long, queue full): none of them runs
         _cancel(groups)
         raise
-    return groups
+    return groups, reasoning
 
 
 def _cancel(groups: list[list]) -> None:
@@ -104,10 +115,11 @@ def _cancel(groups: list[list]) -> None:
             handle.cancel()
 
 
-def build_response(model_response: ModelResponse, model: str, groups: list[list[Completion]]) -> ModelResponse:
+def build_response(model_response: ModelResponse, model: str, groups: list[list[Completion]],
+                   reasoning: Reasoning | None = None) -> ModelResponse:
     """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: per prompt its ``n``
-    choices, numbered in that order (OpenAI's for a list of prompts), and ``usage``
-    (``usage_fields``).
+    choices, numbered in that order (OpenAI's for a list of prompts), each with its thinking in
+    ``reasoning_content`` where ``reasoning`` says how to find it; ``usage`` (``usage_fields``).
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
@@ -116,7 +128,7 @@ def build_response(model_response: ModelResponse, model: str, groups: list[list[
     """
     dones = [done for group in groups for done in group]
     model_response.choices = [
-        Choices(index=i, finish_reason=done.finish_reason, message=Message(content=done.text, role="assistant"))
+        Choices(index=i, finish_reason=done.finish_reason, message=_message(done.text, reasoning))
         for i, done in enumerate(dones)
     ]
     model_response.model = model
@@ -125,6 +137,13 @@ def build_response(model_response: ModelResponse, model: str, groups: list[list[
     stats = [done.stats.as_dict() for done in dones]
     model_response._hidden_params["flm_stats"] = stats[0] if len(stats) == 1 else stats
     return model_response
+
+
+def _message(text: str, reasoning: Reasoning | None) -> Message:
+    if reasoning is None:
+        return Message(content=text, role="assistant")
+    thought, content = reasoning.split(text)
+    return Message(content=content, role="assistant", reasoning_content=thought)
 
 
 def usage_fields(groups: list[list[Completion | StreamEvent]]) -> dict:
@@ -214,17 +233,22 @@ async def ainterleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, 
 _EXHAUSTED = object()
 
 
-class ChunkStream:
-    """The events of a request's choices -> LiteLLM chunks, each naming its choice.
+class StreamChunks:
+    """The engine events of a streamed request's choices -> LiteLLM chunks, each under its choice.
 
-    LiteLLM 1.110.2's stream wrapper (docs/design.md, "LiteLLM facts") numbers a custom provider's
-    chunk by its ``choice_index`` key (not ``GenericStreamingChunk``'s ``index``, which it
-    ignores), ends the stream after the first chunk with ``is_finished`` (whose ``finish_reason``
-    it gives choice 0), and finishes any other choice with a chunk's ``sibling_finish_reason``. So
-    choice ``i > 0`` finishes with ``sibling_finish_reason``, and choice 0's finish, carrying the
-    usage of all (``usage_fields``), is the last chunk: it waits for every other choice.
+    Content goes in ``ModelResponseStream`` chunks rather than GenericStreamingChunks because
+    only their delta carries ``reasoning_content`` (docs/design.md, "LiteLLM facts"). LiteLLM
+    passes a custom provider's ModelResponseStream on as it is, so each chunk has the stream's one
+    id, ``model``, its choice's index and the role on the choice's first. The first chunk with a
+    finish_reason ends the stream for LiteLLM (it drops that chunk if it has no content or tool
+    calls, and sends the finish_reason, as choice 0's, on a chunk of its own); another choice
+    finishes with a GenericStreamingChunk's ``sibling_finish_reason`` (and its ``choice_index``:
+    ``sibling_finish``). So choice 0 finishes last, once every other has: a chunk with the usage
+    of all (``usage_fields``), then its finish_reason alone.
 
     Args:
+        model: the tag as LiteLLM passed it.
+        reasoning: how to split the output (``_start``); None: all content.
         n: choices per prompt; choice ``i`` belongs to prompt ``i // n``.
         total: choices in all (prompts times ``n``).
 
@@ -232,42 +256,62 @@ class ChunkStream:
         finished: every choice has finished.
     """
 
-    def __init__(self, n: int, total: int):
-        self.n = n
-        self.total = total
-        self.finals: dict[int, StreamEvent] = {}
+    def __init__(self, model: str, reasoning: Reasoning | None, n: int = 1, total: int = 1):
+        self._id = f"chatcmpl-{uuid.uuid4()}"
+        self._created = int(time.time())
+        self._model = model
+        self._n = n
+        self._total = total
+        self._splitters = [reasoning.splitter() if reasoning is not None else None for _ in range(total)]
+        self._roles: list[str | None] = ["assistant"] * total  # on a choice's first chunk only
+        self._finals: dict[int, StreamEvent] = {}
 
     @property
     def finished(self) -> bool:
-        return len(self.finals) == self.total
+        return len(self._finals) == self._total
 
-    def chunks(self, index: int, event: StreamEvent) -> list[GenericStreamingChunk]:
-        """The chunks that choice ``index``'s ``event`` makes (0, 1 or 2)."""
-        if event.finish_reason is None:
-            return [build_chunk(index, event.text)]
-        self.finals[index] = event
-        out = []
+    def __call__(self, index: int, event: StreamEvent) -> list[ModelResponseStream | GenericStreamingChunk]:
+        """The chunks of choice ``index``'s event: none while text is held back (a marker may be
+        starting)."""
+        finished = event.finish_reason is not None
+        thought, text = "", event.text
+        splitter = self._splitters[index]
+        if splitter is not None:
+            thought, text = splitter.feed(event.text)
+            if finished:
+                tail_thought, tail_text = splitter.finish()
+                thought, text = thought + tail_thought, text + tail_text
+        chunks: list = []
+        if thought or text:
+            chunks.append(self._chunk(index, Delta(content=text or None, reasoning_content=thought or None,
+                                                   role=self._roles[index])))
+            self._roles[index] = None
+        if not finished:
+            return chunks
+        self._finals[index] = event
         if index:
-            out.append(build_chunk(index, event.text, sibling_finish_reason=event.finish_reason))
-        elif not self.finished and event.text:
-            out.append(build_chunk(0, event.text))  # its finish waits for the other choices
-        if self.finished:
-            first = self.finals[0]
-            groups = [[self.finals[i] for i in range(p, p + self.n)] for p in range(0, self.total, self.n)]
-            text = first.text if index == 0 else ""
-            out.append(build_chunk(0, text, finish_reason=first.finish_reason, usage=usage_fields(groups)))
-        return out
+            chunks.append(sibling_finish(index, event.finish_reason))
+        if self.finished:  # choice 0's last delta (its own, or an empty one) carries the usage
+            if index or not chunks:
+                chunks.append(self._chunk(0, Delta(role=self._roles[0])))
+            groups = [[self._finals[i] for i in range(p, p + self._n)] for p in range(0, self._total, self._n)]
+            chunks[-1].usage = Usage(**usage_fields(groups))
+            chunks.append(self._chunk(0, Delta(), finish_reason=self._finals[0].finish_reason))
+        return chunks
+
+    def _chunk(self, index: int, delta: Delta, finish_reason: str | None = None) -> ModelResponseStream:
+        return ModelResponseStream(id=self._id, created=self._created, model=self._model,
+                                   choices=[StreamingChoices(index=index, delta=delta, finish_reason=finish_reason)])
 
 
-def build_chunk(index: int, text: str, *, finish_reason: str | None = None, usage: dict | None = None,
-                sibling_finish_reason: str | None = None) -> GenericStreamingChunk:
-    """One LiteLLM chunk of choice ``index`` (``ChunkStream``): ``finish_reason`` and ``usage``
-    end the stream; ``sibling_finish_reason`` ends choice ``index`` > 0 only."""
-    chunk = GenericStreamingChunk(text=text, is_finished=finish_reason is not None, finish_reason=finish_reason or "",
-                                  index=index, tool_use=None, usage=usage)
-    chunk["choice_index"] = index  # what LiteLLM reads (see ChunkStream)
-    if sibling_finish_reason is not None:
-        chunk["sibling_finish_reason"] = sibling_finish_reason
+def sibling_finish(index: int, finish_reason: str) -> GenericStreamingChunk:
+    """The chunk that finishes choice ``index`` > 0 (``StreamChunks``): LiteLLM 1.110.2 ignores a
+    GenericStreamingChunk's ``index`` but numbers the chunk by its ``choice_index`` key, and
+    finishes that choice alone with its ``sibling_finish_reason`` (the keys its own OpenAI
+    text-completion stream sets), where ``is_finished`` would end the stream."""
+    chunk = GenericStreamingChunk(text="", is_finished=False, finish_reason="", index=index, tool_use=None, usage=None)
+    chunk["choice_index"] = index
+    chunk["sibling_finish_reason"] = finish_reason
     return chunk
 
 
@@ -284,70 +328,73 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            groups = _start(model, messages, optional_params, timeout, litellm_params)
+            groups, reasoning = _start(model, messages, optional_params, timeout, litellm_params)
             try:
                 dones = [[handle.result() for handle in handles] for handles in groups]
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
                 _cancel(groups)
                 raise
-        return build_response(model_response, model, dones)
+        return build_response(model_response, model, dones, reasoning)
 
     async def acompletion(
         self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            groups = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params)
+            groups, reasoning = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
+                                                        litellm_params)
             try:
                 dones = [list(await asyncio.gather(*(handle.aresult() for handle in handles))) for handles in groups]
             except BaseException:  # CancelledError: the client went away
                 _cancel(groups)
                 raise
-        return build_response(model_response, model, dones)
+        return build_response(model_response, model, dones, reasoning)
 
     def streaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
-    ) -> Iterator[GenericStreamingChunk]:
+    ) -> Iterator[ModelResponseStream | GenericStreamingChunk]:
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            groups = _start(model, messages, optional_params, timeout, litellm_params)
-        stream = self._stream(model, groups)
+            groups, reasoning = _start(model, messages, optional_params, timeout, litellm_params)
+        stream = self._stream(model, groups, reasoning)
         # Its ``finally`` runs only once it has started: a stream dropped before its first chunk
         # frees the sequences when it is collected (at once, by reference counting).
         weakref.finalize(stream, _cancel, groups)
         return stream
 
     @staticmethod
-    def _stream(model: str, groups: list[list]) -> Iterator[GenericStreamingChunk]:
+    def _stream(model: str, groups: list[list], reasoning: Reasoning | None
+                ) -> Iterator[ModelResponseStream | GenericStreamingChunk]:
         handles = [handle for group in groups for handle in group]
-        out = ChunkStream(len(groups[0]), len(handles))
+        chunks = StreamChunks(model, reasoning, len(groups[0]), len(handles))
         try:
             with litellm_errors(model):
                 for index, event in interleave([iter(handle) for handle in handles]):
-                    yield from out.chunks(index, event)
+                    yield from chunks(index, event)
         finally:
-            if not out.finished:  # the caller stopped reading, or an error: free the sequences now
+            if not chunks.finished:  # the caller stopped reading, or an error: free the sequences now
                 _cancel(groups)
 
     async def astreaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
-    ) -> AsyncIterator[GenericStreamingChunk]:
+    ) -> AsyncIterator[ModelResponseStream | GenericStreamingChunk]:
         # Must be an async generator (docs/design.md, "LiteLLM facts"): litellm iterates the
         # object it gets back.
-        groups, out = [], None
+        groups, chunks = [], None
         try:
             with litellm_errors(model):
-                groups = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params)
+                groups, reasoning = await asyncio.to_thread(_start, model, messages, optional_params, timeout,
+                                                            litellm_params)
                 handles = [handle for group in groups for handle in group]
-                out = ChunkStream(len(groups[0]), len(handles))
+                chunks = StreamChunks(model, reasoning, len(groups[0]), len(handles))
                 async for index, event in ainterleave([handle.aiter() for handle in handles]):
-                    for chunk in out.chunks(index, event):
+                    for chunk in chunks(index, event):
                         yield chunk
         finally:
-            if out is not None and not out.finished:
+            if chunks is not None and not chunks.finished:
                 _cancel(groups)
 
     def embedding(

@@ -11,8 +11,9 @@ rewritten (checked on litellm 1.110.2):
 
 Every key is then one of: *mapped* (``OPENAI_TO_RUNTIME``), *ignored* (``IGNORED``), *accepted only
 at its neutral value* (``NEUTRAL_ONLY``), a *deployment* key that chooses where the model runs
-rather than how it samples (``DEPLOYMENT_KEYS``: ``backend``, read by ``backend_of``), ``n`` (the
-choices per prompt, read by ``choices_of``), or rejected. Anything rejected raises
+rather than how it samples (``DEPLOYMENT_KEYS``: ``backend``, read by ``backend_of``), a switch of a reasoning
+model's thinking (``REASONING_PARAMS``, read by ``requested_thinking``), ``n`` (the choices per
+prompt, read by ``choices_of``), or rejected. Anything rejected raises
 ``InvalidRequestError`` naming the parameter, which ``litellm_flm.errors`` turns into
 ``litellm.BadRequestError``. Range checks live in ``SamplingParams`` itself and the default sampler
 in the runtime (``SamplingDefaults``, per model): one place each.
@@ -78,16 +79,27 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "audio": ((), "audio output is not supported"),
     "prediction": ((), "prediction (predicted outputs) is not supported"),
     "web_search_options": ((), "web_search_options (web search) is not supported"),
-    # LiteLLM refuses these itself (UnsupportedParamsError) unless allowed_openai_params lets them by.
-    "reasoning_effort": ((), "reasoning_effort is not supported by this provider"),
-    "thinking": ((), "thinking is not supported by this provider"),
 }
 
-# The keys of OPENAI_TO_RUNTIME that are not OpenAI parameters (vLLM / Ollama spellings).
-NON_OPENAI: frozenset[str] = frozenset({"top_k", "min_p", "ignore_eos"})
+# The switches of a reasoning model's thinking, read by ``requested_thinking``. LiteLLM refuses
+# both itself for a custom provider (UnsupportedParamsError, or drops them with drop_params)
+# unless the call or the deployment lets them by with allowed_openai_params, or they come in
+# extra_body.
+REASONING_PARAMS: tuple[str, ...] = ("reasoning_effort", "thinking")
+
+# reasoning_effort -> thinking on (True) or off (False); None leaves the template's default. A
+# template's switch has no levels: LiteLLM's own ollama_chat maps low/medium/high to on and none
+# to off the same way; minimal (OpenAI's "very few reasoning tokens") is off, the nearer of the two.
+REASONING_EFFORTS: dict[str, bool | None] = {
+    "none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True, "max": True,
+    "default": None,
+}
 
 # The number of choices per prompt: a request-level key, not a SamplingParams field (choices_of).
 CHOICES_KEY = "n"
+
+# The keys of OPENAI_TO_RUNTIME that are not OpenAI parameters (vLLM / Ollama spellings).
+NON_OPENAI: frozenset[str] = frozenset({"top_k", "min_p", "ignore_eos"})
 
 # The OpenAI chat parameters this provider honours at every valid value: what LiteLLM's
 # get_supported_openai_params would answer for a built-in provider. parallel_tool_calls is ignored
@@ -156,7 +168,8 @@ def request_fields(optional_params: Mapping[str, Any], drop_unsupported: bool = 
             caller spelled it. Ranges are checked later, by ``SamplingParams`` itself.
     """
     flat = {k: v for k, v in merge_extra_body(optional_params).items()
-            if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS and k != CHOICES_KEY}
+            if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS and k not in REASONING_PARAMS
+            and k != CHOICES_KEY}
     mapped: dict[str, Any] = {}
     for key, value in flat.items():
         if key in OPENAI_TO_RUNTIME:
@@ -183,6 +196,59 @@ def request_fields(optional_params: Mapping[str, Any], drop_unsupported: bool = 
     if "stop" in fields:
         fields["stop"] = _stop_tuple(checked.stop)
     return fields
+
+
+def requested_thinking(optional_params: Mapping[str, Any]) -> tuple[bool, str] | None:
+    """Whether the request turns a reasoning model's thinking on (True) or off (False), and the
+    parameter that says so; None leaves the model's chat template to its default.
+
+    ``reasoning_effort`` maps through ``REASONING_EFFORTS``; Anthropic's ``thinking`` is
+    ``{"type": "enabled", "budget_tokens": N}`` (on), ``{"type": "disabled"}`` (off) or
+    ``{"type": "adaptive"}`` (the model decides: the template's default). ``budget_tokens`` is
+    accepted but not enforced: the model ends its own thinking, and ``max_tokens`` bounds the
+    whole reply.
+
+    Raises:
+        InvalidRequestError: a value not understood (``param`` names it, e.g. ``thinking.type``),
+            or the two parameters asking for opposite things (``param`` ``thinking``).
+    """
+    flat = merge_extra_body(optional_params)
+    asked: list[tuple[bool, str]] = []
+    effort = flat.get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
+            raise InvalidRequestError(f"reasoning_effort must be one of {list(REASONING_EFFORTS)}, got {effort!r}",
+                                      param="reasoning_effort")
+        if REASONING_EFFORTS[effort] is not None:
+            asked.append((REASONING_EFFORTS[effort], "reasoning_effort"))
+    thinking = flat.get("thinking")
+    if thinking is not None and (on := _thinking_type(thinking)) is not None:
+        asked.append((on, "thinking"))
+    if len(asked) == 2 and asked[0][0] != asked[1][0]:
+        raise InvalidRequestError(f"reasoning_effort={effort!r} and thinking={thinking!r} ask for opposite things; "
+                                  "give one of them", param="thinking")
+    return asked[0] if asked else None
+
+
+THINKING_TYPES: dict[str, bool | None] = {"enabled": True, "disabled": False, "adaptive": None}
+
+
+def _thinking_type(thinking: Any) -> bool | None:
+    """Anthropic's ``thinking`` parameter -> on (True), off (False) or the template's default (None)."""
+    if not isinstance(thinking, Mapping) or thinking.get("type") not in THINKING_TYPES:
+        got = thinking.get("type") if isinstance(thinking, Mapping) else thinking
+        raise InvalidRequestError(f"thinking must be {{'type': one of {list(THINKING_TYPES)}}}, got {got!r}",
+                                  param="thinking.type")
+    allowed = {"type", "budget_tokens"} if thinking["type"] == "enabled" else {"type"}
+    for key in thinking:
+        if key not in allowed:
+            raise InvalidRequestError(f"thinking of type {thinking['type']!r} takes no {key!r}",
+                                      param=f"thinking.{key}")
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (type(budget) is not int or budget < 1):
+        raise InvalidRequestError(f"thinking.budget_tokens must be a positive integer, got {budget!r}",
+                                  param="thinking.budget_tokens")
+    return THINKING_TYPES[thinking["type"]]
 
 
 def choices_of(optional_params: Mapping[str, Any]) -> int:

@@ -48,6 +48,7 @@ from flm_runtime.engine.policy import FILE_NAME as POLICY_FILE
 from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import BackendUnavailableError
 from flm_runtime.loading import Tokenizer, load_model_files
+from flm_runtime.loading.chat_template import thinking_format
 from flm_runtime.models.dflash import DFlashDraft
 from flm_runtime.models.llama import LlamaModel
 
@@ -76,8 +77,11 @@ def load_model(tag: str, models: registry.Registry | None = None) -> LoadedModel
         ModelFormatError: the files are unreadable or unsupported.
     """
     models = models or registry.current()
-    bundle = load_model_files(pull.locate(tag, models=models), weights=models.resolve(tag).weights)
+    entry = models.resolve(tag)
+    bundle = load_model_files(pull.locate(tag, models=models), weights=entry.weights)
     model, tokenizer = LlamaModel(bundle.config, bundle.weights), bundle.tokenizer
+    if entry.thinking is not None:  # the entry's markers replace the defaults the template was read with
+        tokenizer.thinking = thinking_format(tokenizer.chat_template, entry.thinking)
     del bundle  # the model holds its own (fused) copies of the weights
     _return_free_memory()
     # Compile (or load from numba's cache) the kernels here, not in the first request's time: the

@@ -62,15 +62,20 @@ class LlamaConfig:
 
 
 GROWTH_QUANTUM = 256  # positions; capacity grows in multiples of this to amortize reallocation
+KEY_TILE = 16  # positions per tile of the key cache: one 16-lane float32 vector per head dimension
 
 
 class KVCache:
     """Keys and values of one sequence for every layer.
 
-    ``k`` and ``v`` are ``[L, Hkv, S, D]`` float32; positions ``0 .. length-1`` are valid. Appending
-    past the capacity reallocates (doubling, rounded up to ``GROWTH_QUANTUM``) up to ``max_length``.
-    Rolling back (speculative decoding, a rejected block) is ``trim(n)``: the rows past ``n`` are
-    simply overwritten by the next append.
+    ``v`` is ``[L, Hkv, S, D]`` float32. ``k`` holds the keys of the same positions in tiles of
+    ``KEY_TILE`` positions, transposed: ``[L, Hkv, S / KEY_TILE, D, KEY_TILE]``, the key of
+    position ``p`` being ``k[l, h, p // KEY_TILE, :, p % KEY_TILE]``, so that the attention
+    kernel scores a tile's 16 positions with one vector multiply-add per head dimension
+    (``backends/fused.py``); ``keys`` gives them back as ``[Hkv, N, D]``. Positions ``0 ..
+    length-1`` are valid. Appending past the capacity reallocates (doubling, rounded up to
+    ``GROWTH_QUANTUM``) up to ``max_length``. Rolling back (speculative decoding, a rejected
+    block) is ``trim(n)``: the rows past ``n`` are simply overwritten by the next append.
 
     Args:
         n_layers, n_kv_heads, head_dim: model geometry (L, Hkv, D).
@@ -82,12 +87,12 @@ class KVCache:
         self.max_length = max_length
         self.length = 0
         cap = min(max_length, _round_up(max(capacity, 1)))
-        self.k = np.zeros((n_layers, n_kv_heads, cap, head_dim), dtype=np.float32)  # [L, Hkv, S, D]
-        self.v = np.zeros_like(self.k)  # [L, Hkv, S, D]
+        self.k = np.zeros((n_layers, n_kv_heads, _tiles(cap), head_dim, KEY_TILE), dtype=np.float32)
+        self.v = np.zeros((n_layers, n_kv_heads, cap, head_dim), dtype=np.float32)  # [L, Hkv, S, D]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.v.shape[2]
 
     @property
     def nbytes(self) -> int:
@@ -101,10 +106,10 @@ class KVCache:
         if need <= self.capacity:
             return
         cap = min(self.max_length, _round_up(max(need, 2 * self.capacity)))
-        for name in ("k", "v"):
+        for name, size in (("k", _tiles(cap)), ("v", cap)):  # both grow along axis 2
             old = getattr(self, name)
-            new = np.zeros(old.shape[:2] + (cap,) + old.shape[3:], dtype=old.dtype)
-            new[:, :, : self.length] = old[:, :, : self.length]
+            new = np.zeros(old.shape[:2] + (size,) + old.shape[3:], dtype=old.dtype)
+            new[:, :, : old.shape[2]] = old
             setattr(self, name, new)
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -114,8 +119,21 @@ class KVCache:
         layers are written.
         """
         t = k.shape[1]
-        self.k[layer, :, self.length : self.length + t] = k
+        position, end = self.length, self.length + t
+        while position < end:  # the runs of positions that share a key tile: slices, not fancy indexing
+            tile, lane = divmod(position, KEY_TILE)
+            n = min(end - position, KEY_TILE - lane)
+            first = position - self.length
+            self.k[layer, :, tile, :, lane : lane + n] = k[:, first : first + n].transpose(0, 2, 1)  # [Hkv, D, n]
+            position += n
         self.v[layer, :, self.length : self.length + t] = v
+
+    def keys(self, layer: int | None = None) -> np.ndarray:
+        """The valid keys of ``layer`` ``[Hkv, length, D]`` (of every layer: ``[L, Hkv, length, D]``),
+        untiled: a copy."""
+        k = self.k if layer is None else self.k[layer]
+        untiled = np.swapaxes(k, -1, -2).reshape(k.shape[:-3] + (-1, k.shape[-2]))  # [..., Hkv, S, D]
+        return untiled[..., : self.length, :]
 
     def commit(self, n_new: int) -> None:
         """Advance ``length`` by ``n_new`` positions written by ``write`` for every layer."""
@@ -167,3 +185,8 @@ class Proposal(NamedTuple):
 
 def _round_up(n: int) -> int:
     return -(-n // GROWTH_QUANTUM) * GROWTH_QUANTUM
+
+
+def _tiles(positions: int) -> int:
+    """Key tiles holding ``positions`` positions (the last one maybe in part)."""
+    return -(-positions // KEY_TILE)

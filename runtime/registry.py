@@ -23,6 +23,10 @@ Tags come from three layers, later ones winning a conflict as stated:
          description: Other 1B instruct
          context_length: 4096
          weights: q8                                    # q4 | q8 | f32 | auto (the default)
+         thinking:                                      # only for a template whose switch or
+           switch: enable_thinking                      # markers differ from these defaults
+           start: <think>
+           end: </think>
        other-dflash:1b:
          base: other:1b
          draft: /data/other-1b-dflash                   # the DFlash draft directory
@@ -58,6 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from flm_runtime import paths
 from flm_runtime.engine.sampler import SamplingDefaults
+from flm_runtime.loading.chat_template import ThinkingFormat
 from flm_runtime.errors import ModelFilesMissingError, ModelFormatError, UnknownModelError
 
 log = logging.getLogger(__name__)
@@ -148,6 +153,9 @@ class ModelEntry(BaseModel):
     sampling: SamplingDefaults | None = None  # the model's default sampler; None: CARD_DEFAULT
     # How the cpu backend holds the matrices (loading.weights.WEIGHT_KINDS); None: $FLM_WEIGHTS, else auto.
     weights: Literal["auto", "q4", "q8", "f32"] | None = None
+    # The chat template's thinking switch and output markers; None: found in the template
+    # (loading.chat_template.thinking_format: an ``enable_thinking`` variable, <think> ... </think>).
+    thinking: ThinkingFormat | None = None
 
     @field_validator("tag", "base", mode="before")
     @classmethod

@@ -256,6 +256,7 @@ def test_user_file_missing_files_error_names_the_users_path(isolated):
     ("[a, b]\n", "expected a mapping"),
     ("bad tag: /x.gguf\n", "tag 'bad tag'"),
     ("x:1b: {path: /x.gguf, colour: red}\n", "colour"),
+    ("x:1b: {path: /x.gguf, thinking: {start: '<t>', end: '<t>'}}\n", "two different, non-empty markers"),
     ("x:1b: {path: /x.gguf\n", "cannot read it"),
     ("x-dflash:1b: {base: nope:1b, draft: /d}\n", None),  # loads; resolving it fails (below)
 ])

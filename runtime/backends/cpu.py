@@ -25,10 +25,6 @@ from flm_runtime.backends.quant import QuantWeight, Weight
 # Rows up to which a forward pass is skinny (decode, a verify pass, a small batched step): its
 # products run the skinny kernel; 0 sends every product to BLAS, which benchmarks use to compare.
 SKINNY_ROWS = skinny_gemm.MAX_ROWS
-# A 1-row pass attending over more positions than this runs on OpenBLAS's threads instead: its
-# attention, single-threaded in a skinny pass, then costs more than the kernel saves
-# (docs/benchmarks.md, "`benchmarks/skinny_gemm.py`"). Passes of 2-8 rows gain at every context.
-SKINNY_DECODE_CONTEXT = 3072
 
 
 def linear(x: np.ndarray, w: Weight) -> np.ndarray:
@@ -98,13 +94,11 @@ _pass = threading.local()  # .skinny: this thread is inside a skinny forward_pas
 
 
 @contextmanager
-def forward_pass(rows: int, context: int) -> Iterator[None]:
-    """Wrap one forward pass of ``rows`` rows attending over up to ``context`` positions (a model's
-    ``forward`` / ``forward_batch``).
+def forward_pass(rows: int) -> Iterator[None]:
+    """Wrap one forward pass of ``rows`` rows (a model's ``forward`` / ``forward_batch``).
 
-    A skinny pass (1..SKINNY_ROWS rows; one row only up to SKINNY_DECODE_CONTEXT positions) runs
-    its products (``linear``) on the skinny kernel's threads; BLAS
-    (the attention's small products) runs single-threaded meanwhile, because OpenBLAS's idle
+    A skinny pass (1..SKINNY_ROWS rows) runs its products (``linear``) on the skinny kernel's
+    threads; BLAS runs single-threaded meanwhile, because OpenBLAS's idle
     workers spin for up to ~0.1 s after each call and would take a core from the kernel on a
     2-core machine (a 1-row pass at 1k context took almost 3x as long). Skinny passes
     of concurrent engines take turns (one lock); larger passes (prefill) run as they come, with
@@ -115,7 +109,7 @@ def forward_pass(rows: int, context: int) -> Iterator[None]:
     thread, as scikit-learn makes, must not stick). To run BLAS on one thread, set
     ``OPENBLAS_NUM_THREADS=1``.
     """
-    if not 1 <= rows <= SKINNY_ROWS or (rows == 1 and context > SKINNY_DECODE_CONTEXT):
+    if not 1 <= rows <= SKINNY_ROWS:
         yield
         return
     with _SKINNY_PASS:

@@ -26,7 +26,10 @@ from numba import types
 from numba.extending import intrinsic
 
 from flm_runtime.backends import qgemm, skinny_gemm
+from flm_runtime.backends.irgen import (F32, I1, I32, I64, as_i64, broadcast, counted_loop, data_ptr, declare,
+                                        literal, load, store, vec)
 from flm_runtime.backends.quant import QuantWeight
+from flm_runtime.core import KEY_TILE
 
 # fastmath without nnan/ninf: reassociation lets LLVM vectorize the reductions (norms, attention
 # dots), in an order fixed by the compiled code alone, the same for every row. numpy's error model:
@@ -141,17 +144,148 @@ def attention_in(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_h
     return q, k, v
 
 
+def _contiguous(*array_types):
+    """Typing check of the attention intrinsics, which address their arrays' rows directly."""
+    for t in array_types:
+        if not (isinstance(t, types.Array) and t.layout == "C" and t.dtype == types.float32):
+            raise numba.core.errors.TypingError(f"attention takes C-contiguous float32 arrays, got {t}")
+
+
+@intrinsic
+def _score_tiles(typingctx, query, tiles, first, count, scale, scores):  # pragma: no cover - compiled
+    """``_score_tiles(query, tiles, first, count, scale, scores)``: for the ``count`` (a constant)
+    key tiles ``first ..`` of ``tiles`` ``[n_tiles, D, 16]``, ``scores[16 i + l] = scale *
+    sum_e query[e] * tiles[i, e, l]``, each lane a chain of fused multiply-adds over ``e`` in
+    order (the same arithmetic for any ``count``: several tiles only run side by side, so that
+    the chains' latencies overlap)."""
+    _contiguous(query, tiles, scores)
+    n = literal(count, "count")
+    sig = types.void(query, tiles, first, count, scale, scores)
+
+    def codegen(context, builder, signature, args):
+        q_t, k_t, _, _, _, s_t = signature.args
+        query_v, tiles_v, first_v, _, scale_v, scores_v = args
+        first_v = as_i64(builder, first_v)
+        d = builder.extract_value(context.make_array(q_t)(context, builder, query_v).shape, 0)
+        qp, kp, sp = (data_ptr(context, builder, t, v, F32) for t, v in ((q_t, query_v), (k_t, tiles_v),
+                                                                          (s_t, scores_v)))
+        vf = vec(F32, KEY_TILE)
+        fma = declare(builder, f"llvm.fma.v{KEY_TILE}f32", vf, [vf] * 3)
+        tiles_at = [builder.add(first_v, ir.Constant(I64, g)) for g in range(n)]
+        bases = [builder.mul(i, builder.mul(d, ir.Constant(I64, KEY_TILE))) for i in tiles_at]
+        e, accs, close = counted_loop(builder, d, [ir.Constant(vf, None)] * n)
+        qe = broadcast(builder, load(builder, qp, e, F32), KEY_TILE)
+        row = builder.mul(e, ir.Constant(I64, KEY_TILE))
+        sums = [builder.call(fma, [qe, load(builder, kp, builder.add(base, row), vf), acc]) for base, acc in zip(bases, accs)]
+        close(sums)
+        for i, acc in zip(tiles_at, sums):
+            store(builder, builder.fmul(acc, broadcast(builder, scale_v, KEY_TILE)), sp,
+                  builder.mul(i, ir.Constant(I64, KEY_TILE)))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _max_of_tiles(typingctx, scores, n_tiles):  # pragma: no cover - compiled
+    """``_max_of_tiles(scores, n_tiles)``: the largest of ``scores[0 .. 16 n_tiles - 1]``
+    (``n_tiles >= 1``), a lane-wise maximum then one reduction (exact in any order)."""
+    _contiguous(scores)
+    sig = types.float32(scores, n_tiles)
+
+    def codegen(context, builder, signature, args):
+        sp = data_ptr(context, builder, signature.args[0], args[0], F32)
+        vf = vec(F32, KEY_TILE)
+        top = declare(builder, f"llvm.maxnum.v{KEY_TILE}f32", vf, [vf, vf])
+        first = load(builder, sp, ir.Constant(I64, 0), vf)
+        i, acc, close = counted_loop(builder, as_i64(builder, args[1]), [first])
+        acc = builder.call(top, [acc[0], load(builder, sp, builder.mul(i, ir.Constant(I64, KEY_TILE)), vf)])
+        close([acc])
+        return builder.call(declare(builder, f"llvm.vector.reduce.fmax.v{KEY_TILE}f32", F32, [vf]), [acc])
+
+    return sig, codegen
+
+
+@intrinsic
+def _weighted_values(typingctx, weights, values, n, column, width, scale, out):  # pragma: no cover - compiled
+    """``_weighted_values(weights, values, n, column, width, scale, out)``: ``out[column + j] =
+    scale * sum_i weights[i] * values[i, column + j]`` over ``i < n`` for ``j < width`` (a
+    constant multiple of 16) and ``column + j`` below the row width of ``values`` (the lanes
+    past it are neither read nor written), in registers. Even and odd positions are summed
+    apart (two chains a lane, so that one does not wait on the other's multiply-add), then
+    added: the same order for any ``n``."""
+    _contiguous(weights, values, out)
+    w = literal(width, "width")
+    assert w % KEY_TILE == 0
+    sig = types.void(weights, values, n, column, width, scale, out)
+
+    def codegen(context, builder, signature, args):
+        p_t, v_t, _, _, _, _, o_t = signature.args
+        weights_v, values_v, n_v, column_v, _, scale_v, out_v = args
+        n_v, column_v = as_i64(builder, n_v), as_i64(builder, column_v)
+        pp, op = data_ptr(context, builder, p_t, weights_v, F32), data_ptr(context, builder, o_t, out_v, F32)
+        vp = data_ptr(context, builder, v_t, values_v, F32)
+        row_width = builder.extract_value(context.make_array(v_t)(context, builder, values_v).shape, 1)
+        vf, mask_t = vec(F32, KEY_TILE), vec(I1, KEY_TILE)
+        fma = declare(builder, f"llvm.fma.v{KEY_TILE}f32", vf, [vf] * 3)
+        masked_load = declare(builder, f"llvm.masked.load.v{KEY_TILE}f32.p0", vf,
+                              [vf.as_pointer(), I32, mask_t, vf])
+        masked_store = declare(builder, f"llvm.masked.store.v{KEY_TILE}f32.p0", ir.VoidType(),
+                               [vf, vf.as_pointer(), I32, mask_t])
+        chunks = w // KEY_TILE
+        zero = ir.Constant(vf, None)
+        lane = ir.Constant(vec(I64, KEY_TILE), list(range(KEY_TILE)))
+        masks = [builder.icmp_signed("<", builder.add(broadcast(builder, builder.add(column_v, ir.Constant(
+            I64, KEY_TILE * c)), KEY_TILE), lane), broadcast(builder, row_width, KEY_TILE)) for c in range(chunks)]
+
+        def at(ptr, index):
+            return builder.bitcast(builder.gep(ptr, [index]), vf.as_pointer())
+
+        def add(position, acc):  # acc + weights[position] * values[position, column ..]
+            p = broadcast(builder, load(builder, pp, position, F32), KEY_TILE)
+            first = builder.add(builder.mul(position, row_width), column_v)
+            return [builder.call(fma, [p, builder.call(masked_load, [at(vp, builder.add(first, ir.Constant(
+                I64, KEY_TILE * c))), ir.Constant(I32, 4), masks[c], zero]), a]) for c, a in enumerate(acc)]
+
+        pairs = builder.sdiv(builder.add(n_v, ir.Constant(I64, 1)), ir.Constant(I64, 2))  # >= 1
+        two = ir.Constant(I64, 2)
+        i, acc, close = counted_loop(builder, pairs, [zero] * (2 * chunks))
+        even = add(builder.mul(i, two), acc[:chunks])
+        odd_position = builder.add(builder.mul(i, two), ir.Constant(I64, 1))
+        in_range = builder.icmp_signed("<", odd_position, n_v)  # the last pair of an odd n has one
+        with_odd = add(builder.select(in_range, odd_position, ir.Constant(I64, 0)), acc[chunks:])
+        odd = [builder.select(in_range, a, b) for a, b in zip(with_odd, acc[chunks:])]
+        close(even + odd)
+        for c in range(chunks):
+            total = builder.fmul(builder.fadd(even[c], odd[c]), broadcast(builder, scale_v, KEY_TILE))
+            builder.call(masked_store, [total, at(op, builder.add(column_v, ir.Constant(I64, KEY_TILE * c))),
+                                        ir.Constant(I32, 4), masks[c]])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_SCORE_CHAINS = 8  # key tiles scored side by side: enough independent multiply-adds to fill the FMA units
+_VALUE_COLUMNS = 64  # head-dimension columns summed in registers at a time
+
+
 @numba.njit(parallel=True, cache=True, nogil=True, **_ELEMENTWISE)
 def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
-    """Grouped-query attention of ``T`` query rows over a sequence's cached keys (as
-    ``cpu.attention``): query row ``t`` sits at position ``start + t`` and attends keys
-    ``0 .. start + t`` (``causal``) or all ``start + T``.
+    """Grouped-query attention of ``T`` query rows over one layer of a sequence's KV cache (as
+    ``cpu.attention``): query row ``t`` sits at position ``start + t`` and attends positions
+    ``0 .. start + t`` (``causal``) or all ``start + T``; query head ``h`` reads key/value head
+    ``h // (H / Hkv)``.
+
+    One parallel item per query row and head, each with its own pass over its keys in a fixed
+    order that depends on its position alone (``_score_tiles``, ``_weighted_values``): a row's
+    output is bit-identical whatever rows run beside it (docs/design.md, "Batch invariance").
 
     Args:
-        q: ``[T, H, D]`` (RoPE applied).
-        k, v: ``[Hkv, S, D]`` C-contiguous, one layer of the KV cache, holding the step's keys
-            already (positions ``0 .. start + T - 1``; the rest of its capacity is not read).
-        out: ``[T, H * D]`` float32, written.
+        q: ``[T, H, D]`` float32 C-contiguous (RoPE applied; ``D`` a multiple of 16).
+        k: ``[Hkv, S/16, D, 16]``, v: ``[Hkv, S, D]``: one layer of a ``KVCache`` (keys in tiles),
+            holding the step's keys and values already (positions ``0 .. start + T - 1``; the
+            rest of its capacity is not used).
+        out: ``[T, H * D]`` float32 C-contiguous, written.
     """
     t_rows, h, d = q.shape
     group = h // k.shape[0]
@@ -161,28 +295,32 @@ def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
     for item in numba.prange(t_rows * h):
         t, head = item // h, item % h
         n = start + t + 1 if causal else start + t_rows
-        query, keys, values = q[t, head], k[head // group], v[head // group]
-        scores = np.empty(n, dtype=np.float32)
-        for i in range(n):
-            key = keys[i]
-            acc = np.float32(0.0)
-            for e in range(d):
-                acc += query[e] * key[e]
-            scores[i] = acc * scale
-        top = scores.max()
+        n_tiles = (n + KEY_TILE - 1) // KEY_TILE
+        query, tiles, values = q[t, head], k[head // group], v[head // group]
+        scores = np.empty(n_tiles * KEY_TILE, dtype=np.float32)
+        tile = 0
+        while tile + _SCORE_CHAINS <= n_tiles:
+            _score_tiles(query, tiles, tile, _SCORE_CHAINS, scale, scores)
+            tile += _SCORE_CHAINS
+        while tile < n_tiles:
+            _score_tiles(query, tiles, tile, 1, scale, scores)
+            tile += 1
+        for i in range(n, n_tiles * KEY_TILE):  # the last tile's positions past n
+            scores[i] = -np.inf
+        top = _max_of_tiles(scores, n_tiles)
         total = np.float32(0.0)
         for i in range(n):
             p = _exp(scores[i] - top)
             scores[i] = p
             total += p
-        acc_v = np.zeros(d, dtype=np.float32)
-        for i in range(n):
-            p, value = scores[i], values[i]
-            for e in range(d):
-                acc_v[e] += p * value[e]
-        inv = np.float32(1.0) / total
-        for e in range(d):
-            out[t, head * d + e] = acc_v[e] * inv
+        inv, row = np.float32(1.0) / total, out[t]
+        column = 0
+        while column + _VALUE_COLUMNS <= d:
+            _weighted_values(scores, values, n, column, _VALUE_COLUMNS, inv, row[head * d:])
+            column += _VALUE_COLUMNS
+        while column < d:
+            _weighted_values(scores, values, n, column, KEY_TILE, inv, row[head * d:])
+            column += KEY_TILE
 
 
 @numba.njit(nogil=True, **_ELEMENTWISE)
@@ -219,6 +357,23 @@ def attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, o
     gate_up = _product(isa, gu_bits, gu_has_mins, gu_codes, gu_scales, gu_mins, gu_padded, gu_n,
                        _rms_norm(x, ffn_norm, eps))
     return x + _product(isa, d_bits, d_has_mins, d_codes, d_scales, d_mins, d_padded, d_n, _swiglu(gate_up))
+
+
+def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans, causal: bool) -> np.ndarray:
+    """A layer's attention over a step's rows, sequence by sequence: each span's new keys and
+    values ``k``, ``v`` ``[R, Hkv, D]`` go into layer ``index`` of its cache, then its queries
+    ``q`` ``[R, H, D]`` attend it (``attend``). ``spans``: per sequence, an object with ``cache``,
+    ``start`` (the cache length before the step) and ``rows`` (its slice of the rows), as
+    ``LlamaModel``'s spans. The caller holds ``skinny_gemm.KERNEL_LOCK``.
+
+    Returns:
+        ``[R, H * D]`` float32.
+    """
+    out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
+    for s in spans:
+        s.cache.write(index, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
+        attend(q[s.rows], s.cache.k[index], s.cache.v[index], s.start, causal, out[s.rows])
+    return out
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -275,8 +430,5 @@ class FusedLayer:
         h, hkv, d = self.geometry
         with skinny_gemm.KERNEL_LOCK:
             q, k, v = self._in(x, self.attn_norm, self.eps, *self.wqkv, cos, sin, h, hkv, d)
-            attn = np.empty((x.shape[0], h * d), dtype=np.float32)
-            for s in spans:
-                s.cache.write(index, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
-                attend(q[s.rows], s.cache.k[index], s.cache.v[index], s.start, causal, attn[s.rows])
+            attn = attend_spans(index, q, k, v, spans, causal)
             return self._out(x, attn, self.ffn_norm, self.eps, *self.wo, *self.w_gate_up, *self.w_down)

@@ -53,6 +53,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from flm_runtime.backends import skinny_gemm
+from flm_runtime.backends.irgen import (F16, F32, I1, I8, I16, I32, I64, as_i64, broadcast, counted_loop, data_ptr,
+                                        declare, literal, load, row_ptr, splat, store, vec)
 from flm_runtime.backends.quant import BLOCK, GROUP, TILE, ZERO_POINT, QuantWeight
 
 ISAS = ("avx512vnni", "avxvnni", "avx2", "portable")
@@ -63,8 +65,6 @@ _ISA_FEATURES = {"avx512vnni": ("avx512vnni", "avx512bw", "avx512f", "f16c", "fm
 LEVEL_SHIFT = 7  # step = dx / 2**7: the second level's integers join the first's exactly
 _GROUPS = BLOCK // GROUP  # code vectors per block of a tile
 _CHAINS = 2  # integer accumulators per level and row
-# The quantizer's float math (activations are finite: a NaN row is garbage either way).
-_QUANTIZE_MATH = {"nnan", "nsz", "reassoc", "contract", "arcp"}
 _PREFETCH_BLOCKS = 4  # how far ahead a multi-row kernel step prefetches its codes
 
 
@@ -82,9 +82,10 @@ def select_isa() -> str:
 
 # --- activations ------------------------------------------------------------------------------
 
-@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath=_QUANTIZE_MATH)
+@numba.njit(cache=True, nogil=True)
 def quantize_activations(x, padded):  # pragma: no cover - compiled
-    """``x`` ``[M, K]`` float32 in two int8 levels per block of 32 (module docstring).
+    """``x`` ``[M, K]`` float32 in two int8 levels per block of 32 (module docstring), a block at a
+    time on whole vectors (``_quantize_block``).
 
     Returns:
         ``xq`` ``[M, 2 * Kp]`` int8 (``q1`` in columns ``0 .. Kp-1``, ``q2`` in ``Kp ..``, input
@@ -93,140 +94,109 @@ def quantize_activations(x, padded):  # pragma: no cover - compiled
     """
     m, k = x.shape
     nb = padded // BLOCK
-    xq = np.zeros((m, 2 * padded), dtype=np.int8)
+    xq = np.empty((m, 2 * padded), dtype=np.int8)
     step = np.empty((m, nb), dtype=np.float32)
     sx = np.empty((m, nb), dtype=np.float32)
     s = np.empty((m, nb), dtype=np.int32)
-    lim = np.float32(127.0)
+    padded_row = np.zeros(padded, dtype=np.float32)  # a row whose width is not whole blocks, padded
     for r in range(m):
-        row, q_row = x[r], xq[r]
+        row = x[r]
+        if k < padded:
+            padded_row[:k] = row
+            row = padded_row
         for b in range(nb):
-            lo, hi = b * BLOCK, min(b * BLOCK + BLOCK, k)
-            amax = np.float32(0.0)
-            for i in range(lo, hi):
-                amax = max(amax, abs(row[i]))
-            dx = amax / lim
-            st = dx * np.float32(1.0 / (1 << LEVEL_SHIFT))  # exact: a power of two
-            inv1 = np.float32(1.0) / dx if dx > 0 else np.float32(0.0)
-            inv2 = np.float32(1.0) / st if st > 0 else np.float32(0.0)
-            total = np.float32(0.0)  # a sum of integers below 2**24: exact in any order
-            for i in range(lo, hi):
-                q1 = min(max(np.rint(row[i] * inv1), -lim), lim)
-                q2 = min(max(np.rint((row[i] - dx * q1) * inv2), -lim), lim)
-                q_row[i], q_row[padded + i] = np.int8(q1), np.int8(q2)
-                total += q1 * np.float32(1 << LEVEL_SHIFT) + q2
+            st, total = _quantize_block(row, xq, r, b, padded)
             step[r, b] = st
-            s[r, b] = np.int32(total)
-            sx[r, b] = st * total
+            s[r, b] = total
+            sx[r, b] = st * np.float32(total)  # exact: |S| < 2**24
     return xq, step, sx, s
 
 
-# --- LLVM IR building blocks --------------------------------------------------------------------
+@intrinsic
+def _quantize_block(typingctx, row, xq, r, b, padded):  # pragma: no cover - compiled
+    """``_quantize_block(row, xq, r, b, padded) -> (step, S)``: inputs ``32b .. 32b+31`` of ``row``
+    (1-D float32) in two levels (module docstring), written to ``xq[r, 32b ..]`` (``q1``) and
+    ``xq[r, padded + 32b ..]`` (``q2``), as ``<32 x float>`` vector IR (the scalar loop's max
+    and rounding did not vectorize). ``S = sum(128 * q1 + q2)``, in integers."""
+    sig = types.Tuple((types.float32, types.int32))(row, xq, r, b, padded)
 
-_I1, _I8, _I16, _I32, _I64, _F16, _F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32),
-                                          ir.IntType(64), ir.HalfType(), ir.FloatType())
+    def codegen(context, builder, signature, args):
+        row_t, xq_t = signature.args[:2]
+        row_v, xq_v, r_v, b_v, padded_v = args
+        r_v, b_v, padded_v = (as_i64(builder, v) for v in (r_v, b_v, padded_v))
+        vf, vi = vec(F32, BLOCK), vec(I32, BLOCK)
+        f32 = lambda v: ir.Constant(F32, v)  # noqa: E731
+        data = data_ptr(context, builder, row_t, row_v, F32)
+        first = builder.mul(b_v, ir.Constant(I64, BLOCK))
+        v = load(builder, data, first, vf)
+        amax = builder.call(declare(builder, "llvm.vector.reduce.fmax.v32f32", F32, [vf]),
+                            [builder.call(declare(builder, "llvm.fabs.v32f32", vf, [vf]), [v])])
+        dx = builder.fdiv(amax, f32(127.0))
+        st = builder.fmul(dx, f32(1.0 / (1 << LEVEL_SHIFT)))  # exact: a power of two
 
+        def inverse(a):  # 1 / a, or 0 for an all-zero block
+            return builder.select(builder.fcmp_ordered(">", a, f32(0.0)), builder.fdiv(f32(1.0), a), f32(0.0))
 
-def _vec(t, n):
-    return ir.VectorType(t, n)
+        rint = declare(builder, "llvm.rint.v32f32", vf, [vf])
+        lo, hi = declare(builder, "llvm.maxnum.v32f32", vf, [vf, vf]), declare(builder, "llvm.minnum.v32f32", vf, [vf, vf])
 
+        def level(a, inv):  # clamp(rint(a * inv), -127, 127)
+            q = builder.call(rint, [builder.fmul(a, broadcast(builder, inv, BLOCK))])
+            return builder.call(hi, [builder.call(lo, [q, splat(F32, BLOCK, -127.0)]), splat(F32, BLOCK, 127.0)])
 
-def _splat(t, n, value):
-    return ir.Constant(_vec(t, n), [ir.Constant(t, value)] * n)
+        q1 = level(v, inverse(dx))
+        q2 = level(builder.fsub(v, builder.fmul(broadcast(builder, dx, BLOCK), q1)), inverse(st))
+        i1, i2 = builder.fptosi(q1, vi), builder.fptosi(q2, vi)
+        out = row_ptr(context, builder, xq_t, xq_v, r_v, I8)
+        for column, q in ((first, i1), (builder.add(padded_v, first), i2)):
+            store(builder, builder.trunc(q, vec(I8, BLOCK)), out, column)
+        joined = builder.add(builder.shl(i1, splat(I32, BLOCK, LEVEL_SHIFT)), i2)
+        total = builder.call(declare(builder, "llvm.vector.reduce.add.v32i32", I32, [vi]), [joined])
+        return context.make_tuple(builder, signature.return_type, [st, total])
 
-
-def _fn(builder, name, ret, args):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
-
-
-def _row_ptr(context, builder, array_type, array_value, row, elem):
-    """``&array[row, 0]`` as a pointer to ``elem`` (a C-contiguous 2-D array)."""
-    arr = context.make_array(array_type)(context, builder, array_value)
-    stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
-    base = builder.bitcast(arr.data, _I8.as_pointer())
-    return builder.bitcast(builder.gep(base, [builder.mul(row, stride)]), elem.as_pointer())
-
-
-def _load(builder, ptr, index, elem_type):
-    """Load ``elem_type`` at element ``index`` of ``ptr`` (unaligned)."""
-    return builder.load(builder.bitcast(builder.gep(ptr, [index]), elem_type.as_pointer()), align=1)
-
-
-def _broadcast(builder, value, n):
-    """``value`` repeated in an ``n``-lane vector."""
-    first = builder.insert_element(ir.Constant(_vec(value.type, n), None), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(first, first, ir.Constant(_vec(_I32, n), [0] * n))
-
-
-def _loop(builder, count, inits):
-    """Open a counted loop ``for i in range(count)`` (``count >= 1``, i64) whose body updates the
-    values ``inits``; returns ``(i, phis, close)``, ``close(new_values)`` ends the body and leaves
-    the builder after the loop, where ``new_values`` hold the final values."""
-    entry = builder.block
-    body = builder.append_basic_block("body")
-    after = builder.append_basic_block("after")
-    builder.branch(body)
-    builder.position_at_end(body)
-    i = builder.phi(_I64)
-    i.add_incoming(ir.Constant(_I64, 0), entry)
-    phis = []
-    for v in inits:
-        phi = builder.phi(v.type)
-        phi.add_incoming(v, entry)
-        phis.append(phi)
-
-    def close(new_values):
-        i_next = builder.add(i, ir.Constant(_I64, 1))
-        tail = builder.block
-        i.add_incoming(i_next, tail)
-        for phi, v in zip(phis, new_values):
-            phi.add_incoming(v, tail)
-        builder.cbranch(builder.icmp_signed("<", i_next, count), body, after)
-        builder.position_at_end(after)
-
-    return i, phis, close
+    return sig, codegen
 
 
 def _dot4(builder, isa, bits, acc, codes, x):
     """``acc`` (``<n x i32>``) plus, per 32-bit lane, the sum of its four code bytes (unsigned)
     times the four int8 of ``x`` (``<4n x i8>`` each): exact on every path."""
     n = codes.type.count // 4
-    v = _vec(_I32, n)
+    v = vec(I32, n)
     if isa in ("avx512vnni", "avxvnni"):
         name = "llvm.x86.avx512.vpdpbusd.512" if n == 16 else "llvm.x86.avx512.vpdpbusd.256"
-        f = _fn(builder, name, v, [v, v, v])
+        f = declare(builder, name, v, [v, v, v])
         return builder.call(f, [acc, builder.bitcast(codes, v), builder.bitcast(x, v)])
     return builder.add(acc, _pair_sums(builder, bits, codes, x))
 
 
 def _pair_sums(builder, bits, codes, x):
     """AVX2's ``vpmaddubsw`` + ``vpmaddwd`` form of ``_dot4``'s sums (``<8 x i32>``)."""
-    pmaddubsw = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [_vec(_I8, 32)] * 2)
-    pmaddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
-    ones = _splat(_I16, 16, 1)
+    pmaddubsw = declare(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32)] * 2)
+    pmaddwd = declare(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16)] * 2)
+    ones = splat(I16, 16, 1)
     if bits == 4:  # codes <= 15: a pair sum is at most 2 * 15 * 128, no saturation
         return builder.call(pmaddwd, [builder.call(pmaddubsw, [codes, x]), ones])
-    low = builder.and_(codes, _splat(_I8, 32, 0x0F))
-    high = builder.lshr(codes, _splat(_I8, 32, 4))
+    low = builder.and_(codes, splat(I8, 32, 0x0F))
+    high = builder.lshr(codes, splat(I8, 32, 4))
     s_low = builder.call(pmaddwd, [builder.call(pmaddubsw, [low, x]), ones])
     s_high = builder.call(pmaddwd, [builder.call(pmaddubsw, [high, x]), ones])
-    return builder.add(s_low, builder.shl(s_high, _splat(_I32, 8, 4)))
+    return builder.add(s_low, builder.shl(s_high, splat(I32, 8, 4)))
 
 
 def _tile_codes(builder, bits, width, wrow, b, part):
     """The ``_GROUPS`` code vectors ``<4 * width x i8>`` of block ``b`` of a tile (``wrow``: its
     codes), lanes ``part * width ..`` of the tile, 4-bit codes unpacked."""
-    i64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
     n = 4 * width
     offset = part * n
     if bits == 8:
         base = builder.mul(b, i64(TILE * BLOCK))
-        return [_load(builder, wrow, builder.add(base, i64(64 * g + offset)), _vec(_I8, n)) for g in range(_GROUPS)]
+        return [load(builder, wrow, builder.add(base, i64(64 * g + offset)), vec(I8, n)) for g in range(_GROUPS)]
     base = builder.mul(b, i64(TILE * BLOCK // 2))
-    packed = [_load(builder, wrow, builder.add(base, i64(64 * g + offset)), _vec(_I8, n)) for g in range(_GROUPS // 2)]
-    mask = _splat(_I8, n, 0x0F)
+    packed = [load(builder, wrow, builder.add(base, i64(64 * g + offset)), vec(I8, n)) for g in range(_GROUPS // 2)]
+    mask = splat(I8, n, 0x0F)
     return ([builder.and_(p, mask) for p in packed]
-            + [builder.and_(builder.lshr(p, _splat(_I8, n, 4)), mask) for p in packed])
+            + [builder.and_(builder.lshr(p, splat(I8, n, 4)), mask) for p in packed])
 
 
 def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
@@ -234,40 +204,40 @@ def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
     codes_t, scales_t, mins_t, _, xq_t, step_t, sx_t, s_t, _, out_t = sig.args
     codes, scales, mins, t, xq, step, sx, s, r0, out = args
     width = 16 if isa == "avx512vnni" else 8
-    vf, vi = _vec(_F32, width), _vec(_I32, width)
-    fma = _fn(builder, f"llvm.fma.v{width}f32", vf, [vf] * 3)
-    i64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
-    t, r0 = (builder.sext(v, _I64) if v.type.width < 64 else v for v in (t, r0))
+    vf, vi = vec(F32, width), vec(I32, width)
+    fma = declare(builder, f"llvm.fma.v{width}f32", vf, [vf] * 3)
+    i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
+    t, r0 = as_i64(builder, t), as_i64(builder, r0)
 
     def rows_of(array_t, array, elem):
-        return [_row_ptr(context, builder, array_t, array, builder.add(r0, i64(g)), elem) for g in range(group)]
+        return [row_ptr(context, builder, array_t, array, builder.add(r0, i64(g)), elem) for g in range(group)]
 
-    wrow = _row_ptr(context, builder, codes_t, codes, t, _I8)
-    srow = _row_ptr(context, builder, scales_t, scales, t, _F16)
-    mrow = _row_ptr(context, builder, mins_t, mins, t, _F16) if has_mins else None
-    xrows, steps, sxs, ss, outs = (rows_of(xq_t, xq, _I8), rows_of(step_t, step, _F32), rows_of(sx_t, sx, _F32),
-                                   rows_of(s_t, s, _I32), rows_of(out_t, out, _F32))
+    wrow = row_ptr(context, builder, codes_t, codes, t, I8)
+    srow = row_ptr(context, builder, scales_t, scales, t, F16)
+    mrow = row_ptr(context, builder, mins_t, mins, t, F16) if has_mins else None
+    xrows, steps, sxs, ss, outs = (rows_of(xq_t, xq, I8), rows_of(step_t, step, F32), rows_of(sx_t, sx, F32),
+                                   rows_of(s_t, s, I32), rows_of(out_t, out, F32))
     shape = cgutils.unpack_tuple(builder, context.make_array(scales_t)(context, builder, scales).shape, 2)
     n_blocks = builder.sdiv(shape[1], i64(TILE))
     padded = builder.mul(n_blocks, i64(BLOCK))
     n_out = cgutils.unpack_tuple(builder, context.make_array(out_t)(context, builder, out).shape, 2)[1]
-    prefetch = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
-    masked_store = _fn(builder, f"llvm.masked.store.v{width}f32.p0", ir.VoidType(),
-                       [vf, _F32.as_pointer(), _I32, _vec(_I1, width)])
+    prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+    masked_store = declare(builder, f"llvm.masked.store.v{width}f32.p0", ir.VoidType(),
+                       [vf, F32.as_pointer(), I32, vec(I1, width)])
 
     for part in range(TILE // width):  # 256-bit paths: the tile's two halves, one after the other
-        b, accs, close = _loop(builder, n_blocks, [ir.Constant(vf, None)] * group)
+        b, accs, close = counted_loop(builder, n_blocks, [ir.Constant(vf, None)] * group)
         if part == 0 and group > 1:  # several rows a block: the loads alone run too little ahead
             block_bytes = TILE * BLOCK * bits // 8
             ahead = builder.mul(builder.add(b, i64(_PREFETCH_BLOCKS)), i64(block_bytes))
             for line in range(0, block_bytes, 64):
-                builder.call(prefetch, [builder.gep(wrow, [builder.add(ahead, i64(line))]), ir.Constant(_I32, 0),
-                                        ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                builder.call(prefetch, [builder.gep(wrow, [builder.add(ahead, i64(line))]), ir.Constant(I32, 0),
+                                        ir.Constant(I32, 3), ir.Constant(I32, 1)])
         tile_codes = _tile_codes(builder, bits, width, wrow, b, part)
         lane0 = builder.add(builder.mul(b, i64(TILE)), i64(part * width))
-        scale = builder.fpext(_load(builder, srow, lane0, _vec(_F16, width)), vf)
+        scale = builder.fpext(load(builder, srow, lane0, vec(F16, width)), vf)
         if has_mins:
-            block_mins = builder.fpext(_load(builder, mrow, lane0, _vec(_F16, width)), vf)
+            block_mins = builder.fpext(load(builder, mrow, lane0, vec(F16, width)), vf)
         new_accs = []
         for g in range(group):
             levels = []
@@ -275,33 +245,27 @@ def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
                 x0 = builder.add(builder.mul(b, i64(BLOCK)), padded if level else i64(0))
                 chains = [ir.Constant(vi, None)] * _CHAINS  # independent sums: the adds overlap
                 for k, c in enumerate(tile_codes):
-                    word = _load(builder, xrows[g], builder.add(x0, i64(GROUP * k)), _I32)
-                    x_k = builder.bitcast(_broadcast(builder, word, width), c.type)
+                    word = load(builder, xrows[g], builder.add(x0, i64(GROUP * k)), I32)
+                    x_k = builder.bitcast(broadcast(builder, word, width), c.type)
                     chains[k % _CHAINS] = _dot4(builder, isa, bits, chains[k % _CHAINS], c, x_k)
                 levels.append(builder.add(*chains))
-            total = builder.add(builder.shl(levels[0], _splat(_I32, width, LEVEL_SHIFT)), levels[1])
-            step_g = _broadcast(builder, _load(builder, steps[g], b, _F32), width)
+            total = builder.add(builder.shl(levels[0], splat(I32, width, LEVEL_SHIFT)), levels[1])
+            step_g = broadcast(builder, load(builder, steps[g], b, F32), width)
             if not has_mins:  # take the zero point out in integers (module docstring)
-                s_g = _broadcast(builder, _load(builder, ss[g], b, _I32), width)
-                total = builder.sub(total, builder.shl(s_g, _splat(_I32, width, ZERO_POINT[bits].bit_length() - 1)))
+                s_g = broadcast(builder, load(builder, ss[g], b, I32), width)
+                total = builder.sub(total, builder.shl(s_g, splat(I32, width, ZERO_POINT[bits].bit_length() - 1)))
             acc = builder.call(fma, [builder.sitofp(total, vf), builder.fmul(scale, step_g), accs[g]])
             if has_mins:
-                acc = builder.call(fma, [block_mins, _broadcast(builder, _load(builder, sxs[g], b, _F32), width), acc])
+                acc = builder.call(fma, [block_mins, broadcast(builder, load(builder, sxs[g], b, F32), width), acc])
             new_accs.append(acc)
         close(new_accs)
 
         col = builder.add(builder.mul(t, i64(TILE)), i64(part * width))
-        lanes = builder.add(_broadcast(builder, col, width), ir.Constant(_vec(_I64, width), list(range(width))))
-        mask = builder.icmp_signed("<", lanes, _broadcast(builder, n_out, width))
+        lanes = builder.add(broadcast(builder, col, width), ir.Constant(vec(I64, width), list(range(width))))
+        mask = builder.icmp_signed("<", lanes, broadcast(builder, n_out, width))
         for g in range(group):
-            builder.call(masked_store, [new_accs[g], builder.gep(outs[g], [col]), ir.Constant(_I32, 4), mask])
+            builder.call(masked_store, [new_accs[g], builder.gep(outs[g], [col]), ir.Constant(I32, 4), mask])
     return context.get_dummy_value()
-
-
-def _literal(t, what):
-    if not isinstance(t, (types.IntegerLiteral, types.BooleanLiteral)):
-        raise numba.core.errors.TypingError(f"{what} must be a compile-time constant")
-    return t.literal_value
 
 
 @intrinsic
@@ -311,8 +275,8 @@ def _tile_dots(typingctx, isa, bits, has_mins, group, codes, scales, mins, t, xq
     writes ``out[r0 + g, 16t .. 16t+15]`` (the columns below ``out``'s width) for ``g < group``
     (the module docstring's arithmetic) on the vector path ``ISAS[isa]``; the first four are
     compile-time constants, ``mins`` is read only when ``has_mins``."""
-    consts = (ISAS[_literal(isa, "isa")], _literal(bits, "bits"), _literal(group, "group"),
-              bool(_literal(has_mins, "has_mins")))
+    consts = (ISAS[literal(isa, "isa")], literal(bits, "bits"), literal(group, "group"),
+              bool(literal(has_mins, "has_mins")))
     sig = types.void(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out)
 
     def codegen(context, builder, signature, args):
@@ -329,7 +293,7 @@ def _fma(typingctx, a, b, c):  # pragma: no cover - compiled
     """``a * b + c`` rounded once (``llvm.fma.f32``), as the vector paths' fused multiply-adds."""
 
     def codegen(context, builder, sig, args):
-        f = _fn(builder, "llvm.fma.f32", _F32, [_F32] * 3)
+        f = declare(builder, "llvm.fma.f32", F32, [F32] * 3)
         return builder.call(f, list(args))
 
     return types.float32(types.float32, types.float32, types.float32), codegen
@@ -340,7 +304,7 @@ def _f16(typingctx, bits):  # pragma: no cover - compiled
     """The float16 whose bits are the uint16 ``bits``, as float32 (exact)."""
 
     def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], _F16), _F32)
+        return builder.fpext(builder.bitcast(args[0], F16), F32)
 
     return types.float32(types.uint16), codegen
 
@@ -383,7 +347,7 @@ def _tile_group(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx
 def _tile_group_impl(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out):
     """The portable path row by row, the vector paths through ``_tile_dots``; chosen while typing
     (the four leading arguments are constants), so a host compiles only the path it runs."""
-    if ISAS[_literal(isa, "isa")] != "portable":
+    if ISAS[literal(isa, "isa")] != "portable":
         def vector(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out):  # pragma: no cover
             _tile_dots(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out)
 

@@ -158,6 +158,17 @@ def _tiled(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits:
                        None if mins is None else lanes(mins), in_features, n)
 
 
+def widen(w: QuantWeight) -> QuantWeight:
+    """A 4-bit weight as 8-bit blocks holding the same values exactly: the codes as they are with
+    the stored mins, or, without mins, shifted by ``ZERO_POINT[8] - ZERO_POINT[4]`` so that the
+    8-bit zero point gives ``scale * (code - 8)`` again."""
+    assert w.bits == 4
+    codes, scales, mins = w.rows()
+    if w.mins is None:
+        return _tiled(codes + np.uint8(ZERO_POINT[8] - ZERO_POINT[4]), scales, None, 8, w.in_features)
+    return _tiled(codes, scales, mins, 8, w.in_features)
+
+
 def quantize(w: np.ndarray, bits: int) -> QuantWeight:
     """Symmetric round-to-nearest quantization of a float weight ``[N, K]`` (``K % 32 == 0``).
 

@@ -30,9 +30,8 @@ speculation is on when that expected speed-up exceeds ``--min-speedup``
 margin covers the acceptance that serving falls short of calibration's, as it has in every
 recorded run (docs/history/benchmarks.md). Both edges count because the ratio is not monotonic
 in context: attention adds about as much to both passes, so the ratio falls as the context grows
-and a bucket timed at its upper edge only underestimates its lower part, until the 1-row pass
-leaves the skinny kernel for BLAS above ``cpu.SKINNY_DECODE_CONTEXT`` and it jumps. Each
-request's own acceptance then moves its decision online.
+and a bucket timed at its upper edge only underestimates its lower part. Each request's own
+acceptance then moves its decision online.
 
     litellm-flm calibrate [--tag smollm2-dflash:135m] [--backend cpu] [--contexts 256,1024,4096,8192]
         [--rounds 5] [--spells 1] [--spell-gap 300] [--min-speedup 1.1] [--max-new 128] [--out PATH]

@@ -115,18 +115,19 @@ def short_prompts(path: str | Path | None = None, n: int = 3) -> list[tuple[str,
 def chat_ids(tokenizer, user_text: str, *, thinking: bool | None = None) -> list[int]:
     """Token ids of one user turn in the model's chat template (with the generation prompt).
 
-    ``thinking`` is passed to the template as ``enable_thinking`` when not None (templates that do
-    not use it ignore it).
+    ``thinking`` sets the template's thinking switch (``Tokenizer.thinking``) when not None; a
+    template without one ignores it.
     """
-    extra = {} if thinking is None else {"enable_thinking": thinking}
+    fmt = tokenizer.thinking
+    extra = {} if thinking is None or fmt is None else {fmt.switch: thinking}
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": user_text}],
                                              add_generation_prompt=True, **extra)
     return tokenizer.encode(rendered)
 
 
 def supports_thinking(tokenizer) -> bool:
-    """Whether the model's chat template has a thinking switch (``enable_thinking``)."""
-    return "enable_thinking" in (getattr(tokenizer, "chat_template", None) or "")
+    """Whether the model's chat template has a thinking switch (``Tokenizer.thinking``)."""
+    return tokenizer.thinking is not None
 
 
 def summary_prompt(tokenizer, document: Document, budget: int, *, thinking: bool | None = None) -> Prompt:

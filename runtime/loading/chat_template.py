@@ -9,17 +9,23 @@ and ``strftime_now(fmt)``. Variables: ``messages``, ``add_generation_prompt``, `
 A model without a template gets ``CHATML_FALLBACK``:
 ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``
 when a generation prompt is asked for.
+
+A template that reads an ``enable_thinking`` variable (Qwen3's, Nemotron's) has a thinking switch:
+``thinking_format`` says so, with the markers that enclose the model's thinking in its output
+(``ThinkingFormat``; a registry entry may declare other ones).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from flm_runtime.errors import InvalidRequestError
@@ -55,6 +61,17 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       separators=separators, sort_keys=sort_keys)
 
 
+@functools.lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
 @functools.lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a template once (cached by its source text).
@@ -62,17 +79,61 @@ def compile_chat_template(source: str) -> jinja2.Template:
     Raises:
         InvalidRequestError: the template has a syntax error (``param="messages"``).
     """
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise InvalidRequestError(f"the model's chat template is invalid: {e}",
                                   param="messages") from e
+
+
+@functools.lru_cache(maxsize=16)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables ``source`` reads from its caller (Jinja's undeclared variables:
+    ``messages``, ``add_generation_prompt``, ``enable_thinking`` ...).
+
+    Raises:
+        InvalidRequestError: the template has a syntax error (``param="messages"``).
+    """
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidRequestError(f"the model's chat template is invalid: {e}",
+                                  param="messages") from e
+
+
+THINKING_SWITCH = "enable_thinking"
+
+
+@dataclass(frozen=True)
+class ThinkingFormat:
+    """How a chat template switches the model's thinking, and how the output marks it.
+
+    Attributes:
+        switch: the template variable that turns thinking on (true) or off (false); left
+            undefined, the template's own default applies.
+        start, end: the text that opens and closes the thinking in the model's output (a
+            template may already write ``start`` at the end of the generation prompt).
+    """
+
+    switch: str = THINKING_SWITCH
+    start: str = "<think>"
+    end: str = "</think>"
+
+    def __post_init__(self) -> None:
+        if not (self.switch and self.start and self.end) or self.start == self.end:
+            raise ValueError(f"a thinking format needs a switch and two different, non-empty markers; got {self}")
+
+
+def thinking_format(template: str | None, declared: ThinkingFormat | None = None) -> ThinkingFormat | None:
+    """The thinking switch of ``template``: ``declared`` (a registry entry's) or else the default
+    ``ThinkingFormat``, when the template reads its ``switch`` variable; None when it does not
+    (``CHATML_FALLBACK`` has none), or when it does not compile (rendering it says why).
+    """
+    fmt = declared or ThinkingFormat()
+    try:
+        return fmt if template and fmt.switch in template_variables(template) else None
+    except InvalidRequestError:
+        return None
 
 
 def render_chat_template(

@@ -6,8 +6,9 @@ or dequantized to float32, as the weight kind asks (``WEIGHT_KINDS``):
 
 - ``auto`` (what a served model gets unless asked otherwise): each tensor keeps its own precision class: Q4_0, Q4_1 and Q4_K stay
   4-bit (their blocks are read as they are), Q8_0 stays 8-bit, everything else becomes 8-bit;
-- ``q4`` / ``q8``: every matrix 4-bit / 8-bit (read as it is where the source has that width,
-  otherwise dequantized and quantized again);
+- ``q4`` / ``q8``: every matrix 4-bit / 8-bit (read as it is where the source has that width; a
+  4-bit source widened to 8-bit codes with its own scales and mins, exactly; otherwise dequantized
+  and quantized again);
 - ``f32``: every tensor dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0, Q4_1,
   Q5_0, Q5_1, Q8_0, the K-quants and what else gguf-py implements in numpy): the reference.
 
@@ -265,10 +266,14 @@ def quantized_tensor(tensor: ReaderTensor, kind: str) -> Weight:
         return dequantize_tensor(tensor)
     native = _NATIVE_BLOCKS.get(qtype, (4, None) if qtype == GGMLQuantizationType.Q4_K else (8, None))[0]
     bits = native if kind == "auto" else int(kind[1:])
+    if native == 4:  # read as it is; 8-bit blocks hold a 4-bit source exactly (quant.widen)
+        if qtype == GGMLQuantizationType.Q4_K:
+            w = _read_q4_k(np.asarray(tensor.data).reshape(n, k // 256, -1), k)
+        else:
+            w = _read_blocks(np.asarray(tensor.data).reshape(n, k // quant.BLOCK, -1), qtype, k)
+        return w if bits == 4 else quant.widen(w)
     if bits == native and qtype in _NATIVE_BLOCKS:
         return _read_blocks(np.asarray(tensor.data).reshape(n, k // quant.BLOCK, -1), qtype, k)
-    if bits == native == 4:
-        return _read_q4_k(np.asarray(tensor.data).reshape(n, k // 256, -1), k)
     return quant.quantize(dequantize_tensor(tensor), bits)
 
 

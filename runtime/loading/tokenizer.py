@@ -22,7 +22,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.loading.chat_template import render_chat_template
+from flm_runtime.loading.chat_template import ThinkingFormat, render_chat_template, thinking_format
 from flm_runtime.loading.gguf import read_gguf_metadata
 from flm_runtime.loading.hf_files import read_hf_tokenizer_files
 
@@ -75,11 +75,15 @@ class Tokenizer:
         add_bos: ``encode`` prepends BOS (the model's ``add_bos_token``).
         stop_token_ids: ids that end generation: EOS plus the end-of-turn tokens present
             (``END_OF_TURN_TOKENS``, GGUF ``eot``/``eom`` ids, every generation_config EOS).
-        special_token_ids: control tokens, dropped by ``decode(skip_special_tokens=True)``.
+        special_token_ids: control tokens, dropped by ``decode(skip_special_tokens=True)`` and from
+            generated text; never the thinking markers (``thinking``), which the reasoning split reads.
         missing_bytes: byte values no token stands for; ``encode`` drops them, as the model's
             Hugging Face tokenizer does (SmolLM2 lacks 0x04, 0x06, 0x13, 0x14, 0x16, 0x1D and
             bytes never seen in UTF-8). Text without them round-trips exactly.
         chat_template: Jinja source, or ``None`` (the ChatML fallback is used).
+        thinking: the template's thinking switch and output markers (``thinking_format``), or
+            ``None`` when the template has no switch. A registry entry may declare its own
+            (``flm_runtime.api.load_model`` sets it then; setting it updates ``special_token_ids``).
     """
 
     def __init__(self, hf: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: list[int],
@@ -91,12 +95,25 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template or None
         added = hf.get_added_tokens_decoder()  # id -> AddedToken
-        self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._added_ids = {t.content: i for i, t in added.items()}
+        self.thinking = thinking_format(self.chat_template)
         self._token_bytes = _token_bytes_table(hf, added)
         self.vocab_size = len(self._token_bytes)
         self.missing_bytes = _missing_bytes(self._token_bytes, added)
         eot = {i for i, t in added.items() if t.content in END_OF_TURN_TOKENS}
         self.stop_token_ids = frozenset({*eos_token_ids, *eot})
+
+    @property
+    def thinking(self) -> ThinkingFormat | None:
+        return self._thinking
+
+    @thinking.setter
+    def thinking(self, fmt: ThinkingFormat | None) -> None:
+        # A vocabulary may make the markers control tokens; the output must keep them to be split.
+        self._thinking = fmt
+        markers = {self._added_ids.get(m) for m in (fmt.start, fmt.end)} if fmt is not None else set()
+        self.special_token_ids = self._special_ids - markers
 
     # -- construction ------------------------------------------------------------------------
 

@@ -261,7 +261,7 @@ class DFlashDraft:
         assert cache.length == start_position, f"draft cache holds {cache.length}, taps start at {start_position}"
         if t == 0:
             return
-        with cpu.forward_pass(t, start_position + t):
+        with cpu.forward_pass(t):
             ctx = cpu.rms_norm(cpu.linear(taps, self.fc), self.hidden_norm, c.rms_norm_eps)  # [T, E]
             cos = self.rope_cos[start_position : start_position + t]  # [T, D/2]
             sin = self.rope_sin[start_position : start_position + t]
@@ -315,7 +315,7 @@ class DFlashDraft:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [S*B, D/2]
         # the LM head runs on the rows ``hidden`` picks below, not on a span's last rows: n_logits 0
         spans = [_Span(cache, st, slice(s * b, (s + 1) * b), 0) for s, (cache, st) in enumerate(zip(caches, starts))]
-        with cpu.forward_pass(n_seq * b, max(starts) + b):
+        with cpu.forward_pass(n_seq * b):
             for cache in caches:
                 cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
             for i, w in enumerate(self.layers):

@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from flm_runtime.backends import Backend, cpu, fused
+from flm_runtime.backends import Backend, cpu, fused, skinny_gemm
 from flm_runtime.backends.quant import QuantWeight
 from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
 from flm_runtime.errors import ModelFormatError
@@ -109,7 +109,8 @@ def decoder_layer(i: int, w: LlamaLayer, x: np.ndarray, spans: list[_Span], cos:
 
     The products cover all rows; attention runs per span: span ``s`` writes its rows' K/V into
     layer ``i`` of its cache at positions ``s.start ..`` and attends positions ``0 ..
-    s.start + s.n_rows - 1`` of it (``cpu.attention``). Nothing is committed to a cache.
+    s.start + s.n_rows - 1`` of it (``fused.attend_spans``, the compiled kernel every layer
+    shares). Nothing is committed to a cache.
 
     Args:
         i: the layer's index in the caches.
@@ -123,12 +124,8 @@ def decoder_layer(i: int, w: LlamaLayer, x: np.ndarray, spans: list[_Span], cos:
         ``[R, E]``, a new array.
     """
     q, k, v = qkv_heads(cpu.linear(cpu.rms_norm(x, w.attn_norm, config.rms_norm_eps), w.wqkv), cos, sin, config)
-    attn = []
-    for s in spans:
-        s.cache.write(i, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
-        n = s.start + s.n_rows
-        attn.append(cpu.attention(q[s.rows], s.cache.k[i, :, :n], s.cache.v[i, :, :n], s.start, causal=causal))  # [T, H*D]
-    attn = attn[0] if len(attn) == 1 else np.concatenate(attn)  # [R, H*D]
+    with skinny_gemm.KERNEL_LOCK:
+        attn = fused.attend_spans(i, np.ascontiguousarray(q), k, v, spans, causal)  # [R, H*D]
     x = x + cpu.linear(attn, w.wo)
     gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, config.rms_norm_eps), w.w_gate_up)  # [R, 2F]
     return x + cpu.linear(cpu.swiglu(gate_up), w.w_down)
@@ -251,7 +248,7 @@ class LlamaModel:
         assert all(0 <= i < len(self.layers) for i in taps), f"tap layers {taps} out of range"
         assert spans[0].rows.start == 0 and spans[-1].rows.stop == token_ids.shape[0]
         assert all(a.rows.stop == b.rows.start for a, b in zip(spans, spans[1:])), "spans out of row order"
-        with cpu.forward_pass(token_ids.shape[0], max(s.start + s.n_rows for s in spans)):
+        with cpu.forward_pass(token_ids.shape[0]):
             return self._run_rows(token_ids, spans, taps=taps)
 
     def _run_rows(self, token_ids: np.ndarray, spans: list[_Span], *,

@@ -1,11 +1,14 @@
-"""The compiled layer's elementwise helpers (``backends/fused.py``)."""
+"""The compiled layer's helpers (``backends/fused.py``): the vectorizing exp, and the attention
+kernel against numpy's ``cpu.attention`` over a ``KVCache``."""
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+import pytest
 
-from flm_runtime.backends import fused
+from flm_runtime.backends import cpu, fused
+from flm_runtime.core import KVCache
 
 
 @numba.njit
@@ -23,3 +26,33 @@ def test_exp_is_within_two_ulp_and_clamps_outside_float32_range():
     edges = _exp_all(np.array([-1e30, -100, 100, 1e30], dtype=np.float32))
     assert np.array_equal(edges, _exp_all(np.array([-87, -87, 88, 88], dtype=np.float32)))
     assert np.all(np.isfinite(edges)) and edges[0] > 0
+
+
+def _cache_of(k: np.ndarray, v: np.ndarray) -> KVCache:
+    """A one-layer cache holding ``k``, ``v`` ``[Hkv, N, D]``."""
+    cache = KVCache(1, k.shape[0], k.shape[2], max_length=4096)
+    cache.reserve(k.shape[1])
+    cache.write(0, k, v)
+    cache.commit(k.shape[1])
+    return cache
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 80])  # 80: a last block of 16 columns; 8: part of one
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_kernel_matches_numpy_and_is_row_invariant(head_dim, causal):
+    rng = np.random.default_rng(head_dim)
+    h, hkv, t = 6, 2, 8
+    for n in (1, 15, 16, 17, 130, 301):  # partial and whole key tiles, odd and even positions
+        k = rng.standard_normal((hkv, n, head_dim)).astype(np.float32)
+        v = rng.standard_normal((hkv, n, head_dim)).astype(np.float32)
+        q = rng.standard_normal((min(t, n), h, head_dim)).astype(np.float32)
+        rows, start = q.shape[0], n - q.shape[0]
+        cache = _cache_of(k, v)
+        got = np.empty((rows, h * head_dim), np.float32)
+        fused.attend(q, cache.k[0], cache.v[0], start, causal, got)
+        np.testing.assert_allclose(got, cpu.attention(q, k, v, start, causal=causal), rtol=0, atol=2e-6)
+        if causal:  # a row alone (its own position, fewer rows beside it) gives the same bits
+            for r in range(rows):
+                alone = np.empty((1, h * head_dim), np.float32)
+                fused.attend(q[r:r + 1], cache.k[0], cache.v[0], start + r, True, alone)
+                assert np.array_equal(alone[0], got[r]), (n, r)

@@ -29,6 +29,16 @@ def test_native_blocks_dequantize_as_gguf_py(w, qtype):
     assert np.array_equal(got.dequantize(), dequantize(raw, qtype).reshape(N, K))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_widened_4_bit_blocks_hold_the_same_weights(w, qtype):
+    # The q8 kind of a 4-bit file: 8-bit codes, the source's own scales (and mins), no rounding.
+    qtype = GGMLQuantizationType[qtype]
+    four = gguf_loader._read_blocks(quantize(w, qtype).reshape(N, K // quant.BLOCK, -1), qtype, K)
+    eight = quant.widen(four)
+    assert eight.bits == 8 and (eight.mins is not None) == (four.mins is not None)
+    assert np.array_equal(eight.dequantize(), four.dequantize())
+
+
 def test_q4_k_folds_into_blocks_of_32():
     # Any bytes are Q4_K super-blocks (6-bit scales and mins, 4-bit codes) once d and dmin are
     # finite: random ones exercise every scale/min packing.

@@ -43,7 +43,7 @@ def test_linear_gives_the_product_on_both_sides_of_the_threshold(rows):
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, 96)).astype(np.float32)
     w = rng.standard_normal((50, 96)).astype(np.float32)
-    with cpu.forward_pass(1, 0):
+    with cpu.forward_pass(1):
         got = cpu.linear(x, w)
     assert got.shape == (rows, 50)
     np.testing.assert_allclose(got, _reference(x, w), atol=1e-4)
@@ -55,23 +55,22 @@ def test_linear_runs_the_kernel_exactly_for_one_to_max_rows_of_a_skinny_pass(mon
     monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
     w = np.ones((4, 8), dtype=np.float32)
 
-    def products(pass_rows: int, context: int) -> list[int]:
+    def products(pass_rows: int) -> list[int]:
         calls.clear()
-        with cpu.forward_pass(pass_rows, context):
+        with cpu.forward_pass(pass_rows):
             for rows in (0, 1, 5, skinny_gemm.MAX_ROWS, skinny_gemm.MAX_ROWS + 1):
                 cpu.linear(np.ones((rows, 8), dtype=np.float32), w)
         return list(calls)
 
-    assert products(2, 8000) == [1, 5, skinny_gemm.MAX_ROWS]
-    assert products(1, cpu.SKINNY_DECODE_CONTEXT) == [1, 5, skinny_gemm.MAX_ROWS]
-    # A prefill chunk's pass (its LM head on 1 row too), a long-context decode, no pass at all: BLAS.
-    assert products(skinny_gemm.MAX_ROWS + 1, 0) == []
-    assert products(1, cpu.SKINNY_DECODE_CONTEXT + 1) == []
+    assert products(2) == [1, 5, skinny_gemm.MAX_ROWS]
+    assert products(1) == [1, 5, skinny_gemm.MAX_ROWS]
+    # A prefill chunk's pass (its LM head on 1 row too), no pass at all: BLAS.
+    assert products(skinny_gemm.MAX_ROWS + 1) == []
     calls.clear()
     cpu.linear(np.ones((1, 8), dtype=np.float32), w)
     assert calls == []
     monkeypatch.setattr(cpu, "SKINNY_ROWS", 0)  # what benchmarks use to time BLAS alone
-    assert products(1, 0) == []
+    assert products(1) == []
 
 
 def test_concurrent_callers_get_their_own_products():
@@ -104,16 +103,14 @@ def _blas_threads() -> int:
 def test_forward_pass_limits_blas_only_for_skinny_passes_and_restores_it():
     before = _blas_threads()
     seen = []
-    with cpu.forward_pass(skinny_gemm.MAX_ROWS, 8000):
+    with cpu.forward_pass(skinny_gemm.MAX_ROWS):
         seen.append(_blas_threads())
-    with cpu.forward_pass(skinny_gemm.MAX_ROWS + 1, 0):
+    with cpu.forward_pass(skinny_gemm.MAX_ROWS + 1):
         seen.append(_blas_threads())
-    with cpu.forward_pass(1, cpu.SKINNY_DECODE_CONTEXT + 1):
-        seen.append(_blas_threads())
-    with pytest.raises(ValueError), cpu.forward_pass(1, 0):
+    with pytest.raises(ValueError), cpu.forward_pass(1):
         seen.append(_blas_threads())
         raise ValueError("a pass that fails")
-    assert seen == [1, before, before, 1]
+    assert seen == [1, before, 1]
     assert _blas_threads() == before
 
 
@@ -123,7 +120,7 @@ def test_concurrent_skinny_passes_leave_blas_threads_as_they_were():
 
     def work():
         for _ in range(50):
-            with cpu.forward_pass(2, 100):
+            with cpu.forward_pass(2):
                 inside.append(_blas_threads())
 
     threads = [threading.Thread(target=work) for _ in range(3)]
@@ -143,7 +140,7 @@ def test_another_librarys_brief_blas_limit_does_not_stick():
     if before == 1:
         pytest.skip("BLAS runs one thread here (OPENBLAS_NUM_THREADS=1 or one core)")
     other = threadpoolctl.threadpool_limits(limits=1, user_api="blas")
-    skinny = cpu.forward_pass(1, 100)
+    skinny = cpu.forward_pass(1)
     skinny.__enter__()
     other.restore_original_limits()
     skinny.__exit__(None, None, None)

@@ -43,7 +43,7 @@ class ScriptTarget:
 
     def fed(self, cache: KVCache) -> list[int]:
         """The token ids the cache holds, positions ``0 .. length-1``."""
-        return cache.k[0, 0, : cache.length, 0].astype(int).tolist()
+        return cache.keys(0)[0, :, 0].astype(int).tolist()
 
     def forward_batch(self, token_rows, caches: list[KVCache], *, taps: tuple[int, ...] = (), logit_rows=None):
         """``TargetModel.forward_batch``: the script's one-hot rows, zero taps."""

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from flm_runtime.core import GROWTH_QUANTUM, KVCache
+from flm_runtime.core import GROWTH_QUANTUM, KEY_TILE, KVCache
 
 
 def test_growth_keeps_contents_and_trim_rolls_back():
@@ -17,8 +17,10 @@ def test_growth_keeps_contents_and_trim_rolls_back():
             cache.write(layer, block, -block)
         cache.commit(200)
     assert cache.length == 600 and cache.capacity == 1000  # 256 -> 512 -> min(1024, context 1000)
-    np.testing.assert_array_equal(cache.k[:, :, :600], written)
+    np.testing.assert_array_equal(cache.keys(), written)
     np.testing.assert_array_equal(cache.v[:, :, :600], -written)
+    # keys in tiles of 16 positions, transposed (the attention kernel's layout)
+    np.testing.assert_array_equal(cache.k[1, 2, 3, :, 5], written[1, 2, 3 * KEY_TILE + 5])
 
     cache.trim(590)  # a rejected speculative block: the next write overwrites from 590
     cache.reserve(1)
@@ -26,8 +28,8 @@ def test_growth_keeps_contents_and_trim_rolls_back():
         cache.write(layer, np.ones((3, 1, 4), np.float32), np.ones((3, 1, 4), np.float32))
     cache.commit(1)
     assert cache.length == 591
-    np.testing.assert_array_equal(cache.k[:, :, 590], 1.0)
-    np.testing.assert_array_equal(cache.k[:, :, :590], written[:, :, :590])
+    np.testing.assert_array_equal(cache.keys()[:, :, 590], 1.0)
+    np.testing.assert_array_equal(cache.keys()[:, :, :590], written[:, :, :590])
 
 
 def test_capacity_never_exceeds_context_length():
@@ -51,11 +53,11 @@ def test_a_copy_holds_the_same_positions_and_is_independent():
     cache.commit(5)
     copy = cache.copy()
     assert (copy.length, copy.capacity, copy.max_length) == (5, cache.capacity, 1000)
-    np.testing.assert_array_equal(copy.k[:, :, :5], block)
+    np.testing.assert_array_equal(copy.keys(), block)
     np.testing.assert_array_equal(copy.v[:, :, :5], -block)
     copy.trim(2)
     copy.reserve(1)
     copy.write(0, np.full((1, 1, 4), 9.0, np.float32), np.zeros((1, 1, 4), np.float32))
     copy.commit(1)
     assert cache.length == 5
-    np.testing.assert_array_equal(cache.k[:, :, :5], block)  # the original is untouched
+    np.testing.assert_array_equal(cache.keys(), block)  # the original is untouched

@@ -15,9 +15,12 @@ from dataclasses import dataclass, field, replace
 from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent
 from flm_runtime.engine.sampler import CARD_DEFAULT, choice_seed
 from flm_runtime.errors import ContextLengthError
+from flm_runtime.loading.chat_template import render_chat_template, thinking_format
 
 
 class FakeTokenizer:
+    thinking = None  # no thinking switch (Tokenizer.thinking)
+
     def __init__(self) -> None:
         self.encode_threads: list[int] = []
 
@@ -28,6 +31,19 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         self.encode_threads.append(threading.get_ident())
         return [ord(c) for c in text]
+
+
+class TemplateTokenizer(FakeTokenizer):
+    """A FakeTokenizer that renders a real Jinja chat template with the runtime's renderer, and
+    finds its thinking switch as the runtime's Tokenizer does."""
+
+    def __init__(self, template: str) -> None:
+        super().__init__()
+        self.chat_template = template
+        self.thinking = thinking_format(template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt, **extra)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pytest
 
 import litellm_flm
 from flm_runtime import errors as rt
-from litellm_flm.llm import ChunkStream, FlmLLM, build_chunk
+from litellm_flm.llm import FlmLLM, StreamChunks
 from stream_choices import joined_choices
 from flm_runtime.engine.request import RequestStats, SpecStats, StreamEvent
 from flm_runtime.engine.sampler import choice_seed
@@ -96,30 +96,40 @@ def test_overloaded_engine_is_rate_limit(fake_engine):
         litellm.completion(model=MODEL, messages=MESSAGES)
 
 
-def test_build_chunk():
-    out = ChunkStream(1, 1)
-    assert out.chunks(0, StreamEvent("Pa", (1, 2), None, 10, 2)) == [{
-        "text": "Pa", "is_finished": False, "finish_reason": "", "index": 0, "tool_use": None, "usage": None,
-        "choice_index": 0}]
-    [last] = out.chunks(0, StreamEvent("", (), "length", 10, 5))
-    assert last["is_finished"] and last["finish_reason"] == "length" and out.finished
-    assert last["usage"] == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
-    assert build_chunk(2, "x", sibling_finish_reason="stop") == {
-        "text": "x", "is_finished": False, "finish_reason": "", "index": 2, "tool_use": None, "usage": None,
-        "choice_index": 2, "sibling_finish_reason": "stop"}
+def test_stream_chunks():
+    chunks = StreamChunks("smollm2:135m", None)
+    [first] = chunks(0, StreamEvent("Pa", (1, 2), None, 10, 2))
+    assert (first.choices[0].delta.role, first.choices[0].delta.content, first.choices[0].finish_reason) == (
+        "assistant", "Pa", None)
+    assert first.model == "smollm2:135m"
+    [mid] = chunks(0, StreamEvent("ri", (3,), None, 10, 3))
+    assert (mid.choices[0].delta.role, mid.choices[0].delta.content, mid.id) == (None, "ri", first.id)
+    # The last event: its delta with the usage (none here), then the finish_reason alone.
+    last, finish = chunks(0, StreamEvent("", (), "length", 10, 5))
+    assert (last.choices[0].delta.content, last.choices[0].finish_reason) == (None, None)
+    assert last.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == {
+        "prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+    assert (finish.choices[0].delta.content, finish.choices[0].finish_reason, finish.id) == (None, "length", first.id)
+    assert chunks.finished
 
 
 def test_choice_zero_finishes_the_stream_after_the_others():
-    """LiteLLM ends the stream at the first ``is_finished`` chunk: choice 0's finish waits for the
-    others, which finish with ``sibling_finish_reason``; the usage counts the prompt once."""
-    out = ChunkStream(3, 3)
-    assert [c["choice_index"] for c in out.chunks(0, StreamEvent("ab", (1,), "stop", 10, 1))] == [0]
-    [one] = out.chunks(1, StreamEvent("c", (2,), "length", 10, 4))
-    assert (one["choice_index"], one["sibling_finish_reason"], one["is_finished"]) == (1, "length", False)
-    sibling, last = out.chunks(2, StreamEvent("", (), "stop", 10, 2))
-    assert (sibling["choice_index"], sibling["text"], sibling["sibling_finish_reason"]) == (2, "", "stop")
-    assert (last["choice_index"], last["text"], last["is_finished"], last["finish_reason"]) == (0, "", True, "stop")
-    assert last["usage"] == {"prompt_tokens": 10, "completion_tokens": 1 + 4 + 2, "total_tokens": 17}
+    """LiteLLM ends the stream at the first finish_reason: choice 0's finish waits for the others,
+    which finish with a ``sibling_finish_reason`` chunk; the usage counts the prompt once."""
+    chunks = StreamChunks("smollm2:135m", None, n=3, total=3)
+    [zero] = chunks(0, StreamEvent("ab", (1,), "stop", 10, 1))  # its text now, its finish last
+    assert (zero.choices[0].index, zero.choices[0].delta.content, zero.choices[0].finish_reason) == (0, "ab", None)
+    text, sibling = chunks(1, StreamEvent("c", (2,), "length", 10, 4))
+    assert (text.choices[0].index, text.choices[0].delta.role, text.choices[0].delta.content) == (1, "assistant", "c")
+    assert sibling == {"text": "", "is_finished": False, "finish_reason": "", "index": 1, "tool_use": None,
+                       "usage": None, "choice_index": 1, "sibling_finish_reason": "length"}
+    assert not chunks.finished
+    sibling, usage, finish = chunks(2, StreamEvent("", (), "stop", 10, 2))
+    assert (sibling["choice_index"], sibling["sibling_finish_reason"]) == (2, "stop")
+    assert (usage.choices[0].index, usage.choices[0].delta.content) == (0, None)
+    assert usage.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == {
+        "prompt_tokens": 10, "completion_tokens": 1 + 4 + 2, "total_tokens": 17}
+    assert (finish.choices[0].index, finish.choices[0].finish_reason) == (0, "stop") and chunks.finished
 
 
 def test_stream(fake_engine):

@@ -90,9 +90,7 @@ def test_ignored_params_are_ignored():
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"reasoning_effort": "low"}, "reasoning_effort"),
         ({"modalities": ["text", "audio"]}, "modalities"),
-        ({"thinking": {"type": "enabled"}}, "thinking"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
         ({"temperature": "0.5"}, "temperature"),
@@ -125,7 +123,7 @@ def test_drop_unsupported_leaves_out_every_unsupported_openai_param_at_any_value
         "presence_penalty": 0.5, "frequency_penalty": -1.0, "logprobs": True, "top_logprobs": 3,
         "logit_bias": {"50256": -100}, "response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
         "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
-        "audio": {"voice": "alloy"}, "reasoning_effort": "low", "thinking": {"type": "enabled"},
+        "audio": {"voice": "alloy"},
         "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
     }
     assert set(unsupported) == set(NEUTRAL_ONLY)

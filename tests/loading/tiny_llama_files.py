@@ -176,7 +176,7 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "
 
 
 def write_tiny_hf_dir(path: Path, config: LlamaConfig, weights: dict[str, np.ndarray], *,
-                      dtype: str = "F32", shards: int = 1) -> Path:
+                      dtype: str = "F32", shards: int = 1, chat_template: str = CHATML) -> Path:
     """A Hugging Face style directory: config.json, safetensors (sharded if asked), tokenizer."""
     path.mkdir(parents=True, exist_ok=True)
     names = list(weights)
@@ -198,5 +198,5 @@ def write_tiny_hf_dir(path: Path, config: LlamaConfig, weights: dict[str, np.nda
     (path / "config.json").write_text(json.dumps(hf_config))
     (path / "tokenizer.json").write_text(tiny_tokenizer_json())
     (path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
+        {"chat_template": chat_template, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
     return path
