@@ -205,6 +205,9 @@ def build_embedding_response(model_response: EmbeddingResponse, model: str, vect
     return model_response
 
 
+_EXHAUSTED = object()  # what next() / anext() give for an exhausted stream
+
+
 def interleave(streams: list[Iterator]) -> Iterator[tuple[int, Any]]:
     """``(i, item)`` of ``streams[i]``, one item of each stream in turn, until all are exhausted
     (the choices of a request decode in the same steps, so their events come in step)."""
@@ -228,9 +231,6 @@ async def ainterleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, 
                 live.remove(entry)
             else:
                 yield entry[0], item
-
-
-_EXHAUSTED = object()
 
 
 class StreamChunks:

@@ -21,11 +21,11 @@ prompt is prefilled once, by the first, and its KV copied to the others, which t
 same batch, each with its own seed stream (``sampler.choice_seed``; ``sequence.py``).
 
 Admission control (``admission.py``, ``KVBudget``): at most ``max_queue`` requests wait and
-``max_active`` sequences run; a request is admitted only when its worst-case KV cache fits in what the
-running ones leave of ``kv_budget`` (bytes), in arrival order. A request that cannot fit even alone
-is refused at submit (``KVBudgetError``); a full queue is refused at submit too
-(``EngineOverloadedError``), so no caller ever hangs on a full engine. ``stats()`` counts what is
-running, waiting and held.
+``max_active`` sequences run; a request is admitted only when its worst-case KV cache (of all its
+choices) fits in what the running ones leave of ``kv_budget`` (bytes), in arrival order. A request
+that cannot fit even alone is refused at submit (``KVBudgetError``); a full queue is refused at
+submit too (``EngineOverloadedError``), so no caller ever hangs on a full engine. ``stats()``
+counts what is running, waiting and held.
 
 Speculative decoding: an engine given a ``SpeculativeDecoder`` runs every sequence's decoding
 through it, a step as propose -> one batched target pass -> commit (draft K, verify K+1, greedy or
@@ -352,7 +352,8 @@ class Engine:
         now = time.monotonic()
         prefilling, decoding = [], []
         for seq in list(self._active):
-            if not self._abort_if_needed(seq, now) and seq.leader is None:  # a follower waits for its prompt KV
+            # A follower (a choice waiting for its prompt's KV) has no part in the step.
+            if not self._abort_if_needed(seq, now) and seq.leader is None:
                 (decoding if seq.prefilled else prefilling).append(seq)
         t_propose = time.perf_counter()
         decode = self._decode_parts(decoding)

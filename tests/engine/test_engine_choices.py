@@ -48,8 +48,8 @@ def test_a_seeded_request_gives_the_same_choices_each_time_and_choice_i_is_its_d
     first, second = (results(engine.submit_choices(PROMPT, SAMPLED, 4)) for _ in range(2))
     assert first == second
     assert len({tokens for tokens, _, _ in first}) == 4  # sampled: the choices differ
-    alone = [results([engine.submit(PROMPT, dataclasses.replace(SAMPLED, seed=sampler.choice_seed(SAMPLED.seed, i)))])[0]
-             for i in range(4)]
+    seeds = [sampler.choice_seed(SAMPLED.seed, i) for i in range(4)]
+    alone = [results([engine.submit(PROMPT, dataclasses.replace(SAMPLED, seed=seed))])[0] for seed in seeds]
     assert first == alone
     assert sampler.choice_seed(SAMPLED.seed, 0) == SAMPLED.seed  # choice 0 is the one-choice request
 

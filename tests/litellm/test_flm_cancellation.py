@@ -161,8 +161,8 @@ def test_breaking_out_of_a_stream_frees_its_sequence(quiet_engine):
 
 async def test_breaking_out_of_an_async_stream_frees_its_sequence(quiet_engine):
     engine, steps = quiet_engine
-    async for chunk in await litellm.acompletion(model=MODEL, messages=[SYSTEM, {"role": "user", "content": QUESTIONS[0]}],
-                                                 stream=True, **LONG):
+    messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
+    async for chunk in await litellm.acompletion(model=MODEL, messages=messages, stream=True, **LONG):
         if chunk.choices and chunk.choices[0].delta.content:
             break
     at_break = decode_steps(steps)
