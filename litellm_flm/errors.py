@@ -39,7 +39,12 @@ def to_litellm(error: rt.FlmError, model: str) -> Exception:
     if isinstance(error, (rt.ContextLengthError, rt.KVBudgetError)):
         body = {"message": msg, "type": "invalid_request_error", "param": error.param,
                 "code": "context_length_exceeded"}
-        return litellm.ContextWindowExceededError(**kw, body=body)
+        exc = litellm.ContextWindowExceededError(**kw, body=body)
+        # Its constructor prefixes the message twice ("litellm.ContextWindowExceededError:
+        # litellm.BadRequestError: ..."): once is what every other LiteLLM error carries.
+        exc.message = f"litellm.ContextWindowExceededError: {msg}"
+        exc.args = (exc.message,)
+        return exc
     if isinstance(error, rt.InvalidRequestError):
         if error.param and error.param not in msg:
             kw["message"] = f"{error.param}: {msg}"

@@ -19,6 +19,7 @@ import asyncio
 import base64
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -26,15 +27,15 @@ import httpx
 import litellm
 from litellm import CustomLLM
 from litellm.types.utils import (ChatCompletionMessageToolCall, ChatCompletionTokenLogprob, ChoiceLogprobs, Choices,
-                                 Delta, EmbeddingResponse, Function, Message, ModelResponse, ModelResponseStream,
-                                 StreamingChoices, TopLogprob, Usage)
+                                 Delta, EmbeddingResponse, Function, GenericStreamingChunk, Message, ModelResponse,
+                                 ModelResponseStream, StreamingChoices, TopLogprob, Usage)
 
 from flm_runtime.engine.grammar import compiler_for
-from flm_runtime.engine.request import Completion, RequestStats, StreamEvent, TokenLogprob
+from flm_runtime.engine.request import Completion, StreamEvent, TokenLogprob
 from flm_runtime.tool_format import ToolCall, ToolCallStream, parse_tool_calls, render_messages
 
 from .errors import litellm_errors
-from .params import (backend_of, embedding_inputs, encoding_format, merge_extra_body, normalize_messages,
+from .params import (backend_of, choices_of, embedding_inputs, encoding_format, merge_extra_body, normalize_messages,
                      raw_prompts, request_fields, requested_thinking)
 from .reasoning import Reasoning, template_switch
 from .structured import OutputFormat, output_format
@@ -74,29 +75,30 @@ class Started(NamedTuple):
     """A submitted request (``_start``).
 
     Attributes:
-        handles: the engine's RequestHandles, one per prompt (one for a chat).
+        groups: the engine's RequestHandles, per prompt (one for a chat) its ``n`` choices.
         reasoning: how to split a chat's output into reasoning and content (None: all content).
         token_bytes: the model's ``id -> bytes`` of a token (for logprobs).
         output: what the output is held to, and whether its answers hold tool calls.
     """
 
-    handles: list
+    groups: list[list]
     reasoning: Reasoning | None
     token_bytes: Callable[[int], bytes]
     output: OutputFormat
 
 
-def _start(model: str, messages: list, optional_params: dict, timeout: Any, litellm_params: dict | None, *,
-           stream: bool = False) -> Started:
+def _start(model: str, messages: list, optional_params: dict, timeout: Any,
+           litellm_params: dict | None) -> Started:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
     (``request_fields``), and a thinking switch the model does not have (``template_switch``).
     A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
     message) continues each prompt's raw text, with no chat template: one engine request per
-    prompt, all submitted before any is awaited, so the engine batches them. A chat's tools and
-    tool messages are rendered in the generic tool-call format (``flm_runtime.tool_format``); a
-    response format or tool choice becomes a grammar, compiled for each engine request
+    prompt, all submitted before any is awaited, so the engine batches them. ``n`` > 1: each
+    prompt's request has ``n`` choices (``Engine.submit_choices``: one prefill). A chat's tools
+    and tool messages are rendered in the generic tool-call format (``flm_runtime.tool_format``);
+    a response format or tool choice becomes a grammar, compiled for each choice
     (``flm_runtime.engine.grammar``).
 
     Returns:
@@ -109,8 +111,9 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any, lite
     fields = request_fields(optional_params, drop)  # before loading: fail fast
     thinking = requested_thinking(optional_params)
     output = output_format(merge_extra_body(optional_params))
+    n = choices_of(optional_params)
     raw = (litellm_params or {}).get("text_completion") is True
-    prompts = raw_prompts(messages, stream=stream) if raw else None
+    prompts = raw_prompts(messages) if raw else None
     chat = None if raw else render_messages(normalize_messages(messages), output.functions)
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
@@ -119,47 +122,52 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any, lite
     texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **switch)]
     reasoning = None if raw else Reasoning.of_prompt(fmt, texts[0])
     compiler = compiler_for(engine.tokenizer) if output.grammar is not None else None
-    handles = []
+
+    def grammar() -> list:  # each choice's own matcher: its state follows that choice's tokens
+        return [compiler.processor(output.grammar, param=output.param)] if compiler else []
+
+    groups: list[list] = []
     try:
         for text in texts:
-            processors = [compiler.processor(output.grammar, param=output.param)] if compiler else []
-            handles.append(engine.submit(engine.tokenizer.encode(text), params, timeout=_timeout_seconds(timeout),
-                                         processors=processors))
+            groups.append(engine.submit_choices(engine.tokenizer.encode(text), params, n,
+                                                timeout=_timeout_seconds(timeout), processors=grammar))
     except BaseException:  # one prompt refused (too long, queue full, a grammar that fails): none of them runs
-        _cancel(handles)
+        _cancel(groups)
         raise
-    return Started(handles, reasoning, engine.tokenizer.token_bytes, output)
+    return Started(groups, reasoning, engine.tokenizer.token_bytes, output)
 
 
-def _cancel(handles: list) -> None:
-    for handle in handles:
-        handle.cancel()
+def _cancel(groups: list[list]) -> None:
+    for handles in groups:
+        for handle in handles:
+            handle.cancel()
 
 
-def build_response(model_response: ModelResponse, model: str, dones: list[Completion],
+def build_response(model_response: ModelResponse, model: str, groups: list[list[Completion]],
                    reasoning: Reasoning | None = None,
                    token_bytes: Callable[[int], bytes] | None = None, reads_tool_calls: bool = False) -> ModelResponse:
-    """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: choice ``i`` is
-    ``dones[i]`` (its thinking in ``reasoning_content`` where ``reasoning`` says how to find it;
-    its ``logprobs`` when asked for, ``choice_logprobs``: ``token_bytes`` is then needed),
-    usage their sum. With ``reads_tool_calls`` an answer's calls become the message's
-    ``tool_calls`` (``content`` None) and its ``finish_reason`` ``tool_calls``.
+    """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: per prompt its ``n``
+    choices, numbered in that order (OpenAI's for a list of prompts), each with its thinking in
+    ``reasoning_content`` where ``reasoning`` says how to find it and its own ``logprobs`` when
+    asked for (``choice_logprobs``: ``token_bytes`` is then needed); ``usage`` (``usage_fields``).
+    With ``reads_tool_calls`` an answer's calls become the message's ``tool_calls`` (``content``
+    None) and its ``finish_reason`` ``tool_calls``.
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
     ``_hidden_params["flm_stats"]`` is the request's stats (``RequestStats.as_dict``), or with
     several choices a list of them in choice order.
     """
+    dones = [done for group in groups for done in group]
     model_response.choices = []
     for i, done in enumerate(dones):
         message = _message(done.text, reasoning, reads_tool_calls)
-        finish = "tool_calls" if message.tool_calls and done.finish_reason == "stop" else done.finish_reason
         model_response.choices.append(Choices(
-            index=i, finish_reason=finish, message=message,
+            index=i, finish_reason=_finish_reason(done.finish_reason, bool(message.tool_calls)), message=message,
             logprobs=None if done.logprobs is None else choice_logprobs(done.logprobs, token_bytes)))
     model_response.model = model
     model_response.created = int(time.time())
-    setattr(model_response, "usage", Usage(**summed_usage(dones)))  # not a declared field of ModelResponse
+    setattr(model_response, "usage", Usage(**usage_fields(groups)))  # not a declared field of ModelResponse
     stats = [done.stats.as_dict() for done in dones]
     model_response._hidden_params["flm_stats"] = stats[0] if len(stats) == 1 else stats
     return model_response
@@ -188,6 +196,11 @@ def choice_logprobs(records: list[TokenLogprob] | tuple[TokenLogprob, ...],
     ])
 
 
+def _finish_reason(reason: str, made_calls: bool) -> str:
+    """OpenAI's finish_reason of an answer: ``tool_calls`` when it made calls and ended on its own."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
 def _message(text: str, reasoning: Reasoning | None, reads_tool_calls: bool) -> Message:
     """The assistant message of an answer: its thinking split out, its calls read (a call cut
     short by ``max_tokens`` stays text, beside the calls before it)."""
@@ -200,22 +213,10 @@ def _message(text: str, reasoning: Reasoning | None, reads_tool_calls: bool) -> 
     return Message(content=content, role="assistant", tool_calls=tool_calls or None, **extra)
 
 
-def summed_usage(dones: list[Completion]) -> dict:
-    """``usage_fields`` of each finished request, added up field by field."""
-    total: dict = {}
-    for done in dones:
-        for key, value in usage_fields(done.prompt_tokens, done.completion_tokens, done.stats).items():
-            if isinstance(value, dict):
-                inner = total.setdefault(key, {})
-                for k, v in value.items():
-                    inner[k] = inner.get(k, 0) + v
-            else:
-                total[key] = total.get(key, 0) + value
-    return total
-
-
-def usage_fields(prompt_tokens: int, completion_tokens: int, stats: RequestStats | None) -> dict:
-    """OpenAI usage fields of a finished request.
+def usage_fields(groups: list[list[Completion | StreamEvent]]) -> dict:
+    """OpenAI usage fields of finished requests: per prompt, its choices' ``Completion``s or final
+    ``StreamEvent``s (same fields). Each prompt counts once, however many choices share it; every
+    choice's completion tokens count.
 
     With speculative decoding (``stats.spec`` set) ``completion_tokens_details`` says
     how the draft's proposals fared: ``accepted_prediction_tokens`` = drafted tokens the target
@@ -224,12 +225,16 @@ def usage_fields(prompt_tokens: int, completion_tokens: int, stats: RequestStats
     part of ``completion_tokens`` (always the tokens delivered). The full per-request stats
     (acceptance length and all) are in ``_hidden_params["flm_stats"]``.
     """
+    dones = [done for group in groups for done in group]
+    prompt_tokens = sum(group[0].prompt_tokens for group in groups)
+    completion_tokens = sum(done.completion_tokens for done in dones)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
-    if stats is not None and stats.spec is not None:
-        accepted = stats.spec.accepted
+    spec = [done.stats.spec for done in dones if done.stats is not None and done.stats.spec is not None]
+    if spec:
+        accepted = sum(s.accepted for s in spec)
         usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                              "rejected_prediction_tokens": stats.spec.drafted - accepted}
+                                              "rejected_prediction_tokens": sum(s.drafted for s in spec) - accepted}
     return usage
 
 
@@ -267,19 +272,51 @@ def build_embedding_response(model_response: EmbeddingResponse, model: str, vect
     return model_response
 
 
+_EXHAUSTED = object()  # what next() / anext() give for an exhausted stream
+
+
+def interleave(streams: list[Iterator]) -> Iterator[tuple[int, Any]]:
+    """``(i, item)`` of ``streams[i]``, one item of each stream in turn, until all are exhausted
+    (the choices of a request decode in the same steps, so their events come in step)."""
+    live = list(enumerate(streams))
+    while live:
+        for entry in list(live):
+            item = next(entry[1], _EXHAUSTED)
+            if item is _EXHAUSTED:
+                live.remove(entry)
+            else:
+                yield entry[0], item
+
+
+async def ainterleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """``interleave`` of async iterators."""
+    live = list(enumerate(streams))
+    while live:
+        for entry in list(live):
+            item = await anext(entry[1], _EXHAUSTED)
+            if item is _EXHAUSTED:
+                live.remove(entry)
+            else:
+                yield entry[0], item
+
+
 class StreamChunks:
-    """The engine events of one streamed chat -> LiteLLM ``ModelResponseStream`` chunks.
+    """The engine events of a streamed request's choices -> LiteLLM chunks, each under its choice.
 
-    ModelResponseStream rather than GenericStreamingChunk because only its delta carries
-    ``reasoning_content`` (docs/design.md, "LiteLLM facts"). LiteLLM passes a custom provider's
-    ModelResponseStream on as it is, so each chunk has the stream's one id, ``model`` and the
-    role on the first. LiteLLM discards a chunk with a finish_reason but no content or tool
-    calls, usage and reasoning included, so the last event gives two: its delta with the usage,
-    then the finish_reason alone (LiteLLM sends it on a chunk of its own in any case).
+    Content goes in ``ModelResponseStream`` chunks rather than GenericStreamingChunks because
+    only their delta carries ``reasoning_content`` (docs/design.md, "LiteLLM facts"). LiteLLM
+    passes a custom provider's ModelResponseStream on as it is, so each chunk has the stream's one
+    id, ``model``, its choice's index and the role on the choice's first. The first chunk with a
+    finish_reason ends the stream for LiteLLM (it drops that chunk if it has no content or tool
+    calls, and sends the finish_reason, as choice 0's, on a chunk of its own); another choice
+    finishes with a GenericStreamingChunk's ``sibling_finish_reason`` (and its ``choice_index``:
+    ``sibling_finish``). So choice 0 finishes last, once every other has: a chunk with the usage
+    of all (``usage_fields``), then its finish_reason alone.
 
-    Logprobs, when asked for, ride on the choice of the chunk that sends their tokens' text
-    (``choice_logprobs``): held back with the text the splitter holds, and sent on a chunk of
-    their own for tokens that have no text (a special token).
+    Logprobs, when asked for, ride on the chunk of their choice that sends their tokens' text
+    (``choice_logprobs``): held back with the text that choice's splitter holds, and sent on a
+    chunk of their own for tokens that have no text (a special token) or that end the choice
+    with none.
 
     An answer that may hold tool calls (``reads_tool_calls``) goes through a ``ToolCallStream``:
     its content as content, and each call, once complete, as a chunk of its own whose
@@ -289,58 +326,95 @@ class StreamChunks:
     Args:
         model: the tag as LiteLLM passed it.
         reasoning: how to split the output (``_start``); None: all content.
+        n: choices per prompt; choice ``i`` belongs to prompt ``i // n``.
+        total: choices in all (prompts times ``n``).
         token_bytes: the model's ``id -> bytes`` of a token; needed for logprobs.
-        reads_tool_calls: read calls out of the answer.
+        reads_tool_calls: read calls out of the answers.
+
+    Attributes:
+        finished: every choice has finished.
     """
 
-    def __init__(self, model: str, reasoning: Reasoning | None, token_bytes: Callable[[int], bytes] | None = None,
-                 reads_tool_calls: bool = False):
+    def __init__(self, model: str, reasoning: Reasoning | None, n: int = 1, total: int = 1,
+                 token_bytes: Callable[[int], bytes] | None = None, reads_tool_calls: bool = False):
         self._id = f"chatcmpl-{uuid.uuid4()}"
         self._created = int(time.time())
         self._model = model
-        self._splitter = reasoning.splitter() if reasoning is not None else None
-        self._role: str | None = "assistant"  # on the first chunk only
+        self._n = n
+        self._total = total
+        self._splitters = [reasoning.splitter() if reasoning is not None else None for _ in range(total)]
+        self._roles: list[str | None] = ["assistant"] * total  # on a choice's first chunk only
+        self._finals: dict[int, StreamEvent] = {}
         self._token_bytes = token_bytes
-        self._logprobs: list[TokenLogprob] = []  # of tokens whose chunk is not sent yet
-        self._calls = ToolCallStream() if reads_tool_calls else None
-        self._n_calls = 0
+        self._logprobs: list[list[TokenLogprob]] = [[] for _ in range(total)]  # per choice: tokens not sent yet
+        self._calls = [ToolCallStream() if reads_tool_calls else None for _ in range(total)]
+        self._n_calls = [0] * total  # per choice: calls sent
 
-    def __call__(self, event: StreamEvent) -> list[ModelResponseStream]:
-        """The chunks of one event: none while text is held back (a marker may be starting)."""
+    @property
+    def finished(self) -> bool:
+        return len(self._finals) == self._total
+
+    def __call__(self, index: int, event: StreamEvent) -> list[ModelResponseStream | GenericStreamingChunk]:
+        """The chunks of choice ``index``'s event: none while text is held back (a marker may be
+        starting)."""
         finished = event.finish_reason is not None
         thought, text = "", event.text
-        if self._splitter is not None:
-            thought, text = self._splitter.feed(event.text)
+        splitter = self._splitters[index]
+        if splitter is not None:
+            thought, text = splitter.feed(event.text)
             if finished:
-                tail_thought, tail_text = self._splitter.finish()
+                tail_thought, tail_text = splitter.finish()
                 thought, text = thought + tail_thought, text + tail_text
         calls: list[ToolCall] = []
-        if self._calls is not None:
-            text, calls = self._calls.feed(text)
+        if self._calls[index] is not None:
+            text, calls = self._calls[index].feed(text)
             if finished:
-                text += self._calls.finish()
-        chunks = []
-        self._logprobs.extend(event.logprobs or ())
+                text += self._calls[index].finish()
+        chunks: list = []
         for call in calls:
-            chunks.append(self._chunk(Delta(role=self._role, tool_calls=[
-                {"index": self._n_calls, "id": call.id, "type": "function",
+            chunks.append(self._chunk(index, Delta(role=self._roles[index], tool_calls=[
+                {"index": self._n_calls[index], "id": call.id, "type": "function",
                  "function": {"name": call.name, "arguments": call.arguments}}])))
-            self._role, self._n_calls = None, self._n_calls + 1
-        if thought or text or finished or (self._logprobs and not event.text):
-            chunks.append(self._chunk(Delta(content=text or None, reasoning_content=thought or None, role=self._role)))
-            self._role = None
-            if self._logprobs:
-                chunks[-1].choices[0].logprobs = choice_logprobs(self._logprobs, self._token_bytes)
-                self._logprobs = []
-        if finished:
-            chunks[-1].usage = Usage(**usage_fields(event.prompt_tokens, event.completion_tokens, event.stats))
-            reason = "tool_calls" if self._n_calls and event.finish_reason == "stop" else event.finish_reason
-            chunks.append(self._chunk(Delta(), finish_reason=reason))
+            self._roles[index], self._n_calls[index] = None, self._n_calls[index] + 1
+        pending = self._logprobs[index]
+        pending.extend(event.logprobs or ())
+        if thought or text or (pending and (finished or not event.text)):
+            chunks.append(self._chunk(index, Delta(content=text or None, reasoning_content=thought or None,
+                                                   role=self._roles[index])))
+            self._roles[index] = None
+            if pending:
+                chunks[-1].choices[0].logprobs = choice_logprobs(pending, self._token_bytes)
+                self._logprobs[index] = []
+        if not finished:
+            return chunks
+        self._finals[index] = event
+        if index:
+            chunks.append(sibling_finish(index, self._finish_reason(index)))
+        if self.finished:  # choice 0's last delta (its own, or an empty one) carries the usage
+            if index or not chunks:
+                chunks.append(self._chunk(0, Delta(role=self._roles[0])))
+            groups = [[self._finals[i] for i in range(p, p + self._n)] for p in range(0, self._total, self._n)]
+            chunks[-1].usage = Usage(**usage_fields(groups))
+            chunks.append(self._chunk(0, Delta(), finish_reason=self._finish_reason(0)))
         return chunks
 
-    def _chunk(self, delta: Delta, finish_reason: str | None = None) -> ModelResponseStream:
+    def _finish_reason(self, index: int) -> str:
+        return _finish_reason(self._finals[index].finish_reason, self._n_calls[index] > 0)
+
+    def _chunk(self, index: int, delta: Delta, finish_reason: str | None = None) -> ModelResponseStream:
         return ModelResponseStream(id=self._id, created=self._created, model=self._model,
-                                   choices=[StreamingChoices(index=0, delta=delta, finish_reason=finish_reason)])
+                                   choices=[StreamingChoices(index=index, delta=delta, finish_reason=finish_reason)])
+
+
+def sibling_finish(index: int, finish_reason: str) -> GenericStreamingChunk:
+    """The chunk that finishes choice ``index`` > 0 (``StreamChunks``): LiteLLM 1.110.2 ignores a
+    GenericStreamingChunk's ``index`` but numbers the chunk by its ``choice_index`` key, and
+    finishes that choice alone with its ``sibling_finish_reason`` (the keys its own OpenAI
+    text-completion stream sets), where ``is_finished`` would end the stream."""
+    chunk = GenericStreamingChunk(text="", is_finished=False, finish_reason="", index=index, tool_use=None, usage=None)
+    chunk["choice_index"] = index
+    chunk["sibling_finish_reason"] = finish_reason
+    return chunk
 
 
 class FlmLLM(CustomLLM):
@@ -356,11 +430,11 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles, reasoning, token_bytes, output = _start(model, messages, optional_params, timeout, litellm_params)
+            groups, reasoning, token_bytes, output = _start(model, messages, optional_params, timeout, litellm_params)
             try:
-                dones = [handle.result() for handle in handles]
+                dones = [[handle.result() for handle in handles] for handles in groups]
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
-                _cancel(handles)
+                _cancel(groups)
                 raise
         return build_response(model_response, model, dones, reasoning, token_bytes, output.reads_tool_calls)
 
@@ -369,58 +443,63 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            handles, reasoning, token_bytes, output = await asyncio.to_thread(
-                _start, model, messages, optional_params, timeout, litellm_params)
+            groups, reasoning, token_bytes, output = await asyncio.to_thread(_start, model, messages, optional_params,
+                                                                             timeout, litellm_params)
             try:
-                dones = list(await asyncio.gather(*(handle.aresult() for handle in handles)))
+                dones = [list(await asyncio.gather(*(handle.aresult() for handle in handles))) for handles in groups]
             except BaseException:  # CancelledError: the client went away
-                _cancel(handles)
+                _cancel(groups)
                 raise
         return build_response(model_response, model, dones, reasoning, token_bytes, output.reads_tool_calls)
 
     def streaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
-    ) -> Iterator[ModelResponseStream]:
+    ) -> Iterator[ModelResponseStream | GenericStreamingChunk]:
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            [handle], reasoning, token_bytes, output = _start(model, messages, optional_params, timeout,
-                                                              litellm_params, stream=True)
-        return self._stream(model, handle, StreamChunks(model, reasoning, token_bytes, output.reads_tool_calls))
+            started = _start(model, messages, optional_params, timeout, litellm_params)
+        stream = self._stream(model, started)
+        # Its ``finally`` runs only once it has started: a stream dropped before its first chunk
+        # frees the sequences when it is collected (at once, by reference counting).
+        weakref.finalize(stream, _cancel, started.groups)
+        return stream
 
     @staticmethod
-    def _stream(model: str, handle, chunks: StreamChunks) -> Iterator[ModelResponseStream]:
-        finished = False
+    def _stream(model: str, started: Started) -> Iterator[ModelResponseStream | GenericStreamingChunk]:
+        groups = started.groups
+        handles = [handle for group in groups for handle in group]
+        chunks = StreamChunks(model, started.reasoning, len(groups[0]), len(handles), started.token_bytes,
+                              started.output.reads_tool_calls)
         try:
             with litellm_errors(model):
-                for event in handle:
-                    finished = event.finish_reason is not None
-                    yield from chunks(event)
+                for index, event in interleave([iter(handle) for handle in handles]):
+                    yield from chunks(index, event)
         finally:
-            if not finished:  # the caller stopped reading, or an error: free the sequence now
-                handle.cancel()
+            if not chunks.finished:  # the caller stopped reading, or an error: free the sequences now
+                _cancel(groups)
 
     async def astreaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, **_: Any
-    ) -> AsyncIterator[ModelResponseStream]:
+    ) -> AsyncIterator[ModelResponseStream | GenericStreamingChunk]:
         # Must be an async generator (docs/design.md, "LiteLLM facts"): litellm iterates the
         # object it gets back.
-        finished = False
-        handle = None
+        groups, chunks = [], None
         try:
             with litellm_errors(model):
-                [handle], reasoning, token_bytes, output = await asyncio.to_thread(
-                    _start, model, messages, optional_params, timeout, litellm_params, stream=True)
-                chunks = StreamChunks(model, reasoning, token_bytes, output.reads_tool_calls)
-                async for event in handle.aiter():
-                    finished = event.finish_reason is not None
-                    for chunk in chunks(event):
+                groups, reasoning, token_bytes, output = await asyncio.to_thread(
+                    _start, model, messages, optional_params, timeout, litellm_params)
+                handles = [handle for group in groups for handle in group]
+                chunks = StreamChunks(model, reasoning, len(groups[0]), len(handles), token_bytes,
+                                      output.reads_tool_calls)
+                async for index, event in ainterleave([handle.aiter() for handle in handles]):
+                    for chunk in chunks(index, event):
                         yield chunk
         finally:
-            if handle is not None and not finished:
-                handle.cancel()
+            if chunks is not None and not chunks.finished:
+                _cancel(groups)
 
     def embedding(
         self, model: str, input: list, model_response: EmbeddingResponse, optional_params: dict,

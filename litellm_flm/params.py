@@ -13,7 +13,8 @@ Every key is then one of: *mapped* (``OPENAI_TO_RUNTIME``), an *output* key (``O
 response format and tools, read by ``litellm_flm.structured``), *ignored* (``IGNORED``), *accepted only
 at its neutral value* (``NEUTRAL_ONLY``), a *deployment* key that chooses where the model runs
 rather than how it samples (``DEPLOYMENT_KEYS``: ``backend``, read by ``backend_of``), a switch of a reasoning
-model's thinking (``REASONING_PARAMS``, read by ``requested_thinking``), or rejected. Anything rejected raises
+model's thinking (``REASONING_PARAMS``, read by ``requested_thinking``), ``n`` (the choices per
+prompt, read by ``choices_of``), or rejected. Anything rejected raises
 ``InvalidRequestError`` naming the parameter, which ``litellm_flm.errors`` turns into
 ``litellm.BadRequestError``. Range checks live in ``SamplingParams`` itself and the default sampler
 in the runtime (``SamplingDefaults``, per model): one place each.
@@ -70,7 +71,6 @@ IGNORED: frozenset[str] = frozenset(
 # client that always sends the default still works; anything else is refused rather than ignored,
 # or dropped when the caller asks for drop_params.
 NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "only n=1 is supported"),
     "functions": (([],), "functions (function calling) are not supported"),
     "function_call": (("none",), "function_call is not supported (functions are not supported)"),
     "modalities": ((["text"],), "only text output is supported (modalities=['text'])"),
@@ -93,6 +93,9 @@ REASONING_EFFORTS: dict[str, bool | None] = {
     "default": None,
 }
 
+# The number of choices per prompt: a request-level key, not a SamplingParams field (choices_of).
+CHOICES_KEY = "n"
+
 # The keys of OPENAI_TO_RUNTIME that are not OpenAI parameters (vLLM / Ollama spellings).
 NON_OPENAI: frozenset[str] = frozenset({"top_k", "min_p", "ignore_eos", "repetition_penalty"})
 
@@ -100,7 +103,9 @@ NON_OPENAI: frozenset[str] = frozenset({"top_k", "min_p", "ignore_eos", "repetit
 # get_supported_openai_params would answer for a built-in provider. NEUTRAL_ONLY is the "not yet
 # supported" rest (README.md, "Parameters").
 OUTPUT_KEYS: frozenset[str] = frozenset({"response_format", "tools", "tool_choice", "parallel_tool_calls"})
-SUPPORTED_OPENAI_PARAMS: tuple[str, ...] = tuple(sorted((set(OPENAI_TO_RUNTIME) | IGNORED | OUTPUT_KEYS) - NON_OPENAI))
+SUPPORTED_OPENAI_PARAMS: tuple[str, ...] = tuple(
+    sorted((set(OPENAI_TO_RUNTIME) | IGNORED | OUTPUT_KEYS | {CHOICES_KEY}) - NON_OPENAI)
+)
 
 # Keys that choose where the model runs: a Router deployment's litellm_params (they arrive at the
 # top level of optional_params) or a request's extra_body. backend: auto | cpu | npu, as FLM_BACKEND.
@@ -168,7 +173,7 @@ def request_fields(optional_params: Mapping[str, Any], drop_unsupported: bool = 
     """
     flat = {k: v for k, v in merge_extra_body(optional_params).items()
             if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS and k not in REASONING_PARAMS
-            and k not in OUTPUT_KEYS}
+            and k not in OUTPUT_KEYS and k != CHOICES_KEY}
     mapped: dict[str, Any] = {}
     for key, value in flat.items():
         if key in OPENAI_TO_RUNTIME:
@@ -252,6 +257,21 @@ def _thinking_type(thinking: Any) -> bool | None:
     return THINKING_TYPES[thinking["type"]]
 
 
+def choices_of(optional_params: Mapping[str, Any]) -> int:
+    """OpenAI's ``n``: how many choices to generate for each prompt (1 when unset). The engine
+    bounds it by how many sequences it runs at once (``max_active``).
+
+    Raises:
+        InvalidRequestError: not an integer >= 1 (``param`` is ``n``).
+    """
+    value = merge_extra_body(optional_params).get(CHOICES_KEY)
+    if value is None:
+        return 1
+    if type(value) is not int or value < 1:
+        raise InvalidRequestError(f"n must be an integer >= 1, got {value!r}", param=CHOICES_KEY)
+    return value
+
+
 def backend_of(optional_params: Mapping[str, Any]) -> str | None:
     """The ``backend`` the deployment or request names (``auto``, ``cpu``, ``npu``), or None
     (then ``$FLM_BACKEND``, default ``auto``, decides).
@@ -273,7 +293,7 @@ def to_sampling_params(optional_params: Mapping[str, Any], defaults: SamplingDef
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
-    # bool is an int in Python: make sure logprobs=False does not accept n=False and n=1 not True.
+    # Equal is not enough (in Python True == 1 and False == 0): the value must have the neutral one's type too.
     return any(type(value) is type(n) and value == n for n in neutral)
 
 
@@ -344,24 +364,17 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def raw_prompts(messages: Any, *, stream: bool) -> list[str]:
+def raw_prompts(messages: Any) -> list[str]:
     """The prompts of a text completion, as LiteLLM hands them to a custom provider: one
     ``{"role": "user", "content": prompt}`` message per prompt string (a prompt of token ids
     LiteLLM refuses itself).
 
-    Args:
-        stream: the request streams. LiteLLM's text stream wrapper numbers every chunk choice 0,
-            so the chunks of several prompts could not be told apart: a stream takes one prompt.
-
     Raises:
-        InvalidRequestError: ``param`` ``prompt`` (one prompt) or ``prompt[i]``: not a text prompt,
-            an empty prompt, or several prompts in a stream.
+        InvalidRequestError: ``param`` ``prompt`` (one prompt) or ``prompt[i]``: not a text prompt
+            or an empty prompt.
     """
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("prompt must be a string or a non-empty list of strings", param="prompt")
-    if stream and len(messages) > 1:
-        raise InvalidRequestError(f"a stream takes one prompt, got {len(messages)}; send them as separate "
-                                  "requests or without stream", param="prompt")
     prompts = []
     for i, msg in enumerate(messages):
         where = "prompt" if len(messages) == 1 else f"prompt[{i}]"

@@ -8,6 +8,7 @@ Axis legend (whole runtime): L layers, Hkv key/value heads, S capacity (position
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -142,6 +143,13 @@ class KVCache:
         """Roll back to ``length`` positions (drop everything after)."""
         assert 0 <= length <= self.length, f"cannot trim a cache of {self.length} to {length}"
         self.length = length
+
+    def copy(self) -> "KVCache":
+        """An independent cache holding the same positions (the engine's ``n`` > 1: each choice
+        decodes on its own copy of the prompt's keys and values), with the same capacity."""
+        out = copy.copy(self)
+        out.k, out.v = self.k.copy(), self.v.copy()
+        return out
 
 
 class ForwardOutput(NamedTuple):

@@ -26,16 +26,17 @@ class InvalidRequestError(FlmError, ValueError):
 
 
 class ContextLengthError(InvalidRequestError):
-    """Prompt tokens + ``max_tokens`` exceed the model's context length (tokens); ``param`` names
-    the prompt (``messages``, or ``input[i]`` for an embedding's text)."""
+    """Prompt tokens + ``max_tokens`` exceed the model's context length (tokens), or with
+    ``max_tokens`` None (unset) the prompt leaves no room for a completion; ``param`` names the
+    prompt (``messages``, or ``input[i]`` for an embedding's text)."""
 
-    def __init__(self, *, prompt_tokens: int, max_tokens: int, context_length: int, param: str = "messages"):
-        super().__init__(
-            f"this model's context length is {context_length} tokens; the prompt has "
-            f"{prompt_tokens} tokens and max_tokens asks for {max_tokens} more "
-            f"({prompt_tokens + max_tokens} in all)",
-            param=param,
-        )
+    def __init__(self, *, prompt_tokens: int, max_tokens: int | None, context_length: int, param: str = "messages"):
+        if max_tokens is None:
+            detail = f"the prompt has {prompt_tokens} tokens, which leaves no room for a completion"
+        else:
+            detail = (f"the prompt has {prompt_tokens} tokens and max_tokens asks for {max_tokens} more "
+                      f"({prompt_tokens + max_tokens} in all)")
+        super().__init__(f"this model's context length is {context_length} tokens; {detail}", param=param)
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.context_length = context_length
@@ -43,25 +44,28 @@ class ContextLengthError(InvalidRequestError):
 
 class KVBudgetError(InvalidRequestError):
     """A request whose KV cache could outgrow the engine's whole KV memory budget, even running
-    alone (``flm_runtime.engine.admission``): no wait can help, only a smaller ``max_tokens`` or a
-    larger budget (``FLM_KV_BUDGET``).
+    alone (``flm_runtime.engine.admission``): no wait can help, only a smaller ``max_tokens`` (or
+    ``n``) or a larger budget (``FLM_KV_BUDGET``).
 
     Attributes:
-        prompt_tokens, max_tokens: the request (tokens).
-        need_bytes: its KV cache at most (bytes); budget_bytes: the engine's budget (bytes).
+        prompt_tokens, max_tokens: the request (tokens); n: its choices, each a sequence.
+        need_bytes: its KV cache at most, all choices (bytes); budget_bytes: the engine's budget
+            (bytes).
     """
 
     def __init__(self, *, engine: str, prompt_tokens: int, max_tokens: int, need_bytes: int, budget_bytes: int,
-                 bytes_per_token: int):
+                 bytes_per_token: int, n: int = 1):
+        choices = f" for each of n={n} choices" if n > 1 else ""
         super().__init__(
-            f"engine {engine!r}: the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) may need "
+            f"engine {engine!r}: the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}){choices} may need "
             f"{need_bytes:,} bytes of KV cache ({bytes_per_token:,} bytes per token), more than the engine's "
             f"whole KV budget of {budget_bytes:,} bytes ({budget_bytes // bytes_per_token} tokens); lower "
-            f"max_tokens or raise FLM_KV_BUDGET",
+            f"max_tokens{' or n' if n > 1 else ''} or raise FLM_KV_BUDGET",
             param="max_tokens",
         )
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
+        self.n = n
         self.need_bytes = need_bytes
         self.budget_bytes = budget_bytes
 

@@ -4,7 +4,8 @@ An engine admits a queued request only when the KV memory the request may need a
 what the running sequences leave of the budget. What a request may need is known at submit time:
 ``prompt + budget`` positions (``budget`` = ``max_tokens``, or the rest of the context), plus, with
 speculative decoding, the ``block_size - 1`` positions a verify pass writes past the last kept
-token before rolling back. Reserving that worst case up front (as Hugging Face TGI's
+token before rolling back; a request of ``n`` choices reserves that for each of its ``n``
+sequences (each decodes on its own copy of the prompt's KV). Reserving that worst case up front (as Hugging Face TGI's
 ``max_batch_total_tokens`` does) means a running sequence never runs out of memory and nothing is
 ever preempted. A request whose worst case exceeds the whole budget cannot run even alone and is
 refused at submit (``KVBudgetError``).
@@ -81,28 +82,30 @@ class KVBudget:
         self.budget = (default_kv_budget(context_length, bytes_per_token) if budget is None
                        else positive_int(budget, "kv_budget"))
 
-    def generated_tokens(self, n_prompt: int, max_tokens: int | None) -> int:
-        """Generated tokens a request may have: ``max_tokens``; when None, all the context leaves
-        (or all the budget leaves, if that is less: only where the budget holds less than one
-        context).
+    def generated_tokens(self, n_prompt: int, max_tokens: int | None, n: int = 1) -> int:
+        """Generated tokens each of a request's ``n`` choices may have: ``max_tokens``; when None,
+        all the context leaves (or, if that is less, all the budget leaves to each of the ``n``
+        sequences: only where the budget holds less than ``n`` contexts).
 
         Raises:
-            ContextLengthError: ``n_prompt + max_tokens > context`` (a prompt filling the whole
-                context counts as asking for 1 token).
-            KVBudgetError: the request's worst-case KV cache is over the budget.
+            ContextLengthError: ``n_prompt + max_tokens > context``, or with ``max_tokens`` None a
+                prompt that fills the whole context.
+            KVBudgetError: the worst-case KV cache of the ``n`` sequences is over the budget.
         """
         room = self.context_length - n_prompt
         if max_tokens is None:
-            kv_room = self.budget // self.bytes_per_token - n_prompt - self.headroom
+            if room < 1:
+                raise ContextLengthError(prompt_tokens=n_prompt, max_tokens=None, context_length=self.context_length)
+            kv_room = self.budget // (n * self.bytes_per_token) - n_prompt - self.headroom
             wanted = max(min(room, kv_room), 1)
         else:
             wanted = max_tokens
         if wanted > room:
             raise ContextLengthError(prompt_tokens=n_prompt, max_tokens=wanted, context_length=self.context_length)
-        need = self.need(n_prompt, wanted)
+        need = n * self.need(n_prompt, wanted)
         if need > self.budget:
             raise KVBudgetError(engine=self.engine, prompt_tokens=n_prompt, max_tokens=wanted, need_bytes=need,
-                                budget_bytes=self.budget, bytes_per_token=self.bytes_per_token)
+                                budget_bytes=self.budget, bytes_per_token=self.bytes_per_token, n=n)
         return wanted
 
     def need(self, n_prompt: int, generated: int) -> int:

@@ -6,7 +6,8 @@ emoji is 4 bytes and often 2-3 tokens). ``Detokenizer`` appends each token's exa
 incomplete tail for the next token. A byte sequence that can never complete becomes U+FFFD as soon
 as that is certain; at the end ``flush`` turns a dangling tail into U+FFFD. The joined output is
 exactly ``bytes.decode("utf-8", errors="replace")`` of all the bytes: it is Python's incremental
-UTF-8 decoder, which makes the same replacement decisions as the one-shot decode.
+UTF-8 decoder, which makes the same replacement decisions as the one-shot decode. (A ``length`` cut
+does not flush: ``StopChecker`` drops the dangling tail, see ``stop.py``.)
 
 Characters are code points: a ZWJ emoji sequence or a base letter plus combining mark may be split
 across two pushes, each half still valid UTF-8.

@@ -16,12 +16,17 @@ first-token times, decode seconds and tokens/s; with speculative decoding the ``
 counters: steps, drafted, accepted, AL, gated steps). The final ``StreamEvent`` carries the same
 stats.
 
+A request of ``n`` choices (``submit_choices``) is ``n`` sequences that are admitted together: the
+prompt is prefilled once, by the first, and its KV copied to the others, which then decode in the
+same batch, each with its own seed (``sampler.choice_seed``) and its own picker and logits
+processors (``sequence.py``).
+
 Admission control (``admission.py``, ``KVBudget``): at most ``max_queue`` requests wait and
-``max_active`` run; a request is admitted only when its worst-case KV cache fits in what the
-running ones leave of ``kv_budget`` (bytes), in arrival order. A request that cannot fit even alone
-is refused at submit (``KVBudgetError``); a full queue is refused at submit too
-(``EngineOverloadedError``), so no caller ever hangs on a full engine. ``stats()`` counts what is
-running, waiting and held.
+``max_active`` sequences run; a request is admitted only when its worst-case KV cache (of all its
+choices) fits in what the running ones leave of ``kv_budget`` (bytes), in arrival order. A request
+that cannot fit even alone is refused at submit (``KVBudgetError``); a full queue is refused at
+submit too (``EngineOverloadedError``), so no caller ever hangs on a full engine. ``stats()``
+counts what is running, waiting and held.
 
 Speculative decoding: an engine given a ``SpeculativeDecoder`` runs every sequence's decoding
 through it, a step as propose -> one batched target pass -> commit (draft K, verify K+1, greedy or
@@ -167,26 +172,40 @@ class Engine:
 
     def submit(self, prompt_ids, params: SamplingParams, *, timeout: float | None = None,
                processors: Iterable[LogitsProcessor] = ()) -> RequestHandle:
-        """Queue a request.
+        """Queue a request: ``submit_choices`` with one choice (``processors``: its own logits
+        processors, fresh), its handle."""
+        given = list(processors)
+        return self.submit_choices(prompt_ids, params, 1, timeout=timeout, processors=lambda: given)[0]
+
+    def submit_choices(self, prompt_ids, params: SamplingParams, n: int, *, timeout: float | None = None,
+                       processors: Callable[[], Iterable[LogitsProcessor]] = tuple) -> list[RequestHandle]:
+        """Queue a request for ``n`` choices (OpenAI's ``n``): one prefill of the prompt, whose KV
+        cache each choice then decodes on a copy of, all in the same batch.
+
+        Choice ``i`` samples with ``params`` seeded ``sampler.choice_seed(params.seed, i)``, so it
+        gives what a one-choice request with that seed gives (choice 0: ``params.seed`` itself).
 
         Args:
             prompt_ids: the rendered prompt's token ids (non-empty sequence of ints < vocab).
             params: sampling parameters; ``max_tokens`` None means up to the context length.
+            n: choices, 1 to ``max_active``.
             timeout: seconds from now after which the engine cancels the request and its stream
                 raises ``RequestTimeoutError``; None for no limit.
-            processors: logits processors the caller built for this request alone (its grammar,
-                ``grammar.GrammarProcessor``), fresh; they apply after those ``params`` asks for
-                (``processors.request_processors``), to every position the request picks.
+            processors: called once per choice, returns the logits processors the caller builds
+                for that choice alone (its grammar, ``grammar.GrammarProcessor``), fresh: their
+                state follows the choice's own tokens. They apply after those ``params`` asks for
+                (``processors.request_processors``), to every position the choice picks.
 
         Returns:
-            the request's handle.
+            the choices' handles, in choice order; each can be consumed and cancelled alone.
 
         Raises:
             InvalidRequestError: empty or out-of-vocabulary prompt (param "messages"), a bad
-                timeout (param "timeout"), params not a ``SamplingParams`` (param "params"), a
-                ``logit_bias`` id outside the vocabulary (param "logit_bias").
+                timeout (param "timeout"), params not a ``SamplingParams`` (param "params"), ``n``
+                not an integer in 1 .. ``max_active`` (param "n"), a ``logit_bias`` id outside the
+                vocabulary (param "logit_bias").
             ContextLengthError: prompt tokens + ``max_tokens`` over the context length.
-            KVBudgetError: the request's KV cache could outgrow ``kv_budget`` even alone.
+            KVBudgetError: the ``n`` sequences' KV caches could outgrow ``kv_budget`` even alone.
             EngineOverloadedError: ``max_queue`` requests are already waiting.
             BackendUnavailableError: the engine is closed.
         """
@@ -194,13 +213,23 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
                                       param="params")
-        budget = self.kv.generated_tokens(len(prompt), params.max_tokens)
-        # The ones its params ask for (bias, penalties), then the caller's own (a grammar's mask).
-        processors = [*request_processors(params, prompt, int(self.model.config.vocab_size)), *processors]
+        n = admission.positive_int(n, "n")
+        if n > self.max_active:
+            raise InvalidRequestError(f"n={n} choices are more than engine {self.name!r} runs at once "
+                                      f"(max_active={self.max_active})", param="n")
+        budget = self.kv.generated_tokens(len(prompt), params.max_tokens, n)
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}",
                                       param="timeout")
-        seq = Sequence(RequestHandle(timeout), prompt, params, budget, self.tokenizer, processors)
+        vocab = int(self.model.config.vocab_size)
+        # Each choice has its own seed and its own processors (their state follows its own tokens):
+        # those its params ask for (bias, penalties), then the caller's (a grammar's mask).
+        choices = [dataclasses.replace(params, seed=sampler.choice_seed(params.seed, i)) for i in range(n)]
+        seq, *followers = [Sequence(RequestHandle(timeout), prompt, p, budget, self.tokenizer,
+                                    [*request_processors(p, prompt, vocab), *processors()]) for p in choices]
+        seq.followers = followers
+        for follower in followers:
+            follower.leader = seq
         with self._cv:
             if self._closed:
                 raise BackendUnavailableError(f"engine {self.name!r} is closed")
@@ -213,12 +242,13 @@ class Engine:
             self._cv.notify()
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("request queued; engine stats %s", json.dumps(self.stats()))
-        return seq.handle
+        return [s.handle for s in seq.group]
 
     def stats(self) -> dict:
         """Engine-wide counters, one consistent snapshot:
 
-        - ``active``: sequences running; ``queued``: requests waiting for admission;
+        - ``active``: sequences running; ``queued``: sequences waiting for admission (a request
+          of ``n`` choices is ``n`` sequences);
         - ``kv_tokens``: KV positions the running sequences hold; ``kv_bytes``: their bytes
           (``kv_tokens * kv.bytes_per_token``; the cache arrays grow in steps of 256 positions, but
           numpy's zeroed pages past the held positions are not touched, so not resident);
@@ -229,7 +259,8 @@ class Engine:
         """
         with self._cv:
             kv_tokens = sum(s.kv_tokens for s in self._active)
-            return {"name": self.name, "active": len(self._active), "queued": len(self._waiting),
+            return {"name": self.name, "active": len(self._active),
+                    "queued": sum(len(s.group) for s in self._waiting),
                     "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * self.kv.bytes_per_token,
                     "kv_reserved_bytes": self._kv_reserved(), "kv_budget_bytes": self.kv.budget,
                     **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out")}}
@@ -274,34 +305,49 @@ class Engine:
         self._fail_all(BackendUnavailableError(f"engine {self.name!r} was closed"))
 
     def _drop_waiting(self) -> None:
-        """Queued requests cancelled or past their deadline leave the queue."""
+        """Queued requests (each choice of them) cancelled or past their deadline leave the queue."""
         now = time.monotonic()
-        for seq in list(self._waiting):
+        for seq in [s for w in self._waiting for s in w.group]:
             self._abort_if_needed(seq, now)
 
     def _admit(self) -> None:
-        """Move queued requests into the active set, in arrival order, while a slot is free and the
-        first one's worst-case KV cache fits in what the running ones leave of ``kv_budget``.
+        """Move queued requests into the active set, in arrival order, while slots are free for
+        all its choices and the first one's worst-case KV cache (all choices) fits in what the
+        running ones leave of ``kv_budget``.
 
         The first in line waits rather than being overtaken, so small requests cannot starve a
         large one; it always fits once nothing runs (``submit`` refused any that would not).
         """
         reserved = self._kv_reserved()
-        while self._waiting and len(self._active) < self.max_active:
-            need = self.kv.need(len(self._waiting[0].prompt_ids), self._waiting[0].budget)
-            if reserved + need > self.kv.budget:
+        while self._waiting:
+            group = self._waiting[0].group
+            need = len(group) * self.kv.need(len(group[0].prompt_ids), group[0].budget)
+            if len(self._active) + len(group) > self.max_active or reserved + need > self.kv.budget:
                 break
             reserved += need
-            seq = self._waiting.popleft()
-            seq.t_admit = time.perf_counter()
-            self._active.append(seq)
+            self._waiting.popleft()
+            t_admit = time.perf_counter()
+            for seq in group:
+                seq.t_admit = t_admit
+                self._active.append(seq)
             try:
-                capacity = len(seq.prompt_ids) + min(seq.budget, INITIAL_DECODE_ROOM)
-                seq.cache = self.model.new_cache(capacity)
-                if self.speculative is not None:
-                    seq.spec = self.speculative.new_state(capacity)
+                self._allocate(group[0])
+                if len(group) > 1 and not callable(getattr(group[0].cache, "copy", None)):
+                    # This backend's cache cannot be copied (npu): each choice prefills the prompt.
+                    group[0].followers = []
+                    for seq in group[1:]:
+                        seq.leader = None
+                        self._allocate(seq)
             except Exception as e:       # noqa: BLE001 - one request's failure, not the engine's
-                self._end(seq, error=e)
+                for seq in reversed(group):  # followers first: nothing is handed over
+                    self._end(seq, error=e)
+
+    def _allocate(self, seq: Sequence) -> None:
+        """A new sequence's cache (and draft state), sized for its prompt and first tokens."""
+        capacity = len(seq.prompt_ids) + min(seq.budget, INITIAL_DECODE_ROOM)
+        seq.cache = self.model.new_cache(capacity)
+        if self.speculative is not None:
+            seq.spec = self.speculative.new_state(capacity)
 
     def _step(self) -> None:
         """Advance every active sequence with ONE batched forward pass: propose, the pass, then
@@ -319,7 +365,8 @@ class Engine:
         now = time.monotonic()
         prefilling, decoding = [], []
         for seq in list(self._active):
-            if not self._abort_if_needed(seq, now):
+            # A follower (a choice waiting for its prompt's KV) has no part in the step.
+            if not self._abort_if_needed(seq, now) and seq.leader is None:
                 (decoding if seq.prefilled else prefilling).append(seq)
         t_propose = time.perf_counter()
         decode = self._decode_parts(decoding)
@@ -391,7 +438,8 @@ class Engine:
     def _commit(self, part: _Part, logits: np.ndarray, taps: np.ndarray | None) -> None:
         """``part.seq`` commits its rows' outputs: a decoding step through the decoder (verify
         and emit, or a plain step's token), or, without one, its token (``Lane.take``); a prompt
-        chunk's taps go to the draft and the last chunk's logits give the first token."""
+        chunk's taps go to the draft and the last chunk's logits give the first token, of each
+        choice of the request (``Sequence.fork``)."""
         seq, spec = part.seq, self.speculative
         if part.draft is not None and spec is not None:
             spec.commit(seq.lane(), part.draft, logits, taps)
@@ -399,6 +447,8 @@ class Engine:
         if part.draft is None and spec is not None:
             spec.add_prompt(seq.cache, seq.spec, taps)
         if part.n_logits:
+            for choice in seq.fork():
+                self._advance(choice, lambda c=choice: c.lane().take(logits[0]))
             seq.lane().take(logits[0])
 
     def _advance(self, seq: Sequence, step) -> None:
@@ -431,10 +481,17 @@ class Engine:
         another process, such as a LiteLLM proxy's.
         """
         with self._cv:
+            if seq.leader is not None:
+                seq.leader.followers.remove(seq)
+                seq.leader = None
+            heir = seq.pass_prefill()
             if seq in self._active:
                 self._active.remove(seq)
             elif seq in self._waiting:
-                self._waiting.remove(seq)
+                if heir is None:
+                    self._waiting.remove(seq)
+                else:
+                    self._waiting[self._waiting.index(seq)] = heir
             seq.cache = None
             if error is None:
                 done = seq.completion()       # before freeing seq.spec: it holds the spec stats
@@ -450,5 +507,5 @@ class Engine:
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:
-            for seq in list(self._waiting) + list(self._active):
+            for seq in [s for w in self._waiting for s in w.group] + list(self._active):
                 self._end(seq, error=error)

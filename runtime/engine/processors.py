@@ -1,10 +1,10 @@
 """Request-level adjustments of the next-token logits: the ``LogitsProcessor`` protocol.
 
-A request's processors are built when it is submitted (``Engine.submit``: from its
-``SamplingParams``, and a grammar's from its response format) and run, in list order, by its
-``picker.Picker`` on every position whose token it picks: plain decode, the first token after
-the prompt, and each row of a speculative verify pass, so every path draws from the same adjusted
-distribution. Each processor sees the logits as the previous one left them.
+A request's processors are built when it is submitted (``Engine.submit_choices``, a set for
+each choice: from its ``SamplingParams``, and a grammar's from its response format) and run, in
+list order, by its ``picker.Picker`` on every position whose token it picks: plain decode, the
+first token after the prompt, and each row of a speculative verify pass, so every path draws from
+the same adjusted distribution. Each processor sees the logits as the previous one left them.
 
 The processors of ``SamplingParams`` are here (``request_processors``: logit bias, repetition
 penalty, frequency and presence penalties); they run before the sampler's warp, so temperature,

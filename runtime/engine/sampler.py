@@ -170,6 +170,21 @@ def new_rng(seed: int | None) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(seed))
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request of ``n`` > 1 choices seeded ``seed``: choice ``i``
+    gives what a request of one choice seeded ``choice_seed(seed, i)`` gives (docs/design.md,
+    "Contract", item 6).
+
+    Choice 0 keeps ``seed``, so a request's first choice is the same for every ``n``. Choice
+    ``i >= 1`` takes 63 bits of numpy's ``SeedSequence([seed, i])`` (a hash of both numbers)
+    rather than ``seed + i``, so that requests seeded ``s`` and ``s + 1`` share no choice.
+    ``seed`` None stays None: each choice draws its own entropy from the OS.
+    """
+    if seed is None or index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0] >> 1)
+
+
 def _one_hot(ids: np.ndarray, vocab: int) -> np.ndarray:
     """``[...]`` int ids -> ``[..., V]`` float64 one-hot rows."""
     out = np.zeros(np.shape(ids) + (vocab,), dtype=np.float64)

@@ -7,6 +7,12 @@ is in the cache (the last chunk's logits give the first token), then decoding st
 ``lane``: plain 1-token steps (``Lane.take``, with or without a ``SpeculativeDecoder``) or
 speculative steps whose kept tokens go through ``accept`` one by one (so EOS, stop strings and
 ``max_tokens`` cut a block exactly); near the context end (no room for a block) decoding is plain.
+
+The ``n`` choices of one request are ``n`` sequences: the first (the *leader*) prefills the prompt,
+the others (its *followers*) wait, and when the prompt is in the leader's cache each follower takes
+a copy of it (``fork``) and all ``n`` pick their first token from the same logits, each with its
+own picker (processors and RNG). A leader that ends before that hands its cache to the next
+follower (``pass_prefill``).
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class Sequence:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs else None
         self.t_admit = self.t_first = self.t_last = None
+        self.leader: Sequence | None = None    # the sibling choice whose prompt KV this one waits for
+        self.followers: list[Sequence] = []    # sibling choices waiting for this one's prompt KV
 
     @property
     def kv_tokens(self) -> int:
@@ -68,6 +76,34 @@ class Sequence:
     def prefilled(self) -> bool:
         """The prompt is in the cache: the next step decodes ``last_token``."""
         return self.last_token is not None
+
+    @property
+    def group(self) -> list[Sequence]:
+        """This sequence and the choices waiting for its prompt KV."""
+        return [self, *self.followers]
+
+    def fork(self) -> list[Sequence]:
+        """The prompt is in this sequence's cache: each follower gets a copy of the cache (and of
+        the draft's state) and stops waiting. Returns them, to take their first token."""
+        followers, self.followers = self.followers, []
+        for seq in followers:
+            seq.cache = self.cache.copy()
+            seq.spec = self.spec.copy() if self.spec is not None else None
+            seq.leader = None
+        return followers
+
+    def pass_prefill(self) -> Sequence | None:
+        """This leader ends before its prompt KV was shared: the first follower takes over its
+        cache, draft state and remaining followers (the prefill so far is the same for every
+        choice). Returns the new leader, or None without followers."""
+        if not self.followers:
+            return None
+        heir, *rest = self.followers
+        heir.leader, heir.followers, self.followers = None, rest, []
+        for seq in rest:
+            seq.leader = heir
+        heir.cache, heir.spec = self.cache, self.spec
+        return heir
 
     def lane(self) -> Lane:
         """This sequence's part of a (batched) decoding step (``Lane.take`` picks a plain

@@ -49,6 +49,7 @@ seeded request gives the same tokens with or without speculation (up to float ro
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,6 +119,12 @@ class SpecState:
     pending: np.ndarray
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     stats: SpecStats = field(default_factory=SpecStats)
+
+    def copy(self) -> SpecState:
+        """An independent state with the same draft context, pending taps, tracker and counters
+        (the engine's ``n`` > 1: each choice continues from a copy of the prompt's state)."""
+        return SpecState(self.draft_cache.copy(), self.pending.copy(), copy.deepcopy(self.tracker),
+                         dataclasses.replace(self.stats))
 
     def report(self) -> SpecStats:
         """The counters with the tracker's figures (``switches_off``, ``al_estimate``), a copy."""

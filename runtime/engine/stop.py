@@ -22,7 +22,11 @@ and some delivered character belongs to it or to a later token. So:
 - a token whose text begins before a stop string and runs into it (``"x\\n"`` with stop ``"\\n"``)
   is delivered: part of its text is;
 - tokens whose text lies wholly inside or after the stop string are not delivered, nor counted;
-- a token holding only the first bytes of a character is delivered with the token completing it.
+- a token holding only the first bytes of a character is delivered with the token completing it;
+- a ``length`` cut inside a character drops that character's first bytes (the text ends at the
+  last whole character, not with U+FFFD) and the tokens after the last delivered character: they
+  hold only those bytes (or markers among them). An EOS / end-of-turn token after an incomplete
+  character still turns it into U+FFFD: the model itself ended the text there.
 
 Streaming releases a token in the event that releases its first delivered character; the rule
 depends only on how much text is released, which only grows, so the streamed and the final counts
@@ -174,7 +178,14 @@ class StopChecker:
         return Delivery(text, ids, "stop")
 
     def _finish_flush(self, reason: FinishReason, head: str = "") -> Delivery:
-        """No more tokens: flush the detokenizer's tail and the held-back text, deliver all."""
+        """No more tokens: flush the detokenizer's tail and the held-back text, deliver all; a
+        ``length`` cut inside a character drops it instead (see the module docstring)."""
+        if reason == "length" and self._detok.pending_bytes:
+            text = head + self._matcher.flush()
+            ids = self._release(len(text))
+            self._pending.clear()
+            self.finish_reason = reason
+            return Delivery(text, ids, reason)
         tail = self._detok.flush()
         if tail and self._pending:            # U+FFFD of a dangling tail belongs to its token
             self._pending[-1][2] += len(tail)

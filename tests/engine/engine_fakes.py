@@ -84,6 +84,12 @@ class FakeCache:
         del self.tokens[length:]
         self.length = length
 
+    def copy(self) -> "FakeCache":
+        """As ``KVCache.copy``: the same positions, independent from now on."""
+        out = FakeCache(self.capacity, self.max_length)
+        out.length, out.prompt_length, out.tokens = self.length, self.prompt_length, list(self.tokens)
+        return out
+
 
 def fake_config(vocab: int, context: int) -> LlamaConfig:
     return LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=1,

@@ -90,8 +90,13 @@ def test_context_limits(make_engine, tok):
     with pytest.raises(ContextLengthError) as e:
         engine.submit([1] * 100, SamplingParams(max_tokens=29))
     assert (e.value.param, e.value.prompt_tokens, e.value.max_tokens, e.value.context_length) == ("messages", 100, 29, 128)
-    with pytest.raises(ContextLengthError):
-        engine.submit([1] * 128, SamplingParams())
+    # max_tokens unset: the message gives the prompt and the context, not a max_tokens nobody sent.
+    for n_prompt in (128, 140):
+        with pytest.raises(ContextLengthError) as e:
+            engine.submit([1] * n_prompt, SamplingParams())
+        assert str(e.value) == (f"this model's context length is 128 tokens; the prompt has {n_prompt} tokens, "
+                                "which leaves no room for a completion")
+        assert (e.value.param, e.value.prompt_tokens, e.value.max_tokens) == ("messages", n_prompt, None)
     done = engine.submit([1] * 100, SamplingParams(max_tokens=28)).result()
     assert done.completion_tokens == 28
     # max_tokens None: up to the context, then "length".
@@ -261,7 +266,7 @@ def test_decoding_sequences_share_one_batched_step(make_engine, tok):
     handles = [engine.submit([i + 1], SamplingParams(max_tokens=n)) for i, n in enumerate(budgets)]
     wait_until(lambda: any(len(p) == 3 for p in model.passes))
     late = engine.submit([9], SamplingParams(max_tokens=5))
-    assert [h.result().completion_tokens for h in handles + [late]] == budgets + [5]
+    assert [h.result().stats.generated_tokens for h in handles + [late]] == budgets + [5]
     # every token is one sequence's part of one call: the first from its (1-token) prompt's
     # chunk, the others from decode rows
     sizes = [len(p) for p in model.passes]

@@ -153,11 +153,29 @@ def test_partial_character_tokens_go_with_the_token_completing_them():
     assert _joined(ds) == ("a", [ord("a")]) and c.delivered == 1
 
 
-def test_dangling_bytes_at_length_become_replacement_and_count():
-    tok = FakeTokenizer(extra=["😀".encode()[:3]])
+EMOJI = "😀".encode()  # 4 bytes
+
+
+def test_a_length_cut_inside_a_character_ends_at_the_last_whole_one():
+    tok = FakeTokenizer(extra=[EMOJI[:2], EMOJI[2:3], b"b" + EMOJI[:2]])
+    # The cut token holds only the first bytes: it delivers nothing.
     c = _checker(tok, max_tokens=2)
-    ds = _push_all(c, [ord("a"), tok.id_of("😀".encode()[:3])])
-    assert _joined(ds) == ("a\ufffd", [ord("a"), tok.id_of("😀".encode()[:3])])
+    ds = _push_all(c, [ord("a"), tok.id_of(EMOJI[:2])])
+    assert _joined(ds) == ("a", [ord("a")]) and (c.generated, c.delivered) == (2, 1)
+    assert ds[-1].finish_reason == "length"
+    # Two tokens of the same unfinished character: neither is delivered.
+    c = _checker(tok, max_tokens=3)
+    assert _joined(_push_all(c, [ord("a"), tok.id_of(EMOJI[:2]), tok.id_of(EMOJI[2:3])])) == ("a", [ord("a")])
+    # A token with a whole character before the cut one is delivered, without the cut bytes.
+    c = _checker(tok, max_tokens=2)
+    assert _joined(_push_all(c, [ord("a"), tok.id_of(b"b" + EMOJI[:2])])) == ("ab", [ord("a"), tok.id_of(b"b" + EMOJI[:2])])
+
+
+def test_a_stop_token_after_an_unfinished_character_leaves_a_replacement_character():
+    tok = FakeTokenizer(extra=[EMOJI[:2]])
+    c = _checker(tok, max_tokens=5)
+    ds = _push_all(c, [ord("a"), tok.id_of(EMOJI[:2]), EOS])
+    assert _joined(ds) == ("a\ufffd", [ord("a"), tok.id_of(EMOJI[:2])]) and ds[-1].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -42,3 +42,22 @@ def test_capacity_never_exceeds_context_length():
         assert "context length 300" in str(e)
     else:
         raise AssertionError("reserving past the context length must fail")
+
+
+def test_a_copy_holds_the_same_positions_and_is_independent():
+    cache = KVCache(n_layers=2, n_kv_heads=1, head_dim=4, max_length=1000)
+    block = np.arange(2 * 1 * 5 * 4, dtype=np.float32).reshape(2, 1, 5, 4)
+    cache.reserve(5)
+    for layer in range(2):
+        cache.write(layer, block[layer], -block[layer])
+    cache.commit(5)
+    copy = cache.copy()
+    assert (copy.length, copy.capacity, copy.max_length) == (5, cache.capacity, 1000)
+    np.testing.assert_array_equal(copy.keys(), block)
+    np.testing.assert_array_equal(copy.v[:, :, :5], -block)
+    copy.trim(2)
+    copy.reserve(1)
+    copy.write(0, np.full((1, 1, 4), 9.0, np.float32), np.zeros((1, 1, 4), np.float32))
+    copy.commit(1)
+    assert cache.length == 5
+    np.testing.assert_array_equal(cache.keys(), block)  # the original is untouched

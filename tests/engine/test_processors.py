@@ -4,6 +4,7 @@ on, with long acceptances) and batches, streamed or not."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -207,6 +208,22 @@ def test_batched_equals_alone(make_engine, tiny):
         handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
     for handle, want in zip(handles, alone):
         assert_same(handle.result(), want)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_each_choice_has_its_own_processors_and_logprobs(make_engine, tiny, speculative):
+    """``n`` = 3 with penalties, bias and logprobs: each choice's penalties count its own tokens
+    (shared state would change the others' tokens), and choice ``i`` gives the tokens and logprobs
+    of the one-choice request seeded ``choice_seed(seed, i)``."""
+    tok = FakeTokenizer(vocab_size=300)
+    decoder = SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2])) if speculative else None
+    engine = make_engine(tiny, tok, speculative=decoder)
+    choices = [h.result() for h in engine.submit_choices(PROMPT, SAMPLED, 3)]
+    alone = [engine.submit(PROMPT, dataclasses.replace(SAMPLED, seed=sampler.choice_seed(SAMPLED.seed, i))).result()
+             for i in range(3)]
+    assert len({done.token_ids for done in choices}) == 3
+    for got, want in zip(choices, alone):
+        assert_same(got, want)  # one entry per delivered token, each choice its own
 
 
 def script_engine(make_engine, script):

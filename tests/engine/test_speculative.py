@@ -270,3 +270,21 @@ def test_seeded_sampled_speculative_is_reproducible_and_equals_plain(make_engine
     assert first.token_ids == second.token_ids and first.text == second.text
     assert first.token_ids == plain.submit(PROMPT, params).result().token_ids
     assert first.stats.spec.steps >= 1 and plain.submit(PROMPT, params).result().stats.spec is None
+
+
+def test_choices_copy_the_draft_state_and_equal_plain_decoding(make_engine, tiny):
+    """``n`` = 3 with a draft: each choice decodes speculatively from a copy of the prompt's draft
+    context (a wrong copy would fail ``SpeculativeDecoder``'s invariant checks or change the
+    drafts, not the tokens) and gives what plain decoding gives, greedy and seeded."""
+    tok = FakeTokenizer(vocab_size=300)
+    spec = make_engine(tiny, tok, speculative=SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2])))
+    plain = make_engine(tiny, tok)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=42, max_tokens=24, ignore_eos=True)
+    greedy_choices = [h.result() for h in spec.submit_choices(PROMPT, greedy, 3)]
+    assert [d.token_ids for d in greedy_choices] == [plain.submit(PROMPT, greedy).result().token_ids] * 3
+    sampled_choices = [h.result() for h in spec.submit_choices(PROMPT, sampled, 3)]
+    assert [d.token_ids for d in sampled_choices] == [
+        h.result().token_ids for h in plain.submit_choices(PROMPT, sampled, 3)]
+    assert len({d.token_ids for d in sampled_choices}) == 3
+    assert all(d.stats.spec.steps >= 1 for d in greedy_choices + sampled_choices)

@@ -1,6 +1,6 @@
 """A scripted stand-in for ``flm_runtime``'s Engine, for the translation-layer tests.
 
-It follows the engine contract (``tokenizer``, ``context_length``, ``submit`` -> handle with sync
+It follows the engine contract (``tokenizer``, ``context_length``, ``submit`` / ``submit_choices`` -> handles with sync
 and async iteration, ``result``/``aresult``, ``cancel``) but "generates" a fixed reply, one
 character per token, so the tests can predict every chunk and count.
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent
-from flm_runtime.engine.sampler import CARD_DEFAULT
+from flm_runtime.engine.sampler import CARD_DEFAULT, choice_seed
 from flm_runtime.errors import ContextLengthError
 from flm_runtime.loading.chat_template import render_chat_template, thinking_format
 
@@ -91,6 +91,7 @@ class FakeHandle:
 class FakeEngine:
     reply: str = "Paris is the capital of France."
     reply_to: Callable[[str], str] | None = None  # the reply to a prompt's text, when set (else ``reply``)
+    seeded_replies: dict[int, str] = field(default_factory=dict)  # the reply of a request so seeded, first
     context_length: int = 256
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     submit_error: BaseException | None = None
@@ -109,11 +110,12 @@ class FakeEngine:
         if self.submit_error is not None:
             raise self.submit_error
         n_prompt = len(prompt_ids)
-        if n_prompt + (params.max_tokens or 0) > self.context_length:
+        if n_prompt + (params.max_tokens or 1) > self.context_length:  # unset: room for one token at least
             raise ContextLengthError(
-                prompt_tokens=n_prompt, max_tokens=params.max_tokens or 0, context_length=self.context_length
+                prompt_tokens=n_prompt, max_tokens=params.max_tokens, context_length=self.context_length
             )
-        text, finish = self.reply if self.reply_to is None else self.reply_to("".join(map(chr, prompt_ids))), "stop"
+        text = self.reply if self.reply_to is None else self.reply_to("".join(map(chr, prompt_ids)))
+        text, finish = self.seeded_replies.get(params.seed, text), "stop"
         for s in params.stop:
             if s in text:
                 text = text[: text.index(s)]
@@ -128,3 +130,9 @@ class FakeEngine:
         handle = FakeHandle(events, fail_after=1 if self.stream_error else None, error=self.stream_error)
         self.handles.append(handle)
         return handle
+
+    def submit_choices(self, prompt_ids: list[int], params: SamplingParams, n: int, *,
+                       timeout: float | None) -> list[FakeHandle]:
+        """``n`` requests, choice ``i`` seeded as the engine seeds it."""
+        return [self.submit(prompt_ids, replace(params, seed=choice_seed(params.seed, i)), timeout=timeout)
+                for i in range(n)]

@@ -57,14 +57,14 @@ async def test_cancelling_50_of_100_streams_leaves_nothing_behind(engine, monkey
     alone = {prompt_ids(engine, q): engine.submit(prompt_ids(engine, q), greedy).result() for q in QUESTIONS}
 
     submitted = []  # (prompt ids, params, handle) of every request LiteLLM hands the engine
-    submit = engine.submit
+    submit_choices = engine.submit_choices
 
-    def recording_submit(ids, params, **kw):
-        handle = submit(ids, params, **kw)
-        submitted.append((tuple(ids), params, handle))
-        return handle
+    def recording_submit(ids, params, n, **kw):
+        handles = submit_choices(ids, params, n, **kw)
+        submitted.extend((tuple(ids), params, handle) for handle in handles)
+        return handles
 
-    monkeypatch.setattr(engine, "submit", recording_submit)
+    monkeypatch.setattr(engine, "submit_choices", recording_submit)
     monkeypatch.setattr(litellm_flm.llm, "_get_engine", lambda tag, backend=None: engine)
     mid_stream = asyncio.Event()
 
@@ -116,3 +116,71 @@ async def test_cancelling_50_of_100_streams_leaves_nothing_behind(engine, monkey
         "name": engine.name, "active": 0, "queued": 0, "kv_tokens": 0, "kv_bytes": 0, "kv_reserved_bytes": 0,
         "kv_budget_bytes": engine.kv.budget, "finished": len(QUESTIONS) + N_REQUESTS // 2, "failed": 0,
         "cancelled": N_REQUESTS // 2, "timed_out": 0}
+
+
+# ---- a stream the caller stops reading ----------------------------------------------------------
+
+def decode_steps(steps) -> int:
+    """Steps that ran decode rows (a step of prompt chunks only has no drafts)."""
+    return sum(bool(s.drafts) for s in steps)
+
+
+LONG = {"max_tokens": CANCELLED_TOKENS, "extra_body": {"ignore_eos": True}, "temperature": 0}
+# Steps a broken-off stream may still decode: the one in flight when the cancel lands, and one
+# more if LiteLLM's logging thread still held the stream for a moment.
+AFTER_BREAK = 2
+
+
+def wait_idle(engine, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while engine.stats()["active"]:
+        assert time.monotonic() < end, "the stream's sequence still runs"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def quiet_engine(engine, monkeypatch):
+    """``engine`` behind litellm, recording its steps."""
+    steps = []
+    engine.on_step = steps.append
+    monkeypatch.setattr(litellm_flm.llm, "_get_engine", lambda tag, backend=None: engine)
+    return engine, steps
+
+
+def test_breaking_out_of_a_stream_frees_its_sequence(quiet_engine):
+    engine, steps = quiet_engine
+    for chunk in litellm.completion(model=MODEL, messages=[SYSTEM, {"role": "user", "content": QUESTIONS[0]}],
+                                    stream=True, **LONG):
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    at_break = decode_steps(steps)
+    wait_idle(engine)
+    assert decode_steps(steps) - at_break <= AFTER_BREAK
+    assert engine.stats()["cancelled"] == 1 and engine.stats()["kv_tokens"] == 0
+
+
+async def test_breaking_out_of_an_async_stream_frees_its_sequence(quiet_engine):
+    engine, steps = quiet_engine
+    messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
+    async for chunk in await litellm.acompletion(model=MODEL, messages=messages, stream=True, **LONG):
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    at_break = decode_steps(steps)
+    await wait_until(lambda: engine.stats()["active"] == 0, timeout=60)
+    assert decode_steps(steps) - at_break <= AFTER_BREAK
+    assert engine.stats()["cancelled"] == 1 and engine.stats()["kv_tokens"] == 0
+
+
+def test_leaving_a_with_block_frees_a_stream_kept_in_a_variable(quiet_engine):
+    """A stream object the caller keeps alive after ``break`` hears nothing of it (Python tells
+    an iterator nothing on ``break``): closing it, as ``with`` does, frees the sequence."""
+    engine, steps = quiet_engine
+    with litellm.completion(model=MODEL, messages=[SYSTEM, {"role": "user", "content": QUESTIONS[1]}], stream=True,
+                            n=2, **LONG) as stream:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                break
+    at_close = decode_steps(steps)
+    wait_idle(engine)
+    assert decode_steps(steps) - at_close <= 1 and stream is not None  # closed, yet still referenced
+    assert engine.stats()["cancelled"] == 2

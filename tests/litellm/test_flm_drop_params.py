@@ -22,7 +22,8 @@ FUNCTION = {"name": "capital", "parameters": {"type": "object", "properties": {}
 # parameter the error must name.
 UNSUPPORTED = {
     "functions": {"functions": [FUNCTION]},
-    "n": {"n": 2},
+    "modalities": {"modalities": ["text", "audio"]},
+    "prediction": {"prediction": {"type": "content", "content": "Paris"}},
 }
 
 
@@ -87,7 +88,7 @@ def test_global_drop_params_drops_the_parameter(plain, monkeypatch):
     assert r.choices[0].message.content == plain
 
 
-@pytest.mark.parametrize("name", ["functions", "n"])
+@pytest.mark.parametrize("name", ["functions", "modalities"])
 def test_router_deployment_drops_or_names_the_parameter(plain, router, name):
     extra = UNSUPPORTED[name]
     r = router(drop_params=True).completion(model="local", messages=QUESTION, **GREEDY, **extra)
@@ -99,12 +100,12 @@ def test_router_deployment_drops_or_names_the_parameter(plain, router, name):
 
 async def test_router_request_drop_params_async(plain, router):
     r = await router().acompletion(
-        model="local", messages=QUESTION, drop_params=True, **GREEDY, **UNSUPPORTED["n"]
+        model="local", messages=QUESTION, drop_params=True, **GREEDY, **UNSUPPORTED["prediction"]
     )
     assert r.choices[0].message.content == plain
 
 
-@pytest.mark.parametrize("name", ["n"])
+@pytest.mark.parametrize("name", ["modalities", "prediction"])
 def test_drop_params_does_what_litellm_does_for_a_builtin_provider(plain, name):
     """ollama_chat does not support these either: LiteLLM's own rule (get_optional_params)
     refuses each without drop_params and drops it with; flm gives the same two outcomes."""

@@ -151,7 +151,7 @@ def test_context_overflow(engine):
         litellm.completion(model=MODEL, messages=QUESTION, max_tokens=engine.context_length)
 
 
-@pytest.mark.parametrize("bad, name", [({"temperature": 5}, "temperature"), ({"n": 2}, "n"), ({"top_k": -3}, "top_k")])
+@pytest.mark.parametrize("bad, name", [({"temperature": 5}, "temperature"), ({"n": 0}, "n"), ({"top_k": -3}, "top_k")])
 def test_bad_param_names_it(engine, bad, name):
     with pytest.raises(litellm.BadRequestError) as info:
         litellm.completion(model=MODEL, messages=QUESTION, **bad)

@@ -33,6 +33,36 @@ def test_mapping(error, cls, status):
     assert str(error) in str(exc)
 
 
+EXACT = [
+    (rt.ContextLengthError(prompt_tokens=9000, max_tokens=10, context_length=8192),
+     "litellm.ContextWindowExceededError: this model's context length is 8192 tokens; the prompt has 9000 tokens "
+     "and max_tokens asks for 10 more (9010 in all)"),
+    (rt.ContextLengthError(prompt_tokens=9000, max_tokens=None, context_length=8192),
+     "litellm.ContextWindowExceededError: this model's context length is 8192 tokens; the prompt has 9000 tokens, "
+     "which leaves no room for a completion"),
+    (rt.InvalidRequestError("top_p must lie in (0.0, 1.0], got 0", param="top_p"),
+     "litellm.BadRequestError: top_p must lie in (0.0, 1.0], got 0"),
+    (rt.EngineOverloadedError("queue full"), "litellm.RateLimitError: queue full"),
+    (rt.RequestTimeoutError("deadline passed"), "litellm.Timeout: deadline passed"),
+    (rt.BackendUnavailableError("npu: no device"), "litellm.ServiceUnavailableError: npu: no device"),
+]
+
+
+@pytest.mark.parametrize("error, message", EXACT, ids=[f"{type(c[0]).__name__}-{i}" for i, c in enumerate(EXACT)])
+def test_messages_carry_the_litellm_prefix_once(error, message):
+    exc = to_litellm(error, "m")
+    assert str(exc) == exc.message == message
+
+
+def test_a_prompt_over_the_context_with_max_tokens_unset_names_both_lengths(fake_engine):
+    with pytest.raises(litellm.ContextWindowExceededError) as info:
+        litellm.completion(model="flm/smollm2:135m", messages=[{"role": "user", "content": "x" * 300}])
+    n_prompt = len(fake_engine.submitted[0][0])
+    assert str(info.value) == (f"litellm.ContextWindowExceededError: this model's context length is "
+                               f"{fake_engine.context_length} tokens; the prompt has {n_prompt} tokens, which leaves "
+                               "no room for a completion")
+
+
 def test_context_window_error_is_a_bad_request_with_the_counts():
     exc = to_litellm(rt.ContextLengthError(prompt_tokens=9000, max_tokens=10, context_length=8192), "m")
     assert isinstance(exc, litellm.BadRequestError)

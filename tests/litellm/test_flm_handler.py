@@ -19,7 +19,9 @@ import litellm_flm
 from flm_runtime import errors as rt
 from flm_fake_engine import FakeTokenizer
 from litellm_flm.llm import FlmLLM, StreamChunks
+from stream_choices import joined_choices
 from flm_runtime.engine.request import RequestStats, SpecStats, StreamEvent, TokenLogprob
+from flm_runtime.engine.sampler import choice_seed
 
 MODEL = "flm/smollm2:135m"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -98,36 +100,70 @@ def test_overloaded_engine_is_rate_limit(fake_engine):
 
 def test_stream_chunks():
     chunks = StreamChunks("smollm2:135m", None)
-    [first] = chunks(StreamEvent("Pa", (1, 2), None, 10, 2))
+    [first] = chunks(0, StreamEvent("Pa", (1, 2), None, 10, 2))
     assert (first.choices[0].delta.role, first.choices[0].delta.content, first.choices[0].finish_reason) == (
         "assistant", "Pa", None)
     assert first.model == "smollm2:135m"
-    [mid] = chunks(StreamEvent("ri", (3,), None, 10, 3))
+    [mid] = chunks(0, StreamEvent("ri", (3,), None, 10, 3))
     assert (mid.choices[0].delta.role, mid.choices[0].delta.content, mid.id) == (None, "ri", first.id)
     # The last event: its delta with the usage (none here), then the finish_reason alone.
-    last, finish = chunks(StreamEvent("", (), "length", 10, 5))
+    last, finish = chunks(0, StreamEvent("", (), "length", 10, 5))
     assert (last.choices[0].delta.content, last.choices[0].finish_reason) == (None, None)
     assert last.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == {
         "prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
     assert (finish.choices[0].delta.content, finish.choices[0].finish_reason, finish.id) == (None, "length", first.id)
+    assert chunks.finished
+
+
+def test_choice_zero_finishes_the_stream_after_the_others():
+    """LiteLLM ends the stream at the first finish_reason: choice 0's finish waits for the others,
+    which finish with a ``sibling_finish_reason`` chunk; the usage counts the prompt once."""
+    chunks = StreamChunks("smollm2:135m", None, n=3, total=3)
+    [zero] = chunks(0, StreamEvent("ab", (1,), "stop", 10, 1))  # its text now, its finish last
+    assert (zero.choices[0].index, zero.choices[0].delta.content, zero.choices[0].finish_reason) == (0, "ab", None)
+    text, sibling = chunks(1, StreamEvent("c", (2,), "length", 10, 4))
+    assert (text.choices[0].index, text.choices[0].delta.role, text.choices[0].delta.content) == (1, "assistant", "c")
+    assert sibling == {"text": "", "is_finished": False, "finish_reason": "", "index": 1, "tool_use": None,
+                       "usage": None, "choice_index": 1, "sibling_finish_reason": "length"}
+    assert not chunks.finished
+    sibling, usage, finish = chunks(2, StreamEvent("", (), "stop", 10, 2))
+    assert (sibling["choice_index"], sibling["sibling_finish_reason"]) == (2, "stop")
+    assert (usage.choices[0].index, usage.choices[0].delta.content) == (0, None)
+    assert usage.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == {
+        "prompt_tokens": 10, "completion_tokens": 1 + 4 + 2, "total_tokens": 17}
+    assert (finish.choices[0].index, finish.choices[0].finish_reason) == (0, "stop") and chunks.finished
 
 
 def test_stream_chunks_carry_their_tokens_logprobs():
     """Each chunk carries the entries of the tokens whose text it sends; a token with no text (a
     special token) gets a chunk of its own; -inf becomes vLLM's floor, -9999.0."""
-    chunks = StreamChunks("smollm2:135m", None, FakeTokenizer().token_bytes)
+    chunks = StreamChunks("smollm2:135m", None, token_bytes=FakeTokenizer().token_bytes)
     pa = (TokenLogprob(ord("P"), -0.5, ((ord("P"), -0.5), (ord("Q"), -np.inf))), TokenLogprob(ord("a"), -0.25))
-    [first] = chunks(StreamEvent("Pa", (ord("P"), ord("a")), None, 10, 2, logprobs=pa))
+    [first] = chunks(0, StreamEvent("Pa", (ord("P"), ord("a")), None, 10, 2, logprobs=pa))
     assert [e.model_dump() for e in first.choices[0].logprobs.content] == [
         {"token": "P", "logprob": -0.5, "bytes": [80],
          "top_logprobs": [{"token": "P", "logprob": -0.5, "bytes": [80]},
                           {"token": "Q", "logprob": -9999.0, "bytes": [81]}]},
         {"token": "a", "logprob": -0.25, "bytes": [97], "top_logprobs": []}]
-    [special] = chunks(StreamEvent("", (258,), None, 10, 3, logprobs=(TokenLogprob(258, -1.0),)))
+    [special] = chunks(0, StreamEvent("", (258,), None, 10, 3, logprobs=(TokenLogprob(258, -1.0),)))
     assert special.choices[0].delta.content is None
     assert [(e.token, e.bytes) for e in special.choices[0].logprobs.content] == [(chr(258), list(chr(258).encode()))]
-    last, finish = chunks(StreamEvent("", (), "stop", 10, 3, logprobs=()))
+    last, finish = chunks(0, StreamEvent("", (), "stop", 10, 3, logprobs=()))
     assert last.choices[0].logprobs is None and finish.choices[0].logprobs is None
+
+
+def test_a_choice_that_ends_on_a_token_without_text_sends_its_entry_under_its_index():
+    """Two choices, each ending on a special token (no text): choice 1's entry comes on a chunk of
+    its own before its sibling finish; choice 0's on the chunk with the usage, before its finish."""
+    chunks = StreamChunks("smollm2:135m", None, n=2, total=2, token_bytes=FakeTokenizer().token_bytes)
+    one, sibling = chunks(1, StreamEvent("", (258,), "stop", 10, 1, logprobs=(TokenLogprob(258, -1.0),)))
+    assert (one.choices[0].index, one.choices[0].delta.content) == (1, None)
+    assert [(e.token, e.logprob) for e in one.choices[0].logprobs.content] == [(chr(258), -1.0)]
+    assert (sibling["choice_index"], sibling["sibling_finish_reason"]) == (1, "stop")
+    zero, finish = chunks(0, StreamEvent("", (259,), "stop", 10, 1, logprobs=(TokenLogprob(259, -2.0),)))
+    assert (zero.choices[0].index, zero.usage.completion_tokens) == (0, 2)
+    assert [(e.token, e.logprob) for e in zero.choices[0].logprobs.content] == [(chr(259), -2.0)]
+    assert (finish.choices[0].index, finish.choices[0].finish_reason, finish.choices[0].logprobs) == (0, "stop", None)
 
 
 def test_stream(fake_engine):
@@ -185,6 +221,40 @@ def test_closing_a_stream_early_cancels_the_request(fake_engine):
     next(iter(stream))
     stream.completion_stream.close()
     assert fake_engine.handles[0].cancelled
+
+
+def test_a_stream_dropped_before_its_first_chunk_cancels_the_request(fake_engine):
+    stream = litellm.completion(model=MODEL, messages=MESSAGES, stream=True, n=2)
+    assert not any(h.cancelled for h in fake_engine.handles)
+    del stream  # never iterated: its generator's finally never runs, the finalizer does
+    assert [h.cancelled for h in fake_engine.handles] == [True, True]
+
+
+# ---- n choices: per prompt n engine requests, usage counting each prompt once ----
+
+def test_n_choices(fake_engine):
+    r = litellm.completion(model=MODEL, messages=MESSAGES, n=3, seed=4, max_tokens=100)
+    prompt_ids = fake_engine.submitted[0][0]
+    assert [(ids, p.seed) for ids, p, _ in fake_engine.submitted] == [
+        (prompt_ids, 4), (prompt_ids, choice_seed(4, 1)), (prompt_ids, choice_seed(4, 2))]
+    assert [(c.index, c.message.content) for c in r.choices] == [(i, fake_engine.reply) for i in range(3)]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt_ids), 3 * len(fake_engine.reply))
+    assert len(r._hidden_params["flm_stats"]) == 3
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+async def test_n_choices_stream_each_under_its_index(fake_engine, asynchronous):
+    fake_engine.seeded_replies = {4: "abcdef", choice_seed(4, 1): "xy", choice_seed(4, 2): "12345678"}
+    kw = dict(model=MODEL, messages=MESSAGES, n=3, seed=4, max_tokens=7, stream=True,
+              stream_options={"include_usage": True})
+    if asynchronous:
+        chunks = [c async for c in await litellm.acompletion(**kw)]
+    else:
+        chunks = list(litellm.completion(**kw))
+    texts, finishes = joined_choices(chunks)
+    assert texts == {0: "abcdef", 1: "xy", 2: "1234567"} and finishes == {0: "stop", 1: "stop", 2: "length"}
+    n_prompt = len(fake_engine.submitted[0][0])
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (n_prompt, 6 + 2 + 7)
 
 
 async def test_acompletion_runs_blocking_work_off_the_event_loop(fake_engine):
@@ -304,7 +374,6 @@ async def test_atext_completion_streams_one_prompt(fake_engine):
 
 
 @pytest.mark.parametrize("prompt, stream, name", [
-    (["a", "b"], True, "prompt"),  # LiteLLM's text stream wrapper numbers every choice 0
     ("", False, "prompt"),
     (["a", ""], False, "prompt[1]"),
 ])
@@ -313,6 +382,20 @@ def test_bad_text_prompts_are_named(fake_engine, prompt, stream, name):
         litellm.text_completion(model=MODEL, prompt=prompt, max_tokens=4, stream=stream)
     assert info.value.body["param"] == name
     assert fake_engine.submitted == []
+
+
+def test_a_text_stream_of_prompts_and_choices_numbers_them_in_order(fake_engine):
+    """Per prompt its n choices, as OpenAI numbers them: index = prompt * n + choice."""
+    fake_engine.reply_to = lambda prompt: prompt.upper()
+    chunks = list(litellm.text_completion(model=MODEL, prompt=["ab", "cde"], n=2, max_tokens=20, stream=True))
+    texts = {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.text or "")
+    assert texts == {0: "AB", 1: "AB", 2: "CDE", 3: "CDE"}
+    r = litellm.text_completion(model=MODEL, prompt=["ab", "cde"], n=2, max_tokens=20)
+    assert [(c.index, c.text) for c in r.choices] == [(0, "AB"), (1, "AB"), (2, "CDE"), (3, "CDE")]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (2 + 3, 2 * 2 + 2 * 3)
 
 
 def test_one_prompt_over_the_context_runs_none_of_them(fake_engine):

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("flm_runtime.api", reason="flm_runtime.api (get_engine) is not there yet")
 
 from flm_runtime.backends import decode, prefill  # noqa: E402
+from flm_runtime.engine.sampler import choice_seed  # noqa: E402
 
 MODEL = "flm/smollm2:135m"
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -23,21 +24,22 @@ PENALISED = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "extra_body": {"
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 11}
 
 
-def content(response) -> list[dict]:
-    return [e.model_dump() for e in response.choices[0].logprobs.content]
+def content(response, index: int = 0) -> list[dict]:
+    return [e.model_dump() for e in response.choices[index].logprobs.content]
 
 
-def streamed(chunks) -> tuple[str, list[dict]]:
-    """The text and the logprobs entries of a stream's chunks, in order."""
+def streamed(chunks, index: int = 0) -> tuple[str, list[dict]]:
+    """The text and the logprobs entries of choice ``index`` in a stream's chunks, in order."""
     text, entries = "", []
     for c in chunks:
-        if not c.choices:
-            continue
-        text += c.choices[0].delta.content or ""
-        lp = c.choices[0].logprobs
-        if lp is not None:
-            entries += [e if isinstance(e, dict) else e.model_dump() for e in (lp["content"] if isinstance(lp, dict)
-                                                                                else lp.content)]
+        for choice in c.choices:
+            if choice.index != index:
+                continue
+            text += choice.delta.content or ""
+            lp = choice.logprobs
+            if lp is not None:
+                entries += [e if isinstance(e, dict) else e.model_dump()
+                            for e in (lp["content"] if isinstance(lp, dict) else lp.content)]
     return text, entries
 
 
@@ -118,6 +120,32 @@ def test_speculative_tag_gives_the_same_tokens_and_values(smollm2_engine, specul
     stats = spec._hidden_params["flm_stats"]
     assert stats["spec_steps"] >= 1 and stats["drafted_tokens"] == 7 * stats["spec_steps"]
     assert stats["accepted_tokens"] >= 1  # rows past the first of a block were verified and kept
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_each_of_n_choices_has_its_own_penalties_and_logprobs(smollm2_engine, stream):
+    """``n=3`` with a presence penalty and ``top_logprobs=2``: each choice's entries are as many as
+    its completion tokens, and choice ``i`` is the one-choice request seeded ``choice_seed(seed,
+    i)`` with the same penalty: the same text, tokens and top tokens, values within 1e-4. Streamed,
+    each choice's text and entries come under its own index."""
+    ask = dict(model=MODEL, messages=QUESTION, temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS,
+               presence_penalty=0.8, logprobs=True, top_logprobs=2)
+    seed = SAMPLED["seed"]
+    singles = [litellm.completion(**ask, seed=choice_seed(seed, i)) for i in range(3)]
+    if stream:
+        chunks = list(litellm.completion(**ask, n=3, seed=seed, stream=True, stream_options={"include_usage": True}))
+        got = [streamed(chunks, i) for i in range(3)]
+        assert chunks[-1].usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    else:
+        r = litellm.completion(**ask, n=3, seed=seed)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        got = [(c.message.content, content(r, c.index)) for c in r.choices]
+        assert r.usage.completion_tokens == sum(len(entries) for _, entries in got)
+    assert len({text for text, _ in got}) == 3  # sampled: the choices differ
+    for (text, entries), single in zip(got, singles):
+        assert len(entries) == single.usage.completion_tokens and all(len(e["top_logprobs"]) == 2 for e in entries)
+        assert text == single.choices[0].message.content
+        assert_same_entries(entries, content(single))
 
 
 def test_a_bias_of_minus_100_removes_the_greedy_token(greedy, smollm2_engine):

@@ -6,7 +6,8 @@ import pytest
 
 from flm_runtime.errors import InvalidRequestError
 from flm_runtime.engine.sampler import CARD_DEFAULT, SamplingDefaults
-from litellm_flm.params import NEUTRAL_ONLY, OPENAI_TO_RUNTIME, normalize_messages, request_fields, to_sampling_params
+from litellm_flm.params import (NEUTRAL_ONLY, OPENAI_TO_RUNTIME, SUPPORTED_OPENAI_PARAMS, choices_of, normalize_messages,
+                                request_fields, to_sampling_params)
 
 
 def test_empty_request_sets_nothing_and_gets_the_default_sampler_with_no_token_cap():
@@ -70,7 +71,7 @@ def test_stop_list_and_none():
 def test_neutral_values_of_unsupported_params_are_accepted():
     to_sampling_params(
         {
-            "n": 1, "modalities": ["text"],
+            "modalities": ["text"],
         }
     )
 
@@ -87,7 +88,6 @@ def test_ignored_params_are_ignored():
 @pytest.mark.parametrize(
     "params, name",
     [
-        ({"n": 2}, "n"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -2.01}, "frequency_penalty"),
         ({"frequency_penalty": "0.5"}, "frequency_penalty"),
@@ -128,7 +128,7 @@ def test_rejected_params_are_named(params, name):
 
 def test_drop_unsupported_leaves_out_every_unsupported_openai_param_at_any_value():
     unsupported = {
-        "n": 2, "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
+        "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
         "audio": {"voice": "alloy"},
         "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
     }
@@ -183,3 +183,16 @@ def test_bad_messages_are_named(messages, name):
     with pytest.raises(InvalidRequestError) as info:
         normalize_messages(messages)
     assert info.value.param == name
+
+
+def test_n_is_the_choices_per_prompt_not_a_sampling_field():
+    assert "n" in SUPPORTED_OPENAI_PARAMS and "n" not in NEUTRAL_ONLY
+    assert [choices_of(p) for p in ({}, {"n": None}, {"n": 1}, {"n": 3}, {"extra_body": {"n": 2}})] == [1, 1, 1, 3, 2]
+    assert request_fields({"n": 3, "temperature": 0.5}) == {"temperature": 0.5}
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.0, "2", True])
+def test_bad_n_is_named(n):
+    with pytest.raises(InvalidRequestError) as info:
+        choices_of({"n": n})
+    assert info.value.param == "n" and str(info.value) == f"n must be an integer >= 1, got {n!r}"

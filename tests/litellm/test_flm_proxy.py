@@ -28,6 +28,7 @@ import litellm
 import numpy as np
 import pytest
 from forced_speculation import write_always_speculate_policy
+from stream_choices import joined_choices
 
 pytest.importorskip("flm_runtime.api", reason="flm_runtime.api (get_engine) is not there yet")
 openai = pytest.importorskip("openai")
@@ -226,6 +227,63 @@ def test_streamed_logprobs_through_the_proxy_on_both_tags(client):
     (text, tokens, values), (spec_text, spec_tokens, spec_values) = results["smollm2"], results["smollm2-dflash"]
     assert (spec_text, spec_tokens) == (text, tokens)
     np.testing.assert_allclose(spec_values, values, atol=1e-4)
+
+
+def first_line_and_rest(message: str) -> tuple[str, str]:
+    """Our message, and the notes the proxy's Router appends on lines of their own (which
+    fallbacks it had; none names a class again)."""
+    ours, _, notes = message.partition("\n")
+    assert not re.search(r"litellm\.\w+(Error|Timeout):", notes), notes
+    return ours, notes
+
+
+def test_error_messages_carry_the_litellm_prefix_once(client):
+    from flm_runtime.api import get_engine
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], n=0)
+    ours, _ = first_line_and_rest(info.value.body["message"])
+    assert ours == "litellm.BadRequestError: n must be an integer >= 1, got 0"
+    long = [{"role": "user", "content": "cat " * 8200}]  # the prompt alone fills the context; max_tokens unset
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="smollm2", messages=long)
+    engine = get_engine("smollm2:135m")
+    n_prompt = len(engine.tokenizer.encode(engine.tokenizer.apply_chat_template(long, add_generation_prompt=True)))
+    assert first_line_and_rest(info.value.body["message"])[0] == (
+        f"litellm.ContextWindowExceededError: this model's context length is {engine.context_length} tokens; the "
+        f"prompt has {n_prompt} tokens, which leaves no room for a completion")
+
+
+CHOICE_QUESTION = [{"role": "user", "content": "Name a colour and say why you like it."}]
+CHOICE_SAMPLING = {"temperature": 1.0, "top_p": 0.95, "max_tokens": 16}
+
+
+@pytest.mark.parametrize("name, tag", [("smollm2", "smollm2:135m"), ("smollm2-dflash", "smollm2-dflash:135m")])
+def test_n_choices_with_a_seed_through_the_proxy(client, name, tag):
+    """``n=3`` with a seed: the same three choices each time, each what this process's engine
+    gives the one-choice request seeded as that choice; the prompt counted once; streamed too."""
+    from flm_runtime.api import get_engine
+    from flm_runtime.engine.sampler import choice_seed
+
+    kw = dict(model=name, messages=CHOICE_QUESTION, n=3, seed=1234, **CHOICE_SAMPLING)
+    first, second = (client.chat.completions.create(**kw) for _ in range(2))
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.message.content for c in second.choices] == texts and len(set(texts)) == 3
+    engine = get_engine(tag)
+    ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(CHOICE_QUESTION, add_generation_prompt=True))
+    singles = [engine.submit(ids, engine.sampling_params(seed=choice_seed(1234, i), **CHOICE_SAMPLING)).result()
+               for i in range(3)]
+    assert texts == [s.text for s in singles]
+    assert (first.usage.prompt_tokens, first.usage.completion_tokens) == (
+        len(ids), sum(s.completion_tokens for s in singles))
+
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed, finishes = joined_choices(chunks)
+    assert streamed == dict(enumerate(texts))
+    assert finishes == {c.index: c.finish_reason for c in first.choices}
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        first.usage.prompt_tokens, first.usage.completion_tokens)
 
 
 EMBED_TEXTS = ["The cat sat on the mat.", "A cat was sitting on the rug.", "Stock markets fell sharply on Monday."]

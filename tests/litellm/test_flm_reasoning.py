@@ -325,19 +325,29 @@ def test_a_router_deployment_lets_the_parameters_through(thinking_engine):
     assert parts(r) == (None, "Paris.")
 
 
-def test_stream_chunks_send_each_logprob_once_in_order_while_markers_are_held():
-    """The reply one character per token with logprobs: while the splitter holds text back around
-    the markers, their entries wait too, and each token's entry comes out exactly once, in order
-    (the markers' tokens included: they are completion tokens)."""
-    chunks = StreamChunks("m", Reasoning.of_prompt(THINK, PROMPT), FakeTokenizer().token_bytes)
-    sent, text_before = [], []
-    for i, ch in enumerate(REPLY):
-        last = i == len(REPLY) - 1
-        event = StreamEvent(ch, (ord(ch),), "stop" if last else None, 5, i + 1,
-                            logprobs=(TokenLogprob(ord(ch), -0.01 * i),))
-        for chunk in chunks(event):
-            delta, lp = chunk.choices[0].delta, chunk.choices[0].logprobs
-            text_before.append((getattr(delta, "reasoning_content", None) or "") + (delta.content or ""))
-            sent += [(e.token, e.logprob) for e in (lp.content if lp is not None else [])]
-    assert sent == [(ch, pytest.approx(-0.01 * i)) for i, ch in enumerate(REPLY)]
-    assert "".join(text_before) == REASONING + CONTENT
+@pytest.mark.parametrize("reply", [REPLY, REPLY[:REPLY.index("Paris.\n</think>") + len("Paris.\n</think>\n\n")]],
+                         ids=["whole", "cut-after-the-end-marker"])
+def test_stream_chunks_send_each_logprob_once_in_order_while_markers_are_held(reply):
+    """Two choices, the reply one character per token with logprobs, their events interleaved:
+    while a choice's splitter holds text back around the markers, its entries wait too, and each
+    token's entry comes out exactly once, in order, under its own choice's index (the markers'
+    tokens included: they are completion tokens), also when the last tokens give no text."""
+    reasoning = Reasoning.of_prompt(THINK, PROMPT)
+    chunks = StreamChunks("m", reasoning, n=2, total=2, token_bytes=FakeTokenizer().token_bytes)
+    sent, text_before = {0: [], 1: []}, {0: [], 1: []}
+    for i, ch in enumerate(reply):
+        last = i == len(reply) - 1
+        for c in (0, 1):
+            event = StreamEvent(ch, (ord(ch),), "stop" if last else None, 5, i + 1,
+                                logprobs=(TokenLogprob(ord(ch), -0.01 * i - c),))
+            for chunk in chunks(c, event):
+                if isinstance(chunk, dict):  # choice 1's sibling finish: no text, no logprobs
+                    continue
+                choice = chunk.choices[0]
+                delta, lp = choice.delta, choice.logprobs
+                text_before[choice.index].append((getattr(delta, "reasoning_content", None) or "")
+                                                 + (delta.content or ""))
+                sent[choice.index] += [(e.token, e.logprob) for e in (lp.content if lp is not None else [])]
+    for c in (0, 1):
+        assert sent[c] == [(ch, pytest.approx(-0.01 * i - c)) for i, ch in enumerate(reply)]
+        assert "".join(text_before[c]) == "".join(reasoning.split(reply))
