@@ -175,3 +175,22 @@ async def test_fifty_sampled_json_schema_requests_all_parse_and_validate(smollm2
         jsonschema.validate(json.loads(choice.message.content), schema)
         valid += 1
     assert valid == 50
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_of_n_sampled_choices_follows_the_schema_with_its_own_grammar(smollm2_engine, stream):
+    # One grammar matcher per choice: a shared one would advance on the other choices' tokens.
+    schema = SCHEMAS[3]
+    format_ = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    asked = dict(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[3]}], temperature=1.0, seed=7,
+                 max_tokens=200, n=3, response_format=format_)
+    if stream:
+        texts = ["", "", ""]
+        for chunk in litellm.completion(stream=True, **asked):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+    else:
+        texts = [c.message.content for c in litellm.completion(**asked).choices]
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    assert len(set(texts)) > 1  # sampled choices, each its own
