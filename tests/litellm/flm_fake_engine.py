@@ -132,7 +132,8 @@ class FakeEngine:
         return handle
 
     def submit_choices(self, prompt_ids: list[int], params: SamplingParams, n: int, *,
-                       timeout: float | None) -> list[FakeHandle]:
-        """``n`` requests, choice ``i`` seeded as the engine seeds it."""
-        return [self.submit(prompt_ids, replace(params, seed=choice_seed(params.seed, i)), timeout=timeout)
-                for i in range(n)]
+                       timeout: float | None, processors=tuple) -> list[FakeHandle]:
+        """``n`` requests, choice ``i`` seeded as the engine seeds it (``processors``: each choice's
+        factory, as ``Engine.submit_choices``)."""
+        return [self.submit(prompt_ids, replace(params, seed=choice_seed(params.seed, i)), timeout=timeout,
+                            processors=processors()) for i in range(n)]

@@ -104,8 +104,9 @@ def test_tool_results_flow_back_into_the_next_turn(smollm2_engine, monkeypatch):
     [call] = first.choices[0].message.tool_calls
     history = ASK_WEATHER + [first.choices[0].message.model_dump(exclude_none=True),
                              {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees celsius."}]
-    prompts, submit = [], smollm2_engine.submit
-    monkeypatch.setattr(smollm2_engine, "submit", lambda ids, *a, **kw: prompts.append(ids) or submit(ids, *a, **kw))
+    prompts, submit = [], smollm2_engine.submit_choices
+    monkeypatch.setattr(smollm2_engine, "submit_choices",
+                        lambda ids, *a, **kw: prompts.append(ids) or submit(ids, *a, **kw))
     second = litellm.completion(model=MODEL, messages=history, tools=TOOLS, **GREEDY)
     assert second.choices[0].message.content or second.choices[0].message.tool_calls
     # The next turn's prompt holds the tools, the call as the model wrote it, and its result.

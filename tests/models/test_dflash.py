@@ -113,7 +113,7 @@ def test_batched_blocks_equal_one_at_a_time(tiny_target):
     got = draft.draft_logits_batch(caches, anchors)  # [3, 7, V]
     assert got.shape == (3, 7, TINY.vocab_size) and [c.length for c in caches] == [9, 0, 4]
     for s, (cache, anchor) in enumerate(zip(caches, anchors)):  # float32 rounding: the batch runs other kernels
-        np.testing.assert_allclose(got[s], draft.draft_logits(cache, anchor, cache.length), rtol=2e-5, atol=1e-5)
+        np.testing.assert_allclose(got[s], draft.draft_logits(cache, anchor, cache.length), rtol=2e-5, atol=2e-5)
     proposal = draft.propose_batch(caches, anchors)
     np.testing.assert_array_equal(proposal.ids, np.argmax(got, axis=-1))
     probs = np.exp(got - got.max(axis=-1, keepdims=True))
