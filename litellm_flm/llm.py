@@ -32,6 +32,7 @@ from litellm.types.utils import (ChatCompletionMessageToolCall, ChatCompletionTo
 
 from flm_runtime.engine.grammar import compiler_for
 from flm_runtime.engine.request import Completion, StreamEvent, TokenLogprob
+from flm_runtime.errors import InvalidRequestError
 from flm_runtime.tool_format import ToolCall, ToolCallStream, parse_tool_calls, render_messages
 
 from .errors import litellm_errors
@@ -113,6 +114,11 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     output = output_format(merge_extra_body(optional_params))
     n = choices_of(optional_params)
     raw = (litellm_params or {}).get("text_completion") is True
+    if raw and fields.get("logprobs"):  # the legacy completions' logprobs shape is not built yet
+        if not drop:
+            raise InvalidRequestError("logprobs are not supported on text completions yet; a chat completion "
+                                      "returns them", param="logprobs")
+        fields = {k: v for k, v in fields.items() if k not in ("logprobs", "top_logprobs")}
     prompts = raw_prompts(messages) if raw else None
     chat = None if raw else render_messages(normalize_messages(messages), output.functions)
     engine = _get_engine(model, backend_of(optional_params))

@@ -33,6 +33,8 @@ class ContextLengthError(InvalidRequestError):
     def __init__(self, *, prompt_tokens: int, max_tokens: int | None, context_length: int, param: str = "messages"):
         if max_tokens is None:
             detail = f"the prompt has {prompt_tokens} tokens, which leaves no room for a completion"
+        elif max_tokens == 0:  # a prompt that generates nothing (an embedding's text)
+            detail = f"the text has {prompt_tokens} tokens"
         else:
             detail = (f"the prompt has {prompt_tokens} tokens and max_tokens asks for {max_tokens} more "
                       f"({prompt_tokens + max_tokens} in all)")

@@ -200,3 +200,12 @@ def test_text_completion_continues_the_raw_text_batched_as_alone(engine):
     assert chat.choices[0].message.content != r.choices[0].text
     streamed = litellm.text_completion(model=MODEL, prompt=RAW_PROMPTS[1], temperature=0, max_tokens=12, stream=True)
     assert "".join(c.choices[0].text or "" for c in streamed) == alone[1].text
+
+
+def test_text_completion_refuses_logprobs_by_name_or_drops_them(engine):
+    with pytest.raises(litellm.BadRequestError, match="logprobs are not supported on text completions"):
+        litellm.text_completion(model=MODEL, prompt=RAW_PROMPTS[0], temperature=0, max_tokens=4, logprobs=True)
+    dropped = litellm.text_completion(model=MODEL, prompt=RAW_PROMPTS[0], temperature=0, max_tokens=4,
+                                      logprobs=True, drop_params=True)
+    plain = litellm.text_completion(model=MODEL, prompt=RAW_PROMPTS[0], temperature=0, max_tokens=4)
+    assert dropped.choices[0].text == plain.choices[0].text

@@ -155,3 +155,6 @@ def test_a_text_over_the_context_is_a_context_window_error_naming_it(smollm2_eng
     with pytest.raises(litellm.ContextWindowExceededError) as info:
         litellm.embedding(model=MODEL, input=["short", long])
     assert info.value.body["param"] == "input[1]"
+    n_tokens = len(smollm2_engine.tokenizer.encode(long))
+    assert (f"this model's context length is {smollm2_engine.context_length} tokens; the text has {n_tokens} tokens"
+            in str(info.value))
