@@ -30,9 +30,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from flm_runtime.backends import qgemm, skinny_gemm
+from flm_runtime.backends import irgen, qgemm, skinny_gemm
 from flm_runtime.backends.irgen import (F32, I1, I32, I64, as_i64, broadcast, counted_loop, data_ptr, declare,
-                                        literal, load, store, vec)
+                                        literal, load, prefetch, store, vec)
 from flm_runtime.backends.quant import QuantWeight
 from flm_runtime.core import KEY_TILE
 
@@ -108,9 +108,9 @@ def _rms_norm(x, weight, eps):  # pragma: no cover - compiled
 def _product(isa, bits, has_mins, codes, scales, mins, padded, n_out, x):  # pragma: no cover - compiled
     """``x @ w.T`` of a quantized ``w`` (``Product``'s fields): activations quantized, then
     ``qgemm.product`` (a ``prange``: the caller is parallel, ``isa, bits, has_mins`` constants)."""
-    xq, step, sx, s = qgemm.quantize_activations(x, padded)
+    xq, xw, step, sx, s = qgemm.quantize_activations(x, padded)
     out = np.empty((x.shape[0], n_out), dtype=np.float32)
-    qgemm.product(isa, bits, has_mins, codes, scales, mins, xq, step, sx, s, out)
+    qgemm.product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out)
     return out
 
 
@@ -184,6 +184,8 @@ def _score_tiles(typingctx, queries, n_queries, tiles, first, count, scale, scor
         bases = [builder.mul(i, builder.mul(d, i64(KEY_TILE))) for i in tiles_at]
         e, accs, close = counted_loop(builder, d, [ir.Constant(vf, None)] * (g * n))
         row = builder.mul(e, i64(KEY_TILE))
+        for base in bases:  # the same row of the tiles the next call scores: one stream per tile
+            prefetch(builder, kp, builder.add(builder.add(base, builder.mul(d, i64(KEY_TILE * n))), row))
         keys = [load(builder, kp, builder.add(base, row), vf) for base in bases]
         sums = []
         for j in range(g):
@@ -260,6 +262,9 @@ def _weighted_values(typingctx, weights, n_queries, values, n, column, width, sc
 
         i, accs, close = counted_loop(builder, n_v, [ir.Constant(vf, None)] * (g * chunks))
         first = builder.add(builder.mul(i, row_width), column_v)
+        for c in range(chunks):  # the value row _VALUE_AHEAD positions on
+            prefetch(builder, vp, builder.add(first, builder.add(builder.mul(row_width, i64(_VALUE_AHEAD)),
+                                                                 i64(KEY_TILE * c))))
         rows = [builder.call(masked_load, [at(vp, builder.add(first, i64(KEY_TILE * c))), ir.Constant(I32, 4), masks[c],
                                            ir.Constant(vf, None)]) for c in range(chunks)]
         sums = []
@@ -278,9 +283,12 @@ def _weighted_values(typingctx, weights, n_queries, values, n, column, width, sc
     return sig, codegen
 
 
-_SCORE_TILES = 8  # key tiles scored side by side
-_QUERY_GROUP = 3  # query heads of one key-value head taken together: 24 score chains, 12 value sums in registers
-_VALUE_COLUMNS = 64  # head-dimension columns summed in registers at a time
+_QUERY_GROUP = 3  # query heads of one key-value head taken together
+_VALUE_AHEAD = 8  # value rows ahead of the one being summed whose lines are prefetched
+# Key tiles scored side by side and head-dimension columns summed at a time, sized so that the
+# accumulators stay in registers: 3 x 8 score chains and 3 x 4 value sums of 16 lanes fill
+# AVX-512's 32 registers; AVX2's 16 registers of 8 lanes hold 3 x 2 chains and 3 x 2 sums.
+_SCORE_TILES, _VALUE_COLUMNS = (8, 64) if irgen.vector_registers() == 32 else (2, 32)
 
 
 @numba.njit(inline="always", **_ELEMENTWISE)

@@ -10,6 +10,9 @@ LLVM lowers them for whatever CPU numba compiles for. Target-specific instructio
 
 from __future__ import annotations
 
+import functools
+
+import llvmlite.binding as llvm
 import numba
 from llvmlite import ir
 from numba import types
@@ -17,6 +20,14 @@ from numba.core import cgutils
 
 I1, I8, I16, I32, I64, F16, F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                    ir.HalfType(), ir.FloatType())
+
+
+@functools.cache
+def vector_registers() -> int:
+    """How many float vector registers the host's compiled code has: 32 of 16 lanes with
+    AVX-512, else 16 (AVX2's, of 8 lanes). Kernels that keep accumulators in registers size
+    their blocks by it; spilling them to the stack costs several times their arithmetic."""
+    return 32 if llvm.get_host_cpu_features().get("avx512f", False) else 16
 
 
 def vec(t, n):
@@ -60,6 +71,14 @@ def load(builder, ptr, index, elem_type):
 def store(builder, value, ptr, index):
     """Store ``value`` at element ``index`` of ``ptr`` (unaligned)."""
     builder.store(value, builder.bitcast(builder.gep(ptr, [index]), value.type.as_pointer()), align=1)
+
+
+def prefetch(builder, ptr, index):
+    """Prefetch the cache line holding element ``index`` of ``ptr`` for reading, into every cache
+    level (never faults, past an array's end too)."""
+    f = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+    address = builder.bitcast(builder.gep(ptr, [index]), I8.as_pointer())
+    builder.call(f, [address, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def broadcast(builder, value, n):

@@ -29,8 +29,10 @@ Paths, fastest first; ``select_isa`` takes the first the host has (LLVM's own vi
 
 - ``avx512vnni``: ``vpdpbusd`` on 512-bit vectors (a whole tile per instruction);
 - ``avxvnni``: ``vpdpbusd`` on 256-bit vectors (VEX or EVEX encoded), half a tile at a time;
-- ``avx2``: ``vpmaddubsw`` + ``vpmaddwd``; 8-bit codes go in two nibbles, so that the 16-bit
-  pair sums cannot saturate;
+- ``avx2``: ``vpmaddwd`` on 16-bit words: the codes widened, the two levels joined into one
+  word ``128 * q1 + q2`` (``quantize_activations``' ``xw``), one multiply per code pair where
+  bytes would take a ``vpmaddubsw`` + ``vpmaddwd`` per level (two of each with 8-bit codes,
+  split into nibbles against the 16-bit saturation of ``vpmaddubsw``);
 - ``portable``: plain numba code (any CPU), the same arithmetic lane by lane.
 
 AMX is never used: its tile instructions fault on some hosts that report them.
@@ -54,7 +56,7 @@ from numba.extending import intrinsic, overload
 
 from flm_runtime.backends import skinny_gemm
 from flm_runtime.backends.irgen import (F16, F32, I1, I8, I16, I32, I64, as_i64, broadcast, counted_loop, data_ptr,
-                                        declare, literal, load, row_ptr, splat, store, vec)
+                                        declare, literal, load, prefetch, row_ptr, splat, store, vec)
 from flm_runtime.backends.quant import BLOCK, GROUP, TILE, ZERO_POINT, QuantWeight
 
 ISAS = ("avx512vnni", "avxvnni", "avx2", "portable")
@@ -89,12 +91,14 @@ def quantize_activations(x, padded):  # pragma: no cover - compiled
 
     Returns:
         ``xq`` ``[M, 2 * Kp]`` int8 (``q1`` in columns ``0 .. Kp-1``, ``q2`` in ``Kp ..``, input
-        order, padding zeros); ``step`` ``[M, Kp/32]`` float32; ``sx`` ``[M, Kp/32]`` float32,
+        order, padding zeros); ``xw`` ``[M, Kp]`` int16, the two levels joined, ``128 * q1 + q2``
+        (``|xw| <= 16383``); ``step`` ``[M, Kp/32]`` float32; ``sx`` ``[M, Kp/32]`` float32,
         ``step * S``; ``s`` ``[M, Kp/32]`` int32, ``S`` (``Kp = padded``).
     """
     m, k = x.shape
     nb = padded // BLOCK
     xq = np.empty((m, 2 * padded), dtype=np.int8)
+    xw = np.empty((m, padded), dtype=np.int16)
     step = np.empty((m, nb), dtype=np.float32)
     sx = np.empty((m, nb), dtype=np.float32)
     s = np.empty((m, nb), dtype=np.int32)
@@ -105,24 +109,25 @@ def quantize_activations(x, padded):  # pragma: no cover - compiled
             padded_row[:k] = row
             row = padded_row
         for b in range(nb):
-            st, total = _quantize_block(row, xq, r, b, padded)
+            st, total = _quantize_block(row, xq, xw, r, b, padded)
             step[r, b] = st
             s[r, b] = total
             sx[r, b] = st * np.float32(total)  # exact: |S| < 2**24
-    return xq, step, sx, s
+    return xq, xw, step, sx, s
 
 
 @intrinsic
-def _quantize_block(typingctx, row, xq, r, b, padded):  # pragma: no cover - compiled
-    """``_quantize_block(row, xq, r, b, padded) -> (step, S)``: inputs ``32b .. 32b+31`` of ``row``
-    (1-D float32) in two levels (module docstring), written to ``xq[r, 32b ..]`` (``q1``) and
-    ``xq[r, padded + 32b ..]`` (``q2``), as ``<32 x float>`` vector IR (the scalar loop's max
-    and rounding did not vectorize). ``S = sum(128 * q1 + q2)``, in integers."""
-    sig = types.Tuple((types.float32, types.int32))(row, xq, r, b, padded)
+def _quantize_block(typingctx, row, xq, xw, r, b, padded):  # pragma: no cover - compiled
+    """``_quantize_block(row, xq, xw, r, b, padded) -> (step, S)``: inputs ``32b .. 32b+31`` of
+    ``row`` (1-D float32) in two levels (module docstring), written to ``xq[r, 32b ..]`` (``q1``),
+    ``xq[r, padded + 32b ..]`` (``q2``) and ``xw[r, 32b ..]`` (``128 * q1 + q2``), as ``<32 x
+    float>`` vector IR (the scalar loop's max and rounding did not vectorize). ``S = sum(128 *
+    q1 + q2)``, in integers."""
+    sig = types.Tuple((types.float32, types.int32))(row, xq, xw, r, b, padded)
 
     def codegen(context, builder, signature, args):
-        row_t, xq_t = signature.args[:2]
-        row_v, xq_v, r_v, b_v, padded_v = args
+        row_t, xq_t, xw_t = signature.args[:3]
+        row_v, xq_v, xw_v, r_v, b_v, padded_v = args
         r_v, b_v, padded_v = (as_i64(builder, v) for v in (r_v, b_v, padded_v))
         vf, vi = vec(F32, BLOCK), vec(I32, BLOCK)
         f32 = lambda v: ir.Constant(F32, v)  # noqa: E731
@@ -152,36 +157,65 @@ def _quantize_block(typingctx, row, xq, r, b, padded):  # pragma: no cover - com
         for column, q in ((first, i1), (builder.add(padded_v, first), i2)):
             store(builder, builder.trunc(q, vec(I8, BLOCK)), out, column)
         joined = builder.add(builder.shl(i1, splat(I32, BLOCK, LEVEL_SHIFT)), i2)
+        store(builder, builder.trunc(joined, vec(I16, BLOCK)), row_ptr(context, builder, xw_t, xw_v, r_v, I16), first)
         total = builder.call(declare(builder, "llvm.vector.reduce.add.v32i32", I32, [vi]), [joined])
         return context.make_tuple(builder, signature.return_type, [st, total])
 
     return sig, codegen
 
 
-def _dot4(builder, isa, bits, acc, codes, x):
+def _dot4(builder, acc, codes, x):
     """``acc`` (``<n x i32>``) plus, per 32-bit lane, the sum of its four code bytes (unsigned)
-    times the four int8 of ``x`` (``<4n x i8>`` each): exact on every path."""
-    n = codes.type.count // 4
-    v = vec(I32, n)
-    if isa in ("avx512vnni", "avxvnni"):
-        name = "llvm.x86.avx512.vpdpbusd.512" if n == 16 else "llvm.x86.avx512.vpdpbusd.256"
-        f = declare(builder, name, v, [v, v, v])
-        return builder.call(f, [acc, builder.bitcast(codes, v), builder.bitcast(x, v)])
-    return builder.add(acc, _pair_sums(builder, bits, codes, x))
+    times the four int8 of ``x`` (``<4n x i8>`` each), exact: ``vpdpbusd``."""
+    v = vec(I32, codes.type.count // 4)
+    name = "llvm.x86.avx512.vpdpbusd.512" if v.count == 16 else "llvm.x86.avx512.vpdpbusd.256"
+    return builder.call(declare(builder, name, v, [v, v, v]), [acc, builder.bitcast(codes, v), builder.bitcast(x, v)])
 
 
-def _pair_sums(builder, bits, codes, x):
-    """AVX2's ``vpmaddubsw`` + ``vpmaddwd`` form of ``_dot4``'s sums (``<8 x i32>``)."""
-    pmaddubsw = declare(builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32)] * 2)
+def _byte_dots(builder, tile_codes, xrow, x0, padded):
+    """A block's integer sums ``128 * sum(code * q1) + sum(code * q2)`` (``<n x i32>``, a lane a
+    weight row) of one activation row (``xrow``, its ``xq`` row; ``x0`` the block's first input),
+    on the VNNI paths: a dot product of bytes per level."""
+    width = tile_codes[0].type.count // 4
+    levels = []
+    for level in range(2):
+        start = builder.add(x0, padded) if level else x0
+        chains = [ir.Constant(vec(I32, width), None)] * _CHAINS  # independent sums: the adds overlap
+        for k, c in enumerate(tile_codes):
+            word = load(builder, xrow, builder.add(start, ir.Constant(I64, GROUP * k)), I32)
+            x_k = builder.bitcast(broadcast(builder, word, width), c.type)
+            chains[k % _CHAINS] = _dot4(builder, chains[k % _CHAINS], c, x_k)
+        levels.append(builder.add(*chains))
+    return builder.add(builder.shl(levels[0], splat(I32, width, LEVEL_SHIFT)), levels[1])
+
+
+def _word_dots(builder, tile_codes, wrows, x0):
+    """AVX2's form of ``_byte_dots`` for every activation row at once (``wrows``: their ``xw``
+    rows), the same integers: codes and the joined levels ``128 * q1 + q2`` as 16-bit words
+    into ``vpmaddwd``. One multiply per code pair and row, where the bytes' form takes two
+    levels of ``vpmaddubsw`` + ``vpmaddwd`` (four with 8-bit codes, split into nibbles against
+    saturation); ``|code * xw|`` sums stay far inside int32.
+
+    Each code vector (8 weight rows x 4 codes) is spread by one in-lane byte shuffle into the
+    words of its codes 0-1 and of its codes 2-3, so that a 32-bit lane still holds one weight
+    row; the words of inputs ``4k, 4k+1`` (then ``4k+2, 4k+3``) are broadcast against them."""
+    i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
     pmaddwd = declare(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16)] * 2)
-    ones = splat(I16, 16, 1)
-    if bits == 4:  # codes <= 15: a pair sum is at most 2 * 15 * 128, no saturation
-        return builder.call(pmaddwd, [builder.call(pmaddubsw, [codes, x]), ones])
-    low = builder.and_(codes, splat(I8, 32, 0x0F))
-    high = builder.lshr(codes, splat(I8, 32, 4))
-    s_low = builder.call(pmaddwd, [builder.call(pmaddubsw, [low, x]), ones])
-    s_high = builder.call(pmaddwd, [builder.call(pmaddubsw, [high, x]), ones])
-    return builder.add(s_low, builder.shl(s_high, splat(I32, 8, 4)))
+    zero = ir.Constant(vec(I8, 32), None)
+    spreads = [ir.Constant(vec(I32, 32), [4 * (i // 4) + pair + i % 4 // 2 if i % 2 == 0 else 32 for i in range(32)])
+               for pair in (0, 2)]  # lane bytes (c0, 0, c1, 0) and (c2, 0, c3, 0)
+    words = [[builder.bitcast(builder.shuffle_vector(c, zero, spread), vec(I16, 16)) for spread in spreads]
+             for c in tile_codes]
+    totals = []
+    for wrow in wrows:
+        chains = [ir.Constant(vec(I32, 8), None)] * _CHAINS
+        for k, pairs in enumerate(words):
+            for half, code_words in enumerate(pairs):
+                word = load(builder, wrow, builder.add(x0, i64(GROUP * k + 2 * half)), I32)  # two int16
+                x_k = builder.bitcast(broadcast(builder, word, 8), vec(I16, 16))
+                chains[half] = builder.add(chains[half], builder.call(pmaddwd, [code_words, x_k]))
+        totals.append(builder.add(*chains))
+    return totals
 
 
 def _tile_codes(builder, bits, width, wrow, b, part):
@@ -202,10 +236,10 @@ def _tile_codes(builder, bits, width, wrow, b, part):
 
 def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
     """IR of ``_tile_dots``: tile ``t`` against activation rows ``r0 .. r0+group-1``."""
-    codes_t, scales_t, mins_t, _, xq_t, step_t, sx_t, s_t, _, out_t = sig.args
-    codes, scales, mins, t, xq, step, sx, s, r0, out = args
+    codes_t, scales_t, mins_t, _, xq_t, xw_t, step_t, sx_t, s_t, _, out_t = sig.args
+    codes, scales, mins, t, xq, xw, step, sx, s, r0, out = args
     width = 16 if isa == "avx512vnni" else 8
-    vf, vi = vec(F32, width), vec(I32, width)
+    vf = vec(F32, width)
     fma = declare(builder, f"llvm.fma.v{width}f32", vf, [vf] * 3)
     i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
     t, r0 = as_i64(builder, t), as_i64(builder, r0)
@@ -216,13 +250,12 @@ def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
     wrow = row_ptr(context, builder, codes_t, codes, t, I8)
     srow = row_ptr(context, builder, scales_t, scales, t, F16)
     mrow = row_ptr(context, builder, mins_t, mins, t, F16) if has_mins else None
-    xrows, steps, sxs, ss, outs = (rows_of(xq_t, xq, I8), rows_of(step_t, step, F32), rows_of(sx_t, sx, F32),
-                                   rows_of(s_t, s, I32), rows_of(out_t, out, F32))
+    xrows, wrows, steps, sxs, ss, outs = (rows_of(xq_t, xq, I8), rows_of(xw_t, xw, I16), rows_of(step_t, step, F32),
+                                          rows_of(sx_t, sx, F32), rows_of(s_t, s, I32), rows_of(out_t, out, F32))
     shape = cgutils.unpack_tuple(builder, context.make_array(scales_t)(context, builder, scales).shape, 2)
     n_blocks = builder.sdiv(shape[1], i64(TILE))
     padded = builder.mul(n_blocks, i64(BLOCK))
     n_out = cgutils.unpack_tuple(builder, context.make_array(out_t)(context, builder, out).shape, 2)[1]
-    prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
     masked_store = declare(builder, f"llvm.masked.store.v{width}f32.p0", ir.VoidType(),
                        [vf, F32.as_pointer(), I32, vec(I1, width)])
 
@@ -232,25 +265,19 @@ def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
             block_bytes = TILE * BLOCK * bits // 8
             ahead = builder.mul(builder.add(b, i64(_PREFETCH_BLOCKS)), i64(block_bytes))
             for line in range(0, block_bytes, 64):
-                builder.call(prefetch, [builder.gep(wrow, [builder.add(ahead, i64(line))]), ir.Constant(I32, 0),
-                                        ir.Constant(I32, 3), ir.Constant(I32, 1)])
+                prefetch(builder, wrow, builder.add(ahead, i64(line)))
         tile_codes = _tile_codes(builder, bits, width, wrow, b, part)
         lane0 = builder.add(builder.mul(b, i64(TILE)), i64(part * width))
         scale = builder.fpext(load(builder, srow, lane0, vec(F16, width)), vf)
         if has_mins:
             block_mins = builder.fpext(load(builder, mrow, lane0, vec(F16, width)), vf)
+        x0 = builder.mul(b, i64(BLOCK))
+        if isa == "avx2":
+            totals = _word_dots(builder, tile_codes, wrows, x0)
+        else:
+            totals = [_byte_dots(builder, tile_codes, xrow, x0, padded) for xrow in xrows]
         new_accs = []
-        for g in range(group):
-            levels = []
-            for level in range(2):
-                x0 = builder.add(builder.mul(b, i64(BLOCK)), padded if level else i64(0))
-                chains = [ir.Constant(vi, None)] * _CHAINS  # independent sums: the adds overlap
-                for k, c in enumerate(tile_codes):
-                    word = load(builder, xrows[g], builder.add(x0, i64(GROUP * k)), I32)
-                    x_k = builder.bitcast(broadcast(builder, word, width), c.type)
-                    chains[k % _CHAINS] = _dot4(builder, isa, bits, chains[k % _CHAINS], c, x_k)
-                levels.append(builder.add(*chains))
-            total = builder.add(builder.shl(levels[0], splat(I32, width, LEVEL_SHIFT)), levels[1])
+        for g, total in enumerate(totals):
             step_g = broadcast(builder, load(builder, steps[g], b, F32), width)
             if not has_mins:  # take the zero point out in integers (module docstring)
                 s_g = broadcast(builder, load(builder, ss[g], b, I32), width)
@@ -270,15 +297,15 @@ def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
 
 
 @intrinsic
-def _tile_dots(typingctx, isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0,
+def _tile_dots(typingctx, isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0,
                out):  # pragma: no cover
-    """``_tile_dots(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out)``
+    """``_tile_dots(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out)``
     writes ``out[r0 + g, 16t .. 16t+15]`` (the columns below ``out``'s width) for ``g < group``
     (the module docstring's arithmetic) on the vector path ``ISAS[isa]``; the first four are
     compile-time constants, ``mins`` is read only when ``has_mins``."""
     consts = (ISAS[literal(isa, "isa")], literal(bits, "bits"), literal(group, "group"),
               bool(literal(has_mins, "has_mins")))
-    sig = types.void(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out)
+    sig = types.void(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out)
 
     def codegen(context, builder, signature, args):
         inner = signature.replace(args=signature.args[4:])
@@ -340,21 +367,21 @@ def _portable_tile(codes, scales, mins, t, xq, step, sx, s, r, out, bits, has_mi
 
 # --- the kernels ----------------------------------------------------------------------------------
 
-def _tile_group(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out):
+def _tile_group(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out):
     """Tile ``t`` against activation rows ``r0 .. r0+group-1`` (compiled: ``_tile_group_impl``)."""
 
 
 @overload(_tile_group, inline="always")
-def _tile_group_impl(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out):
+def _tile_group_impl(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out):
     """The portable path row by row, the vector paths through ``_tile_dots``; chosen while typing
     (the four leading arguments are constants), so a host compiles only the path it runs."""
     if ISAS[literal(isa, "isa")] != "portable":
-        def vector(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out):  # pragma: no cover
-            _tile_dots(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out)
+        def vector(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out):  # pragma: no cover
+            _tile_dots(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out)
 
         return vector
 
-    def portable(isa, bits, has_mins, group, codes, scales, mins, t, xq, step, sx, s, r0, out):  # pragma: no cover
+    def portable(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out):  # pragma: no cover
         for r in range(r0, r0 + group):
             _portable_tile(codes, scales, mins, t, xq, step, sx, s, r, out, bits, has_mins)
 
@@ -362,36 +389,36 @@ def _tile_group_impl(isa, bits, has_mins, group, codes, scales, mins, t, xq, ste
 
 
 @numba.njit(inline="always")
-def product(isa, bits, has_mins, codes, scales, mins, xq, step, sx, s, out):  # pragma: no cover - compiled
+def product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out):  # pragma: no cover - compiled
     """``out[r, n]`` for every activation row ``r`` and weight row ``n``, tiles over the threads
     (a ``prange``: call it from a ``parallel=True`` function with constant ``isa``, ``bits``,
     ``has_mins``), activation rows in groups of 8, 4, 2, 1 (a tile's codes read once a group).
-    ``codes, scales, mins`` are ``operands(w)``; ``xq, step, sx, s`` ``quantize_activations``'."""
+    ``codes, scales, mins`` are ``operands(w)``; ``xq, xw, step, sx, s`` ``quantize_activations``'."""
     m = xq.shape[0]
     for t in numba.prange(codes.shape[0]):
         r = 0
         while r < m:
             rem = m - r
             if rem >= 8:
-                _tile_group(isa, bits, has_mins, 8, codes, scales, mins, t, xq, step, sx, s, r, out)
+                _tile_group(isa, bits, has_mins, 8, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
                 r += 8
             elif rem >= 4:
-                _tile_group(isa, bits, has_mins, 4, codes, scales, mins, t, xq, step, sx, s, r, out)
+                _tile_group(isa, bits, has_mins, 4, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
                 r += 4
             elif rem >= 2:
-                _tile_group(isa, bits, has_mins, 2, codes, scales, mins, t, xq, step, sx, s, r, out)
+                _tile_group(isa, bits, has_mins, 2, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
                 r += 2
             else:
-                _tile_group(isa, bits, has_mins, 1, codes, scales, mins, t, xq, step, sx, s, r, out)
+                _tile_group(isa, bits, has_mins, 1, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
                 r += 1
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _matmul(codes, scales, mins, xq, step, sx, s, out, isa, bits, has_mins):  # pragma: no cover - compiled
+def _matmul(codes, scales, mins, xq, xw, step, sx, s, out, isa, bits, has_mins):  # pragma: no cover - compiled
     numba.literally(isa)
     numba.literally(bits)
     numba.literally(has_mins)
-    product(isa, bits, has_mins, codes, scales, mins, xq, step, sx, s, out)
+    product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out)
 
 
 @functools.cache
@@ -401,8 +428,8 @@ def _matmul_of(fmt: Format):
     isa, bits, has_mins = fmt
 
     @numba.njit(nogil=True)
-    def matmul(codes, scales, mins, xq, step, sx, s, out):  # pragma: no cover - compiled
-        _matmul(codes, scales, mins, xq, step, sx, s, out, isa, bits, has_mins)
+    def matmul(codes, scales, mins, xq, xw, step, sx, s, out):  # pragma: no cover - compiled
+        _matmul(codes, scales, mins, xq, xw, step, sx, s, out, isa, bits, has_mins)
 
     return matmul
 

@@ -84,7 +84,7 @@ def test_activations_are_quantized_by_the_two_level_rule(x):
     # The rule of the module docstring in numpy, on a width that is not whole blocks (the last
     # block padded with zeros): q1 = rint(x / dx), q2 = rint((x - dx q1) / step), step = dx / 128.
     k, padded = 150, 160
-    xq, step, sx, s = qgemm.quantize_activations(np.ascontiguousarray(x[:, :k]), padded)
+    xq, xw, step, sx, s = qgemm.quantize_activations(np.ascontiguousarray(x[:, :k]), padded)
     blocks = np.pad(x[:, :k], ((0, 0), (0, padded - k))).reshape(16, -1, quant.BLOCK)
     dx = np.abs(blocks).max(-1) / np.float32(127)
     want_step = dx / np.float32(2**qgemm.LEVEL_SHIFT)
@@ -93,6 +93,7 @@ def test_activations_are_quantized_by_the_two_level_rule(x):
     q2 = np.where(dx[..., None] > 0, np.clip(np.rint((blocks - dx[..., None] * q1)
                                                      * (np.float32(1) / (safe / np.float32(128)))), -127, 127), 0)
     assert np.array_equal(xq, np.concatenate([q1.reshape(16, -1), q2.reshape(16, -1)], axis=1).astype(np.int8))
+    assert np.array_equal(xw, (128 * q1 + q2).reshape(16, -1).astype(np.int16))  # the joined levels
     assert np.array_equal(step, want_step)
     assert np.array_equal(s, (128 * q1 + q2).sum(-1).astype(np.int32))
     assert np.array_equal(sx, want_step * s.astype(np.float32))
