@@ -3,9 +3,9 @@ float32 reference, batched BLAS products over row-major keys), interleaved in on
 
 One layer of SmolLM2-135M's geometry (9 query heads, 3 key-value heads, head dim 64) over random
 keys and values, ``T`` query rows appended at each context: T = 1 is a decode step, T = 8 a DFlash
-verify pass. Each figure is the median over rounds of a best-of-``--repeat`` time in
-microseconds; the two implementations alternate within every round, so that machine noise hits
-both. The kernel runs on numba's threads (``NUMBA_NUM_THREADS``), numpy on OpenBLAS's.
+verify pass. The kernel runs over a float32 cache (the float32 reference model's) and a float16
+one (a quantized model's). Each figure is the median over rounds of a best-of-``--repeat`` time
+in microseconds; the three alternate within every round, so that machine noise hits all. The kernel runs on numba's threads (``NUMBA_NUM_THREADS``), numpy on OpenBLAS's.
 
     python benchmarks/attention.py [--contexts 256,4096] [--rows 1,8] [--rounds 5] [--repeat 50]
 """
@@ -35,23 +35,27 @@ def best_of(fn, repeat: int) -> float:
     return best * 1e6
 
 
-def measure(context: int, rows: int, rounds: int, repeat: int) -> tuple[float, float]:
-    """Median microseconds of the kernel and of numpy for ``rows`` queries at ``context``."""
+def measure(context: int, rows: int, rounds: int, repeat: int) -> tuple[float, float, float]:
+    """Median microseconds of the kernel over a float32 and a float16 cache, and of numpy, for
+    ``rows`` queries at ``context``."""
     rng = np.random.default_rng(context + rows)
-    k, v = (rng.standard_normal((KV_HEADS, context, HEAD_DIM)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((KV_HEADS, context, HEAD_DIM)).astype(np.float16).astype(np.float32)
+            for _ in range(2))  # values a float16 cache holds exactly
     q = rng.standard_normal((rows, HEADS, HEAD_DIM)).astype(np.float32)
-    cache = KVCache(1, KV_HEADS, HEAD_DIM, max_length=context)
-    cache.reserve(context)
-    cache.write(0, k, v)
-    cache.commit(context)
-    out = np.empty((rows, HEADS * HEAD_DIM), dtype=np.float32)
     start = context - rows
-    kernel = lambda: fused.attend(q, cache.k[0], cache.v[0], start, True, out)  # noqa: E731
-    reference = lambda: cpu.attention(q, k, v, start)  # noqa: E731
-    kernel()
-    np.testing.assert_allclose(out, reference(), rtol=0, atol=1e-5)  # the same attention
-    times = [(best_of(kernel, repeat), best_of(reference, repeat)) for _ in range(rounds)]
-    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+    fns = []
+    for dtype in (np.float32, np.float16):
+        cache = KVCache(1, KV_HEADS, HEAD_DIM, max_length=context, dtype=dtype)
+        cache.reserve(context)
+        cache.write(0, k, v)
+        cache.commit(context)
+        out = np.empty((rows, HEADS * HEAD_DIM), dtype=np.float32)
+        fns.append(lambda out=out, cache=cache: fused.attend(q, *fused.cache_arrays(cache, 0), start, True, out) or out)
+    fns.append(lambda: cpu.attention(q, k, v, start))
+    for fn in fns[:2]:
+        np.testing.assert_allclose(fn(), fns[2](), rtol=0, atol=1e-5)  # the same attention
+    times = [[best_of(fn, repeat) for fn in fns] for _ in range(rounds)]
+    return tuple(statistics.median(t[i] for t in times) for i in range(3))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,11 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=50)
     args = parser.parse_args(argv)
-    print("| context | rows | kernel (us) | numpy (us) | numpy / kernel |\n|---:|---:|---:|---:|---:|")
+    print("| context | rows | kernel, float32 cache (us) | kernel, float16 cache (us) | numpy (us) "
+          "| numpy / kernel float32 | numpy / kernel float16 |\n|---:|---:|---:|---:|---:|---:|---:|")
     for context in (int(c) for c in args.contexts.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
-            kernel, numpy_ = measure(context, rows, args.rounds, args.repeat)
-            print(f"| {context} | {rows} | {kernel:.1f} | {numpy_:.1f} | {numpy_ / kernel:.2f} |")
+            f32, f16, numpy_ = measure(context, rows, args.rounds, args.repeat)
+            print(f"| {context} | {rows} | {f32:.1f} | {f16:.1f} | {numpy_:.1f} | {numpy_ / f32:.2f} | {numpy_ / f16:.2f} |")
 
 
 if __name__ == "__main__":

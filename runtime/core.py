@@ -68,7 +68,8 @@ KEY_TILE = 16  # positions per tile of the key cache: one 16-lane float32 vector
 class KVCache:
     """Keys and values of one sequence for every layer.
 
-    ``v`` is ``[L, Hkv, S, D]`` float32. ``k`` holds the keys of the same positions in tiles of
+    ``v`` is ``[L, Hkv, S, D]`` of ``dtype`` (float32, or float16 for a quantized target: half
+    the bytes a decode step reads at long context, as llama.cpp's default cache). ``k`` holds the keys of the same positions in tiles of
     ``KEY_TILE`` positions, transposed: ``[L, Hkv, S / KEY_TILE, D, KEY_TILE]``, the key of
     position ``p`` being ``k[l, h, p // KEY_TILE, :, p % KEY_TILE]``, so that the attention
     kernel scores a tile's 16 positions with one vector multiply-add per head dimension
@@ -81,14 +82,17 @@ class KVCache:
         n_layers, n_kv_heads, head_dim: model geometry (L, Hkv, D).
         max_length: the model's context length (tokens); appending past it is a bug (assert).
         capacity: initial capacity (tokens), clamped to ``max_length``.
+        dtype: ``np.float32`` or ``np.float16``; written keys and values are rounded to it.
     """
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_length: int, capacity: int = 0):
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_length: int, capacity: int = 0,
+                 dtype: type = np.float32):
+        assert dtype in (np.float32, np.float16), f"KV cache dtype {dtype}"
         self.max_length = max_length
         self.length = 0
         cap = min(max_length, _round_up(max(capacity, 1)))
-        self.k = np.zeros((n_layers, n_kv_heads, _tiles(cap), head_dim, KEY_TILE), dtype=np.float32)
-        self.v = np.zeros((n_layers, n_kv_heads, cap, head_dim), dtype=np.float32)  # [L, Hkv, S, D]
+        self.k = np.zeros((n_layers, n_kv_heads, _tiles(cap), head_dim, KEY_TILE), dtype=dtype)
+        self.v = np.zeros((n_layers, n_kv_heads, cap, head_dim), dtype=dtype)  # [L, Hkv, S, D]
 
     @property
     def capacity(self) -> int:

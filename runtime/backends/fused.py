@@ -31,7 +31,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from flm_runtime.backends import irgen, qgemm, skinny_gemm
-from flm_runtime.backends.irgen import (F32, I1, I32, I64, as_i64, broadcast, counted_loop, data_ptr, declare,
+from flm_runtime.backends.irgen import (F16, F32, I1, I32, I64, as_i64, broadcast, counted_loop, data_ptr, declare,
                                         literal, load, prefetch, store, vec)
 from flm_runtime.backends.quant import QuantWeight
 from flm_runtime.core import KEY_TILE
@@ -149,11 +149,21 @@ def attention_in(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_h
     return q, k, v
 
 
-def _contiguous(*array_types):
-    """Typing check of the attention intrinsics, which address their arrays' rows directly."""
-    for t in array_types:
-        if not (isinstance(t, types.Array) and t.layout == "C" and t.dtype == types.float32):
-            raise numba.core.errors.TypingError(f"attention takes C-contiguous float32 arrays, got {t}")
+def _contiguous(*array_types, cache=None):
+    """Typing check of the attention intrinsics, which address their arrays' rows directly: C-
+    contiguous float32 arrays, and ``cache`` (keys or values) float32 or float16 bits (uint16:
+    numba has no float16 arrays). Returns the cache's element type in IR (F32 or F16)."""
+    for t in (*array_types, cache) if cache is not None else array_types:
+        dtypes = (types.float32, types.uint16) if t is cache else (types.float32,)
+        if not (isinstance(t, types.Array) and t.layout == "C" and t.dtype in dtypes):
+            raise numba.core.errors.TypingError(f"attention takes C-contiguous float32 arrays (a KV cache: "
+                                                f"float16 bits too), got {t}")
+    return F16 if cache is not None and cache.dtype == types.uint16 else F32
+
+
+def _widen(builder, value):
+    """A vector of cache elements as float32 (float16 ones converted exactly)."""
+    return builder.fpext(value, vec(F32, value.type.count)) if value.type.element == F16 else value
 
 
 @intrinsic
@@ -165,7 +175,7 @@ def _score_tiles(typingctx, queries, n_queries, tiles, first, count, scale, scor
     fused multiply-adds over ``e`` in order. A tile's row is loaded once for all the queries,
     and the chains run side by side so that their latencies overlap; each chain's arithmetic is
     the same whatever runs beside it."""
-    _contiguous(queries, tiles, scores)
+    elem = _contiguous(queries, scores, cache=tiles)
     g, n = literal(n_queries, "n_queries"), literal(count, "count")
     sig = types.void(queries, n_queries, tiles, first, count, scale, scores)
 
@@ -175,8 +185,8 @@ def _score_tiles(typingctx, queries, n_queries, tiles, first, count, scale, scor
         first_v = as_i64(builder, first_v)
         d = builder.extract_value(context.make_array(q_t)(context, builder, queries_v).shape, 1)
         score_width = builder.extract_value(context.make_array(s_t)(context, builder, scores_v).shape, 1)
-        qp, kp, sp = (data_ptr(context, builder, t, v, F32) for t, v in ((q_t, queries_v), (k_t, tiles_v),
-                                                                          (s_t, scores_v)))
+        qp, sp = (data_ptr(context, builder, t, v, F32) for t, v in ((q_t, queries_v), (s_t, scores_v)))
+        kp = data_ptr(context, builder, k_t, tiles_v, elem)
         vf = vec(F32, KEY_TILE)
         fma = declare(builder, f"llvm.fma.v{KEY_TILE}f32", vf, [vf] * 3)
         i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
@@ -186,7 +196,7 @@ def _score_tiles(typingctx, queries, n_queries, tiles, first, count, scale, scor
         row = builder.mul(e, i64(KEY_TILE))
         for base in bases:  # the same row of the tiles the next call scores: one stream per tile
             prefetch(builder, kp, builder.add(builder.add(base, builder.mul(d, i64(KEY_TILE * n))), row))
-        keys = [load(builder, kp, builder.add(base, row), vf) for base in bases]
+        keys = [_widen(builder, load(builder, kp, builder.add(base, row), vec(elem, KEY_TILE))) for base in bases]
         sums = []
         for j in range(g):
             qe = broadcast(builder, load(builder, qp, builder.add(builder.mul(i64(j), d), e), F32), KEY_TILE)
@@ -223,50 +233,58 @@ def _max_of_tiles(typingctx, scores, n_tiles):  # pragma: no cover - compiled
 
 
 @intrinsic
-def _weighted_values(typingctx, weights, n_queries, values, n, column, width, scales,
+def _weighted_values(typingctx, weights, n_queries, values, n, column, width, masked, scales,
                      out):  # pragma: no cover - compiled
-    """``_weighted_values(weights, n_queries, values, n, column, width, scales, out)``: for each
-    of the first ``n_queries`` (a constant) rows ``j`` of ``weights`` ``[G, N']``, ``out[j * D +
-    column + c] = scales[j] * sum_i weights[j, i] * values[i, column + c]`` over ``i < n`` for
-    ``c < width`` (a constant multiple of 16) and ``column + c`` below the row width ``D`` of
-    ``values`` (the lanes past it are neither read nor written). The sums stay in registers,
-    each lane a chain over ``i`` in order (the same whatever runs beside it); a value row is
-    loaded once for all the queries."""
-    _contiguous(weights, values, scales, out)
-    g, w = literal(n_queries, "n_queries"), literal(width, "width")
+    """``_weighted_values(weights, n_queries, values, n, column, width, masked, scales, out)``:
+    for each of the first ``n_queries`` (a constant) rows ``j`` of ``weights`` ``[G, N']``,
+    ``out[j * D + column + c] = scales[j] * sum_i weights[j, i] * values[i, column + c]`` over
+    ``i < n`` for ``c < width`` (a constant multiple of 16), ``D`` the row width of ``values``.
+    ``masked`` (a constant): lanes with ``column + c >= D`` are neither read nor written;
+    without it the caller ensures ``column + width <= D``. The sums stay in registers, each lane
+    a chain over ``i`` in order (the same whatever runs beside it); a value row is loaded once
+    for all the queries."""
+    elem = _contiguous(weights, scales, out, cache=values)
+    g, w, is_masked = literal(n_queries, "n_queries"), literal(width, "width"), bool(literal(masked, "masked"))
     assert w % KEY_TILE == 0
-    sig = types.void(weights, n_queries, values, n, column, width, scales, out)
+    sig = types.void(weights, n_queries, values, n, column, width, masked, scales, out)
 
     def codegen(context, builder, signature, args):
-        p_t, _, v_t, _, _, _, c_t, o_t = signature.args
-        weights_v, _, values_v, n_v, column_v, _, scales_v, out_v = args
+        p_t, _, v_t, _, _, _, _, c_t, o_t = signature.args
+        weights_v, _, values_v, n_v, column_v, _, _, scales_v, out_v = args
         n_v, column_v = as_i64(builder, n_v), as_i64(builder, column_v)
         weights_width = builder.extract_value(context.make_array(p_t)(context, builder, weights_v).shape, 1)
-        pp, vp, cp, op = (data_ptr(context, builder, t, v, F32) for t, v in ((p_t, weights_v), (v_t, values_v),
-                                                                              (c_t, scales_v), (o_t, out_v)))
+        pp, cp, op = (data_ptr(context, builder, t, v, F32) for t, v in ((p_t, weights_v), (c_t, scales_v),
+                                                                          (o_t, out_v)))
+        vp = data_ptr(context, builder, v_t, values_v, elem)
         row_width = builder.extract_value(context.make_array(v_t)(context, builder, values_v).shape, 1)
-        vf, mask_t = vec(F32, KEY_TILE), vec(I1, KEY_TILE)
+        vf, ve, mask_t = vec(F32, KEY_TILE), vec(elem, KEY_TILE), vec(I1, KEY_TILE)
         i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
         fma = declare(builder, f"llvm.fma.v{KEY_TILE}f32", vf, [vf] * 3)
-        masked_load = declare(builder, f"llvm.masked.load.v{KEY_TILE}f32.p0", vf, [vf.as_pointer(), I32, mask_t, vf])
-        masked_store = declare(builder, f"llvm.masked.store.v{KEY_TILE}f32.p0", ir.VoidType(),
-                               [vf, vf.as_pointer(), I32, mask_t])
         chunks = w // KEY_TILE
-        lane = ir.Constant(vec(I64, KEY_TILE), list(range(KEY_TILE)))
-        width_v = broadcast(builder, row_width, KEY_TILE)
-        masks = [builder.icmp_signed("<", builder.add(broadcast(builder, builder.add(column_v, i64(KEY_TILE * c)),
-                                                                KEY_TILE), lane), width_v) for c in range(chunks)]
+        if is_masked:
+            suffix = f"v{KEY_TILE}{'f16' if elem == F16 else 'f32'}"
+            masked_load = declare(builder, f"llvm.masked.load.{suffix}.p0", ve, [ve.as_pointer(), I32, mask_t, ve])
+            masked_store = declare(builder, f"llvm.masked.store.v{KEY_TILE}f32.p0", ir.VoidType(),
+                                   [vf, vf.as_pointer(), I32, mask_t])
+            lane = ir.Constant(vec(I64, KEY_TILE), list(range(KEY_TILE)))
+            width_v = broadcast(builder, row_width, KEY_TILE)
+            masks = [builder.icmp_signed("<", builder.add(broadcast(builder, builder.add(column_v, i64(KEY_TILE * c)),
+                                                                    KEY_TILE), lane), width_v) for c in range(chunks)]
 
-        def at(ptr, index):
-            return builder.bitcast(builder.gep(ptr, [index]), vf.as_pointer())
+        def at(ptr, index, t):
+            return builder.bitcast(builder.gep(ptr, [index]), t.as_pointer())
+
+        def read(c, index):
+            if is_masked:
+                return builder.call(masked_load, [at(vp, index, ve), ir.Constant(I32, 2), masks[c], ir.Constant(ve, None)])
+            return load(builder, vp, index, ve)
 
         i, accs, close = counted_loop(builder, n_v, [ir.Constant(vf, None)] * (g * chunks))
         first = builder.add(builder.mul(i, row_width), column_v)
         for c in range(chunks):  # the value row _VALUE_AHEAD positions on
             prefetch(builder, vp, builder.add(first, builder.add(builder.mul(row_width, i64(_VALUE_AHEAD)),
                                                                  i64(KEY_TILE * c))))
-        rows = [builder.call(masked_load, [at(vp, builder.add(first, i64(KEY_TILE * c))), ir.Constant(I32, 4), masks[c],
-                                           ir.Constant(vf, None)]) for c in range(chunks)]
+        rows = [_widen(builder, read(c, builder.add(first, i64(KEY_TILE * c)))) for c in range(chunks)]
         sums = []
         for j in range(g):
             p = broadcast(builder, load(builder, pp, builder.add(builder.mul(i64(j), weights_width), i), F32), KEY_TILE)
@@ -276,8 +294,11 @@ def _weighted_values(typingctx, weights, n_queries, values, n, column, width, sc
             scale = broadcast(builder, load(builder, cp, i64(j), F32), KEY_TILE)
             for c in range(chunks):
                 dst = builder.add(builder.mul(i64(j), row_width), builder.add(column_v, i64(KEY_TILE * c)))
-                builder.call(masked_store, [builder.fmul(sums[j * chunks + c], scale), at(op, dst), ir.Constant(I32, 4),
-                                            masks[c]])
+                result = builder.fmul(sums[j * chunks + c], scale)
+                if is_masked:
+                    builder.call(masked_store, [result, at(op, dst, vf), ir.Constant(I32, 4), masks[c]])
+                else:
+                    store(builder, result, op, dst)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -319,11 +340,13 @@ def _attend_heads(queries, g, tiles, values, n, scale, scores, out):  # pragma: 
         inverse[j] = np.float32(1.0) / total
     column = 0
     while column + _VALUE_COLUMNS <= d:
-        _weighted_values(scores, g, values, n, column, _VALUE_COLUMNS, inverse, out)
+        _weighted_values(scores, g, values, n, column, _VALUE_COLUMNS, False, inverse, out)
         column += _VALUE_COLUMNS
-    while column < d:
-        _weighted_values(scores, g, values, n, column, KEY_TILE, inverse, out)
+    while column + KEY_TILE <= d:
+        _weighted_values(scores, g, values, n, column, KEY_TILE, False, inverse, out)
         column += KEY_TILE
+    if column < d:  # a head dim that is not whole vectors
+        _weighted_values(scores, g, values, n, column, KEY_TILE, True, inverse, out)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True, **_ELEMENTWISE)
@@ -343,7 +366,8 @@ def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
         q: ``[T, H, D]`` float32 C-contiguous (RoPE applied).
         k: ``[Hkv, S/16, D, 16]``, v: ``[Hkv, S, D]``: one layer of a ``KVCache`` (keys in tiles),
             holding the step's keys and values already (positions ``0 .. start + T - 1``; the
-            rest of its capacity is not used).
+            rest of its capacity is not used); float32, or float16 as its uint16 bits
+            (``cache_arrays``).
         out: ``[T, H * D]`` float32 C-contiguous, written.
     """
     t_rows, h, d = q.shape
@@ -413,8 +437,15 @@ def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans,
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
     for s in spans:
         s.cache.write(index, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
-        attend(q[s.rows], s.cache.k[index], s.cache.v[index], s.start, causal, out[s.rows])
+        attend(q[s.rows], *cache_arrays(s.cache, index), s.start, causal, out[s.rows])
     return out
+
+
+def cache_arrays(cache, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layer ``index`` of a ``KVCache`` as ``attend`` takes it: ``(k, v)``, float16 ones as their
+    uint16 bits (numba has no float16 arrays; the kernel converts them)."""
+    k, v = cache.k[index], cache.v[index]
+    return (k.view(np.uint16), v.view(np.uint16)) if k.dtype == np.float16 else (k, v)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -190,6 +190,9 @@ class LlamaModel:
                                        c.rms_norm_eps)
                       if all(isinstance(w, QuantWeight) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
                       else None for layer in self.layers]
+        # A quantized model keeps its KV cache in float16 (half the bytes attention reads); the
+        # float32 reference keeps float32.
+        self.kv_dtype = np.float16 if all(self.fused) else np.float32
 
     @property
     def nbytes_per_token(self) -> int:
@@ -200,7 +203,8 @@ class LlamaModel:
     def new_cache(self, capacity: int = 0) -> KVCache:
         """An empty KV cache for one sequence; ``capacity`` (tokens) is a hint, it grows on demand."""
         c = self.config
-        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings, capacity)
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings, capacity,
+                       self.kv_dtype)
 
     def forward_batch(self, token_rows: list[np.ndarray], caches: list[KVCache], *,
                       taps: tuple[int, ...] = (), logit_rows: list[int] | None = None) -> ForwardOutput:

@@ -28,9 +28,9 @@ def test_exp_is_within_two_ulp_and_clamps_outside_float32_range():
     assert np.all(np.isfinite(edges)) and edges[0] > 0
 
 
-def _cache_of(k: np.ndarray, v: np.ndarray) -> KVCache:
-    """A one-layer cache holding ``k``, ``v`` ``[Hkv, N, D]``."""
-    cache = KVCache(1, k.shape[0], k.shape[2], max_length=4096)
+def _cache_of(k: np.ndarray, v: np.ndarray, dtype: type = np.float32) -> KVCache:
+    """A one-layer cache of ``dtype`` holding ``k``, ``v`` ``[Hkv, N, D]``."""
+    cache = KVCache(1, k.shape[0], k.shape[2], max_length=4096, dtype=dtype)
     cache.reserve(k.shape[1])
     cache.write(0, k, v)
     cache.commit(k.shape[1])
@@ -40,7 +40,8 @@ def _cache_of(k: np.ndarray, v: np.ndarray) -> KVCache:
 @pytest.mark.parametrize("head_dim", [8, 64, 80])  # 80: a last block of 16 columns; 8: part of one
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("h, hkv", [(6, 2), (4, 1)])  # query heads a key-value head: 3 (one group), 4 (3 + 1)
-def test_attention_kernel_matches_numpy_and_is_row_invariant(head_dim, causal, h, hkv):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_attention_kernel_matches_numpy_and_is_row_invariant(head_dim, causal, h, hkv, dtype):
     rng = np.random.default_rng(head_dim)
     t = 8
     for n in (1, 15, 16, 17, 130, 301):  # partial and whole key tiles, odd and even positions
@@ -48,12 +49,13 @@ def test_attention_kernel_matches_numpy_and_is_row_invariant(head_dim, causal, h
         v = rng.standard_normal((hkv, n, head_dim)).astype(np.float32)
         q = rng.standard_normal((min(t, n), h, head_dim)).astype(np.float32)
         rows, start = q.shape[0], n - q.shape[0]
-        cache = _cache_of(k, v)
+        cache = _cache_of(k, v, dtype)
         got = np.empty((rows, h * head_dim), np.float32)
-        fused.attend(q, cache.k[0], cache.v[0], start, causal, got)
-        np.testing.assert_allclose(got, cpu.attention(q, k, v, start, causal=causal), rtol=0, atol=2e-6)
+        fused.attend(q, *fused.cache_arrays(cache, 0), start, causal, got)
+        stored_k, stored_v = (a.astype(dtype).astype(np.float32) for a in (k, v))  # a float16 cache rounds them
+        np.testing.assert_allclose(got, cpu.attention(q, stored_k, stored_v, start, causal=causal), rtol=0, atol=2e-6)
         if causal:  # a row alone (its own position, fewer rows beside it) gives the same bits
             for r in range(rows):
                 alone = np.empty((1, h * head_dim), np.float32)
-                fused.attend(q[r:r + 1], cache.k[0], cache.v[0], start + r, True, alone)
+                fused.attend(q[r:r + 1], *fused.cache_arrays(cache, 0), start + r, True, alone)
                 assert np.array_equal(alone[0], got[r]), (n, r)
