@@ -61,6 +61,8 @@ class TargetModel(Protocol):
             output through it; embeddings pool it, ``flm_runtime.embedding``).
         prefill_chunk: positions per ``prefill_chunks`` step, and the most rows of one sequence the
             engine puts in one ``forward_batch`` (it bounds attention's score buffer).
+        kv_dtype: the element type of its caches' keys and values, as the engine's KV budget
+            counts them.
     """
 
     config: LlamaConfig
@@ -69,6 +71,7 @@ class TargetModel(Protocol):
     lm_head: np.ndarray
     norm: np.ndarray
     prefill_chunk: int
+    kv_dtype: type
 
     def new_cache(self, capacity: int = 0) -> KVCacheLike:
         """An empty cache; ``capacity`` (tokens) is a hint, it grows on demand."""

@@ -10,15 +10,17 @@ sequences (each decodes on its own copy of the prompt's KV). Reserving that wors
 ever preempted. A request whose worst case exceeds the whole budget cannot run even alone and is
 refused at submit (``KVBudgetError``).
 
-Bytes per position count the float32 K and V of every target layer and, with speculative decoding,
-of every draft layer (``kv_bytes_per_token``). The npu backend keeps its cache in bfloat16, so there
-the budget is conservative by a factor of 2.
+Bytes per position count the K and V of every target layer in the target cache's dtype (float16
+for a quantized cpu model, float32 otherwise) and, with speculative decoding, the float32 K and V
+of every draft layer (``kv_bytes_per_token``). The npu backend keeps its cache in bfloat16 and is
+counted as float32, so there the budget is conservative by a factor of 2.
 
 Environment (read by ``flm_runtime.api.get_engine`` when it creates an engine, so a LiteLLM proxy
 sets them in its config's ``environment_variables``):
 
     FLM_KV_BUDGET: KV memory budget per engine, bytes. Default: ``DEFAULT_KV_BUDGET_CONTEXTS``
-        full contexts of the model (``4 * 8192 * 46,080`` bytes = 1.51 GB for smollm2:135m).
+        full contexts of the model (``4 * 8192 * 23,040`` bytes = 755 MB for smollm2:135m with
+        quantized weights).
     FLM_MAX_QUEUE: requests waiting for admission at most, per engine (default 64); one more gets
         ``EngineOverloadedError`` at once.
 """
@@ -37,19 +39,22 @@ DEFAULT_KV_BUDGET_CONTEXTS = 4
 FLOAT32_BYTES = 4
 
 
-def kv_bytes_per_token(config, draft_config=None) -> int:
-    """Bytes of KV cache one position takes: float32 K and V of every layer (and draft layer).
+def kv_bytes_per_token(config, draft_config=None, target_itemsize: int = FLOAT32_BYTES) -> int:
+    """Bytes of KV cache one position takes: K and V of every layer (and draft layer).
 
     Args:
         config: the target's ``LlamaConfig`` (``num_hidden_layers``, ``num_key_value_heads``,
             ``head_dim``).
         draft_config: the DFlash draft's ``DFlashConfig`` (same fields), or None.
+        target_itemsize: bytes of one element of the target's cache (2: float16).
 
     Returns:
-        ``2 * L * Hkv * D * 4`` bytes, plus the same for the draft's layers.
+        ``2 * L * Hkv * D * target_itemsize`` bytes, plus ``2 * L * Hkv * D * 4`` for the
+        draft's (float32) layers.
     """
-    layers = [config] if draft_config is None else [config, draft_config]
-    return sum(2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * FLOAT32_BYTES for c in layers)
+    draft = 0 if draft_config is None else (2 * draft_config.num_hidden_layers * draft_config.num_key_value_heads
+                                            * draft_config.head_dim * FLOAT32_BYTES)
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * target_itemsize + draft
 
 
 def default_kv_budget(context_length: int, bytes_per_token: int) -> int:

@@ -154,7 +154,8 @@ class Engine:
         self.context_length = int(model.config.max_position_embeddings)
         draft_config = speculative.draft.config if speculative is not None else None
         self.kv = admission.KVBudget(name, self.context_length,
-                                     admission.kv_bytes_per_token(model.config, draft_config),
+                                     admission.kv_bytes_per_token(model.config, draft_config,
+                                                                  np.dtype(model.kv_dtype).itemsize),
                                      speculative.block_size - 1 if speculative is not None else 0, kv_budget)
         self._cv = threading.Condition()      # guards _waiting, _active, _counts, _closed
         self._waiting: collections.deque[Sequence] = collections.deque()

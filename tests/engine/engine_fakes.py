@@ -119,6 +119,7 @@ class FakeModelBase:
         return sum(r() is not None for r in self.caches)
 
     prefill_chunk = 256
+    kv_dtype = np.float32
 
     def forward_batch(self, token_rows, caches: list[FakeCache], *, taps=(), logit_rows=None) -> ForwardOutput:
         """Sequence by sequence: appends each row group to its cache and gives the logits of its

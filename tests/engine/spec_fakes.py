@@ -31,6 +31,7 @@ class ScriptTarget:
     """Target whose output token ``i`` (at position ``prompt_len + i``) is ``script[i]``."""
 
     prefill_chunk = 256
+    kv_dtype = np.float32
 
     def __init__(self, script: list[int], prompt_len: int, vocab: int = 300, context: int = 2048):
         self.config = LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=2,

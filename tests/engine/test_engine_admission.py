@@ -35,6 +35,8 @@ def test_kv_bytes_per_token_of_smollm2_with_and_without_a_draft():
     assert admission.kv_bytes_per_token(target) == 2 * 30 * 3 * 64 * 4 == 46_080
     assert admission.kv_bytes_per_token(target, draft) == 46_080 + 2 * 1 * 3 * 64 * 4
     assert admission.default_kv_budget(8192, 46_080) == 1_509_949_440  # 4 full contexts
+    # a quantized target's float16 cache: half the target's bytes, the draft's stay float32
+    assert admission.kv_bytes_per_token(target, draft, target_itemsize=2) == 23_040 + 2 * 1 * 3 * 64 * 4
 
 
 def test_default_budget_is_four_contexts_and_idle_stats_are_zero(make_engine, tok):
