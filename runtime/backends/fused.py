@@ -28,7 +28,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from flm_runtime.backends import irgen, qgemm, skinny_gemm
 from flm_runtime.backends.irgen import (F16, F32, I1, I32, I64, as_i64, broadcast, counted_loop, data_ptr, declare,
@@ -424,6 +424,41 @@ def attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, o
     return x + _product(isa, d_bits, d_has_mins, d_codes, d_scales, d_mins, d_padded, d_n, _swiglu(gate_up))
 
 
+@intrinsic
+def _half_bits(typingctx, x):  # pragma: no cover - compiled
+    """The bits (uint16) of float32 ``x`` rounded to float16, to nearest even, as numpy's
+    ``astype(np.float16)`` rounds."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], F16), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+def _cache_element(cache, x):
+    """``x`` (float32) as an element of ``cache`` (compiled: ``_cache_element_impl``)."""
+
+
+@overload(_cache_element, inline="always")
+def _cache_element_impl(cache, x):
+    if cache.dtype == types.uint16:  # float16 bits
+        return lambda cache, x: _half_bits(x)  # pragma: no cover - compiled
+    return lambda cache, x: x  # pragma: no cover - compiled
+
+
+@numba.njit(nogil=True, cache=True)
+def store_kv(k, v, k_cache, v_cache, start):  # pragma: no cover - compiled
+    """Write a step's keys and values ``k``, ``v`` ``[T, Hkv, D]`` float32 at positions ``start ..
+    start + T - 1`` of one layer of a cache (``cache_arrays``: keys in tiles; float32, or float16
+    bits, rounded as numpy rounds), as ``KVCache.write`` does."""
+    for t in range(k.shape[0]):
+        tile, lane = divmod(start + t, KEY_TILE)
+        for h in range(k.shape[1]):
+            for e in range(k.shape[2]):
+                k_cache[h, tile, e, lane] = _cache_element(k_cache, k[t, h, e])
+                v_cache[h, start + t, e] = _cache_element(v_cache, v[t, h, e])
+
+
 def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans, causal: bool) -> np.ndarray:
     """A layer's attention over a step's rows, sequence by sequence: each span's new keys and
     values ``k``, ``v`` ``[R, Hkv, D]`` go into layer ``index`` of its cache, then its queries
@@ -436,8 +471,9 @@ def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans,
     """
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
     for s in spans:
-        s.cache.write(index, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
-        attend(q[s.rows], *cache_arrays(s.cache, index), s.start, causal, out[s.rows])
+        k_cache, v_cache = cache_arrays(s.cache, index)
+        store_kv(k[s.rows], v[s.rows], k_cache, v_cache, s.start)
+        attend(q[s.rows], k_cache, v_cache, s.start, causal, out[s.rows])
     return out
 
 
@@ -457,7 +493,10 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 def _bound(isa: int, qkv: tuple[int, bool], o: tuple[int, bool], gu: tuple[int, bool], dn: tuple[int, bool]):
     """``attention_in`` and ``attention_out`` with the layer's formats (``(bits, has_mins)`` per
     product) bound as constants: a call from Python cannot pass constants (numba would retype
-    every call), a compiled caller can, and the two are cached on disk for each format."""
+    every call), a compiled caller can, and the two are cached on disk for each format. Also the
+    whole layer of one sequence's rows in one call (``layer``: ``attention_in``, ``store_kv``,
+    ``attend``, ``attention_out``), which saves a step of one sequence (a decode, a verify pass)
+    four returns to Python a layer."""
     (qkv_bits, qkv_has), (o_bits, o_has), (gu_bits, gu_has), (d_bits, d_has) = qkv, o, gu, dn
 
     @numba.njit(nogil=True)
@@ -473,7 +512,20 @@ def _bound(isa: int, qkv: tuple[int, bool], o: tuple[int, bool], gu: tuple[int, 
                              gu_mins, gu_padded, gu_n, d_codes, d_scales, d_mins, d_padded, d_n, isa, o_bits, o_has,
                              gu_bits, gu_has, d_bits, d_has)
 
-    return layer_in, layer_out
+    @numba.njit(nogil=True)
+    def layer(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_heads, n_kv_heads, head_dim, k_cache,
+              v_cache, start, causal, ffn_norm, o_codes, o_scales, o_mins, o_padded, o_n, gu_codes, gu_scales,
+              gu_mins, gu_padded, gu_n, d_codes, d_scales, d_mins, d_padded, d_n):  # pragma: no cover
+        q, k, v = attention_in(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_heads, n_kv_heads,
+                               head_dim, isa, qkv_bits, qkv_has)
+        store_kv(k, v, k_cache, v_cache, start)
+        attn = np.empty((x.shape[0], n_heads * head_dim), dtype=np.float32)
+        attend(q, k_cache, v_cache, start, causal, attn)
+        return attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, o_n, gu_codes, gu_scales,
+                             gu_mins, gu_padded, gu_n, d_codes, d_scales, d_mins, d_padded, d_n, isa, o_bits, o_has,
+                             gu_bits, gu_has, d_bits, d_has)
+
+    return layer_in, layer_out, layer
 
 
 class FusedLayer:
@@ -488,7 +540,7 @@ class FusedLayer:
         self.attn_norm, self.ffn_norm = layer.attn_norm, layer.ffn_norm
         products = [Product.of(w) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
         self.wqkv, self.wo, self.w_gate_up, self.w_down = (p[:5] for p in products)
-        self._in, self._out = _bound(qgemm.format_of(layer.wqkv).isa, *(p[5:] for p in products))
+        self._in, self._out, self._layer = _bound(qgemm.format_of(layer.wqkv).isa, *(p[5:] for p in products))
         self.geometry = (n_heads, n_kv_heads, head_dim)
         self.eps = np.float32(eps)
 
@@ -501,6 +553,11 @@ class FusedLayer:
         Returns ``[R, E]``."""
         h, hkv, d = self.geometry
         with skinny_gemm.KERNEL_LOCK:
+            if len(spans) == 1:  # one sequence (a decode, a verify pass, a prefill chunk): one call
+                s = spans[0]
+                return self._layer(x, self.attn_norm, self.eps, *self.wqkv, cos, sin, h, hkv, d,
+                                   *cache_arrays(s.cache, index), s.start, causal, self.ffn_norm, *self.wo,
+                                   *self.w_gate_up, *self.w_down)
             q, k, v = self._in(x, self.attn_norm, self.eps, *self.wqkv, cos, sin, h, hkv, d)
             attn = attend_spans(index, q, k, v, spans, causal)
             return self._out(x, attn, self.ffn_norm, self.eps, *self.wo, *self.w_gate_up, *self.w_down)

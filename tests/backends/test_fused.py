@@ -59,3 +59,19 @@ def test_attention_kernel_matches_numpy_and_is_row_invariant(head_dim, causal, h
                 alone = np.empty((1, h * head_dim), np.float32)
                 fused.attend(q[r:r + 1], *fused.cache_arrays(cache, 0), start + r, True, alone)
                 assert np.array_equal(alone[0], got[r]), (n, r)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_compiled_kv_store_writes_what_the_cache_writes(dtype):
+    # store_kv (the fused layers' write) against KVCache.write (the reference), across a tile edge
+    rng = np.random.default_rng(7)
+    first, new = rng.standard_normal((2, 2, 13, 8)).astype(np.float32), rng.standard_normal((2, 9, 2, 8)).astype(np.float32)
+    caches = [_cache_of(first[0], first[1], dtype) for _ in range(2)]
+    for cache in caches:
+        cache.reserve(9)
+    caches[0].write(0, new[0].transpose(1, 0, 2), new[1].transpose(1, 0, 2))
+    fused.store_kv(new[0], new[1], *fused.cache_arrays(caches[1], 0), 13)
+    for cache in caches:
+        cache.commit(9)
+    assert np.array_equal(caches[0].k, caches[1].k) and np.array_equal(caches[0].v, caches[1].v)
+    assert np.array_equal(caches[1].keys(0)[:, 13:], new[0].transpose(1, 0, 2).astype(dtype))
