@@ -1,10 +1,11 @@
 """The cpu backend's compiled decoder layer for quantized weights, and the attention kernel
 every layer uses.
 
-A quantized layer is two numba calls (norm, QKV product and RoPE; then O product, residual, norm,
-gate/up product, SwiGLU, down product, residual) with attention between them, one attention
-call per sequence of the step (``attend``, over the ``KVCache``'s key tiles; the float32 layer
-``models.llama.decoder_layer`` calls it too).
+A quantized layer over one sequence's rows is one numba call (norm, QKV product and RoPE, the K/V
+write, attention, O product, residual, norm, gate/up product, SwiGLU, down product, residual);
+over several sequences' rows, two calls (``attention_in``, ``attention_out``) with each sequence's
+K/V write and attention between them (``attend_spans``). Attention is one kernel, ``attend``,
+over the ``KVCache``'s key tiles; the float32 layer ``models.llama.decoder_layer`` calls it too.
 
 Every computation is per row, in an order that does not depend on how many rows run or where in
 the step a row sits: the products are ``qgemm``'s (bit-identical for any row count), norms and
