@@ -241,8 +241,12 @@ def _header(args: argparse.Namespace, path: Path, engines: dict, load: list[floa
     """The lines that say what was run, where and how."""
     import llama_cpp
 
+    here = Path(__file__).parent
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip() or "unknown"
+                            cwd=here).stdout.strip() or "unknown"
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                      cwd=here).stdout.strip():  # the code measured is not the commit's
+        commit += " with uncommitted changes"
     unset = ("kept" if args.keep_openblas_env
              else "unset for this process (they slow a current OpenBLAS; --keep-openblas-env keeps them)")
     kinds = ", ".join(f"{name}: {engine.held}" for name, engine in engines.items() if name != LLAMA)
