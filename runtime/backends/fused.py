@@ -451,7 +451,8 @@ def _cache_element_impl(cache, x):
 def store_kv(k, v, k_cache, v_cache, start):  # pragma: no cover - compiled
     """Write a step's keys and values ``k``, ``v`` ``[T, Hkv, D]`` float32 at positions ``start ..
     start + T - 1`` of one layer of a cache (``cache_arrays``: keys in tiles; float32, or float16
-    bits, rounded as numpy rounds), as ``KVCache.write`` does."""
+    bits, rounded as numpy rounds), as ``KVCache.write`` does: the one-call layer's write, inside
+    compiled code (every other path writes through ``KVCache.write``)."""
     for t in range(k.shape[0]):
         tile, lane = divmod(start + t, KEY_TILE)
         for h in range(k.shape[1]):
@@ -472,9 +473,8 @@ def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans,
     """
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
     for s in spans:
-        k_cache, v_cache = cache_arrays(s.cache, index)
-        store_kv(k[s.rows], v[s.rows], k_cache, v_cache, s.start)
-        attend(q[s.rows], k_cache, v_cache, s.start, causal, out[s.rows])
+        s.cache.write(index, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
+        attend(q[s.rows], *cache_arrays(s.cache, index), s.start, causal, out[s.rows])
     return out
 
 
