@@ -445,7 +445,7 @@ class Engine:
             spec.commit(seq.lane(), part.draft, logits, taps)
             return
         if part.draft is None and spec is not None:
-            spec.add_prompt(seq.cache, seq.spec, taps)
+            spec.add_prompt(seq.cache, seq.spec, part.ids, taps)
         if part.n_logits:
             for choice in seq.fork():
                 self._advance(choice, lambda c=choice: c.lane().take(logits[0]))
