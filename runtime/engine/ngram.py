@@ -16,8 +16,8 @@ so the same confidence gate and the same expected-accepted figure apply to both 
 
 Match lengths: ``n`` from ``MAX_MATCH`` = 4 down to ``MIN_MATCH`` = 2, the longest that occurs
 (a longer match is a more specific context, so its continuation is likelier the text's; vLLM's
-defaults are 4 down to 1 or 2). A 1-token match is left out: in free text the last token alone
-recurs often and what followed it says little. Our choice, not a tuned value.
+n-gram example sets ``prompt_lookup_max`` 4). A 1-token match is left out: in free text the last
+token alone recurs often and what followed it says little. Our choice, not a tuned value.
 
 Cost: ``extend`` indexes each new token once per ``n`` (dict inserts; a prompt of 8k tokens in a
 few milliseconds, in C through ``dict.update``), ``propose`` does one dict look-up per ``n`` and
