@@ -12,7 +12,7 @@ engines gave the same tokens (they must: the verifier is the same).
     python benchmarks/prompt_lookup.py [--tag smollm2-dflash:135m] [--prompts question.jsonl]
         [--n 80] [--contexts 4096,8064] [--max-new 128] [--sampled]
 
-AL only: no timing (docs/benchmarks.md, "benchmarks/prompt_lookup.py").
+AL only, no timing; figures: docs/benchmarks.md, "`benchmarks/prompt_lookup.py`".
 """
 
 from __future__ import annotations
