@@ -45,7 +45,8 @@ def main() -> None:
 
     engine = get_engine(a.tag, "cpu")
     spec, tok = engine.speculative, engine.tokenizer
-    decoder = SpeculativeDecoder(spec.target, spec.draft)  # ALWAYS_SPECULATE: whole blocks, no gate
+    # ALWAYS_SPECULATE: whole blocks, no gate; the draft alone: its confidence is what is measured
+    decoder = SpeculativeDecoder(spec.target, spec.draft, ngram=False)
     if a.prompts:
         texts = [text for _, text in documents.short_prompts(a.prompts, a.n)]
     else:

@@ -225,9 +225,10 @@ def usage_fields(groups: list[list[Completion | StreamEvent]]) -> dict:
     choice's completion tokens count.
 
     With speculative decoding (``stats.spec`` set) ``completion_tokens_details`` says
-    how the draft's proposals fared: ``accepted_prediction_tokens`` = drafted tokens the target
-    kept, ``rejected_prediction_tokens`` = the other drafted tokens. These are OpenAI's "predicted
-    outputs" fields applied to the draft's predictions; unlike OpenAI's, rejected tokens are not
+    how the proposals fared (the draft's and the n-gram proposer's together):
+    ``accepted_prediction_tokens`` = drafted tokens the target kept, ``rejected_prediction_tokens``
+    = the other drafted tokens. These are OpenAI's "predicted outputs" fields applied to the
+    proposers' predictions; unlike OpenAI's, rejected tokens are not
     part of ``completion_tokens`` (always the tokens delivered). The full per-request stats
     (acceptance length and all) are in ``_hidden_params["flm_stats"]``.
     """

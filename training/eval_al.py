@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         questions = [q for qs in kept.values() for q in qs]
     else:
         questions = questions[: a.n]
-    engine = Engine(loaded.model, tok, name="eval_al", speculative=SpeculativeDecoder(loaded.model, draft),
-                    max_active=len(questions), max_queue=len(questions))
+    decoder = SpeculativeDecoder(loaded.model, draft, ngram=False)  # the draft's own AL, no prompt lookup
+    engine = Engine(loaded.model, tok, name="eval_al", speculative=decoder, max_active=len(questions),
+                    max_queue=len(questions))
     t0 = time.time()
     handles = [engine.submit(tok.encode(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}])), params)
                for q in questions]

@@ -331,7 +331,8 @@ def main(args: argparse.Namespace) -> int:
     engine = get_engine(entry.tag, args.backend)
     backend = engine.model.backend.value
     spec = engine.speculative
-    decoder = SpeculativeDecoder(spec.target, spec.draft)  # ALWAYS_SPECULATE: whole blocks, always
+    # ALWAYS_SPECULATE: whole blocks, always; the draft alone: the table is about its proposals
+    decoder = SpeculativeDecoder(spec.target, spec.draft, ngram=False)
     top = spec.target.config.max_position_embeddings - decoder.block_size - 1
     contexts = sorted({min(c, top) for c in args.contexts})  # the last: at most the context end
     table = calibrate(decoder, engine.tokenizer, tag=entry.tag, backend=backend, contexts=contexts,

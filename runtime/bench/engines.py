@@ -56,7 +56,8 @@ class Engines:
         return out
 
 
-def load_engines(tag: str, *, draft: str | Path | None = None, baseline_only: bool = False) -> Engines:
+def load_engines(tag: str, *, draft: str | Path | None = None, baseline_only: bool = False,
+                 ngram: bool = True) -> Engines:
     """The baseline engine of ``tag`` and, unless ``baseline_only``, its DFlash engine.
 
     Args:
@@ -64,6 +65,8 @@ def load_engines(tag: str, *, draft: str | Path | None = None, baseline_only: bo
             the baseline).
         draft: a draft directory to decode with instead of the DFlash tag's own draft.
         baseline_only: load no draft (the DFlash columns are left empty).
+        ngram: prompt lookup beside the draft (``SpeculativeDecoder``'s ``ngram``); False builds
+            the DFlash engine around the draft alone (the tag's own draft keeps its policy).
 
     Raises:
         the errors of ``get_engine`` (a DFlash tag whose draft files are missing raises
@@ -75,13 +78,20 @@ def load_engines(tag: str, *, draft: str | Path | None = None, baseline_only: bo
     baseline = get_engine(base_tag)
     if baseline_only:
         return Engines(base_tag, None, baseline, None)
-    if draft is None:
+    alone = "" if ngram else ", without prompt lookup"
+    if draft is None and ngram:
         return Engines(base_tag, dflash_tag, baseline, get_engine(dflash_tag), f"{dflash_tag}'s own")
     target = baseline.model
-    decoder = SpeculativeDecoder(target, DFlashDraft.load(Path(draft), target))
-    engine = Engine(target, baseline.tokenizer, name=f"{dflash_tag}+{Path(draft).name}", speculative=decoder,
+    if draft is None:
+        own = get_engine(dflash_tag).speculative
+        decoder = SpeculativeDecoder(target, own.draft, policy=own.policy, ngram=False)
+        name, label = f"{dflash_tag}-no-ngram", f"{dflash_tag}'s own{alone}"
+    else:
+        decoder = SpeculativeDecoder(target, DFlashDraft.load(Path(draft), target), ngram=ngram)
+        name, label = f"{dflash_tag}+{Path(draft).name}", f"{draft}{alone}"
+    engine = Engine(target, baseline.tokenizer, name=name, speculative=decoder,
                     default_sampling=baseline.default_sampling)
-    return Engines(base_tag, dflash_tag, baseline, engine, str(draft))
+    return Engines(base_tag, dflash_tag, baseline, engine, label)
 
 
 @dataclass(frozen=True)
@@ -146,6 +156,8 @@ class Run:
         spec_steps: speculative (verify) steps; 0 for plain decoding.
         acceptance_length: tokens kept per step, bonus included (0.0 without speculation).
         spec_switches_off: times the request's acceptance tracker turned speculation off.
+        ngram_steps, ngram_acceptance_length: the steps that verified the n-gram proposer's
+            tokens (prompt lookup), and their AL (0.0 without one).
     """
 
     prompt_tokens: int
@@ -155,6 +167,8 @@ class Run:
     spec_steps: int = 0
     acceptance_length: float = 0.0
     spec_switches_off: int = 0
+    ngram_steps: int = 0
+    ngram_acceptance_length: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -170,7 +184,7 @@ class Run:
         if spec is None:
             return cls(s.prompt_tokens, s.generated_tokens, s.ttft_s, s.decode_s)
         return cls(s.prompt_tokens, s.generated_tokens, s.ttft_s, s.decode_s, spec.steps, spec.acceptance_length,
-                   spec.switches_off)
+                   spec.switches_off, spec.ngram_steps, spec.ngram_acceptance_length)
 
 
 def run_request(engine: Engine, prompt_ids, params: SamplingParams, timeout: float = 3600.0) -> Run:

@@ -33,6 +33,9 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
                                                   "(default: the DFlash tag's own draft)")
     p.add_argument("--baseline-only", action="store_true",
                    help="measure the plain tag alone (no draft needed; the DFlash columns stay empty)")
+    p.add_argument("--no-ngram", action="store_true",
+                   help="the DFlash side verifies the draft's proposals alone, without prompt lookup (the "
+                        "n-gram proposer), to compare its AL with the default's")
     p.add_argument("--contexts", help=f"comma-separated prompt lengths: short (~30 tokens), N, Nk (N x 1024) "
                                       f"or max (default {SPEED_CONTEXTS}; --quick: {QUICK_CONTEXTS})")
     p.add_argument("--max-tokens", type=int,

@@ -41,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens or QUICK_MAX_TOKENS
     if args.iterations < 1:
         raise InvalidRequestError(f"--iterations must be >= 1, got {args.iterations}", param="--iterations")
-    engines = load_engines(args.tag, draft=args.draft, baseline_only=args.baseline_only)
+    engines = load_engines(args.tag, draft=args.draft, baseline_only=args.baseline_only, ngram=not args.no_ngram)
     tok = engines.baseline.tokenizer
     contexts, notes = parse_contexts(args.contexts or QUICK_CONTEXTS, engines.baseline.context_length, max_tokens)
     prompts = [(ctx, context_prompt(tok, ctx, args)) for ctx in contexts]
@@ -131,6 +131,6 @@ def tables(engines: Engines, runs: dict, contexts: list[Context], iterations: in
 def command(args: argparse.Namespace, max_tokens: int) -> str:
     return report.command_text("bench --quick", [
         ("--tag", args.tag), ("--draft", args.draft), ("--baseline-only", args.baseline_only),
-        ("--contexts", args.contexts or QUICK_CONTEXTS), ("--max-tokens", max_tokens),
+        ("--no-ngram", args.no_ngram), ("--contexts", args.contexts or QUICK_CONTEXTS), ("--max-tokens", max_tokens),
         ("--stop-at-eos", args.stop_at_eos), ("--iterations", args.iterations), ("--prompts", args.prompts),
         ("--documents", args.documents), ("--out", args.out)])

@@ -38,7 +38,7 @@ from flm_runtime.errors import InvalidRequestError
 
 COLUMNS = ("context", "prompt", "prompt_tokens", "mode", "thinking", "baseline_tokens", "baseline_decode_s",
            "baseline_tokens_per_s", "dflash_tokens", "dflash_decode_s", "dflash_tokens_per_s", "speedup",
-           "acceptance_length", "verify_steps")
+           "acceptance_length", "verify_steps", "ngram_steps", "ngram_acceptance_length")
 MODES = ("greedy", "sampled")
 PROG_NAME = "litellm-flm bench"
 
@@ -69,7 +69,8 @@ class Pair:
         return row | {"dflash_tokens": d.generated_tokens, "dflash_decode_s": f"{d.decode_s:.4f}",
                       "dflash_tokens_per_s": f"{d.decode_tokens_per_s:.3f}",
                       "speedup": f"{d.decode_tokens_per_s / b.decode_tokens_per_s:.4f}",
-                      "acceptance_length": f"{d.acceptance_length:.4f}", "verify_steps": d.spec_steps}
+                      "acceptance_length": f"{d.acceptance_length:.4f}", "verify_steps": d.spec_steps,
+                      "ngram_steps": d.ngram_steps, "ngram_acceptance_length": f"{d.ngram_acceptance_length:.4f}"}
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def _tps(runs: list[Run]) -> float:
 
 def main(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens or SPEED_MAX_TOKENS
-    engines = load_engines(args.tag, draft=args.draft, baseline_only=args.baseline_only)
+    engines = load_engines(args.tag, draft=args.draft, baseline_only=args.baseline_only, ngram=not args.no_ngram)
     tok = engines.baseline.tokenizer
     contexts, notes = parse_contexts(args.contexts or SPEED_CONTEXTS, engines.baseline.context_length, max_tokens)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -183,6 +184,15 @@ def measure(engines: Engines, plan, modes: list[str], *, max_tokens: int, seed: 
     return pairs
 
 
+def _ngram_share(ctx: Context, pairs: list[Pair]) -> str:
+    """``"4k: 12 of 80 (AL 5.10)"``: the n-gram proposer's verify steps at ``ctx``, over all
+    modes, and their AL."""
+    runs = [p.dflash for p in pairs if p.context == ctx]
+    steps, ngram = sum(r.spec_steps for r in runs), sum(r.ngram_steps for r in runs)
+    al = sum(r.ngram_acceptance_length * r.ngram_steps for r in runs) / ngram if ngram else 0.0
+    return f"{ctx.label}: {ngram} of {steps}" + (f" (AL {al:.2f})" if ngram else "")
+
+
 def _column_name(mode: str, thinking: bool | None) -> str:
     name = mode.capitalize()
     return name if thinking is None else f"{name}, think {'on' if thinking else 'off'}"
@@ -219,6 +229,8 @@ def tables(engines: Engines, pairs: list[Pair], contexts: list[Context], modes: 
     if any(p.dflash for p in pairs):
         speedups = [p.dflash.decode_tokens_per_s / p.baseline.decode_tokens_per_s for p in pairs]
         lines.append(f"Per prompt the speed-up ranges from {min(speedups):.2f}x to {max(speedups):.2f}x.")
+        lines.append("Steps that verified the n-gram proposer's tokens (prompt lookup), of all verify steps, "
+                     "and their AL: " + "; ".join(_ngram_share(ctx, pairs) for ctx in contexts) + ".")
     s = engines.baseline.default_sampling
     lines.append(f"\"Sampled\" is the model's default sampler (temperature {s.temperature}, top_k {s.top_k}, "
                  f"top_p {s.top_p}, min_p {s.min_p}); seeds {args.seed} and up, the same for both tags.")
@@ -235,7 +247,7 @@ def tables(engines: Engines, pairs: list[Pair], contexts: list[Context], modes: 
 def command(args: argparse.Namespace, max_tokens: int) -> str:
     return report.command_text("bench", [
         ("--tag", args.tag), ("--draft", args.draft), ("--baseline-only", args.baseline_only),
-        ("--contexts", args.contexts or SPEED_CONTEXTS), ("--max-tokens", max_tokens),
+        ("--no-ngram", args.no_ngram), ("--contexts", args.contexts or SPEED_CONTEXTS), ("--max-tokens", max_tokens),
         ("--stop-at-eos", args.stop_at_eos), ("--prompts-per-context", args.prompts_per_context),
         ("--modes", args.modes), ("--thinking", args.thinking), ("--prompts", args.prompts),
         ("--documents", args.documents), ("--seed", args.seed), ("--out", args.out)])

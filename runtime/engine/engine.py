@@ -13,8 +13,8 @@ float rounding of a batched matrix product.
 
 Per-request stats: ``Completion.stats``, a ``request.RequestStats`` (token counts, queue and
 first-token times, decode seconds and tokens/s; with speculative decoding the ``SpecStats``
-counters: steps, drafted, accepted, AL, gated steps). The final ``StreamEvent`` carries the same
-stats.
+counters: steps, drafted, accepted, AL, gated steps, and the n-gram proposer's steps and AL apart).
+The final ``StreamEvent`` carries the same stats.
 
 A request of ``n`` choices (``submit_choices``) is ``n`` sequences that are admitted together: the
 prompt is prefilled once, by the first, and its KV copied to the others, which then decode in the
@@ -446,7 +446,7 @@ class Engine:
             spec.commit(seq.lane(), part.draft, logits, taps)
             return
         if part.draft is None and spec is not None:
-            spec.add_prompt(seq.cache, seq.spec, taps)
+            spec.add_prompt(seq.cache, seq.spec, part.ids, taps)
         if part.n_logits:
             for choice in seq.fork():
                 self._advance(choice, lambda c=choice: c.lane().take(logits[0]))

@@ -143,6 +143,19 @@ def confident_length(confidence: np.ndarray, min_confidence: float) -> int | np.
     return int(kept) if np.ndim(confidence) == 1 else kept
 
 
+def expected_accepted(confidence: np.ndarray) -> float:
+    """The expected accepted tokens of a proposal whose tokens have these confidences (each the
+    chance that the token is accepted once those before it were): the sum over ``i`` of the
+    chance that the first ``i`` are all accepted, ``sum(cumprod(confidence))``.
+
+    Args:
+        confidence: ``[k]`` per-token confidence of the tokens a step would verify.
+    Returns:
+        0.0 to k (0.0 for k = 0).
+    """
+    return float(np.cumprod(confidence, dtype=np.float64).sum())
+
+
 class PolicyTable(BaseModel):
     """Context buckets for one DFlash tag on one backend (the JSON file ``calibrate`` writes).
 

@@ -143,6 +143,9 @@ class SpecStats:
         emitted: tokens pushed by speculative steps (accepted + one bonus per step; a step cut
             short by EOS / stop / max_tokens counts only the tokens pushed before the cut).
         gated: plain steps the confidence gate made (the draft ran, nothing was verified).
+        ngram_steps, ngram_drafted, ngram_accepted, ngram_emitted: the same counts of the
+            speculative steps that verified the n-gram proposer's tokens (prompt lookup,
+            ``ngram.py``), included in the totals above.
         switches_off: times the request's acceptance tracker turned speculation off, and
         al_estimate: its final AL estimate (None before a step): the policy's figures
             (``policy.AcceptanceTracker``), copied in when the request ends.
@@ -153,16 +156,25 @@ class SpecStats:
     accepted: int = 0
     emitted: int = 0
     gated: int = 0
+    ngram_steps: int = 0
+    ngram_drafted: int = 0
+    ngram_accepted: int = 0
+    ngram_emitted: int = 0
     switches_off: int = 0
     al_estimate: float | None = None
 
-    def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
+    def record_step(self, drafted: int, accepted: int, emitted: int, *, ngram: bool = False) -> None:
         """A speculative step verified ``drafted`` tokens and pushed ``emitted`` tokens, of which
-        ``accepted`` were drafted ones."""
+        ``accepted`` were drafted ones; ``ngram``: the n-gram proposer's tokens."""
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
         self.emitted += emitted
+        if ngram:
+            self.ngram_steps += 1
+            self.ngram_drafted += drafted
+            self.ngram_accepted += accepted
+            self.ngram_emitted += emitted
 
     def record_plain(self, gated: bool) -> None:
         """A plain decode step; ``gated``: the confidence gate made it one."""
@@ -172,6 +184,17 @@ class SpecStats:
     def acceptance_length(self) -> float:
         """AL: tokens per speculative step INCLUDING the bonus token; 0.0 before a step."""
         return self.emitted / self.steps if self.steps else 0.0
+
+    @property
+    def ngram_acceptance_length(self) -> float:
+        """AL of the steps that verified the n-gram proposer's tokens; 0.0 before one."""
+        return self.ngram_emitted / self.ngram_steps if self.ngram_steps else 0.0
+
+    @property
+    def draft_acceptance_length(self) -> float:
+        """AL of the steps that verified the draft's tokens; 0.0 before one."""
+        steps = self.steps - self.ngram_steps
+        return (self.emitted - self.ngram_emitted) / steps if steps else 0.0
 
 
 @dataclass(frozen=True)
@@ -208,7 +231,10 @@ class RequestStats:
         ``completion_tokens``, ``generated_tokens``, ``queue_s``, ``ttft_s``,
         ``decode_tokens_per_s``, ``total_s``; with ``spec`` also ``spec_steps``,
         ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length``, ``gated_steps``,
-        ``spec_switches_off`` and ``al_estimate``."""
+        ``spec_switches_off`` and ``al_estimate`` (all proposers together), then
+        ``draft_acceptance_length`` (the draft's steps) and ``ngram_steps``,
+        ``ngram_drafted_tokens``, ``ngram_accepted_tokens``, ``ngram_acceptance_length`` (the
+        n-gram proposer's steps)."""
         out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                "generated_tokens": self.generated_tokens, "queue_s": self.queue_s, "ttft_s": self.ttft_s,
                "decode_tokens_per_s": self.decode_tokens_per_s, "total_s": self.total_s}
@@ -216,7 +242,10 @@ class RequestStats:
             s = self.spec
             out |= {"spec_steps": s.steps, "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
                     "acceptance_length": s.acceptance_length, "gated_steps": s.gated,
-                    "spec_switches_off": s.switches_off, "al_estimate": s.al_estimate}
+                    "spec_switches_off": s.switches_off, "al_estimate": s.al_estimate,
+                    "draft_acceptance_length": s.draft_acceptance_length, "ngram_steps": s.ngram_steps,
+                    "ngram_drafted_tokens": s.ngram_drafted, "ngram_accepted_tokens": s.ngram_accepted,
+                    "ngram_acceptance_length": s.ngram_acceptance_length}
         return out
 
 

@@ -22,6 +22,16 @@ draft is sure enough of (k = 0: the step decodes plainly, "gated"). A plain step
 as an engine without a draft does (``Lane.take``) and still records taps, so the draft can resume
 at any step.
 
+Prompt lookup (``ngram.py``): a second proposer, for text that copies its context. Per drafting
+lane and step it looks the last tokens up among the sequence's earlier ones and proposes what
+followed them, with a confidence per token from its own acceptance record; the step verifies the
+n-gram proposal instead of the draft's when its expected accepted tokens
+(``policy.expected_accepted`` of the gated confidences) are more than the draft's, in the same
+verify pass (``choose``). The policy's plan holds for both: a lane planned plain (K = 0) stays
+plain, the n-gram proposal is at most K tokens and passes the same gate. Its tokens are verified
+as the draft's (the verifier only compares tokens), and the kept positions' taps become pending
+as after a draft's step, so the draft resumes from them.
+
 Glossary (after vLLM's rejection sampler, ``vllm/v1/sample/rejection_sampler.py``):
 
 - **drafted** tokens: the K tokens the proposer offers each step;
@@ -59,8 +69,9 @@ import numpy as np
 
 from flm_runtime.backends import prefill_chunks
 from flm_runtime.core import KVCache, Proposal
+from flm_runtime.engine.ngram import NO_LOOKUP, Lookup, PromptLookup
 from flm_runtime.engine.policy import (ALWAYS_SPECULATE, AcceptanceTracker, Plan, SpeculationPolicy,
-                                      confident_length)
+                                      confident_length, expected_accepted)
 from flm_runtime.engine.picker import Picker
 from flm_runtime.engine.request import SpecStats
 
@@ -106,25 +117,29 @@ class SpecState:
     """One sequence's speculative state.
 
     Invariant (docs/dflash.md): ``draft_cache.length + len(pending) == start``, the anchor's
-    position (= the target cache's length between steps).
+    position (= the target cache's length between steps); with prompt lookup also
+    ``len(lookup) == start``.
 
     Attributes:
         draft_cache: the draft's context K/V.
         pending: ``[P, n*E]`` float32 taps of committed tokens not yet in ``draft_cache``.
         tracker: the request's acceptance estimate and speculate / plain decision (policy.py).
         stats: the request's speculation counters.
+        lookup: the n-gram proposer over the tokens of the target cache; None without prompt
+            lookup.
     """
 
     draft_cache: KVCache
     pending: np.ndarray
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     stats: SpecStats = field(default_factory=SpecStats)
+    lookup: PromptLookup | None = None
 
     def copy(self) -> SpecState:
-        """An independent state with the same draft context, pending taps, tracker and counters
-        (the engine's ``n`` > 1: each choice continues from a copy of the prompt's state)."""
+        """An independent state with the same draft context, pending taps, tracker, counters and
+        lookup (the engine's ``n`` > 1: each choice continues from a copy of the prompt's state)."""
         return SpecState(self.draft_cache.copy(), self.pending.copy(), copy.deepcopy(self.tracker),
-                         dataclasses.replace(self.stats))
+                         dataclasses.replace(self.stats), self.lookup.copy() if self.lookup is not None else None)
 
     def report(self) -> SpecStats:
         """The counters with the tracker's figures (``switches_off``, ``al_estimate``), a copy."""
@@ -137,15 +152,20 @@ class Draft:
 
     Attributes:
         ids: ``[k]`` int64 drafted tokens to verify, after the confidence gate (k = 0: a plain
-            decode step).
+            decode step): the draft's, or with ``ngram`` the n-gram proposer's.
         planned: K, the tokens the policy planned to draft (0: the draft did not run).
         confidence: ``[K]`` float32, the draft's confidence in each of its K tokens, before the
             gate (``Proposal.confidence``).
+        lookup: the step's n-gram proposal (``NO_LOOKUP``: none), verified or not: ``commit``
+            scores it against the kept tokens (``PromptLookup.observe``).
+        ngram: ``ids`` are ``lookup.ids``.
     """
 
     ids: np.ndarray
     planned: int
     confidence: np.ndarray
+    lookup: Lookup = NO_LOOKUP
+    ngram: bool = False
 
     @property
     def gated(self) -> bool:
@@ -217,21 +237,25 @@ class SpeculativeDecoder:
             verifies all of it and never switches off.
         proposer: replaces the draft's proposals (tests), called per sequence as
             ``proposer(draft_cache, anchor_id, start)``; the draft still keeps its context cache.
+        ngram: prompt lookup beside the draft (``ngram.py``; module docstring); False: the
+            draft's proposals alone (calibration, measuring the draft).
     """
 
     def __init__(self, target, draft, *, policy: SpeculationPolicy = ALWAYS_SPECULATE,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, ngram: bool = True):
         self.target = target
         self.draft = draft
         self.taps = tuple(draft.config.target_layer_ids)
         self.block_size = int(draft.config.block_size)
         self.policy = policy
         self.proposer = proposer
+        self.ngram = ngram
         self._tap_width = len(self.taps) * int(target.config.hidden_size)
 
     def new_state(self, capacity: int = 0) -> SpecState:
         """Fresh state for one sequence (``capacity``: a hint in tokens)."""
-        return SpecState(self.draft.new_cache(capacity), self._no_taps())
+        return SpecState(self.draft.new_cache(capacity), self._no_taps(),
+                         lookup=PromptLookup() if self.ngram else None)
 
     def prefill(self, prompt_ids: np.ndarray, cache: KVCache, state: SpecState) -> np.ndarray:
         """Chunked target prefill whose taps go into the draft cache chunk by chunk.
@@ -241,14 +265,17 @@ class SpeculativeDecoder:
         """
         assert cache.length == state.draft_cache.length == 0 and len(state.pending) == 0
         for out in prefill_chunks(self.target, prompt_ids, cache, taps=self.taps):
-            self.add_prompt(cache, state, out.taps)
+            self.add_prompt(cache, state, prompt_ids[cache.length - len(out.taps) : cache.length], out.taps)
         return out.logits[0]
 
-    def add_prompt(self, cache: KVCache, state: SpecState, taps: np.ndarray) -> None:
-        """A prompt chunk the target ``cache`` now holds: its taps ``[T, n*E]`` go into the draft
-        cache (its context K/V), which restores the invariant."""
+    def add_prompt(self, cache: KVCache, state: SpecState, ids: np.ndarray, taps: np.ndarray) -> None:
+        """A prompt chunk the target ``cache`` now holds: its ids ``[T]`` go into the lookup and
+        its taps ``[T, n*E]`` into the draft cache (its context K/V), which restores the
+        invariant."""
         assert len(state.pending) == 0, "a prompt chunk after decoding started"
         self.draft.add_context(state.draft_cache, taps, state.draft_cache.length)
+        if state.lookup is not None:
+            state.lookup.extend(ids)
         self._check(cache, state)
 
     def step(self, lane: Lane) -> LaneStep:
@@ -266,7 +293,8 @@ class SpeculativeDecoder:
         also near the context end, where a whole block, which the draft always runs, does not
         fit) and the gate; with ``K > 0`` the draft catches up on the pending taps and proposes
         ``d1 .. dK``, of which the lane keeps the first ``k = confident_length(confidence,
-        min_confidence)`` (k = 0 makes the step a gated plain step). The caller runs
+        min_confidence)`` (k = 0 makes the step a gated plain step), or, with prompt lookup,
+        the n-gram proposal when ``choose`` prefers it. The caller runs
         ``draft.rows(lane.anchor_id)`` of every lane through the target (with ``taps=self.taps``)
         and ``commit``s each lane.
 
@@ -287,13 +315,16 @@ class SpeculativeDecoder:
                                  max(plan.draft_length for plan in plans)) if drafting else None  # [S, max K]
         rows = iter(range(len(drafting)))  # the proposal's row of each drafting lane, in order
         drafts = []
-        for k, min_confidence in plans:
+        for lane, (k, min_confidence) in zip(lanes, plans):
             if not k:
                 drafts.append(PLAIN)
                 continue
             row = next(rows)
             confidence = proposal.confidence[row, :k]
-            drafts.append(Draft(proposal.ids[row, : confident_length(confidence, min_confidence)], k, confidence))
+            draft = Draft(proposal.ids[row, : confident_length(confidence, min_confidence)], k, confidence)
+            lookup = lane.state.lookup
+            drafts.append(draft if lookup is None else
+                          choose(draft, lookup.propose(lane.anchor_id, k, min_confidence)))
         return drafts
 
     def commit(self, lane: Lane, draft: Draft, logits: np.ndarray, taps: np.ndarray) -> LaneStep:
@@ -321,14 +352,18 @@ class SpeculativeDecoder:
         n_accepted, bonus = verify(draft.ids, logits, lane.picker)
         cache.trim(start + n_accepted + 1)  # roll back the rejected positions
         state.pending = taps[: n_accepted + 1]
+        kept = [*draft.ids[:n_accepted].tolist(), bonus]
+        if state.lookup is not None:
+            state.lookup.extend(draft.rows(lane.anchor_id)[: n_accepted + 1])
+            state.lookup.observe(draft.lookup, kept)
         self.policy.record_step(start, state.tracker, n_accepted + 1)
         self._check(cache, state)
         emitted, finished = 0, False
-        for token in [*draft.ids[:n_accepted].tolist(), bonus]:
+        for token in kept:
             emitted += 1
             if finished := lane.emit(int(token)):
                 break
-        state.stats.record_step(len(draft.ids), min(emitted, n_accepted), emitted)
+        state.stats.record_step(len(draft.ids), min(emitted, n_accepted), emitted, ngram=draft.ngram)
         return LaneStep(draft, n_accepted, finished)
 
     def _plan(self, lane: Lane) -> Plan:
@@ -343,6 +378,8 @@ class SpeculativeDecoder:
         recorded (a gated one as a 1-token speculative step)."""
         state = lane.state
         state.pending = np.concatenate([state.pending, taps])
+        if state.lookup is not None:
+            state.lookup.extend([lane.anchor_id])
         if len(state.pending) >= PENDING_FLUSH:  # bounded: no copy that grows with the output
             self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
             state.pending = self._no_taps()
@@ -373,3 +410,15 @@ class SpeculativeDecoder:
     def _check(cache: KVCache, state: SpecState) -> None:
         assert state.draft_cache.length + len(state.pending) == cache.length, (
             f"draft cache {state.draft_cache.length} + pending {len(state.pending)} != anchor position {cache.length}")
+        assert state.lookup is None or len(state.lookup) == cache.length, (
+            f"lookup {len(state.lookup)} != anchor position {cache.length}")
+
+
+def choose(draft: Draft, lookup: Lookup) -> Draft:
+    """The step's proposal: the n-gram's when its expected accepted tokens (``lookup.expected``)
+    are more than the gated draft's (``expected_accepted`` of the confidences of ``draft.ids``);
+    else the draft's (a tie keeps the draft). Either way the ``Draft`` carries ``lookup``, so that
+    ``commit`` scores it."""
+    if lookup.expected > expected_accepted(draft.confidence[: len(draft.ids)]):
+        return dataclasses.replace(draft, ids=lookup.ids, lookup=lookup, ngram=True)
+    return dataclasses.replace(draft, lookup=lookup)

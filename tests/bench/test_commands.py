@@ -40,6 +40,17 @@ def test_bench_writes_the_speed_table_csv_and_plot(run_cli, random_draft, tmp_pa
     assert not (tmp_path / "speed.png").exists() and "no plot" in err
 
 
+def test_bench_no_ngram_runs_the_draft_alone(run_cli, random_draft, tmp_path):
+    """``--no-ngram``: no step verifies n-gram proposals, and the report says so and how it was run."""
+    status, *_ = run_cli("bench", "--draft", random_draft, "--no-ngram", "--contexts", "48", "--max-tokens", 3,
+                         "--prompts-per-context", 1, "--modes", "greedy", "--out", tmp_path, "--quiet", "--no-plot")
+    assert status == 0
+    _, rows = read_csv(tmp_path / "speed.csv")
+    assert [(r["ngram_steps"], r["ngram_acceptance_length"]) for r in rows] == [("0", "0.0000")]
+    md = (tmp_path / "speed.md").read_text()
+    assert "--no-ngram" in md and "without prompt lookup" in md and "and their AL: 48: 0 of " in md
+
+
 def test_bench_plot_with_matplotlib(run_cli, random_draft, tmp_path):
     pytest.importorskip("matplotlib")
     status, *_ = run_cli("bench", "--draft", random_draft, "--contexts", "short", "--max-tokens", 2,

@@ -15,7 +15,9 @@ from flm_runtime.backends import forward
 from flm_runtime.engine import sampler
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.picker import Picker
-from flm_runtime.engine.speculative import PLAIN, SpeculativeDecoder, verify
+from flm_runtime.engine.ngram import NO_LOOKUP, Lookup
+from flm_runtime.engine.policy import Bucket, PolicyTable, expected_accepted
+from flm_runtime.engine.speculative import PLAIN, Draft, SpeculativeDecoder, choose, verify
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11)
@@ -288,3 +290,90 @@ def test_choices_copy_the_draft_state_and_equal_plain_decoding(make_engine, tiny
         h.result().token_ids for h in plain.submit_choices(PROMPT, sampled, 3)]
     assert len({d.token_ids for d in sampled_choices}) == 3
     assert all(d.stats.spec.steps >= 1 for d in greedy_choices + sampled_choices)
+
+
+# ---- prompt lookup beside the draft -------------------------------------------------------------
+
+REPEATS = PROMPT * 3
+
+
+def test_prompt_lookup_equals_plain_greedy_decoding(tiny):
+    """A prompt that repeats itself: n-gram proposals are verified and some accepted, and the
+    output is plain greedy decoding's token for token, as it is with the draft alone; the caches
+    and the lookup stay in step (``check_caches``, ``SpeculativeDecoder._check``)."""
+    base = plain_generate(tiny, REPEATS, 60, GREEDY)
+    for ngram in (True, False):
+        decoder = SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]), ngram=ngram)
+        out, _, state = spec_generate(decoder, REPEATS, 60, GREEDY, on_step=check_caches(tiny, decoder, REPEATS))
+        assert out == base
+        s = state.stats
+        assert (s.ngram_accepted >= 1) if ngram else (s.ngram_steps == 0 and state.lookup is None), s
+
+
+COPIED = LETTERS[:12]
+
+
+def copy_engine(make_engine, **kw):
+    """A scripted target that copies the prompt's 12 letters, with a random draft (its
+    confidence is low: an n-gram match wins)."""
+    target = ScriptTarget(COPIED, prompt_len=14)
+    return make_engine(target, FakeTokenizer(vocab_size=300),
+                       speculative=SpeculativeDecoder(target, random_draft(target, taps=[0, 1]), **kw))
+
+
+def test_ngram_stats_are_reported_apart_from_the_draft(make_engine):
+    """Prefill gives a; step 1 finds no match ((l, a) occurs nowhere before): the draft's, all
+    rejected; step 2 matches (a, b) in the prompt: c .. i accepted, bonus j (8 tokens); step 3
+    matches (g, h, i, j): k, l accepted, and max_tokens ends the output there."""
+    done = copy_engine(make_engine).submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
+    assert done.token_ids == tuple(COPIED)
+    d = done.stats.as_dict()
+    assert {k: d[k] for k in ("spec_steps", "drafted_tokens", "accepted_tokens", "acceptance_length",
+                              "draft_acceptance_length", "ngram_steps", "ngram_drafted_tokens",
+                              "ngram_accepted_tokens", "ngram_acceptance_length")} == {
+        "spec_steps": 3, "drafted_tokens": 21, "accepted_tokens": 9, "acceptance_length": 11 / 3,
+        "draft_acceptance_length": 1.0, "ngram_steps": 2, "ngram_drafted_tokens": 14, "ngram_accepted_tokens": 9,
+        "ngram_acceptance_length": 5.0}
+    alone = copy_engine(make_engine, ngram=False).submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
+    assert alone.token_ids == done.token_ids
+    s = alone.stats.spec
+    assert s.ngram_steps == 0 and s.emitted == 11 and s.draft_acceptance_length == s.acceptance_length == 11 / s.steps
+
+
+def test_seeded_sampled_prompt_lookup_equals_plain(make_engine):
+    """Sampled at temperature 1 from the scripted target's one-hot logits of 10.0 (the script's
+    letter about 98.7% of the time): the seeded tokens with n-gram proposals are those of an engine
+    without a draft, and some n-gram proposals were accepted."""
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=12)
+    done = copy_engine(make_engine).submit([1, 2, *COPIED], params).result()
+    plain = make_engine(ScriptTarget(COPIED, prompt_len=14), FakeTokenizer(vocab_size=300))
+    assert done.token_ids == plain.submit([1, 2, *COPIED], params).result().token_ids
+    assert done.stats.spec.ngram_accepted >= 1, done.stats.spec
+
+
+def test_the_policy_plan_bounds_the_ngram_proposal(make_engine):
+    """K = 3 from the table: an n-gram proposal is at most 3 tokens; a context the table keeps plain
+    (above 20 tokens) has no proposal at all, n-gram or draft."""
+    table = PolicyTable(model="t", backend="cpu", buckets=[Bucket(max_context=20, speculate=True, draft_length=3),
+                                                           Bucket(max_context=4096, speculate=False)])
+    target = ScriptTarget(COPIED, prompt_len=14)
+    engine = make_engine(target, FakeTokenizer(vocab_size=300), speculative=SpeculativeDecoder(
+        target, random_draft(target, taps=[0, 1]), policy=table))
+    steps = []
+    engine.on_step = steps.append
+    done = engine.submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
+    assert done.token_ids == tuple(COPIED)
+    drafts = [d for t in steps for d in t.drafts]
+    assert any(d.ngram for d in drafts) and all(len(d.ids) <= d.planned == 3 for d in drafts if d.planned)
+    assert drafts[-1] is PLAIN and done.stats.spec.ngram_steps == sum(d.ngram for d in drafts)
+
+
+def test_choose_prefers_the_proposal_expected_to_keep_more():
+    """The draft's expected accepted tokens: 0.9 + 0.81 (its gated two); the lookup's: as given."""
+    draft = Draft(DRAFT[:2], 3, np.array([0.9, 0.9, 0.1], dtype=np.float32))
+    more = Lookup(np.array([1, 2, 3]), 2, 1.8)
+    assert choose(draft, more).ids is more.ids and choose(draft, more).ngram
+    tie = Lookup(np.array([1, 2, 3]), 2, expected_accepted(draft.confidence[:2]))
+    for lookup in (tie, Lookup(np.array([1, 2, 3]), 2, 1.7), NO_LOOKUP):
+        kept = choose(draft, lookup)
+        assert kept.ids is draft.ids and not kept.ngram and kept.lookup is lookup

@@ -183,3 +183,34 @@ def test_penalties_bias_and_logprobs_speculative_and_batched_equal_plain(make_en
         np.testing.assert_allclose([[r.logprob, *(lp for _, lp in r.top)] for r in got.logprobs],
                                    [[r.logprob, *(lp for _, lp in r.top)] for r in want.logprobs], atol=1e-4)
         assert got.stats.spec.steps >= 1 and got.stats.spec.accepted >= 1
+
+
+COPY = ("Repeat the following paragraph exactly, word for word:\n\n"
+        "The old lighthouse stood at the edge of the cliff for more than a century. Every night its keeper climbed "
+        "the spiral stairs, trimmed the wick and watched the ships pass safely through the narrow channel below.")
+
+
+def test_prompt_lookup_on_a_copying_prompt_equals_plain(make_engine, smollm2_engine, smollm2_model, smollm2_tokenizer,
+                                                        record_property):
+    """The shipped draft with and without prompt lookup on a prompt that asks for a paragraph back:
+    greedy and seeded-sampled, each gives plain decoding's tokens; with prompt lookup the n-gram
+    proposer's steps were verified and kept more than one token each."""
+    tok = smollm2_tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": COPY}], add_generation_prompt=True))
+    draft = api.load_draft("smollm2-dflash:135m", smollm2_model)
+    params = [SamplingParams(max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=48, ignore_eos=True)]
+    for p in params:
+        want = smollm2_engine.submit(prompt, p).result().token_ids
+        stats = {}
+        for ngram in (True, False):
+            engine = make_engine(smollm2_model, tok, speculative=SpeculativeDecoder(smollm2_model, draft, ngram=ngram))
+            done = engine.submit(prompt, p).result()
+            assert done.token_ids == want
+            stats[ngram] = done.stats.spec
+        assert stats[False].ngram_steps == 0 and stats[True].ngram_steps >= 1
+        assert stats[True].ngram_acceptance_length > 1.0
+        figures = (f"AL {stats[True].acceptance_length:.2f} (n-gram {stats[True].ngram_steps} steps, AL "
+                   f"{stats[True].ngram_acceptance_length:.2f}) vs draft alone {stats[False].acceptance_length:.2f}")
+        record_property("greedy" if p.greedy else "sampled", figures)
+        print(f"copying prompt, {'greedy' if p.greedy else 'sampled'}: {figures}")

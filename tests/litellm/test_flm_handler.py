@@ -180,7 +180,9 @@ def test_stream(fake_engine):
 
 
 SPEC_STATS = RequestStats(prompt_tokens=9, completion_tokens=12, generated_tokens=13, queue_s=0.0, ttft_s=0.1,
-                          decode_s=1.2, total_s=1.3, spec=SpecStats(steps=4, drafted=28, accepted=9, emitted=13))
+                          decode_s=1.2, total_s=1.3,
+                          spec=SpecStats(steps=4, drafted=28, accepted=9, emitted=13, ngram_steps=1, ngram_drafted=7,
+                                         ngram_accepted=5, ngram_emitted=6))
 
 
 def test_flm_stats_keys():
@@ -190,7 +192,8 @@ def test_flm_stats_keys():
     assert replace(SPEC_STATS, spec=None).as_dict() == plain
     assert SPEC_STATS.as_dict() == {**plain, "spec_steps": 4, "drafted_tokens": 28, "accepted_tokens": 9,
                                     "acceptance_length": 3.25, "gated_steps": 0, "spec_switches_off": 0,
-                                    "al_estimate": None}
+                                    "al_estimate": None, "draft_acceptance_length": 7 / 3, "ngram_steps": 1,
+                                    "ngram_drafted_tokens": 7, "ngram_accepted_tokens": 5, "ngram_acceptance_length": 6.0}
 
 
 def test_speculative_stats_reach_the_usage(fake_engine):
