@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flm_runtime.backends import cpu
+from flm_runtime.backends import cpu, fused, quant
 from flm_runtime.core import KVCache, LlamaConfig, Proposal
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.models.llama import (KV_PROJ, LlamaConfig, _Span, _Taker, decoder_layer, fuse_layer, kv_heads,
@@ -180,10 +180,16 @@ class DFlashDraft:
         lm_head: ``[V, E]`` the target's LM head (shared, not copied; with a draft vocabulary its
             ``Vd`` rows are gathered once into ``head``).
         max_positions: the target's context length (tokens): caches and RoPE tables span it.
+        bits: None keeps the file's float32 matrices and runs the numpy reference layer (training
+            compares against it); 8 quantizes every matrix (``quant.quantize``, symmetric 8-bit
+            blocks) and runs the layers compiled (``fused.FusedLayer``) over a float16 cache, as
+            the quantized target's layers run. ``load`` picks 8 for a quantized target.
 
     Attributes:
         vocab: ``[Vd]`` int64 target ids of the draft vocabulary (ascending), or None (all ``V``).
         head: ``[Vd, E]`` the LM head rows the draft scores.
+        fused: the compiled layers of an 8-bit draft, else None.
+        kv_dtype: its caches' element type (float16 for an 8-bit draft, else float32).
 
     Raises:
         ModelFormatError: a tensor is missing, unexpected or misshapen, or ``draft_vocab`` is not
@@ -191,7 +197,7 @@ class DFlashDraft:
     """
 
     def __init__(self, config: DFlashConfig, weights: dict[str, np.ndarray], *, embed: np.ndarray,
-                 lm_head: np.ndarray, max_positions: int):
+                 lm_head: np.ndarray, max_positions: int, bits: int | None = None):
         c = config
         e, d = c.hidden_size, c.head_dim
         assert embed.shape[1] == e and lm_head.shape == embed.shape, "target embedding/LM head width != E"
@@ -204,12 +210,21 @@ class DFlashDraft:
                                    f"(names carry no model prefix; {c.num_hidden_layers} layers)")
         self.vocab = _draft_vocab(weights, c, lm_head.shape[0])  # [Vd] int64 or None
         self.head = lm_head if self.vocab is None else cpu.take_rows(lm_head, self.vocab)  # [Vd, E]
-        take = _Taker({k: v for k, v in weights.items() if k != "draft_vocab"})
+        assert bits in (None, 8), f"draft matrices are float32 or 8-bit, not {bits}-bit"
+        float_take = _Taker({k: v for k, v in weights.items() if k != "draft_vocab"})
+
+        def take(name: str, shape: tuple[int, ...]) -> cpu.Weight:
+            a = float_take(name, shape)
+            return quant.quantize(a, bits) if bits and len(shape) == 2 else a
+
         self.fc = take("fc.weight", (e, c.n_taps * e))  # [E, n*E]
         self.hidden_norm = take("hidden_norm.weight", (e,))
         self.mask_embedding = take("mask_embedding", (e,))
         self.norm = take("norm.weight", (e,))
         self.layers = [fuse_layer(take, c, f"layers.{i}.") for i in range(c.num_hidden_layers)]
+        self.fused = [fused.FusedLayer(layer, c.num_attention_heads, c.num_key_value_heads, d, c.rms_norm_eps)
+                      for layer in self.layers] if bits else None
+        self.kv_dtype = np.float16 if bits else np.float32  # as the target's cache: half the bytes read
         # add_context's projection, each layer's Wk and Wv alone: a product of all wqkv's rows rounds differently
         self.context_kv = [take_fused(take, c, f"layers.{i}.", KV_PROJ) for i in range(c.num_hidden_layers)]  # [2*Hkv*D, E]
         self.rope_cos, self.rope_sin = cpu.rope_tables(d, max_positions, c.rope_theta)  # [P, D/2]
@@ -221,7 +236,8 @@ class DFlashDraft:
         Args:
             path: the draft directory.
             target: the loaded target (``LlamaModel``): its config is checked against the draft's
-                and its ``embed`` / ``lm_head`` arrays are shared.
+                and its ``embed`` / ``lm_head`` arrays are shared; a quantized one (``kv_dtype``
+                float16) gets an 8-bit draft (``bits``).
             target_sha256: sha256 of the target's weight file when known cheaply (the registry's
                 recorded, verified hash); None checks geometry only (see ``check_target``).
 
@@ -235,14 +251,16 @@ class DFlashDraft:
         weights = read_weights(path / WEIGHTS_FILE)
         try:
             return cls(config, weights, embed=target.embed, lm_head=target.lm_head,
-                       max_positions=target.config.max_position_embeddings)
+                       max_positions=target.config.max_position_embeddings,
+                       bits=8 if target.kv_dtype == np.float16 else None)
         except ModelFormatError as e:
             raise ModelFormatError(f"{path / WEIGHTS_FILE}: {e}") from e
 
     def new_cache(self, capacity: int = 0) -> DraftCache:
         """An empty context K/V cache for one sequence (``capacity`` in tokens is a hint)."""
         c = self.config
-        return DraftCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.max_positions, capacity)
+        return DraftCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.max_positions, capacity,
+                          self.kv_dtype)
 
     def add_context(self, cache: DraftCache, taps: np.ndarray, start_position: int) -> None:
         """Project committed tokens' taps to context K/V once and append them to ``cache``.
@@ -319,9 +337,13 @@ class DFlashDraft:
             for cache in caches:
                 cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
             for i, w in enumerate(self.layers):
-                x = decoder_layer(i, w, x, spans, cos, sin, c, causal=False)  # [S*B, E]
+                if self.fused:
+                    x = self.fused[i](i, x, spans, cos, sin, causal=False)  # [S*B, E]
+                else:
+                    x = decoder_layer(i, w, x, spans, cos, sin, c, causal=False)
             hidden = x.reshape(n_seq, b, -1)[:, 1 : 1 + k_out].reshape(n_seq * k_out, -1)  # rows 1..K of each block
-            h_out = cpu.rms_norm(hidden, self.norm, c.rms_norm_eps)  # [S*K, E]
+            norm = fused.rms_norm if self.fused else cpu.rms_norm
+            h_out = norm(hidden, self.norm, c.rms_norm_eps)  # [S*K, E]
             return np.ascontiguousarray(cpu.linear(h_out, self.head)).reshape(n_seq, k_out, -1)  # [S, K, Vd]
 
     def propose(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The DFlash draft (numpy): against a naive float64 implementation written independently here from
-docs/dflash.md, its cache (context added in pieces, block scratch never committed), loading a draft
-directory (float16, shared target arrays) and refusing drafts that do not fit the target."""
+docs/dflash.md, its cache (context added in pieces, block scratch never committed), the 8-bit draft
+of a quantized target (batch invariant, near the float32 draft), loading a draft directory (float16,
+shared target arrays) and refusing drafts that do not fit the target."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import numpy as np
 import pytest
 from dflash_files import draft_config_dict, random_draft_weights, tap_layers, write_draft_dir
 from test_llama import TINY, tiny_weights
+from test_quantized import TINY_Q
 
-from flm_runtime.backends import forward
+from flm_runtime.backends import forward, quant
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
 from flm_runtime.models.llama import LlamaModel
@@ -180,6 +182,39 @@ def test_config_ignores_unknown_keys_and_names_problems():
     del no_mask["mask_token_id"]
     with pytest.raises(ValueError, match="mask_token_id"):
         DFlashConfig.from_dict(no_mask)
+
+
+def test_an_8_bit_draft_is_batch_invariant_and_near_the_float32_draft(tmp_path):
+    """The draft of a quantized target runs 8-bit compiled layers over a float16 cache: a block's
+    logits are the same bits alone or beside other sequences (one compiled call a layer alone,
+    two in a batch), and close to the float32 draft's."""
+    weights = tiny_weights(TINY_Q)
+    target = LlamaModel(TINY_Q, {k: quant.quantize(v, 8) if v.ndim == 2 else v for k, v in weights.items()})
+    cfg = draft_config_dict(TINY_Q, layers=2, taps=[1, 0], mask_token_id=5)
+    draft_weights = random_draft_weights(cfg, seed=4, scale=0.3)
+    q8 = DFlashDraft.load(write_draft_dir(tmp_path / "d", cfg, draft_weights, dtype=np.float32), target)
+    f32 = DFlashDraft(DFlashConfig.from_dict(cfg), draft_weights, embed=target.embed, lm_head=target.lm_head,
+                      max_positions=TINY_Q.max_position_embeddings)
+    assert q8.fused is not None and q8.kv_dtype == np.float16 and q8.new_cache().k.dtype == np.float16
+    assert f32.fused is None and f32.new_cache().k.dtype == np.float32
+    rng = np.random.default_rng(5)
+    blocks = {}
+    for name, draft in (("q8", q8), ("f32", f32)):
+        caches, anchors = [], []
+        for n in (30, 12):
+            ids = np.random.default_rng(n).integers(0, TINY_Q.vocab_size, n + 1)
+            cache = draft.new_cache()
+            draft.add_context(cache, forward(target, ids[:n], target.new_cache(), taps=(1, 0)).taps, 0)
+            caches.append(cache)
+            anchors.append(int(ids[n]))
+        batched = draft.draft_logits_batch(caches, anchors)  # [2, 7, V]
+        alone = np.stack([draft.draft_logits(c, a, c.length) for c, a in zip(caches, anchors)])
+        blocks[name] = (batched, alone)
+    assert np.array_equal(*blocks["q8"])  # bit for bit
+    got, want = blocks["q8"][1].reshape(14, -1), blocks["f32"][1].reshape(14, -1)
+    cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert cos.mean() > 0.998 and cos.min() > 0.99, (cos.mean(), cos.min())
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 12 / 14
 
 
 def test_load_float16_dir_shares_the_target_arrays(tiny_target, tmp_path):
