@@ -312,16 +312,18 @@ class DFlashDraft:
         ``draft_logits(caches[s], anchor_ids[s], caches[s].length)`` up to float rounding.
 
         Args:
-            n_drafts: K, the block rows ``1 .. K`` whose logits are wanted (default all
-                ``B - 1``). The block still runs whole (its rows attend to each other); only the
-                LM head, the draft's largest product, is limited to those rows.
+            n_drafts: K, the drafted tokens wanted (default all ``B - 1``). The block runs cut to
+                its first ``K + 1`` rows, the anchor and K masks: the masks past K would only
+                be attended, and the products are compute-bound in rows (docs/dflash.md, "A
+                block cut to K + 1 rows"). The draft was trained on whole blocks, so a cut block
+                drafts slightly differently.
         Returns:
             ``[S, K, Vd]`` float32.
         """
         c = self.config
-        b = c.block_size
-        k_out = b - 1 if n_drafts is None else n_drafts
-        assert 1 <= k_out <= b - 1, f"n_drafts {n_drafts} outside 1..{b - 1}"
+        k_out = c.block_size - 1 if n_drafts is None else n_drafts
+        assert 1 <= k_out <= c.block_size - 1, f"n_drafts {n_drafts} outside 1..{c.block_size - 1}"
+        b = k_out + 1
         starts = [cache.length for cache in caches]
         assert all(st + b <= self.max_positions for st in starts), "a block runs past the context"
         n_seq = len(caches)
@@ -341,7 +343,7 @@ class DFlashDraft:
                     x = self.fused[i](i, x, spans, cos, sin, causal=False)  # [S*B, E]
                 else:
                     x = decoder_layer(i, w, x, spans, cos, sin, c, causal=False)
-            hidden = x.reshape(n_seq, b, -1)[:, 1 : 1 + k_out].reshape(n_seq * k_out, -1)  # rows 1..K of each block
+            hidden = x.reshape(n_seq, b, -1)[:, 1:].reshape(n_seq * k_out, -1)  # rows 1..K of each block
             norm = fused.rms_norm if self.fused else cpu.rms_norm
             h_out = norm(hidden, self.norm, c.rms_norm_eps)  # [S*K, E]
             return np.ascontiguousarray(cpu.linear(h_out, self.head)).reshape(n_seq, k_out, -1)  # [S, K, Vd]

@@ -20,8 +20,9 @@ from flm_runtime.models.llama import LlamaModel
 
 
 def naive_draft_logits(cfg: dict, w: dict, embed: np.ndarray, lm_head: np.ndarray, taps: np.ndarray,
-                       anchor: int, start: int) -> np.ndarray:
-    """Rows 1..7 of the block, float64, position by position and head by head (docs/dflash.md)."""
+                       anchor: int, start: int, masks: int = 7) -> np.ndarray:
+    """Rows 1..masks of a block of the anchor and ``masks`` masks, float64, position by position
+    and head by head (docs/dflash.md)."""
     w = {k: v.astype(np.float64) for k, v in w.items()}
     d, h, eps, theta = cfg["head_dim"], cfg["num_attention_heads"], cfg["rms_norm_eps"], cfg["rope_theta"]
     rep = h // cfg["num_key_value_heads"]
@@ -38,7 +39,7 @@ def naive_draft_logits(cfg: dict, w: dict, embed: np.ndarray, lm_head: np.ndarra
         return out
 
     context = [norm(w["fc.weight"] @ taps[p].astype(np.float64), w["hidden_norm.weight"]) for p in range(start)]
-    xs = [embed[anchor].astype(np.float64)] + [w["mask_embedding"]] * 7
+    xs = [embed[anchor].astype(np.float64)] + [w["mask_embedding"]] * masks
     for layer in range(cfg["num_hidden_layers"]):
         p = f"layers.{layer}."
         wq, wk, wv = (w[p + f"self_attn.{n}_proj.weight"] for n in "qkv")
@@ -47,7 +48,7 @@ def naive_draft_logits(cfg: dict, w: dict, embed: np.ndarray, lm_head: np.ndarra
         keys = [np.stack([rope(k, pos) for k in (wk @ s).reshape(-1, d)]) for s, pos in sources]  # [Hkv, D] each
         values = [(wv @ s).reshape(-1, d) for s, _ in sources]
         new = []
-        for b in range(8):
+        for b in range(len(xs)):
             q = (wq @ hs[b]).reshape(-1, d)
             heads = []
             for head in range(h):
@@ -89,6 +90,10 @@ def test_draft_matches_naive_reference(tiny_target):
     assert got.dtype == np.float32 and got.shape == (7, TINY.vocab_size)
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
     assert np.array_equal(draft.propose(cache, int(ids[10]), 10), np.argmax(expected, axis=-1))
+    # K = 3: a block of the anchor and 3 masks, which drafts otherwise than the whole block.
+    cut = naive_draft_logits(cfg, weights, tiny_target.embed, tiny_target.lm_head, taps, int(ids[10]), 10, masks=3)
+    np.testing.assert_allclose(draft.draft_logits_batch([cache], [int(ids[10])], 3)[0], cut, rtol=0, atol=1e-4)
+    assert np.abs(cut - expected[:3]).max() > 1e-2
 
     # The block's K/V are scratch: drafting again, or adding context over them, sees no trace.
     np.testing.assert_allclose(draft.draft_logits(cache, int(ids[10]), 10), got, rtol=0, atol=1e-6)
@@ -120,11 +125,13 @@ def test_batched_blocks_equal_one_at_a_time(tiny_target):
     np.testing.assert_array_equal(proposal.ids, np.argmax(got, axis=-1))
     probs = np.exp(got - got.max(axis=-1, keepdims=True))
     np.testing.assert_allclose(proposal.confidence, (probs / probs.sum(axis=-1, keepdims=True)).max(axis=-1), rtol=1e-5)
-    # K < 7: the same block, the LM head on its first K rows only.
+    # K < 7: the block cut to the anchor and K masks.
     first3 = draft.draft_logits_batch(caches, anchors, n_drafts=3)
-    assert first3.shape == (3, 3, TINY.vocab_size)
-    np.testing.assert_allclose(first3, got[:, :3], rtol=0, atol=1e-5)
-    np.testing.assert_array_equal(draft.propose_batch(caches, anchors, 1).ids, np.argmax(got[:, :1], axis=-1))
+    assert first3.shape == (3, 3, TINY.vocab_size) and [c.length for c in caches] == [9, 0, 4]
+    for s, (cache, anchor) in enumerate(zip(caches, anchors)):
+        np.testing.assert_allclose(first3[s], draft.draft_logits_batch([cache], [anchor], 3)[0], rtol=2e-5, atol=2e-5)
+    first1 = draft.propose_batch(caches, anchors, 1)
+    np.testing.assert_array_equal(first1.ids, np.argmax(draft.draft_logits_batch(caches, anchors, 1), axis=-1))
 
 
 def test_draft_with_empty_context(tiny_target):
