@@ -64,10 +64,6 @@ class Lookup(NamedTuple):
         confidence), 0.0 without ids."""
         return expected_accepted(self.confidence)
 
-    def head(self, n: int) -> Lookup:
-        """The proposal's first ``n`` tokens (``NO_LOOKUP`` for 0)."""
-        return Lookup(self.ids[:n], self.match, self.confidence[:n]) if n else NO_LOOKUP
-
 
 NO_LOOKUP = Lookup(np.zeros(0, dtype=np.int64), 0, np.zeros(0, dtype=np.float32))
 
