@@ -33,6 +33,11 @@ in context: attention adds about as much to both passes, so the ratio falls as t
 and a bucket timed at its upper edge only underestimates its lower part. Each request's own
 acceptance then moves its decision online.
 
+Per bucket also ``verify_ratio``: ``t_verify(n+1) / t_decode`` for n = 1..7, each the largest at
+the bucket's edges over all spells (as the cost ratio), the cost of an n-gram-only step of n
+tokens where the bucket plans plain decoding (``policy.lookup_length``); the table records
+``--min-speedup`` as the margin such a step must exceed too.
+
     litellm-flm calibrate [--tag smollm2-dflash:135m] [--backend cpu] [--contexts 256,1024,4096,8192]
         [--rounds 5] [--spells 1] [--spell-gap 300] [--min-speedup 1.1] [--max-new 128] [--out PATH]
 """
@@ -55,7 +60,7 @@ from flm_runtime.backends import forward
 from flm_runtime.bench import documents
 from flm_runtime.engine import sampler
 from flm_runtime.engine.picker import Picker
-from flm_runtime.engine.policy import Bucket, PolicyTable, confident_length
+from flm_runtime.engine.policy import MIN_SPEEDUP, Bucket, PolicyTable, confident_length
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
 
@@ -76,7 +81,6 @@ CALIBRATION_PROMPTS = (
 # prompts: a chat prompt is tens of tokens, and a draft keeps far fewer tokens a step on long
 # summaries than on chat (docs/benchmarks.md).
 LONG_CONTEXT = 1024
-MIN_SPEEDUP = 1.1  # a bucket's expected speed-up must exceed this to speculate (module docstring)
 # The confidence gates tried per bucket (policy.py): 0 (none) and a grid over which the share of
 # gated steps goes from few to about half of all steps (docs/benchmarks.md, draft_confidence.py).
 GATES = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
@@ -189,7 +193,8 @@ def choose(edges: list[dict], acceptance: Acceptance, max_context: int, min_spee
     its acceptance records: the draft length K and confidence gate (``GATES``) with the best
     expected speed-up, each pair's cost ratio the largest over the edges (see the module
     docstring); speculation on when that speed-up exceeds ``min_speedup``. Of equal speed-ups the
-    first wins: the shorter K, then the lower gate."""
+    first wins: the shorter K, then the lower gate. ``verify_ratio``: per verified length, the
+    largest ``t_verify(n+1) / t_decode`` over the edges."""
     best = None
     for k in range(1, acceptance.confidence.shape[1] + 1):
         for gate in GATES:
@@ -198,8 +203,9 @@ def choose(edges: list[dict], acceptance: Acceptance, max_context: int, min_spee
             if best is None or al / ratio > best[0]:
                 best = (al / ratio, k, gate, al, ratio)
     speedup, k, gate, al, ratio = best
+    verify_ratio = [round(max(c["verify"][n] / c["decode"] for c in edges), 4) for n in range(len(edges[0]["verify"]))]
     return Bucket(max_context=max_context, speculate=speedup > min_speedup, draft_length=k, min_confidence=gate,
-                  cost_ratio=round(ratio, 4), expected_al=round(al, 4))
+                  cost_ratio=round(ratio, 4), expected_al=round(al, 4), verify_ratio=verify_ratio)
 
 
 def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str, contexts: list[int], rounds: int,
@@ -254,7 +260,8 @@ def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str,
                               "acceptance_at_least": [round(float(p), 4) for p in records[ctx].at_least()],
                               "acceptance_steps": len(records[ctx].accepted),
                               "acceptance_prompts": "document" if ctx in long_prompts else "chat"}
-    return PolicyTable(model=tag, backend=backend, buckets=buckets, measured={
+    return PolicyTable(model=tag, backend=backend, buckets=buckets, block_size=decoder.block_size,
+                       min_speedup=min_speedup, measured={
         "by_context": measured,
         "command": f"litellm-flm calibrate --tag {tag} --backend {backend} --contexts {','.join(map(str, contexts))} "
                    f"--rounds {rounds} --spells {spells} --spell-gap {spell_gap:g} --max-new {max_new} "

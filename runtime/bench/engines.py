@@ -153,7 +153,7 @@ class Run:
         prompt_tokens, generated_tokens: tokens in and out (generated includes an end-of-turn).
         ttft_s: submit to first token (queue + prefill + first sample), seconds.
         decode_s: first to last token, seconds (``generated_tokens - 1`` tokens decoded in it).
-        spec_steps: speculative (verify) steps; 0 for plain decoding.
+        spec_steps: speculative (verify) steps, n-gram-only ones included; 0 for plain decoding.
         acceptance_length: tokens kept per step, bonus included (0.0 without speculation).
         spec_switches_off: times the request's acceptance tracker turned speculation off.
         ngram_steps, ngram_acceptance_length: the steps that verified the n-gram proposer's

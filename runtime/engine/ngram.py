@@ -6,7 +6,9 @@ Prompt lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-decodi
 the sequence (ending at the anchor) are looked up among its earlier tokens, prompt and output
 alike, and the tokens that followed their most recent earlier occurrence are proposed. No model
 runs, so a proposal costs only verify rows; ``SpeculativeDecoder.propose`` verifies it instead of
-the draft's when it expects it to keep more tokens (docs/dflash.md, "Prompt lookup").
+the draft's when it expects it to keep more tokens, and alone, without the draft, where the policy
+plans a plain step and the proposal is expected to pay for its rows (an n-gram-only step;
+docs/dflash.md, "Prompt lookup").
 
 ``PromptLookup`` is one sequence's proposer: an index of the tokens its target KV cache holds
 (``extend``, kept in step with the cache: ``len(lookup) == cache.length``), the lookup
@@ -48,16 +50,22 @@ class Lookup(NamedTuple):
     Attributes:
         ids: ``[g]`` int64 proposed tokens after the confidence gate (g = 0: none).
         match: ``n``, the length of the matched n-gram (0: no match).
-        expected: the expected accepted tokens of ``ids`` (``policy.expected_accepted`` of its
-            confidence), 0.0 without ids.
+        confidence: ``[g]`` float32, the confidence in each token (the record's acceptance rate
+            after a ``match``-token match).
     """
 
     ids: np.ndarray
     match: int
-    expected: float
+    confidence: np.ndarray
+
+    @property
+    def expected(self) -> float:
+        """The expected accepted tokens of ``ids`` (``policy.expected_accepted`` of their
+        confidence), 0.0 without ids."""
+        return expected_accepted(self.confidence)
 
 
-NO_LOOKUP = Lookup(np.zeros(0, dtype=np.int64), 0, 0.0)
+NO_LOOKUP = Lookup(np.zeros(0, dtype=np.int64), 0, np.zeros(0, dtype=np.float32))
 
 
 def common_prefix(proposed: np.ndarray, kept: list[int]) -> int:
@@ -143,7 +151,7 @@ class PromptLookup:
             if not kept:
                 return NO_LOOKUP
             ids = np.array([source[i % len(source)] for i in range(kept)], dtype=np.int64)
-            return Lookup(ids, n, expected_accepted(confidence[:kept]))
+            return Lookup(ids, n, confidence[:kept])
         return NO_LOOKUP
 
     def observe(self, lookup: Lookup, kept: list[int]) -> None:

@@ -23,10 +23,19 @@ drafted row doubles the rows and the later ones are rarely kept: the gate spends
 draft is sure and skips the verify where it guesses (EAGLE-2, Li et al. 2024, arXiv:2406.16858,
 grows its draft tree by the same estimate).
 
-The policy is an object with one interface (``SpeculationPolicy``: ``plan`` a step, then
-``record_step`` or ``record_plain`` what it did): a ``PolicyTable`` with the request's tracker,
-or ``ALWAYS_SPECULATE``, the null policy of a tag without a table (whole blocks, no gate, no
-switch-off).
+An n-gram-only step (prompt lookup, ``ngram.py``) runs where the plan is plain: the draft does
+not run, the target verifies ``[anchor, g1 .. gn]`` of the n-gram proposal, at ``verify_ratio[n-1]
+= t_verify(n+1) / t_decode`` decode steps for ``1 + E(n)`` tokens (``E(n)``: the expected accepted
+tokens of the first n, ``expected_accepted``). ``lookup_length`` takes the n with the best
+``(1 + E(n)) / verify_ratio[n-1]``, and only where that speed-up exceeds the table's
+``min_speedup`` (``calibrate``'s margin, ``MIN_SPEEDUP``); a bucket without ``verify_ratio`` (a
+table calibrated before they were recorded) takes none.
+
+The policy is an object with one interface (``SpeculationPolicy``: ``plan`` a step, or
+``lookup_length`` an n-gram-only one where the plan is plain, then ``record_step`` or
+``record_plain`` what it did): a ``PolicyTable`` with the request's tracker, or
+``ALWAYS_SPECULATE``, the null policy of a tag without a table (whole blocks, no gate, no
+switch-off, no n-gram-only step).
 
 Then, per request, an ``AcceptanceTracker`` follows that request's own AL (the mean of its last
 16 speculative steps, the window starting full of the table's AL). When ``AL_estimate /
@@ -44,9 +53,13 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
 
 FILE_NAME = "policy-{backend}.json"  # in the draft directory (shipped) or the user's policy dir
+# The expected speed-up a step must exceed to run: a bucket's speculation (``calibrate``'s default
+# ``--min-speedup``) and an n-gram-only step; the margin covers served acceptance falling short of
+# the expected (docs/design.md, "Speculation policy").
+MIN_SPEEDUP = 1.1
 
 
 class Plan(NamedTuple):
@@ -76,13 +89,19 @@ class SpeculationPolicy(Protocol):
         """A speculative step (or a gated one, ``emitted`` = 1) at ``context`` kept ``emitted``
         tokens, the bonus included."""
 
-    def record_plain(self, tracker: AcceptanceTracker) -> None:
-        """A step planned plain (K = 0) generated one token."""
+    def lookup_length(self, context: int, confidence: np.ndarray) -> int | None:
+        """Where ``plan`` is plain: the leading tokens of an n-gram proposal with these per-token
+        confidences (``[g]``) that an n-gram-only step at ``context`` verifies; 0: none pays, the
+        step decodes plainly; None: n-gram-only steps are off at this context."""
+
+    def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
+        """A step planned plain (K = 0) generated ``emitted`` tokens: a plain decode step one, an
+        n-gram-only step its kept tokens."""
 
 
 class AlwaysSpeculate:
     """The null policy: whole blocks at every context, every drafted token verified, never
-    switched off; it records nothing."""
+    switched off, no n-gram-only step; it records nothing."""
 
     def plan(self, context: int, tracker: AcceptanceTracker, most: int) -> Plan:
         return Plan(most, 0.0)
@@ -90,7 +109,10 @@ class AlwaysSpeculate:
     def record_step(self, context: int, tracker: AcceptanceTracker, emitted: int) -> None:
         pass
 
-    def record_plain(self, tracker: AcceptanceTracker) -> None:
+    def lookup_length(self, context: int, confidence: np.ndarray) -> int | None:
+        return None
+
+    def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
         pass
 
 
@@ -112,6 +134,10 @@ class Bucket(BaseModel):
             which speculation pays.
         expected_al: calibrated tokens per step (bonus included; a gated step emits one), the mean
             over the same steps: the prior of the online estimate.
+        verify_ratio: ``t_verify(n+1) / t_decode`` for ``n = 1 .. block_size - 1``, the largest
+            measured at this bucket's edges: the cost of an n-gram-only step of n tokens, in
+            decode steps (module docstring); None (tables calibrated before it was recorded):
+            no n-gram-only steps here. Its length is checked against the table's ``block_size``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -122,6 +148,7 @@ class Bucket(BaseModel):
     min_confidence: float = Field(default=0.0, ge=0.0, le=1.0)
     cost_ratio: float = Field(default=1.0, gt=0)
     expected_al: float = Field(default=1.0, ge=1.0)
+    verify_ratio: list[PositiveFloat] | None = None
 
     @property
     def expected_speedup(self) -> float:
@@ -141,6 +168,25 @@ def confident_length(confidence: np.ndarray, min_confidence: float) -> int | np.
     """
     kept = np.count_nonzero(np.cumprod(confidence, axis=-1, dtype=np.float64) >= min_confidence, axis=-1)
     return int(kept) if np.ndim(confidence) == 1 else kept
+
+
+def paying_length(confidence: np.ndarray, verify_ratio: list[float], min_speedup: float) -> int:
+    """The n-gram-only step's length: the ``n`` in ``1 .. min(g, len(verify_ratio))`` with the
+    best expected speed-up ``(1 + expected_accepted(confidence[:n])) / verify_ratio[n-1]`` (the
+    shortest of equal ones), if that exceeds ``min_speedup``; else 0.
+
+    Args:
+        confidence: ``[g]`` per-token confidence of the proposal (``Lookup.confidence``).
+        verify_ratio: the bucket's ``verify_ratio``.
+        min_speedup: the speed-up to exceed (``PolicyTable.min_speedup``).
+    """
+    n = min(len(confidence), len(verify_ratio))
+    if not n:
+        return 0
+    tokens = 1.0 + np.cumsum(np.cumprod(confidence[:n], dtype=np.float64))  # [n]: 1 + E(1 .. n)
+    speedup = tokens / np.asarray(verify_ratio[:n], dtype=np.float64)
+    best = int(np.argmax(speedup))
+    return best + 1 if speedup[best] > min_speedup else 0
 
 
 def expected_accepted(confidence: np.ndarray) -> float:
@@ -163,10 +209,16 @@ class PolicyTable(BaseModel):
         model: the DFlash tag (e.g. ``"smollm2-dflash:135m"``).
         backend: ``"cpu"`` or ``"npu"``.
         buckets: ascending ``max_context``; a context above the last bucket uses the last one.
+        block_size: the draft's block size the table was calibrated with (the anchor and up to
+            ``block_size - 1`` drafted tokens); required where a bucket has ``verify_ratio``,
+            which then holds ``block_size - 1`` values; None in tables without them.
+        min_speedup: the expected speed-up an n-gram-only step must exceed (``lookup_length``);
+            ``calibrate`` writes its ``--min-speedup``.
         measured: provenance (command, machine, per-bucket timings, acceptance profile); free-form.
 
     Raises:
-        pydantic.ValidationError: buckets not ascending, or a bucket out of range (naming it).
+        pydantic.ValidationError: buckets not ascending, a bucket out of range, or a
+            ``verify_ratio`` whose length is not ``block_size - 1`` (naming it).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -174,6 +226,8 @@ class PolicyTable(BaseModel):
     model: str
     backend: str
     buckets: list[Bucket] = Field(min_length=1)
+    block_size: int | None = Field(default=None, ge=2)
+    min_speedup: float = Field(default=MIN_SPEEDUP, ge=1.0)
     measured: dict = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -181,6 +235,18 @@ class PolicyTable(BaseModel):
         edges = [b.max_context for b in self.buckets]
         if edges != sorted(set(edges)):
             raise ValueError(f"buckets must have strictly ascending max_context, got {edges}")
+        return self
+
+    @model_validator(mode="after")
+    def _verify_ratio_per_drafted_token(self) -> PolicyTable:
+        for b in self.buckets:
+            if b.verify_ratio is None:
+                continue
+            if self.block_size is None:
+                raise ValueError(f"bucket up to {b.max_context}: verify_ratio needs the table's block_size")
+            if len(b.verify_ratio) != self.block_size - 1:
+                raise ValueError(f"bucket up to {b.max_context}: verify_ratio has {len(b.verify_ratio)} values, "
+                                 f"block_size - 1 = {self.block_size - 1} expected")
         return self
 
     def bucket(self, context: int) -> Bucket:
@@ -200,9 +266,15 @@ class PolicyTable(BaseModel):
         """``SpeculationPolicy.record_step``: into the request's tracker, against the bucket."""
         tracker.record_step(self.bucket(context), emitted)
 
-    def record_plain(self, tracker: AcceptanceTracker) -> None:
+    def lookup_length(self, context: int, confidence: np.ndarray) -> int | None:
+        """``SpeculationPolicy.lookup_length``: ``paying_length`` with the bucket's
+        ``verify_ratio`` and the table's ``min_speedup``; None where the bucket has none."""
+        ratio = self.bucket(context).verify_ratio
+        return None if ratio is None else paying_length(confidence, ratio, self.min_speedup)
+
+    def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
         """``SpeculationPolicy.record_plain``: into the request's tracker."""
-        tracker.record_plain()
+        tracker.record_plain(emitted)
 
     @classmethod
     def load(cls, path: Path) -> PolicyTable:
@@ -285,9 +357,10 @@ class AcceptanceTracker:
             self._steps, self.probing, self.plain_until = 0, self.plain_until > 0, 0
         return bucket.draft_length
 
-    def record_plain(self) -> None:
-        """A plain decode step generated one token."""
-        self.tokens += 1
+    def record_plain(self, emitted: int = 1) -> None:
+        """A step planned plain generated ``emitted`` tokens (a plain decode step one, an
+        n-gram-only step its kept tokens): they count towards the probe, not the estimate."""
+        self.tokens += emitted
 
     def record_step(self, bucket: Bucket, emitted: int) -> None:
         """A speculative step in ``bucket`` emitted ``emitted`` tokens (accepted + bonus)."""

@@ -137,18 +137,21 @@ class SpecStats:
     """One request's speculation counters.
 
     Attributes:
-        steps: speculative steps run (steps that verified drafted tokens).
-        drafted: drafted tokens verified (k per step, after the confidence gate).
+        steps: speculative steps run (steps that verified proposed tokens, the draft's or the
+            n-gram proposer's, n-gram-only steps included: those the policy planned plain, where
+            the draft did not run).
+        drafted: proposed tokens verified (k per step, after the confidence gate).
         accepted: drafted tokens kept and pushed into the output pipeline.
         emitted: tokens pushed by speculative steps (accepted + one bonus per step; a step cut
             short by EOS / stop / max_tokens counts only the tokens pushed before the cut).
         gated: plain steps the confidence gate made (the draft ran, nothing was verified).
         ngram_steps, ngram_drafted, ngram_accepted, ngram_emitted: the same counts of the
             speculative steps that verified the n-gram proposer's tokens (prompt lookup,
-            ``ngram.py``), included in the totals above.
+            ``ngram.py``; beside the draft or n-gram-only), included in the totals above.
         switches_off: times the request's acceptance tracker turned speculation off, and
         al_estimate: its final AL estimate (None before a step): the policy's figures
-            (``policy.AcceptanceTracker``), copied in when the request ends.
+            (``policy.AcceptanceTracker``, over the steps the draft ran: n-gram-only steps do
+            not feed it), copied in when the request ends.
     """
 
     steps: int = 0
@@ -230,11 +233,11 @@ class RequestStats:
         """The flat JSON form (LiteLLM's ``_hidden_params["flm_stats"]``): ``prompt_tokens``,
         ``completion_tokens``, ``generated_tokens``, ``queue_s``, ``ttft_s``,
         ``decode_tokens_per_s``, ``total_s``; with ``spec`` also ``spec_steps``,
-        ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length``, ``gated_steps``,
-        ``spec_switches_off`` and ``al_estimate`` (all proposers together), then
-        ``draft_acceptance_length`` (the draft's steps) and ``ngram_steps``,
-        ``ngram_drafted_tokens``, ``ngram_accepted_tokens``, ``ngram_acceptance_length`` (the
-        n-gram proposer's steps)."""
+        ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length`` (all proposers together,
+        n-gram-only steps included), ``gated_steps``, ``spec_switches_off`` and ``al_estimate``
+        (the tracker's, ``SpecStats``), then ``draft_acceptance_length`` (the draft's steps) and
+        ``ngram_steps``, ``ngram_drafted_tokens``, ``ngram_accepted_tokens``,
+        ``ngram_acceptance_length`` (the n-gram proposer's steps, n-gram-only ones included)."""
         out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                "generated_tokens": self.generated_tokens, "queue_s": self.queue_s, "ttft_s": self.ttft_s,
                "decode_tokens_per_s": self.decode_tokens_per_s, "total_s": self.total_s}

@@ -27,10 +27,12 @@ lane and step it looks the last tokens up among the sequence's earlier ones and 
 followed them, with a confidence per token from its own acceptance record; the step verifies the
 n-gram proposal instead of the draft's when its expected accepted tokens
 (``policy.expected_accepted`` of the gated confidences) are more than the draft's, in the same
-verify pass (``choose``). The policy's plan holds for both: a lane planned plain (K = 0) stays
-plain, the n-gram proposal is at most K tokens and passes the same gate. Its tokens are verified
-as the draft's (the verifier only compares tokens), and the kept positions' taps become pending
-as after a draft's step, so the draft resumes from them.
+verify pass (``choose``); there the plan holds for both: the n-gram proposal is at most K tokens
+and passes the same gate. A lane planned plain (K = 0) takes an *n-gram-only* step instead when
+the policy expects the proposal to pay for its verify rows (``policy.lookup_length``: the bucket's
+measured ``verify_ratio``): the draft does not run, the target verifies ``[anchor, g1 .. gn]``.
+Its tokens are verified as the draft's (the verifier only compares tokens), and the kept
+positions' taps join the pending ones as after a plain step, so the draft resumes from them.
 
 Glossary (after vLLM's rejection sampler, ``vllm/v1/sample/rejection_sampler.py``):
 
@@ -75,8 +77,9 @@ from flm_runtime.engine.policy import (ALWAYS_SPECULATE, AcceptanceTracker, Plan
 from flm_runtime.engine.picker import Picker
 from flm_runtime.engine.request import SpecStats
 
-# Pending taps of plain steps are folded into the draft cache once this many accumulate (while
-# the policy keeps a request decoding plainly), so that each step copies a bounded array.
+# Pending taps of plain and n-gram-only steps are folded into the draft cache once this many
+# accumulate (while the policy keeps the draft from running), so that each step copies a bounded
+# array.
 PENDING_FLUSH = 64
 
 # proposer(draft_cache, anchor_id, start) -> [K] int64 drafted ids: a stand-in for the draft's
@@ -153,12 +156,14 @@ class Draft:
     Attributes:
         ids: ``[k]`` int64 drafted tokens to verify, after the confidence gate (k = 0: a plain
             decode step): the draft's, or with ``ngram`` the n-gram proposer's.
-        planned: K, the tokens the policy planned to draft (0: the draft did not run).
+        planned: K, the tokens the policy planned to draft (0: the draft did not run: a plain
+            step, or with ``ngram`` an n-gram-only step).
         confidence: ``[K]`` float32, the draft's confidence in each of its K tokens, before the
             gate (``Proposal.confidence``).
         lookup: the step's n-gram proposal (``NO_LOOKUP``: none), verified or not: ``commit``
             scores it against the kept tokens (``PromptLookup.observe``).
-        ngram: ``ids`` are ``lookup.ids``.
+        ngram: ``ids`` are the n-gram proposer's: ``lookup.ids``, or their first ones on an
+            n-gram-only step.
     """
 
     ids: np.ndarray
@@ -178,8 +183,9 @@ class Draft:
         return np.concatenate([[anchor_id], self.ids]).astype(np.int64)
 
 
+NO_CONFIDENCE = np.zeros(0, dtype=np.float32)  # [0]: the draft did not run
 # A plain decode step's record: nothing planned, nothing drafted.
-PLAIN = Draft(np.zeros(0, dtype=np.int64), 0, np.zeros(0, dtype=np.float32))
+PLAIN = Draft(np.zeros(0, dtype=np.int64), 0, NO_CONFIDENCE)
 
 
 class LaneStep(NamedTuple):
@@ -294,7 +300,8 @@ class SpeculativeDecoder:
         fit) and the gate; with ``K > 0`` the draft catches up on the pending taps and proposes
         ``d1 .. dK``, of which the lane keeps the first ``k = confident_length(confidence,
         min_confidence)`` (k = 0 makes the step a gated plain step), or, with prompt lookup,
-        the n-gram proposal when ``choose`` prefers it. The caller runs
+        the n-gram proposal when ``choose`` prefers it; with ``K = 0``, a plain step or an
+        n-gram-only one (``_lookup_only``). The caller runs
         ``draft.rows(lane.anchor_id)`` of every lane through the target (with ``taps=self.taps``)
         and ``commit``s each lane.
 
@@ -317,7 +324,7 @@ class SpeculativeDecoder:
         drafts = []
         for lane, (k, min_confidence) in zip(lanes, plans):
             if not k:
-                drafts.append(PLAIN)
+                drafts.append(self._lookup_only(lane))
                 continue
             row = next(rows)
             confidence = proposal.confidence[row, :k]
@@ -332,9 +339,10 @@ class SpeculativeDecoder:
 
         A speculative step verifies ``draft.ids`` (``verify``), rolls the cache back past what was
         kept, makes the kept positions' taps pending, records the step (policy, stats) and emits
-        the kept tokens one by one through ``lane.emit``. A plain step (``draft.ids`` empty)
-        makes its row's taps pending, records it, and takes its token as an engine without a
-        draft does (``lane.take``).
+        the kept tokens one by one through ``lane.emit``; an n-gram-only step is one too, but
+        the policy records it as a plain one. A plain step (``draft.ids`` empty) makes its row's
+        taps pending, records it, and takes its token as an engine without a draft does (the
+        request's picker, then ``lane.emit``).
 
         Args:
             lane: the lane, as given to ``propose``.
@@ -347,16 +355,20 @@ class SpeculativeDecoder:
         cache, state = lane.cache, lane.state
         start = cache.length - len(logits)
         if not len(draft.ids):
-            self._commit_plain(lane, draft, start, taps)
-            return LaneStep(draft, 0, lane.take(logits[0]))
+            token = lane.picker.take(logits[0])
+            self._commit_plain(lane, draft, start, taps, token)
+            return LaneStep(draft, 0, lane.emit(token))
         n_accepted, bonus = verify(draft.ids, logits, lane.picker)
         cache.trim(start + n_accepted + 1)  # roll back the rejected positions
-        state.pending = taps[: n_accepted + 1]
+        self._add_pending(state, taps[: n_accepted + 1])
         kept = [*draft.ids[:n_accepted].tolist(), bonus]
         if state.lookup is not None:
             state.lookup.extend(draft.rows(lane.anchor_id)[: n_accepted + 1])
             state.lookup.observe(draft.lookup, kept)
-        self.policy.record_step(start, state.tracker, n_accepted + 1)
+        if draft.planned:
+            self.policy.record_step(start, state.tracker, n_accepted + 1)
+        else:  # n-gram-only: the tracker's AL asks whether the draft's pass pays, which this step did not run
+            self.policy.record_plain(state.tracker, n_accepted + 1)
         self._check(cache, state)
         emitted, finished = 0, False
         for token in kept:
@@ -373,22 +385,46 @@ class SpeculativeDecoder:
             return Plan(0, 0.0)
         return self.policy.plan(cache.length, lane.state.tracker, self.block_size - 1)
 
-    def _commit_plain(self, lane: Lane, draft: Draft, start: int, taps: np.ndarray) -> None:
-        """A plain step's row (at position ``start``): its taps become pending, the step is
-        recorded (a gated one as a 1-token speculative step)."""
+    def _lookup_only(self, lane: Lane) -> Draft:
+        """A lane planned plain: an n-gram-only step of the first ``n`` tokens of the n-gram
+        proposal (at most ``block_size - 1``, and the rows must fit in the context), ``n`` from
+        ``policy.lookup_length``; else a plain step, which carries the proposal for ``commit`` to
+        score, unless n-gram-only steps are off at this context (``PLAIN``, as without prompt
+        lookup). The draft does not run."""
+        lookup, cache = lane.state.lookup, lane.cache
+        if lookup is None:
+            return PLAIN
+        room = cache.max_length - cache.length - 1  # positions after the anchor's
+        proposal = lookup.propose(lane.anchor_id, min(self.block_size - 1, room), 0.0)
+        n = self.policy.lookup_length(cache.length, proposal.confidence)
+        if n is None or not proposal.match:
+            return PLAIN
+        return Draft(proposal.ids[:n], 0, NO_CONFIDENCE, lookup=proposal, ngram=bool(n))
+
+    def _commit_plain(self, lane: Lane, draft: Draft, start: int, taps: np.ndarray, token: int) -> None:
+        """A plain step's row (at position ``start``), which gave ``token``: its taps become
+        pending, the lookup scores the step's n-gram proposal if it had one, the step is recorded
+        (a gated one as a 1-token speculative step)."""
         state = lane.state
-        state.pending = np.concatenate([state.pending, taps])
+        self._add_pending(state, taps)
         if state.lookup is not None:
             state.lookup.extend([lane.anchor_id])
-        if len(state.pending) >= PENDING_FLUSH:  # bounded: no copy that grows with the output
-            self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
-            state.pending = self._no_taps()
+            state.lookup.observe(draft.lookup, [token])
         if draft.gated:
             self.policy.record_step(start, state.tracker, 1)
         else:
             self.policy.record_plain(state.tracker)
         state.stats.record_plain(draft.gated)
         self._check(lane.cache, state)
+
+    def _add_pending(self, state: SpecState, taps: np.ndarray) -> None:
+        """The taps ``[T, n*E]`` of committed positions join the pending ones, which are folded
+        into the draft cache once ``PENDING_FLUSH`` accumulate (the draft catches up on the rest
+        before it next drafts)."""
+        state.pending = np.concatenate([state.pending, taps])
+        if len(state.pending) >= PENDING_FLUSH:  # bounded: no copy that grows with the output
+            self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
+            state.pending = self._no_taps()
 
     def _propose(self, caches: list[KVCache], anchor_ids: list[int], n_drafts: int) -> Proposal:
         """The first ``n_drafts`` drafted tokens of ``S`` sequences (``[S, n_drafts]``): one

@@ -59,6 +59,7 @@ def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smol
     assert [by_context[c]["acceptance_prompts"] for c in ("16", "150")] == ["chat", "document"]
     assert [len(by_context[c]["step_costs"]) for c in ("16", "150")] == [2, 2]  # one per spell
     assert "--spells 2 --spell-gap 0" in table.measured["command"]
+    assert (table.block_size, table.min_speedup) == (8, calibrate.MIN_SPEEDUP)
 
     def costs(measured: dict) -> dict:  # a step_costs dict (milliseconds: only ratios matter)
         return {"decode": measured["decode_ms"], "propose": measured["propose_ms"], "verify": measured["verify_ms"]}
@@ -71,6 +72,7 @@ def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smol
         assert (bucket.speculate, bucket.draft_length, bucket.min_confidence) == (
             want.speculate, want.draft_length, want.min_confidence)
         assert bucket.expected_al == want.expected_al and bucket.cost_ratio == pytest.approx(want.cost_ratio, rel=1e-3)
+        assert bucket.verify_ratio == pytest.approx(want.verify_ratio, rel=1e-3) and len(bucket.verify_ratio) == 7
     for ctx, acceptance in zip(("16", "150"), recorded):
         assert by_context[ctx]["acceptance_at_least"] == [round(float(p), 4) for p in acceptance.at_least()]
         assert by_context[ctx]["acceptance_steps"] == len(acceptance.accepted)
@@ -96,6 +98,10 @@ def test_a_bucket_speculates_only_where_it_pays_at_both_edges():
         True, 2, 0.0, 1.5, 1.1)
     both = calibrate.choose([dear, cheap], PROFILE, 1024)  # dear at the lower edge: 1.5 / 1.6 < 1
     assert (both.speculate, both.draft_length, both.cost_ratio) == (False, 2, 1.6)
+    # the verify ratios, per verified length, the largest over the edges
+    rising = {"decode": 2.0, "propose": [0.1] * 7, "verify": [2.0 + 0.5 * n for n in range(1, 8)]}  # 1.25 .. 2.75
+    assert alone.verify_ratio == [1.0] * 7 and both.verify_ratio == [1.5] * 7
+    assert calibrate.choose([rising, dear], PROFILE, 4096).verify_ratio == [1.5, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75]
 
 
 def test_a_bucket_speculates_only_past_the_margin():

@@ -11,7 +11,8 @@ from engine_fakes import FakeTokenizer
 from pydantic import ValidationError
 from spec_fakes import ScriptTarget, random_draft, replay_proposer
 
-from flm_runtime.engine.policy import AcceptanceTracker, Bucket, PolicyTable, confident_length
+from flm_runtime.engine.policy import (ALWAYS_SPECULATE, MIN_SPEEDUP, AcceptanceTracker, Bucket, PolicyTable,
+                                      confident_length, paying_length)
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import SpeculativeDecoder
 
@@ -90,6 +91,56 @@ def test_table_buckets_and_the_cards_rule(tmp_path):
     (tmp_path / "bad.json").write_text('{"model": "m", "backend": "cpu", "buckets": [{"max_context": 0}]}')
     with pytest.raises(ValueError, match="bad.json: not a valid speculation policy table"):
         PolicyTable.load(tmp_path / "bad.json")
+
+
+VERIFY_RATIO = [1.25, 1.5, 2.0, 2.0, 2.0, 2.0, 2.0]  # t_verify(n+1) / t_decode, n = 1 .. 7
+
+
+def test_a_table_with_verify_ratios_round_trips_and_checks_their_length(tmp_path):
+    """``verify_ratio`` holds ``block_size - 1`` positive values; a table without it (calibrated before
+    it was recorded) still loads, and has no n-gram-only steps."""
+    table = PolicyTable(model="m-dflash:1", backend="cpu", block_size=8, min_speedup=1.2, buckets=[
+        Bucket(max_context=256, speculate=False, verify_ratio=VERIFY_RATIO), Bucket(max_context=4096, speculate=False)])
+    loaded = PolicyTable.load(table.save(tmp_path / "p.json"))
+    assert loaded == table and loaded.buckets[0].verify_ratio == VERIFY_RATIO and loaded.min_speedup == 1.2
+    for block_size, ratio, error in [(8, VERIFY_RATIO[:6], "verify_ratio has 6 values, block_size - 1 = 7 expected"),
+                                     (None, VERIFY_RATIO, "verify_ratio needs the table's block_size"),
+                                     (8, [0.0, *VERIFY_RATIO[1:]], "greater than 0")]:
+        with pytest.raises(ValidationError, match=error):
+            PolicyTable(model="m", backend="cpu", block_size=block_size,
+                        buckets=[Bucket(max_context=10, speculate=False), Bucket(max_context=20, speculate=False,
+                                                                                   verify_ratio=ratio)])
+    old = PolicyTable.model_validate({"model": "m", "backend": "cpu", "buckets": [
+        {"max_context": 256, "speculate": False, "draft_length": 4, "cost_ratio": 1.8, "expected_al": 1.6}]})
+    assert (old.block_size, old.buckets[0].verify_ratio, old.min_speedup) == (None, None, MIN_SPEEDUP)
+    assert old.lookup_length(100, np.ones(7, dtype=np.float32)) is None
+    assert ALWAYS_SPECULATE.lookup_length(100, np.ones(7, dtype=np.float32)) is None
+    assert table.lookup_length(100, np.ones(7, dtype=np.float32)) == 7
+    assert table.lookup_length(1000, np.ones(7, dtype=np.float32)) is None  # its bucket has no verify_ratio
+
+
+@pytest.mark.parametrize("confidence, most, want", [
+    (1.0, 7, 7),   # 1 + n tokens: (1 + 7) / 2.0 = 4 beats 2 / 1.25 = 1.6
+    (1.0, 2, 2),   # a shorter proposal: n <= 2, 3 / 1.5 = 2
+    (0.5, 7, 1),   # 1.5 / 1.25 = 1.2 beats 1.75 / 1.5 = 1.17 and 1.875 / 2.0
+    (0.3, 7, 0),   # 1.3 / 1.25 = 1.04, and less further on: no n exceeds 1.1
+])
+def test_an_ngram_only_step_verifies_the_length_with_the_best_expected_speedup(confidence, most, want):
+    assert paying_length(np.full(most, confidence, dtype=np.float32), VERIFY_RATIO, MIN_SPEEDUP) == want
+    assert paying_length(np.zeros(0, dtype=np.float32), VERIFY_RATIO, MIN_SPEEDUP) == 0
+
+
+def test_a_plain_step_of_several_tokens_counts_them_towards_the_probe():
+    """An n-gram-only step while switched off: its tokens bring the probe nearer, the estimate stays."""
+    t = AcceptanceTracker()
+    assert t.draft_length(PAYS_AT_2) == 7
+    for _ in range(9):  # 9 steps of AL 1 switch off (test above): plain until token 9 + 16
+        t.record_step(PAYS_AT_2, 1)
+    t.record_plain(5)
+    t.record_plain()
+    assert (t.tokens, t.al, t.draft_length(PAYS_AT_2)) == (15, 1.875, 0)
+    t.record_plain(10)
+    assert t.draft_length(PAYS_AT_2) == 7 and t.probing
 
 
 LETTERS = [ord(c) for c in "abcdefghijklmnopqrstuvwxyz"] * 8

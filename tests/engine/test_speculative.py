@@ -369,11 +369,140 @@ def test_the_policy_plan_bounds_the_ngram_proposal(make_engine):
 
 
 def test_choose_prefers_the_proposal_expected_to_keep_more():
-    """The draft's expected accepted tokens: 0.9 + 0.81 (its gated two); the lookup's: as given."""
+    """The draft's expected accepted tokens: 0.9 + 0.81 (its gated two); the lookup's: 1 + 0.8, a
+    tie, 1 + 0.7."""
     draft = Draft(DRAFT[:2], 3, np.array([0.9, 0.9, 0.1], dtype=np.float32))
-    more = Lookup(np.array([1, 2, 3]), 2, 1.8)
+    more = Lookup(np.array([1, 2]), 2, np.array([1.0, 0.8], dtype=np.float32))
     assert choose(draft, more).ids is more.ids and choose(draft, more).ngram
-    tie = Lookup(np.array([1, 2, 3]), 2, expected_accepted(draft.confidence[:2]))
-    for lookup in (tie, Lookup(np.array([1, 2, 3]), 2, 1.7), NO_LOOKUP):
+    tie = Lookup(np.array([1, 2]), 2, draft.confidence[:2])
+    assert tie.expected == expected_accepted(draft.confidence[:2])
+    for lookup in (tie, Lookup(np.array([1, 2]), 2, np.array([1.0, 0.7], dtype=np.float32)), NO_LOOKUP):
         kept = choose(draft, lookup)
         assert kept.ids is draft.ids and not kept.ngram and kept.lookup is lookup
+
+
+# ---- n-gram-only steps where the policy plans plain decoding --------------------------------------
+
+def plain_table(verify_ratio: list[float] | None, min_speedup: float = 1.1, speculate_from: int | None = None):
+    """A table that speculates nowhere (or only above ``speculate_from`` tokens), with the given
+    verify ratios in its plain bucket."""
+    buckets = [Bucket(max_context=speculate_from or 4096, speculate=False, verify_ratio=verify_ratio)]
+    if speculate_from is not None:
+        buckets.append(Bucket(max_context=4096, speculate=True, cost_ratio=0.5, expected_al=3.0))
+    return PolicyTable(model="t", backend="cpu", block_size=8, min_speedup=min_speedup, buckets=buckets)
+
+
+CHEAP = [1.0] * 7  # a verify pass of any length costs a decode: the longest proposal pays best
+
+
+def count_draft_passes(draft) -> list[int]:
+    """Records the K of each draft pass of ``draft``."""
+    asked = []
+    propose_batch = draft.propose_batch
+    draft.propose_batch = lambda caches, anchors, n_drafts=None: asked.append(n_drafts) or propose_batch(
+        caches, anchors, n_drafts)
+    return asked
+
+
+def test_ngram_only_steps_where_the_table_speculates_nowhere(make_engine):
+    """Speculation off everywhere, verify ratios of 1: prefill gives a; step 1 finds no match and
+    decodes b plainly; step 2 matches (a, b): c .. i verified and accepted (rate 0.5 each: 1 +
+    0.99 tokens for 1 decode), bonus j; step 3 matches (g, h, i, j): k, l accepted, max_tokens ends
+    the output. The draft never runs. Without verify ratios every step is plain."""
+    stats = {}
+    for ratio in (CHEAP, None):
+        target = ScriptTarget(COPIED, prompt_len=14)
+        draft = random_draft(target, taps=[0, 1])
+        asked = count_draft_passes(draft)
+        engine = make_engine(target, FakeTokenizer(vocab_size=300),
+                             speculative=SpeculativeDecoder(target, draft, policy=plain_table(ratio)))
+        steps = []
+        engine.on_step = steps.append
+        done = engine.submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
+        assert done.token_ids == tuple(COPIED) and asked == []
+        stats[ratio is None] = done.stats.as_dict()
+        drafts = [d for t in steps for d in t.drafts]
+        assert all(d.planned == 0 and not d.gated for d in drafts)
+        if ratio is None:
+            assert all(d is PLAIN for d in drafts) and len(drafts) == 11
+        else:
+            assert [(len(d.ids), d.ngram) for d in drafts] == [(0, False), (7, True), (7, True)]
+    assert {k: stats[False][k] for k in ("spec_steps", "drafted_tokens", "accepted_tokens", "acceptance_length",
+                                         "draft_acceptance_length", "ngram_steps", "ngram_drafted_tokens",
+                                         "ngram_accepted_tokens", "ngram_acceptance_length", "gated_steps",
+                                         "spec_switches_off", "al_estimate")} == {
+        "spec_steps": 2, "drafted_tokens": 14, "accepted_tokens": 9, "acceptance_length": 5.0,
+        "draft_acceptance_length": 0.0, "ngram_steps": 2, "ngram_drafted_tokens": 14, "ngram_accepted_tokens": 9,
+        "ngram_acceptance_length": 5.0, "gated_steps": 0, "spec_switches_off": 0, "al_estimate": None}
+    assert (stats[True]["spec_steps"], stats[True]["ngram_steps"], stats[True]["gated_steps"]) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("ratio, min_speedup, want", [
+    # a third token is dear: each n-gram-only step verifies 2 (1 + 0.75 tokens for 1 decode)
+    ([1.0, 1.0, 9.0, 9.0, 9.0, 9.0, 9.0], 1.1, [(0, 0, False), (2, 2, True), (4, 2, True), (4, 2, True),
+                                              (4, 2, True)]),
+    # a margin of 2 that a proposal at the prior rate 0.5 misses (1.99 tokens for 1.2 decodes): plain
+    # steps score the proposals of match lengths 2, 3, 4 (their first token kept: rate 0.67); then one
+    # of 7 pays (2.94 tokens) and is accepted
+    ([1.2] * 7, 2.0, [(0, 0, False), (2, 0, False), (3, 0, False), (4, 0, False), (4, 7, True)]),
+])
+def test_an_ngram_only_step_verifies_as_many_tokens_as_pay(make_engine, ratio, min_speedup, want):
+    """Per step: the proposal's match length, the tokens verified, whether n-gram-only."""
+    target = ScriptTarget(COPIED, prompt_len=14)
+    engine = make_engine(target, FakeTokenizer(vocab_size=300), speculative=SpeculativeDecoder(
+        target, random_draft(target, taps=[0, 1]), policy=plain_table(ratio, min_speedup)))
+    steps = []
+    engine.on_step = steps.append
+    done = engine.submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
+    assert done.token_ids == tuple(COPIED)
+    drafts = [d for t in steps for d in t.drafts]
+    assert [(d.lookup.match, len(d.ids), d.ngram) for d in drafts] == want
+    assert done.stats.spec.ngram_steps == done.stats.spec.steps == sum(n for *_, n in want)
+
+
+def test_seeded_sampled_ngram_only_steps_equal_plain(make_engine):
+    """As ``test_seeded_sampled_prompt_lookup_equals_plain``, with a table that speculates nowhere:
+    the same seeded tokens as an engine without a draft, and n-gram-only steps were accepted."""
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=12)
+    target = ScriptTarget(COPIED, prompt_len=14)
+    engine = make_engine(target, FakeTokenizer(vocab_size=300), speculative=SpeculativeDecoder(
+        target, random_draft(target, taps=[0, 1]), policy=plain_table(CHEAP)))
+    done = engine.submit([1, 2, *COPIED], params).result()
+    plain = make_engine(ScriptTarget(COPIED, prompt_len=14), FakeTokenizer(vocab_size=300))
+    assert done.token_ids == plain.submit([1, 2, *COPIED], params).result().token_ids
+    s = done.stats.spec
+    assert s.ngram_accepted >= 1 and s.ngram_steps == s.steps >= 1, s
+
+
+def test_ngram_only_steps_keep_the_draft_in_step(tiny):
+    """A repeating prompt (30 tokens) on a tiny random model, whose greedy output runs into a
+    repeated token from its 30th on, speculating only above 80 tokens: n-gram-only steps below,
+    without a draft pass, then the draft's steps from the taps of everything committed
+    (``check_caches`` after every step: target cache, pending taps and draft cache equal a fresh
+    prefill's); the tokens are plain decoding's."""
+    base = plain_generate(tiny, REPEATS, 60, GREEDY)
+    draft = random_draft(tiny, taps=[0, 2])
+    asked = count_draft_passes(draft)
+    decoder = SpeculativeDecoder(tiny, draft, policy=plain_table(CHEAP, speculate_from=80))
+    drafts = []
+    propose = decoder.propose
+    decoder.propose = lambda lanes: drafts.extend(propose(lanes)) or drafts[-len(lanes):]
+    out, _, state = spec_generate(decoder, REPEATS, 60, GREEDY, on_step=check_caches(tiny, decoder, REPEATS))
+    assert out == base
+    planned = [d.planned > 0 for d in drafts]
+    assert planned == sorted(planned) and len(asked) == sum(planned) >= 1  # plain plans, then the draft's
+    ngram_only = sum(d.ngram and not d.planned for d in drafts)
+    assert ngram_only >= 1 and state.stats.ngram_steps >= ngram_only, (ngram_only, state.stats)
+
+
+def test_an_ngram_only_step_fits_its_rows_in_the_context():
+    """A context of 20 tokens and a 14-token prompt: step 2's proposal (after (a, b)) is cut to the
+    4 rows left after the anchor's, c .. f, all accepted with the bonus g at the last position."""
+    target = ScriptTarget(COPIED, prompt_len=14, context=20)
+    decoder = SpeculativeDecoder(target, random_draft(target, taps=[0, 1]), policy=plain_table(CHEAP))
+    drafts = []
+    propose = decoder.propose
+    decoder.propose = lambda lanes: drafts.extend(propose(lanes)) or drafts[-len(lanes):]
+    out, cache, _ = spec_generate(decoder, [1, 2, *COPIED], 7, GREEDY)
+    assert out == COPIED[:7] and cache.length == 20
+    assert [(len(d.ids), d.ngram) for d in drafts] == [(0, False), (4, True)]

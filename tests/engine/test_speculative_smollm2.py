@@ -18,6 +18,7 @@ from spec_fakes import draft_config_dict, random_draft_weights, replay_proposer,
 
 from flm_runtime import api, registry
 from flm_runtime.backends import decode, prefill
+from flm_runtime.engine.policy import Bucket, PolicyTable
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import ModelFormatError
@@ -214,3 +215,35 @@ def test_prompt_lookup_on_a_copying_prompt_equals_plain(make_engine, smollm2_eng
                    f"{stats[True].ngram_acceptance_length:.2f}) vs draft alone {stats[False].acceptance_length:.2f}")
         record_property("greedy" if p.greedy else "sampled", figures)
         print(f"copying prompt, {'greedy' if p.greedy else 'sampled'}: {figures}")
+
+
+def test_ngram_only_steps_on_a_copying_prompt_equal_plain(make_engine, smollm2_engine, smollm2_model,
+                                                         smollm2_tokenizer, record_property):
+    """A table that speculates nowhere, as the shipped cpu table: with verify ratios, n-gram-only
+    steps copy the paragraph back (the draft never runs) and the output is plain decoding's, greedy
+    and seeded-sampled; without them (a table calibrated before they were recorded) every step is
+    plain."""
+    tok = smollm2_tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": COPY}], add_generation_prompt=True))
+    draft = api.load_draft("smollm2-dflash:135m", smollm2_model)
+    asked = []
+    draft.propose_batch = lambda *a, **kw: asked.append(a)  # (a request whose draft ran would fail)
+    params = [SamplingParams(max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=48, ignore_eos=True)]
+    for p in params:
+        want = smollm2_engine.submit(prompt, p).result().token_ids
+        for ratio in ([1.2, 1.5, 1.7, 2.0, 2.4, 2.8, 3.0], None):
+            table = PolicyTable(model="smollm2-dflash:135m", backend="cpu", block_size=8, buckets=[
+                Bucket(max_context=8192, speculate=False, verify_ratio=ratio)])
+            engine = make_engine(smollm2_model, tok, speculative=SpeculativeDecoder(smollm2_model, draft, policy=table))
+            done = engine.submit(prompt, p).result()
+            assert done.token_ids == want
+            s = done.stats.spec
+            if ratio is None:
+                assert (s.steps, s.ngram_steps, s.gated) == (0, 0, 0)
+            else:
+                assert s.ngram_steps == s.steps >= 1 and s.ngram_acceptance_length > 1.0, s
+                figures = f"{s.ngram_steps} n-gram-only steps, AL {s.ngram_acceptance_length:.2f}"
+                record_property("greedy" if p.greedy else "sampled", figures)
+                print(f"copying prompt, no speculation, {'greedy' if p.greedy else 'sampled'}: {figures}")
+    assert asked == []
