@@ -314,8 +314,8 @@ class DFlashDraft:
         Args:
             n_drafts: K, the drafted tokens wanted (default all ``B - 1``). The block runs cut to
                 its first ``K + 1`` rows, the anchor and K masks: the masks past K would only
-                be attended, and the products are compute-bound in rows (docs/dflash.md, "A
-                block cut to K + 1 rows"). The draft was trained on whole blocks, so a cut block
+                be attended, and the products are compute-bound in rows (docs/dflash.md,
+                "Draft architecture"). The draft was trained on whole blocks, so a cut block
                 drafts slightly differently.
         Returns:
             ``[S, K, Vd]`` float32.
