@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from flm_runtime.models.dflash import DFlashConfig
 from flm_train.draft import DFlashDraft
 from flm_train.export import read_draft
-from flm_train.target import default_tap_layers
+from flm_train.generate import default_tap_layers
 from tqdm import tqdm
 
 log = logging.getLogger("flm_train")
