@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
+from flm_runtime.api import LoadedModel, load_model
 from flm_runtime.core import KVCache
 from flm_runtime.engine import sampler
 from flm_runtime.engine.request import SamplingParams
@@ -58,6 +59,14 @@ GREEDY = SamplingParams()  # temperature 0: argmax, lowest id on ties
 def default_tap_layers(num_layers: int, n_taps: int = 5) -> list[int]:
     """The target layers tapped for the draft's context (docs/dflash.md): ``round(1 + i*(L-4)/(n-1))``."""
     return [round(1 + i * (num_layers - 4) / (n_taps - 1)) for i in range(n_taps)]
+
+
+def load_target(tag: str) -> tuple[LoadedModel, list[int]]:
+    """The target as the runtime serves it (``flm_runtime.api.load_model``: the registry entry's
+    weights, else ``$FLM_WEIGHTS``, else the quantized default), with its tokenizer, and its tap
+    layers (``default_tap_layers``)."""
+    loaded = load_model(tag)
+    return loaded, default_tap_layers(loaded.model.config.num_hidden_layers)
 
 
 def prompt_seed(seed: int, prompt_id: int) -> int:
@@ -270,9 +279,24 @@ def run_generation(model: LlamaModel, tokenizer, shards: dict[int, list[dict]], 
                 f.write(json.dumps(rec) + "\n")
 
 
+def causal_taps(model: LlamaModel, tap_layers: list[int], sequences: list[np.ndarray]) -> list[np.ndarray]:
+    """The taps generation records for each of ``sequences`` (token ids ``[T]``, ``T >= 2``), from
+    one causal forward of each: one ``forward_batch``, each sequence a span of its own on a fresh
+    cache, over all its positions but the last (the one generation never feeds).
+
+    Returns:
+        per sequence, ``[T - 1, n*E]`` float32.
+    """
+    rows = [np.asarray(s[:-1]) for s in sequences]
+    out = model.forward_batch(rows, [model.new_cache(len(r)) for r in rows], taps=tuple(tap_layers),
+                              logit_rows=[0] * len(rows))
+    ends = np.cumsum([len(r) for r in rows])
+    return [out.taps[e - len(r): e] for r, e in zip(rows, ends)]
+
+
 def check_taps(model: LlamaModel, shard: dict[str, np.ndarray], tap_layers: list[int], n_seq: int = 4) -> dict:
     """Stored taps of the first ``n_seq`` sequences of ``shard`` against one causal forward of each
-    (``forward_batch`` of the whole sequence as one span, on a fresh cache).
+    (``causal_taps``).
 
     Returns:
         ``{"sequences", "max_diff_float16_ulps", "max_abs_diff_over_max_abs", "forward_tokens_per_s"}``:
@@ -285,11 +309,10 @@ def check_taps(model: LlamaModel, shard: dict[str, np.ndarray], tap_layers: list
     n_seq = min(n_seq, len(shard["prompt_lens"]))
     for i in range(n_seq):
         s, e = int(shard["offsets"][i]), int(shard["offsets"][i + 1])
-        ids = shard["tokens"][s: e - 1]  # the last token is never fed
-        ref = model.forward_batch([ids], [model.new_cache(len(ids))], taps=tuple(tap_layers), logit_rows=[0]).taps
-        diff = np.abs(shard["taps"][s: e - 1].astype(np.float32) - ref)  # [T, n*E]
+        ref = causal_taps(model, tap_layers, [shard["tokens"][s:e]])[0]  # [T-1, n*E]
+        diff = np.abs(shard["taps"][s: e - 1].astype(np.float32) - ref)
         worst_ulps = max(worst_ulps, float((diff / np.spacing(np.abs(ref).astype(np.float16)).astype(np.float32)).max()))
         worst_rel = max(worst_rel, float(diff.max() / np.abs(ref).max()))
-        n_tok += len(ids)
+        n_tok += e - s - 1
     return {"sequences": n_seq, "max_diff_float16_ulps": worst_ulps, "max_abs_diff_over_max_abs": worst_rel,
             "forward_tokens_per_s": round(n_tok / (time.time() - t0), 1)}

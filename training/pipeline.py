@@ -74,10 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-size", type=int, default=64, help="prompts per shard")
     p.add_argument("--max-new", type=int, default=256, help="response tokens at most (MT-Bench AL is measured at 256)")
     p.add_argument("--slots", type=int, default=48, help="sequences decoded together per worker")
-    p.add_argument("--workers", type=int, default=1, help="generation processes (cores / workers numba threads each)")
+    p.add_argument("--workers", type=int, default=2, help="generation processes (one numba thread each: one per core)")
     p.add_argument("--nice", type=int, default=10, help="niceness added to each generation process")
     p.add_argument("--no-taps", action="store_true",
-                   help="shards without taps (tokens and top-k only, ~100 B a token instead of ~5.9 KB)")
+                   help="shards without taps (tokens and top-k only, ~100 B a token instead of ~5.9 KB; training recomputes them)")
     p.add_argument("--greedy-fraction", type=float, default=0.75)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heldout-shards", type=int, default=1, help="last shards kept out of training")
@@ -154,28 +154,19 @@ def stage_prompts(a: argparse.Namespace) -> list[dict]:
     return prompts
 
 
-def _load_target(tag: str):
-    """The target as the runtime serves it (``flm_runtime.api.load_model``: the registry entry's
-    weights, else ``$FLM_WEIGHTS``, else the quantized default), its tokenizer and its tap layers."""
-    from flm_runtime.api import load_model
-    from flm_train.generate import default_tap_layers
-
-    loaded = load_model(tag)
-    return loaded, default_tap_layers(loaded.model.config.num_hidden_layers)
-
-
 def _generate_worker(a: argparse.Namespace, prompts: list[dict], worker: int) -> None:
     """Generate worker ``worker``'s shards (every ``--workers``-th), at niceness ``--nice`` so that
-    the machine stays usable, on ``cores / --workers`` numba threads (the runtime's kernels are
-    numba-parallel; more threads than cores only wait on each other)."""
+    the machine stays usable, on one numba thread: the runtime's kernels are numba-parallel regions
+    launched per layer and sequence, and on a busy machine each launch waits for its other threads
+    to be scheduled (docs/training.md, "Generation rate"); a process per core never waits."""
     os.nice(a.nice)
     import numba
     from flm_runtime import registry
     from flm_runtime.engine import sampler
-    from flm_train.generate import run_generation
+    from flm_train.generate import load_target, run_generation
 
-    numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, (os.cpu_count() or 1) // a.workers)))
-    loaded, layers = _load_target(a.target)
+    numba.set_num_threads(1)
+    loaded, layers = load_target(a.target)
     sampling = sampler.default_sampling(registry.current().resolve(a.target).sampling).resolve()
     n = (len(prompts) + a.shard_size - 1) // a.shard_size
     mine = {k: prompts[k * a.shard_size:(k + 1) * a.shard_size] for k in range(n) if k % a.workers == worker}
@@ -227,7 +218,7 @@ def stage_generate(a: argparse.Namespace, prompts: list[dict]) -> None:
 def stage_taps(a: argparse.Namespace) -> None:
     """Compare the taps stored in shard 0 with one causal forward per sequence on a few of its
     sequences (``flm_train.generate.check_taps``); shards generated without taps have none to check."""
-    from flm_train.generate import check_taps
+    from flm_train.generate import check_taps, load_target
 
     out = a.out / "taps_check.json"
     if out.exists():
@@ -236,7 +227,7 @@ def stage_taps(a: argparse.Namespace) -> None:
     if "taps" not in shard.files:
         log.info("taps check: %s holds no taps (generated with --no-taps), nothing to check", shard_paths(a)[0])
         return
-    loaded, layers = _load_target(a.target)
+    loaded, layers = load_target(a.target)
     rec = check_taps(loaded.model, shard, layers)
     log.info("taps check: %s", rec)
     if rec["max_diff_float16_ulps"] > 1.0:
