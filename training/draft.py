@@ -10,11 +10,30 @@ another block; the attention mask encodes that, so M blocks cost one forward.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from flm_runtime.models.dflash import DFlashConfig
-from flm_train.target import apply_rope, rms_norm, rope_tables
 from torch import nn
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis, computed in float32."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope_tables(head_dim: int, max_pos: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[max_pos, D/2]`` for rotate-half RoPE (computed in float64 like numpy's tables)."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [D/2]
+    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]  # [P, D/2]
+    return torch.from_numpy(np.cos(ang).astype(np.float32)), torch.from_numpy(np.sin(ang).astype(np.float32))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x ``[..., T, D]``; cos/sin ``[..., T, D/2]`` broadcastable to x's leading axes."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class DraftLayer(nn.Module):

@@ -38,10 +38,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from flm_runtime.backends.quant import QuantWeight
 from flm_runtime.models.dflash import DFlashConfig
+from flm_runtime.models.llama import LlamaModel
 from flm_train.draft import DFlashDraft
 from flm_train.export import read_draft
-from flm_train.target import default_tap_layers
+from flm_train.generate import causal_taps, default_tap_layers, load_target
 from tqdm import tqdm
 
 log = logging.getLogger("flm_train")
@@ -91,17 +93,32 @@ class Shards:
     float16, outgrow the memory: 22 GB for 3.9M tokens; the top-k add 96 bytes a token, read only
     by the rows a batch takes).
 
-    ``top_ids`` / ``top_logprobs`` (``flm_train.generate``) are lists of ``[N, k]`` arrays, or None
-    when a shard predates them (generated before they were recorded)."""
+    A shard generated without taps (``--no-taps``) has them recomputed when a batch needs them, by
+    ``target`` (the runtime model and its tap layers, ``flm_train.generate.load_target``): one
+    causal forward of the batch's sequences (``generate.causal_taps``), rounded to float16, so they
+    are the taps generation would have stored (bit for bit on the batch-invariant quantized
+    kernels).
 
-    def __init__(self, paths: list[Path]):
-        self.tokens, self.taps, self.seqs = [], [], []
+    ``top_ids`` / ``top_logprobs`` (``flm_train.generate``) are lists of ``[N, k]`` arrays, or None
+    when a shard predates them (generated before they were recorded).
+
+    Raises:
+        ValueError: a shard has no taps and ``target`` is None.
+    """
+
+    def __init__(self, paths: list[Path], target: tuple[LlamaModel, list[int]] | None = None):
+        self.tokens, self.seqs = [], []
+        self.taps: list[np.ndarray | None] = []  # None: recomputed by `target`
+        self.target = target
         self.top_ids: list[np.ndarray] | None = []
         self.top_logprobs: list[np.ndarray] | None = []
         for i, p in enumerate(paths):
             z = np.load(p)
             self.tokens.append(z["tokens"].astype(np.int64))
-            self.taps.append(mmap_npz_array(p, "taps"))
+            if "taps" not in z.files and target is None:
+                raise ValueError(f"{p} holds no taps (generated with --no-taps), and no target was given to "
+                                 "recompute them")
+            self.taps.append(mmap_npz_array(p, "taps") if "taps" in z.files else None)
             if "top_ids" in z.files and self.top_ids is not None:
                 self.top_ids.append(mmap_npz_array(p, "top_ids"))
                 self.top_logprobs.append(mmap_npz_array(p, "top_logprobs"))
@@ -112,16 +129,31 @@ class Shards:
                 if off[j + 1] - off[j] - pl[j] >= 2:  # at least an anchor and one target
                     self.seqs.append(Seq(i, int(off[j]), int(off[j + 1] - off[j]), int(pl[j]), bool(gr[j])))
 
-    def tap_rms(self, max_tokens: int = 200_000) -> torch.Tensor:
+    def seq_taps(self, seqs: list[Seq]) -> list[np.ndarray]:
+        """Taps ``[length, n*E]`` float16 of each of ``seqs`` (the last row 0, as stored): read from
+        its shard, or recomputed by ``target`` in one forward for all that need it."""
+        out = {i: self.taps[s.shard][s.start: s.start + s.length] for i, s in enumerate(seqs)
+               if self.taps[s.shard] is not None}
+        missing = [i for i in range(len(seqs)) if i not in out]
+        if missing:
+            model, layers = self.target
+            tokens = [self.tokens[seqs[i].shard][seqs[i].start: seqs[i].start + seqs[i].length] for i in missing]
+            for i, taps in zip(missing, causal_taps(model, layers, tokens)):
+                out[i] = np.concatenate([taps.astype(np.float16), np.zeros((1, taps.shape[1]), np.float16)])
+        return [out[i] for i in range(len(seqs))]
+
+    def tap_rms(self, max_tokens: int = 200_000, group: int = 16) -> torch.Tensor:
         """Per-column RMS ``[n*E]`` of the taps over (up to) ``max_tokens`` positions, leaving out each
-        sequence's first position (the attention-sink token, whose massive values would set the scale)."""
+        sequence's first position (the attention-sink token, whose massive values would set the scale).
+        Sequences are read ``group`` at a time (one forward each group where taps are recomputed)."""
         acc, n = None, 0
-        for s in self.seqs:
-            x = self.taps[s.shard][s.start + 1: s.start + s.length - 1].astype(np.float64)
-            sq = (x * x).sum(0)
-            acc, n = (sq if acc is None else acc + sq), n + len(x)
-            if n >= max_tokens:
-                break
+        for g in range(0, len(self.seqs), group):
+            for taps in self.seq_taps(self.seqs[g: g + group]):
+                x = taps[1:-1].astype(np.float64)
+                sq = (x * x).sum(0)
+                acc, n = (sq if acc is None else acc + sq), n + len(x)
+                if n >= max_tokens:
+                    return torch.from_numpy(np.sqrt(acc / n).astype(np.float32))
         return torch.from_numpy(np.sqrt(acc / max(n, 1)).astype(np.float32))
 
     def token_ranking(self, vocab_size: int) -> np.ndarray:
@@ -146,12 +178,13 @@ class Shards:
         after each position (None without them; padding rows are -inf)."""
         t = max(s.length for s in seqs)
         m = max(len(a) for a in anchors)
-        taps = torch.zeros(len(seqs), t, self.taps[0].shape[1])
+        seq_taps = self.seq_taps(seqs)
+        taps = torch.zeros(len(seqs), t, seq_taps[0].shape[1])
         tokens = torch.zeros(len(seqs), t, dtype=torch.long)
         anc = torch.zeros(len(seqs), m, dtype=torch.long)
         valid = torch.zeros(len(seqs), m, dtype=torch.bool)
         for i, (s, a) in enumerate(zip(seqs, anchors)):
-            taps[i, : s.length] = torch.from_numpy(self.taps[s.shard][s.start: s.start + s.length].astype(np.float32))
+            taps[i, : s.length] = torch.from_numpy(seq_taps[i].astype(np.float32))
             tokens[i, : s.length] = torch.from_numpy(self.tokens[s.shard][s.start: s.start + s.length])
             anc[i, : len(a)] = torch.from_numpy(a)
             anc[i, len(a):] = s.prompt_len
@@ -381,6 +414,12 @@ class Run:
     warm_started_now: bool
 
 
+def served_float32(w: np.ndarray | QuantWeight) -> torch.Tensor:
+    """A target matrix as the runtime serves it (a quantized one dequantized), float32 ``[out, in]``:
+    the draft shares the served embedding and LM head."""
+    return torch.from_numpy(w.dequantize() if isinstance(w, QuantWeight) else w)
+
+
 def load_run(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list[Path]) -> Run | None:
     """The run of ``a.out``: resumed from ``<out>/ckpt/last.pt`` when there is one, else a fresh
     draft (warm-started from ``--init-draft`` if given) for ``--target``.
@@ -401,9 +440,14 @@ def load_run(a: argparse.Namespace, train_paths: list[Path], heldout_paths: list
         return None
     torch.set_num_threads(a.threads)
     bundle = load_model_files(locate(a.target))
-    embed = torch.from_numpy(bundle.weights["model.embed_tokens.weight"])
-    lm_head = embed if bundle.config.tie_word_embeddings else torch.from_numpy(bundle.weights["lm_head.weight"])
-    data, held = Shards(train_paths), Shards(heldout_paths) if heldout_paths else None
+    embed = served_float32(bundle.weights["model.embed_tokens.weight"])
+    lm_head = embed if bundle.config.tie_word_embeddings else served_float32(bundle.weights["lm_head.weight"])
+    # Shards generated without taps (--no-taps) have them recomputed by the target as served.
+    target = None
+    if any("taps" not in np.load(p).files for p in train_paths + heldout_paths):
+        loaded, layers = load_target(a.target)
+        target = loaded.model, layers
+    data, held = Shards(train_paths, target), Shards(heldout_paths, target) if heldout_paths else None
     init = read_draft(a.init_draft) if ck is None and a.init_draft is not None else None
     warm_start = ck.get("warm_start") if ck is not None else (
         {"draft": str(a.init_draft), "training": init[2]} if init is not None else None)

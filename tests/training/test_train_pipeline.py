@@ -1,5 +1,5 @@
-"""The pipeline's generation stage ends with its workers: a killed run leaves none behind to write
-the shards a resumed run writes."""
+"""The pipeline's generation stage runs its workers niced and ends with them: a killed run leaves
+none behind to write the shards a resumed run writes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch", reason="the train extra (torch) is not installed")
 pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
 
@@ -30,6 +29,11 @@ def _workers(parent: int) -> list[int]:
     return out
 
 
+def _nice(pid: int) -> int:
+    """The niceness of ``pid`` (field 19 of ``/proc/<pid>/stat``)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
 def _running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -46,6 +50,10 @@ def test_sigterm_to_the_pipeline_stops_its_generation_workers(tmp_path):
         while len(workers := _workers(run.pid)) < 2 and time.monotonic() < deadline and run.poll() is None:
             time.sleep(0.1)
         assert len(workers) == 2, run.stderr.read().decode() if run.poll() is not None else "workers never started"
+        niced = {min(19, _nice(run.pid) + 10)}  # --nice 10 by default; 19 is the most there is
+        while {_nice(w) for w in workers} != niced and time.monotonic() < deadline:
+            time.sleep(0.1)  # each worker renices itself first thing
+        assert {_nice(w) for w in workers} == niced
         time.sleep(2)  # into loading the model or generating
         run.send_signal(signal.SIGTERM)
         assert run.wait(timeout=60) != 0

@@ -1,5 +1,6 @@
-"""The training loop's data and checkpoints: shards' taps are memory-mapped, not read in; a run
-stopped and resumed equals one run straight through; the best draft is forgotten when the held-out
+"""The training loop's data and checkpoints: shards' taps are memory-mapped, not read in, or
+recomputed by the served target for shards generated without them (the same taps, the same run); a
+run stopped and resumed equals one run straight through; the best draft is forgotten when the held-out
 shards change (its AL would not be comparable); a checkpoint resumed with more ``--layers`` grows
 by identity layers; ``--schedule-from`` restarts the LR schedule."""
 
@@ -114,3 +115,52 @@ def test_the_lr_schedule_restarts_at_schedule_from():
     a = parse_args(["--lr", "1e-3", "--warmup", "100", "--steps", "1000", "--schedule-from", "500"])
     # warmup again from step 500, then the cosine over the 400 steps left
     assert [lr_at(step, a) for step in (500, 599, 800, 1000)] == pytest.approx([1e-5, 1e-3, 5.5e-4, 1e-4])
+
+
+@pytest.fixture(scope="module")
+def shards_with_and_without_taps(tmp_path_factory, smollm2_quantized, smollm2_tokenizer):
+    """The same three shards of SmolLM2's (quantized) responses, generated with taps and without."""
+    from flm_runtime.engine.sampler import CARD_DEFAULT
+    from flm_train.generate import default_tap_layers, generate_shard
+
+    tok = smollm2_tokenizer
+    prompts = ["Name a large animal.", "Say hello in French.", "What is two plus two?", "Name a colour.",
+               "Give me a word that rhymes with cat.", "What do bees make?"]
+    items = [(i, tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])), i % 4 != 3)
+             for i, p in enumerate(prompts)]
+    out = {}
+    for name, with_taps in (("full", True), ("lean", False)):
+        data = tmp_path_factory.mktemp(name) / "data"
+        data.mkdir()
+        out[name] = [data / f"shard_{k:04d}.npz" for k in range(3)]
+        for k, path in enumerate(out[name]):
+            np.savez(path, **generate_shard(smollm2_quantized, items[2 * k: 2 * k + 2], tap_layers=default_tap_layers(30),
+                                            max_new=12, slots=2, seed=0, sampling=CARD_DEFAULT.resolve(),
+                                            with_taps=with_taps))
+    return out["full"], out["lean"]
+
+
+def test_shards_without_taps_have_them_recomputed_as_generation_stores_them(shards_with_and_without_taps,
+                                                                            smollm2_quantized):
+    from flm_train.generate import default_tap_layers
+
+    full_paths, lean_paths = shards_with_and_without_taps
+    with pytest.raises(ValueError, match="holds no taps"):
+        Shards(lean_paths)
+    full, lean = Shards(full_paths), Shards(lean_paths, (smollm2_quantized, default_tap_layers(30)))
+    assert lean.seqs == full.seqs and all(t is None for t in lean.taps)
+    anchors = [np.arange(s.prompt_len, s.length - 1) for s in full.seqs]
+    want, got = full.batch(full.seqs, anchors), lean.batch(lean.seqs, anchors)
+    assert all(torch.equal(a, b) for a, b in zip(want[:5] + want[5], got[:5] + got[5]))
+    assert torch.equal(full.tap_rms(), lean.tap_rms(group=4))
+
+
+def test_training_on_shards_without_taps_equals_training_on_the_stored_taps(tmp_path, shards_with_and_without_taps,
+                                                                            monkeypatch):
+    monkeypatch.setenv("FLM_WEIGHTS", "auto")  # the served weights, as the shards were generated with
+    full_paths, lean_paths = shards_with_and_without_taps
+    full = run(tmp_path / "full", 2, full_paths[:2], full_paths[2:])
+    lean = run(tmp_path / "lean", 2, lean_paths[:2], lean_paths[2:])
+    assert full["history"] == lean["history"]
+    for name, value in full["model"].items():
+        assert torch.equal(lean["model"][name], value), name
