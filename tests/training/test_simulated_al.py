@@ -1,5 +1,5 @@
 """The training's held-out AL (``flm_train.train.simulated_al``) is the AL the serving runtime reports:
-the shipped draft serves a chat prompt greedily (numpy engine, whole blocks, no policy), and the
+the shipped draft serves a chat prompt greedily (numpy engine, whole blocks, no policy, no prompt lookup), and the
 torch draft, given the same sequence and the target's taps over it as a training shard, counts the
 same speculative steps and the same AL on the serving schedule.
 """
@@ -31,7 +31,7 @@ def test_simulated_al_counts_the_served_steps(tmp_path, smollm2_model, smollm2_t
     model, tok = smollm2_model, smollm2_tokenizer
     draft = NumpyDraft.load(SHIPPED, model)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT}], add_generation_prompt=True))
-    engine = Engine(model, tok, name="test-sim-al", speculative=SpeculativeDecoder(model, draft))
+    engine = Engine(model, tok, name="test-sim-al", speculative=SpeculativeDecoder(model, draft, ngram=False))
     try:
         served = engine.submit(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)).result()
     finally:
