@@ -9,6 +9,8 @@ exact token budget built from them.
   a directory, every ``*.txt`` in it, sorted by name.
 - ``summary_prompt``: "summarize this" around the longest prefix of a document that fits a token
   budget once the model's chat template is applied.
+- ``longest_summary``: the largest prompt ``summary_prompt`` can fill from every given document,
+  which bounds the ``max`` context of the speed tables.
 - ``token_stream``: raw tokens of real text for teacher forcing (``agreement``), one document
   followed by the others when a context is longer than it.
 """
@@ -155,6 +157,13 @@ def summary_prompt(tokenizer, document: Document, budget: int, *, thinking: bool
         if len(ids) <= budget:
             return Prompt(document.name, tuple(ids), keep)
         keep -= len(ids) - budget
+
+
+def longest_summary(tokenizer, documents: list[Document], *, thinking: bool | None = None) -> int:
+    """The largest budget ``summary_prompt`` fills from every one of ``documents``, in tokens: the
+    shortest document's tokens plus the instruction and chat template around it."""
+    overhead = len(chat_ids(tokenizer, SUMMARY_INSTRUCTION, thinking=thinking))
+    return min(len(tokenizer.encode(d.text)) for d in documents) + overhead
 
 
 def token_stream(tokenizer, documents: list[Document], first: int, n_tokens: int) -> list[int]:

@@ -107,12 +107,14 @@ class Context:
     tokens: int | None
 
 
-def parse_contexts(spec: str, context_length: int, max_tokens: int) -> tuple[list[Context], list[str]]:
+def parse_contexts(spec: str, context_length: int, max_tokens: int, *, fill: int | None = None
+                   ) -> tuple[list[Context], list[str]]:
     """Context lengths from a comma-separated ``spec``: ``short``, ``max``, ``N``, ``Nk`` (N x 1024).
 
     A prompt must leave room for ``max_tokens``: a length over ``context_length - max_tokens`` but
     within the context is clipped to it ("8k (8160)"); one over the context is dropped. ``max`` is
-    the largest prompt the model allows.
+    the largest prompt the model allows, and no longer than ``fill``, the longest prompt the
+    documents fill (``documents.longest_summary``; None: no such bound).
 
     Returns:
         the contexts in the order given, and one note per clipped or dropped length.
@@ -127,7 +129,10 @@ def parse_contexts(spec: str, context_length: int, max_tokens: int) -> tuple[lis
             contexts.append(Context(SHORT_LABEL, None))
             continue
         if item == "max":
-            contexts.append(Context(f"max ({room})", room))
+            largest = room if fill is None else min(room, fill)
+            if largest < room:
+                notes.append(f"max is {largest} prompt tokens, not {room}: the longest prompt the documents fill")
+            contexts.append(Context(f"max ({largest})", largest))
             continue
         m = re.fullmatch(r"(\d+)(k?)", item)
         if not m:
@@ -200,8 +205,14 @@ def warm_up(engines: Engines, prompt_ids) -> None:
         run_request(engine, prompt_ids, params)
 
 
-def sampling(engine: Engine, mode: str, *, max_tokens: int, seed: int, ignore_eos: bool) -> SamplingParams:
-    """``greedy`` (temperature 0) or ``sampled`` (the model's default sampler) parameters."""
+def sampling(engine: Engine, mode: str, *, max_tokens: int, seed: int, ignore_eos: bool,
+             sampler: dict | None = None) -> SamplingParams:
+    """``greedy`` (temperature 0) or ``sampled`` parameters: the model's default sampler, with the
+    fields of ``sampler`` (``temperature``, ``top_k``, ``top_p``; None: the default's) over it.
+
+    Raises:
+        InvalidRequestError: a sampler value out of range, naming it.
+    """
     assert mode in ("greedy", "sampled"), mode
-    given = {"temperature": 0.0} if mode == "greedy" else {}
+    given = {"temperature": 0.0} if mode == "greedy" else dict(sampler or {})
     return engine.sampling_params(max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos, **given)

@@ -45,6 +45,9 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-per-context", type=int, default=3, help="prompts per context length (default 3)")
     p.add_argument("--modes", default="greedy,sampled",
                    help="greedy and/or sampled (the model's default sampler) (default greedy,sampled)")
+    p.add_argument("--temperature", type=float, help="sampled mode's temperature (default: the model's)")
+    p.add_argument("--top-k", type=int, help="sampled mode's top_k, 0 for none (default: the model's)")
+    p.add_argument("--top-p", type=float, help="sampled mode's top_p (default: the model's)")
     p.add_argument("--thinking", choices=("both", "on", "off"), default="both",
                    help="thinking on/off, for models whose chat template has the switch (default both)")
     p.add_argument("--prompts", metavar="FILE",

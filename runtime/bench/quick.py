@@ -26,7 +26,8 @@ from collections import defaultdict
 from tqdm import tqdm
 
 from flm_runtime.bench import report
-from flm_runtime.bench.documents import Prompt, chat_ids, load_documents, short_prompts, summary_prompt
+from flm_runtime.bench.documents import (Document, Prompt, chat_ids, load_documents, longest_summary, short_prompts,
+                                         summary_prompt)
 from flm_runtime.bench.engines import (Context, Engines, Run, load_engines, parse_contexts, run_request, sampling,
                                        warm_up)
 from flm_runtime.bench.options import QUICK_CONTEXTS, QUICK_MAX_TOKENS
@@ -43,8 +44,10 @@ def main(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--iterations must be >= 1, got {args.iterations}", param="--iterations")
     engines = load_engines(args.tag, draft=args.draft, baseline_only=args.baseline_only, ngram=not args.no_ngram)
     tok = engines.baseline.tokenizer
-    contexts, notes = parse_contexts(args.contexts or QUICK_CONTEXTS, engines.baseline.context_length, max_tokens)
-    prompts = [(ctx, context_prompt(tok, ctx, args)) for ctx in contexts]
+    document = load_documents(args.documents)[0]
+    contexts, notes = parse_contexts(args.contexts or QUICK_CONTEXTS, engines.baseline.context_length, max_tokens,
+                                     fill=longest_summary(tok, [document]))
+    prompts = [(ctx, context_prompt(tok, ctx, document, args)) for ctx in contexts]
     info = report.machine_info()
     warm_up(engines, chat_ids(tok, "Hello!"))
     runs = measure(engines, prompts, args.iterations, max_tokens=max_tokens, ignore_eos=not args.stop_at_eos,
@@ -58,12 +61,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def context_prompt(tokenizer, ctx: Context, args: argparse.Namespace) -> Prompt:
-    """The one prompt of a context length: a short chat prompt, or a summary of the first document."""
+def context_prompt(tokenizer, ctx: Context, document: Document, args: argparse.Namespace) -> Prompt:
+    """The one prompt of a context length: a short chat prompt, or a summary of ``document``."""
     if ctx.tokens is None:
         name, text = short_prompts(args.prompts, 1)[0]
         return Prompt(name, tuple(chat_ids(tokenizer, text)))
-    return summary_prompt(tokenizer, load_documents(args.documents)[0], ctx.tokens)
+    return summary_prompt(tokenizer, document, ctx.tokens)
 
 
 def measure(engines: Engines, prompts: list[tuple[Context, Prompt]], iterations: int, *, max_tokens: int,

@@ -29,8 +29,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from flm_runtime.bench import report
-from flm_runtime.bench.documents import (Prompt, chat_ids, load_documents, short_prompts, summary_prompt,
-                                         supports_thinking)
+from flm_runtime.bench.documents import (Document, Prompt, chat_ids, load_documents, longest_summary, short_prompts,
+                                         summary_prompt, supports_thinking)
 from flm_runtime.bench.engines import (Context, Engines, Run, load_engines, parse_contexts, run_request, sampling,
                                        warm_up)
 from flm_runtime.bench.options import SPEED_CONTEXTS, SPEED_MAX_TOKENS
@@ -106,16 +106,22 @@ def main(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens or SPEED_MAX_TOKENS
     engines = load_engines(args.tag, draft=args.draft, baseline_only=args.baseline_only, ngram=not args.no_ngram)
     tok = engines.baseline.tokenizer
-    contexts, notes = parse_contexts(args.contexts or SPEED_CONTEXTS, engines.baseline.context_length, max_tokens)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise InvalidRequestError(f"--modes takes greedy and/or sampled, got {args.modes!r}", param="--modes")
+    sampler = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    sampling(engines.baseline, "sampled", max_tokens=max_tokens, seed=args.seed, ignore_eos=True,
+             sampler=sampler)  # a value out of range fails here, before any request
     thinking = _thinking_settings(tok, args.thinking)
-    contexts, prompts = build_prompts(tok, contexts, thinking, args)
+    docs = load_documents(args.documents)[:args.prompts_per_context]
+    fill = min(longest_summary(tok, docs, thinking=think) for think in thinking)
+    contexts, notes = parse_contexts(args.contexts or SPEED_CONTEXTS, engines.baseline.context_length, max_tokens,
+                                     fill=fill)
+    contexts, prompts = build_prompts(tok, contexts, thinking, docs, args)
     info = report.machine_info()
     warm_up(engines, chat_ids(tok, "Hello!"))
     pairs = measure(engines, prompts, modes, max_tokens=max_tokens, seed=args.seed,
-                    ignore_eos=not args.stop_at_eos, quiet=args.quiet)
+                    ignore_eos=not args.stop_at_eos, sampler=sampler, quiet=args.quiet)
     out = report.output_dir(args.out)
     report.write_csv(out / "speed.csv", COLUMNS, (p.row() for p in pairs))
     sections = tables(engines, pairs, contexts, modes, thinking, max_tokens, notes, args)
@@ -135,16 +141,16 @@ def _thinking_settings(tokenizer, choice: str) -> list[bool | None]:
     return {"both": [False, True], "off": [False], "on": [True]}[choice]
 
 
-def build_prompts(tokenizer, contexts: list[Context], thinking: list[bool | None], args: argparse.Namespace
-                  ) -> tuple[list[Context], list[tuple[Context, bool | None, Prompt]]]:
-    """Every (context, thinking, prompt) to run, ``--prompts-per-context`` per context.
+def build_prompts(tokenizer, contexts: list[Context], thinking: list[bool | None], docs: list[Document],
+                  args: argparse.Namespace) -> tuple[list[Context], list[tuple[Context, bool | None, Prompt]]]:
+    """Every (context, thinking, prompt) to run, ``--prompts-per-context`` per context; the long
+    prompts summarize ``docs`` in turn.
 
     Returns:
         the contexts (the short one now labelled with its mean prompt length, "~37 tokens") and
         the plan.
     """
     n = args.prompts_per_context
-    docs = load_documents(args.documents)
     shorts = short_prompts(args.prompts, n)
     labelled, plan = [], []
     for ctx in contexts:
@@ -165,14 +171,16 @@ def build_prompts(tokenizer, contexts: list[Context], thinking: list[bool | None
 
 
 def measure(engines: Engines, plan, modes: list[str], *, max_tokens: int, seed: int, ignore_eos: bool,
-            quiet: bool = False) -> list[Pair]:
+            sampler: dict | None = None, quiet: bool = False) -> list[Pair]:
     """Run every prompt in every mode on the baseline and the DFlash engine, interleaved (the order
-    alternates from one pair to the next); both get the same parameters and seed."""
+    alternates from one pair to the next); both get the same parameters and seed (``sampler``:
+    the sampled mode's fields over the model's default, ``engines.sampling``)."""
     jobs = [(ctx, think, prompt, mode) for ctx, think, prompt in plan for mode in modes]
     bar = tqdm(total=len(jobs) * len(engines.pairs()), desc="bench", unit="req", disable=quiet, file=sys.stderr)
     pairs = []
     for k, (ctx, think, prompt, mode) in enumerate(jobs):
-        params = sampling(engines.baseline, mode, max_tokens=max_tokens, seed=seed + k, ignore_eos=ignore_eos)
+        params = sampling(engines.baseline, mode, max_tokens=max_tokens, seed=seed + k, ignore_eos=ignore_eos,
+                          sampler=sampler)
         runs: dict[str, Run] = {}
         order = engines.pairs() if k % 2 == 0 else engines.pairs()[::-1]
         for tag, engine in order:
@@ -231,9 +239,10 @@ def tables(engines: Engines, pairs: list[Pair], contexts: list[Context], modes: 
         lines.append(f"Per prompt the speed-up ranges from {min(speedups):.2f}x to {max(speedups):.2f}x.")
         lines.append("Steps that verified the n-gram proposer's tokens (prompt lookup), of all verify steps, "
                      "and their AL: " + "; ".join(_ngram_share(ctx, pairs) for ctx in contexts) + ".")
-    s = engines.baseline.default_sampling
-    lines.append(f"\"Sampled\" is the model's default sampler (temperature {s.temperature}, top_k {s.top_k}, "
-                 f"top_p {s.top_p}, min_p {s.min_p}); seeds {args.seed} and up, the same for both tags.")
+    s = engines.baseline.sampling_params(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    whose = "the model's default" if s == engines.baseline.sampling_params() else "the given"
+    lines.append(f"\"Sampled\" is {whose} sampler (temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
+                 f"min_p {s.min_p}); seeds {args.seed} and up, the same for both tags.")
     lines.append("The long-context prompts ask for a summary of the longest prefix of a long document that fits: "
                  + ("the public-domain texts shipped in the package (flm_runtime/bench/texts/README.md)"
                     if args.documents is None else f"the *.txt files of {args.documents}") + ".")
@@ -249,7 +258,8 @@ def command(args: argparse.Namespace, max_tokens: int) -> str:
         ("--tag", args.tag), ("--draft", args.draft), ("--baseline-only", args.baseline_only),
         ("--no-ngram", args.no_ngram), ("--contexts", args.contexts or SPEED_CONTEXTS), ("--max-tokens", max_tokens),
         ("--stop-at-eos", args.stop_at_eos), ("--prompts-per-context", args.prompts_per_context),
-        ("--modes", args.modes), ("--thinking", args.thinking), ("--prompts", args.prompts),
+        ("--modes", args.modes), ("--temperature", args.temperature), ("--top-k", args.top_k),
+        ("--top-p", args.top_p), ("--thinking", args.thinking), ("--prompts", args.prompts),
         ("--documents", args.documents), ("--seed", args.seed), ("--out", args.out)])
 
 

@@ -37,6 +37,7 @@ def test_bench_writes_the_speed_table_csv_and_plot(run_cli, random_draft, tmp_pa
     md = (tmp_path / "speed.md").read_text()
     assert "| Prompt context | smollm2:135m (TPS, Greedy) | Greedy | Sampled |" in md and "AL " in md
     assert "litellm-flm bench --tag smollm2:135m --draft" in md and "| machine |" in md
+    assert '"Sampled" is the model\'s default sampler (temperature 0.2' in md
     assert not (tmp_path / "speed.png").exists() and "no plot" in err
 
 
@@ -49,6 +50,21 @@ def test_bench_no_ngram_runs_the_draft_alone(run_cli, random_draft, tmp_path):
     assert [(r["ngram_steps"], r["ngram_acceptance_length"]) for r in rows] == [("0", "0.0000")]
     md = (tmp_path / "speed.md").read_text()
     assert "--no-ngram" in md and "without prompt lookup" in md and "and their AL: 48: 0 of " in md
+
+
+def test_bench_sampled_mode_takes_the_given_sampler(run_cli, random_draft, tmp_path):
+    """``--temperature/--top-k/--top-p`` set the sampled mode's sampler (the card's 1.0/64/0.95
+    here); the report and its command say so; a value out of range fails before any request."""
+    status, *_ = run_cli("bench", "--draft", random_draft, "--contexts", "48", "--max-tokens", 3,
+                         "--prompts-per-context", 1, "--modes", "sampled", "--temperature", "1.0", "--top-k", 64,
+                         "--top-p", "0.95", "--out", tmp_path, "--quiet", "--no-plot")
+    assert status == 0
+    md = (tmp_path / "speed.md").read_text()
+    assert '"Sampled" is the given sampler (temperature 1.0, top_k 64, top_p 0.95, min_p 0.0)' in md
+    assert "--modes sampled --temperature 1.0 --top-k 64 --top-p 0.95" in md
+    status, _, err = run_cli("bench", "--draft", random_draft, "--contexts", "48", "--top-p", "1.5",
+                             "--out", tmp_path / "bad", "--quiet", "--no-plot")
+    assert status != 0 and "top_p" in err and not (tmp_path / "bad").exists()
 
 
 def test_bench_plot_with_matplotlib(run_cli, random_draft, tmp_path):

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from flm_runtime.bench import documents
-from flm_runtime.bench.documents import Document, load_documents, short_prompts, summary_prompt, token_stream
+from flm_runtime.bench.documents import (Document, load_documents, longest_summary, short_prompts, summary_prompt,
+                                         token_stream)
 from flm_runtime.bench.engines import parse_contexts
 
 # texts/README.md records these; a changed text changes every long-context figure.
@@ -75,3 +76,19 @@ def test_context_specs_clip_drop_and_name_the_largest():
     assert len(notes) == 2 and "16k" in notes[1] and "clipped" in notes[0]
     with pytest.raises(ValueError, match="'2m'"):
         parse_contexts("2m", 8192, 32)
+
+
+def test_max_is_the_longest_prompt_the_documents_fill(smollm2_tokenizer):
+    docs = load_documents()
+    fill = longest_summary(smollm2_tokenizer, docs)
+    shortest = min(docs, key=lambda d: len(smollm2_tokenizer.encode(d.text)))
+    assert shortest.name == "darwin_origin_of_species.txt"
+    assert fill == 7826 + 42  # the text, then the instruction and smollm2's template with its system prompt
+    assert all(budget - 4 <= len(summary_prompt(smollm2_tokenizer, d, budget).ids) <= budget
+               for d in docs for budget in [fill])
+    with pytest.raises(ValueError, match="1 too few"):
+        summary_prompt(smollm2_tokenizer, shortest, fill + 1)
+    contexts, notes = parse_contexts("4k,max", 8192, 256, fill=fill)
+    assert [(c.label, c.tokens) for c in contexts] == [("4k", 4096), (f"max ({fill})", fill)]
+    assert notes == [f"max is {fill} prompt tokens, not 7936: the longest prompt the documents fill"]
+    assert parse_contexts("max", 8192, 512, fill=fill)[0][0].tokens == 7680  # the model's bound is the lower
