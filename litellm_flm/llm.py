@@ -109,16 +109,17 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
     """
     drop = _drops_unsupported(litellm_params)
+    raw = (litellm_params or {}).get("text_completion") is True
+    # The legacy completions' logprobs (an integer, 0 included) are not built yet.
+    if raw and optional_params.get("logprobs") is not None and optional_params["logprobs"] is not False:
+        if not drop:
+            raise InvalidRequestError("logprobs are not supported on text completions yet; a chat completion "
+                                      "returns them", param="logprobs")
+        optional_params = {k: v for k, v in optional_params.items() if k not in ("logprobs", "top_logprobs")}
     fields = request_fields(optional_params, drop)  # before loading: fail fast
     thinking = requested_thinking(optional_params)
     output = output_format(merge_extra_body(optional_params))
     n = choices_of(optional_params)
-    raw = (litellm_params or {}).get("text_completion") is True
-    if raw and fields.get("logprobs"):  # the legacy completions' logprobs shape is not built yet
-        if not drop:
-            raise InvalidRequestError("logprobs are not supported on text completions yet; a chat completion "
-                                      "returns them", param="logprobs")
-        fields = {k: v for k, v in fields.items() if k not in ("logprobs", "top_logprobs")}
     prompts = raw_prompts(messages) if raw else None
     chat = None if raw else render_messages(normalize_messages(messages), output.functions)
     engine = _get_engine(model, backend_of(optional_params))
@@ -209,7 +210,7 @@ def _finish_reason(reason: str, made_calls: bool) -> str:
 
 def _message(text: str, reasoning: Reasoning | None, reads_tool_calls: bool) -> Message:
     """The assistant message of an answer: its thinking split out, its calls read (a call cut
-    short by ``max_tokens`` stays text, beside the calls before it)."""
+    short by ``max_tokens`` is dropped, the calls before it kept; ``content`` None)."""
     thought, content = (None, text) if reasoning is None else reasoning.split(text)
     content, calls = parse_tool_calls(content) if reads_tool_calls else (content, [])
     tool_calls = [ChatCompletionMessageToolCall(id=c.id, type="function",

@@ -43,7 +43,7 @@ import litellm
 from tqdm import tqdm
 
 from flm_runtime import paths, registry
-from flm_runtime.api import get_engine
+from flm_runtime.api import default_runtime, get_engine
 from flm_runtime.bench import report
 from flm_runtime.cli import Command
 from flm_runtime.errors import InvalidRequestError
@@ -191,7 +191,8 @@ def request_plan(i: int, args: argparse.Namespace, defaults) -> tuple[str, str, 
 def draft_models_file(tag: str, draft: str | Path):
     """For the duration: ``FLM_MODELS_FILE`` names a temporary models file that maps DFlash ``tag``
     to the ``draft`` directory and keeps every entry of the user's own models file (their paths
-    made absolute by the registry)."""
+    made absolute by the registry). The tag's engine is dropped on entry and on exit, so that the
+    run serves ``draft`` and nothing after it does."""
     entry = registry.resolve(tag)
     if not entry.is_dflash:
         raise InvalidRequestError(f"--draft needs a DFlash model (X-dflash:size); {tag} is not one",
@@ -209,6 +210,7 @@ def draft_models_file(tag: str, draft: str | Path):
         path.write_text(json.dumps(specs, indent=2), encoding="utf-8")
         os.environ[paths.MODELS_FILE_ENV] = str(path)
         registry.reload()
+        default_runtime.forget(entry.tag)
         try:
             yield path
         finally:
@@ -217,6 +219,7 @@ def draft_models_file(tag: str, draft: str | Path):
             else:
                 os.environ[paths.MODELS_FILE_ENV] = old
             registry.reload()
+            default_runtime.forget(entry.tag)
 
 
 def main(args: argparse.Namespace) -> int:

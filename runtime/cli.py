@@ -19,11 +19,15 @@ import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import entrypoints
 
 from flm_runtime import registry
 from flm_runtime.errors import FlmError
+
+if TYPE_CHECKING:  # the engine's modules load only when a command needs them
+    from flm_runtime.engine.request import RequestStats
 
 PROG = "litellm-flm"
 COMMAND_GROUP = "litellm_flm.commands"
@@ -153,11 +157,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     for event in handle:
         sys.stdout.write(event.text)
         sys.stdout.flush()
-    stats = handle.result().stats
-    print(f"\n[{args.tag}: {stats.prompt_tokens} prompt tokens, {stats.completion_tokens} completion "
-          f"tokens, TTFT {stats.ttft_s:.2f} s, decode {stats.decode_tokens_per_s:.1f} tokens/s]",
-          file=sys.stderr)
+    print("\n" + stats_line(args.tag, handle.result().stats), file=sys.stderr)
     return 0
+
+
+def stats_line(tag: str, stats: RequestStats) -> str:
+    """``run``'s summary of a ``RequestStats``: tokens, TTFT, decode tokens/s and, for a DFlash
+    tag, its verify steps and AL (bonus token included)."""
+    line = (f"[{tag}: {stats.prompt_tokens} prompt tokens, {stats.completion_tokens} completion tokens, "
+            f"TTFT {stats.ttft_s:.2f} s, decode {stats.decode_tokens_per_s:.1f} tokens/s")
+    if stats.spec is not None:
+        s = stats.spec
+        line += (f", {s.steps} verify steps, AL {s.acceptance_length:.2f} ({s.ngram_steps} by prompt lookup)"
+                 if s.steps else ", no verify step")
+    return line + "]"
 
 
 # --- validate -----------------------------------------------------------------------------------

@@ -255,13 +255,14 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """An answer -> ``(content, calls)``.
 
     An answer that starts with ``<tool_call>`` is calls: every complete block becomes a
-    ``ToolCall``, and ``content`` is None, or whatever follows the last complete block when the
-    answer was cut short (``max_tokens``). Any other answer is ``(text, [])``.
+    ``ToolCall`` and ``content`` is None. A call cut short (``max_tokens``) is dropped: its text is
+    markup no client can use, and the finish reason ``length`` says the answer was cut. Any other
+    answer is ``(text, [])``.
     """
     stream = ToolCallStream()
-    content, calls = stream.feed(text)
-    content += stream.finish()
-    return ((content or None) if calls else text), calls
+    _, calls = stream.feed(text)
+    stream.finish()
+    return (None, calls) if stream.is_calls else (text, [])
 
 
 class ToolCallStream:
@@ -270,7 +271,7 @@ class ToolCallStream:
 
     Text is held back while the answer could still be the start of ``<tool_call>``; an answer
     that is not calls then passes through unchanged. In a calls answer each call comes out when
-    its ``</tool_call>`` arrives; nothing else of it is content.
+    its ``</tool_call>`` arrives; nothing else of it is content, an unfinished call included.
     """
 
     def __init__(self):
@@ -299,7 +300,13 @@ class ToolCallStream:
                 calls.append(call)
         return "", calls
 
+    @property
+    def is_calls(self) -> bool:
+        """Whether the answer so far is a calls answer (it starts with ``<tool_call>``)."""
+        return self._calls is True
+
     def finish(self) -> str:
-        """The content left at the end: held-back text, or an unfinished call's text."""
+        """The content left at the end: held-back text of an answer that is not calls ("" for a
+        calls answer, whose unfinished call is dropped)."""
         out, self._buffer = self._buffer, ""
-        return out if out.strip() or not self._calls else ""
+        return "" if self._calls else out

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from flm_runtime import cli, paths, pull as pull_mod, registry
+from flm_runtime.engine.request import RequestStats, SpecStats
 from flm_runtime.registry import ModelEntry, ModelFile, PipSource
 
 DATA = b"GGUF" + bytes(range(256)) * 100
@@ -175,3 +176,14 @@ def test_the_console_script_runs_in_a_fresh_process(isolated):
         bad = subprocess.run([*cmd, "pull", "nope:1b"], capture_output=True, text=True, timeout=120)
         assert bad.returncode == 1 and "Traceback" not in bad.stderr
         assert bad.stderr.startswith("litellm-flm: error: unknown model tag")
+
+
+def test_run_prints_the_verify_steps_and_al_of_a_dflash_tag():
+    base = dict(prompt_tokens=40, completion_tokens=30, generated_tokens=30, queue_s=0.0, ttft_s=0.25,
+                decode_s=0.5, total_s=0.8)
+    plain = "[smollm2:135m: 40 prompt tokens, 30 completion tokens, TTFT 0.25 s, decode 58.0 tokens/s]"
+    assert cli.stats_line("smollm2:135m", RequestStats(**base)) == plain
+    spec = SpecStats(steps=8, drafted=56, accepted=21, emitted=29, ngram_steps=6, ngram_emitted=25)
+    assert cli.stats_line("t", RequestStats(**base, spec=spec)).endswith(
+        "tokens/s, 8 verify steps, AL 3.62 (6 by prompt lookup)]")
+    assert cli.stats_line("t", RequestStats(**base, spec=SpecStats())).endswith("tokens/s, no verify step]")

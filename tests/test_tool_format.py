@@ -136,12 +136,16 @@ def test_parse_reads_calls_and_leaves_text_alone():
     assert tf.parse_tool_calls("<tool") == ("<tool", [])
     cut = CALL_ADD + "\n<tool_call>\n{\"name\": \"ad"                      # cut by max_tokens
     content, calls = tf.parse_tool_calls(cut)
-    assert [c.name for c in calls] == ["add"] and content == "\n<tool_call>\n{\"name\": \"ad"
+    assert [c.name for c in calls] == ["add"] and content is None  # the unfinished call is dropped
+    for cut in (CALL_ADD + "\n<", CALL_ADD[:-3], "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 2}}"):
+        content, calls = tf.parse_tool_calls(cut)
+        assert content is None and [c.name for c in calls] == (["add"] if cut.startswith(CALL_ADD) else [])
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
 def test_the_stream_gives_what_parse_gives_in_pieces_of_any_size(size):
-    for text in (CALL_WEATHER + "\n" + CALL_ADD, "Paris is sunny.", "<tools are fun>", "<tool"):
+    for text in (CALL_WEATHER + "\n" + CALL_ADD, CALL_ADD + "\n<tool_call>\n{", "Paris is sunny.", "<tools are fun>",
+                 "<tool"):
         stream, content, calls = tf.ToolCallStream(), "", []
         for i in range(0, len(text), size):
             piece, done = stream.feed(text[i:i + size])
@@ -149,5 +153,5 @@ def test_the_stream_gives_what_parse_gives_in_pieces_of_any_size(size):
             calls += done
         content += stream.finish()
         want_content, want_calls = tf.parse_tool_calls(text)
-        assert (content or None if want_calls else content) == want_content
+        assert (None if stream.is_calls else content) == want_content and (content == "" or not stream.is_calls)
         assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]

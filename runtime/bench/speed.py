@@ -69,8 +69,9 @@ class Pair:
         return row | {"dflash_tokens": d.generated_tokens, "dflash_decode_s": f"{d.decode_s:.4f}",
                       "dflash_tokens_per_s": f"{d.decode_tokens_per_s:.3f}",
                       "speedup": f"{d.decode_tokens_per_s / b.decode_tokens_per_s:.4f}",
-                      "acceptance_length": f"{d.acceptance_length:.4f}", "verify_steps": d.spec_steps,
-                      "ngram_steps": d.ngram_steps, "ngram_acceptance_length": f"{d.ngram_acceptance_length:.4f}"}
+                      "acceptance_length": f"{d.acceptance_length:.4f}" if d.spec_steps else "",
+                      "verify_steps": d.spec_steps, "ngram_steps": d.ngram_steps,
+                      "ngram_acceptance_length": f"{d.ngram_acceptance_length:.4f}" if d.ngram_steps else ""}
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,13 @@ class Cell:
             return cls(base, None, None)
         runs = [p.dflash for p in pairs]
         steps = sum(r.spec_steps for r in runs)
-        al = sum(r.acceptance_length * r.spec_steps for r in runs) / steps if steps else 0.0
+        al = sum(r.acceptance_length * r.spec_steps for r in runs) / steps if steps else None
         return cls(base, _tps(runs), al)
+
+    def label(self) -> str:
+        """``"1.24x (AL 3.85)"``; ``"0.98x (no verify step)"`` where the DFlash tag decoded plainly."""
+        al = "no verify step" if self.acceptance_length is None else f"AL {self.acceptance_length:.2f}"
+        return f"{self.speedup:.2f}x ({al})"
 
 
 def _tps(runs: list[Run]) -> float:
@@ -222,7 +228,7 @@ def tables(engines: Engines, pairs: list[Pair], contexts: list[Context], modes: 
         row = [ctx.label, f"{first.baseline_tps:.1f}"]
         for col in columns:
             c = cell[(ctx.label, col)]
-            row.append("—" if c.speedup is None else f"{c.speedup:.2f}x (AL {c.acceptance_length:.2f})")
+            row.append("—" if c.speedup is None else c.label())
             tps_rows.append([ctx.label, _column_name(*col), f"{c.baseline_tps:.1f}",
                              "—" if c.dflash_tps is None else f"{c.dflash_tps:.1f}"])
         card_rows.append(row)
@@ -306,8 +312,9 @@ def plot(pairs: list[Pair], contexts: list[Context], engines: Engines, path: Pat
             top = max(top, *(c.speedup for c in cells))
             ax.plot(labels, [c.speedup for c in cells], "o-", color=f"C{k}", label=_column_name(*col))
             for x, c in zip(labels, cells, strict=True):
-                ax.annotate(f"AL {c.acceptance_length:.2f}", (x, c.speedup), fontsize=7, color=f"C{k}",
-                            textcoords="offset points", xytext=(0, 6 + 9 * k), ha="center")
+                if c.acceptance_length is not None:
+                    ax.annotate(f"AL {c.acceptance_length:.2f}", (x, c.speedup), fontsize=7, color=f"C{k}",
+                                textcoords="offset points", xytext=(0, 6 + 9 * k), ha="center")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_ylim(0, 1.2 * top)
         ax.set(xlabel="prompt context", ylabel=f"speed-up over {engines.base_tag}", title="DFlash speed-up")

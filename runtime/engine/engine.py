@@ -234,9 +234,12 @@ class Engine:
         with self._cv:
             if self._closed:
                 raise BackendUnavailableError(f"engine {self.name!r} is closed")
-            if len(self._waiting) >= self.max_queue:
+            # Only requests that must wait count: those the engine thread would admit at its next
+            # step (free slots and KV budget) fill no queue place, so a burst uses every free slot.
+            backlog = len(self._waiting) - self._admittable()
+            if backlog >= self.max_queue:
                 raise EngineOverloadedError(
-                    f"engine {self.name!r} is full: {len(self._waiting)} requests waiting (max_queue="
+                    f"engine {self.name!r} is full: {backlog} requests waiting (max_queue="
                     f"{self.max_queue}), {len(self._active)} running (max_active={self.max_active}), "
                     f"{self._kv_reserved():,} of {self.kv.budget:,} KV bytes reserved; retry later")
             self._waiting.append(seq)
@@ -311,6 +314,19 @@ class Engine:
         for seq in [s for w in self._waiting for s in w.group]:
             self._abort_if_needed(seq, now)
 
+    def _admittable(self) -> int:
+        """How many queued requests, from the head of the queue, fit now: slots free for all their
+        choices, and their worst-case KV caches within what the running ones leave of
+        ``kv_budget``. Call with ``_cv`` held."""
+        reserved, active, fit = self._kv_reserved(), len(self._active), 0
+        for first in self._waiting:
+            group = first.group
+            need = len(group) * self.kv.need(len(first.prompt_ids), first.budget)
+            if active + len(group) > self.max_active or reserved + need > self.kv.budget:
+                break
+            reserved, active, fit = reserved + need, active + len(group), fit + 1
+        return fit
+
     def _admit(self) -> None:
         """Move queued requests into the active set, in arrival order, while slots are free for
         all its choices and the first one's worst-case KV cache (all choices) fits in what the
@@ -319,14 +335,8 @@ class Engine:
         The first in line waits rather than being overtaken, so small requests cannot starve a
         large one; it always fits once nothing runs (``submit`` refused any that would not).
         """
-        reserved = self._kv_reserved()
-        while self._waiting:
-            group = self._waiting[0].group
-            need = len(group) * self.kv.need(len(group[0].prompt_ids), group[0].budget)
-            if len(self._active) + len(group) > self.max_active or reserved + need > self.kv.budget:
-                break
-            reserved += need
-            self._waiting.popleft()
+        for _ in range(self._admittable()):
+            group = self._waiting.popleft().group
             t_admit = time.perf_counter()
             for seq in group:
                 seq.t_admit = t_admit

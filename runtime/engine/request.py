@@ -237,18 +237,20 @@ class RequestStats:
         n-gram-only steps included), ``gated_steps``, ``spec_switches_off`` and ``al_estimate``
         (the tracker's, ``SpecStats``), then ``draft_acceptance_length`` (the draft's steps) and
         ``ngram_steps``, ``ngram_drafted_tokens``, ``ngram_accepted_tokens``,
-        ``ngram_acceptance_length`` (the n-gram proposer's steps, n-gram-only ones included)."""
+        ``ngram_acceptance_length`` (the n-gram proposer's steps, n-gram-only ones included).
+        An AL over no step is None (null): AL counts the bonus token, so a number is at least 1."""
         out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                "generated_tokens": self.generated_tokens, "queue_s": self.queue_s, "ttft_s": self.ttft_s,
                "decode_tokens_per_s": self.decode_tokens_per_s, "total_s": self.total_s}
         if self.spec is not None:
             s = self.spec
             out |= {"spec_steps": s.steps, "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
-                    "acceptance_length": s.acceptance_length, "gated_steps": s.gated,
+                    "acceptance_length": s.acceptance_length if s.steps else None, "gated_steps": s.gated,
                     "spec_switches_off": s.switches_off, "al_estimate": s.al_estimate,
-                    "draft_acceptance_length": s.draft_acceptance_length, "ngram_steps": s.ngram_steps,
-                    "ngram_drafted_tokens": s.ngram_drafted, "ngram_accepted_tokens": s.ngram_accepted,
-                    "ngram_acceptance_length": s.ngram_acceptance_length}
+                    "draft_acceptance_length": s.draft_acceptance_length if s.steps > s.ngram_steps else None,
+                    "ngram_steps": s.ngram_steps, "ngram_drafted_tokens": s.ngram_drafted,
+                    "ngram_accepted_tokens": s.ngram_accepted,
+                    "ngram_acceptance_length": s.ngram_acceptance_length if s.ngram_steps else None}
         return out
 
 

@@ -60,7 +60,7 @@ def load_model_files(path: str | Path, weights: str | None = None) -> ModelBundl
         FileNotFoundError: ``path`` (or a file the directory needs) does not exist.
         ModelFormatError: unreadable or unsupported files (architecture, quantization,
             tokenizer type, inconsistent shapes); the message names the file.
-        ValueError: ``weights`` (or ``$FLM_WEIGHTS``) is not a weight kind.
+        InvalidRequestError: ``weights`` (or ``$FLM_WEIGHTS``) is not a weight kind.
     """
     path, kind = Path(path), weight_kind(weights)
     if path.is_dir():

@@ -14,7 +14,7 @@ import numpy as np
 
 from flm_runtime.backends.quant import QuantWeight, Weight
 from flm_runtime.core import LlamaConfig
-from flm_runtime.errors import ModelFormatError
+from flm_runtime.errors import InvalidRequestError, ModelFormatError
 
 # How a model's matrices are held: "auto" keeps each source tensor's precision class (4-bit
 # sources 4-bit, the rest 8-bit); "q4" / "q8" make every matrix 4- / 8-bit; "f32" dequantizes
@@ -28,12 +28,14 @@ def weight_kind(requested: str | None = None) -> str:
     ``$FLM_WEIGHTS``, else ``auto``.
 
     Raises:
-        ValueError: not one of ``WEIGHT_KINDS`` (names where the value came from).
+        InvalidRequestError: not one of ``WEIGHT_KINDS``; ``param`` names where the value came from
+            (``weights`` or ``FLM_WEIGHTS``), as ``$FLM_BACKEND``'s error does.
     """
     value, origin = (requested, "weights") if requested else (os.environ.get(WEIGHTS_ENV), WEIGHTS_ENV)
     value = (value or "auto").strip().lower()
     if value not in WEIGHT_KINDS:
-        raise ValueError(f"{origin}={value!r} is not a weight kind; use one of {', '.join(WEIGHT_KINDS)}")
+        raise InvalidRequestError(f"{origin}={value!r} is not a weight kind; use one of {', '.join(WEIGHT_KINDS)}",
+                                  param=origin)
     return value
 
 

@@ -47,7 +47,7 @@ def test_bench_no_ngram_runs_the_draft_alone(run_cli, random_draft, tmp_path):
                          "--prompts-per-context", 1, "--modes", "greedy", "--out", tmp_path, "--quiet", "--no-plot")
     assert status == 0
     _, rows = read_csv(tmp_path / "speed.csv")
-    assert [(r["ngram_steps"], r["ngram_acceptance_length"]) for r in rows] == [("0", "0.0000")]
+    assert [(r["ngram_steps"], r["ngram_acceptance_length"]) for r in rows] == [("0", "")]  # no AL over no step
     md = (tmp_path / "speed.md").read_text()
     assert "--no-ngram" in md and "without prompt lookup" in md and "and their AL: 48: 0 of " in md
 
@@ -65,6 +65,11 @@ def test_bench_sampled_mode_takes_the_given_sampler(run_cli, random_draft, tmp_p
     status, _, err = run_cli("bench", "--draft", random_draft, "--contexts", "48", "--top-p", "1.5",
                              "--out", tmp_path / "bad", "--quiet", "--no-plot")
     assert status != 0 and "top_p" in err and not (tmp_path / "bad").exists()
+
+
+def test_a_speed_cell_without_verify_steps_says_so_rather_than_an_al_of_zero():
+    assert speed.Cell(100.0, 98.0, None).label() == "0.98x (no verify step)"
+    assert speed.Cell(100.0, 124.0, 3.854).label() == "1.24x (AL 3.85)"
 
 
 def test_bench_plot_with_matplotlib(run_cli, random_draft, tmp_path):
@@ -119,7 +124,7 @@ def test_soak_through_litellm_counts_requests_tokens_and_verify_passes(run_cli, 
     assert [(r["kind"], r["mode"], r["completion_tokens"]) for r in rows] == [
         ("long", "greedy", "4"), ("short", "sampled", "2"), ("long", "sampled", "4")]
     # Every token after the first comes from a verify pass of a random draft (AL 1): passes = tokens - 1.
-    assert all(r["error"] == "" and r["stalls"] == "0" and int(r["verify_passes"]) >= 1 for r in rows)
+    assert all(r["error"] == "" and r["stalls"] == "0" and int(r["verify_passes"]) >= 1 for r in rows), rows
     md = (tmp_path / "soak.md").read_text()
     assert "10 tokens over 3 back-to-back requests" in md and "Result: PASS" in md
 

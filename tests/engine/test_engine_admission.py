@@ -124,6 +124,17 @@ def test_queue_full_while_the_budget_is_full_is_refused_at_once(make_engine, tok
     assert engine.stats()["cancelled"] == 3 and engine.stats()["kv_reserved_bytes"] == 0
 
 
+def test_a_burst_fills_the_free_slots_before_the_queue(make_engine, tok):
+    """Requests that free slots will take at the next step hold no queue place: with 16 slots and a
+    queue of 2, a burst of 18 is accepted at once, and the 19th is refused."""
+    engine = make_engine(HashModel(delay=0.01), tok, max_active=16, max_queue=2)
+    burst = [engine.submit([i + 1] * 4, SamplingParams(max_tokens=6, ignore_eos=True)) for i in range(18)]
+    with pytest.raises(EngineOverloadedError, match="is full: 2 requests waiting"):
+        engine.submit([99] * 4, SamplingParams(max_tokens=6))
+    done = [h.result(timeout=30) for h in burst]
+    assert [(d.finish_reason, d.stats.generated_tokens) for d in done] == [("length", 6)] * 18
+
+
 def test_timeout_while_waiting_for_kv_leaves_nothing_behind(make_engine, tok):
     engine = make_engine(HashModel(delay=0.01), tok, kv_budget=60 * BYTES_PER_TOKEN)
     running = engine.submit([1] * 10, SamplingParams(max_tokens=40))

@@ -432,9 +432,11 @@ def test_ngram_only_steps_where_the_table_speculates_nowhere(make_engine):
                                          "ngram_accepted_tokens", "ngram_acceptance_length", "gated_steps",
                                          "spec_switches_off", "al_estimate")} == {
         "spec_steps": 2, "drafted_tokens": 14, "accepted_tokens": 9, "acceptance_length": 5.0,
-        "draft_acceptance_length": 0.0, "ngram_steps": 2, "ngram_drafted_tokens": 14, "ngram_accepted_tokens": 9,
+        "draft_acceptance_length": None, "ngram_steps": 2, "ngram_drafted_tokens": 14, "ngram_accepted_tokens": 9,
         "ngram_acceptance_length": 5.0, "gated_steps": 0, "spec_switches_off": 0, "al_estimate": None}
     assert (stats[True]["spec_steps"], stats[True]["ngram_steps"], stats[True]["gated_steps"]) == (0, 0, 0)
+    assert [stats[True][k] for k in ("acceptance_length", "draft_acceptance_length", "ngram_acceptance_length")
+            ] == [None] * 3  # no AL over no step (a number would count the bonus token: at least 1)
 
 
 @pytest.mark.parametrize("ratio, min_speedup, want", [

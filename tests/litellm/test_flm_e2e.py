@@ -203,8 +203,9 @@ def test_text_completion_continues_the_raw_text_batched_as_alone(engine):
 
 
 def test_text_completion_refuses_logprobs_by_name_or_drops_them(engine):
-    with pytest.raises(litellm.BadRequestError, match="logprobs are not supported on text completions"):
-        litellm.text_completion(model=MODEL, prompt=RAW_PROMPTS[0], temperature=0, max_tokens=4, logprobs=True)
+    for legacy in (True, 1, 0):  # the legacy API's integer logprobs too, 0 included
+        with pytest.raises(litellm.BadRequestError, match="logprobs are not supported on text completions"):
+            litellm.text_completion(model=MODEL, prompt=RAW_PROMPTS[0], temperature=0, max_tokens=4, logprobs=legacy)
     dropped = litellm.text_completion(model=MODEL, prompt=RAW_PROMPTS[0], temperature=0, max_tokens=4,
                                       logprobs=True, drop_params=True)
     plain = litellm.text_completion(model=MODEL, prompt=RAW_PROMPTS[0], temperature=0, max_tokens=4)

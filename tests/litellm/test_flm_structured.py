@@ -75,6 +75,26 @@ def test_required_calls_a_tool_and_none_calls_none(smollm2_engine):
     assert not none.choices[0].message.tool_calls
 
 
+def test_a_call_cut_by_max_tokens_is_dropped_not_left_as_text(smollm2_engine):
+    """The calls before the cut stay, the cut one is dropped, content stays None, in a stream too."""
+    ask = {"model": MODEL, "messages": ASK_WEATHER, "tools": TOOLS, "tool_choice": "required", "temperature": 0}
+    full = litellm.completion(**ask, max_tokens=120)
+    whole, n = full.choices[0].message.tool_calls, full.usage.completion_tokens
+    assert full.choices[0].finish_reason == "tool_calls"
+    calls = lambda m: [(c.function.name, c.function.arguments) for c in m.tool_calls or []]  # noqa: E731
+    for cut in (12, n - 1):  # inside the first call's JSON; short of the last call's closing tag
+        r = litellm.completion(**ask, max_tokens=cut)
+        choice = r.choices[0]
+        assert (choice.finish_reason, choice.message.content, r.usage.completion_tokens) == ("length", None, cut)
+        kept = calls(choice.message)
+        assert kept == [(c.function.name, c.function.arguments) for c in whole[:len(kept)]]
+        assert len(kept) == (0 if cut == 12 else len(whole) - 1)
+        chunks = [c for c in litellm.completion(**ask, max_tokens=cut, stream=True) if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+        assert [(d.function.name, d.function.arguments) for c in chunks for d in c.choices[0].delta.tool_calls or []
+                ] == kept
+
+
 def test_auto_answers_in_text_or_calls(smollm2_engine):
     r = litellm.completion(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="auto", **GREEDY)
     message = r.choices[0].message

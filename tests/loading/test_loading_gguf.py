@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from tiny_llama_files import hand_permute, random_hf_weights, tiny_config, write_tiny_gguf
 
-from flm_runtime.errors import ModelFormatError
+from flm_runtime.errors import InvalidRequestError, ModelFormatError
 from flm_runtime.loading.gguf import load_gguf, permute_rope, unpermute_rope
-from flm_runtime.loading.weights import llama_weight_shapes
+from flm_runtime.loading.weights import llama_weight_shapes, weight_kind
 
 Q = gguf.GGMLQuantizationType
 
@@ -107,6 +107,19 @@ def test_unsupported_quantization_names_tensor_and_type(tmp_path):
                            replace={"blk.0.attn_q.weight": (q8_1, Q.Q8_1)})
     with pytest.raises(ModelFormatError, match=r"blk\.0\.attn_q\.weight.*Q8_1"):
         load_gguf(path)
+
+
+def test_an_unknown_weight_kind_is_a_bad_request_naming_its_origin(monkeypatch):
+    """A bad ``$FLM_WEIGHTS`` is the user's to fix (LiteLLM: a 400, not a retried connection error)."""
+    monkeypatch.setenv("FLM_WEIGHTS", "q3")
+    with pytest.raises(InvalidRequestError, match="FLM_WEIGHTS='q3' is not a weight kind; use one of auto, q4, q8, "
+                                                  "f32") as e:
+        weight_kind()
+    assert e.value.param == "FLM_WEIGHTS"
+    with pytest.raises(InvalidRequestError, match="weights='q5'") as e:
+        weight_kind("q5")
+    assert e.value.param == "weights"
+    assert weight_kind(" Q8 ") == "q8"
 
 
 def test_other_architecture_is_rejected(tmp_path):
