@@ -88,15 +88,21 @@ def _size_text(n: int | None) -> str:
     raise AssertionError
 
 
+def _size(entry: registry.ModelEntry) -> int | None:
+    size = entry.total_size()
+    return size if size is not None else entry.size_on_disk()
+
+
 def list_rows() -> list[dict]:
-    """One dict per known tag: tag, format, size (bytes or None), installed, path, origin."""
+    """One dict per known tag: tag, format, size (bytes, recorded or else measured on disk; None
+    when neither is known; a DFlash tag's includes its target's), installed, path, origin."""
     entries = {e.tag: e for e in registry.list_entries()}
     rows = []
     for e in entries.values():
         base = entries.get(e.base) if e.base else e
-        size = e.total_size()
+        size = _size(e)
         if e.is_dflash and base is not None:
-            base_size = base.total_size()
+            base_size = _size(base)
             size = None if size is None or base_size is None else size + base_size
         try:
             installed = registry.is_installed(e)

@@ -214,6 +214,19 @@ class ModelEntry(BaseModel):
             return None
         return sum(f.size or 0 for f in files)
 
+    def size_on_disk(self) -> int | None:
+        """Bytes of the files present that ``files`` (a DFlash entry: ``draft_files``) name, each
+        pattern expanded; None when one of them is absent."""
+        root, files = (self.draft_dir, self.draft_files) if self.is_dflash else (self.root(), self.files)
+        assert root is not None
+        total = 0
+        for f in files:
+            found = sorted(root.glob(f.name)) if f.is_pattern else [root / f.name]
+            if not found or not all(p.is_file() for p in found):
+                return None
+            total += sum(p.stat().st_size for p in found)
+        return total
+
 
 def dflash_tag(tag: str) -> str:
     """The DFlash tag of plain ``tag``: ``family:size`` -> ``family-dflash:size``."""

@@ -61,6 +61,11 @@ def test_list_shows_every_tag_with_format_size_state_and_path(capsys):
     assert rows["smollm2:135m"] == ["smollm2:135m", "gguf", "98.4", "MB", "no", gguf]
     assert rows["nemotron3.5-bolt:e4b"][1:4] == ["hf", "?", "no"]
     assert rows["smollm2-dflash:135m"][1] == "gguf+dflash"
+    # The shipped draft's files have no recorded size: measured where they are, plus the target's.
+    draft = paths.package_dir() / "drafts" / "smollm2-135m-dflash"
+    size = sum((draft / f).stat().st_size for f in ("config.json", "model.safetensors"))
+    want = registry.resolve("smollm2:135m").total_size() + size
+    assert [r for r in cli.list_rows() if r["tag"] == "smollm2-dflash:135m"][0]["size"] == want
 
 
 def test_list_after_pull_says_installed(fake_pullable, capsys):
@@ -84,7 +89,7 @@ def test_list_shows_user_tags(isolated, capsys):
     (isolated / "models.yaml").write_text(f"mine:1b: {gguf}\n")
     registry.reload()
     assert cli.main(["list"]) == 0
-    assert table(capsys.readouterr().out)["mine:1b"][1:] == ["gguf", "?", "yes", str(gguf)]
+    assert table(capsys.readouterr().out)["mine:1b"][1:] == ["gguf", "25.6", "KB", "yes", str(gguf)]
 
 
 @pytest.mark.parametrize("argv, fragment", [
