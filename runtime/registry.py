@@ -214,11 +214,18 @@ class ModelEntry(BaseModel):
             return None
         return sum(f.size or 0 for f in files)
 
+    def own_files(self) -> tuple[Path, tuple[ModelFile, ...]]:
+        """The directory of the entry's own files and those files: a DFlash entry's are its
+        draft's (``draft_dir``, ``draft_files``), a plain one's ``root()`` and ``files``."""
+        if self.is_dflash:
+            assert self.draft_dir is not None
+            return self.draft_dir, self.draft_files
+        return self.root(), self.files
+
     def size_on_disk(self) -> int | None:
-        """Bytes of the files present that ``files`` (a DFlash entry: ``draft_files``) name, each
-        pattern expanded; None when one of them is absent."""
-        root, files = (self.draft_dir, self.draft_files) if self.is_dflash else (self.root(), self.files)
-        assert root is not None
+        """Bytes of the files present that ``own_files`` names, each pattern expanded; None when
+        one of them is absent."""
+        root, files = self.own_files()
         total = 0
         for f in files:
             found = sorted(root.glob(f.name)) if f.is_pattern else [root / f.name]
@@ -467,10 +474,7 @@ def file_problems(root: Path, files: Iterable[ModelFile]) -> list[str]:
 
 def problems(entry: ModelEntry) -> list[str]:
     """What keeps ``entry`` from being used: missing or wrong files (the draft's for DFlash)."""
-    if entry.is_dflash:
-        assert entry.draft_dir is not None
-        return file_problems(entry.draft_dir, entry.draft_files)
-    return file_problems(entry.root(), entry.files)
+    return file_problems(*entry.own_files())
 
 
 def missing_files_error(*missing: tuple[ModelEntry, list[str]]) -> ModelFilesMissingError:
@@ -481,8 +485,7 @@ def missing_files_error(*missing: tuple[ModelEntry, list[str]]) -> ModelFilesMis
     """
     parts = []
     for entry, found in missing:
-        where = entry.draft_dir if entry.is_dflash else entry.root()
-        files = entry.draft_files if entry.is_dflash else entry.files
+        where, files = entry.own_files()
         what = "its DFlash draft" if entry.is_dflash else "its model files"
         hint = ("" if entry.path or entry.is_dflash
                 else f" (or map the tag to another place in {paths.models_file()})")

@@ -115,9 +115,8 @@ def main(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise InvalidRequestError(f"--modes takes greedy and/or sampled, got {args.modes!r}", param="--modes")
-    sampler = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-    sampling(engines.baseline, "sampled", max_tokens=max_tokens, seed=args.seed, ignore_eos=True,
-             sampler=sampler)  # a value out of range fails here, before any request
+    sampler = _sampler(args)
+    engines.baseline.sampling_params(**sampler)  # a value out of range fails here, before any request
     thinking = _thinking_settings(tok, args.thinking)
     docs = load_documents(args.documents)[:args.prompts_per_context]
     fill = min(longest_summary(tok, docs, thinking=think) for think in thinking)
@@ -138,6 +137,11 @@ def main(args: argparse.Namespace) -> int:
     print(sections[1])
     print(f"{PROG_NAME}: wrote {', '.join(str(out / f) for f in written)}")
     return 0
+
+
+def _sampler(args: argparse.Namespace) -> dict:
+    """The sampled mode's fields given on the command line (None: the model's default)."""
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
 
 
 def _thinking_settings(tokenizer, choice: str) -> list[bool | None]:
@@ -245,7 +249,7 @@ def tables(engines: Engines, pairs: list[Pair], contexts: list[Context], modes: 
         lines.append(f"Per prompt the speed-up ranges from {min(speedups):.2f}x to {max(speedups):.2f}x.")
         lines.append("Steps that verified the n-gram proposer's tokens (prompt lookup), of all verify steps, "
                      "and their AL: " + "; ".join(_ngram_share(ctx, pairs) for ctx in contexts) + ".")
-    s = engines.baseline.sampling_params(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    s = engines.baseline.sampling_params(**_sampler(args))
     whose = "the model's default" if s == engines.baseline.sampling_params() else "the given"
     lines.append(f"\"Sampled\" is {whose} sampler (temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
                  f"min_p {s.min_p}); seeds {args.seed} and up, the same for both tags.")
