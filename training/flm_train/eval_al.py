@@ -1,6 +1,6 @@
 """Acceptance length of a draft with the *serving* runtime (numpy; no torch) on MT-Bench first turns.
 
-    python -m flm_train.eval_al --draft runtime/drafts/smollm2-135m-dflash \\
+    python -m flm_train.eval_al --draft runtime/flm_runtime/drafts/smollm2-135m-dflash \\
         --questions ../shared/data/mt_bench_questions.jsonl [--n 80] [--max-new 256]
 
 Greedy, each first turn through the target's chat template, ``--max-new`` tokens or the end of

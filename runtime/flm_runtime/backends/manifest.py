@@ -1,4 +1,4 @@
-"""``xclbins/manifest.json``: the kernels the npu backend calls, and the builds that provide them.
+"""``xclbins/flm_xclbins/manifest.json``: the kernels the npu backend calls, and the builds that provide them.
 
 The manifest is the contract between this runtime and a kernel build (see ``xclbins/README.md``):
 
@@ -43,12 +43,12 @@ class ManifestError(FlmError, ValueError):
 
 
 def xclbin_dir() -> Path:
-    """The xclbin folder: ``$FLM_XCLBIN_PATH``, or the repository's ``xclbins/`` (installed as the
-    package ``flm_runtime.xclbins``, so a wheel carries it too)."""
+    """The xclbin folder: ``$FLM_XCLBIN_PATH``, or the package ``flm_xclbins``
+    (``xclbins/flm_xclbins/``, which a wheel carries too)."""
     override = os.environ.get(XCLBIN_PATH_ENV)
     if override:
         return Path(override).expanduser().resolve()
-    return Path(str(importlib.resources.files("flm_runtime.xclbins")))
+    return Path(str(importlib.resources.files("flm_xclbins")))
 
 
 @dataclass(frozen=True)

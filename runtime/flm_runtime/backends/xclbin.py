@@ -1,6 +1,6 @@
 """A pure-Python reader of xclbin files (the ``axlf`` container), enough to validate NPU kernels.
 
-No XRT is needed: the npu backend validates every xclbin against ``xclbins/manifest.json`` before
+No XRT is needed: the npu backend validates every xclbin against ``xclbins/flm_xclbins/manifest.json`` before
 it touches a device, and ``litellm-flm validate`` reports on them on machines without one.
 
 The layout is XRT's ``struct axlf`` (``src/runtime_src/core/include/xrt/detail/xclbin.h`` in

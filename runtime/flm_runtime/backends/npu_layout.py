@@ -1,4 +1,4 @@
-"""Byte layouts of the npu backend's buffers, as ``xclbins/manifest.json`` states them.
+"""Byte layouts of the npu backend's buffers, as ``xclbins/flm_xclbins/manifest.json`` states them.
 
 bfloat16 has no numpy dtype: it is carried as ``uint16`` (the upper half of a float32), rounded to
 nearest-even on the way in. Weight buffers pack named tensors in the manifest's order, each at a

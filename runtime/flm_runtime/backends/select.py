@@ -3,7 +3,7 @@
 - ``cpu``: the numpy backend (``LlamaModel``), always available.
 - ``npu``: the npu backend, or ``BackendUnavailableError`` saying everything that is missing.
 - ``auto`` (the default): ``npu`` only when pyxrt imports, ``pyxrt.device(0)`` opens and the
-  model's xclbins validate against ``xclbins/manifest.json``; otherwise ``cpu``, with the reason
+  model's xclbins validate against ``xclbins/flm_xclbins/manifest.json``; otherwise ``cpu``, with the reason
   logged once per process (INFO, logger ``flm_runtime.backends.select``).
 
 Environment:

@@ -3,7 +3,7 @@
 - ``cpu``: ``flm_runtime.models.llama.LlamaModel`` *is* the cpu backend's target (numpy kernels in
   ``backends/cpu.py``); it is the numerical reference for every other backend.
 - ``npu``: ``flm_runtime.backends.npu.NpuModel``, built from a loaded ``LlamaModel`` and a kernel
-  build of ``xclbins/manifest.json``; the same step on an AMD NPU through ``pyxrt``. Never run on
+  build of ``xclbins/flm_xclbins/manifest.json``; the same step on an AMD NPU through ``pyxrt``. Never run on
   hardware (see its module docstring).
 
 A backend implements one step method, ``forward_batch``; ``forward``, ``prefill``,

@@ -1,4 +1,4 @@
-"""What each kernel role of ``xclbins/manifest.json`` computes, in numpy, over the roles' buffers.
+"""What each kernel role of ``xclbins/flm_xclbins/manifest.json`` computes, in numpy, over the roles' buffers.
 
 These are the semantics a kernel build must reproduce (to bfloat16 rounding): a kernel developer
 can fill the buffers as the manifest lays them out, run the role here and compare. The tests run

@@ -122,7 +122,7 @@ def load_draft(tag: str, target: LlamaModel, models: registry.Registry | None = 
 
 def load_npu_model(tag: str, cpu_model: LlamaModel):
     """The ``NpuModel`` of plain ``tag`` over its loaded cpu model, from the kernel build that
-    ``xclbins/manifest.json`` (or ``$FLM_XCLBIN_PATH``) has for it.
+    ``xclbins/flm_xclbins/manifest.json`` (or ``$FLM_XCLBIN_PATH``) has for it.
 
     Raises:
         BackendUnavailableError: no valid build for ``tag``, no pyxrt or device, or a kernel or

@@ -1,1 +1,0 @@
-"""Package marker: installs this folder (manifest.json, kernel builds) as ``flm_runtime.xclbins``."""
