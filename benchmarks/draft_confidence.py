@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from flm_runtime.api import get_engine
-from flm_runtime.bench import calibrate, documents
+from flm_bench import calibrate, documents
 from flm_runtime.engine.policy import confident_length
 from flm_runtime.engine.speculative import SpeculativeDecoder
 

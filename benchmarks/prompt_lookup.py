@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from flm_runtime.api import get_engine
-from flm_runtime.bench import documents
+from flm_bench import documents
 from flm_runtime.engine.engine import Engine
 from flm_runtime.engine.request import Completion
 from flm_runtime.engine.speculative import SpeculativeDecoder

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from flm_runtime.bench import calibrate
-from flm_runtime.bench.documents import chat_ids, short_prompts
-from flm_runtime.bench.engines import load_engines, run_request
+from flm_bench import calibrate
+from flm_bench.documents import chat_ids, short_prompts
+from flm_bench.engines import load_engines, run_request
 from flm_runtime.engine.engine import StepTiming
 from flm_runtime.engine.policy import Bucket, PolicyTable
 from flm_runtime.engine.request import SamplingParams

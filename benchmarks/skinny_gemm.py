@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from flm_runtime.bench import report
+from flm_bench import report
 
 
 def worker(tag: str, mode: str, rows: list[int], context: int, repeat: int) -> dict:

@@ -26,7 +26,7 @@ import argparse
 import statistics
 
 from flm_runtime import api, registry
-from flm_runtime.bench.calibrate import step_costs
+from flm_bench.calibrate import step_costs
 from flm_runtime.engine.engine import Engine
 from flm_runtime.engine.policy import Bucket, PolicyTable
 from flm_runtime.engine.request import SamplingParams

@@ -34,7 +34,7 @@ import numpy as np
 
 from flm_runtime.api import load_model
 from flm_runtime.backends import forward, prefill
-from flm_runtime.bench import report
+from flm_bench import report
 from flm_runtime.models.dflash import DFlashDraft
 
 

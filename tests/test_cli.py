@@ -157,10 +157,10 @@ def test_a_plugin_subcommand_is_loaded_only_when_it_runs(monkeypatch, capsys):
 
 
 def test_soak_is_the_litellm_flm_plugin():
-    """The installed entry point (pyproject) names ``litellm_flm.soak.COMMAND``; the runtime itself
+    """The installed entry point (pyproject) names ``flm_bench.soak.COMMAND``; the runtime itself
     does not import LiteLLM to list its commands."""
     commands = cli.plugin_commands("soak")
-    from litellm_flm import soak
+    from flm_bench import soak
 
     assert commands["soak"] is soak.COMMAND
     code = ("import sys, flm_runtime.cli as c; c.build_parser(); c.plugin_commands(None); "

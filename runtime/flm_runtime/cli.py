@@ -1,14 +1,14 @@
-"""The ``litellm-flm`` command: ``pull``, ``list``, ``run``, ``validate``, ``bench``, ``agreement``, and
-``soak`` from ``litellm_flm``.
+"""The ``litellm-flm`` command: ``pull``, ``list``, ``run``, ``validate``; ``bench``, ``agreement``,
+``calibrate`` and ``soak`` come from ``flm_bench``.
 
 Each subcommand is one function ``cmd_<name>(args) -> int`` (the exit status) registered with
 ``@command(name, help, configure)``, where ``configure(parser)`` adds its arguments. Errors the
 runtime raises on purpose (``FlmError``) print one line and exit 1; ``--debug`` shows tracebacks.
 
 Other packages add subcommands through the entry-point group ``litellm_flm.commands`` (name: the
-subcommand; object: a ``Command``), so that the runtime never imports them: ``soak`` drives
-LiteLLM, so it is ``litellm_flm.soak.COMMAND``. A plugin is imported only when its subcommand runs:
-importing LiteLLM takes seconds that ``litellm-flm list`` should not pay.
+subcommand; object: a ``Command``), so that the runtime never imports them: the benchmark
+commands are ``flm_bench``'s (``soak`` drives LiteLLM). A plugin is imported only when its
+subcommand runs: importing LiteLLM takes seconds that ``litellm-flm list`` should not pay.
 """
 
 from __future__ import annotations
@@ -196,50 +196,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
     report = validate_report(entry.base or entry.tag)  # a DFlash tag runs on its base's kernels
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
-
-
-# --- bench, agreement: the benchmark card's tables (flm_runtime.bench) -------------------------
-
-def _bench_args(p: argparse.ArgumentParser) -> None:
-    from flm_runtime.bench.options import bench_arguments
-
-    bench_arguments(p)
-
-
-@command("bench", "the decode-speed table: baseline tokens/s, DFlash speed-up and AL per prompt context "
-                  "(--quick: TTFT, prefill and decode tokens/s at 1k-8k)", _bench_args)
-def cmd_bench(args: argparse.Namespace) -> int:
-    from flm_runtime.bench import quick, speed
-
-    return (quick if args.quick else speed).main(args)
-
-
-def _agreement_args(p: argparse.ArgumentParser) -> None:
-    from flm_runtime.bench.options import agreement_arguments
-
-    agreement_arguments(p)
-
-
-@command("agreement", "the 8-token verify path against token-by-token decoding, teacher-forced on real text",
-         _agreement_args)
-def cmd_agreement(args: argparse.Namespace) -> int:
-    from flm_runtime.bench import agreement
-
-    return agreement.main(args)
-
-
-def _calibrate_args(p: argparse.ArgumentParser) -> None:
-    from flm_runtime.bench.calibrate import calibrate_arguments
-
-    calibrate_arguments(p)
-
-
-@command("calibrate", "measure when DFlash speculation pays per context (step costs, acceptance) and write "
-                      "the speculation policy table the engine reads", _calibrate_args)
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    from flm_runtime.bench import calibrate
-
-    return calibrate.main(args)
 
 
 # --- plugins and entry point -------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flm_runtime.bench.agreement import NEAR_TIE_STEPS, Agreement, bf16_step, compare_logits
+from flm_bench.agreement import NEAR_TIE_STEPS, Agreement, bf16_step, compare_logits
 
 
 @pytest.mark.parametrize("x, step", [(1.0, 2.0**-7), (1.99, 2.0**-7), (2.0, 2.0**-6), (10.0, 2.0**-4),

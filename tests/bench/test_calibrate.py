@@ -1,4 +1,4 @@
-"""``litellm-flm calibrate`` (flm_runtime.bench.calibrate) on SmolLM2 at tiny settings: the
+"""``litellm-flm calibrate`` (flm_bench.calibrate) on SmolLM2 at tiny settings: the
 acceptance records are right where they are known exactly (a proposer replaying the greedy output
 is always accepted; a random draft almost never), the decision per bucket (draft length and
 confidence gate) follows from the measured costs and the records, and the command writes a table
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from flm_runtime import api, paths, registry
-from flm_runtime.bench import calibrate
+from flm_bench import calibrate
 from flm_runtime.engine.policy import PolicyTable
 from flm_runtime.engine.request import SamplingParams
 from flm_runtime.engine.speculative import SpeculativeDecoder

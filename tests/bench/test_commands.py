@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from flm_runtime.bench import agreement, quick, speed
-from litellm_flm import soak
+from flm_bench import agreement, quick, speed
+from flm_bench import soak
 
 
 def read_csv(path):

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from flm_runtime.bench import documents
-from flm_runtime.bench.documents import (Document, load_documents, longest_summary, short_prompts, summary_prompt,
+from flm_bench import documents
+from flm_bench.documents import (Document, load_documents, longest_summary, short_prompts, summary_prompt,
                                          token_stream)
-from flm_runtime.bench.engines import parse_contexts
+from flm_bench.engines import parse_contexts
 
 # texts/README.md records these; a changed text changes every long-context figure.
 SHA256 = {

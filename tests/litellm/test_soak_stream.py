@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from litellm_flm.soak import Result, StallWatch, one_request, watch_stream
+from flm_bench.soak import Result, StallWatch, one_request, watch_stream
 
 
 class FakeClock:

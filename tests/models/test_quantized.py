@@ -129,7 +129,7 @@ def test_agreement_of_the_quantized_verify_pass_with_float32_decoding(smollm2_qu
                                                                       smollm2_tokenizer):
     """``litellm-flm agreement``'s measure on one window of the test passage: the default weights'
     8-position verify against float32 token-by-token decoding (the card: 97.9% same top-1)."""
-    from flm_runtime.bench.agreement import teacher_forced
+    from flm_bench.agreement import teacher_forced
 
     ids = np.array(smollm2_tokenizer.encode(PASSAGE.read_text()))
     a = teacher_forced(smollm2_quantized, ids, 200, 128, 8, reference=smollm2_model)

@@ -11,7 +11,7 @@ depends on the draft, the text, and the request.
 
 So the rule is data: a ``PolicyTable`` per (DFlash tag, backend) of context buckets, each with
 whether to speculate, the draft length K, the confidence gate, the measured ``cost_ratio`` and the
-calibrated AL, written by ``litellm-flm calibrate`` (``flm_runtime.bench.calibrate``) and shipped
+calibrated AL, written by ``litellm-flm calibrate`` (``flm_bench.calibrate``) and shipped
 for the embedded model. The card's rule is one bucket: ``{"max_context": 32768, "speculate": false}``.
 
 The gate works step by step: the draft proposes K tokens with its confidence in each (its softmax

@@ -37,12 +37,14 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from flm_bench import report
+from flm_bench.documents import load_documents, token_stream
+from flm_bench.engines import Context, parse_contexts
+from flm_bench.options import agreement_arguments
 from flm_runtime import pull
 from flm_runtime.api import get_engine
 from flm_runtime.backends import decode, forward, prefill
-from flm_runtime.bench import report
-from flm_runtime.bench.documents import load_documents, token_stream
-from flm_runtime.bench.engines import Context, parse_contexts
+from flm_runtime.cli import Command
 from flm_runtime.errors import InvalidRequestError
 from flm_runtime.loading import load_model_files
 from flm_runtime.models.llama import LlamaModel
@@ -236,7 +238,7 @@ def tables(args: argparse.Namespace, engine, totals: list[tuple[Context, Agreeme
     lines = [f"A \"near-tie\" is a margin, in the token-by-token logits, between their top-1 token and the verify "
              f"path's pick of {NEAR_TIE_STEPS} bfloat16 rounding steps of the top-1 logit or less (one step at x: "
              f"2^(floor(log2|x|) - 7)); for a pick that is the second-best token, the card's top-1 / top-2 margin.",
-             "Text: " + ("the public-domain documents shipped in the package (flm_runtime/bench/texts/README.md)"
+             "Text: " + ("the public-domain documents shipped in the package (flm_bench/texts/README.md)"
                          if args.documents is None else f"the *.txt files of {args.documents}")
              + "; a context longer than one document continues with the next.", *notes]
     return [header, table, "\n".join(f"- {ln}" for ln in lines)]
@@ -246,3 +248,8 @@ def command(args: argparse.Namespace) -> str:
     return report.command_text("agreement", [
         ("--tag", args.tag), ("--contexts", args.contexts), ("--positions", args.positions), ("--block", args.block),
         ("--reference", args.reference), ("--documents", args.documents), ("--out", args.out)])
+
+
+# The subcommand ``litellm-flm agreement`` (entry point of the group ``litellm_flm.commands``).
+COMMAND = Command("agreement", "the 8-token verify path against token-by-token decoding, teacher-forced on real "
+                  "text", main, agreement_arguments)

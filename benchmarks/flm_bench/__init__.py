@@ -1,15 +1,17 @@
-"""The benchmark card's tables, measured on our runtime (``litellm-flm bench|agreement``).
+"""The benchmark commands of ``litellm-flm``, outside the serving path: the runtime never imports
+this package; ``flm_runtime.cli`` loads each command through the entry-point group
+``litellm_flm.commands`` (each module's ``COMMAND``) only when it runs.
 
 - ``speed``: ``litellm-flm bench``, decode tokens/s of the plain tag, the DFlash tag's speed-up and
   AL, per prompt context (short, 1k, 4k, the largest the model allows), greedy and sampled;
 - ``quick``: ``litellm-flm bench --quick``, TTFT, prefill and decode tokens/s at 1k-8k context;
 - ``agreement``: ``litellm-flm agreement``, the 8-token verify path against token-by-token
   decoding, teacher-forced on real text;
+- ``calibrate``: ``litellm-flm calibrate``, the speculation policy table the engine reads;
+- ``soak``: ``litellm-flm soak``, back-to-back requests through LiteLLM (stability);
 - ``documents``: the prompts and the long public-domain documents (``texts/``) they use;
 - ``engines``, ``report``, ``options``: the engines compared, report files, command-line options.
 
 Each command writes Markdown and CSV files (and a PNG plot for ``bench``, with matplotlib) into
 ``--out``. Speeds are quoted as ratios measured in the same run, never as bare numbers alone.
-
-The card's stability line, ``litellm-flm soak``, drives LiteLLM, so it lives in ``litellm_flm.soak``.
 """

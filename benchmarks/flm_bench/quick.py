@@ -25,12 +25,12 @@ from collections import defaultdict
 
 from tqdm import tqdm
 
-from flm_runtime.bench import report
-from flm_runtime.bench.documents import (Document, Prompt, chat_ids, load_documents, longest_summary, short_prompts,
+from flm_bench import report
+from flm_bench.documents import (Document, Prompt, chat_ids, load_documents, longest_summary, short_prompts,
                                          summary_prompt)
-from flm_runtime.bench.engines import (Context, Engines, Run, load_engines, parse_contexts, run_request, sampling,
+from flm_bench.engines import (Context, Engines, Run, load_engines, parse_contexts, run_request, sampling,
                                        warm_up)
-from flm_runtime.bench.options import QUICK_CONTEXTS, QUICK_MAX_TOKENS
+from flm_bench.options import QUICK_CONTEXTS, QUICK_MAX_TOKENS
 from flm_runtime.errors import InvalidRequestError
 
 COLUMNS = ("context", "prompt_tokens", "tag", "iteration", "ttft_s", "prefill_tokens_per_s",
@@ -125,7 +125,7 @@ def tables(engines: Engines, runs: dict, contexts: list[Context], iterations: in
     lines = [f"Prompt tokens per context: {', '.join(f'{lb}: {n}' for lb, n in tokens.items())}.",
              f"Draft: {engines.draft or 'none (--baseline-only)'}.",
              "The prompts summarize a prefix of the first long document "
-             "(flm_runtime/bench/texts/README.md, or --documents).", *notes]
+             "(flm_bench/texts/README.md, or --documents).", *notes]
     return [header, report.markdown_table(["Model", "HW", *labels], decode),
             "Time to first token and prefill speed (mean ± std):",
             report.markdown_table(["Model", "", *labels], prefill), "\n".join(f"- {ln}" for ln in lines)]

@@ -1,5 +1,5 @@
 """``litellm-flm soak``: back-to-back requests through LiteLLM, counting tokens, requests, verify
-passes, errors and stalls (the benchmark card's "Stability" line).
+passes, errors and stalls (a stability check).
 
 Requests go one after the other through ``litellm.completion(model="flm/<tag>", stream=True)``, the
 path a user's code takes, cycling through four kinds: a long generation (``--long-tokens``, 2048)
@@ -21,9 +21,8 @@ Per request, from the stream itself:
 The exit status is 0 only with zero errors, zero stalls and both minimums reached. Files in
 ``--out``: ``soak.md`` (summary, the command, the machine) and ``soak.csv`` (one row per request).
 
-It lives here, not in ``flm_runtime.bench`` beside the other tables, because driving LiteLLM is its
-purpose and ``flm_runtime`` never imports LiteLLM; ``litellm-flm`` finds it through the entry point
-``soak`` of the group ``litellm_flm.commands`` (``COMMAND``; see ``flm_runtime.cli``).
+``flm_runtime`` never imports LiteLLM, nor this package: ``litellm-flm`` finds the command through
+the entry point ``soak`` of the group ``litellm_flm.commands`` (``COMMAND``; see ``flm_runtime.cli``).
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from tqdm import tqdm
 
 from flm_runtime import paths, registry
 from flm_runtime.api import default_runtime, get_engine
-from flm_runtime.bench import report
+from flm_bench import report
 from flm_runtime.cli import Command
 from flm_runtime.errors import InvalidRequestError
 

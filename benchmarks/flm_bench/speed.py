@@ -28,12 +28,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from flm_runtime.bench import report
-from flm_runtime.bench.documents import (Document, Prompt, chat_ids, load_documents, longest_summary, short_prompts,
+from flm_bench import quick, report
+from flm_bench.documents import (Document, Prompt, chat_ids, load_documents, longest_summary, short_prompts,
                                          summary_prompt, supports_thinking)
-from flm_runtime.bench.engines import (Context, Engines, Run, load_engines, parse_contexts, run_request, sampling,
+from flm_bench.engines import (Context, Engines, Run, load_engines, parse_contexts, run_request, sampling,
                                        warm_up)
-from flm_runtime.bench.options import SPEED_CONTEXTS, SPEED_MAX_TOKENS
+from flm_bench.options import SPEED_CONTEXTS, SPEED_MAX_TOKENS, bench_arguments
+from flm_runtime.cli import Command
 from flm_runtime.errors import InvalidRequestError
 
 COLUMNS = ("context", "prompt", "prompt_tokens", "mode", "thinking", "baseline_tokens", "baseline_decode_s",
@@ -254,7 +255,7 @@ def tables(engines: Engines, pairs: list[Pair], contexts: list[Context], modes: 
     lines.append(f"\"Sampled\" is {whose} sampler (temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "
                  f"min_p {s.min_p}); seeds {args.seed} and up, the same for both tags.")
     lines.append("The long-context prompts ask for a summary of the longest prefix of a long document that fits: "
-                 + ("the public-domain texts shipped in the package (flm_runtime/bench/texts/README.md)"
+                 + ("the public-domain texts shipped in the package (flm_bench/texts/README.md)"
                     if args.documents is None else f"the *.txt files of {args.documents}") + ".")
     if thinking == [None]:
         lines.append("Thinking on/off: the model's chat template has no thinking switch, so one setting.")
@@ -327,3 +328,13 @@ def plot(pairs: list[Pair], contexts: list[Context], engines: Engines, path: Pat
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def run(args: argparse.Namespace) -> int:
+    """``litellm-flm bench``: this table, or with ``--quick`` the TTFT/prefill table (``quick``)."""
+    return (quick.main if args.quick else main)(args)
+
+
+# The subcommand ``litellm-flm bench`` (entry point of the group ``litellm_flm.commands``).
+COMMAND = Command("bench", "the decode-speed table: baseline tokens/s, DFlash speed-up and AL per prompt context "
+                  "(--quick: TTFT, prefill and decode tokens/s at 1k-8k)", run, bench_arguments)

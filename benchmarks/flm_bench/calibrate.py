@@ -12,7 +12,7 @@ Two measurements, then one decision per context bucket (``flm_runtime.engine.pol
    ``CALIBRATION_PROMPTS`` (our own chat prompts, not MT-Bench, which stays a held-out evaluation
    set); from it on, a long prompt is what fills such a context, so each such context gets its
    own records from a document to summarise (the bench's shipped
-   public-domain texts, ``flm_runtime.bench.documents``) that fills it with the answer.
+   public-domain texts, ``flm_bench.documents``) that fills it with the answer.
 2. **Step costs** at each context of ``--contexts`` (a random-token prompt of that length in the
    caches), in interleaved rounds, medians: ``t_decode`` (the 1-token layer), ``t_propose(K)`` (the
    draft catching up one position and drafting a block of K + 1 rows, each time right after a
@@ -57,9 +57,10 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from flm_bench import documents
 from flm_runtime import paths
 from flm_runtime.backends import forward
-from flm_runtime.bench import documents
+from flm_runtime.cli import Command
 from flm_runtime.engine import sampler
 from flm_runtime.engine.picker import Picker
 from flm_runtime.engine.policy import MIN_SPEEDUP, Bucket, PolicyTable, confident_length
@@ -363,3 +364,8 @@ def main(args: argparse.Namespace) -> int:
               f"{b.expected_al:.2f} | {b.cost_ratio:.2f} | {b.expected_speedup:.2f}x |")
     print(f"\nwrote {out}")
     return 0
+
+
+# The subcommand ``litellm-flm calibrate`` (entry point of the group ``litellm_flm.commands``).
+COMMAND = Command("calibrate", "measure when DFlash speculation pays per context (step costs, acceptance) and write "
+                  "the speculation policy table the engine reads", main, calibrate_arguments)
