@@ -6,7 +6,7 @@ generates exactly ``--max-tokens``), the two in alternating order from round to 
 machine noise hits both alike. A run's tokens/s is the completion tokens of its requests (from the
 final chunks' ``usage``) over the seconds from sending the first request to the last chunk of the
 last one: prompt processing included, as a user sees it. The ratio of the two is what continuous
-batching buys (issue #4 asks for at least 3x with 8 streams): the ratio within each round (both
+batching buys (the project's bar is at least 3x with 8 streams): the ratio within each round (both
 runs saw about the same machine), its median and minimum over rounds, and the ratio of the medians.
 
     python benchmarks/concurrent_streams.py [--tag smollm2:135m] [--streams 8] [--max-tokens 128]

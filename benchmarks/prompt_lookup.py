@@ -1,7 +1,7 @@
 """AL with the prompt-lookup (n-gram) proposer beside the draft, against the draft alone.
 
-The DFlash tag's draft verifying whole blocks at every step (``ALWAYS_SPECULATE``, as the card
-runs it), greedy (``--sampled``: the model's default sampler, seeded), twice over the same prompts:
+The DFlash tag's draft verifying whole blocks at every step (``ALWAYS_SPECULATE``, as the reference
+benchmark runs it, docs/benchmarks.md), greedy (``--sampled``: the model's default sampler, seeded), twice over the same prompts:
 ``SpeculativeDecoder(ngram=True)`` then ``ngram=False``, each engine running all prompts in one
 batch. Prompts: the first turns of a ``question.jsonl`` (``--prompts``, the first ``--n``), and
 per ``--contexts`` entry the bench's "summarize this" prompt of that many tokens around each

@@ -284,7 +284,7 @@ def backend_of(optional_params: Mapping[str, Any]) -> str | None:
 
 
 def to_sampling_params(optional_params: Mapping[str, Any], defaults: SamplingDefaults | None = None) -> SamplingParams:
-    """``request_fields`` resolved against a default sampler (the card's when None).
+    """``request_fields`` resolved against a default sampler (``CARD_DEFAULT`` when None).
 
     Raises:
         InvalidRequestError: as ``request_fields``, or a value out of range, naming the parameter.

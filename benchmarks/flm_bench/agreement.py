@@ -7,7 +7,7 @@ document, the target prefills ``context`` tokens of the text, then computes the 
 - the **verify path**: ``forward(8 tokens, all_logits=True)`` blocks, each appending to the KV
   cache the previous blocks wrote, as speculative steps do (the 8-token layer);
 - the **reference**: token-by-token decoding (the 1-token layer) of the same tokens, on the float32
-  weights of the same files (``--reference f32``, the default: the card compares its NPU path
+  weights of the same files (``--reference f32``, the default: the reference benchmark compares its NPU path
   with token-by-token decoding the same way) or on the served model itself (``--reference same``:
   its own prefill, the cache trimmed back to the context, rollback being a trim).
 
@@ -19,12 +19,12 @@ At each position the verify path's pick (argmax) is compared with the reference'
 - **near-tie**: a margin ``ref[top1] - ref[pick]`` of at most ``NEAR_TIE_STEPS`` = 2 bfloat16
   rounding steps of ``ref[top1]``, where one step at ``x`` is the spacing of bfloat16 numbers there,
   ``2 ** (floor(log2 |x|) - 7)`` (8 significant bits; ``|x|`` below 2**-126 counts as 2**-126).
-  When the pick is the reference's second-best token this is the card's "top-1 / top-2 logit
+  When the pick is the reference's second-best token this is the reference benchmark's "top-1 / top-2 logit
   margin of 2 bf16 rounding steps or less". A difference within a near-tie is a valid greedy
   continuation either way;
 - **cosine**: of the two logit vectors (float64), averaged over positions.
 
-Files in ``--out``: ``agreement.md`` (the card's table, the command, the machine) and
+Files in ``--out``: ``agreement.md`` (the reference benchmark's table, the command, the machine) and
 ``agreement.csv`` (one row per context and document, then one total row per context).
 """
 
@@ -237,7 +237,7 @@ def tables(args: argparse.Namespace, engine, totals: list[tuple[Context, Agreeme
           f"{a.max_abs_diff:.2g}"] for c, a in totals])
     lines = [f"A \"near-tie\" is a margin, in the token-by-token logits, between their top-1 token and the verify "
              f"path's pick of {NEAR_TIE_STEPS} bfloat16 rounding steps of the top-1 logit or less (one step at x: "
-             f"2^(floor(log2|x|) - 7)); for a pick that is the second-best token, the card's top-1 / top-2 margin.",
+             f"2^(floor(log2|x|) - 7)); for a pick that is the second-best token, the reference benchmark's top-1 / top-2 margin.",
              "Text: " + ("the public-domain documents shipped in the package (flm_bench/texts/README.md)"
                          if args.documents is None else f"the *.txt files of {args.documents}")
              + "; a context longer than one document continues with the next.", *notes]

@@ -41,7 +41,7 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int,
                    help=f"generated tokens per request (default {SPEED_MAX_TOKENS}; --quick: {QUICK_MAX_TOKENS})")
     p.add_argument("--stop-at-eos", action="store_true",
-                   help="stop at the end-of-turn token (default: generate exactly --max-tokens, as the card's runs)")
+                   help="stop at the end-of-turn token (default: generate exactly --max-tokens, as the reference benchmark's runs)")
     p.add_argument("--prompts-per-context", type=int, default=3, help="prompts per context length (default 3)")
     p.add_argument("--modes", default="greedy,sampled",
                    help="greedy and/or sampled (the model's default sampler) (default greedy,sampled)")

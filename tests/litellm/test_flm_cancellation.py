@@ -1,4 +1,4 @@
-"""Cancelling 50 of 100 in-flight streaming requests through ``litellm.acompletion`` (issue #4).
+"""Cancelling 50 of 100 in-flight streaming requests through ``litellm.acompletion``.
 
 The 100 requests run on the embedded SmolLM2 through LiteLLM's real path (``litellm.acompletion``
 -> ``FlmLLM.astreaming`` -> engine), on an engine of their own over the session's loaded model: the

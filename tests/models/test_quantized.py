@@ -128,7 +128,7 @@ def test_a_gguf_too_big_for_float32_loads_quantized(tmp_path):
 def test_agreement_of_the_quantized_verify_pass_with_float32_decoding(smollm2_quantized, smollm2_model,
                                                                       smollm2_tokenizer):
     """``litellm-flm agreement``'s measure on one window of the test passage: the default weights'
-    8-position verify against float32 token-by-token decoding (the card: 97.9% same top-1)."""
+    8-position verify against float32 token-by-token decoding (the reference benchmark: 97.9% same top-1)."""
     from flm_bench.agreement import teacher_forced
 
     ids = np.array(smollm2_tokenizer.encode(PASSAGE.read_text()))

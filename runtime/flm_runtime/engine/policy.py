@@ -6,13 +6,13 @@ A speculative step costs ``t_propose + t_verify(K+1)`` and yields AL tokens (acc
 bonus included); plain decoding costs ``t_decode`` per token. Speculation pays when
 ``AL * t_decode > t_propose + t_verify(K+1)``, i.e. when ``AL > cost_ratio`` with
 ``cost_ratio = (t_propose + t_verify(K+1)) / t_decode``. Both sides move: the verify pass grows
-with context (attention over the cache: the card's engine turns speculation off at 32k), and AL
+with context (attention over the cache: FastFlowLM's DFlash engine turns speculation off at 32k), and AL
 depends on the draft, the text, and the request.
 
 So the rule is data: a ``PolicyTable`` per (DFlash tag, backend) of context buckets, each with
 whether to speculate, the draft length K, the confidence gate, the measured ``cost_ratio`` and the
 calibrated AL, written by ``litellm-flm calibrate`` (``flm_bench.calibrate``) and shipped
-for the embedded model. The card's rule is one bucket: ``{"max_context": 32768, "speculate": false}``.
+for the embedded model. FastFlowLM's rule is one bucket: ``{"max_context": 32768, "speculate": false}``.
 
 The gate works step by step: the draft proposes K tokens with its confidence in each (its softmax
 probability of the token, ``models.dflash.Proposal``), and the step verifies only the leading ones

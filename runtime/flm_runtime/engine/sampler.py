@@ -262,7 +262,9 @@ class SamplingDefaults:
         return SamplingParams(**fields)
 
 
-# The DFlash benchmark card's "model's default sampler" (temperature 1.0, top_k 64, top_p 0.95): used for a request that sets no sampling field and a model entry that names none.
+# The "model's default sampler" of the reference benchmark (docs/benchmarks.md, "The reference
+# benchmark"): temperature 1.0, top_k 64, top_p 0.95, for a request that sets no sampling field and
+# a model entry that names none.
 CARD_DEFAULT = SamplingDefaults(temperature=1.0, top_k=64, top_p=0.95, min_p=0.0)
 GREEDY = SamplingDefaults(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
 
