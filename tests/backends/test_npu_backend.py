@@ -13,7 +13,7 @@ import pytest
 
 from flm_runtime.backends import TargetModel, decode, forward, npu, prefill, prefill_chunks
 from flm_runtime.backends.npu import NpuModel
-from flm_runtime.backends.npu_layout import from_bf16, to_bf16
+from flm_runtime.backends.npu.layout import from_bf16, to_bf16
 from flm_runtime.core import KVCache
 from flm_runtime.engine.engine import Engine
 from flm_runtime.engine.speculative import SpeculativeDecoder

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flm_runtime.backends import qgemm, quant
+from flm_runtime.kernels import qgemm, quant
 
 FORMATS = {  # name -> weight of 40 outputs x 160 inputs (40 rows: the last tile of 16 is partly padding)
     "q4 symmetric": lambda w: quant.quantize(w, 4),

@@ -60,7 +60,7 @@ def test_torch_and_numpy_drafts_give_the_same_logits(tmp_path, layers, draft_voc
         want = twin.draft_logits(cache, anchor_id=42, start=start)  # [7, Vd]
         got = draft.block_logits(torch.from_numpy(taps[:start]), 42, start)[1:].detach().numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-        assert (draft.draft_vocab[got.argmax(-1)].numpy() == twin.propose(cache, 42, start)).all()
+        assert (draft.draft_vocab[got.argmax(-1)].numpy() == twin.draft_block(cache, 42, start)).all()
 
 
 def test_many_anchors_in_one_pass_equal_one_block_at_a_time():
