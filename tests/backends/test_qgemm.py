@@ -1,4 +1,4 @@
-"""The integer products of the cpu backend (``backends/qgemm.py``): every instruction-set path
+"""The integer products of the cpu backend (``kernels/qgemm.py``): every instruction-set path
 this host runs gives the same bits as the portable path, a row's result does not depend on the
 rows beside it, and the product is within activation-quantization error of the float32 one."""
 

@@ -1,4 +1,4 @@
-"""The quantized weight format (``backends/quant.py``) and the GGUF blocks read into it as they
+"""The quantized weight format (``kernels/quant.py``) and the GGUF blocks read into it as they
 are (``loading/gguf.py``): the same weights as gguf-py's own dequantization."""
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 write of the one-call layer.
 
 ``attend`` serves every layer of every model, float32 or quantized, target or draft
-(docs/design.md, "Attention over key tiles"): one parallel item per query row and key-value
-head, each query's scores and sums in a fixed order that depends on its position alone, so a
-row's output is bit-identical whatever rows run beside it (docs/design.md, "Batch invariance").
+(docs/design.md, "Quantized weights": attention over key tiles): one parallel item per query
+row and key-value head, each query's scores and sums in a fixed order that depends on its
+position alone, so a row's output is bit-identical whatever rows run beside it (docs/design.md,
+"Batch invariance").
 
 Axis legend: T query rows of one sequence, N positions attended, H / Hkv query / key-value heads,
 D head dim, S cache capacity.

@@ -1,5 +1,5 @@
 """Integer products of the cpu backend: ``x @ w.T`` with ``w`` a ``QuantWeight`` (tiles of 16
-rows, ``backends/quant.py``) and ``x`` float32 rows quantized at the product's input.
+rows, ``kernels/quant.py``) and ``x`` float32 rows quantized at the product's input.
 
 Activations. Each row of ``x`` is quantized per block of 32 in two int8 levels: ``q1 =
 rint(x / dx)`` with ``dx = max|x| / 127`` (llama.cpp's Q8_0 rule), then what that left, ``q2 =
