@@ -1,6 +1,8 @@
-"""The cpu's compiled kernels, apart from how a model composes them (``flm_runtime.layers``), as
+"""The cpu's kernels, apart from how a model composes them (``flm_runtime.layers``), as
 ggml-cpu keeps its ops apart from its graphs.
 
+- ``cpu``: the numpy ops (the numerical reference), ``linear``'s choice of product, and
+  ``forward_pass`` (BLAS threads around the skinny kernel);
 - ``quant``: the quantized weight format (tiles of 16 rows, blocks of 32);
 - ``qgemm``: integer products of quantized weights; ``skinny_gemm``: the float32 product of 1-8 rows;
 - ``attention``: the attention kernel over the KV cache's key tiles and the K/V write;

@@ -93,7 +93,8 @@ class Composition(NamedTuple):
             and residual, norm, gate/up product, activation, down product and residual.
         layer: ``(x, attn_norm, wqkv, cos, sin, k_cache, v_cache, start, wo, ffn_norm, w_gate_up,
             w_down) -> [R, E]``: the whole layer over one sequence's rows, its K/V written into
-            one layer of its cache (``attention.cache_arrays``) at ``start ..``.
+            one layer of its cache (``attention.cache_arrays``) at ``start ..``; compiled tables
+            only (None for the reference, whose K/V go through ``KVCache.write``).
     """
 
     attention_in: Callable
