@@ -1,4 +1,4 @@
-"""The attention kernel (``fused.attend``, keys in tiles) against numpy's ``cpu.attention`` (the
+"""The attention kernel (``attention.attend``, keys in tiles) against numpy's ``cpu.attention`` (the
 float32 reference, batched BLAS products over row-major keys), interleaved in one run.
 
 One layer of SmolLM2-135M's geometry (9 query heads, 3 key-value heads, head dim 64) over random
@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from flm_runtime.backends import cpu, fused
 from flm_runtime.core import KVCache
+from flm_runtime.kernels import attention, cpu
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
@@ -50,7 +50,7 @@ def measure(context: int, rows: int, rounds: int, repeat: int) -> tuple[float, f
         cache.write(0, k, v)
         cache.commit(context)
         out = np.empty((rows, HEADS * HEAD_DIM), dtype=np.float32)
-        fns.append(lambda out=out, cache=cache: fused.attend(q, *fused.cache_arrays(cache, 0), start, True, out) or out)
+        fns.append(lambda out=out, cache=cache: attention.attend(q, *attention.cache_arrays(cache, 0), start, True, out) or out)
     fns.append(lambda: cpu.attention(q, k, v, start))
     for fn in fns[:2]:
         np.testing.assert_allclose(fn(), fns[2](), rtol=0, atol=1e-5)  # the same attention

@@ -23,7 +23,8 @@ import time
 import numpy as np
 
 from flm_runtime.api import load_model
-from flm_runtime.backends import cpu, decode, prefill
+from flm_runtime.backends import decode, prefill
+from flm_runtime.kernels import cpu
 
 PROBE_BYTES = 1 << 30
 

@@ -51,7 +51,7 @@ import numpy as np
 
 from flm_runtime import pull
 from flm_runtime.backends import forward, prefill
-from flm_runtime.backends.quant import QuantWeight
+from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.core import KEY_TILE
 from flm_runtime.loading import load_model_files
 from flm_runtime.loading.weights import WEIGHT_KINDS

@@ -37,7 +37,8 @@ def worker(tag: str, mode: str, rows: list[int], context: int, repeat: int) -> d
     import numpy as np
 
     from flm_runtime.api import load_model
-    from flm_runtime.backends import cpu, forward, prefill
+    from flm_runtime.backends import forward, prefill
+    from flm_runtime.kernels import cpu
 
     model = load_model(tag).model
     cpu.SKINNY_ROWS = 0 if mode == "BLAS" else cpu.SKINNY_ROWS

@@ -69,7 +69,7 @@ def measure(model, draft, prompt: np.ndarray, rounds: int) -> dict[str, list[flo
         cache.trim(start)
         times["verify"].append(timed(lambda: forward(model, block, cache, all_logits=True, taps=taps)))
         cache.trim(start)
-        times["propose"].append(timed(lambda: draft.propose(dcache, int(block[0]), start)))
+        times["propose"].append(timed(lambda: draft.draft_block(dcache, int(block[0]), start)))
         times["add_context"].append(timed(lambda: draft.add_context(dcache, one_tap, start)))
         dcache.trim(start)
     return times

@@ -171,7 +171,7 @@ def step_costs(decoder: SpeculativeDecoder, context: int, rounds: int, rng: np.r
 
     def propose(n: int):
         draft.add_context(state.draft_cache, one_tap, context)
-        draft.propose_batch([state.draft_cache], [int(block[0])], n)
+        draft.draft_blocks([state.draft_cache], [int(block[0])], n)
         state.draft_cache.trim(context)
 
     def verify(n: int):

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from flm_runtime import paths, pull, registry
-from flm_runtime.backends import TargetModel, skinny_gemm
+from flm_runtime.backends import TargetModel
+from flm_runtime.kernels import skinny_gemm
 from flm_runtime.backends.select import log_once, requested_backend, select_backend
 from flm_runtime.engine.admission import limits_from_env
 from flm_runtime.engine.engine import Engine
@@ -128,7 +129,7 @@ def load_npu_model(tag: str, cpu_model: LlamaModel):
         BackendUnavailableError: no valid build for ``tag``, no pyxrt or device, or a kernel or
             buffer that fails to load; the message says which.
     """
-    from flm_runtime.backends import manifest as mf
+    from flm_runtime.backends.npu import manifest as mf
     from flm_runtime.backends.npu import NpuModel
 
     manifest = mf.load_manifest()

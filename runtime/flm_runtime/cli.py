@@ -190,7 +190,7 @@ def _validate_args(p: argparse.ArgumentParser) -> None:
 @command("validate", "check the NPU, its driver and firmware, pyxrt, the xclbins, and which backend "
                      "FLM_BACKEND=auto would choose", _validate_args)
 def cmd_validate(args: argparse.Namespace) -> int:
-    from flm_runtime.backends.validate import format_report, validate_report
+    from flm_runtime.backends.npu.validate import format_report, validate_report
 
     entry = registry.resolve(args.tag)
     report = validate_report(entry.base or entry.tag)  # a DFlash tag runs on its base's kernels

@@ -73,7 +73,7 @@ class KVCache:
     ``KEY_TILE`` positions, transposed: ``[L, Hkv, S / KEY_TILE, D, KEY_TILE]``, the key of
     position ``p`` being ``k[l, h, p // KEY_TILE, :, p % KEY_TILE]``, so that the attention
     kernel scores a tile's 16 positions with one vector multiply-add per head dimension
-    (``backends/fused.py``); ``keys`` gives them back as ``[Hkv, N, D]``. Positions ``0 ..
+    (``kernels/attention.py``); ``keys`` gives them back as ``[Hkv, N, D]``. Positions ``0 ..
     length-1`` are valid. Appending past the capacity reallocates (doubling, rounded up to
     ``GROWTH_QUANTUM``) up to ``max_length``. Rolling back (speculative decoding, a rejected
     block) is ``trim(n)``: the rows past ``n`` are simply overwritten by the next append.

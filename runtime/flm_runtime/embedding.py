@@ -24,7 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flm_runtime.backends import TargetModel, cpu
+from flm_runtime.backends import TargetModel
+from flm_runtime.kernels import cpu
 from flm_runtime.errors import ContextLengthError, InvalidRequestError
 
 

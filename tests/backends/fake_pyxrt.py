@@ -15,7 +15,7 @@ import types
 
 import numpy as np
 
-from flm_runtime.backends.xclbin import read_xclbin
+from flm_runtime.backends.npu.xclbin import read_xclbin
 
 
 class SyncDir(enum.IntEnum):

@@ -1,5 +1,5 @@
 """A tiny random Llama, a synthetic kernel build for it, and fake-pyxrt kernels that run the
-numpy reference of each manifest role (``flm_runtime.backends.npu_reference``)."""
+numpy reference of each manifest role (``flm_runtime.backends.npu.reference``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from flm_runtime.backends import manifest as mf
-from flm_runtime.backends import npu_reference
-from flm_runtime.backends.npu_layout import from_bf16, to_bf16, unpack
+from flm_runtime.backends.npu import manifest as mf
+from flm_runtime.backends.npu import reference as npu_reference
+from flm_runtime.backends.npu.layout import from_bf16, to_bf16, unpack
 from flm_runtime.core import LlamaConfig
 from flm_runtime.loading.weights import llama_weight_shapes
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft, draft_weight_shapes

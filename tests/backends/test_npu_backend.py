@@ -13,7 +13,7 @@ import pytest
 
 from flm_runtime.backends import TargetModel, decode, forward, npu, prefill, prefill_chunks
 from flm_runtime.backends.npu import NpuModel
-from flm_runtime.backends.npu_layout import from_bf16, to_bf16
+from flm_runtime.backends.npu.layout import from_bf16, to_bf16
 from flm_runtime.core import KVCache
 from flm_runtime.engine.engine import Engine
 from flm_runtime.engine.speculative import SpeculativeDecoder
@@ -180,3 +180,36 @@ def test_pyxrt_errors_become_backend_errors(tmp_path):
     with pytest.raises(BackendUnavailableError, match=r"creating kernel 'nope' of lm_head.xclbin \(lm_head\) "
                                                       r"failed: RuntimeError: No such kernel 'nope'"):
         NpuModel(cpu, bad, bad.build_for(TAG), pyxrt=fake_pyxrt_for(bad, cpu))
+
+
+def test_the_npu_reference_layer_is_the_runtime_layer():
+    """``npu.reference.decoder_layer`` (the kernels' contract) against the runtime's decoder layer
+    (``layers.decoder``) on the same weights and rows, a prefill then a decode step: equal within
+    the bfloat16 rounding of the reference's keys and values."""
+    from flm_runtime.backends.npu import reference
+    from flm_runtime.kernels import cpu
+    from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan
+    from flm_runtime.layers.spec import LayerSpec
+
+    e, f, h, hkv, d, s = 48, 80, 4, 2, 12, 32
+    rng = np.random.default_rng(5)
+    w = {"attn_norm": 1 + 0.2 * rng.standard_normal(e), "wqkv": rng.standard_normal(((h + 2 * hkv) * d, e)) / 7,
+         "wo": rng.standard_normal((e, h * d)) / 7, "ffn_norm": 1 + 0.2 * rng.standard_normal(e),
+         "w_gate_up": rng.standard_normal((2 * f, e)) / 7, "w_down": rng.standard_normal((e, f)) / 9}
+    w = {k: v.astype(np.float32) for k, v in w.items()}
+    geometry = {"H": h, "Hkv": hkv, "D": d, "rope_theta": 10000.0, "rms_norm_eps": 1e-5}
+    spec = LayerSpec(hidden_size=e, ffn_size=f, n_heads=h, n_kv_heads=hkv, head_dim=d, rms_norm_eps=1e-5,
+                     rope_theta=10000.0)
+    decoder = DecoderLayer(LayerWeights(**w), spec)
+    cache = KVCache(1, hkv, d, s)
+    cos, sin = cpu.rope_tables(d, s, spec.rope_theta)
+    kv = np.zeros((2, hkv, s, d), dtype=np.uint16)
+    for start, t in ((0, 6), (6, 1)):
+        x = rng.standard_normal((8, e)).astype(np.float32)  # the activation buffer: rows 0..T-1 are the step's
+        got = np.zeros_like(x)
+        reference.decoder_layer(x, got, w, kv, np.array([start, t, s, 0], dtype=np.int32), geometry)
+        cache.reserve(t)
+        want = decoder(0, x[:t], [RowSpan(cache, start, slice(0, t), 0)], cos[start:start + t], sin[start:start + t])
+        cache.commit(t)
+        np.testing.assert_allclose(got[:t], want, rtol=0, atol=2e-2 * np.abs(want).max())
+        np.testing.assert_array_equal(to_bf16(cache.keys(0)), kv[0, :, :start + t])  # the same keys, rounded

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from flm_runtime.backends.npu_device import detect_npu
+from flm_runtime.backends.npu.device import detect_npu
 
 
 def fake_sysfs(root, *, device="0x17f0", revision="0x10", driver="amdxdna", fw="1.5.2.380",

@@ -1,4 +1,4 @@
-"""The integer products of the cpu backend (``backends/qgemm.py``): every instruction-set path
+"""The integer products of the cpu backend (``kernels/qgemm.py``): every instruction-set path
 this host runs gives the same bits as the portable path, a row's result does not depend on the
 rows beside it, and the product is within activation-quantization error of the float32 one."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flm_runtime.backends import qgemm, quant
+from flm_runtime.kernels import qgemm, quant
 
 FORMATS = {  # name -> weight of 40 outputs x 160 inputs (40 rows: the last tile of 16 is partly padding)
     "q4 symmetric": lambda w: quant.quantize(w, 4),

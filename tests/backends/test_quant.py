@@ -1,4 +1,4 @@
-"""The quantized weight format (``backends/quant.py``) and the GGUF blocks read into it as they
+"""The quantized weight format (``kernels/quant.py``) and the GGUF blocks read into it as they
 are (``loading/gguf.py``): the same weights as gguf-py's own dequantization."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from flm_runtime.backends import quant
+from flm_runtime.kernels import quant
 from flm_runtime.loading import gguf as gguf_loader
 
 N, K = 12, 512  # K: two Q4_K super-blocks, 16 blocks of 32
@@ -80,7 +80,7 @@ def test_padding_to_whole_tiles_adds_nothing():
     assert q.padded_in_features == 96 and q.shape == (3, 96) and q.codes.shape == (1, 3 * quant.TILE * quant.BLOCK)
     assert q.dequantize().shape == (3, 96)
     x = np.random.default_rng(5).standard_normal((2, 96)).astype(np.float32)
-    from flm_runtime.backends import qgemm
+    from flm_runtime.kernels import qgemm
 
     got = qgemm.qlinear(x, q)
     assert got.shape == (2, 3)

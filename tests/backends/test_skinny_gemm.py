@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import threadpoolctl
 
-from flm_runtime.backends import cpu, skinny_gemm
+from flm_runtime.kernels import cpu
+from flm_runtime.kernels import skinny_gemm
 
 
 def _reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -151,7 +152,7 @@ def test_loading_a_model_compiles_the_kernel_before_any_request(smollm2_gguf):
     """A fresh process: the kernel has no compiled signature until ``load_model``, then it has one,
     so that a first request's decode time does not include numba's compilation."""
     script = ("from flm_runtime import api\n"
-              "from flm_runtime.backends import skinny_gemm\n"
+              "from flm_runtime.kernels import skinny_gemm\n"
               "before = len(skinny_gemm._skinny_matmul.signatures)\n"
               "api.load_model('smollm2:135m')\n"
               "print(before, len(skinny_gemm._skinny_matmul.signatures))\n")

@@ -9,8 +9,9 @@ import sys
 import pytest
 
 from flm_runtime import cli
-from flm_runtime.backends import manifest as mf
-from flm_runtime.backends import npu, npu_device, select
+from flm_runtime.backends.npu import manifest as mf
+from flm_runtime.backends import npu, select
+from flm_runtime.backends.npu import device as npu_device
 
 from npu_fixtures import fake_pyxrt_for, tiny_model
 from test_npu_device import fake_sysfs

@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from flm_runtime.backends import manifest as mf
-from flm_runtime.backends.xclbin import IP_PS_KERNEL, XclbinError, read_xclbin
+from flm_runtime.backends.npu import manifest as mf
+from flm_runtime.backends.npu.xclbin import IP_PS_KERNEL, XclbinError, read_xclbin
 
 from xclbin_files import HEAD_ARGS, LAYER_ARGS, build_xclbin, kernel_xml, write_build
 

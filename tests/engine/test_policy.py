@@ -176,8 +176,8 @@ def test_the_draft_scores_only_the_k_rows_the_policy_verifies(make_engine):
     target = ScriptTarget(LETTERS, 3)
     draft = random_draft(target, taps=[0, 1])
     asked = []
-    propose_batch = draft.propose_batch
-    draft.propose_batch = lambda caches, anchors, n_drafts=None: asked.append(n_drafts) or propose_batch(caches, anchors, n_drafts)
+    draft_blocks = draft.draft_blocks
+    draft.draft_blocks = lambda caches, anchors, n_drafts=None: asked.append(n_drafts) or draft_blocks(caches, anchors, n_drafts)
     k2 = Bucket(max_context=1 << 20, speculate=True, draft_length=2, cost_ratio=0.5, expected_al=3.0)
     decoder = SpeculativeDecoder(target, draft, policy=PolicyTable(model="script-dflash:1", backend="cpu", buckets=[k2]))
     done = make_engine(target, FakeTokenizer(vocab_size=300), speculative=decoder).submit(

@@ -398,8 +398,8 @@ CHEAP = [1.0] * 7  # a verify pass of any length costs a decode: the longest pro
 def count_draft_passes(draft) -> list[int]:
     """Records the K of each draft pass of ``draft``."""
     asked = []
-    propose_batch = draft.propose_batch
-    draft.propose_batch = lambda caches, anchors, n_drafts=None: asked.append(n_drafts) or propose_batch(
+    draft_blocks = draft.draft_blocks
+    draft.draft_blocks = lambda caches, anchors, n_drafts=None: asked.append(n_drafts) or draft_blocks(
         caches, anchors, n_drafts)
     return asked
 

@@ -7,7 +7,7 @@ the verify pass and a decode step differ by float rounding, which may flip a nea
 baseline's top-1/top-2 logit margin is below ``MARGIN_TOL`` the comparison of that prompt stops
 there and the position is counted (``record_property`` "near_ties", also printed). The quantized
 path computes every row bit-identically in a verify pass, a decode step or a batch
-(backends/fused.py), so there it is token for token with no exemption. The baseline is plain
+(layers/decoder.py), so there it is token for token with no exemption. The baseline is plain
 prefill + batched 1-token decode, computed here with its logits.
 """
 

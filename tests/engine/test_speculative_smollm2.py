@@ -227,7 +227,7 @@ def test_ngram_only_steps_on_a_copying_prompt_equal_plain(make_engine, smollm2_e
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": COPY}], add_generation_prompt=True))
     draft = api.load_draft("smollm2-dflash:135m", smollm2_model)
     asked = []
-    draft.propose_batch = lambda *a, **kw: asked.append(a)  # (a request whose draft ran would fail)
+    draft.draft_blocks = lambda *a, **kw: asked.append(a)  # (a request whose draft ran would fail)
     params = [SamplingParams(max_tokens=48, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=48, ignore_eos=True)]
     for p in params:

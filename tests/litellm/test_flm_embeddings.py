@@ -13,7 +13,7 @@ import litellm
 import numpy as np
 import pytest
 
-from flm_runtime.backends import cpu
+from flm_runtime.kernels import cpu
 from flm_runtime.embedding import _groups, embed
 
 TAG = "smollm2:135m"

@@ -13,7 +13,8 @@ from dflash_files import draft_config_dict, random_draft_weights, tap_layers, wr
 from test_llama import TINY, tiny_weights
 from test_quantized import TINY_Q
 
-from flm_runtime.backends import forward, quant
+from flm_runtime.backends import forward
+from flm_runtime.kernels import quant
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
 from flm_runtime.models.llama import LlamaModel
@@ -89,7 +90,7 @@ def test_draft_matches_naive_reference(tiny_target):
     got = draft.draft_logits(cache, int(ids[10]), 10)
     assert got.dtype == np.float32 and got.shape == (7, TINY.vocab_size)
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
-    assert np.array_equal(draft.propose(cache, int(ids[10]), 10), np.argmax(expected, axis=-1))
+    assert np.array_equal(draft.draft_block(cache, int(ids[10]), 10), np.argmax(expected, axis=-1))
     # K = 3: a block of the anchor and 3 masks, which drafts otherwise than the whole block.
     cut = naive_draft_logits(cfg, weights, tiny_target.embed, tiny_target.lm_head, taps, int(ids[10]), 10, masks=3)
     np.testing.assert_allclose(draft.draft_logits_batch([cache], [int(ids[10])], 3)[0], cut, rtol=0, atol=1e-4)
@@ -104,7 +105,7 @@ def test_draft_matches_naive_reference(tiny_target):
 
 
 def test_batched_blocks_equal_one_at_a_time(tiny_target):
-    """``draft_logits_batch`` / ``propose_batch`` over sequences of different context lengths (one
+    """``draft_logits_batch`` / ``draft_blocks`` over sequences of different context lengths (one
     of them empty) equal each sequence's own block, and leave every cache's length as it was; a
     proposal's confidence is the softmax probability of each drafted token."""
     _, _, draft = tiny_draft(tiny_target)
@@ -121,7 +122,7 @@ def test_batched_blocks_equal_one_at_a_time(tiny_target):
     assert got.shape == (3, 7, TINY.vocab_size) and [c.length for c in caches] == [9, 0, 4]
     for s, (cache, anchor) in enumerate(zip(caches, anchors)):  # float32 rounding: the batch runs other kernels
         np.testing.assert_allclose(got[s], draft.draft_logits(cache, anchor, cache.length), rtol=2e-5, atol=2e-5)
-    proposal = draft.propose_batch(caches, anchors)
+    proposal = draft.draft_blocks(caches, anchors)
     np.testing.assert_array_equal(proposal.ids, np.argmax(got, axis=-1))
     probs = np.exp(got - got.max(axis=-1, keepdims=True))
     np.testing.assert_allclose(proposal.confidence, (probs / probs.sum(axis=-1, keepdims=True)).max(axis=-1), rtol=1e-5)
@@ -130,7 +131,7 @@ def test_batched_blocks_equal_one_at_a_time(tiny_target):
     assert first3.shape == (3, 3, TINY.vocab_size) and [c.length for c in caches] == [9, 0, 4]
     for s, (cache, anchor) in enumerate(zip(caches, anchors)):
         np.testing.assert_allclose(first3[s], draft.draft_logits_batch([cache], [anchor], 3)[0], rtol=2e-5, atol=2e-5)
-    first1 = draft.propose_batch(caches, anchors, 1)
+    first1 = draft.draft_blocks(caches, anchors, 1)
     np.testing.assert_array_equal(first1.ids, np.argmax(draft.draft_logits_batch(caches, anchors, 1), axis=-1))
 
 
@@ -158,7 +159,7 @@ def test_draft_vocabulary_scores_only_its_rows(tiny_target, tmp_path):
     got = draft.draft_logits(cache, int(ids[9]), 9)
     assert got.shape == (7, len(vocab))
     np.testing.assert_allclose(got, full[:, vocab], rtol=0, atol=1e-4)
-    proposed = draft.propose(cache, int(ids[9]), 9)
+    proposed = draft.draft_block(cache, int(ids[9]), 9)
     np.testing.assert_array_equal(proposed, vocab[np.argmax(full[:, vocab], axis=-1)])
     assert not np.array_equal(proposed, np.argmax(full, axis=-1))  # the restriction mattered here
 
@@ -202,8 +203,8 @@ def test_an_8_bit_draft_is_batch_invariant_and_near_the_float32_draft(tmp_path):
     q8 = DFlashDraft.load(write_draft_dir(tmp_path / "d", cfg, draft_weights, dtype=np.float32), target)
     f32 = DFlashDraft(DFlashConfig.from_dict(cfg), draft_weights, embed=target.embed, lm_head=target.lm_head,
                       max_positions=TINY_Q.max_position_embeddings)
-    assert q8.fused is not None and q8.kv_dtype == np.float16 and q8.new_cache().k.dtype == np.float16
-    assert f32.fused is None and f32.new_cache().k.dtype == np.float32
+    assert q8.quantized and q8.kv_dtype == np.float16 and q8.new_cache().k.dtype == np.float16
+    assert not f32.quantized and f32.new_cache().k.dtype == np.float32
     rng = np.random.default_rng(5)
     blocks = {}
     for name, draft in (("q8", q8), ("f32", f32)):

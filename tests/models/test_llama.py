@@ -158,7 +158,7 @@ def test_taps_are_the_residual_stream_after_the_layers():
     the last layer's tap gives the model's logits, layer 0's those of a 1-layer model."""
     from dataclasses import replace
 
-    from flm_runtime.backends.cpu import rms_norm
+    from flm_runtime.kernels.cpu import rms_norm
 
     weights = tiny_weights(TINY)
     model = LlamaModel(TINY, weights)

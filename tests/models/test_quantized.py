@@ -1,4 +1,4 @@
-"""The quantized cpu path (default weights: ``backends/quant.py``, ``qgemm.py``, ``fused.py``)
+"""The quantized cpu path (default weights: ``kernels/quant.py``, ``qgemm.py``, ``layers/decoder.py``)
 against the float32 reference (its perplexity is in tests/models/test_llama.py): the batch
 invariance that makes greedy DFlash equal plain decoding bit for bit (a row's logits are the same
 bits alone, in a verify pass, or beside other sequences), agreement, and loading under a memory
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from test_llama import PASSAGE, TINY, tiny_weights
 
-from flm_runtime.backends import forward, quant
+from flm_runtime.backends import forward
+from flm_runtime.kernels import quant
 from flm_runtime.models.llama import LlamaModel
 
 
@@ -51,7 +52,7 @@ def test_tiny_model_is_batch_invariant_and_near_float32():
     f32 = LlamaModel(TINY_Q, weights)
     q8 = LlamaModel(TINY_Q, {k: quant.quantize(v, 8) if v.ndim == 2 and v.shape[1] % 32 == 0 else v
                              for k, v in weights.items()})
-    assert all(f is not None for f in q8.fused)
+    assert q8.quantized and all(d.ops.compiled for d in q8.decoders)
     ids = np.random.default_rng(1).integers(0, TINY_Q.vocab_size, 60)
     alone, verify, batched = _rows_alone_in_a_pass_and_in_a_batch(q8, ids)
     assert np.array_equal(alone, verify) and np.array_equal(alone, batched)

@@ -35,5 +35,5 @@ def test_loads_against_the_target_and_proposes(shipped, smollm2_model, smollm2_g
     cache = draft.new_cache()
     taps = np.zeros((3, 5 * 576), dtype=np.float32)
     draft.add_context(cache, taps, 0)
-    ids = draft.propose(cache, anchor_id=42, start=3)
+    ids = draft.draft_block(cache, anchor_id=42, start=3)
     assert ids.shape == (7,) and ((0 <= ids) & (ids < 49152)).all()

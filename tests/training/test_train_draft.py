@@ -60,7 +60,7 @@ def test_torch_and_numpy_drafts_give_the_same_logits(tmp_path, layers, draft_voc
         want = twin.draft_logits(cache, anchor_id=42, start=start)  # [7, Vd]
         got = draft.block_logits(torch.from_numpy(taps[:start]), 42, start)[1:].detach().numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-        assert (draft.draft_vocab[got.argmax(-1)].numpy() == twin.propose(cache, 42, start)).all()
+        assert (draft.draft_vocab[got.argmax(-1)].numpy() == twin.draft_block(cache, 42, start)).all()
 
 
 def test_many_anchors_in_one_pass_equal_one_block_at_a_time():
@@ -105,3 +105,52 @@ def test_tap_scale_is_folded_into_fc_at_export(tmp_path):
     again.load_export_state(draft.export_state())
     torch.testing.assert_close(again.tap_scale, 1 / scale)
     torch.testing.assert_close(again.block_logits(taps, 42, T), draft.block_logits(taps, 42, T), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("start", [0, 9])
+def test_the_torch_draft_layer_equals_the_runtime_layer(start):
+    """One torch ``DraftLayer`` and the runtime's decoder layer (``layers.decoder``, non-causal, its
+    context K/V in the cache) on the same weights and inputs: the same block states within
+    float32 rounding, so the training's layer cannot drift from the one serving runs."""
+    from flm_runtime.core import KVCache
+    from flm_runtime.kernels import cpu
+    from flm_runtime.layers.decoder import DecoderLayer, RowSpan
+    from flm_runtime.layers.ops import REFERENCE
+    from flm_runtime.layers.spec import LayerSpec
+    from flm_runtime.models.llama import KV_PROJ, WeightTaker, fuse_layer, take_fused
+    from flm_train.draft import DraftLayer
+
+    c = tiny_draft(1).c
+    torch.manual_seed(3)
+    layer = DraftLayer(c)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    weights = {f"{'self_attn' if n[0] in 'qkvo' else 'mlp'}.{n}.weight": getattr(layer, n).weight.detach().numpy()
+               for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+    weights |= {f"{n}.weight": getattr(layer, n).detach().numpy() for n in ("input_layernorm", "post_attention_layernorm")}
+    rng = np.random.default_rng(4)
+    ctx = rng.standard_normal((start, E)).astype(np.float32)  # the fused context features [T, E]
+    x = rng.standard_normal((c.block_size, E)).astype(np.float32)  # the block [B, E]
+    cos, sin = cpu.rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
+
+    mask = torch.ones(1, 1, c.block_size, start + c.block_size, dtype=torch.bool)  # the context and the whole block
+    block_rope = (torch.from_numpy(cos[start:start + c.block_size])[None, None],
+                  torch.from_numpy(sin[start:start + c.block_size])[None, None])
+    ctx_rope = torch.from_numpy(cos[:start])[None, None], torch.from_numpy(sin[:start])[None, None]
+    with torch.no_grad():
+        want = layer(torch.from_numpy(x)[None], torch.from_numpy(ctx)[None], block_rope, ctx_rope, mask)[0].numpy()
+
+    take = WeightTaker(weights)
+    decoder = DecoderLayer(fuse_layer(take, c, ""), LayerSpec.of(c, causal=False))
+    cache = KVCache(1, c.num_key_value_heads, c.head_dim, c.max_position_embeddings)
+    hkv, d = c.num_key_value_heads, c.head_dim
+    cache.reserve(start)
+    kv = cpu.linear(ctx, take_fused(take, c, "", KV_PROJ))  # the context's K/V, as DFlashDraft.add_context
+    cache.write(0, REFERENCE.rope(kv, cos[:start], sin[:start], 0, hkv, d).transpose(1, 0, 2),
+                kv[:, hkv * d:].reshape(start, hkv, d).transpose(1, 0, 2))
+    cache.commit(start)
+    cache.reserve(c.block_size)
+    got = decoder(0, x, [RowSpan(cache, start, slice(0, c.block_size), 0)], cos[start:start + c.block_size],
+                  sin[start:start + c.block_size])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flm_runtime.backends.quant import QuantWeight
+from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.models.dflash import DFlashConfig
 from flm_runtime.models.llama import LlamaModel
 from flm_train.draft import DFlashDraft

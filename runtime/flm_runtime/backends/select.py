@@ -41,7 +41,7 @@ class NpuProbe:
 
     Attributes:
         tag: the model (plain registry tag) whose xclbins were validated.
-        detection: sysfs's view (``npu_device.NpuDetection``).
+        detection: sysfs's view (``npu.device.NpuDetection``).
         pyxrt_error: why ``import pyxrt`` failed.
         device_error: why ``pyxrt.device(0)`` failed (None also when it was not tried).
         device_name: ``get_info(name)`` of the opened device, when it opened.
@@ -79,9 +79,9 @@ def requested_backend(value: str | None = None) -> str:
 
 def probe_npu(tag: str) -> NpuProbe:
     """Check, without raising, everything the npu backend needs for model ``tag``."""
-    from flm_runtime.backends import manifest as mf
+    from flm_runtime.backends.npu import manifest as mf
     from flm_runtime.backends import npu
-    from flm_runtime.backends.npu_device import detect_npu
+    from flm_runtime.backends.npu.device import detect_npu
 
     probe = NpuProbe(tag=tag, detection=detect_npu())
     try:

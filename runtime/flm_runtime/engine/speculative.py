@@ -237,7 +237,7 @@ class SpeculativeDecoder:
         target: a ``TargetModel``: ``forward_batch(rows, caches, taps=)``, ``prefill_chunk``,
             ``config``.
         draft: ``DFlashDraft``-like: ``config`` (``target_layer_ids``, ``block_size``),
-            ``new_cache``, ``add_context``, ``propose_batch``.
+            ``new_cache``, ``add_context``, ``draft_blocks``.
         policy: the speculation policy of this tag and backend (a ``PolicyTable``); the default
             ``ALWAYS_SPECULATE`` drafts the whole block (K = block_size - 1) at every context,
             verifies all of it and never switches off.
@@ -428,10 +428,10 @@ class SpeculativeDecoder:
 
     def _propose(self, caches: list[KVCache], anchor_ids: list[int], n_drafts: int) -> Proposal:
         """The first ``n_drafts`` drafted tokens of ``S`` sequences (``[S, n_drafts]``): one
-        batched draft pass (``draft.propose_batch``, whose LM head runs on those rows only), or
+        batched draft pass (``draft.draft_blocks``, whose LM head runs on those rows only), or
         the stand-in ``proposer`` sequence by sequence (confidence 1: never gated)."""
         if self.proposer is None:
-            out = self.draft.propose_batch(caches, anchor_ids, n_drafts)
+            out = self.draft.draft_blocks(caches, anchor_ids, n_drafts)
         else:
             ids = np.stack([np.asarray(self.proposer(c, a, c.length), dtype=np.int64)[:n_drafts]
                             for c, a in zip(caches, anchor_ids)])

@@ -1,7 +1,7 @@
 """GGUF reader for Llama-architecture models: weights under Hugging Face names.
 
 The file is memory-mapped with ``gguf.GGUFReader`` (gguf-py, llama.cpp's reference Python reader).
-Every matrix is kept quantized in the cpu backend's block format (``flm_runtime.backends.quant``)
+Every matrix is kept quantized in the cpu backend's block format (``flm_runtime.kernels.quant``)
 or dequantized to float32, as the weight kind asks (``WEIGHT_KINDS``):
 
 - ``auto`` (what a served model gets unless asked otherwise): each tensor keeps its own precision class: Q4_0, Q4_1 and Q4_K stay
@@ -37,8 +37,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import Q4_K, dequantize
 
-from flm_runtime.backends import quant
-from flm_runtime.backends.quant import QuantWeight
+from flm_runtime.kernels import quant
+from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_llama_weights

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from flm_runtime.backends.quant import QuantWeight, Weight
+from flm_runtime.kernels.quant import QuantWeight, Weight
 from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import InvalidRequestError, ModelFormatError
 

@@ -27,11 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from flm_runtime.backends import cpu, fused, quant
 from flm_runtime.core import KVCache, LlamaConfig, Proposal
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.models.llama import (KV_PROJ, LlamaConfig, _Span, _Taker, decoder_layer, fuse_layer, kv_heads,
-                                     layer_weight_shapes, take_fused)
+from flm_runtime.kernels import cpu, quant
+from flm_runtime.layers.decoder import DecoderLayer, RowSpan
+from flm_runtime.layers.ops import REFERENCE
+from flm_runtime.layers.spec import LayerSpec
+from flm_runtime.models.llama import KV_PROJ, WeightTaker, fuse_layer, layer_weight_shapes, take_fused
 
 log = logging.getLogger(__name__)
 
@@ -182,13 +184,14 @@ class DFlashDraft:
         max_positions: the target's context length (tokens): caches and RoPE tables span it.
         bits: None keeps the file's float32 matrices and runs the numpy reference layer (training
             compares against it); 8 quantizes every matrix (``quant.quantize``, symmetric 8-bit
-            blocks) and runs the layers compiled (``fused.FusedLayer``) over a float16 cache, as
-            the quantized target's layers run. ``load`` picks 8 for a quantized target.
+            blocks) and runs the layers compiled over a float16 cache, as the quantized target's
+            layers run (``layers.decoder``). ``load`` picks 8 for a quantized target.
 
     Attributes:
         vocab: ``[Vd]`` int64 target ids of the draft vocabulary (ascending), or None (all ``V``).
         head: ``[Vd, E]`` the LM head rows the draft scores.
-        fused: the compiled layers of an 8-bit draft, else None.
+        layers: the layers' weights; decoders: the layers (non-causal ``DecoderLayer``).
+        quantized: an 8-bit draft (its layers compiled).
         kv_dtype: its caches' element type (float16 for an 8-bit draft, else float32).
 
     Raises:
@@ -211,7 +214,7 @@ class DFlashDraft:
         self.vocab = _draft_vocab(weights, c, lm_head.shape[0])  # [Vd] int64 or None
         self.head = lm_head if self.vocab is None else cpu.take_rows(lm_head, self.vocab)  # [Vd, E]
         assert bits in (None, 8), f"draft matrices are float32 or 8-bit, not {bits}-bit"
-        float_take = _Taker({k: v for k, v in weights.items() if k != "draft_vocab"})
+        float_take = WeightTaker({k: v for k, v in weights.items() if k != "draft_vocab"})
 
         def take(name: str, shape: tuple[int, ...]) -> cpu.Weight:
             a = float_take(name, shape)
@@ -222,9 +225,10 @@ class DFlashDraft:
         self.mask_embedding = take("mask_embedding", (e,))
         self.norm = take("norm.weight", (e,))
         self.layers = [fuse_layer(take, c, f"layers.{i}.") for i in range(c.num_hidden_layers)]
-        self.fused = [fused.FusedLayer(layer, c.num_attention_heads, c.num_key_value_heads, d, c.rms_norm_eps)
-                      for layer in self.layers] if bits else None
-        self.kv_dtype = np.float16 if bits else np.float32  # as the target's cache: half the bytes read
+        self.decoders = [DecoderLayer(w, LayerSpec.of(c, causal=False)) for w in self.layers]
+        self.quantized = all(layer.ops.compiled for layer in self.decoders)
+        self.kv_dtype = np.float16 if self.quantized else np.float32  # as the target's cache: half the bytes read
+        self._final_norm = (self.decoders[-1].ops if self.quantized else REFERENCE).norm_rows
         # add_context's projection, each layer's Wk and Wv alone: a product of all wqkv's rows rounds differently
         self.context_kv = [take_fused(take, c, f"layers.{i}.", KV_PROJ) for i in range(c.num_hidden_layers)]  # [2*Hkv*D, E]
         self.rope_cos, self.rope_sin = cpu.rope_tables(d, max_positions, c.rope_theta)  # [P, D/2]
@@ -284,9 +288,11 @@ class DFlashDraft:
             cos = self.rope_cos[start_position : start_position + t]  # [T, D/2]
             sin = self.rope_sin[start_position : start_position + t]
             cache.reserve(t)
+            hkv, d = c.num_key_value_heads, c.head_dim
             for i, wkv in enumerate(self.context_kv):
-                k, v = kv_heads(cpu.linear(ctx, wkv), cos, sin, c)  # [T, Hkv, D] each
-                cache.write(i, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+                kv = cpu.linear(ctx, wkv)  # [T, 2*Hkv*D]
+                k = REFERENCE.rope(kv, cos, sin, 0, hkv, d)  # [T, Hkv, D]
+                cache.write(i, k.transpose(1, 0, 2), kv[:, hkv * d:].reshape(t, hkv, d).transpose(1, 0, 2))
             cache.commit(t)
 
     def draft_logits(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:
@@ -334,21 +340,17 @@ class DFlashDraft:
         positions = (np.asarray(starts)[:, None] + np.arange(b)).reshape(-1)  # [S*B]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [S*B, D/2]
         # the LM head runs on the rows ``hidden`` picks below, not on a span's last rows: n_logits 0
-        spans = [_Span(cache, st, slice(s * b, (s + 1) * b), 0) for s, (cache, st) in enumerate(zip(caches, starts))]
+        spans = [RowSpan(cache, st, slice(s * b, (s + 1) * b), 0) for s, (cache, st) in enumerate(zip(caches, starts))]
         with cpu.forward_pass(n_seq * b):
             for cache in caches:
                 cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
-            for i, w in enumerate(self.layers):
-                if self.fused:
-                    x = self.fused[i](i, x, spans, cos, sin, causal=False)  # [S*B, E]
-                else:
-                    x = decoder_layer(i, w, x, spans, cos, sin, c, causal=False)
+            for i, decoder in enumerate(self.decoders):
+                x = decoder(i, x, spans, cos, sin)  # [S*B, E]
             hidden = x.reshape(n_seq, b, -1)[:, 1:].reshape(n_seq * k_out, -1)  # rows 1..K of each block
-            norm = fused.rms_norm if self.fused else cpu.rms_norm
-            h_out = norm(hidden, self.norm, c.rms_norm_eps)  # [S*K, E]
+            h_out = self._final_norm(hidden, self.norm, c.rms_norm_eps)  # [S*K, E]
             return np.ascontiguousarray(cpu.linear(h_out, self.head)).reshape(n_seq, k_out, -1)  # [S, K, Vd]
 
-    def propose(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:
+    def draft_block(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:
         """Greedy draft: ``d1 .. dK`` = argmax of block rows ``1 .. K`` (see ``draft_logits``),
         mapped to target ids.
 
@@ -356,10 +358,10 @@ class DFlashDraft:
             ``[K]`` int64 target token ids.
         """
         assert cache.length == start, f"draft cache holds {cache.length} positions, the anchor is at {start}"
-        return self.propose_batch([cache], [anchor_id]).ids[0]
+        return self.draft_blocks([cache], [anchor_id]).ids[0]
 
-    def propose_batch(self, caches: list[DraftCache], anchor_ids: list[int], n_drafts: int | None = None) -> Proposal:
-        """``propose`` for ``S`` sequences in one batched draft pass (``draft_logits_batch``): the
+    def draft_blocks(self, caches: list[DraftCache], anchor_ids: list[int], n_drafts: int | None = None) -> Proposal:
+        """``draft_block`` for ``S`` sequences in one batched draft pass (``draft_logits_batch``): the
         first ``n_drafts`` (K, default ``B - 1``) drafted tokens of each, with the draft's
         confidence in each.
 

@@ -8,52 +8,19 @@ Weights follow Hugging Face's names and layout (``model.layers.{i}.self_attn.q_p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
-
 import numpy as np
 
-from flm_runtime.backends import Backend, cpu, fused, skinny_gemm
-from flm_runtime.backends.quant import QuantWeight
+from flm_runtime.backends import Backend
 from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
 from flm_runtime.errors import ModelFormatError
-
-
-@dataclass(frozen=True)
-class LlamaLayer:
-    """One decoder layer's weights, fused for fewer matrix products per step. Matrices are
-    ``cpu.Weight``: float32 arrays or quantized blocks (``backends/quant.py``).
-
-    Attributes:
-        attn_norm, ffn_norm: ``[E]`` RMSNorm weights.
-        wqkv: ``[(H + 2*Hkv) * D, E]`` q, k and v projections stacked (rows in that order).
-        wo: ``[E, H * D]`` attention output projection.
-        w_gate_up: ``[2F, E]`` gate and up projections stacked (gate first).
-        w_down: ``[E, F]``.
-    """
-
-    attn_norm: np.ndarray
-    wqkv: cpu.Weight
-    wo: cpu.Weight
-    ffn_norm: np.ndarray
-    w_gate_up: cpu.Weight
-    w_down: cpu.Weight
-
+from flm_runtime.kernels import cpu
+from flm_runtime.kernels.quant import QuantWeight
+from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan
+from flm_runtime.layers.ops import REFERENCE
+from flm_runtime.layers.spec import LayerConfig, LayerSpec
 
 KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
-QKV_PROJ = ("self_attn.q_proj.weight", *KV_PROJ)  # LlamaLayer.wqkv's rows, in this order
-
-
-class LayerConfig(Protocol):
-    """The hyper-parameters one decoder layer reads (``LlamaConfig`` and the draft's ``DFlashConfig``
-    both name them as a Hugging Face ``config.json`` does)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
+QKV_PROJ = ("self_attn.q_proj.weight", *KV_PROJ)  # LayerWeights.wqkv's rows, in this order
 
 
 def layer_weight_shapes(config: LayerConfig) -> dict[str, tuple[int, ...]]:
@@ -68,7 +35,7 @@ def layer_weight_shapes(config: LayerConfig) -> dict[str, tuple[int, ...]]:
             "mlp.gate_proj.weight": (f, e), "mlp.up_proj.weight": (f, e), "mlp.down_proj.weight": (e, f)}
 
 
-def take_fused(take: _Taker, config: LayerConfig, prefix: str, names: tuple[str, ...]) -> cpu.Weight:
+def take_fused(take: WeightTaker, config: LayerConfig, prefix: str, names: tuple[str, ...]) -> cpu.Weight:
     """The tensors ``prefix + name`` of one layer (names of ``layer_weight_shapes``) stacked by rows,
     in that order: one matrix product instead of one per tensor (a weight fusion).
 
@@ -79,9 +46,9 @@ def take_fused(take: _Taker, config: LayerConfig, prefix: str, names: tuple[str,
     return cpu.stack_rows([take(prefix + name, shapes[name]) for name in names])
 
 
-def fuse_layer(take: _Taker, config: LayerConfig, prefix: str) -> LlamaLayer:
+def fuse_layer(take: WeightTaker, config: LayerConfig, prefix: str) -> LayerWeights:
     """One decoder layer's weights (the tensors of ``layer_weight_shapes`` below ``prefix``) as a
-    ``LlamaLayer``.
+    ``LayerWeights``.
 
     Raises:
         ModelFormatError: a tensor is missing or has the wrong shape.
@@ -91,7 +58,7 @@ def fuse_layer(take: _Taker, config: LayerConfig, prefix: str) -> LlamaLayer:
     def one(name: str) -> cpu.Weight:
         return take(prefix + name, shapes[name])
 
-    return LlamaLayer(
+    return LayerWeights(
         attn_norm=one("input_layernorm.weight"),
         wqkv=take_fused(take, config, prefix, QKV_PROJ),
         wo=one("self_attn.o_proj.weight"),
@@ -99,61 +66,6 @@ def fuse_layer(take: _Taker, config: LayerConfig, prefix: str) -> LlamaLayer:
         w_gate_up=take_fused(take, config, prefix, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
         w_down=one("mlp.down_proj.weight"),
     )
-
-
-def decoder_layer(i: int, w: LlamaLayer, x: np.ndarray, spans: list[_Span], cos: np.ndarray, sin: np.ndarray,
-                  config: LayerConfig, *, causal: bool = True) -> np.ndarray:
-    """One Llama decoder layer over the rows ``x`` ``[R, E]``: the target's (``causal``) and the
-    DFlash draft's block (not ``causal``: each block row attends its context K/V and the whole
-    block, docs/dflash.md).
-
-    The products cover all rows; attention runs per span: span ``s`` writes its rows' K/V into
-    layer ``i`` of its cache at positions ``s.start ..`` and attends positions ``0 ..
-    s.start + s.n_rows - 1`` of it (``fused.attend_spans``, the compiled kernel every layer
-    shares). Nothing is committed to a cache.
-
-    Args:
-        i: the layer's index in the caches.
-        w: the layer's weights.
-        x: ``[R, E]`` the residual stream.
-        spans: which rows belong to which cache, in row order, covering all rows.
-        cos, sin: ``[R, D/2]`` RoPE rows at the rows' positions.
-        config: the model's hyper-parameters.
-        causal: mask each row's later positions.
-    Returns:
-        ``[R, E]``, a new array.
-    """
-    q, k, v = qkv_heads(cpu.linear(cpu.rms_norm(x, w.attn_norm, config.rms_norm_eps), w.wqkv), cos, sin, config)
-    with skinny_gemm.KERNEL_LOCK:
-        attn = fused.attend_spans(i, np.ascontiguousarray(q), k, v, spans, causal)  # [R, H*D]
-    x = x + cpu.linear(attn, w.wo)
-    gate_up = cpu.linear(cpu.rms_norm(x, w.ffn_norm, config.rms_norm_eps), w.w_gate_up)  # [R, 2F]
-    return x + cpu.linear(cpu.swiglu(gate_up), w.w_down)
-
-
-def qkv_heads(qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-              config: LayerConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split the fused projection ``qkv`` ``[R, (H + 2*Hkv) * D]`` (``QKV_PROJ``'s rows) into heads,
-    with RoPE (``cos``, ``sin`` ``[R, D/2]``) on the queries and keys.
-
-    Returns:
-        q ``[R, H, D]``, k ``[R, Hkv, D]``, v ``[R, Hkv, D]``.
-    """
-    r, hd = qkv.shape[0], config.num_attention_heads * config.head_dim
-    q = cpu.apply_rope(qkv[:, :hd].reshape(r, config.num_attention_heads, config.head_dim), cos, sin)
-    return (q, *kv_heads(qkv[:, hd:], cos, sin, config))
-
-
-def kv_heads(kv: np.ndarray, cos: np.ndarray, sin: np.ndarray, config: LayerConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Split a key/value projection ``kv`` ``[R, 2 * Hkv * D]`` (``KV_PROJ``'s rows) into heads,
-    with RoPE (``cos``, ``sin`` ``[R, D/2]``) on the keys.
-
-    Returns:
-        k ``[R, Hkv, D]``, v ``[R, Hkv, D]``.
-    """
-    r, hkv, d = kv.shape[0], config.num_key_value_heads, config.head_dim
-    k = cpu.apply_rope(kv[:, : hkv * d].reshape(r, hkv, d), cos, sin)
-    return k, kv[:, hkv * d :].reshape(r, hkv, d)
 
 
 class LlamaModel:
@@ -175,7 +87,7 @@ class LlamaModel:
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray]):
         self.config = config
         c = config
-        take = _Taker(weights)
+        take = WeightTaker(weights)
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))  # [V, E]
         self.layers = [fuse_layer(take, c, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
         self.norm = take("model.norm.weight", (c.hidden_size,))
@@ -184,15 +96,14 @@ class LlamaModel:
         else:
             self.lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))
         self.rope_cos, self.rope_sin = cpu.rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
-        # Layers whose matrices are all quantized run compiled (backends/fused.py); the rest the
-        # numpy reference.
-        self.fused = [fused.FusedLayer(layer, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                       c.rms_norm_eps)
-                      if all(isinstance(w, QuantWeight) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
-                      else None for layer in self.layers]
-        # A quantized model keeps its KV cache in float16 (half the bytes attention reads); the
-        # float32 reference keeps float32.
-        self.kv_dtype = np.float16 if all(self.fused) else np.float32
+        # Each layer runs on the ops table its weights call for (layers.ops.ops_for): compiled when
+        # its matrices are quantized, else the numpy reference.
+        self.decoders = [DecoderLayer(w, LayerSpec.of(c)) for w in self.layers]
+        # A quantized model keeps its KV cache in float16 (half the bytes attention reads) and
+        # runs its final norm compiled; the float32 reference keeps float32.
+        self.quantized = all(d.ops.compiled for d in self.decoders)
+        self.kv_dtype = np.float16 if self.quantized else np.float32
+        self._final_norm = (self.decoders[-1].ops if self.quantized else REFERENCE).norm_rows
 
     @property
     def nbytes_per_token(self) -> int:
@@ -236,11 +147,11 @@ class LlamaModel:
         assert all(0 <= n <= r.size for n, r in zip(n_logits, rows)), f"logit_rows {n_logits} out of range"
         assert len({id(c) for c in caches}) == len(caches), "a cache appears twice in the batch"
         ends = np.cumsum([r.size for r in rows])
-        spans = [_Span(cache, cache.length, slice(int(e) - r.size, int(e)), n)
+        spans = [RowSpan(cache, cache.length, slice(int(e) - r.size, int(e)), n)
                  for cache, r, e, n in zip(caches, rows, ends, n_logits)]
         return ForwardOutput(*self._run(np.concatenate(rows), spans, taps=taps))
 
-    def _run(self, token_ids: np.ndarray, spans: list[_Span], *,
+    def _run(self, token_ids: np.ndarray, spans: list[RowSpan], *,
              taps: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
         """The rows ``token_ids`` ``[R]`` through every layer, and the LM head over each span's
         last ``n_logits`` rows; ``spans`` say which rows belong to which sequence (in row order,
@@ -255,7 +166,7 @@ class LlamaModel:
         with cpu.forward_pass(token_ids.shape[0]):
             return self._run_rows(token_ids, spans, taps=taps)
 
-    def _run_rows(self, token_ids: np.ndarray, spans: list[_Span], *,
+    def _run_rows(self, token_ids: np.ndarray, spans: list[RowSpan], *,
                   taps: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
         """``_run``'s body, inside ``cpu.forward_pass``."""
         for s in spans:
@@ -264,40 +175,20 @@ class LlamaModel:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [R, D/2] each
         x = cpu.embedding(self.embed, token_ids)  # [R, E]
         tapped = {}
-        for i, layer in enumerate(self.layers):
-            if self.fused[i] is not None:
-                x = self.fused[i](i, x, spans, cos, sin)
-            else:
-                x = decoder_layer(i, layer, x, spans, cos, sin, self.config)  # a new array each layer: no copy
+        for i, decoder in enumerate(self.decoders):
+            x = decoder(i, x, spans, cos, sin)  # a new array each layer: no copy
             if i in taps:
                 tapped[i] = x
         if sum(s.n_logits for s in spans) < x.shape[0]:
             x = x[np.concatenate([np.arange(s.rows.stop - s.n_logits, s.rows.stop) for s in spans])]
-        norm = fused.rms_norm if isinstance(self.lm_head, QuantWeight) else cpu.rms_norm
-        logits = np.ascontiguousarray(cpu.linear(norm(x, self.norm, self.config.rms_norm_eps),
+        logits = np.ascontiguousarray(cpu.linear(self._final_norm(x, self.norm, self.config.rms_norm_eps),
                                                  self.lm_head))  # [sum n_logits, V]
         for s in spans:  # last: a step that raised has appended nothing
             s.cache.commit(s.n_rows)
         return logits, (np.concatenate([tapped[i] for i in taps], axis=-1) if taps else None)  # [R, n*E]
 
 
-
-class _Span(NamedTuple):
-    """The rows ``rows`` of a step that belong to one sequence: new positions ``start ..`` of its
-    ``cache`` (``start`` = the cache's length before the step), of which the last ``n_logits``
-    need logits."""
-
-    cache: KVCache
-    start: int
-    rows: slice
-    n_logits: int
-
-    @property
-    def n_rows(self) -> int:
-        return self.rows.stop - self.rows.start
-
-
-class _Taker:
+class WeightTaker:
     """Looks up named tensors in a weights dict, checking shape; arrays become float32
     C-contiguous, quantized matrices (``cpu.Weight``) are taken as they are."""
 

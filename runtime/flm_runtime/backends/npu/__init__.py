@@ -4,7 +4,7 @@ NOT RUN ON HARDWARE. Every ``pyxrt`` call here follows XRT's Python binding as p
 (``src/python/pybind11/src/pyxrt.cpp`` and ``pyxrt.pyi`` in github.com/Xilinx/XRT) and the
 host-side pattern of AMD's mlir-aie NPU examples, but no line of it has run against a device or a
 real xclbin: none exists on our machines, and no kernel build exists yet. The tests drive it with
-a fake ``pyxrt`` whose kernels are the numpy reference (``npu_reference``).
+a fake ``pyxrt`` whose kernels are the numpy reference (``npu.reference``).
 
 How a step runs (``NpuModel.forward_batch``, sequence by sequence, T new positions each):
 
@@ -43,9 +43,10 @@ from pathlib import Path
 
 import numpy as np
 
-from flm_runtime.backends import Backend, cpu
-from flm_runtime.backends.manifest import Build, KernelFiles, Manifest, RoleSpec, geometry_mismatch
-from flm_runtime.backends.npu_layout import layout_entries, pack, step_array
+from flm_runtime.backends import Backend
+from flm_runtime.kernels import cpu
+from flm_runtime.backends.npu.manifest import Build, KernelFiles, Manifest, RoleSpec, geometry_mismatch
+from flm_runtime.backends.npu.layout import layout_entries, pack, step_array
 from flm_runtime.core import GROWTH_QUANTUM, ForwardOutput
 from flm_runtime.errors import BackendUnavailableError
 
@@ -96,7 +97,7 @@ def open_device(pyxrt):
             try:
                 _device = (pyxrt, pyxrt.device(0))
             except Exception as e:  # noqa: BLE001 - pyxrt raises RuntimeError; any failure means no device
-                from flm_runtime.backends.npu_device import detect_npu
+                from flm_runtime.backends.npu.device import detect_npu
 
                 raise BackendUnavailableError(f"no NPU device: pyxrt.device(0) failed: {e} "
                                               f"(sysfs: {detect_npu().summary()})") from e

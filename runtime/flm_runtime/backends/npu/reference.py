@@ -6,7 +6,7 @@ the npu backend against a fake ``pyxrt`` whose kernels are these functions, whic
 side (buffer layouts, argument order, runlists, syncs) against the cpu backend; it says nothing
 about a real kernel or device.
 
-Axis legend as in ``flm_runtime.backends.cpu``; R rows of the activation buffers, S KV capacity.
+Axis legend as in ``flm_runtime.kernels.cpu``; R rows of the activation buffers, S KV capacity.
 Buffers arrive as numpy arrays viewing the buffer's bytes: activations float32 ``[R, E]``, KV
 ``uint16`` (bfloat16 bits) ``[2, Hkv, S, D]``, step int32 ``[4]``, weights as ``unpack``ed dicts.
 """
@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from flm_runtime.backends import cpu
-from flm_runtime.backends.npu_layout import from_bf16, to_bf16
+from flm_runtime.backends.npu.layout import from_bf16, to_bf16
+from flm_runtime.kernels import cpu
+from flm_runtime.layers.decoder import compose
+from flm_runtime.layers.ops import REFERENCE
+from flm_runtime.layers.spec import LayerSpec
 
 
 def decoder_layer(x_in: np.ndarray, x_out: np.ndarray, weights: dict[str, np.ndarray], kv: np.ndarray,
                   step: np.ndarray, geometry: dict) -> None:
-    """Roles ``decode_layer``, ``verify_layer``, ``prefill_layer``: one Llama decoder layer.
+    """Roles ``decode_layer``, ``verify_layer``, ``prefill_layer``: one Llama decoder layer, the
+    runtime's own composition (``layers.decoder``) over numpy ops with keys and values stored as
+    bfloat16.
 
     Args:
         x_in: ``[R, E]`` float32; rows ``0..T-1`` are the new positions ``start..start+T-1``.
@@ -34,22 +39,22 @@ def decoder_layer(x_in: np.ndarray, x_out: np.ndarray, weights: dict[str, np.nda
     """
     start, t, s, _ = (int(v) for v in step)
     h, hkv, d = int(geometry["H"]), int(geometry["Hkv"]), int(geometry["D"])
-    eps = float(geometry["rms_norm_eps"])
     assert kv.shape[2] == s and start + t <= s, f"step {step} does not fit a KV buffer of {kv.shape}"
+    spec = LayerSpec(hidden_size=x_in.shape[1], ffn_size=weights["w_down"].shape[1], n_heads=h, n_kv_heads=hkv,
+                     head_dim=d, rms_norm_eps=float(geometry["rms_norm_eps"]),
+                     rope_theta=float(geometry["rope_theta"]))
+    layer = compose(REFERENCE, spec)  # the runtime's own layer, attention over the bfloat16 cache
     x = x_in[:t]  # [T, E]
-    cos, sin = cpu.rope_tables(d, start + t, float(geometry["rope_theta"]))
+    cos, sin = cpu.rope_tables(d, start + t, spec.rope_theta)
     cos, sin = cos[start:], sin[start:]  # [T, D/2]
-    qkv = cpu.rms_norm(x, weights["attn_norm"], eps) @ weights["wqkv"].T  # [T, (H+2Hkv)*D]
-    q = cpu.apply_rope(qkv[:, : h * d].reshape(t, h, d), cos, sin)  # [T, H, D]
-    k = cpu.apply_rope(qkv[:, h * d : (h + hkv) * d].reshape(t, hkv, d), cos, sin)  # [T, Hkv, D]
-    v = qkv[:, (h + hkv) * d :].reshape(t, hkv, d)  # [T, Hkv, D]
+    q, k, v = layer.attention_in(x, weights["attn_norm"], weights["wqkv"], cos, sin)  # [T, H | Hkv, D]
     kv[0, :, start : start + t] = to_bf16(k.transpose(1, 0, 2))
     kv[1, :, start : start + t] = to_bf16(v.transpose(1, 0, 2))
     keys = from_bf16(kv[0, :, : start + t])  # [Hkv, N, D]
     values = from_bf16(kv[1, :, : start + t])
-    x = x + cpu.attention(q, keys, values, start) @ weights["wo"].T
-    gate_up = cpu.rms_norm(x, weights["ffn_norm"], eps) @ weights["w_gate_up"].T  # [T, 2F]
-    x_out[:t] = x + cpu.swiglu(gate_up) @ weights["w_down"].T
+    attn = cpu.attention(q, keys, values, start)  # [T, H*D]
+    x_out[:t] = layer.attention_out(x, attn, weights["wo"], weights["ffn_norm"], weights["w_gate_up"],
+                                    weights["w_down"])
 
 
 def lm_head(x_in: np.ndarray, weights: dict[str, np.ndarray], logits: np.ndarray, step: np.ndarray,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flm_runtime.backends.manifest import Manifest
+from flm_runtime.backends.npu.manifest import Manifest
 
 STEP_FIELDS = ("start", "T", "S", "first_row")  # the int32[4] "step" buffer, manifest abi.step
 _ITEMSIZE = {"bfloat16": 2, "float32": 4, "int32": 4}

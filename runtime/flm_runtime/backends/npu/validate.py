@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from flm_runtime.backends import manifest as mf
+from flm_runtime.backends.npu import manifest as mf
 from flm_runtime.backends.select import BACKEND_ENV, probe_npu, requested_backend
 from flm_runtime.errors import FlmError
 

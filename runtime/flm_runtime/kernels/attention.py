@@ -1,29 +1,17 @@
-"""The cpu backend's compiled decoder layer for quantized weights, and the attention kernel
-every layer uses.
+"""The attention kernel every decoder layer runs, over the ``KVCache``'s key tiles, and the K/V
+write of the one-call layer.
 
-A quantized layer over one sequence's rows is one numba call (norm, QKV product and RoPE, the K/V
-write, attention, O product, residual, norm, gate/up product, SwiGLU, down product, residual);
-over several sequences' rows, two calls (``attention_in``, ``attention_out``) with each sequence's
-K/V write and attention between them (``attend_spans``). Attention is one kernel, ``attend``,
-over the ``KVCache``'s key tiles; the float32 layer ``models.llama.decoder_layer`` calls it too.
+``attend`` serves every layer of every model, float32 or quantized, target or draft
+(docs/design.md, "Quantized weights": attention over key tiles): one parallel item per query
+row and key-value head, each query's scores and sums in a fixed order that depends on its
+position alone, so a row's output is bit-identical whatever rows run beside it (docs/design.md,
+"Batch invariance").
 
-Every computation is per row, in an order that does not depend on how many rows run or where in
-the step a row sits: the products are ``qgemm``'s (bit-identical for any row count), norms and
-RoPE are row-wise, and attention runs each query's scores and sums in a fixed order of its own.
-So a row's logits are bit-identical whether it runs alone (decode), among the rows of a DFlash
-verify pass, or in a batched step beside other sequences (docs/design.md, "Batch invariance").
-
-The float32 reference of the same layer is ``models.llama.decoder_layer`` over ``cpu.py``'s numpy
-functions.
-
-Axis legend as ``cpu.py``: R rows of the step, T rows of one sequence, N positions attended,
-H / Hkv query / key-value heads, D head dim, E hidden size, F FFN width.
+Axis legend: T query rows of one sequence, N positions attended, H / Hkv query / key-value heads,
+D head dim, S cache capacity.
 """
 
 from __future__ import annotations
-
-import functools
-from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -31,123 +19,11 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from flm_runtime.backends import irgen, qgemm, skinny_gemm
-from flm_runtime.backends.irgen import (F16, F32, I1, I32, I64, as_i64, broadcast, counted_loop, data_ptr, declare,
-                                        literal, load, prefetch, store, vec)
-from flm_runtime.backends.quant import QuantWeight
 from flm_runtime.core import KEY_TILE
-
-# fastmath without nnan/ninf: reassociation lets LLVM vectorize the reductions (norms, attention
-# dots), in an order fixed by the compiled code alone, the same for every row. numpy's error model:
-# a division by zero gives inf instead of a check and a branch that stops the loop vectorizing.
-_FASTMATH = {"reassoc", "contract", "arcp"}
-_ELEMENTWISE = {"fastmath": _FASTMATH, "error_model": "numpy"}
-
-
-class Product(NamedTuple):
-    """A quantized matrix as the compiled layer takes it: ``qgemm.operands``, its padded input
-    width, its output width and its kernel format."""
-
-    codes: np.ndarray
-    scales: np.ndarray
-    mins: np.ndarray
-    padded: int  # Kp
-    n_out: int  # N
-    bits: int
-    has_mins: bool
-
-    @classmethod
-    def of(cls, w: QuantWeight) -> Product:
-        return cls(*qgemm.operands(w), w.padded_in_features, w.out_features, w.bits, w.mins is not None)
-
-
-@intrinsic
-def _pow2(typingctx, n):  # pragma: no cover - compiled
-    """``2.0 ** n`` as float32 for an int32 ``n`` in ``[-126, 127]`` (the exponent bits, built)."""
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        bits = builder.shl(builder.add(args[0], ir.Constant(i32, 127)), ir.Constant(i32, 23))
-        return builder.bitcast(bits, ir.FloatType())
-
-    return types.float32(types.int32), codegen
-
-
-@numba.njit(inline="always", **_ELEMENTWISE)
-def _exp(x):  # pragma: no cover - compiled
-    """``exp(x)`` in float32 within about 2 ulp, clamped to ``[exp(-87), exp(88)]``, in plain
-    arithmetic that LLVM vectorizes (a loop of ``np.exp`` calls libm once per element). Cody-Waite
-    reduction ``x = n ln2 + f`` and Cephes' ``expf`` polynomial on ``|f| <= ln2 / 2``."""
-    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
-    n = np.float32(np.rint(x * np.float32(1.44269504)))
-    f = (x - n * np.float32(0.693359375)) + n * np.float32(2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * f + np.float32(1.3981999507e-3)
-    p = p * f + np.float32(8.3334519073e-3)
-    p = p * f + np.float32(4.1665795894e-2)
-    p = p * f + np.float32(1.6666665459e-1)
-    p = p * f + np.float32(5.0000001201e-1)
-    return (p * (f * f) + f + np.float32(1.0)) * _pow2(np.int32(n))
-
-
-@numba.njit(nogil=True, **_ELEMENTWISE)
-def _rms_norm(x, weight, eps):  # pragma: no cover - compiled
-    """RMSNorm of each row of ``x`` ``[R, E]`` (as ``cpu.rms_norm``)."""
-    r, e = x.shape
-    out = np.empty_like(x)
-    for i in range(r):
-        ss = np.float32(0.0)
-        for j in range(e):
-            ss += x[i, j] * x[i, j]
-        inv = np.float32(1.0) / np.sqrt(ss / np.float32(e) + np.float32(eps))
-        for j in range(e):
-            out[i, j] = x[i, j] * inv * weight[j]
-    return out
-
-
-@numba.njit(inline="always")
-def _product(isa, bits, has_mins, codes, scales, mins, padded, n_out, x):  # pragma: no cover - compiled
-    """``x @ w.T`` of a quantized ``w`` (``Product``'s fields): activations quantized, then
-    ``qgemm.product`` (a ``prange``: the caller is parallel, ``isa, bits, has_mins`` constants)."""
-    xq, xw, step, sx, s = qgemm.quantize_activations(x, padded)
-    out = np.empty((x.shape[0], n_out), dtype=np.float32)
-    qgemm.product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out)
-    return out
-
-
-@numba.njit(nogil=True)
-def _rope(x, cos, sin, first, heads, d):  # pragma: no cover - compiled
-    """Rotate-half RoPE of ``heads`` heads of width ``d`` starting at column ``first`` of each
-    row of ``x`` (as ``cpu.apply_rope``); ``[R, heads, D]`` float32."""
-    r, half = x.shape[0], d // 2
-    out = np.empty((r, heads, d), dtype=np.float32)
-    for i in range(r):
-        for h in range(heads):
-            base = first + h * d
-            for j in range(half):
-                x1, x2, c, s = x[i, base + j], x[i, base + half + j], cos[i, j], sin[i, j]
-                out[i, h, j] = x1 * c - x2 * s
-                out[i, h, half + j] = x2 * c + x1 * s
-    return out
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def attention_in(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_heads, n_kv_heads, head_dim,
-                 isa, bits, has_mins):  # pragma: no cover - compiled
-    """Norm, fused QKV product (``codes .. padded``: its ``Product`` fields; ``isa, bits,
-    has_mins`` its format) and RoPE of the rows ``x`` ``[R, E]``.
-
-    Returns:
-        ``(q [R, H, D], k [R, Hkv, D], v [R, Hkv, D])`` float32, RoPE applied to q and k.
-    """
-    numba.literally(isa)
-    numba.literally(bits)
-    numba.literally(has_mins)
-    qkv = _product(isa, bits, has_mins, codes, scales, mins, padded, n_out, _rms_norm(x, norm, eps))  # [R, (H+2Hkv)*D]
-    q = _rope(qkv, cos, sin, 0, n_heads, head_dim)
-    k = _rope(qkv, cos, sin, n_heads * head_dim, n_kv_heads, head_dim)
-    v = qkv[:, (n_heads + n_kv_heads) * head_dim:].copy().reshape(x.shape[0], n_kv_heads, head_dim)
-    return q, k, v
+from flm_runtime.kernels import cpu_features
+from flm_runtime.kernels.elementwise import ELEMENTWISE, exp
+from flm_runtime.kernels.irgen import (F16, F32, I1, I32, I64, as_i64, broadcast, counted_loop, data_ptr, declare,
+                                       literal, load, prefetch, store, vec)
 
 
 def _contiguous(*array_types, cache=None):
@@ -310,10 +186,10 @@ _VALUE_AHEAD = 8  # value rows ahead of the one being summed whose lines are pre
 # Key tiles scored side by side and head-dimension columns summed at a time, sized so that the
 # accumulators stay in registers: 3 x 8 score chains and 3 x 4 value sums of 16 lanes fill
 # AVX-512's 32 registers; AVX2's 16 registers of 8 lanes hold 3 x 2 chains and 3 x 2 sums.
-_SCORE_TILES, _VALUE_COLUMNS = (8, 64) if irgen.vector_registers() == 32 else (2, 32)
+_SCORE_TILES, _VALUE_COLUMNS = (8, 64) if cpu_features.vector_registers() == 32 else (2, 32)
 
 
-@numba.njit(inline="always", **_ELEMENTWISE)
+@numba.njit(inline="always", **ELEMENTWISE)
 def _attend_heads(queries, g, tiles, values, n, scale, scores, out):  # pragma: no cover - compiled
     """``g`` (a constant) query heads ``queries`` ``[g, D]`` of one row over the first ``n``
     positions of one key-value head (``tiles``, ``values``): softmax of the scaled scores, then
@@ -335,7 +211,7 @@ def _attend_heads(queries, g, tiles, values, n, scale, scores, out):  # pragma: 
         top = _max_of_tiles(row, n_tiles)
         total = np.float32(0.0)
         for i in range(n):
-            p = _exp(row[i] - top)
+            p = exp(row[i] - top)
             row[i] = p
             total += p
         inverse[j] = np.float32(1.0) / total
@@ -350,7 +226,7 @@ def _attend_heads(queries, g, tiles, values, n, scale, scores, out):  # pragma: 
         _weighted_values(scores, g, values, n, column, KEY_TILE, True, inverse, out)
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, **_ELEMENTWISE)
+@numba.njit(parallel=True, cache=True, nogil=True, **ELEMENTWISE)
 def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
     """Grouped-query attention of ``T`` query rows over one layer of a sequence's KV cache (as
     ``cpu.attention``): query row ``t`` sits at position ``start + t`` and attends positions
@@ -388,41 +264,6 @@ def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
             _attend_heads(q[t, head:head + 1], 1, k[kv], v[kv], n, scale, scores, out[t, head * d:(head + 1) * d])
             head += 1
 
-
-@numba.njit(nogil=True, **_ELEMENTWISE)
-def _swiglu(gate_up):  # pragma: no cover - compiled
-    r, f = gate_up.shape[0], gate_up.shape[1] // 2
-    out = np.empty((r, f), dtype=np.float32)
-    for i in range(r):
-        for j in range(f):
-            g = gate_up[i, j]
-            out[i, j] = g / (np.float32(1.0) + _exp(-g)) * gate_up[i, f + j]
-    return out
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, o_n, gu_codes, gu_scales, gu_mins,
-                  gu_padded, gu_n, d_codes, d_scales, d_mins, d_padded, d_n, isa, o_bits, o_has_mins, gu_bits,
-                  gu_has_mins, d_bits, d_has_mins):  # pragma: no cover - compiled
-    """The rest of the layer: ``x + attn @ wo.T``, then the SwiGLU FFN and its residual (the
-    three products' ``Product`` fields, then their formats).
-
-    Args:
-        x: ``[R, E]`` the layer's input rows; attn: ``[R, H * D]``.
-    Returns:
-        ``[R, E]`` float32, the layer's output.
-    """
-    numba.literally(isa)
-    numba.literally(o_bits)
-    numba.literally(o_has_mins)
-    numba.literally(gu_bits)
-    numba.literally(gu_has_mins)
-    numba.literally(d_bits)
-    numba.literally(d_has_mins)
-    x = x + _product(isa, o_bits, o_has_mins, o_codes, o_scales, o_mins, o_padded, o_n, attn)
-    gate_up = _product(isa, gu_bits, gu_has_mins, gu_codes, gu_scales, gu_mins, gu_padded, gu_n,
-                       _rms_norm(x, ffn_norm, eps))
-    return x + _product(isa, d_bits, d_has_mins, d_codes, d_scales, d_mins, d_padded, d_n, _swiglu(gate_up))
 
 
 @intrinsic
@@ -466,7 +307,7 @@ def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans,
     values ``k``, ``v`` ``[R, Hkv, D]`` go into layer ``index`` of its cache, then its queries
     ``q`` ``[R, H, D]`` attend it (``attend``). ``spans``: per sequence, an object with ``cache``,
     ``start`` (the cache length before the step) and ``rows`` (its slice of the rows), as
-    ``LlamaModel``'s spans. The caller holds ``skinny_gemm.KERNEL_LOCK``.
+    ``flm_runtime.layers.RowSpan``. The caller holds ``lock.KERNEL_LOCK``.
 
     Returns:
         ``[R, H * D]`` float32.
@@ -484,81 +325,3 @@ def cache_arrays(cache, index: int) -> tuple[np.ndarray, np.ndarray]:
     k, v = cache.k[index], cache.v[index]
     return (k.view(np.uint16), v.view(np.uint16)) if k.dtype == np.float16 else (k, v)
 
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm of each row ``[R, E]`` -> ``[R, E]`` float32, row by row (the fused layer's)."""
-    return _rms_norm(np.ascontiguousarray(x, dtype=np.float32), weight, np.float32(eps))
-
-
-@functools.cache
-def _bound(isa: int, qkv: tuple[int, bool], o: tuple[int, bool], gu: tuple[int, bool], dn: tuple[int, bool]):
-    """``attention_in`` and ``attention_out`` with the layer's formats (``(bits, has_mins)`` per
-    product) bound as constants: a call from Python cannot pass constants (numba would retype
-    every call), a compiled caller can, and the two are cached on disk for each format. Also the
-    whole layer of one sequence's rows in one call (``layer``: ``attention_in``, ``store_kv``,
-    ``attend``, ``attention_out``), which saves a step of one sequence (a decode, a verify pass)
-    four returns to Python a layer."""
-    (qkv_bits, qkv_has), (o_bits, o_has), (gu_bits, gu_has), (d_bits, d_has) = qkv, o, gu, dn
-
-    @numba.njit(nogil=True)
-    def layer_in(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_heads, n_kv_heads,
-                 head_dim):  # pragma: no cover
-        return attention_in(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_heads, n_kv_heads,
-                            head_dim, isa, qkv_bits, qkv_has)
-
-    @numba.njit(nogil=True)
-    def layer_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, o_n, gu_codes, gu_scales,
-                  gu_mins, gu_padded, gu_n, d_codes, d_scales, d_mins, d_padded, d_n):  # pragma: no cover
-        return attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, o_n, gu_codes, gu_scales,
-                             gu_mins, gu_padded, gu_n, d_codes, d_scales, d_mins, d_padded, d_n, isa, o_bits, o_has,
-                             gu_bits, gu_has, d_bits, d_has)
-
-    @numba.njit(nogil=True)
-    def layer(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_heads, n_kv_heads, head_dim, k_cache,
-              v_cache, start, causal, ffn_norm, o_codes, o_scales, o_mins, o_padded, o_n, gu_codes, gu_scales,
-              gu_mins, gu_padded, gu_n, d_codes, d_scales, d_mins, d_padded, d_n):  # pragma: no cover
-        q, k, v = attention_in(x, norm, eps, codes, scales, mins, padded, n_out, cos, sin, n_heads, n_kv_heads,
-                               head_dim, isa, qkv_bits, qkv_has)
-        store_kv(k, v, k_cache, v_cache, start)
-        attn = np.empty((x.shape[0], n_heads * head_dim), dtype=np.float32)
-        attend(q, k_cache, v_cache, start, causal, attn)
-        return attention_out(x, attn, ffn_norm, eps, o_codes, o_scales, o_mins, o_padded, o_n, gu_codes, gu_scales,
-                             gu_mins, gu_padded, gu_n, d_codes, d_scales, d_mins, d_padded, d_n, isa, o_bits, o_has,
-                             gu_bits, gu_has, d_bits, d_has)
-
-    return layer_in, layer_out, layer
-
-
-class FusedLayer:
-    """One decoder layer whose matrices are all ``QuantWeight``.
-
-    Args:
-        layer: a ``LlamaLayer`` (norm vectors float32, matrices quantized).
-        n_heads, n_kv_heads, head_dim, eps: the model's geometry and RMSNorm epsilon.
-    """
-
-    def __init__(self, layer, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
-        self.attn_norm, self.ffn_norm = layer.attn_norm, layer.ffn_norm
-        products = [Product.of(w) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-        self.wqkv, self.wo, self.w_gate_up, self.w_down = (p[:5] for p in products)
-        self._in, self._out, self._layer = _bound(qgemm.format_of(layer.wqkv).isa, *(p[5:] for p in products))
-        self.geometry = (n_heads, n_kv_heads, head_dim)
-        self.eps = np.float32(eps)
-
-    def __call__(self, index: int, x: np.ndarray, spans, cos: np.ndarray, sin: np.ndarray,
-                 causal: bool = True) -> np.ndarray:
-        """The layer over the rows ``x`` ``[R, E]`` (``cos``, ``sin`` ``[R, D/2]`` at their
-        positions). ``spans``: per sequence, an object with ``cache`` (its KV cache: layer
-        ``index`` is written), ``start`` (the cache length before the step) and ``rows`` (its
-        slice of the rows), as ``LlamaModel``'s spans.
-        Returns ``[R, E]``."""
-        h, hkv, d = self.geometry
-        with skinny_gemm.KERNEL_LOCK:
-            if len(spans) == 1:  # one sequence (a decode, a verify pass, a prefill chunk): one call
-                s = spans[0]
-                return self._layer(x, self.attn_norm, self.eps, *self.wqkv, cos, sin, h, hkv, d,
-                                   *cache_arrays(s.cache, index), s.start, causal, self.ffn_norm, *self.wo,
-                                   *self.w_gate_up, *self.w_down)
-            q, k, v = self._in(x, self.attn_norm, self.eps, *self.wqkv, cos, sin, h, hkv, d)
-            attn = attend_spans(index, q, k, v, spans, causal)
-            return self._out(x, attn, self.ffn_norm, self.eps, *self.wo, *self.w_gate_up, *self.w_down)

@@ -1,4 +1,4 @@
-"""LLVM IR building blocks for the cpu backend's hand-written kernels (``qgemm``, ``fused``):
+"""LLVM IR building blocks for the cpu backend's hand-written kernels (``qgemm``, ``attention``):
 numba ``@intrinsic`` code generators emit vector IR through these where numba's auto-vectorizer
 does not produce the instructions we want (integer dot products, reductions, fused multiply-adds
 in a fixed order).
@@ -10,9 +10,6 @@ LLVM lowers them for whatever CPU numba compiles for. Target-specific instructio
 
 from __future__ import annotations
 
-import functools
-
-import llvmlite.binding as llvm
 import numba
 from llvmlite import ir
 from numba import types
@@ -20,14 +17,6 @@ from numba.core import cgutils
 
 I1, I8, I16, I32, I64, F16, F32 = (ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                    ir.HalfType(), ir.FloatType())
-
-
-@functools.cache
-def vector_registers() -> int:
-    """How many float vector registers the host's compiled code has: 32 of 16 lanes with
-    AVX-512, else 16 (AVX2's, of 8 lanes). Kernels that keep accumulators in registers size
-    their blocks by it; spilling them to the stack costs several times their arithmetic."""
-    return 32 if llvm.get_host_cpu_features().get("avx512f", False) else 16
 
 
 def vec(t, n):

@@ -1,4 +1,4 @@
-"""The compiled layer's helpers (``backends/fused.py``): the vectorizing exp, and the attention
+"""The compiled kernels a layer runs (``runtime/flm_runtime/kernels/elementwise.py``, ``attention.py``): the vectorizing exp, and the attention
 kernel against numpy's ``cpu.attention`` over a ``KVCache``."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ import numba
 import numpy as np
 import pytest
 
-from flm_runtime.backends import cpu, fused
 from flm_runtime.core import KVCache
+from flm_runtime.kernels import attention, cpu, elementwise
 
 
 @numba.njit
 def _exp_all(x):
     out = np.empty_like(x)
     for i in range(x.size):
-        out[i] = fused._exp(x[i])
+        out[i] = elementwise.exp(x[i])
     return out
 
 
@@ -51,26 +51,26 @@ def test_attention_kernel_matches_numpy_and_is_row_invariant(head_dim, causal, h
         rows, start = q.shape[0], n - q.shape[0]
         cache = _cache_of(k, v, dtype)
         got = np.empty((rows, h * head_dim), np.float32)
-        fused.attend(q, *fused.cache_arrays(cache, 0), start, causal, got)
+        attention.attend(q, *attention.cache_arrays(cache, 0), start, causal, got)
         stored_k, stored_v = (a.astype(dtype).astype(np.float32) for a in (k, v))  # a float16 cache rounds them
         np.testing.assert_allclose(got, cpu.attention(q, stored_k, stored_v, start, causal=causal), rtol=0, atol=2e-6)
         if causal:  # a row alone (its own position, fewer rows beside it) gives the same bits
             for r in range(rows):
                 alone = np.empty((1, h * head_dim), np.float32)
-                fused.attend(q[r:r + 1], *fused.cache_arrays(cache, 0), start + r, True, alone)
+                attention.attend(q[r:r + 1], *attention.cache_arrays(cache, 0), start + r, True, alone)
                 assert np.array_equal(alone[0], got[r]), (n, r)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_the_compiled_kv_store_writes_what_the_cache_writes(dtype):
-    # store_kv (the fused layers' write) against KVCache.write (the reference), across a tile edge
+    # store_kv (the one-call layer's write) against KVCache.write (the reference), across a tile edge
     rng = np.random.default_rng(7)
     first, new = rng.standard_normal((2, 2, 13, 8)).astype(np.float32), rng.standard_normal((2, 9, 2, 8)).astype(np.float32)
     caches = [_cache_of(first[0], first[1], dtype) for _ in range(2)]
     for cache in caches:
         cache.reserve(9)
     caches[0].write(0, new[0].transpose(1, 0, 2), new[1].transpose(1, 0, 2))
-    fused.store_kv(new[0], new[1], *fused.cache_arrays(caches[1], 0), 13)
+    attention.store_kv(new[0], new[1], *attention.cache_arrays(caches[1], 0), 13)
     for cache in caches:
         cache.commit(9)
     assert np.array_equal(caches[0].k, caches[1].k) and np.array_equal(caches[0].v, caches[1].v)

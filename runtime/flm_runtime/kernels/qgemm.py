@@ -1,5 +1,5 @@
 """Integer products of the cpu backend: ``x @ w.T`` with ``w`` a ``QuantWeight`` (tiles of 16
-rows, ``backends/quant.py``) and ``x`` float32 rows quantized at the product's input.
+rows, ``kernels/quant.py``) and ``x`` float32 rows quantized at the product's input.
 
 Activations. Each row of ``x`` is quantized per block of 32 in two int8 levels: ``q1 =
 rint(x / dx)`` with ``dx = max|x| / 127`` (llama.cpp's Q8_0 rule), then what that left, ``q2 =
@@ -25,7 +25,7 @@ A kernel step is one tile (16 weight rows) against up to 8 activation rows: per 
 codes are loaded (and 4-bit ones unpacked) once, and each activation row's four inputs of a group
 are broadcast to every lane, so that lane ``l`` accumulates row ``16t + l`` with no horizontal sum.
 
-Paths, fastest first; ``select_isa`` takes the first the host has (LLVM's own view of the CPU):
+Paths, fastest first; ``select_isa`` takes the first the host has (``cpu_features``):
 
 - ``avx512vnni``: ``vpdpbusd`` on 512-bit vectors (a whole tile per instruction);
 - ``avxvnni``: ``vpdpbusd`` on 256-bit vectors (VEX or EVEX encoded), half a tile at a time;
@@ -37,7 +37,7 @@ Paths, fastest first; ``select_isa`` takes the first the host has (LLVM's own vi
 
 AMX is never used: its tile instructions fault on some hosts that report them.
 
-Threads: tiles are split over numba's threads; every call holds ``skinny_gemm.KERNEL_LOCK``
+Threads: tiles are split over numba's threads; every call holds ``lock.KERNEL_LOCK``
 (numba's workqueue layer aborts when two threads enter a parallel kernel at once).
 """
 
@@ -46,7 +46,6 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
@@ -54,10 +53,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from flm_runtime.backends import skinny_gemm
-from flm_runtime.backends.irgen import (F16, F32, I1, I8, I16, I32, I64, as_i64, broadcast, counted_loop, data_ptr,
+from flm_runtime.kernels import cpu_features
+from flm_runtime.kernels.irgen import (F16, F32, I1, I8, I16, I32, I64, as_i64, broadcast, counted_loop, data_ptr,
                                         declare, literal, load, prefetch, row_ptr, splat, store, vec)
-from flm_runtime.backends.quant import BLOCK, GROUP, TILE, ZERO_POINT, QuantWeight
+from flm_runtime.kernels.lock import KERNEL_LOCK
+from flm_runtime.kernels.quant import BLOCK, GROUP, TILE, ZERO_POINT, QuantWeight
 
 ISAS = ("avx512vnni", "avxvnni", "avx2", "portable")
 _ISA_FEATURES = {"avx512vnni": ("avx512vnni", "avx512bw", "avx512f", "f16c", "fma"),
@@ -73,8 +73,7 @@ _PREFETCH_BLOCKS = 4  # how far ahead a multi-row kernel step prefetches its cod
 @functools.cache
 def host_isas() -> tuple[str, ...]:
     """The paths this host can run (``ISAS`` order), from LLVM's host CPU features."""
-    features = llvm.get_host_cpu_features()
-    return tuple(isa for isa in ISAS if all(features.get(f, False) for f in _ISA_FEATURES[isa]))
+    return tuple(isa for isa in ISAS if cpu_features.has(*_ISA_FEATURES[isa]))
 
 
 def select_isa() -> str:
@@ -413,6 +412,17 @@ def product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out):
                 r += 1
 
 
+@numba.njit(inline="always")
+def compiled_linear(isa, bits, has_mins, codes, scales, mins, padded, n_out, x):  # pragma: no cover - compiled
+    """``x @ w.T`` of a quantized ``w`` (``codes, scales, mins``: ``operands(w)``; ``padded``, ``n_out``:
+    its padded input width and its output width) inside compiled code: activations quantized,
+    then ``product`` (a ``prange``: the caller is parallel, ``isa, bits, has_mins`` constants)."""
+    xq, xw, step, sx, s = quantize_activations(x, padded)
+    out = np.empty((x.shape[0], n_out), dtype=np.float32)
+    product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out)
+    return out
+
+
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _matmul(codes, scales, mins, xq, xw, step, sx, s, out, isa, bits, has_mins):  # pragma: no cover - compiled
     numba.literally(isa)
@@ -479,7 +489,7 @@ def qlinear(x: np.ndarray, w: QuantWeight, isa: str | None = None) -> np.ndarray
     assert x.ndim == 2 and x.shape[1] == w.in_features, f"shapes {x.shape} @ {w.shape}.T"
     acts = quantize_activations(np.ascontiguousarray(x, dtype=np.float32), w.padded_in_features)
     out = np.empty((x.shape[0], w.out_features), dtype=np.float32)
-    with skinny_gemm.KERNEL_LOCK:
+    with KERNEL_LOCK:
         _matmul_of(fmt)(*operands(w), *acts, out)
     return out
 

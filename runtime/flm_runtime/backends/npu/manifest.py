@@ -9,7 +9,7 @@ The manifest is the contract between this runtime and a kernel build (see ``xclb
 - ``builds``: per model, the xclbin, kernel name and instruction file of each role.
 
 ``validate_build`` checks each xclbin of a build with the pure-Python reader
-(``flm_runtime.backends.xclbin``): the file reads, it has the kernel, the kernel's arguments are
+(``flm_runtime.backends.npu.xclbin``): the file reads, it has the kernel, the kernel's arguments are
 the role's, in the role's order, with the role's C types, it has a compute-unit instance, and its
 UUID / sha256 are the recorded ones when the build records them.
 
@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flm_runtime.backends.xclbin import XclbinError, read_xclbin
+from flm_runtime.backends.npu.xclbin import XclbinError, read_xclbin
 from flm_runtime.errors import FlmError
 
 XCLBIN_PATH_ENV = "FLM_XCLBIN_PATH"

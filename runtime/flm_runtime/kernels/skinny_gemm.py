@@ -15,14 +15,10 @@ The kernel is compiled by numba and cached on disk: ``compile_kernel`` runs when
 from the cache) is not counted in the first request's decode time. Summation order differs from
 BLAS: results agree to float32 rounding, not bit for bit.
 
-Thread safety: numba's default thread pool (its "workqueue" layer) aborts the process when two
-threads enter a parallel kernel at once, and two engines (two loaded models) run in two threads.
-Every call therefore holds one process-wide lock; on 2 cores the calls would only contend anyway.
+Thread safety: every call holds ``lock.KERNEL_LOCK``.
 """
 
 from __future__ import annotations
-
-import threading
 
 import numba
 import numpy as np
@@ -30,6 +26,8 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from flm_runtime.kernels.lock import KERNEL_LOCK
 
 # Above 8 rows the kernel reads each weight row once more per 8 rows, and OpenBLAS's GEMM, whose
 # cost hardly grows with rows there, is as fast.
@@ -41,7 +39,6 @@ MAX_ROWS = 8
 PREFETCH_ROWS = 4
 _CACHE_LINE_FLOATS = 16  # 64-byte lines
 
-KERNEL_LOCK = threading.Lock()  # held by every call of a numba parallel kernel (module docstring)
 _FASTMATH = {"reassoc", "contract"}
 
 

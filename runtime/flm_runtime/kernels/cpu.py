@@ -18,8 +18,8 @@ from contextlib import contextmanager
 import numpy as np
 import threadpoolctl
 
-from flm_runtime.backends import qgemm, quant, skinny_gemm
-from flm_runtime.backends.quant import QuantWeight, Weight
+from flm_runtime.kernels import qgemm, quant, skinny_gemm
+from flm_runtime.kernels.quant import QuantWeight, Weight
 
 
 # Rows up to which a forward pass is skinny (decode, a verify pass, a small batched step): its

@@ -1,0 +1,218 @@
+"""The decoder layer, written once: ``compose(ops, spec)`` over an ops table (``layers.ops``).
+
+The float32 reference, the quantized path and the DFlash draft's layers all run this one
+composition; they differ only in the ops table and the spec. The reference runs it as plain
+Python over numpy ops. The quantized path compiles *the same source* with numba
+(``parallel=True``) over the compiled ops: the composition is a closure whose free variables are
+the ops (numba dispatchers) and the spec's values (ints, floats, bools), and numba takes a
+closure's free variables as compile-time constants, so each matrix's product is specialized to
+its format and a layer is one compiled call, with no second copy of the layer to keep in step.
+The compiled code runs the same kernels in the same order as before it was shared, so its
+results are bit-identical to them (docs/design.md, "Batch invariance").
+
+A step of one sequence (a decode, a verify pass, a prefill chunk) runs the whole layer in one call
+(``Composition.layer``: the K/V write into the cache and attention inside); a step of several
+sequences runs ``attention_in``, each sequence's K/V write and attention (``attend_spans``: their
+caches are separate arrays, which a compiled call does not take as a list cheaply), then
+``attention_out``.
+
+Axis legend: R rows of the step, E hidden size, H / Hkv query / key-value heads, D head dim, F FFN
+width, S cache capacity.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numba
+import numpy as np
+from numba.core.caching import FunctionCache
+
+from flm_runtime.core import KVCache
+from flm_runtime.errors import ModelFormatError
+from flm_runtime.kernels import attention
+from flm_runtime.kernels.lock import KERNEL_LOCK
+from flm_runtime.kernels.quant import Weight
+from flm_runtime.layers.ops import Ops, ops_for
+from flm_runtime.layers.spec import LayerSpec
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's weights, fused for fewer matrix products per step. Matrices are
+    ``kernels.quant.Weight``: float32 arrays or quantized blocks.
+
+    Attributes:
+        attn_norm, ffn_norm: ``[E]`` RMSNorm weights.
+        wqkv: ``[(H + 2*Hkv) * D, E]`` q, k and v projections stacked (rows in that order).
+        wo: ``[E, H * D]`` attention output projection.
+        w_gate_up: ``[2F, E]`` gate and up projections stacked (gate first).
+        w_down: ``[E, F]``.
+    """
+
+    attn_norm: np.ndarray
+    wqkv: Weight
+    wo: Weight
+    ffn_norm: np.ndarray
+    w_gate_up: Weight
+    w_down: Weight
+
+    @property
+    def matrices(self) -> tuple[Weight, Weight, Weight, Weight]:
+        """The four matrices, in the order of an ops table's ``linears``."""
+        return self.wqkv, self.wo, self.w_gate_up, self.w_down
+
+
+class RowSpan(NamedTuple):
+    """The rows ``rows`` of a step that belong to one sequence: new positions ``start ..`` of its
+    ``cache`` (``start`` = the cache's length before the step), of which the last ``n_logits``
+    need logits."""
+
+    cache: KVCache
+    start: int
+    rows: slice
+    n_logits: int
+
+    @property
+    def n_rows(self) -> int:
+        return self.rows.stop - self.rows.start
+
+
+class Composition(NamedTuple):
+    """A layer composed over one ops table and spec.
+
+    Attributes:
+        attention_in: ``(x, attn_norm, wqkv, cos, sin) -> (q [R, H, D], k [R, Hkv, D], v [R, Hkv, D])``:
+            norm, QKV product, RoPE on q and k.
+        attention_out: ``(x, attn [R, H*D], wo, ffn_norm, w_gate_up, w_down) -> [R, E]``: O product
+            and residual, norm, gate/up product, activation, down product and residual.
+        layer: ``(x, attn_norm, wqkv, cos, sin, k_cache, v_cache, start, wo, ffn_norm, w_gate_up,
+            w_down) -> [R, E]``: the whole layer over one sequence's rows, its K/V written into
+            one layer of its cache (``attention.cache_arrays``) at ``start ..``; compiled tables
+            only (None for the reference, whose K/V go through ``KVCache.write``).
+    """
+
+    attention_in: Callable
+    attention_out: Callable
+    layer: Callable
+
+
+@functools.cache
+def compose(ops: Ops, spec: LayerSpec) -> Composition:
+    """The decoder layer of ``spec`` over ``ops`` (module docstring).
+
+    Raises:
+        ModelFormatError: ``spec`` turns on a feature the composition does not run yet.
+    """
+    if unsupported := spec.unsupported():
+        raise ModelFormatError(f"the checkpoint's layers turn on {', '.join(unsupported)}, which this runtime "
+                               "does not run yet")
+    norm, rope, act = ops.norm, ops.rope, ops.act
+    qkv_linear, o_linear, gate_up_linear, down_linear = ops.linears
+    store_kv, attend = attention.store_kv, attention.attend
+    h, hkv, d, causal = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.causal
+    eps = np.float32(spec.rms_norm_eps)
+
+    def attention_in(x, attn_norm, wqkv, cos, sin):
+        qkv = qkv_linear(norm(x, attn_norm, eps), wqkv)  # [R, (H+2Hkv)*D]
+        q = rope(qkv, cos, sin, 0, h, d)
+        k = rope(qkv, cos, sin, h * d, hkv, d)
+        v = qkv[:, (h + hkv) * d:].copy().reshape(x.shape[0], hkv, d)
+        return q, k, v
+
+    def attention_out(x, attn, wo, ffn_norm, w_gate_up, w_down):
+        x = x + o_linear(attn, wo)
+        gate_up = gate_up_linear(norm(x, ffn_norm, eps), w_gate_up)  # [R, 2F]
+        return x + down_linear(act(gate_up), w_down)
+
+    if not ops.compiled:
+        return Composition(attention_in, attention_out, None)
+    key = f"{ops.key} {spec!r} {_kernel_sources()}"
+    attention_in = _compiled(attention_in, key, parallel=True, nogil=True)
+    attention_out = _compiled(attention_out, key, parallel=True, nogil=True)
+
+    def layer(x, attn_norm, wqkv, cos, sin, k_cache, v_cache, start, wo, ffn_norm, w_gate_up, w_down):
+        q, k, v = attention_in(x, attn_norm, wqkv, cos, sin)
+        store_kv(k, v, k_cache, v_cache, start)
+        attn = np.empty((x.shape[0], h * d), dtype=np.float32)
+        attend(q, k_cache, v_cache, start, causal, attn)
+        return attention_out(x, attn, wo, ffn_norm, w_gate_up, w_down)
+
+    return Composition(attention_in, attention_out, _compiled(layer, key, nogil=True))
+
+
+class _KeyedCache(FunctionCache):
+    """numba's on-disk cache of a composed function, keyed by its bytecode and ``key`` (the ops
+    table, the spec and the kernels' sources). numba's own key pickles a closure's free
+    variables, and a pickled dispatcher differs in every process, so a composed layer would
+    compile at every load (seconds); ``key`` names what the free variables are instead."""
+
+    def __init__(self, py_func, key: str):
+        super().__init__(py_func)
+        self._key = key
+
+    def _index_key(self, sig, codegen):
+        digest = hashlib.sha256(self._py_func.__code__.co_code + self._key.encode()).hexdigest()
+        return sig, codegen.magic_tuple(), digest
+
+
+def _compiled(fn, key: str, **options):
+    """``fn`` compiled by numba with ``options``, cached on disk under ``key``."""
+    dispatcher = numba.njit(**options)(fn)
+    dispatcher._cache = _KeyedCache(fn, key)  # what numba.njit(cache=True) sets, keyed by `key`
+    return dispatcher
+
+
+@functools.cache
+def _kernel_sources() -> str:
+    """The kernels' source files' sizes and times: a cached composition compiled against other
+    kernels is not loaded."""
+    files = sorted(Path(attention.__file__).parent.glob("*.py"))
+    return " ".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
+class DecoderLayer:
+    """One decoder layer: its weights, its spec, its ops table (``ops_for`` its matrices) and the
+    composition over them.
+
+    Args:
+        weights: the layer's weights.
+        spec: its geometry and features (``causal`` False for the DFlash draft's block).
+    """
+
+    def __init__(self, weights: LayerWeights, spec: LayerSpec):
+        self.weights, self.spec = weights, spec
+        self.ops = ops_for(*weights.matrices)
+        self._in, self._out, self._layer = compose(self.ops, spec)
+        wqkv, wo, w_gate_up, w_down = (self.ops.operand(w) for w in weights.matrices)
+        self._in_weights = (weights.attn_norm, wqkv)
+        self._out_weights = (wo, weights.ffn_norm, w_gate_up, w_down)
+
+    def __call__(self, index: int, x: np.ndarray, spans: list[RowSpan], cos: np.ndarray,
+                 sin: np.ndarray) -> np.ndarray:
+        """The layer over the rows ``x`` ``[R, E]`` (``cos``, ``sin`` ``[R, D/2]`` at their
+        positions): span ``s`` writes its rows' K/V into layer ``index`` of its cache at
+        positions ``s.start ..`` and attends its cache (positions ``0 .. s.start + s.n_rows -
+        1``, up to each row's own when causal). Nothing is committed to a cache.
+
+        Returns:
+            ``[R, E]``, a new array.
+        """
+        if not self.ops.compiled:  # its products take the kernel lock themselves (skinny_gemm, qgemm)
+            q, k, v = self._in(x, *self._in_weights, cos, sin)
+            with KERNEL_LOCK:
+                attn = attention.attend_spans(index, q, k, v, spans, self.spec.causal)
+            return self._out(x, attn, *self._out_weights)
+        with KERNEL_LOCK:
+            if len(spans) == 1:  # one sequence: one call
+                s = spans[0]
+                return self._layer(x, *self._in_weights, cos, sin, *attention.cache_arrays(s.cache, index), s.start,
+                                   *self._out_weights)
+            q, k, v = self._in(x, *self._in_weights, cos, sin)
+            attn = attention.attend_spans(index, q, k, v, spans, self.spec.causal)
+            return self._out(x, attn, *self._out_weights)
