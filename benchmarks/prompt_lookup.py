@@ -23,9 +23,9 @@ from pathlib import Path
 
 from flm_runtime.api import get_engine
 from flm_bench import documents
-from flm_runtime.engine.engine import Engine
-from flm_runtime.engine.request import Completion
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.scheduling.engine import Engine
+from flm_runtime.request import Completion
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 
 def run(spec, tok, prompts: list[list[int]], params, ngram: bool) -> list[Completion]:

@@ -22,7 +22,7 @@ LiteLLM forwards them to a custom provider only when ``allowed_openai_params`` l
 ``$FLM_LOG_LEVEL`` (e.g. ``INFO``), read at import, sends the log records of ``flm_runtime`` and
 ``litellm_flm`` of that level and up to stderr (``configure_logging``). A LiteLLM proxy sets up
 only its own loggers, so this is how its output shows the engine's lines, among them one per ended
-request with the engine's stats (``flm_runtime.engine.engine.Engine._end``).
+request with the engine's stats (``flm_runtime.scheduling.engine.Engine._end``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """``response_format``, ``tools``, ``tool_choice`` and ``parallel_tool_calls`` -> what a request's
-output is held to (a grammar for ``flm_runtime.engine.grammar``) and how its answer is read back.
+output is held to (a grammar for ``flm_runtime.sampling.grammar``) and how its answer is read back.
 
 - ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any JSON
   object: OpenAI's JSON mode) or ``{"type": "json_schema", "json_schema": {"name", "schema",
   "strict"?}}`` (JSON that validates against ``schema``; LiteLLM turns a pydantic class into
   this form). The output is held to it by constrained decoding, whatever ``strict`` says.
 - ``tools`` (functions only), ``tool_choice`` and ``parallel_tool_calls``: the generic tool-call
-  format of ``flm_runtime.tool_format``; the answer's calls come back as OpenAI ``tool_calls``.
+  format of ``flm_runtime.text.tool_format``; the answer's calls come back as OpenAI ``tool_calls``.
 
 A request may not combine tools (other than ``tool_choice="none"``) with a JSON
 ``response_format``: each asks for the whole output.
@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flm_runtime import tool_format
-from flm_runtime.engine.grammar import json_object_grammar, json_schema_grammar, lark_grammar
+from flm_runtime.text import tool_format
+from flm_runtime.sampling.grammar import json_object_grammar, json_schema_grammar, lark_grammar
 from flm_runtime.errors import InvalidRequestError
 
 @dataclass(frozen=True)

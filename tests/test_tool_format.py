@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flm_runtime import tool_format as tf
-from flm_runtime.engine.grammar import GrammarCompiler, lark_grammar
+from flm_runtime.text import tool_format as tf
+from flm_runtime.sampling.grammar import GrammarCompiler, lark_grammar
 from flm_runtime.errors import InvalidRequestError
 
 sys.path.insert(0, str(Path(__file__).parent / "engine"))

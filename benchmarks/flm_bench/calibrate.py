@@ -1,6 +1,6 @@
 """``litellm-flm calibrate``: measure when DFlash speculation pays, write the policy table.
 
-Two measurements, then one decision per context bucket (``flm_runtime.engine.policy``):
+Two measurements, then one decision per context bucket (``flm_runtime.speculation.policy``):
 
 1. **Acceptance records** per context, greedy: from every speculative step with the whole block,
    the number ``a`` of drafted tokens accepted and the draft's confidence in each drafted token.
@@ -61,11 +61,12 @@ from flm_bench import documents
 from flm_runtime import paths
 from flm_runtime.backends import forward
 from flm_runtime.cli import Command
-from flm_runtime.engine import sampler
-from flm_runtime.engine.picker import Picker
-from flm_runtime.engine.policy import MIN_SPEEDUP, Bucket, PolicyTable, confident_length
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
+from flm_runtime.sampling import sampler
+from flm_runtime.sampling.picker import Picker
+from flm_runtime.speculation.policy import MIN_SPEEDUP, Bucket, PolicyTable, confident_length
+from flm_runtime.request import SamplingParams
+from flm_runtime.scheduling.step import Lane
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 # Our own prompts, one or two per kind of chat use (writing, roleplay, reasoning, math, coding,
 # extraction, STEM, humanities); none is from MT-Bench.

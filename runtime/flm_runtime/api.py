@@ -1,7 +1,7 @@
 """The runtime's plain Python API: model tag -> loaded model -> engine.
 
     from flm_runtime.api import get_engine
-    from flm_runtime.engine.request import SamplingParams
+    from flm_runtime.request import SamplingParams
 
     engine = get_engine("smollm2:135m")           # pulls the embedded default on first use
     ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
@@ -15,7 +15,7 @@ handler, the CLI, tests): the engines and loaded models live in a ``Runtime``, a
 A DFlash tag (``X-dflash:size``) gets its own engine that decodes speculatively with the draft of
 ``registry.locate_draft(tag)``, over the *same* target object as the base tag's engine: a target is
 loaded once per process whichever of the two tags comes first. Its speculation policy (when a
-speculative step pays, by context; ``flm_runtime.engine.policy``) is ``load_policy``'s table.
+speculative step pays, by context; ``flm_runtime.speculation.policy``) is ``load_policy``'s table.
 
 Backends (``flm_runtime.backends``): ``get_engine(tag, backend=...)`` with ``auto`` (default, or
 ``$FLM_BACKEND``), ``cpu`` or ``npu``. The cpu target is the ``LlamaModel``; an npu target is an
@@ -23,7 +23,7 @@ Backends (``flm_runtime.backends``): ``get_engine(tag, backend=...)`` with ``aut
 choice for a (model, requested backend) pair is made once per process; ``auto`` falls back to cpu
 when the npu backend is not there or fails to start, logging why once.
 
-Engine limits (``flm_runtime.engine.admission``): ``$FLM_KV_BUDGET`` (KV bytes) and
+Engine limits (``flm_runtime.scheduling.admission``): ``$FLM_KV_BUDGET`` (KV bytes) and
 ``$FLM_MAX_QUEUE`` (waiting requests), read when an engine is created. They are per process, not
 per LiteLLM deployment: every deployment of a tag shares its one engine (one copy of the weights,
 one batch), so a per-deployment value would have to either split that engine or contradict another
@@ -41,11 +41,11 @@ import numpy as np
 from flm_runtime import paths, pull, registry
 from flm_runtime.backends import TargetModel, skinny_gemm
 from flm_runtime.backends.select import log_once, requested_backend, select_backend
-from flm_runtime.engine.admission import limits_from_env
-from flm_runtime.engine.engine import Engine
-from flm_runtime.engine.policy import ALWAYS_SPECULATE, PolicyTable, SpeculationPolicy
-from flm_runtime.engine.policy import FILE_NAME as POLICY_FILE
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.scheduling.admission import limits_from_env
+from flm_runtime.scheduling.engine import Engine
+from flm_runtime.speculation.policy import ALWAYS_SPECULATE, PolicyTable, SpeculationPolicy
+from flm_runtime.speculation.policy import FILE_NAME as POLICY_FILE
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 from flm_runtime.errors import BackendUnavailableError
 from flm_runtime.loading import Tokenizer, load_model_files
 from flm_runtime.loading.chat_template import thinking_format
@@ -180,7 +180,7 @@ class Runtime:
         Raises:
             InvalidRequestError: ``backend`` (or ``$FLM_BACKEND``) is not auto, cpu or npu; or
                 ``$FLM_KV_BUDGET`` / ``$FLM_MAX_QUEUE`` (the new engine's limits, see
-                ``flm_runtime.engine.admission``) is not a positive integer.
+                ``flm_runtime.scheduling.admission``) is not a positive integer.
             BackendUnavailableError: ``npu`` was asked for and cannot run (says what is missing).
             the errors of ``load_model`` (and of ``load_draft`` for a DFlash tag).
         """

@@ -10,9 +10,9 @@ import pytest
 from engine_fakes import FakeCache, HashModel
 from test_engine_core import idle, wait_until
 
-from flm_runtime.engine import sampler
-from flm_runtime.engine.handle import RequestCancelledError
-from flm_runtime.engine.request import SamplingParams
+from flm_runtime.sampling import sampler
+from flm_runtime.scheduling.handle import RequestCancelledError
+from flm_runtime.request import SamplingParams
 from flm_runtime.errors import InvalidRequestError, KVBudgetError
 
 PROMPT = [5, 17, 200, 33, 9, 140, 71, 2, 250, 64]

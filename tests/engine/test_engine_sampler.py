@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.sampler import (CARD_DEFAULT, GREEDY, SamplingDefaults, default_sampling, new_rng,
+from flm_runtime.request import SamplingParams
+from flm_runtime.sampling.sampler import (CARD_DEFAULT, GREEDY, SamplingDefaults, default_sampling, new_rng,
                                         sample, sample_from_probs, warp)
 from flm_runtime.errors import InvalidRequestError
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from flm_runtime.backends import decode, prefill
-from flm_runtime.engine.detokenizer import Detokenizer
-from flm_runtime.engine.request import SamplingParams
+from flm_runtime.text.detokenizer import Detokenizer
+from flm_runtime.request import SamplingParams
 
 PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"]

@@ -13,11 +13,11 @@ from engine_fakes import EOS, FakeTokenizer
 from spec_fakes import PROMPT, ScriptTarget, random_draft, replay_proposer
 
 from flm_runtime.backends import prefill
-from flm_runtime.engine import sampler
-from flm_runtime.engine.picker import Picker
-from flm_runtime.engine.processors import FrequencyPresencePenalty, LogitBias, RepetitionPenalty, request_processors
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.sampling import sampler
+from flm_runtime.sampling.picker import Picker
+from flm_runtime.sampling.processors import FrequencyPresencePenalty, LogitBias, RepetitionPenalty, request_processors
+from flm_runtime.request import SamplingParams
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 from flm_runtime.errors import InvalidRequestError
 
 X = np.array([2.0, -1.0, 0.5, 0.0, 3.0], dtype=np.float32)  # binary fractions: the expected values are exact

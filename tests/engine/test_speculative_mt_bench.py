@@ -21,8 +21,8 @@ import pytest
 
 from flm_runtime import api
 from flm_runtime.backends import prefill
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.request import SamplingParams
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 N_NEW = 128
 MARGIN_TOL = 5e-3  # logits, as tests/engine/test_speculative_smollm2.py

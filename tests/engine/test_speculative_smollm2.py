@@ -18,9 +18,9 @@ from spec_fakes import draft_config_dict, random_draft_weights, replay_proposer,
 
 from flm_runtime import api, registry
 from flm_runtime.backends import decode, prefill
-from flm_runtime.engine.policy import Bucket, PolicyTable
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.speculation.policy import Bucket, PolicyTable
+from flm_runtime.request import SamplingParams
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 from flm_runtime.errors import ModelFormatError
 
 MARGIN_TOL = 5e-3  # logits; 2.5x the per-logit tolerance between the verify and decode paths
@@ -149,8 +149,8 @@ def test_eight_batched_speculative_requests_equal_each_alone(make_engine, smollm
     alone = [engine.submit(p, q).result().token_ids for p, q in zip(prompts, params)]
 
     lanes = []
-    propose = decoder.propose
-    monkeypatch.setattr(decoder, "propose", lambda ls: lanes.append(len(ls)) or propose(ls))
+    prepare = decoder.prepare
+    monkeypatch.setattr(decoder, "prepare", lambda ls: lanes.append(len(ls)) or prepare(ls))
     with engine._cv:  # (re-entrant) hold the engine thread back until all 8 are queued
         handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
     together = [h.result() for h in handles]

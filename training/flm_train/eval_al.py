@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from flm_runtime import registry
     from flm_runtime.api import load_model
-    from flm_runtime.engine.engine import Engine
-    from flm_runtime.engine.request import SamplingParams
-    from flm_runtime.engine.speculative import SpeculativeDecoder
+    from flm_runtime.scheduling.engine import Engine
+    from flm_runtime.request import SamplingParams
+    from flm_runtime.speculation.speculative import SpeculativeDecoder
     from flm_runtime.models.dflash import DFlashDraft
 
     loaded = load_model(a.target)

@@ -46,8 +46,8 @@ import numba
 import numpy as np
 from flm_runtime.api import LoadedModel, load_model
 from flm_runtime.core import KVCache
-from flm_runtime.engine import sampler
-from flm_runtime.engine.request import SamplingParams
+from flm_runtime.sampling import sampler
+from flm_runtime.request import SamplingParams
 from flm_runtime.models.llama import LlamaModel
 from tqdm import tqdm
 

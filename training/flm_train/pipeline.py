@@ -162,7 +162,7 @@ def _generate_worker(a: argparse.Namespace, prompts: list[dict], worker: int) ->
     os.nice(a.nice)
     import numba
     from flm_runtime import registry
-    from flm_runtime.engine import sampler
+    from flm_runtime.sampling import sampler
     from flm_train.generate import load_target, run_generation
 
     numba.set_num_threads(1)
