@@ -33,10 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from flm_runtime.backends.select import requested_backend
-from flm_runtime.request import SamplingParams
-from flm_runtime.sampling.sampler import CARD_DEFAULT, SamplingDefaults
-from flm_runtime.errors import InvalidRequestError
+from flm_runtime import CARD_DEFAULT, InvalidRequestError, SamplingDefaults, SamplingParams, requested_backend
 
 # OpenAI (or extra_body) name -> SamplingParams field. Everything the runtime acts on.
 OPENAI_TO_RUNTIME: dict[str, str] = {

@@ -19,6 +19,7 @@ from test_engine_core import idle, wait_until
 from flm_runtime.core import LlamaConfig
 from flm_runtime.scheduling import admission
 from flm_runtime.request import SamplingParams
+from flm_runtime.settings import Settings
 from flm_runtime.speculation.speculative import SpeculativeDecoder
 from flm_runtime.errors import EngineOverloadedError, InvalidRequestError, KVBudgetError, RequestTimeoutError
 
@@ -164,14 +165,14 @@ def test_each_request_end_logs_the_engine_stats(make_engine, tok, caplog):
     ({"FLM_KV_BUDGET": ""}, {}),
 ])
 def test_limits_from_env(environ, limits):
-    assert admission.limits_from_env(environ) == limits
+    assert Settings.from_env(environ).engine_limits() == limits
 
 
 @pytest.mark.parametrize("environ, name", [({"FLM_KV_BUDGET": "1.5GB"}, "FLM_KV_BUDGET"),
                                            ({"FLM_MAX_QUEUE": "0"}, "FLM_MAX_QUEUE")])
 def test_bad_env_limits_name_the_variable(environ, name):
     with pytest.raises(InvalidRequestError) as e:
-        admission.limits_from_env(environ)
+        Settings.from_env(environ).engine_limits()
     assert e.value.param == name and repr(environ[name].strip()) in str(e.value)
 
 
