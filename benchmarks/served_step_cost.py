@@ -36,9 +36,9 @@ import numpy as np
 from flm_bench import calibrate
 from flm_bench.documents import chat_ids, short_prompts
 from flm_bench.engines import load_engines, run_request
+from flm_runtime.request import SamplingParams
 from flm_runtime.scheduling.engine import StepTiming
 from flm_runtime.speculation.policy import Bucket, PolicyTable
-from flm_runtime.request import SamplingParams
 
 
 class StepRecorder:

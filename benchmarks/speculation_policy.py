@@ -27,9 +27,9 @@ import statistics
 
 from flm_runtime import api, registry
 from flm_bench.calibrate import step_costs
+from flm_runtime.request import SamplingParams
 from flm_runtime.scheduling.engine import Engine
 from flm_runtime.speculation.policy import Bucket, PolicyTable
-from flm_runtime.request import SamplingParams
 from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 PROMPT = "Write 300 random digits, separated by spaces, with no pattern at all."

@@ -61,11 +61,11 @@ from flm_bench import documents
 from flm_runtime import paths
 from flm_runtime.backends import forward
 from flm_runtime.cli import Command
+from flm_runtime.request import SamplingParams
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.picker import Picker
-from flm_runtime.speculation.policy import MIN_SPEEDUP, Bucket, PolicyTable, confident_length
-from flm_runtime.request import SamplingParams
 from flm_runtime.scheduling.step import Lane
+from flm_runtime.speculation.policy import MIN_SPEEDUP, Bucket, PolicyTable, confident_length
 from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 # Our own prompts, one or two per kind of chat use (writing, roleplay, reasoning, math, coding,
@@ -145,7 +145,7 @@ def acceptance_records(decoder: SpeculativeDecoder, tokenizer, prompts: list[lis
             produced = len(out)
             step = decoder.step(Lane(out[-1], cache, state, picker, emit))
             if not step.finished:  # a whole step: accepted = emitted - 1
-                confidence.append(step.draft.confidence)
+                confidence.append(step.record.confidence)
                 accepted.append(step.accepted)
                 assert len(out) - produced == step.accepted + 1
             if progress is not None:

@@ -45,8 +45,8 @@ from flm_runtime import paths, registry
 from flm_runtime.api import default_runtime, get_engine
 from flm_bench import report
 from flm_runtime.cli import Command
-from flm_runtime.settings import variable
 from flm_runtime.errors import InvalidRequestError
+from flm_runtime.settings import variable
 
 PROVIDER_PREFIX = "flm/"
 # (kind, mode) of successive requests, cycled.

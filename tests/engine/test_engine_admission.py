@@ -17,11 +17,11 @@ from spec_fakes import ScriptTarget, random_draft
 from test_engine_core import idle, wait_until
 
 from flm_runtime.core import LlamaConfig
-from flm_runtime.scheduling import admission
+from flm_runtime.errors import EngineOverloadedError, InvalidRequestError, KVBudgetError, RequestTimeoutError
 from flm_runtime.request import SamplingParams
+from flm_runtime.scheduling import admission
 from flm_runtime.settings import Settings
 from flm_runtime.speculation.speculative import SpeculativeDecoder
-from flm_runtime.errors import EngineOverloadedError, InvalidRequestError, KVBudgetError, RequestTimeoutError
 
 BYTES_PER_TOKEN = 32  # the fake models' float32 K and V of one position
 

@@ -9,10 +9,10 @@ import time
 import pytest
 from engine_fakes import BOT, EOS, FakeTokenizer, HashModel, ScriptModel
 
-from flm_runtime.scheduling.handle import RequestCancelledError
-from flm_runtime.request import SamplingParams
 from flm_runtime.errors import (BackendUnavailableError, ContextLengthError, EngineOverloadedError,
                                 InvalidRequestError, RequestTimeoutError)
+from flm_runtime.request import SamplingParams
+from flm_runtime.scheduling.handle import RequestCancelledError
 
 SAMPLED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=7, max_tokens=24)
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from flm_runtime import api
-from flm_runtime.text import tool_format
-from flm_runtime.sampling.grammar import compiler_for, json_object_grammar, json_schema_grammar, lark_grammar
 from flm_runtime.request import SamplingParams
+from flm_runtime.sampling.grammar import compiler_for, json_object_grammar, json_schema_grammar, lark_grammar
 from flm_runtime.speculation.speculative import SpeculativeDecoder
+from flm_runtime.text import tool_format
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20},
@@ -98,7 +98,7 @@ def test_constrained_requests_batched_with_speculation_equal_each_alone(engines,
               SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=MAX_TOKENS),
               SamplingParams(temperature=0.7, seed=3, max_tokens=MAX_TOKENS)]
     alone = [submit(plain, smollm2_tokenizer, q, s, p).result() for (q, s), p in zip(CASES, params)]
-    with spec._cv:  # hold the engine thread back until all are queued: they run as one batch
+    with spec.held():  # hold the engine thread back until all are queued: they run as one batch
         handles = [submit(spec, smollm2_tokenizer, q, s, p) for (q, s), p in zip(CASES, params)]
     together = [h.result() for h in handles]
     assert [d.token_ids for d in together] == [d.token_ids for d in alone]

@@ -12,12 +12,12 @@ from engine_fakes import EOS, FakeTokenizer
 from spec_fakes import PROMPT, ScriptTarget, plain_generate, random_draft, replay_proposer, spec_generate
 
 from flm_runtime.backends import forward
-from flm_runtime.sampling import sampler
 from flm_runtime.request import SamplingParams
+from flm_runtime.sampling import sampler
 from flm_runtime.sampling.picker import Picker
+from flm_runtime.scheduling.step import PLAIN, StepRecord
 from flm_runtime.speculation.ngram import NO_LOOKUP, Lookup
 from flm_runtime.speculation.policy import Bucket, PolicyTable, expected_accepted
-from flm_runtime.scheduling.step import PLAIN, StepRecord
 from flm_runtime.speculation.speculative import SpeculativeDecoder, choose, verify
 
 GREEDY = SamplingParams()
@@ -257,7 +257,7 @@ def test_chunked_prefill_beside_speculative_decoding(make_engine, tiny, monkeypa
     monkeypatch.setattr(tiny, "forward_batch",
                         lambda rows, caches, **kw: passes.append(sorted(len(r) for r in rows)) or forward_batch(rows, caches, **kw))
     short, long = PROMPT[:3], (PROMPT * 3)[:30]
-    with engine._cv:  # (re-entrant) both queued before the first step
+    with engine.held():  # both queued before the first step
         handles = [engine.submit(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in (short, long)]
     assert [h.result().token_ids for h in handles] == [tuple(plain_generate(tiny, p, 20, GREEDY)) for p in (short, long)]
     assert passes[:2] == [[3], [4, 8]]  # the long prompt's 4-token chunk did not fit beside the short one

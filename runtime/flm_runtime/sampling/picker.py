@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from flm_runtime.request import SamplingParams, TokenLogprob
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.processors import LogitsProcessor
-from flm_runtime.request import SamplingParams, TokenLogprob
 
 
 class Picker:

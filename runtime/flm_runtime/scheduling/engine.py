@@ -39,26 +39,27 @@ an engine without a draft). ``on_step`` hands each step's ``StepTiming`` to benc
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from flm_runtime.scheduling import admission
-from flm_runtime.sampling import sampler
-from flm_runtime.scheduling.handle import RequestCancelledError, RequestHandle
-from flm_runtime.sampling.processors import LogitsProcessor, request_processors
-from flm_runtime.request import SamplingParams
-from flm_runtime.scheduling.sequence import Sequence
-from flm_runtime.scheduling.step import PLAIN, Stepper, StepRecord
 from flm_runtime.errors import (BackendUnavailableError, EngineOverloadedError, InvalidRequestError,
                                 RequestTimeoutError)
+from flm_runtime.request import SamplingParams
+from flm_runtime.sampling import sampler
+from flm_runtime.sampling.processors import LogitsProcessor, request_processors
+from flm_runtime.scheduling import admission
+from flm_runtime.scheduling.handle import RequestCancelledError, RequestHandle
+from flm_runtime.scheduling.sequence import Sequence
+from flm_runtime.scheduling.step import PLAIN, Stepper, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,13 @@ class Engine:
                     "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * self.kv.bytes_per_token,
                     "kv_reserved_bytes": self._kv_reserved(), "kv_budget_bytes": self.kv.budget,
                     **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out")}}
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the engine thread back between steps for the block (re-entrant): the requests
+        submitted inside all join its next step, as one batch (benchmarks, tests)."""
+        with self._cv:
+            yield
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Stop the thread (waits up to ``timeout`` s for the current step); requests still

@@ -13,8 +13,8 @@ import queue
 import threading
 import time
 
-from flm_runtime.request import Completion, StreamEvent
 from flm_runtime.errors import FlmError
+from flm_runtime.request import Completion, StreamEvent
 
 _END = object()   # stream terminator, after the final event or instead of it on failure
 

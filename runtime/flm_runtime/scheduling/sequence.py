@@ -22,13 +22,13 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from flm_runtime.request import Completion, RequestStats, SamplingParams, StreamEvent, TokenLogprob
 from flm_runtime.sampling import sampler
-from flm_runtime.text.detokenizer import Detokenizer
-from flm_runtime.scheduling.handle import RequestHandle
-from flm_runtime.scheduling.step import Lane, StepperState
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.sampling.processors import LogitsProcessor
-from flm_runtime.request import Completion, RequestStats, SamplingParams, StreamEvent, TokenLogprob
+from flm_runtime.scheduling.handle import RequestHandle
+from flm_runtime.scheduling.step import Lane, StepperState
+from flm_runtime.text.detokenizer import Detokenizer
 from flm_runtime.text.stop import StopChecker
 
 
