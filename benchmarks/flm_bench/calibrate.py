@@ -58,15 +58,14 @@ import numpy as np
 from tqdm import tqdm
 
 from flm_bench import documents
+from flm_runtime import SamplingParams, SpeculativeDecoder
 from flm_runtime import paths
 from flm_runtime.backends import forward
 from flm_runtime.cli import Command
-from flm_runtime.request import SamplingParams
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.step import Lane
 from flm_runtime.speculation.policy import MIN_SPEEDUP, Bucket, PolicyTable, confident_length
-from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 # Our own prompts, one or two per kind of chat use (writing, roleplay, reasoning, math, coding,
 # extraction, STEM, humanities); none is from MT-Bench.
@@ -339,9 +338,8 @@ def calibrate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from flm_runtime import InvalidRequestError, get_engine
     from flm_runtime import registry
-    from flm_runtime.api import get_engine
-    from flm_runtime.errors import InvalidRequestError
 
     entry = registry.resolve(args.tag)
     if not entry.is_dflash:

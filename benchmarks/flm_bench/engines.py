@@ -12,14 +12,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from flm_runtime import Completion, Engine, InvalidRequestError, SamplingParams, SpeculativeDecoder, get_engine
 from flm_runtime import registry
-from flm_runtime.api import get_engine
 from flm_runtime.backends import Backend
-from flm_runtime.errors import InvalidRequestError
 from flm_runtime.models.dflash import DFlashDraft
-from flm_runtime.request import Completion, SamplingParams
-from flm_runtime.scheduling.engine import Engine
-from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 SHORT = "short"
 SHORT_LABEL = "short"

@@ -39,13 +39,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import litellm
+import litellm_flm  # noqa: F401 - registers the flm/ provider with LiteLLM
 from tqdm import tqdm
 
-from flm_runtime import paths, registry
-from flm_runtime.api import default_runtime, get_engine
 from flm_bench import report
+from flm_runtime import InvalidRequestError, default_runtime, get_engine
+from flm_runtime import paths, registry
 from flm_runtime.cli import Command
-from flm_runtime.errors import InvalidRequestError
 from flm_runtime.settings import variable
 
 PROVIDER_PREFIX = "flm/"

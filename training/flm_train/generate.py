@@ -44,10 +44,9 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from flm_runtime.api import LoadedModel, load_model
+from flm_runtime import LoadedModel, SamplingParams, load_model
 from flm_runtime.core import KVCache
 from flm_runtime.models.llama import LlamaModel
-from flm_runtime.request import SamplingParams
 from flm_runtime.sampling import sampler
 from tqdm import tqdm
 
