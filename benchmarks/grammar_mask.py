@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 
-from flm_runtime import tool_format
 from flm_runtime.api import get_engine
-from flm_runtime.engine.grammar import compiler_for, json_object_grammar, json_schema_grammar, lark_grammar
-from flm_runtime.engine.request import SamplingParams
+from flm_runtime.request import SamplingParams
+from flm_runtime.sampling.grammar import compiler_for, json_object_grammar, json_schema_grammar, lark_grammar
+from flm_runtime.text import tool_format
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120},

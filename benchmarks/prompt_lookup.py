@@ -23,9 +23,9 @@ from pathlib import Path
 
 from flm_runtime.api import get_engine
 from flm_bench import documents
-from flm_runtime.engine.engine import Engine
-from flm_runtime.engine.request import Completion
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.request import Completion
+from flm_runtime.scheduling.engine import Engine
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 
 def run(spec, tok, prompts: list[list[int]], params, ngram: bool) -> list[Completion]:
@@ -33,7 +33,7 @@ def run(spec, tok, prompts: list[list[int]], params, ngram: bool) -> list[Comple
     engine = Engine(spec.target, tok, name=f"ngram-{ngram}", max_active=len(prompts), max_queue=len(prompts),
                     speculative=SpeculativeDecoder(spec.target, spec.draft, ngram=ngram))
     try:
-        with engine._cv:  # (re-entrant) all queued before the first step: one batch
+        with engine.held():  # all queued before the first step: one batch
             handles = [engine.submit(p, params) for p in prompts]
         return [h.result() for h in handles]
     finally:

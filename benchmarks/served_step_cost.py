@@ -10,7 +10,7 @@ with ``--policy FILE``, that table as served (its buckets and the per-request ac
 to see where a served run's time goes against what calibration expected.
 
 Per engine, over all its steps (the engine's ``on_step`` hook, ``StepTiming``): milliseconds per
-step of the whole step, of the target pass, of the draft's work (``SpeculativeDecoder.propose``:
+step of the whole step, of the target pass, of the draft's work (``SpeculativeDecoder.prepare``:
 catching up on the pending taps, then proposing) and of the commit (verify, KV roll-back,
 sampling, emitting); decode tokens/s and AL from the engines' own stats.
 The DFlash engine's steps are also split by the tokens they verify, K (K = 0: a plain step; "K = 0
@@ -36,9 +36,9 @@ import numpy as np
 from flm_bench import calibrate
 from flm_bench.documents import chat_ids, short_prompts
 from flm_bench.engines import load_engines, run_request
-from flm_runtime.engine.engine import StepTiming
-from flm_runtime.engine.policy import Bucket, PolicyTable
-from flm_runtime.engine.request import SamplingParams
+from flm_runtime.request import SamplingParams
+from flm_runtime.scheduling.engine import StepTiming
+from flm_runtime.speculation.policy import Bucket, PolicyTable
 
 
 class StepRecorder:
@@ -73,9 +73,9 @@ def step_label(timing: StepTiming) -> str:
     """``K=k``, the tokens the (one) decoding lane's step verifies (``K=0 gated`` for a step the
     confidence gate left plain, after the draft ran; ``K=none`` for a step without decoding lanes:
     the prefill)."""
-    if not timing.drafts:
+    if not timing.records:
         return "K=none"
-    draft = timing.drafts[0]
+    draft = timing.records[0]
     return f"K={len(draft.ids)}{' gated' if draft.gated else ''}"
 
 

@@ -8,7 +8,7 @@ digits: no draft predicts them) in interleaved rounds:
 - ``policy``: the DFlash draft with a policy table that *does* speculate at every context, with the
   cost ratio (propose + verify of 8 positions, over a decode) measured at the start of this run and
   an expected AL of ``--expected-al`` (what a draft that pays on ordinary chat calibrates to): the
-  request's own acceptance estimate must switch it off (``flm_runtime.engine.policy``);
+  request's own acceptance estimate must switch it off (``flm_runtime.speculation.policy``);
 - ``always``: the same draft speculating at every step (no policy), for comparison.
 
 Prints tokens/s (generated tokens over the request's wall time, prefill included, as a user sees
@@ -27,10 +27,10 @@ import statistics
 
 from flm_runtime import api, registry
 from flm_bench.calibrate import step_costs
-from flm_runtime.engine.engine import Engine
-from flm_runtime.engine.policy import Bucket, PolicyTable
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.request import SamplingParams
+from flm_runtime.scheduling.engine import Engine
+from flm_runtime.speculation.policy import Bucket, PolicyTable
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 PROMPT = "Write 300 random digits, separated by spaces, with no pattern at all."
 

@@ -22,17 +22,16 @@ LiteLLM forwards them to a custom provider only when ``allowed_openai_params`` l
 ``$FLM_LOG_LEVEL`` (e.g. ``INFO``), read at import, sends the log records of ``flm_runtime`` and
 ``litellm_flm`` of that level and up to stderr (``configure_logging``). A LiteLLM proxy sets up
 only its own loggers, so this is how its output shows the engine's lines, among them one per ended
-request with the engine's stats (``flm_runtime.engine.engine.Engine._end``).
+request with the engine's stats (``flm_runtime.scheduling.engine.Engine._end``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import litellm
 
-from flm_runtime.errors import FlmError
+from flm_runtime import FlmError, Settings
 
 from .llm import FlmLLM
 
@@ -43,7 +42,6 @@ PROVIDER = "flm"
 # structured output by constrained decoding (litellm_flm.structured), no images.
 FEATURES = {"function_calling": True, "parallel_function_calling": True, "tool_choice": True, "response_schema": True,
             "vision": False}
-LOG_LEVEL_ENV = "FLM_LOG_LEVEL"
 
 # The CustomLLM instance LiteLLM calls (custom_provider_map needs an instance, not the class).
 handler = FlmLLM()
@@ -58,7 +56,7 @@ def _registry_entries() -> list:
     is logged here, and each request for a tag then raises the runtime's own error naming the file.
     """
     try:
-        from flm_runtime.registry import list_entries
+        from flm_runtime import list_entries
     except ModuleNotFoundError as e:
         if e.name != "flm_runtime.registry":
             raise
@@ -130,7 +128,7 @@ def configure_logging(level: str | None) -> None:
         return
     name = level.strip().upper()
     if not isinstance(logging.getLevelName(name), int):
-        raise ValueError(f"{LOG_LEVEL_ENV} must be a logging level (DEBUG, INFO, WARNING, ERROR), got {level!r}")
+        raise ValueError(f"FLM_LOG_LEVEL must be a logging level (DEBUG, INFO, WARNING, ERROR), got {level!r}")
     for logger in map(logging.getLogger, ("flm_runtime", "litellm_flm")):
         logger.setLevel(name)
         logger.propagate = False
@@ -138,5 +136,5 @@ def configure_logging(level: str | None) -> None:
             logger.addHandler(_stderr)
 
 
-configure_logging(os.environ.get(LOG_LEVEL_ENV))
+configure_logging(Settings.from_env().log_level)
 register()

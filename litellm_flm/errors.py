@@ -19,12 +19,14 @@ from contextlib import contextmanager
 
 import litellm
 
-from flm_runtime import errors as rt
+from flm_runtime import (BackendUnavailableError, ContextLengthError, EngineOverloadedError, FlmError,
+                         InvalidRequestError, KVBudgetError, ModelDownloadError, ModelFilesMissingError,
+                         RequestTimeoutError, UnknownModelError)
 
 PROVIDER = "flm"
 
 
-def to_litellm(error: rt.FlmError, model: str) -> Exception:
+def to_litellm(error: FlmError, model: str) -> Exception:
     """The LiteLLM exception for one runtime error (not raised: the caller raises it ``from error``).
 
     Args:
@@ -36,7 +38,7 @@ def to_litellm(error: rt.FlmError, model: str) -> Exception:
     # Order matters: both are InvalidRequestErrors. A request over the KV budget is over this
     # deployment's effective context (its memory cannot hold it even alone), so it fires the
     # Router's context_window_fallbacks too; with param "max_tokens", the value to lower.
-    if isinstance(error, (rt.ContextLengthError, rt.KVBudgetError)):
+    if isinstance(error, (ContextLengthError, KVBudgetError)):
         body = {"message": msg, "type": "invalid_request_error", "param": error.param,
                 "code": "context_length_exceeded"}
         exc = litellm.ContextWindowExceededError(**kw, body=body)
@@ -45,22 +47,22 @@ def to_litellm(error: rt.FlmError, model: str) -> Exception:
         exc.message = f"litellm.ContextWindowExceededError: {msg}"
         exc.args = (exc.message,)
         return exc
-    if isinstance(error, rt.InvalidRequestError):
+    if isinstance(error, InvalidRequestError):
         if error.param and error.param not in msg:
             kw["message"] = f"{error.param}: {msg}"
         # The OpenAI error body's "param" (openai's APIError reads it into ``exc.param``).
         body = {"message": kw["message"], "type": "invalid_request_error", "param": error.param, "code": None}
         return litellm.BadRequestError(**kw, body=body)
-    if isinstance(error, rt.RequestTimeoutError):
+    if isinstance(error, RequestTimeoutError):
         return litellm.Timeout(**kw)
-    if isinstance(error, rt.EngineOverloadedError):
+    if isinstance(error, EngineOverloadedError):
         # 429: the engine is healthy but its queue / KV budget is full; retry after a while.
         return litellm.RateLimitError(**kw)
-    if isinstance(error, (rt.BackendUnavailableError, rt.ModelDownloadError)):
+    if isinstance(error, (BackendUnavailableError, ModelDownloadError)):
         return litellm.ServiceUnavailableError(**kw)
-    if isinstance(error, rt.UnknownModelError):
+    if isinstance(error, UnknownModelError):
         return litellm.NotFoundError(**{**kw, "message": f"{msg} (`litellm-flm list` shows the known tags)"})
-    if isinstance(error, rt.ModelFilesMissingError):
+    if isinstance(error, ModelFilesMissingError):
         # Installed nowhere and not pullable: a retry cannot help, so not a 503.
         return litellm.NotFoundError(**{**kw, "message": f"{msg} (`litellm-flm pull <tag>` installs a model)"})
     # ModelFormatError and anything else: our side is broken, and retrying will not mend it.
@@ -72,5 +74,5 @@ def litellm_errors(model: str) -> Iterator[None]:
     """Re-raise any ``FlmError`` raised inside the block as its LiteLLM exception, chained."""
     try:
         yield
-    except rt.FlmError as e:
+    except FlmError as e:
         raise to_litellm(e, model) from e

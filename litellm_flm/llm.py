@@ -30,10 +30,8 @@ from litellm.types.utils import (ChatCompletionMessageToolCall, ChatCompletionTo
                                  Delta, EmbeddingResponse, Function, GenericStreamingChunk, Message, ModelResponse,
                                  ModelResponseStream, StreamingChoices, TopLogprob, Usage)
 
-from flm_runtime.engine.grammar import compiler_for
-from flm_runtime.engine.request import Completion, StreamEvent, TokenLogprob
-from flm_runtime.errors import InvalidRequestError
-from flm_runtime.tool_format import ToolCall, ToolCallStream, parse_tool_calls, render_messages
+from flm_runtime import (Completion, InvalidRequestError, StreamEvent, TokenLogprob, ToolCall, ToolCallStream,
+                         compiler_for, parse_tool_calls, render_messages)
 
 from .errors import litellm_errors
 from .params import (backend_of, choices_of, embedding_inputs, encoding_format, merge_extra_body, normalize_messages,
@@ -49,7 +47,7 @@ def _get_engine(tag: str, backend: str | None = None):
     Imported lazily so that ``import litellm_flm`` (what the proxy does at startup) stays cheap;
     tests replace this function with a fake engine.
     """
-    from flm_runtime.api import get_engine
+    from flm_runtime import get_engine
 
     return get_engine(tag, backend)
 
@@ -98,9 +96,9 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     message) continues each prompt's raw text, with no chat template: one engine request per
     prompt, all submitted before any is awaited, so the engine batches them. ``n`` > 1: each
     prompt's request has ``n`` choices (``Engine.submit_choices``: one prefill). A chat's tools
-    and tool messages are rendered in the generic tool-call format (``flm_runtime.tool_format``);
+    and tool messages are rendered in the generic tool-call format (``flm_runtime.text.tool_format``);
     a response format or tool choice becomes a grammar, compiled for each choice
-    (``flm_runtime.engine.grammar``).
+    (``flm_runtime.sampling.grammar``).
 
     Returns:
         The handles, the reasoning split, the tokens' bytes and the output format (``Started``).
@@ -256,7 +254,7 @@ def _embed(model: str, input: Any, optional_params: dict, litellm_params: dict |
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
     """
-    from flm_runtime.embedding import embed  # imports the kernels: not at ``import litellm_flm``
+    from flm_runtime import embed  # imports the kernels: not at ``import litellm_flm``
 
     request = (litellm_params or {}).get("proxy_server_request") or {}
     fmt = encoding_format(optional_params, request.get("body") if isinstance(request, dict) else None)

@@ -33,10 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from flm_runtime.backends.select import requested_backend
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.sampler import CARD_DEFAULT, SamplingDefaults
-from flm_runtime.errors import InvalidRequestError
+from flm_runtime import CARD_DEFAULT, InvalidRequestError, SamplingDefaults, SamplingParams, requested_backend
 
 # OpenAI (or extra_body) name -> SamplingParams field. Everything the runtime acts on.
 OPENAI_TO_RUNTIME: dict[str, str] = {
@@ -330,7 +327,7 @@ ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assi
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """OpenAI chat messages -> ``[{"role", "content"}]`` (and an assistant's ``tool_calls``) for
-    ``flm_runtime.tool_format.render_messages`` and the model's chat template.
+    ``flm_runtime.text.tool_format.render_messages`` and the model's chat template.
 
     ``developer`` is OpenAI's newer name for ``system``. ``tool`` messages (the results of calls)
     and an assistant's ``tool_calls`` are kept; the deprecated ``function`` messages and

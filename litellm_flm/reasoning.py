@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flm_runtime.errors import InvalidRequestError
-from flm_runtime.loading.chat_template import ThinkingFormat
+from flm_runtime import InvalidRequestError, ThinkingFormat
 
 _BEFORE, _THINKING, _CONTENT = "before", "thinking", "content"
 

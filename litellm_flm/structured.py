@@ -1,12 +1,12 @@
 """``response_format``, ``tools``, ``tool_choice`` and ``parallel_tool_calls`` -> what a request's
-output is held to (a grammar for ``flm_runtime.engine.grammar``) and how its answer is read back.
+output is held to (a grammar for ``flm_runtime.sampling.grammar``) and how its answer is read back.
 
 - ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any JSON
   object: OpenAI's JSON mode) or ``{"type": "json_schema", "json_schema": {"name", "schema",
   "strict"?}}`` (JSON that validates against ``schema``; LiteLLM turns a pydantic class into
   this form). The output is held to it by constrained decoding, whatever ``strict`` says.
 - ``tools`` (functions only), ``tool_choice`` and ``parallel_tool_calls``: the generic tool-call
-  format of ``flm_runtime.tool_format``; the answer's calls come back as OpenAI ``tool_calls``.
+  format of ``flm_runtime.text.tool_format``; the answer's calls come back as OpenAI ``tool_calls``.
 
 A request may not combine tools (other than ``tool_choice="none"``) with a JSON
 ``response_format``: each asks for the whole output.
@@ -18,9 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flm_runtime import tool_format
-from flm_runtime.engine.grammar import json_object_grammar, json_schema_grammar, lark_grammar
-from flm_runtime.errors import InvalidRequestError
+from flm_runtime import (InvalidRequestError, check_tools, chosen_functions, json_object_grammar, json_schema_grammar,
+                         lark_grammar, tool_grammar)
 
 @dataclass(frozen=True)
 class OutputFormat:
@@ -29,7 +28,7 @@ class OutputFormat:
     Attributes:
         grammar: the llguidance grammar to compile against the model's tokenizer, or None.
         param: the parameter a grammar that does not compile is blamed on.
-        functions: the tools to describe in the prompt (``tool_format.render_messages``), or None.
+        functions: the tools to describe in the prompt (``flm_runtime.render_messages``), or None.
         reads_tool_calls: the answer may hold calls: read them into ``tool_calls``.
     """
 
@@ -57,15 +56,15 @@ def output_format(optional_params: Mapping[str, Any]) -> OutputFormat:
         if tool_choice not in (None, "none"):
             raise InvalidRequestError(f"tool_choice={tool_choice!r} needs tools", param="tool_choice")
         return OutputFormat(grammar=response_format)
-    functions = tool_format.check_tools(tools)
-    mode, chosen = tool_format.chosen_functions(functions, tool_choice)
+    functions = check_tools(tools)
+    mode, chosen = chosen_functions(functions, tool_choice)
     if mode == "none":  # the tools are left out of the prompt: nothing would read a call
         return OutputFormat(grammar=response_format)
     if response_format is not None:
         raise InvalidRequestError("response_format json_object / json_schema cannot be combined with tools "
                                   "(tool_choice other than 'none'): both constrain the whole output",
                                   param="response_format")
-    return OutputFormat(grammar=lark_grammar(tool_format.tool_grammar(chosen, mode, parallel)), param="tools",
+    return OutputFormat(grammar=lark_grammar(tool_grammar(chosen, mode, parallel)), param="tools",
                         functions=functions, reads_tool_calls=True)
 
 

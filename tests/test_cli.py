@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from flm_runtime import cli, paths, pull as pull_mod, registry
-from flm_runtime.engine.request import RequestStats, SpecStats
 from flm_runtime.registry import ModelEntry, ModelFile, PipSource
+from flm_runtime.request import RequestStats, SpecStats
 
 DATA = b"GGUF" + bytes(range(256)) * 100
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flm_runtime import tool_format as tf
-from flm_runtime.engine.grammar import GrammarCompiler, lark_grammar
 from flm_runtime.errors import InvalidRequestError
+from flm_runtime.sampling.grammar import GrammarCompiler, lark_grammar
+from flm_runtime.text import tool_format as tf
 
 sys.path.insert(0, str(Path(__file__).parent / "engine"))
 from engine_fakes import EOS, EOT, FakeTokenizer  # noqa: E402

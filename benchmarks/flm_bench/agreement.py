@@ -41,11 +41,10 @@ from flm_bench import report
 from flm_bench.documents import load_documents, token_stream
 from flm_bench.engines import Context, parse_contexts
 from flm_bench.options import agreement_arguments
+from flm_runtime import InvalidRequestError, get_engine
 from flm_runtime import pull
-from flm_runtime.api import get_engine
 from flm_runtime.backends import decode, forward, prefill
 from flm_runtime.cli import Command
-from flm_runtime.errors import InvalidRequestError
 from flm_runtime.loading import load_model_files
 from flm_runtime.models.llama import LlamaModel
 

@@ -1,6 +1,6 @@
 """``litellm-flm calibrate``: measure when DFlash speculation pays, write the policy table.
 
-Two measurements, then one decision per context bucket (``flm_runtime.engine.policy``):
+Two measurements, then one decision per context bucket (``flm_runtime.speculation.policy``):
 
 1. **Acceptance records** per context, greedy: from every speculative step with the whole block,
    the number ``a`` of drafted tokens accepted and the draft's confidence in each drafted token.
@@ -58,14 +58,14 @@ import numpy as np
 from tqdm import tqdm
 
 from flm_bench import documents
+from flm_runtime import SamplingParams, SpeculativeDecoder
 from flm_runtime import paths
 from flm_runtime.backends import forward
 from flm_runtime.cli import Command
-from flm_runtime.engine import sampler
-from flm_runtime.engine.picker import Picker
-from flm_runtime.engine.policy import MIN_SPEEDUP, Bucket, PolicyTable, confident_length
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
+from flm_runtime.sampling import sampler
+from flm_runtime.sampling.picker import Picker
+from flm_runtime.scheduling.step import Lane
+from flm_runtime.speculation.policy import MIN_SPEEDUP, Bucket, PolicyTable, confident_length
 
 # Our own prompts, one or two per kind of chat use (writing, roleplay, reasoning, math, coding,
 # extraction, STEM, humanities); none is from MT-Bench.
@@ -144,7 +144,7 @@ def acceptance_records(decoder: SpeculativeDecoder, tokenizer, prompts: list[lis
             produced = len(out)
             step = decoder.step(Lane(out[-1], cache, state, picker, emit))
             if not step.finished:  # a whole step: accepted = emitted - 1
-                confidence.append(step.draft.confidence)
+                confidence.append(step.record.confidence)
                 accepted.append(step.accepted)
                 assert len(out) - produced == step.accepted + 1
             if progress is not None:
@@ -338,9 +338,8 @@ def calibrate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from flm_runtime import InvalidRequestError, get_engine
     from flm_runtime import registry
-    from flm_runtime.api import get_engine
-    from flm_runtime.errors import InvalidRequestError
 
     entry = registry.resolve(args.tag)
     if not entry.is_dflash:

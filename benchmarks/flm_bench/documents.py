@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from flm_runtime.errors import InvalidRequestError
+from flm_runtime import InvalidRequestError
 
 TEXTS_DIR = Path(__file__).resolve().parent / "texts"
 

@@ -12,13 +12,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from flm_runtime import Completion, Engine, InvalidRequestError, SamplingParams, SpeculativeDecoder, get_engine
 from flm_runtime import registry
-from flm_runtime.api import get_engine
 from flm_runtime.backends import Backend
-from flm_runtime.engine.engine import Engine
-from flm_runtime.engine.request import Completion, SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
-from flm_runtime.errors import InvalidRequestError
 from flm_runtime.models.dflash import DFlashDraft
 
 SHORT = "short"

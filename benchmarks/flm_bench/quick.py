@@ -31,7 +31,7 @@ from flm_bench.documents import (Document, Prompt, chat_ids, load_documents, lon
 from flm_bench.engines import (Context, Engines, Run, load_engines, parse_contexts, run_request, sampling,
                                        warm_up)
 from flm_bench.options import QUICK_CONTEXTS, QUICK_MAX_TOKENS
-from flm_runtime.errors import InvalidRequestError
+from flm_runtime import InvalidRequestError
 
 COLUMNS = ("context", "prompt_tokens", "tag", "iteration", "ttft_s", "prefill_tokens_per_s",
            "decode_tokens_per_s", "generated_tokens", "acceptance_length")

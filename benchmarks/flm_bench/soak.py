@@ -39,13 +39,14 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import litellm
+import litellm_flm  # noqa: F401 - registers the flm/ provider with LiteLLM
 from tqdm import tqdm
 
-from flm_runtime import paths, registry
-from flm_runtime.api import default_runtime, get_engine
 from flm_bench import report
+from flm_runtime import InvalidRequestError, default_runtime, get_engine
+from flm_runtime import paths, registry
 from flm_runtime.cli import Command
-from flm_runtime.errors import InvalidRequestError
+from flm_runtime.settings import variable
 
 PROVIDER_PREFIX = "flm/"
 # (kind, mode) of successive requests, cycled.
@@ -203,20 +204,21 @@ def draft_models_file(tag: str, draft: str | Path):
         specs = {e.tag: e.model_dump(mode="json", exclude={"tag", "origin"}, exclude_none=True)
                  for e in registry.list_entries() if e.origin == origin}
     specs[entry.tag] = {"base": entry.base, "draft": str(Path(draft).expanduser().resolve())}
-    old = os.environ.get(paths.MODELS_FILE_ENV)
+    models_file = variable("models_file")  # FLM_MODELS_FILE
+    old = os.environ.get(models_file)
     with tempfile.TemporaryDirectory(prefix="flm-soak-") as tmp:
         path = Path(tmp) / "models.json"  # JSON is YAML
         path.write_text(json.dumps(specs, indent=2), encoding="utf-8")
-        os.environ[paths.MODELS_FILE_ENV] = str(path)
+        os.environ[models_file] = str(path)
         registry.reload()
         default_runtime.forget(entry.tag)
         try:
             yield path
         finally:
             if old is None:
-                os.environ.pop(paths.MODELS_FILE_ENV, None)
+                os.environ.pop(models_file, None)
             else:
-                os.environ[paths.MODELS_FILE_ENV] = old
+                os.environ[models_file] = old
             registry.reload()
             default_runtime.forget(entry.tag)
 

@@ -34,8 +34,8 @@ from flm_bench.documents import (Document, Prompt, chat_ids, load_documents, lon
 from flm_bench.engines import (Context, Engines, Run, load_engines, parse_contexts, run_request, sampling,
                                        warm_up)
 from flm_bench.options import SPEED_CONTEXTS, SPEED_MAX_TOKENS, bench_arguments
+from flm_runtime import InvalidRequestError
 from flm_runtime.cli import Command
-from flm_runtime.errors import InvalidRequestError
 
 COLUMNS = ("context", "prompt", "prompt_tokens", "mode", "thinking", "baseline_tokens", "baseline_decode_s",
            "baseline_tokens_per_s", "dflash_tokens", "dflash_decode_s", "dflash_tokens_per_s", "speedup",

@@ -1,7 +1,6 @@
 """The runtime's plain Python API: model tag -> loaded model -> engine.
 
-    from flm_runtime.api import get_engine
-    from flm_runtime.engine.request import SamplingParams
+    from flm_runtime import SamplingParams, get_engine
 
     engine = get_engine("smollm2:135m")           # pulls the embedded default on first use
     ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
@@ -15,7 +14,11 @@ handler, the CLI, tests): the engines and loaded models live in a ``Runtime``, a
 A DFlash tag (``X-dflash:size``) gets its own engine that decodes speculatively with the draft of
 ``registry.locate_draft(tag)``, over the *same* target object as the base tag's engine: a target is
 loaded once per process whichever of the two tags comes first. Its speculation policy (when a
-speculative step pays, by context; ``flm_runtime.engine.policy``) is ``load_policy``'s table.
+speculative step pays, by context; ``flm_runtime.speculation.policy``) is ``load_policy``'s table.
+
+Settings (``flm_runtime.settings``): a ``Runtime`` given a ``Settings`` uses those; without, it
+reads the environment's at each ``get_engine`` (so the process's runtime sees a variable a test or
+a proxy's config sets after import), and passes them down.
 
 Backends (``flm_runtime.backends``): ``get_engine(tag, backend=...)`` with ``auto`` (default, or
 ``$FLM_BACKEND``), ``cpu`` or ``npu``. The cpu target is the ``LlamaModel``; an npu target is an
@@ -23,8 +26,8 @@ Backends (``flm_runtime.backends``): ``get_engine(tag, backend=...)`` with ``aut
 choice for a (model, requested backend) pair is made once per process; ``auto`` falls back to cpu
 when the npu backend is not there or fails to start, logging why once.
 
-Engine limits (``flm_runtime.engine.admission``): ``$FLM_KV_BUDGET`` (KV bytes) and
-``$FLM_MAX_QUEUE`` (waiting requests), read when an engine is created. They are per process, not
+Engine limits (``flm_runtime.scheduling.admission``): ``$FLM_KV_BUDGET`` (KV bytes) and
+``$FLM_MAX_QUEUE`` (waiting requests), applied when an engine is created. They are per process, not
 per LiteLLM deployment: every deployment of a tag shares its one engine (one copy of the weights,
 one batch), so a per-deployment value would have to either split that engine or contradict another
 deployment's. A proxy sets them in its config's ``environment_variables``.
@@ -40,18 +43,18 @@ import numpy as np
 
 from flm_runtime import paths, pull, registry
 from flm_runtime.backends import TargetModel
-from flm_runtime.kernels import skinny_gemm
-from flm_runtime.backends.select import log_once, requested_backend, select_backend
-from flm_runtime.engine.admission import limits_from_env
-from flm_runtime.engine.engine import Engine
-from flm_runtime.engine.policy import ALWAYS_SPECULATE, PolicyTable, SpeculationPolicy
-from flm_runtime.engine.policy import FILE_NAME as POLICY_FILE
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.backends.select import log_once, select_backend
 from flm_runtime.errors import BackendUnavailableError
 from flm_runtime.loading import Tokenizer, load_model_files
+from flm_runtime.kernels import skinny_gemm
 from flm_runtime.loading.chat_template import thinking_format
 from flm_runtime.models.dflash import DFlashDraft
 from flm_runtime.models.llama import LlamaModel
+from flm_runtime.scheduling.engine import Engine
+from flm_runtime.settings import Settings, requested_backend
+from flm_runtime.speculation.policy import ALWAYS_SPECULATE, PolicyTable, SpeculationPolicy
+from flm_runtime.speculation.policy import FILE_NAME as POLICY_FILE
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 
 @dataclass(frozen=True)
@@ -161,9 +164,14 @@ class Runtime:
     An engine per (tag, backend that runs it), each plain tag's target loaded once per backend
     and shared by its plain and DFlash engines, and each (tag, requested backend)'s backend
     choice, made once.
+
+    Args:
+        settings: the ``FLM_*`` settings its engines are made with; None reads the environment's
+            at each ``get_engine``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings | None = None) -> None:
+        self._settings = settings
         self._lock = threading.Lock()
         self._engines: dict[str, Engine] = {}  # engine name (the tag; "tag[npu]" on the npu backend) -> engine
         self._targets: dict[tuple[str, str], LoadedModel] = {}  # (canonical plain tag, backend) -> its model
@@ -181,11 +189,12 @@ class Runtime:
         Raises:
             InvalidRequestError: ``backend`` (or ``$FLM_BACKEND``) is not auto, cpu or npu; or
                 ``$FLM_KV_BUDGET`` / ``$FLM_MAX_QUEUE`` (the new engine's limits, see
-                ``flm_runtime.engine.admission``) is not a positive integer.
+                ``flm_runtime.scheduling.admission``) is not a positive integer.
             BackendUnavailableError: ``npu`` was asked for and cannot run (says what is missing).
             the errors of ``load_model`` (and of ``load_draft`` for a DFlash tag).
         """
-        requested = requested_backend(backend)
+        settings = self.settings
+        requested = requested_backend(backend, settings)
         with self._lock:
             key = self._keys.get((tag, requested))
             engine = self._engines.get(key) if key is not None else None
@@ -206,9 +215,14 @@ class Runtime:
                     loaded, speculative = self._target(base, name, models), None
                 sampling = models.resolve(base).sampling  # a draft keeps its target's
                 engine = Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
-                                default_sampling=sampling, **limits_from_env())
+                                default_sampling=sampling, **settings.engine_limits())
                 self._engines[key] = engine
             return engine
+
+    @property
+    def settings(self) -> Settings:
+        """The settings given at creation, else the environment's now."""
+        return self._settings if self._settings is not None else Settings.from_env()
 
     def forget(self, tag: str) -> int:
         """Close and drop the engines of ``tag`` (as asked, on every backend): the next

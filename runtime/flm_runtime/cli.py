@@ -27,7 +27,7 @@ from flm_runtime import registry
 from flm_runtime.errors import FlmError
 
 if TYPE_CHECKING:  # the engine's modules load only when a command needs them
-    from flm_runtime.engine.request import RequestStats
+    from flm_runtime.request import RequestStats
 
 PROG = "litellm-flm"
 COMMAND_GROUP = "litellm_flm.commands"

@@ -46,7 +46,7 @@ class ContextLengthError(InvalidRequestError):
 
 class KVBudgetError(InvalidRequestError):
     """A request whose KV cache could outgrow the engine's whole KV memory budget, even running
-    alone (``flm_runtime.engine.admission``): no wait can help, only a smaller ``max_tokens`` (or
+    alone (``flm_runtime.scheduling.admission``): no wait can help, only a smaller ``max_tokens`` (or
     ``n``) or a larger budget (``FLM_KV_BUDGET``).
 
     Attributes:

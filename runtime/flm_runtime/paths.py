@@ -1,9 +1,9 @@
 """Where the runtime keeps and finds model files.
 
-Every function reads the environment when called (not at import), so a test or a long-running
-process that changes ``FLM_MODEL_PATH`` or ``FLM_MODELS_FILE`` sees the change at once.
+Every function reads the settings (``flm_runtime.settings``) when called (not at import), so a
+test or a long-running process that changes ``FLM_MODEL_PATH`` or ``FLM_MODELS_FILE`` sees the
+change at once:
 
-Environment:
     FLM_MODEL_PATH: the model cache directory. Default: the platform's user cache directory for
         ``litellm-flm`` plus ``models`` (``~/.cache/litellm-flm/models`` on Linux).
     FLM_MODELS_FILE: the user models file (YAML; see ``flm_runtime.registry``). Default:
@@ -13,19 +13,18 @@ Environment:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import platformdirs
 
+from flm_runtime.settings import Settings
+
 APP_NAME = "litellm-flm"
-MODEL_PATH_ENV = "FLM_MODEL_PATH"
-MODELS_FILE_ENV = "FLM_MODELS_FILE"
 
 
 def model_dir() -> Path:
     """The model cache directory (absolute; not created here)."""
-    override = os.environ.get(MODEL_PATH_ENV)
+    override = Settings.from_env().model_path
     if override:
         return Path(override).expanduser().resolve()
     return platformdirs.user_cache_path(APP_NAME) / "models"
@@ -38,7 +37,7 @@ def config_dir() -> Path:
 
 def models_file() -> Path:
     """The user models file: ``$FLM_MODELS_FILE`` or ``<config dir>/models.yaml`` (may not exist)."""
-    override = os.environ.get(MODELS_FILE_ENV)
+    override = Settings.from_env().models_file
     if override:
         return Path(override).expanduser().resolve()
     return config_dir() / "models.yaml"

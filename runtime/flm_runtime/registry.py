@@ -61,9 +61,9 @@ import entrypoints
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flm_runtime import paths
-from flm_runtime.engine.sampler import SamplingDefaults
-from flm_runtime.loading.chat_template import ThinkingFormat
 from flm_runtime.errors import ModelFilesMissingError, ModelFormatError, UnknownModelError
+from flm_runtime.loading.chat_template import ThinkingFormat
+from flm_runtime.sampling.sampler import SamplingDefaults
 
 log = logging.getLogger(__name__)
 

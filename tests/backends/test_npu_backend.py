@@ -15,9 +15,9 @@ from flm_runtime.backends import TargetModel, decode, forward, npu, prefill, pre
 from flm_runtime.backends.npu import NpuModel
 from flm_runtime.backends.npu.layout import from_bf16, to_bf16
 from flm_runtime.core import KVCache
-from flm_runtime.engine.engine import Engine
-from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import BackendUnavailableError
+from flm_runtime.scheduling.engine import Engine
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 from npu_fixtures import TAG, ByteTokenizer, fake_pyxrt_for, random_draft, tiny_model, write_tiny_build
 

@@ -13,10 +13,10 @@ import pytest
 
 from flm_runtime import api, paths, registry
 from flm_bench import calibrate
-from flm_runtime.engine.policy import PolicyTable
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.models.dflash import DFlashDraft
+from flm_runtime.request import SamplingParams
+from flm_runtime.speculation.policy import PolicyTable
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 PROMPT = ("Explain in simple terms why the sky looks blue during the day.",)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from engine_fakes import FakeTokenizer
 
-from flm_runtime.engine.engine import Engine
+from flm_runtime.scheduling.engine import Engine
 
 
 @pytest.fixture

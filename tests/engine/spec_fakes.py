@@ -16,11 +16,12 @@ from engine_fakes import EOS
 
 from flm_runtime.backends import decode, prefill
 from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
-from flm_runtime.engine import sampler
-from flm_runtime.engine.picker import Picker
-from flm_runtime.engine.speculative import Lane, SpeculativeDecoder
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
 from flm_runtime.models.llama import LlamaModel
+from flm_runtime.sampling import sampler
+from flm_runtime.sampling.picker import Picker
+from flm_runtime.scheduling.step import Lane
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 # The tiny-model and draft-file helpers live beside the model tests (tests/models).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))

@@ -17,10 +17,11 @@ from spec_fakes import ScriptTarget, random_draft
 from test_engine_core import idle, wait_until
 
 from flm_runtime.core import LlamaConfig
-from flm_runtime.engine import admission
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import EngineOverloadedError, InvalidRequestError, KVBudgetError, RequestTimeoutError
+from flm_runtime.request import SamplingParams
+from flm_runtime.scheduling import admission
+from flm_runtime.settings import Settings
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 BYTES_PER_TOKEN = 32  # the fake models' float32 K and V of one position
 
@@ -147,7 +148,7 @@ def test_timeout_while_waiting_for_kv_leaves_nothing_behind(make_engine, tok):
 
 def test_each_request_end_logs_the_engine_stats(make_engine, tok, caplog):
     engine = make_engine(HashModel(), tok)
-    with caplog.at_level(logging.INFO, logger="flm_runtime.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="flm_runtime.scheduling.engine"):
         engine.submit([1, 2], SamplingParams(max_tokens=3)).result(timeout=10)
         wait_until(lambda: len(caplog.records) == 1)
     message = caplog.records[0].getMessage()
@@ -164,20 +165,20 @@ def test_each_request_end_logs_the_engine_stats(make_engine, tok, caplog):
     ({"FLM_KV_BUDGET": ""}, {}),
 ])
 def test_limits_from_env(environ, limits):
-    assert admission.limits_from_env(environ) == limits
+    assert Settings.from_env(environ).engine_limits() == limits
 
 
 @pytest.mark.parametrize("environ, name", [({"FLM_KV_BUDGET": "1.5GB"}, "FLM_KV_BUDGET"),
                                            ({"FLM_MAX_QUEUE": "0"}, "FLM_MAX_QUEUE")])
 def test_bad_env_limits_name_the_variable(environ, name):
     with pytest.raises(InvalidRequestError) as e:
-        admission.limits_from_env(environ)
+        Settings.from_env(environ).engine_limits()
     assert e.value.param == name and repr(environ[name].strip()) in str(e.value)
 
 
 @pytest.mark.parametrize("kw", [{"kv_budget": 0}, {"max_queue": -1}, {"max_active": 2.5}, {"prefill_tokens": 0}])
 def test_bad_engine_limits_name_the_parameter(tok, kw):
-    from flm_runtime.engine.engine import Engine
+    from flm_runtime.scheduling.engine import Engine
 
     with pytest.raises(InvalidRequestError) as e:
         Engine(HashModel(), tok, name="bad", **kw)

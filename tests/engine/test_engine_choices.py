@@ -10,10 +10,10 @@ import pytest
 from engine_fakes import FakeCache, HashModel
 from test_engine_core import idle, wait_until
 
-from flm_runtime.engine import sampler
-from flm_runtime.engine.handle import RequestCancelledError
-from flm_runtime.engine.request import SamplingParams
 from flm_runtime.errors import InvalidRequestError, KVBudgetError
+from flm_runtime.request import SamplingParams
+from flm_runtime.sampling import sampler
+from flm_runtime.scheduling.handle import RequestCancelledError
 
 PROMPT = [5, 17, 200, 33, 9, 140, 71, 2, 250, 64]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -111,7 +111,7 @@ def test_cancelling_the_first_choice_mid_prefill_hands_the_prefill_on(make_engin
 
 def test_cancelling_choices_before_admission_and_while_waiting_for_the_prompt(make_engine, tok):
     engine = make_engine(HashModel(delay=0.01), tok, prefill_tokens=8)
-    with engine._cv:  # (re-entrant) cancelled while queued: the first is gone before any step
+    with engine.held():  # cancelled while queued: the first is gone before any step
         handles = engine.submit_choices(PROMPT * 4, SAMPLED, 3)
         handles[0].cancel()
     want = results(make_engine(HashModel(), tok, prefill_tokens=8).submit_choices(PROMPT * 4, SAMPLED, 3))

@@ -9,10 +9,10 @@ import time
 import pytest
 from engine_fakes import BOT, EOS, FakeTokenizer, HashModel, ScriptModel
 
-from flm_runtime.engine.handle import RequestCancelledError
-from flm_runtime.engine.request import SamplingParams
 from flm_runtime.errors import (BackendUnavailableError, ContextLengthError, EngineOverloadedError,
                                 InvalidRequestError, RequestTimeoutError)
+from flm_runtime.request import SamplingParams
+from flm_runtime.scheduling.handle import RequestCancelledError
 
 SAMPLED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=7, max_tokens=24)
 
@@ -233,7 +233,7 @@ def test_failing_sequence_fails_only_its_request(make_engine, tok):
 
 
 def test_a_bug_while_finishing_fails_the_request_not_the_engine(make_engine, tok, monkeypatch):
-    from flm_runtime.engine import engine as engine_module
+    from flm_runtime.scheduling import engine as engine_module
 
     engine = make_engine(HashModel(), tok)
     with monkeypatch.context() as m:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from engine_fakes import EOS, EOT, FakeTokenizer
 
-from flm_runtime.engine.detokenizer import Detokenizer, detokenize
+from flm_runtime.text.detokenizer import Detokenizer, detokenize
 
 SAMPLES = {
     "chinese": "你好，世界",

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.sampler import (CARD_DEFAULT, GREEDY, SamplingDefaults, default_sampling, new_rng,
-                                        sample, sample_from_probs, warp)
 from flm_runtime.errors import InvalidRequestError
+from flm_runtime.request import SamplingParams
+from flm_runtime.sampling.sampler import (CARD_DEFAULT, GREEDY, SamplingDefaults, default_sampling, new_rng,
+                                        sample, sample_from_probs, warp)
 
 P4 = np.array([0.5, 0.3, 0.15, 0.05])          # a distribution whose cumulative masses are known
 LOGITS4 = np.log(P4).astype(np.float32)

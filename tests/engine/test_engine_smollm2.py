@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from flm_runtime.backends import decode, prefill
-from flm_runtime.engine.detokenizer import Detokenizer
-from flm_runtime.engine.request import SamplingParams
+from flm_runtime.request import SamplingParams
+from flm_runtime.text.detokenizer import Detokenizer
 
 PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"]
@@ -97,7 +97,7 @@ def test_eight_batched_requests_equal_each_alone(engine, smollm2_tokenizer, monk
     forward_batch = engine.model.forward_batch
     monkeypatch.setattr(engine.model, "forward_batch",
                         lambda rows, caches, **kw: passes.append([len(r) for r in rows]) or forward_batch(rows, caches, **kw))
-    with engine._cv:  # (re-entrant) hold the engine thread back until all 8 are queued
+    with engine.held():  # hold the engine thread back until all 8 are queued
         handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
     together = [h.result().token_ids for h in handles]
     assert sum(r > 1 for r in passes[0]) >= 3, passes[0]    # several prompts' chunks in the first pass

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from engine_fakes import EOS, EOT, FakeTokenizer
 
-from flm_runtime.engine.detokenizer import Detokenizer
-from flm_runtime.engine.stop import StopChecker, StopStringMatcher
+from flm_runtime.text.detokenizer import Detokenizer
+from flm_runtime.text.stop import StopChecker, StopStringMatcher
 
 
 def _match(stop, chunks):

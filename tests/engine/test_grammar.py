@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from engine_fakes import EOS, EOT, FakeTokenizer
 
-from flm_runtime.engine.grammar import (GrammarCompiler, compiler_for, json_object_grammar, json_schema_grammar,
-                                        lark_grammar)
 from flm_runtime.errors import InvalidRequestError
+from flm_runtime.sampling.grammar import (GrammarCompiler, compiler_for, json_object_grammar, json_schema_grammar,
+                                        lark_grammar)
 
 OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
              "additionalProperties": False}

@@ -11,10 +11,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from flm_runtime import api, tool_format
-from flm_runtime.engine.grammar import compiler_for, json_object_grammar, json_schema_grammar, lark_grammar
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime import api
+from flm_runtime.request import SamplingParams
+from flm_runtime.sampling.grammar import compiler_for, json_object_grammar, json_schema_grammar, lark_grammar
+from flm_runtime.speculation.speculative import SpeculativeDecoder
+from flm_runtime.text import tool_format
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20},
@@ -41,7 +42,7 @@ MAX_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def engines(smollm2_quantized, smollm2_tokenizer):
-    from flm_runtime.engine.engine import Engine
+    from flm_runtime.scheduling.engine import Engine
 
     decoder = SpeculativeDecoder(smollm2_quantized, api.load_draft("smollm2-dflash:135m", smollm2_quantized))
     plain = Engine(smollm2_quantized, smollm2_tokenizer, name="grammar-plain")
@@ -97,7 +98,7 @@ def test_constrained_requests_batched_with_speculation_equal_each_alone(engines,
               SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=MAX_TOKENS),
               SamplingParams(temperature=0.7, seed=3, max_tokens=MAX_TOKENS)]
     alone = [submit(plain, smollm2_tokenizer, q, s, p).result() for (q, s), p in zip(CASES, params)]
-    with spec._cv:  # hold the engine thread back until all are queued: they run as one batch
+    with spec.held():  # hold the engine thread back until all are queued: they run as one batch
         handles = [submit(spec, smollm2_tokenizer, q, s, p) for (q, s), p in zip(CASES, params)]
     together = [h.result() for h in handles]
     assert [d.token_ids for d in together] == [d.token_ids for d in alone]
@@ -110,7 +111,7 @@ def test_drafted_tokens_the_grammar_forbids_end_the_accepted_prefix(smollm2_quan
     allows) at every third position, and a ``logit_bias`` of +100 that makes that token the
     target's favourite everywhere: only the mask stands between it and acceptance. Blocks are
     accepted up to it, the mask rejects it, and the answer is still exactly the plain one."""
-    from flm_runtime.engine.engine import Engine
+    from flm_runtime.scheduling.engine import Engine
 
     plain, _ = engines
     tok, forbidden = smollm2_tokenizer, smollm2_tokenizer.token_to_id("<|im_start|>")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flm_runtime.engine.ngram import DECAY, NO_LOOKUP, PromptLookup
+from flm_runtime.speculation.ngram import DECAY, NO_LOOKUP, PromptLookup
 
 
 def lookup_of(tokens: list[int], chunks: int = 1) -> PromptLookup:
@@ -19,7 +19,7 @@ def lookup_of(tokens: list[int], chunks: int = 1) -> PromptLookup:
 
 
 def proposed(tokens: list[int], anchor: int, most: int = 7) -> tuple[list[int], int]:
-    got = lookup_of(tokens).propose(anchor, most, 0.0)
+    got = lookup_of(tokens).find(anchor, most, 0.0)
     return got.ids.tolist(), got.match
 
 
@@ -48,15 +48,15 @@ def test_a_copy_that_reaches_the_anchor_repeats_the_run():
 @pytest.mark.parametrize("tokens, anchor", [([1, 2, 3, 4], 5), ([1, 2, 3, 4], 1), ([], 1), ([9], 9)])
 def test_no_match_proposes_nothing(tokens, anchor):
     """No earlier n-gram of 2 or more tokens ends with the anchor (a 1-token match does not count)."""
-    assert lookup_of(tokens).propose(anchor, 7, 0.0) is NO_LOOKUP
-    assert lookup_of([1, 2, 1, 2]).propose(1, 0, 0.0) is NO_LOOKUP  # nothing to propose
+    assert lookup_of(tokens).find(anchor, 7, 0.0) is NO_LOOKUP
+    assert lookup_of([1, 2, 1, 2]).find(1, 0, 0.0) is NO_LOOKUP  # nothing to propose
 
 
 def test_extending_by_chunks_indexes_as_extending_at_once():
     tokens = np.random.default_rng(0).integers(0, 6, 200).tolist()  # a small vocabulary: many matches
     whole, chunked = lookup_of(tokens), lookup_of(tokens, chunks=13)
     for anchor in range(6):
-        a, b = whole.propose(anchor, 7, 0.0), chunked.propose(anchor, 7, 0.0)
+        a, b = whole.find(anchor, 7, 0.0), chunked.find(anchor, 7, 0.0)
         assert a.ids.tolist() == b.ids.tolist() and a.match == b.match > 0
 
 
@@ -64,14 +64,14 @@ def test_gate_and_expected_accepted_follow_the_rate():
     """The prior rate 0.5 for every token: a gate of 0.2 keeps 2 (0.5, 0.25 >= 0.2 > 0.125),
     expected accepted 0.5 + 0.25; a gate over 0.5 keeps none."""
     history = lookup_of([1, 2, 3, 4, 5, 6, 1])
-    got = history.propose(2, 4, 0.2)
+    got = history.find(2, 4, 0.2)
     assert (got.ids.tolist(), got.match, got.expected) == ([3, 4], 2, 0.75)
-    assert history.propose(2, 4, 0.6) is NO_LOOKUP
+    assert history.find(2, 4, 0.6) is NO_LOOKUP
 
 
 def test_observe_counts_accepted_and_rejected_tokens_per_match_length():
     history = lookup_of([1, 2, 3, 4, 5, 6, 1])
-    lookup = history.propose(2, 4, 0.0)  # [3, 4, 5, 6], match 2
+    lookup = history.find(2, 4, 0.0)  # [3, 4, 5, 6], match 2
     history.observe(lookup, [3, 4, 9])    # 2 accepted, the third rejected: 3 compared
     assert history.rate(2) == pytest.approx((DECAY * 1 + 2) / (DECAY * 2 + 3))
     assert history.rate(3) == 0.5         # another match length: untouched
@@ -85,7 +85,7 @@ def test_observe_counts_accepted_and_rejected_tokens_per_match_length():
 def test_copy_is_independent():
     history = lookup_of([1, 2, 3, 1])
     twin = history.copy()
-    twin.observe(twin.propose(2, 2, 0.0), [9])  # [3, 1] proposed, the first rejected
+    twin.observe(twin.find(2, 2, 0.0), [9])  # [3, 1] proposed, the first rejected
     twin.extend([2, 7, 1])
     assert len(history) == 4 and history.rate(2) == 0.5 and twin.rate(2) < 0.5
-    assert history.propose(2, 1, 0.0).ids.tolist() == [3] and twin.propose(2, 1, 0.0).ids.tolist() == [7]
+    assert history.find(2, 1, 0.0).ids.tolist() == [3] and twin.find(2, 1, 0.0).ids.tolist() == [7]

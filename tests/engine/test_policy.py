@@ -1,4 +1,4 @@
-"""The speculation policy (flm_runtime.engine.policy): the table, the per-request acceptance
+"""The speculation policy (flm_runtime.speculation.policy): the table, the per-request acceptance
 tracker step by step, the confidence gate, and the engine switching a request whose acceptance
 collapses to plain decoding, or gating its drafts (exact output, exact step counts) on a scripted
 target."""
@@ -11,10 +11,10 @@ from engine_fakes import FakeTokenizer
 from pydantic import ValidationError
 from spec_fakes import ScriptTarget, random_draft, replay_proposer
 
-from flm_runtime.engine.policy import (ALWAYS_SPECULATE, MIN_SPEEDUP, AcceptanceTracker, Bucket, PolicyTable,
+from flm_runtime.request import SamplingParams
+from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, MIN_SPEEDUP, AcceptanceTracker, Bucket, PolicyTable,
                                       confident_length, paying_length)
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 PAYS_AT_2 = Bucket(max_context=1 << 20, speculate=True, draft_length=7, cost_ratio=2.0, expected_al=3.0)
 

@@ -13,12 +13,12 @@ from engine_fakes import EOS, FakeTokenizer
 from spec_fakes import PROMPT, ScriptTarget, random_draft, replay_proposer
 
 from flm_runtime.backends import prefill
-from flm_runtime.engine import sampler
-from flm_runtime.engine.picker import Picker
-from flm_runtime.engine.processors import FrequencyPresencePenalty, LogitBias, RepetitionPenalty, request_processors
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import InvalidRequestError
+from flm_runtime.request import SamplingParams
+from flm_runtime.sampling import sampler
+from flm_runtime.sampling.picker import Picker
+from flm_runtime.sampling.processors import FrequencyPresencePenalty, LogitBias, RepetitionPenalty, request_processors
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 X = np.array([2.0, -1.0, 0.5, 0.0, 3.0], dtype=np.float32)  # binary fractions: the expected values are exact
 GENERATED = [2, 2, 4]                                        # c = [0, 0, 2, 0, 1]
@@ -204,7 +204,7 @@ def test_batched_equals_alone(make_engine, tiny):
               SamplingParams(temperature=1.0, seed=3, logit_bias={5: 3.0}, logprobs=True, top_logprobs=20,
                              max_tokens=30, ignore_eos=True)]
     alone = [engine.submit(p, q).result() for p, q in zip(prompts, params)]
-    with engine._cv:  # (re-entrant) all queued before the first step
+    with engine.held():  # all queued before the first step
         handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
     for handle, want in zip(handles, alone):
         assert_same(handle.result(), want)

@@ -12,12 +12,13 @@ from engine_fakes import EOS, FakeTokenizer
 from spec_fakes import PROMPT, ScriptTarget, plain_generate, random_draft, replay_proposer, spec_generate
 
 from flm_runtime.backends import forward
-from flm_runtime.engine import sampler
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.picker import Picker
-from flm_runtime.engine.ngram import NO_LOOKUP, Lookup
-from flm_runtime.engine.policy import Bucket, PolicyTable, expected_accepted
-from flm_runtime.engine.speculative import PLAIN, Draft, SpeculativeDecoder, choose, verify
+from flm_runtime.request import SamplingParams
+from flm_runtime.sampling import sampler
+from flm_runtime.sampling.picker import Picker
+from flm_runtime.scheduling.step import PLAIN, StepRecord
+from flm_runtime.speculation.ngram import NO_LOOKUP, Lookup
+from flm_runtime.speculation.policy import Bucket, PolicyTable, expected_accepted
+from flm_runtime.speculation.speculative import SpeculativeDecoder, choose, verify
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11)
@@ -205,17 +206,17 @@ def test_max_tokens_is_exact_inside_a_block(make_engine, max_tokens, perfect):
 
 def test_on_step_reports_each_pass_with_its_drafts(make_engine):
     """The engine's per-step hook: one ``StepTiming`` per forward pass, with each decoding lane's
-    ``Draft``: the prefill, then three whole blocks of 7 (25 tokens: 1 + 3 * 8); without a draft,
+    ``StepRecord``: the prefill, then three whole blocks of 7 (25 tokens: 1 + 3 * 8); without a draft,
     every decoding step is ``PLAIN``."""
     engine = script_engine(make_engine, LETTERS)
     steps = []
     engine.on_step = steps.append
     assert engine.submit([1, 2, 3], SamplingParams(max_tokens=25)).result().stats.spec.steps == 3
-    assert [[(len(d.ids), d.planned, d.gated) for d in t.drafts] for t in steps] == [[], *[[(7, 7, False)]] * 3]
+    assert [[(len(d.ids), d.planned, d.gated) for d in t.records] for t in steps] == [[], *[[(7, 7, False)]] * 3]
     plain = make_engine(ScriptTarget(LETTERS, 3), FakeTokenizer(vocab_size=300), on_step=steps.append)
     steps.clear()
     assert plain.submit([1, 2, 3], SamplingParams(max_tokens=5)).result().text == "abcde"
-    assert [len(t.drafts) for t in steps] == [0, 1, 1, 1, 1] and all(d is PLAIN for t in steps for d in t.drafts)
+    assert [len(t.records) for t in steps] == [0, 1, 1, 1, 1] and all(d is PLAIN for t in steps for d in t.records)
 
 
 def test_stop_string_inside_a_block(make_engine):
@@ -256,7 +257,7 @@ def test_chunked_prefill_beside_speculative_decoding(make_engine, tiny, monkeypa
     monkeypatch.setattr(tiny, "forward_batch",
                         lambda rows, caches, **kw: passes.append(sorted(len(r) for r in rows)) or forward_batch(rows, caches, **kw))
     short, long = PROMPT[:3], (PROMPT * 3)[:30]
-    with engine._cv:  # (re-entrant) both queued before the first step
+    with engine.held():  # both queued before the first step
         handles = [engine.submit(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in (short, long)]
     assert [h.result().token_ids for h in handles] == [tuple(plain_generate(tiny, p, 20, GREEDY)) for p in (short, long)]
     assert passes[:2] == [[3], [4, 8]]  # the long prompt's 4-token chunk did not fit beside the short one
@@ -363,7 +364,7 @@ def test_the_policy_plan_bounds_the_ngram_proposal(make_engine):
     engine.on_step = steps.append
     done = engine.submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
     assert done.token_ids == tuple(COPIED)
-    drafts = [d for t in steps for d in t.drafts]
+    drafts = [d for t in steps for d in t.records]
     assert any(d.ngram for d in drafts) and all(len(d.ids) <= d.planned == 3 for d in drafts if d.planned)
     assert drafts[-1] is PLAIN and done.stats.spec.ngram_steps == sum(d.ngram for d in drafts)
 
@@ -371,7 +372,7 @@ def test_the_policy_plan_bounds_the_ngram_proposal(make_engine):
 def test_choose_prefers_the_proposal_expected_to_keep_more():
     """The draft's expected accepted tokens: 0.9 + 0.81 (its gated two); the lookup's: 1 + 0.8, a
     tie, 1 + 0.7."""
-    draft = Draft(DRAFT[:2], 3, np.array([0.9, 0.9, 0.1], dtype=np.float32))
+    draft = StepRecord(DRAFT[:2], 3, np.array([0.9, 0.9, 0.1], dtype=np.float32))
     more = Lookup(np.array([1, 2]), 2, np.array([1.0, 0.8], dtype=np.float32))
     assert choose(draft, more).ids is more.ids and choose(draft, more).ngram
     tie = Lookup(np.array([1, 2]), 2, draft.confidence[:2])
@@ -421,7 +422,7 @@ def test_ngram_only_steps_where_the_table_speculates_nowhere(make_engine):
         done = engine.submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
         assert done.token_ids == tuple(COPIED) and asked == []
         stats[ratio is None] = done.stats.as_dict()
-        drafts = [d for t in steps for d in t.drafts]
+        drafts = [d for t in steps for d in t.records]
         assert all(d.planned == 0 and not d.gated for d in drafts)
         if ratio is None:
             assert all(d is PLAIN for d in drafts) and len(drafts) == 11
@@ -457,8 +458,8 @@ def test_an_ngram_only_step_verifies_as_many_tokens_as_pay(make_engine, ratio, m
     engine.on_step = steps.append
     done = engine.submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
     assert done.token_ids == tuple(COPIED)
-    drafts = [d for t in steps for d in t.drafts]
-    assert [(d.lookup.match, len(d.ids), d.ngram) for d in drafts] == want
+    drafts = [d for t in steps for d in t.records]
+    assert [(d.lookup.match if d.lookup is not None else 0, len(d.ids), d.ngram) for d in drafts] == want
     assert done.stats.spec.ngram_steps == done.stats.spec.steps == sum(n for *_, n in want)
 
 
@@ -487,8 +488,8 @@ def test_ngram_only_steps_keep_the_draft_in_step(tiny):
     asked = count_draft_passes(draft)
     decoder = SpeculativeDecoder(tiny, draft, policy=plain_table(CHEAP, speculate_from=80))
     drafts = []
-    propose = decoder.propose
-    decoder.propose = lambda lanes: drafts.extend(propose(lanes)) or drafts[-len(lanes):]
+    prepare = decoder.prepare
+    decoder.prepare = lambda lanes: drafts.extend(prepare(lanes)) or drafts[-len(lanes):]
     out, _, state = spec_generate(decoder, REPEATS, 60, GREEDY, on_step=check_caches(tiny, decoder, REPEATS))
     assert out == base
     planned = [d.planned > 0 for d in drafts]
@@ -503,8 +504,8 @@ def test_an_ngram_only_step_fits_its_rows_in_the_context():
     target = ScriptTarget(COPIED, prompt_len=14, context=20)
     decoder = SpeculativeDecoder(target, random_draft(target, taps=[0, 1]), policy=plain_table(CHEAP))
     drafts = []
-    propose = decoder.propose
-    decoder.propose = lambda lanes: drafts.extend(propose(lanes)) or drafts[-len(lanes):]
+    prepare = decoder.prepare
+    decoder.prepare = lambda lanes: drafts.extend(prepare(lanes)) or drafts[-len(lanes):]
     out, cache, _ = spec_generate(decoder, [1, 2, *COPIED], 7, GREEDY)
     assert out == COPIED[:7] and cache.length == 20
     assert [(len(d.ids), d.ngram) for d in drafts] == [(0, False), (4, True)]

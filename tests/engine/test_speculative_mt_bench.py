@@ -21,8 +21,8 @@ import pytest
 
 from flm_runtime import api
 from flm_runtime.backends import prefill
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
+from flm_runtime.request import SamplingParams
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 N_NEW = 128
 MARGIN_TOL = 5e-3  # logits, as tests/engine/test_speculative_smollm2.py
@@ -61,7 +61,7 @@ def test_speculative_equals_baseline_on_all_mt_bench_first_turns(weights, mt_ben
 
     decoder = SpeculativeDecoder(smollm2_model, api.load_draft("smollm2-dflash:135m", smollm2_model))
     engine = make_engine(smollm2_model, tok, speculative=decoder, max_active=80, max_queue=80)
-    with engine._cv:  # (re-entrant) hold the engine thread back until all 80 are queued: one batch
+    with engine.held():  # hold the engine thread back until all 80 are queued: one batch
         handles = [engine.submit(p, SamplingParams(max_tokens=N_NEW)) for p in prompts]
     done = [h.result() for h in handles]
     t_spec = time.perf_counter() - t0 - t_baseline

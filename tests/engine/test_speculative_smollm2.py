@@ -18,10 +18,10 @@ from spec_fakes import draft_config_dict, random_draft_weights, replay_proposer,
 
 from flm_runtime import api, registry
 from flm_runtime.backends import decode, prefill
-from flm_runtime.engine.policy import Bucket, PolicyTable
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.request import SamplingParams
+from flm_runtime.speculation.policy import Bucket, PolicyTable
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 MARGIN_TOL = 5e-3  # logits; 2.5x the per-logit tolerance between the verify and decode paths
 N_TOKENS = 24
@@ -149,9 +149,9 @@ def test_eight_batched_speculative_requests_equal_each_alone(make_engine, smollm
     alone = [engine.submit(p, q).result().token_ids for p, q in zip(prompts, params)]
 
     lanes = []
-    propose = decoder.propose
-    monkeypatch.setattr(decoder, "propose", lambda ls: lanes.append(len(ls)) or propose(ls))
-    with engine._cv:  # (re-entrant) hold the engine thread back until all 8 are queued
+    prepare = decoder.prepare
+    monkeypatch.setattr(decoder, "prepare", lambda ls: lanes.append(len(ls)) or prepare(ls))
+    with engine.held():  # hold the engine thread back until all 8 are queued
         handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
     together = [h.result() for h in handles]
     assert lanes[0] == 8, lanes
@@ -174,7 +174,7 @@ def test_penalties_bias_and_logprobs_speculative_and_batched_equal_plain(make_en
                              **shared)]
     prompts = [p for p, _, _ in chats]
     plain = [smollm2_engine.submit(p, q).result() for p, q in zip(prompts, params)]
-    with engine._cv:  # (re-entrant) all queued before the first step
+    with engine.held():  # all queued before the first step
         handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
     for handle, want in zip(handles, plain):
         got = handle.result()

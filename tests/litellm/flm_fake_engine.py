@@ -12,10 +12,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent
-from flm_runtime.engine.sampler import CARD_DEFAULT, choice_seed
 from flm_runtime.errors import ContextLengthError
 from flm_runtime.loading.chat_template import render_chat_template, thinking_format
+from flm_runtime.request import Completion, RequestStats, SamplingParams, StreamEvent
+from flm_runtime.sampling.sampler import CARD_DEFAULT, choice_seed
 
 
 class FakeTokenizer:

@@ -18,8 +18,8 @@ import litellm
 import pytest
 
 import litellm_flm.llm
-from flm_runtime.engine.engine import Engine
-from flm_runtime.engine.handle import RequestCancelledError
+from flm_runtime.scheduling.engine import Engine
+from flm_runtime.scheduling.handle import RequestCancelledError
 
 MODEL = "flm/smollm2:135m"
 N_REQUESTS = 100
@@ -122,7 +122,7 @@ async def test_cancelling_50_of_100_streams_leaves_nothing_behind(engine, monkey
 
 def decode_steps(steps) -> int:
     """Steps that ran decode rows (a step of prompt chunks only has no drafts)."""
-    return sum(bool(s.drafts) for s in steps)
+    return sum(bool(s.records) for s in steps)
 
 
 LONG = {"max_tokens": CANCELLED_TOKENS, "extra_body": {"ignore_eos": True}, "temperature": 0}

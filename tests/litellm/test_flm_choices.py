@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("flm_runtime.api", reason="flm_runtime.api (get_engine) is not there yet")
 
 from flm_runtime.api import get_engine  # noqa: E402
-from flm_runtime.engine.sampler import choice_seed  # noqa: E402
+from flm_runtime.sampling.sampler import choice_seed  # noqa: E402
 from stream_choices import joined_choices  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "Name a colour and say why you like it."}]

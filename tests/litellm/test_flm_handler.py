@@ -20,8 +20,8 @@ from flm_runtime import errors as rt
 from flm_fake_engine import FakeTokenizer
 from litellm_flm.llm import FlmLLM, StreamChunks
 from stream_choices import joined_choices
-from flm_runtime.engine.request import RequestStats, SpecStats, StreamEvent, TokenLogprob
-from flm_runtime.engine.sampler import choice_seed
+from flm_runtime.request import RequestStats, SpecStats, StreamEvent, TokenLogprob
+from flm_runtime.sampling.sampler import choice_seed
 
 MODEL = "flm/smollm2:135m"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

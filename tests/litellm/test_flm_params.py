@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flm_runtime.errors import InvalidRequestError
-from flm_runtime.engine.sampler import CARD_DEFAULT, SamplingDefaults
+from flm_runtime.sampling.sampler import CARD_DEFAULT, SamplingDefaults
 from litellm_flm.params import (NEUTRAL_ONLY, OPENAI_TO_RUNTIME, SUPPORTED_OPENAI_PARAMS, choices_of, normalize_messages,
                                 request_fields, to_sampling_params)
 

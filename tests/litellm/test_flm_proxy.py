@@ -263,7 +263,7 @@ def test_n_choices_with_a_seed_through_the_proxy(client, name, tag):
     """``n=3`` with a seed: the same three choices each time, each what this process's engine
     gives the one-choice request seeded as that choice; the prompt counted once; streamed too."""
     from flm_runtime.api import get_engine
-    from flm_runtime.engine.sampler import choice_seed
+    from flm_runtime.sampling.sampler import choice_seed
 
     kw = dict(model=name, messages=CHOICE_QUESTION, n=3, seed=1234, **CHOICE_SAMPLING)
     first, second = (client.chat.completions.create(**kw) for _ in range(2))

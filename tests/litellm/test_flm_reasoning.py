@@ -19,7 +19,7 @@ import pytest
 from flm_runtime.errors import InvalidRequestError
 from flm_runtime.loading.chat_template import ThinkingFormat
 from litellm_flm.params import REASONING_EFFORTS, request_fields, requested_thinking
-from flm_runtime.engine.request import StreamEvent, TokenLogprob
+from flm_runtime.request import StreamEvent, TokenLogprob
 from litellm_flm.llm import StreamChunks
 from litellm_flm.reasoning import (Reasoning, ReasoningSplitter, split_reasoning, starts_inside_thinking,
                                    template_switch)

@@ -130,10 +130,10 @@ def test_flm_log_level_sends_the_runtime_lines_to_stderr(flm_loggers, monkeypatc
     handler = flm_loggers[0].handlers[0]
     assert handler is flm_loggers[1].handlers[0] and isinstance(handler, logging.StreamHandler)
     monkeypatch.setattr(handler, "stream", io.StringIO())
-    logging.getLogger("flm_runtime.engine.engine").info("request finished; engine stats {}")
-    logging.getLogger("flm_runtime.engine.engine").debug("not at INFO")
+    logging.getLogger("flm_runtime.scheduling.engine").info("request finished; engine stats {}")
+    logging.getLogger("flm_runtime.scheduling.engine").debug("not at INFO")
     out = handler.stream.getvalue()
-    assert out.endswith(" flm_runtime.engine.engine INFO: request finished; engine stats {}\n") and "not at" not in out
+    assert out.endswith(" flm_runtime.scheduling.engine INFO: request finished; engine stats {}\n") and "not at" not in out
 
 
 def test_flm_log_level_unset_leaves_logging_alone_and_a_bad_one_is_named(flm_loggers):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 from flm_runtime import paths
-from flm_runtime.engine.request import SamplingParams
+from flm_runtime.request import SamplingParams
 
 from flm_train import eval_al
 

@@ -14,10 +14,10 @@ pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is 
 
 from flm_runtime import paths
 from flm_runtime.backends import prefill_chunks
-from flm_runtime.engine.engine import Engine
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.speculative import SpeculativeDecoder
 from flm_runtime.models.dflash import DFlashDraft as NumpyDraft
+from flm_runtime.request import SamplingParams
+from flm_runtime.scheduling.engine import Engine
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 from flm_train.draft import DFlashDraft
 from flm_train.export import read_draft
 from flm_train.train import Shards, simulated_al

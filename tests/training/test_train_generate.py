@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
 
-from flm_runtime.engine.engine import Engine
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.sampler import CARD_DEFAULT
+from flm_runtime.request import SamplingParams
+from flm_runtime.sampling.sampler import CARD_DEFAULT
+from flm_runtime.scheduling.engine import Engine
 
 from flm_train import generate
 from flm_train.generate import (STOP_IDS, TOP_K, check_taps, default_tap_layers, generate_shard, prompt_seed,

@@ -120,7 +120,7 @@ def test_the_lr_schedule_restarts_at_schedule_from():
 @pytest.fixture(scope="module")
 def shards_with_and_without_taps(tmp_path_factory, smollm2_quantized, smollm2_tokenizer):
     """The same three shards of SmolLM2's (quantized) responses, generated with taps and without."""
-    from flm_runtime.engine.sampler import CARD_DEFAULT
+    from flm_runtime.sampling.sampler import CARD_DEFAULT
     from flm_train.generate import default_tap_layers, generate_shard
 
     tok = smollm2_tokenizer

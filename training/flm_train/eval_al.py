@@ -29,11 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     a = p.parse_args(argv)
 
+    from flm_runtime import Engine, SamplingParams, SpeculativeDecoder, load_model
     from flm_runtime import registry
-    from flm_runtime.api import load_model
-    from flm_runtime.engine.engine import Engine
-    from flm_runtime.engine.request import SamplingParams
-    from flm_runtime.engine.speculative import SpeculativeDecoder
     from flm_runtime.models.dflash import DFlashDraft
 
     loaded = load_model(a.target)

@@ -44,11 +44,10 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from flm_runtime.api import LoadedModel, load_model
+from flm_runtime import LoadedModel, SamplingParams, load_model
 from flm_runtime.core import KVCache
-from flm_runtime.engine import sampler
-from flm_runtime.engine.request import SamplingParams
 from flm_runtime.models.llama import LlamaModel
+from flm_runtime.sampling import sampler
 from tqdm import tqdm
 
 STOP_IDS = (0, 2)  # <|endoftext|>, <|im_end|> (SmolLM2; see docs/training.md)

@@ -1,6 +1,9 @@
 """The whole DFlash training pipeline, idempotent and resumable: one command.
 
-    python -m flm_train.pipeline --target smollm2:135m --out /work/flm-train-data
+    python -m flm_train.pipeline --target smollm2:135m --out ~/flm-train-data
+
+``--out`` (required) is the run's folder: prompts, shards, checkpoints and logs go there, and a
+second run with the same folder resumes the first.
 
 Stages (each skipped when its output is complete; rerunning after a crash or a session's end
 continues where it stopped):
@@ -66,7 +69,8 @@ def n_prompts(a: argparse.Namespace) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flm_train.pipeline", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2:135m", help="registry tag of the target")
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("FLM_TRAIN_DIR", "/work/flm-train-data")))
+    p.add_argument("--out", type=Path, required=True,
+                   help="the run's folder (prompts, shards, checkpoints, logs); the same folder resumes a run")
     p.add_argument("--mt-bench", type=Path, default=DEFAULT_MT_BENCH, help="MT-Bench questions (overlap check)")
     p.add_argument("--prompts", type=_mix, default="templates:640", metavar="SOURCE:N,...",
                    help="prompt sources in order (flm_train.prompts.SOURCES), e.g. templates:2048,composed:1536; "
@@ -162,7 +166,7 @@ def _generate_worker(a: argparse.Namespace, prompts: list[dict], worker: int) ->
     os.nice(a.nice)
     import numba
     from flm_runtime import registry
-    from flm_runtime.engine import sampler
+    from flm_runtime.sampling import sampler
     from flm_train.generate import load_target, run_generation
 
     numba.set_num_threads(1)

@@ -6,22 +6,20 @@
   model's xclbins validate against ``xclbins/flm_xclbins/manifest.json``; otherwise ``cpu``, with the reason
   logged once per process (INFO, logger ``flm_runtime.backends.select``).
 
-Environment:
-    FLM_BACKEND: the default when a caller passes no backend (``auto`` if unset).
+``FLM_BACKEND`` (``flm_runtime.settings``) is the default when a caller passes no backend.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 
-from flm_runtime.errors import BackendUnavailableError, FlmError, InvalidRequestError
+from flm_runtime.errors import BackendUnavailableError, FlmError
+from flm_runtime.settings import requested_backend
 
 log = logging.getLogger(__name__)
 
-BACKEND_ENV = "FLM_BACKEND"
 BACKENDS = ("auto", "cpu", "npu")
 
 
@@ -61,20 +59,6 @@ class NpuProbe:
     @property
     def ok(self) -> bool:
         return not self.missing
-
-
-def requested_backend(value: str | None = None) -> str:
-    """``value``, else ``$FLM_BACKEND``, else ``auto``; lower-cased and checked.
-
-    Raises:
-        InvalidRequestError: not one of auto, cpu, npu (``param`` is ``backend``).
-    """
-    source = "backend" if value is not None else BACKEND_ENV
-    chosen = value if value is not None else os.environ.get(BACKEND_ENV) or "auto"
-    if not isinstance(chosen, str) or chosen.strip().lower() not in BACKENDS:
-        raise InvalidRequestError(f"{source} must be one of {', '.join(BACKENDS)}; got {chosen!r}",
-                                  param="backend")
-    return chosen.strip().lower()
 
 
 def probe_npu(tag: str) -> NpuProbe:

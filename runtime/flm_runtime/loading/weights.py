@@ -8,19 +8,18 @@ RoPE convention: "rotate half" (dimension ``i`` pairs with ``i + D/2`` inside ea
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
 from flm_runtime.kernels.quant import QuantWeight, Weight
 from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import InvalidRequestError, ModelFormatError
+from flm_runtime.settings import Settings, variable
 
 # How a model's matrices are held: "auto" keeps each source tensor's precision class (4-bit
 # sources 4-bit, the rest 8-bit); "q4" / "q8" make every matrix 4- / 8-bit; "f32" dequantizes
 # everything (the reference path).
 WEIGHT_KINDS = ("auto", "q4", "q8", "f32")
-WEIGHTS_ENV = "FLM_WEIGHTS"
 
 
 def weight_kind(requested: str | None = None) -> str:
@@ -31,7 +30,7 @@ def weight_kind(requested: str | None = None) -> str:
         InvalidRequestError: not one of ``WEIGHT_KINDS``; ``param`` names where the value came from
             (``weights`` or ``FLM_WEIGHTS``), as ``$FLM_BACKEND``'s error does.
     """
-    value, origin = (requested, "weights") if requested else (os.environ.get(WEIGHTS_ENV), WEIGHTS_ENV)
+    value, origin = (requested, "weights") if requested else (Settings.from_env().weights, variable("weights"))
     value = (value or "auto").strip().lower()
     if value not in WEIGHT_KINDS:
         raise InvalidRequestError(f"{origin}={value!r} is not a weight kind; use one of {', '.join(WEIGHT_KINDS)}",

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from flm_runtime.backends.npu.xclbin import XclbinError, read_xclbin
 from flm_runtime.errors import FlmError
+from flm_runtime.settings import Settings
 
-XCLBIN_PATH_ENV = "FLM_XCLBIN_PATH"
 MANIFEST_NAME = "manifest.json"
 LAYER_ROLES = ("decode_layer", "verify_layer", "prefill_layer")
 GEOMETRY_KEYS = ("E", "H", "Hkv", "D", "F", "V", "L", "max_positions", "rope_theta", "rms_norm_eps")
@@ -45,7 +45,7 @@ class ManifestError(FlmError, ValueError):
 def xclbin_dir() -> Path:
     """The xclbin folder: ``$FLM_XCLBIN_PATH``, or the package ``flm_xclbins``
     (``xclbins/flm_xclbins/``, which a wheel carries too)."""
-    override = os.environ.get(XCLBIN_PATH_ENV)
+    override = Settings.from_env().xclbin_path
     if override:
         return Path(override).expanduser().resolve()
     return Path(str(importlib.resources.files("flm_xclbins")))
@@ -137,7 +137,7 @@ def load_manifest(path: str | os.PathLike | None = None) -> Manifest:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError as e:
-        raise ManifestError(f"no kernel manifest at {path} (set {XCLBIN_PATH_ENV} to the folder "
+        raise ManifestError(f"no kernel manifest at {path} (set FLM_XCLBIN_PATH to the folder "
                             f"holding manifest.json and the xclbins)") from e
     except (OSError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path} is not a readable JSON manifest: {e}") from e

@@ -8,8 +8,9 @@ import os
 import sys
 
 from flm_runtime.backends.npu import manifest as mf
-from flm_runtime.backends.select import BACKEND_ENV, probe_npu, requested_backend
+from flm_runtime.backends.select import probe_npu
 from flm_runtime.errors import FlmError
+from flm_runtime.settings import Settings, requested_backend, variable
 
 
 def validate_report(tag: str) -> dict:
@@ -46,9 +47,10 @@ def _manifest_report() -> dict:
 
 
 def _backend_report(tag: str, probe) -> dict:
-    env = os.environ.get(BACKEND_ENV)
+    settings = Settings.from_env()
+    env = settings.backend
     try:
-        configured, config_error = requested_backend(), None
+        configured, config_error = requested_backend(None, settings), None
     except FlmError as e:
         configured, config_error = None, str(e)
     auto = "npu" if probe.ok else "cpu"
@@ -104,7 +106,7 @@ def format_report(report: dict) -> str:
     if bk["configured_error"]:
         lines.append(f"  {bk['configured_error']}")
     else:
-        source = f"{BACKEND_ENV}={bk['env']}" if bk["env"] else f"{BACKEND_ENV} unset (auto)"
+        source = f"{variable('backend')}={bk['env']}" if bk["env"] else f"{variable('backend')} unset (auto)"
         runs = bk["would_run"] or "nothing: the npu backend cannot run (see above)"
         lines.append(f"  {source}: runs on {runs}")
     return "\n".join(lines)

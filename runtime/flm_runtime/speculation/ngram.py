@@ -5,14 +5,14 @@ Prompt lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-decodi
 ``ngram`` proposer, its ``prompt_lookup_max`` / ``prompt_lookup_min``): the last ``n`` tokens of
 the sequence (ending at the anchor) are looked up among its earlier tokens, prompt and output
 alike, and the tokens that followed their most recent earlier occurrence are proposed. No model
-runs, so a proposal costs only verify rows; ``SpeculativeDecoder.propose`` verifies it instead of
+runs, so a proposal costs only verify rows; ``SpeculativeDecoder.prepare`` verifies it instead of
 the draft's when it expects it to keep more tokens, and alone, without the draft, where the policy
 plans a plain step and the proposal is expected to pay for its rows (an n-gram-only step;
 docs/dflash.md, "Prompt lookup").
 
 ``PromptLookup`` is one sequence's proposer: an index of the tokens its target KV cache holds
 (``extend``, kept in step with the cache: ``len(lookup) == cache.length``), the lookup
-(``propose``), and the per-request record of how often its proposals were accepted (``observe``),
+(``find``), and the per-request record of how often its proposals were accepted (``observe``),
 from which a proposal gets a confidence per token as the draft's does (its softmax probability),
 so the same confidence gate and the same expected-accepted figure apply to both proposers.
 
@@ -22,7 +22,7 @@ n-gram example sets ``prompt_lookup_max`` 4). A 1-token match is left out: in fr
 token alone recurs often and what followed it says little. Our choice, not a tuned value.
 
 Cost: ``extend`` indexes each new token once per ``n`` (dict inserts; a prompt of 8k tokens in a
-few milliseconds, in C through ``dict.update``), ``propose`` does one dict look-up per ``n`` and
+few milliseconds, in C through ``dict.update``), ``find`` does one dict look-up per ``n`` and
 copies at most K tokens: microseconds, whatever the context.
 """
 
@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flm_runtime.engine.policy import confident_length, expected_accepted
+from flm_runtime.speculation.policy import confident_length, expected_accepted
 
 MAX_MATCH, MIN_MATCH = 4, 2  # n-gram lengths looked up, longest first (module docstring)
 # Each observed proposal scales the earlier counts by this: the record follows about the last 16
@@ -117,7 +117,7 @@ class PromptLookup:
             columns = [tokens[first + i : end - n + 1 + i] for i in range(n)]
             last.update(zip(zip(*columns), range(first + n - 1, end)))
 
-    def propose(self, anchor_id: int, most: int, min_confidence: float) -> Lookup:
+    def find(self, anchor_id: int, most: int, min_confidence: float) -> Lookup:
         """The n-gram proposal after ``anchor_id`` (the token at position ``len(self)``, not yet
         indexed).
 
@@ -154,13 +154,14 @@ class PromptLookup:
             return Lookup(ids, n, confidence[:kept])
         return NO_LOOKUP
 
-    def observe(self, lookup: Lookup, kept: list[int]) -> None:
+    def observe(self, lookup: Lookup | None, kept: list[int]) -> None:
         """Record how ``lookup`` fared against the tokens the step kept (its accepted tokens and
         the bonus): whether it was verified or not, its first ``a = common_prefix`` tokens would
         have been accepted (the verifier's draws do not depend on the proposal), then a rejected
         one unless all compared tokens matched (all ``g``, or all ``len(kept)``: the rest is
-        unknown). Counts of the lookup's match length only; a ``NO_LOOKUP`` records nothing."""
-        if not lookup.match:
+        unknown). Counts of the lookup's match length only; None or a ``NO_LOOKUP`` records
+        nothing."""
+        if lookup is None or not lookup.match:
             return
         accepted = common_prefix(lookup.ids, kept)
         compared = accepted + (accepted < min(len(lookup.ids), len(kept)))

@@ -38,8 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from flm_runtime.engine.detokenizer import Detokenizer
-from flm_runtime.engine.request import FinishReason
+from flm_runtime.request import FinishReason
+from flm_runtime.text.detokenizer import Detokenizer
 
 
 class StopStringMatcher:

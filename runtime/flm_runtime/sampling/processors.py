@@ -19,8 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
-from flm_runtime.engine.request import SamplingParams
 from flm_runtime.errors import InvalidRequestError
+from flm_runtime.request import SamplingParams
 
 
 class LogitsProcessor(Protocol):

@@ -28,8 +28,10 @@ that cannot fit even alone is refused at submit (``KVBudgetError``); a full queu
 submit too (``EngineOverloadedError``), so no caller ever hangs on a full engine. ``stats()``
 counts what is running, waiting and held.
 
-Speculative decoding: an engine given a ``SpeculativeDecoder`` runs every sequence's decoding
-through it, a step as propose -> one batched target pass -> commit (draft K, verify K+1, greedy or
+Speculative decoding: an engine given a ``Stepper`` (``step.py``; ``api`` passes the
+``SpeculativeDecoder`` of ``flm_runtime.speculation`` for a DFlash tag, which this package never
+imports) runs every sequence's decoding through it, a step as prepare -> one batched target pass ->
+complete (draft K, verify K+1, greedy or
 sampled; or a plain step where its policy says a block does not pay, whose token is sampled as in
 an engine without a draft). ``on_step`` hands each step's ``StepTiming`` to benchmarks.
 """
@@ -37,25 +39,27 @@ an engine without a draft). ``on_step`` hands each step's ``StepTiming`` to benc
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from flm_runtime.engine import admission, sampler
-from flm_runtime.engine.handle import RequestCancelledError, RequestHandle
-from flm_runtime.engine.processors import LogitsProcessor, request_processors
-from flm_runtime.engine.request import SamplingParams
-from flm_runtime.engine.sequence import Sequence
-from flm_runtime.engine.speculative import PLAIN, Draft, SpeculativeDecoder
 from flm_runtime.errors import (BackendUnavailableError, EngineOverloadedError, InvalidRequestError,
                                 RequestTimeoutError)
+from flm_runtime.request import SamplingParams
+from flm_runtime.sampling import sampler
+from flm_runtime.sampling.processors import LogitsProcessor, request_processors
+from flm_runtime.scheduling import admission
+from flm_runtime.scheduling.handle import RequestCancelledError, RequestHandle
+from flm_runtime.scheduling.sequence import Sequence
+from flm_runtime.scheduling.step import PLAIN, Stepper, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +74,16 @@ class _Part(NamedTuple):
     Attributes:
         seq: the sequence.
         ids: ``[T]`` int64 token ids appended to its cache: a prompt chunk, or its decode rows
-            (``draft.rows``: ``[last_token]``, or a speculative step's ``[anchor, d1 .. dk]``).
+            (``record.rows``: ``[last_token]``, or a speculative step's ``[anchor, d1 .. dk]``).
         n_logits: trailing rows whose logits it needs (0: a prompt chunk before the last one).
-        draft: a decoding step's ``Draft`` (``PLAIN`` in an engine without a draft); None for a
-            prompt chunk.
+        record: a decoding step's ``StepRecord`` (``PLAIN`` in an engine without a stepper); None
+            for a prompt chunk.
     """
 
     seq: Sequence
     ids: np.ndarray
     n_logits: int
-    draft: Draft | None = None
+    record: StepRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -87,20 +91,20 @@ class StepTiming:
     """One engine step that ran a forward pass: seconds (``time.perf_counter``) of its phases.
 
     Attributes:
-        propose_s: the decoding sequences' drafts and rows (with a decoder, its ``propose``:
+        propose_s: the decoding sequences' records and rows (with a stepper, its ``prepare``:
             catch-up and draft pass).
         forward_s: the batched target pass (verify rows, decode rows and prompt chunks).
         commit_s: what the sequences did with their rows (verify, roll back, sample, emit).
         total_s: the whole step, from the cancellation checks to the last commit.
-        drafts: the ``Draft`` of each decoding sequence, in the pass's order (``PLAIN`` in an
-            engine without a draft); empty for a step of prompt chunks only.
+        records: the ``StepRecord`` of each decoding sequence, in the pass's order (``PLAIN`` in
+            an engine without a stepper); empty for a step of prompt chunks only.
     """
 
     propose_s: float
     forward_s: float
     commit_s: float
     total_s: float
-    drafts: tuple[Draft, ...]
+    records: tuple[StepRecord, ...]
 
 
 class Engine:
@@ -122,7 +126,8 @@ class Engine:
         max_active: sequences running at once; the others wait in the queue.
         kv_budget: bytes of KV cache the running sequences may reserve together (see
             ``admission``); None: ``admission.default_kv_budget`` (4 full contexts).
-        speculative: decode with this ``SpeculativeDecoder`` (its target must be ``model``);
+        speculative: decode with this ``Stepper`` (a ``SpeculativeDecoder``; its target must be
+            ``model``);
             None decodes plainly.
         on_step: called on the engine thread after every step that ran a forward pass, with its
             ``StepTiming`` (benchmarks); an attribute, so it may be set later.
@@ -138,7 +143,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, name: str, default_sampling: sampler.SamplingDefaults | None = None,
                  max_queue: int = 64, max_active: int = 16, kv_budget: int | None = None,
-                 speculative: SpeculativeDecoder | None = None, prefill_tokens: int | None = None,
+                 speculative: Stepper | None = None, prefill_tokens: int | None = None,
                  on_step: Callable[[StepTiming], None] | None = None):
         assert speculative is None or speculative.target is model, "the decoder's target must be the model"
         self.model = model
@@ -269,6 +274,13 @@ class Engine:
                     "kv_reserved_bytes": self._kv_reserved(), "kv_budget_bytes": self.kv.budget,
                     **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out")}}
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the engine thread back between steps for the block (re-entrant): the requests
+        submitted inside all join its next step, as one batch (benchmarks, tests)."""
+        with self._cv:
+            yield
+
     def close(self, timeout: float | None = 10.0) -> None:
         """Stop the thread (waits up to ``timeout`` s for the current step); requests still
         waiting or running fail with ``BackendUnavailableError``."""
@@ -361,8 +373,8 @@ class Engine:
             seq.spec = self.speculative.new_state(capacity)
 
     def _step(self) -> None:
-        """Advance every active sequence with ONE batched forward pass: propose, the pass, then
-        each sequence commits its rows.
+        """Advance every active sequence with ONE batched forward pass: prepare, the pass, then
+        each sequence completes its step with its rows.
 
         Sequences still prefilling contribute their next prompt chunk, in admission order, while
         the step's ``prefill_tokens`` last (``_prefill_parts``); every decoding sequence
@@ -388,11 +400,11 @@ class Engine:
         outputs = self._pass(parts)
         t_commit = time.perf_counter()
         for part, logits, taps in outputs:
-            self._advance(part.seq, lambda p=part, lg=logits, tp=taps: self._commit(p, lg, tp))
+            self._advance(part.seq, lambda p=part, lg=logits, tp=taps: self._complete(p, lg, tp))
         if self.on_step is not None:
             t_end = time.perf_counter()
             self.on_step(StepTiming(t_forward - t_propose, t_commit - t_forward, t_end - t_commit, t_end - t0,
-                                    tuple(p.draft for p in decode)))
+                                    tuple(p.record for p in decode)))
 
     def _prefill_parts(self, prefilling: list[Sequence]) -> list[_Part]:
         """The next prompt chunk of prefilling sequences, in admission order, each whose chunk
@@ -411,21 +423,21 @@ class Engine:
         return parts
 
     def _decode_parts(self, decoding: list[Sequence]) -> list[_Part]:
-        """Each decoding sequence's rows, from its ``Draft``: with speculation, after one draft
-        pass for all of them (if it raises, sequence by sequence, so that only the culprit
+        """Each decoding sequence's rows, from its ``StepRecord``: with a stepper, from its
+        ``prepare`` for all of them (if it raises, sequence by sequence, so that only the culprit
         fails); without, ``PLAIN``."""
         spec = self.speculative
         if spec is None or not decoding:
-            drafts = [PLAIN] * len(decoding)
+            records = [PLAIN] * len(decoding)
         else:
             try:
-                drafts = spec.propose([s.lane() for s in decoding])
+                records = spec.prepare([s.lane() for s in decoding])
             except Exception as e:          # noqa: BLE001 - maybe one sequence's fault: isolate it
                 if len(decoding) == 1:
                     self._end(decoding[0], error=e)
                     return []
                 return [p for s in decoding for p in self._decode_parts([s])]
-        return [_Part(s, d.rows(s.last_token), len(d.ids) + 1, d) for s, d in zip(decoding, drafts)]
+        return [_Part(s, r.rows(s.last_token), len(r.ids) + 1, r) for s, r in zip(decoding, records)]
 
     def _pass(self, parts: list[_Part]) -> list[tuple[_Part, np.ndarray, np.ndarray | None]]:
         """One batched forward pass of ``parts``: each part with its logits ``[n_logits, V]`` and
@@ -446,21 +458,22 @@ class Engine:
         return [(p, logits[le - p.n_logits : le], tapped[re - len(p.ids) : re] if taps else None)
                 for p, le, re in zip(parts, logit_end, row_end)]
 
-    def _commit(self, part: _Part, logits: np.ndarray, taps: np.ndarray | None) -> None:
-        """``part.seq`` commits its rows' outputs: a decoding step through the decoder (verify
-        and emit, or a plain step's token), or, without one, its token (``Lane.take``); a prompt
+    def _complete(self, part: _Part, logits: np.ndarray, taps: np.ndarray | None) -> None:
+        """``part.seq`` completes its step with its rows' outputs: a decoding step through the
+        stepper (verify and emit, or a plain step's token), or, without one, its token
+        (``Lane.decode_plain``); a prompt
         chunk's taps go to the draft and the last chunk's logits give the first token, of each
         choice of the request (``Sequence.fork``)."""
         seq, spec = part.seq, self.speculative
-        if part.draft is not None and spec is not None:
-            spec.commit(seq.lane(), part.draft, logits, taps)
+        if part.record is not None and spec is not None:
+            spec.complete(seq.lane(), part.record, logits, taps)
             return
-        if part.draft is None and spec is not None:
+        if part.record is None and spec is not None:
             spec.add_prompt(seq.cache, seq.spec, part.ids, taps)
         if part.n_logits:
             for choice in seq.fork():
-                self._advance(choice, lambda c=choice: c.lane().take(logits[0]))
-            seq.lane().take(logits[0])
+                self._advance(choice, lambda c=choice: c.lane().decode_plain(logits[0]))
+            seq.lane().decode_plain(logits[0])
 
     def _advance(self, seq: Sequence, step) -> None:
         """Run ``step()`` for ``seq``; retire it when it finished, fail it alone when it raised."""
@@ -506,10 +519,10 @@ class Engine:
             seq.cache = None
             if error is None:
                 done = seq.completion()       # before freeing seq.spec: it holds the spec stats
-                seq.handle._end(dataclasses.replace(seq.final, stats=done.stats), done, None)
+                seq.handle.end(dataclasses.replace(seq.final, stats=done.stats), done, None)
                 self._counts["finished"] += 1
             else:
-                seq.handle._end(None, None, error)
+                seq.handle.end(None, None, error)
                 self._counts[count] += 1
             seq.spec = None
             if log.isEnabledFor(logging.INFO):

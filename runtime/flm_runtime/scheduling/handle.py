@@ -1,6 +1,6 @@
 """``RequestHandle``: the caller's side of one request, fed by the engine thread.
 
-The engine thread puts ``StreamEvent``s (``_put``) and finally ends the request (``_end``) with
+The engine thread delivers ``StreamEvent``s (``deliver``) and finally ends the request (``end``) with
 its last event and ``Completion``, or with the error it failed with; the caller consumes the same
 events by sync iteration or ``aiter()``, or waits for the join with ``result()`` / ``aresult()``.
 """
@@ -13,8 +13,8 @@ import queue
 import threading
 import time
 
-from flm_runtime.engine.request import Completion, StreamEvent
 from flm_runtime.errors import FlmError
+from flm_runtime.request import Completion, StreamEvent
 
 _END = object()   # stream terminator, after the final event or instead of it on failure
 
@@ -141,11 +141,12 @@ class RequestHandle:
 
     # ---- engine side ------------------------------------------------------------------------
 
-    def _put(self, item) -> None:
+    def deliver(self, event: StreamEvent) -> None:
+        """One event of the stream (engine thread)."""
         with self._lock:
-            self._route(item)
+            self._route(event)
 
-    def _end(self, event: StreamEvent | None, completion: Completion | None, error: BaseException | None) -> None:
+    def end(self, event: StreamEvent | None, completion: Completion | None, error: BaseException | None) -> None:
         """The request is over: deliver the final event (or the error), then wake waiters."""
         with self._lock:
             if self.done:

@@ -9,17 +9,17 @@ the anchor; the target runs ``[anchor, d1 .. dK]`` at positions ``start .. start
 target's own; the target KV cache is rolled back (``trim``) past what was kept, and the verify
 pass's taps of the kept positions become the draft's pending context.
 
-A step reads propose -> verify -> commit (``SpeculativeDecoder.step`` for one lane, as gpt-fast's
+A step reads prepare (draft) -> verify -> complete (``SpeculativeDecoder.step`` for one lane, as gpt-fast's
 ``speculative_decode``). Batched, the engine advances several sequences ("lanes") per step, split
-as vLLM v1 splits its proposer and its rejection sampler: ``propose`` plans every lane with the
+as vLLM v1 splits its proposer and its rejection sampler: ``prepare`` plans every lane with the
 speculation policy (``policy.py``: a table of context buckets plus the request's own acceptance
-estimate) and drafts for all drafting lanes in one draft pass, returning a ``Draft`` per lane;
-each lane contributes ``Draft.rows``, its verify rows ``[anchor, d1 .. dk]`` or the single row
+estimate) and drafts for all drafting lanes in one draft pass, returning a ``StepRecord`` per lane;
+each lane contributes ``StepRecord.rows``, its verify rows ``[anchor, d1 .. dk]`` or the single row
 ``[anchor]`` of a plain decode step, to ONE target pass (``TargetModel.forward_batch``, shared
-with other sequences' prefill chunks); ``commit`` then verifies (``verify``, pure) and commits lane
+with other sequences' prefill chunks); ``complete`` then verifies (``verify``, pure) and completes lane
 by lane. The policy's confidence gate verifies only the first k <= K drafted tokens, those the
 draft is sure enough of (k = 0: the step decodes plainly, "gated"). A plain step samples its token
-as an engine without a draft does (``Lane.take``) and still records taps, so the draft can resume
+as an engine without a draft does (``Lane.decode_plain``) and still records taps, so the draft can resume
 at any step.
 
 Prompt lookup (``ngram.py``): a second proposer, for text that copies its context. Per drafting
@@ -71,11 +71,12 @@ import numpy as np
 
 from flm_runtime.backends import prefill_chunks
 from flm_runtime.core import KVCache, Proposal
-from flm_runtime.engine.ngram import NO_LOOKUP, Lookup, PromptLookup
-from flm_runtime.engine.policy import (ALWAYS_SPECULATE, AcceptanceTracker, Plan, SpeculationPolicy,
-                                      confident_length, expected_accepted)
-from flm_runtime.engine.picker import Picker
-from flm_runtime.engine.request import SpecStats
+from flm_runtime.request import SpecStats
+from flm_runtime.sampling.picker import Picker
+from flm_runtime.scheduling.step import NO_CONFIDENCE, PLAIN, Lane, StepRecord
+from flm_runtime.speculation.ngram import Lookup, PromptLookup
+from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, AcceptanceTracker, Plan, SpeculationPolicy,
+                                            confident_length, expected_accepted)
 
 # Pending taps of plain and n-gram-only steps are folded into the draft cache once this many
 # accumulate (while the policy keeps the draft from running), so that each step copies a bounded
@@ -149,85 +150,19 @@ class SpecState:
         return dataclasses.replace(self.stats, switches_off=self.tracker.switches, al_estimate=self.tracker.al)
 
 
-@dataclass(frozen=True, eq=False)  # arrays: compared by identity
-class Draft:
-    """What ``propose`` offers one lane for one step.
-
-    Attributes:
-        ids: ``[k]`` int64 drafted tokens to verify, after the confidence gate (k = 0: a plain
-            decode step): the draft's, or with ``ngram`` the n-gram proposer's.
-        planned: K, the tokens the policy planned to draft (0: the draft did not run: a plain
-            step, or with ``ngram`` an n-gram-only step).
-        confidence: ``[K]`` float32, the draft's confidence in each of its K tokens, before the
-            gate (``Proposal.confidence``).
-        lookup: the step's n-gram proposal (``NO_LOOKUP``: none), verified or not: ``commit``
-            scores it against the kept tokens (``PromptLookup.observe``).
-        ngram: ``ids`` are the n-gram proposer's: ``lookup.ids``, or their first ones on an
-            n-gram-only step.
-    """
-
-    ids: np.ndarray
-    planned: int
-    confidence: np.ndarray
-    lookup: Lookup = NO_LOOKUP
-    ngram: bool = False
-
-    @property
-    def gated(self) -> bool:
-        """The draft ran but the gate left nothing to verify: a plain step."""
-        return self.planned > 0 and not len(self.ids)
-
-    def rows(self, anchor_id: int) -> np.ndarray:
-        """The lane's target rows ``[k+1]`` int64: ``[anchor, d1 .. dk]`` (k = 0: the plain decode
-        row)."""
-        return np.concatenate([[anchor_id], self.ids]).astype(np.int64)
-
-
-NO_CONFIDENCE = np.zeros(0, dtype=np.float32)  # [0]: the draft did not run
-# A plain decode step's record: nothing planned, nothing drafted.
-PLAIN = Draft(np.zeros(0, dtype=np.int64), 0, NO_CONFIDENCE)
-
-
 class LaneStep(NamedTuple):
     """One lane's committed step.
 
     Attributes:
-        draft: what was proposed.
+        record: what the step ran.
         accepted: drafted tokens the verifier kept (0 on a plain step), including any after a
             stop that cut the step short.
         finished: the lane's output pipeline finished the sequence.
     """
 
-    draft: Draft
+    record: StepRecord
     accepted: int
     finished: bool
-
-
-@dataclass
-class Lane:
-    """One sequence's part of a (batched) decoding step.
-
-    Attributes:
-        anchor_id: the last committed token (not yet in ``cache``); None before the first (the
-            prompt's last chunk gives it, through ``take``).
-        cache: the target's KV cache of the sequence.
-        state: the sequence's ``SpecState``; None in an engine without a draft.
-        picker: the request's ``Picker`` (processors, sampling parameters, own generator).
-        emit: pushes one token through the sequence's output pipeline (stop checks, delivery) and
-            returns True once the sequence is finished; tokens after that are not pushed.
-    """
-
-    anchor_id: int | None
-    cache: KVCache
-    state: SpecState | None
-    picker: Picker
-    emit: Callable[[int], bool]
-
-    def take(self, logits: np.ndarray) -> bool:
-        """A plain step's token: taken from ``logits`` ``[V]`` by the request's picker (its own
-        processors, params and RNG, so the token does not depend on other sequences), pushed
-        through ``emit``; True once the sequence is finished."""
-        return self.emit(self.picker.take(logits))
 
 
 class SpeculativeDecoder:
@@ -285,13 +220,13 @@ class SpeculativeDecoder:
         self._check(cache, state)
 
     def step(self, lane: Lane) -> LaneStep:
-        """One decoding step of one lane: propose, one target pass of its rows, verify and
-        commit."""
-        draft = self.propose([lane])[0]
-        out = self.target.forward_batch([draft.rows(lane.anchor_id)], [lane.cache], taps=self.taps)  # the verify pass
-        return self.commit(lane, draft, out.logits, out.taps)
+        """One decoding step of one lane: prepare, one target pass of its rows, verify and
+        complete."""
+        record = self.prepare([lane])[0]
+        out = self.target.forward_batch([record.rows(lane.anchor_id)], [lane.cache], taps=self.taps)  # the verify pass
+        return self.complete(lane, record, out.logits, out.taps)
 
-    def propose(self, lanes: list[Lane]) -> list[Draft]:
+    def prepare(self, lanes: list[Lane]) -> list[StepRecord]:
         """The draft side of one decoding step of every lane: its plan, then one batched draft
         pass for the lanes that draft.
 
@@ -302,11 +237,11 @@ class SpeculativeDecoder:
         min_confidence)`` (k = 0 makes the step a gated plain step), or, with prompt lookup,
         the n-gram proposal when ``choose`` prefers it; with ``K = 0``, a plain step or an
         n-gram-only one (``_lookup_only``). The caller runs
-        ``draft.rows(lane.anchor_id)`` of every lane through the target (with ``taps=self.taps``)
-        and ``commit``s each lane.
+        ``record.rows(lane.anchor_id)`` of every lane through the target (with ``taps=self.taps``)
+        and ``complete``s each lane.
 
         Returns:
-            per lane, its ``Draft``. Whatever follows, every lane's invariant holds (the catch-up
+            per lane, its ``StepRecord``. Whatever follows, every lane's invariant holds (the catch-up
             only moved taps from pending into the draft cache): a target pass that raises may be
             retried.
         """
@@ -318,54 +253,54 @@ class SpeculativeDecoder:
             state = lane.state
             self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
             state.pending = self._no_taps()
-        proposal = self._propose([lane.state.draft_cache for lane in drafting], [lane.anchor_id for lane in drafting],
+        proposal = self._draft_pass([lane.state.draft_cache for lane in drafting], [lane.anchor_id for lane in drafting],
                                  max(plan.draft_length for plan in plans)) if drafting else None  # [S, max K]
         rows = iter(range(len(drafting)))  # the proposal's row of each drafting lane, in order
-        drafts = []
+        records = []
         for lane, (k, min_confidence) in zip(lanes, plans):
             if not k:
-                drafts.append(self._lookup_only(lane))
+                records.append(self._lookup_only(lane))
                 continue
             row = next(rows)
             confidence = proposal.confidence[row, :k]
-            draft = Draft(proposal.ids[row, : confident_length(confidence, min_confidence)], k, confidence)
+            record = StepRecord(proposal.ids[row, : confident_length(confidence, min_confidence)], k, confidence)
             lookup = lane.state.lookup
-            drafts.append(draft if lookup is None else
-                          choose(draft, lookup.propose(lane.anchor_id, k, min_confidence)))
-        return drafts
+            records.append(record if lookup is None else
+                          choose(record, lookup.find(lane.anchor_id, k, min_confidence)))
+        return records
 
-    def commit(self, lane: Lane, draft: Draft, logits: np.ndarray, taps: np.ndarray) -> LaneStep:
+    def complete(self, lane: Lane, record: StepRecord, logits: np.ndarray, taps: np.ndarray) -> LaneStep:
         """Complete one lane's step from its rows of the target pass.
 
-        A speculative step verifies ``draft.ids`` (``verify``), rolls the cache back past what was
+        A speculative step verifies ``record.ids`` (``verify``), rolls the cache back past what was
         kept, makes the kept positions' taps pending, records the step (policy, stats) and emits
         the kept tokens one by one through ``lane.emit``; an n-gram-only step is one too, but
-        the policy records it as a plain one. A plain step (``draft.ids`` empty) makes its row's
+        the policy records it as a plain one. A plain step (``record.ids`` empty) makes its row's
         taps pending, records it, and takes its token as an engine without a draft does (the
         request's picker, then ``lane.emit``).
 
         Args:
-            lane: the lane, as given to ``propose``.
-            draft: its ``Draft`` from ``propose``.
-            logits: ``[k+1, V]`` float32 target logits of ``draft.rows``.
+            lane: the lane, as given to ``prepare``.
+            record: its ``StepRecord`` from ``prepare``.
+            logits: ``[k+1, V]`` float32 target logits of ``record.rows``.
             taps: ``[k+1, n*E]`` float32 taps of the same rows.
         Returns:
             the lane's ``LaneStep`` (``finished``: ``emit`` finished the sequence).
         """
         cache, state = lane.cache, lane.state
         start = cache.length - len(logits)
-        if not len(draft.ids):
+        if not len(record.ids):
             token = lane.picker.take(logits[0])
-            self._commit_plain(lane, draft, start, taps, token)
-            return LaneStep(draft, 0, lane.emit(token))
-        n_accepted, bonus = verify(draft.ids, logits, lane.picker)
+            self._complete_plain(lane, record, start, taps, token)
+            return LaneStep(record, 0, lane.emit(token))
+        n_accepted, bonus = verify(record.ids, logits, lane.picker)
         cache.trim(start + n_accepted + 1)  # roll back the rejected positions
         self._add_pending(state, taps[: n_accepted + 1])
-        kept = [*draft.ids[:n_accepted].tolist(), bonus]
+        kept = [*record.ids[:n_accepted].tolist(), bonus]
         if state.lookup is not None:
-            state.lookup.extend(draft.rows(lane.anchor_id)[: n_accepted + 1])
-            state.lookup.observe(draft.lookup, kept)
-        if draft.planned:
+            state.lookup.extend(record.rows(lane.anchor_id)[: n_accepted + 1])
+            state.lookup.observe(record.lookup, kept)
+        if record.planned:
             self.policy.record_step(start, state.tracker, n_accepted + 1)
         else:  # n-gram-only: the tracker's AL asks whether the draft's pass pays, which this step did not run
             self.policy.record_plain(state.tracker, n_accepted + 1)
@@ -375,8 +310,8 @@ class SpeculativeDecoder:
             emitted += 1
             if finished := lane.emit(int(token)):
                 break
-        state.stats.record_step(len(draft.ids), min(emitted, n_accepted), emitted, ngram=draft.ngram)
-        return LaneStep(draft, n_accepted, finished)
+        state.stats.record_step(len(record.ids), min(emitted, n_accepted), emitted, ngram=record.ngram)
+        return LaneStep(record, n_accepted, finished)
 
     def _plan(self, lane: Lane) -> Plan:
         """The policy's plan for ``lane``'s next step; plain near the context end."""
@@ -385,23 +320,23 @@ class SpeculativeDecoder:
             return Plan(0, 0.0)
         return self.policy.plan(cache.length, lane.state.tracker, self.block_size - 1)
 
-    def _lookup_only(self, lane: Lane) -> Draft:
+    def _lookup_only(self, lane: Lane) -> StepRecord:
         """A lane planned plain: an n-gram-only step of the first ``n`` tokens of the n-gram
         proposal (at most ``block_size - 1``, and the rows must fit in the context), ``n`` from
-        ``policy.lookup_length``; else a plain step, which carries the proposal for ``commit`` to
+        ``policy.lookup_length``; else a plain step, which carries the proposal for ``complete`` to
         score, unless n-gram-only steps are off at this context (``PLAIN``, as without prompt
         lookup). The draft does not run."""
         lookup, cache = lane.state.lookup, lane.cache
         if lookup is None:
             return PLAIN
         room = cache.max_length - cache.length - 1  # positions after the anchor's
-        proposal = lookup.propose(lane.anchor_id, min(self.block_size - 1, room), 0.0)
+        proposal = lookup.find(lane.anchor_id, min(self.block_size - 1, room), 0.0)
         n = self.policy.lookup_length(cache.length, proposal.confidence)
         if n is None or not proposal.match:
             return PLAIN
-        return Draft(proposal.ids[:n], 0, NO_CONFIDENCE, lookup=proposal, ngram=bool(n))
+        return StepRecord(proposal.ids[:n], 0, NO_CONFIDENCE, lookup=proposal, ngram=bool(n))
 
-    def _commit_plain(self, lane: Lane, draft: Draft, start: int, taps: np.ndarray, token: int) -> None:
+    def _complete_plain(self, lane: Lane, record: StepRecord, start: int, taps: np.ndarray, token: int) -> None:
         """A plain step's row (at position ``start``), which gave ``token``: its taps become
         pending, the lookup scores the step's n-gram proposal if it had one, the step is recorded
         (a gated one as a 1-token speculative step)."""
@@ -409,12 +344,12 @@ class SpeculativeDecoder:
         self._add_pending(state, taps)
         if state.lookup is not None:
             state.lookup.extend([lane.anchor_id])
-            state.lookup.observe(draft.lookup, [token])
-        if draft.gated:
+            state.lookup.observe(record.lookup, [token])
+        if record.gated:
             self.policy.record_step(start, state.tracker, 1)
         else:
             self.policy.record_plain(state.tracker)
-        state.stats.record_plain(draft.gated)
+        state.stats.record_plain(record.gated)
         self._check(lane.cache, state)
 
     def _add_pending(self, state: SpecState, taps: np.ndarray) -> None:
@@ -426,7 +361,7 @@ class SpeculativeDecoder:
             self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
             state.pending = self._no_taps()
 
-    def _propose(self, caches: list[KVCache], anchor_ids: list[int], n_drafts: int) -> Proposal:
+    def _draft_pass(self, caches: list[KVCache], anchor_ids: list[int], n_drafts: int) -> Proposal:
         """The first ``n_drafts`` drafted tokens of ``S`` sequences (``[S, n_drafts]``): one
         batched draft pass (``draft.draft_blocks``, whose LM head runs on those rows only), or
         the stand-in ``proposer`` sequence by sequence (confidence 1: never gated)."""
@@ -450,11 +385,11 @@ class SpeculativeDecoder:
             f"lookup {len(state.lookup)} != anchor position {cache.length}")
 
 
-def choose(draft: Draft, lookup: Lookup) -> Draft:
+def choose(record: StepRecord, lookup: Lookup) -> StepRecord:
     """The step's proposal: the n-gram's when its expected accepted tokens (``lookup.expected``)
     are more than the gated draft's (``expected_accepted`` of the confidences of ``draft.ids``);
-    else the draft's (a tie keeps the draft). Either way the ``Draft`` carries ``lookup``, so that
-    ``commit`` scores it."""
-    if lookup.expected > expected_accepted(draft.confidence[: len(draft.ids)]):
-        return dataclasses.replace(draft, ids=lookup.ids, lookup=lookup, ngram=True)
-    return dataclasses.replace(draft, lookup=lookup)
+    else the draft's (a tie keeps the record). Either way the ``StepRecord`` carries ``lookup``, so that
+    ``complete`` scores it."""
+    if lookup.expected > expected_accepted(record.confidence[: len(record.ids)]):
+        return dataclasses.replace(record, ids=lookup.ids, lookup=lookup, ngram=True)
+    return dataclasses.replace(record, lookup=lookup)

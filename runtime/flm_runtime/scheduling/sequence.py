@@ -4,7 +4,7 @@ speculation state and stats).
 
 Each engine step gives it rows of one batched forward pass: its next prompt chunk until the prompt
 is in the cache (the last chunk's logits give the first token), then decoding steps of its
-``lane``: plain 1-token steps (``Lane.take``, with or without a ``SpeculativeDecoder``) or
+``lane``: plain 1-token steps (``Lane.decode_plain``, with or without a ``SpeculativeDecoder``) or
 speculative steps whose kept tokens go through ``accept`` one by one (so EOS, stop strings and
 ``max_tokens`` cut a block exactly); near the context end (no room for a block) decoding is plain.
 
@@ -22,14 +22,14 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from flm_runtime.engine import sampler
-from flm_runtime.engine.detokenizer import Detokenizer
-from flm_runtime.engine.handle import RequestHandle
-from flm_runtime.engine.picker import Picker
-from flm_runtime.engine.processors import LogitsProcessor
-from flm_runtime.engine.request import Completion, RequestStats, SamplingParams, StreamEvent, TokenLogprob
-from flm_runtime.engine.speculative import Lane, SpecState
-from flm_runtime.engine.stop import StopChecker
+from flm_runtime.request import Completion, RequestStats, SamplingParams, StreamEvent, TokenLogprob
+from flm_runtime.sampling import sampler
+from flm_runtime.sampling.picker import Picker
+from flm_runtime.sampling.processors import LogitsProcessor
+from flm_runtime.scheduling.handle import RequestHandle
+from flm_runtime.scheduling.step import Lane, StepperState
+from flm_runtime.text.detokenizer import Detokenizer
+from flm_runtime.text.stop import StopChecker
 
 
 class Sequence:
@@ -51,7 +51,7 @@ class Sequence:
         self.params = params
         self.budget = budget
         self.cache = None                      # allocated at admission
-        self.spec: SpecState | None = None     # speculative state, allocated at admission
+        self.spec: StepperState | None = None  # the stepper's state, allocated at admission
         self.picker = Picker(params, sampler.new_rng(params.seed), processors)
         stop_ids = frozenset(tokenizer.stop_token_ids)
         # Special tokens are markers, not text (as decode(skip_special_tokens=True)): delivered
@@ -106,8 +106,8 @@ class Sequence:
         return heir
 
     def lane(self) -> Lane:
-        """This sequence's part of a (batched) decoding step (``Lane.take`` picks a plain
-        token, ``emit`` is ``accept``)."""
+        """This sequence's part of a (batched) decoding step (``Lane.decode_plain`` takes a
+        plain token, ``emit`` is ``accept``)."""
         return Lane(self.last_token, self.cache, self.spec, self.picker, self.accept)
 
     def accept(self, token: int) -> bool:
@@ -129,7 +129,7 @@ class Sequence:
         event = StreamEvent(d.text, d.token_ids, d.finish_reason, len(self.prompt_ids), self.checker.delivered,
                             logprobs=logprobs)
         if d.finish_reason is None:
-            self.handle._put(event)
+            self.handle.deliver(event)
         else:
             self.final = event
         return self.final is not None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flm_runtime.engine.request import SamplingParams, TokenLogprob
+from flm_runtime.request import SamplingParams, TokenLogprob
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Admission control: the KV memory budget of an engine and the limits read from the environment.
+"""Admission control: the KV memory budget of an engine and its limits.
 
 An engine admits a queued request only when the KV memory the request may need at most fits in
 what the running sequences leave of the budget. What a request may need is known at submit time:
@@ -15,25 +15,19 @@ for a quantized cpu model, float32 otherwise) and, with speculative decoding, th
 of every draft layer (``kv_bytes_per_token``). The npu backend keeps its cache in bfloat16 and is
 counted as float32, so there the budget is conservative by a factor of 2.
 
-Environment (read by ``flm_runtime.api.get_engine`` when it creates an engine, so a LiteLLM proxy
-sets them in its config's ``environment_variables``):
-
-    FLM_KV_BUDGET: KV memory budget per engine, bytes. Default: ``DEFAULT_KV_BUDGET_CONTEXTS``
-        full contexts of the model (``4 * 8192 * 23,040`` bytes = 755 MB for smollm2:135m with
-        quantized weights).
-    FLM_MAX_QUEUE: requests waiting for admission at most, per engine (default 64); one more gets
-        ``EngineOverloadedError`` at once.
+``FLM_KV_BUDGET`` and ``FLM_MAX_QUEUE`` (``flm_runtime.settings``, ``Settings.engine_limits``) set
+an engine's ``kv_budget`` and ``max_queue`` when ``flm_runtime.api`` creates it. The default budget
+is ``DEFAULT_KV_BUDGET_CONTEXTS`` full contexts of the model (``4 * 8192 * 23,040`` bytes = 755 MB
+for smollm2:135m with quantized weights); one request more than ``max_queue`` waiting gets
+``EngineOverloadedError`` at once.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from flm_runtime.errors import ContextLengthError, InvalidRequestError, KVBudgetError
 
-KV_BUDGET_ENV = "FLM_KV_BUDGET"
-MAX_QUEUE_ENV = "FLM_MAX_QUEUE"
 # Full-context sequences the default budget holds at once (short requests pack many more).
 DEFAULT_KV_BUDGET_CONTEXTS = 4
 FLOAT32_BYTES = 4
@@ -121,21 +115,6 @@ class KVBudget:
     def reserved(self, requests: Iterable[tuple[int, int]]) -> int:
         """Bytes reserved by running requests, given as ``(n_prompt, generated)`` pairs."""
         return sum(self.need(n_prompt, generated) for n_prompt, generated in requests)
-
-
-def limits_from_env(environ: Mapping[str, str] = os.environ) -> dict[str, int]:
-    """``Engine`` keyword arguments set by ``FLM_KV_BUDGET`` (``kv_budget``) and ``FLM_MAX_QUEUE``
-    (``max_queue``); the unset ones are left out (the engine's defaults apply).
-
-    Raises:
-        InvalidRequestError: a value that is not a positive integer (``param`` names the variable).
-    """
-    limits = {}
-    for env, key in ((KV_BUDGET_ENV, "kv_budget"), (MAX_QUEUE_ENV, "max_queue")):
-        raw = environ.get(env, "").strip()
-        if raw:
-            limits[key] = positive_int(raw, env)
-    return limits
 
 
 def positive_int(value, name: str) -> int:

@@ -1,6 +1,6 @@
 """``Picker``: a request's one way to turn a position's logits into its token.
 
-Plain decoding (``speculative.Lane.take``), the first token after the prompt and the speculative
+Plain decoding (``scheduling.step.Lane.decode_plain``), the first token after the prompt and the speculative
 verifier (``speculative.verify``) all pick through the request's ``Picker``: its processors
 (``processors.LogitsProcessor``, in order), then ``sampler``'s warp and draw with the request's
 own RNG. The verifier picks row ``j`` of a verify pass after accepting the ``j`` tokens kept
@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from flm_runtime.engine import sampler
-from flm_runtime.engine.processors import LogitsProcessor
-from flm_runtime.engine.request import SamplingParams, TokenLogprob
+from flm_runtime.request import SamplingParams, TokenLogprob
+from flm_runtime.sampling import sampler
+from flm_runtime.sampling.processors import LogitsProcessor
 
 
 class Picker:

@@ -1,0 +1,106 @@
+"""The runtime's settings: every ``FLM_*`` environment variable, read in this module only.
+
+``Settings.from_env()`` reads them all at once; the edges (``api.Runtime``, the CLI, the LiteLLM
+provider) take a ``Settings`` and pass its values down, and a library function that is given no
+value reads the current environment here, never ``os.environ`` of its own. Each value is checked
+where it is used, with the variable's name in the error.
+
+Variables (name: default; meaning):
+
+    FLM_BACKEND: ``auto``; the backend when a caller passes none: ``auto``, ``cpu`` or ``npu``
+        (``flm_runtime.backends.select``).
+    FLM_WEIGHTS: ``auto``; how the cpu backend holds a model's matrices when its registry entry
+        does not say: ``auto``, ``q4``, ``q8`` or ``f32`` (``flm_runtime.loading.weights``).
+    FLM_KV_BUDGET: 4 full contexts of the model; KV cache bytes per engine
+        (``flm_runtime.scheduling.admission``).
+    FLM_MAX_QUEUE: 64; requests waiting for admission per engine; one more is refused at once.
+    FLM_MODEL_PATH: the user cache directory of ``litellm-flm`` plus ``models``; where models are
+        kept (``flm_runtime.paths``).
+    FLM_MODELS_FILE: ``models.yaml`` in the user config directory of ``litellm-flm``; the user
+        models file (``flm_runtime.registry``).
+    FLM_XCLBIN_PATH: the package ``flm_xclbins``; the folder of the npu kernel builds and their
+        ``manifest.json`` (``flm_runtime.backends.manifest``).
+    FLM_LOG_LEVEL: unset (no handler); the level of ``flm_runtime`` and ``litellm_flm`` records sent
+        to stderr (``litellm_flm.configure_logging``).
+
+The engine limits are per process, not per LiteLLM deployment: every deployment of a tag shares
+its one engine (one copy of the weights, one batch). A proxy sets them in its config's
+``environment_variables``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from flm_runtime.errors import InvalidRequestError
+
+BACKENDS = ("auto", "cpu", "npu")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The ``FLM_*`` variables as set (None: unset or empty), unparsed.
+
+    Attributes (each named after its variable, ``FLM_`` and upper case dropped): ``backend``,
+    ``weights``, ``kv_budget``, ``max_queue``, ``model_path``, ``models_file``, ``xclbin_path``,
+    ``log_level``.
+    """
+
+    backend: str | None = None
+    weights: str | None = None
+    kv_budget: str | None = None
+    max_queue: str | None = None
+    model_path: str | None = None
+    models_file: str | None = None
+    xclbin_path: str | None = None
+    log_level: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The settings of ``environ`` (default: the process environment, read now)."""
+        environ = os.environ if environ is None else environ
+        return cls(**{f.name: environ.get(variable(f.name), "").strip() or None for f in fields(cls)})
+
+    def engine_limits(self) -> dict[str, int]:
+        """``Engine`` keyword arguments set by ``FLM_KV_BUDGET`` (``kv_budget``) and
+        ``FLM_MAX_QUEUE`` (``max_queue``); the unset ones are left out (the engine's defaults
+        apply).
+
+        Raises:
+            InvalidRequestError: a value that is not a positive integer (``param`` names the
+                variable).
+        """
+        limits = {}
+        for key in ("kv_budget", "max_queue"):
+            raw = getattr(self, key)
+            if raw is not None:
+                if not raw.isdigit() or int(raw) < 1:
+                    raise InvalidRequestError(f"{variable(key)} must be a positive integer, got {raw!r}",
+                                              param=variable(key))
+                limits[key] = int(raw)
+        return limits
+
+
+def variable(name: str) -> str:
+    """The environment variable of the ``Settings`` field ``name``: ``FLM_<NAME>``."""
+    return f"FLM_{name.upper()}"
+
+
+def requested_backend(value: str | None = None, settings: Settings | None = None) -> str:
+    """``value``, else ``FLM_BACKEND`` (of ``settings``, default the current environment), else
+    ``auto``; lower-cased and checked.
+
+    Raises:
+        InvalidRequestError: not one of auto, cpu, npu (``param`` is ``backend``; the message
+            names ``FLM_BACKEND`` when the value came from there).
+    """
+    if value is None:
+        source, chosen = variable("backend"), (settings or Settings.from_env()).backend or "auto"
+    else:
+        source, chosen = "backend", value
+    if not isinstance(chosen, str) or chosen.strip().lower() not in BACKENDS:
+        raise InvalidRequestError(f"{source} must be one of {', '.join(BACKENDS)}; got {chosen!r}",
+                                  param="backend")
+    return chosen.strip().lower()
