@@ -19,7 +19,7 @@ Variables (name: default; meaning):
     FLM_MODELS_FILE: ``models.yaml`` in the user config directory of ``litellm-flm``; the user
         models file (``flm_runtime.registry``).
     FLM_XCLBIN_PATH: the package ``flm_xclbins``; the folder of the npu kernel builds and their
-        ``manifest.json`` (``flm_runtime.backends.manifest``).
+        ``manifest.json`` (``flm_runtime.backends.npu.manifest``).
     FLM_LOG_LEVEL: unset (no handler); the level of ``flm_runtime`` and ``litellm_flm`` records sent
         to stderr (``litellm_flm.configure_logging``).
 
