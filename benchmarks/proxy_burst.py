@@ -35,7 +35,7 @@ import openai
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_S = 300
-ENGINE_LINE = re.compile(r"flm_runtime\.engine\.engine (?:DEBUG|INFO): request \w+; engine stats (\{.*\})")
+ENGINE_LINE = re.compile(r"flm_runtime\.scheduling\.engine (?:DEBUG|INFO): request \w+; engine stats (\{.*\})")
 TOPICS = ["the sea", "a mountain", "bread", "the moon", "a library", "rain", "a bicycle", "tea", "winter", "a river"]
 ASKS = ["Write one sentence about {}.", "Give me a fact about {}.", "Describe {} in a few words.",
         "What rhymes with {}?"]

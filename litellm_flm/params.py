@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from flm_runtime import CARD_DEFAULT, InvalidRequestError, SamplingDefaults, SamplingParams, requested_backend
+from flm_runtime import FALLBACK_SAMPLING, InvalidRequestError, SamplingDefaults, SamplingParams, requested_backend
 
 # OpenAI (or extra_body) name -> SamplingParams field. Everything the runtime acts on.
 OPENAI_TO_RUNTIME: dict[str, str] = {
@@ -281,12 +281,12 @@ def backend_of(optional_params: Mapping[str, Any]) -> str | None:
 
 
 def to_sampling_params(optional_params: Mapping[str, Any], defaults: SamplingDefaults | None = None) -> SamplingParams:
-    """``request_fields`` resolved against a default sampler (``CARD_DEFAULT`` when None).
+    """``request_fields`` resolved against a default sampler (``FALLBACK_SAMPLING`` when None).
 
     Raises:
         InvalidRequestError: as ``request_fields``, or a value out of range, naming the parameter.
     """
-    return (defaults or CARD_DEFAULT).resolve(**request_fields(optional_params))
+    return (defaults or FALLBACK_SAMPLING).resolve(**request_fields(optional_params))
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

@@ -43,7 +43,7 @@ _SOURCES = {
     "RequestStats": "flm_runtime.request",
     "SpecStats": "flm_runtime.request",
     "SamplingDefaults": "flm_runtime.sampling.sampler",
-    "CARD_DEFAULT": "flm_runtime.sampling.sampler",
+    "FALLBACK_SAMPLING": "flm_runtime.sampling.sampler",
     "choice_seed": "flm_runtime.sampling.sampler",
     # structured output and tools
     "compiler_for": "flm_runtime.sampling.grammar",

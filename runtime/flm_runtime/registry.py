@@ -150,7 +150,7 @@ class ModelEntry(BaseModel):
     draft_dir: Path | None = None
     draft_files: tuple[ModelFile, ...] = ()
     origin: str = "built-in"  # where the entry was defined, for messages and `litellm-flm list`
-    sampling: SamplingDefaults | None = None  # the model's default sampler; None: CARD_DEFAULT
+    sampling: SamplingDefaults | None = None  # the model's default sampler; None: FALLBACK_SAMPLING
     # How the cpu backend holds the matrices (loading.weights.WEIGHT_KINDS); None: $FLM_WEIGHTS, else auto.
     weights: Literal["auto", "q4", "q8", "f32"] | None = None
     # The chat template's thinking switch and output markers; None: found in the template

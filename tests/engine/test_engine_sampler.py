@@ -9,7 +9,7 @@ import pytest
 
 from flm_runtime.errors import InvalidRequestError
 from flm_runtime.request import SamplingParams
-from flm_runtime.sampling.sampler import (CARD_DEFAULT, GREEDY, SamplingDefaults, default_sampling, new_rng,
+from flm_runtime.sampling.sampler import (FALLBACK_SAMPLING, GREEDY, SamplingDefaults, default_sampling, new_rng,
                                         sample, sample_from_probs, warp)
 
 P4 = np.array([0.5, 0.3, 0.15, 0.05])          # a distribution whose cumulative masses are known
@@ -134,18 +134,18 @@ def test_sample_from_probs_edges_never_pick_zero_mass():
 
 
 def test_sampling_defaults_fill_only_unset_fields():
-    params = CARD_DEFAULT.resolve(temperature=0.7, top_p=None, seed=5, stop="END")
+    params = FALLBACK_SAMPLING.resolve(temperature=0.7, top_p=None, seed=5, stop="END")
     assert (params.temperature, params.top_k, params.top_p, params.seed, params.stop) == (0.7, 64, 0.95, 5, ("END",))
-    assert CARD_DEFAULT.resolve(temperature=0).greedy
+    assert FALLBACK_SAMPLING.resolve(temperature=0).greedy
     assert GREEDY.resolve().greedy
-    assert default_sampling(None) is CARD_DEFAULT
+    assert default_sampling(None) is FALLBACK_SAMPLING
     own = SamplingDefaults(temperature=0.2, top_k=0, top_p=0.9)
     assert default_sampling(own).resolve().top_p == 0.9
 
 
 def test_sampling_defaults_reject_bad_values_naming_the_param():
     with pytest.raises(InvalidRequestError) as e:
-        CARD_DEFAULT.resolve(top_p=1.5)
+        FALLBACK_SAMPLING.resolve(top_p=1.5)
     assert e.value.param == "top_p"
 
 

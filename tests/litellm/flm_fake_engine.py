@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from flm_runtime.errors import ContextLengthError
 from flm_runtime.loading.chat_template import render_chat_template, thinking_format
 from flm_runtime.request import Completion, RequestStats, SamplingParams, StreamEvent
-from flm_runtime.sampling.sampler import CARD_DEFAULT, choice_seed
+from flm_runtime.sampling.sampler import FALLBACK_SAMPLING, choice_seed
 
 
 class FakeTokenizer:
@@ -101,7 +101,7 @@ class FakeEngine:
     handles: list[FakeHandle] = field(default_factory=list)
 
     def sampling_params(self, **given) -> SamplingParams:
-        return CARD_DEFAULT.resolve(**given)
+        return FALLBACK_SAMPLING.resolve(**given)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, timeout: float | None,
                processors=()) -> FakeHandle:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flm_runtime.errors import InvalidRequestError
-from flm_runtime.sampling.sampler import CARD_DEFAULT, SamplingDefaults
+from flm_runtime.sampling.sampler import FALLBACK_SAMPLING, SamplingDefaults
 from litellm_flm.params import (NEUTRAL_ONLY, OPENAI_TO_RUNTIME, SUPPORTED_OPENAI_PARAMS, choices_of, normalize_messages,
                                 request_fields, to_sampling_params)
 
@@ -14,7 +14,7 @@ def test_empty_request_sets_nothing_and_gets_the_default_sampler_with_no_token_c
     assert request_fields({}) == {}
     p = to_sampling_params({})
     assert (p.temperature, p.top_k, p.top_p, p.min_p) == (
-        CARD_DEFAULT.temperature, CARD_DEFAULT.top_k, CARD_DEFAULT.top_p, CARD_DEFAULT.min_p
+        FALLBACK_SAMPLING.temperature, FALLBACK_SAMPLING.top_k, FALLBACK_SAMPLING.top_p, FALLBACK_SAMPLING.min_p
     )
     assert p.max_tokens is None and p.stop == () and p.seed is None
 
@@ -55,7 +55,7 @@ def test_penalties_bias_and_logprobs_reach_the_runtime():
 
 def test_request_values_override_the_default_per_field():
     p = to_sampling_params({"temperature": 0.7})
-    assert p.temperature == 0.7 and p.top_k == CARD_DEFAULT.top_k and p.top_p == CARD_DEFAULT.top_p
+    assert p.temperature == 0.7 and p.top_k == FALLBACK_SAMPLING.top_k and p.top_p == FALLBACK_SAMPLING.top_p
 
 
 def test_max_completion_tokens_is_max_tokens():

@@ -318,7 +318,7 @@ def test_completions_through_the_proxy_continue_each_prompt(client):
     assert "".join(c.choices[0].text or "" for c in streamed if c.choices) == alone[1].choices[0].text
 
 
-ENGINE_LINE = re.compile(r"flm_runtime\.engine\.engine (?:DEBUG|INFO): request (\w+); engine stats (\{.*\})")
+ENGINE_LINE = re.compile(r"flm_runtime\.scheduling\.engine (?:DEBUG|INFO): request (\w+); engine stats (\{.*\})")
 SYSTEM = {"role": "system", "content": "Be brief."}
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?", "Name a planet.",
              "What do bees make?"]

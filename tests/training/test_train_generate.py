@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
 
 from flm_runtime.request import SamplingParams
-from flm_runtime.sampling.sampler import CARD_DEFAULT
+from flm_runtime.sampling.sampler import FALLBACK_SAMPLING
 from flm_runtime.scheduling.engine import Engine
 
 from flm_train import generate
@@ -21,7 +21,7 @@ from flm_train.generate import (STOP_IDS, TOP_K, check_taps, default_tap_layers,
                                 run_generation, top_logprobs)
 
 LAYERS = default_tap_layers(30)
-SAMPLING = CARD_DEFAULT.resolve()
+SAMPLING = FALLBACK_SAMPLING.resolve()
 SEED = 3
 MAX_NEW = 24
 PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about rain.",

@@ -120,7 +120,7 @@ def test_the_lr_schedule_restarts_at_schedule_from():
 @pytest.fixture(scope="module")
 def shards_with_and_without_taps(tmp_path_factory, smollm2_quantized, smollm2_tokenizer):
     """The same three shards of SmolLM2's (quantized) responses, generated with taps and without."""
-    from flm_runtime.sampling.sampler import CARD_DEFAULT
+    from flm_runtime.sampling.sampler import FALLBACK_SAMPLING
     from flm_train.generate import default_tap_layers, generate_shard
 
     tok = smollm2_tokenizer
@@ -135,7 +135,7 @@ def shards_with_and_without_taps(tmp_path_factory, smollm2_quantized, smollm2_to
         out[name] = [data / f"shard_{k:04d}.npz" for k in range(3)]
         for k, path in enumerate(out[name]):
             np.savez(path, **generate_shard(smollm2_quantized, items[2 * k: 2 * k + 2], tap_layers=default_tap_layers(30),
-                                            max_new=12, slots=2, seed=0, sampling=CARD_DEFAULT.resolve(),
+                                            max_new=12, slots=2, seed=0, sampling=FALLBACK_SAMPLING.resolve(),
                                             with_taps=with_taps))
     return out["full"], out["lean"]
 

@@ -237,7 +237,7 @@ class SamplingDefaults:
     Applied field by field (as vLLM does with a model's ``generation_config.json``): a request
     that sets only ``temperature=0.7`` keeps this entry's top_k/top_p/min_p. An explicit
     ``temperature=0`` is greedy whatever the defaults say. The registry entry of a model may
-    define its own; ``CARD_DEFAULT`` is used otherwise.
+    define its own; ``FALLBACK_SAMPLING`` is used otherwise.
     """
 
     temperature: float = 1.0
@@ -265,10 +265,10 @@ class SamplingDefaults:
 # The "model's default sampler" of the reference benchmark (docs/benchmarks.md, "The reference
 # benchmark"): temperature 1.0, top_k 64, top_p 0.95, for a request that sets no sampling field and
 # a model entry that names none.
-CARD_DEFAULT = SamplingDefaults(temperature=1.0, top_k=64, top_p=0.95, min_p=0.0)
+FALLBACK_SAMPLING = SamplingDefaults(temperature=1.0, top_k=64, top_p=0.95, min_p=0.0)
 GREEDY = SamplingDefaults(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
 
 
 def default_sampling(entry_default: SamplingDefaults | None = None) -> SamplingDefaults:
-    """The defaults to apply: the model entry's own when it defines one, else ``CARD_DEFAULT``."""
-    return entry_default if entry_default is not None else CARD_DEFAULT
+    """The defaults to apply: the model entry's own when it defines one, else ``FALLBACK_SAMPLING``."""
+    return entry_default if entry_default is not None else FALLBACK_SAMPLING

@@ -121,7 +121,7 @@ class Engine:
             ``special_token_ids``.
         name: the model's name (thread name, stats, messages).
         default_sampling: the model entry's default sampler, applied by ``sampling_params``;
-            None -> ``sampler.CARD_DEFAULT``.
+            None -> ``sampler.FALLBACK_SAMPLING``.
         max_queue: requests waiting for admission at most; one more -> ``EngineOverloadedError``.
         max_active: sequences running at once; the others wait in the queue.
         kv_budget: bytes of KV cache the running sequences may reserve together (see
