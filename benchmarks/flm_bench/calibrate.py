@@ -133,7 +133,7 @@ def acceptance_records(decoder: SpeculativeDecoder, tokenizer, prompts: list[lis
         cache = decoder.target.new_cache(len(ids) + max_new + decoder.block_size)
         state = decoder.new_state()
         picker = Picker(greedy, sampler.new_rng(0))
-        out = [picker.take(decoder.prefill(ids, cache, state))]
+        out = [picker.pick_and_accept(decoder.prefill(ids, cache, state))]
         stop = set(tokenizer.stop_token_ids)
 
         def emit(token: int) -> bool:

@@ -114,7 +114,7 @@ def spec_generate(decoder: SpeculativeDecoder, prompt, n: int, params, seed: int
     picker = Picker(params, sampler.new_rng(seed))
     cache = decoder.target.new_cache(len(prompt) + n + 8)
     state = decoder.new_state()
-    out = [picker.take(decoder.prefill(np.asarray(prompt, dtype=np.int64), cache, state))]
+    out = [picker.pick_and_accept(decoder.prefill(np.asarray(prompt, dtype=np.int64), cache, state))]
 
     def emit(token: int) -> bool:
         out.append(token)

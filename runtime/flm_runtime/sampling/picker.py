@@ -79,7 +79,7 @@ class Picker:
         assert [r.token_id for r in records] == list(token_ids), "logprobs out of step with the delivered tokens"
         return records
 
-    def take(self, logits: np.ndarray) -> int:
+    def pick_and_accept(self, logits: np.ndarray) -> int:
         """``pick`` then ``accept``: the token of a position that is kept, whatever it is."""
         token = self.pick(logits)
         self.accept(token)

@@ -97,7 +97,7 @@ class Lane:
         """A plain step's token: taken from ``logits`` ``[V]`` by the request's picker (its own
         processors, params and RNG, so the token does not depend on other sequences), pushed
         through ``emit``; True once the sequence is finished."""
-        return self.emit(self.picker.take(logits))
+        return self.emit(self.picker.pick_and_accept(logits))
 
 
 class Stepper(Protocol):

@@ -91,9 +91,9 @@ Proposer = Callable[[KVCache, int, int], np.ndarray]
 def verify(draft_ids: np.ndarray, target_logits: np.ndarray, picker: Picker) -> tuple[int, int]:
     """Lossless verifier for a one-hot (argmax) draft (see the module docstring).
 
-    For ``j = 0, 1, ..``: ``t = picker.take(row j)`` (row ``j`` processed with the state after the
-    ``j`` tokens kept before it, then warped and drawn as plain decoding would); if ``j < K`` and
-    ``t == d(j+1)`` accept and go on, else stop with ``t`` (recovered at a mismatch, bonus after
+    For ``j = 0, 1, ..``: ``t = picker.pick_and_accept(row j)`` (row ``j`` processed with the
+    state after the ``j`` tokens kept before it, then warped and drawn as plain decoding would);
+    if ``j < K`` and ``t == d(j+1)`` accept and go on, else stop with ``t`` (recovered at a mismatch, bonus after
     all K accepted). Greedy, ``t`` is the processed row's argmax (lowest id on ties), so the kept
     prefix is the longest one equal to the target's greedy tokens; a drafted token a processor
     forbids (a grammar mask, a bias of -100) can never equal ``t`` and ends the prefix.
@@ -110,7 +110,7 @@ def verify(draft_ids: np.ndarray, target_logits: np.ndarray, picker: Picker) -> 
     k = draft_ids.shape[0]
     assert target_logits.shape[0] == k + 1, f"target_logits {target_logits.shape} != [K+1={k + 1}, V]"
     for j in range(k + 1):
-        t = picker.take(target_logits[j])
+        t = picker.pick_and_accept(target_logits[j])
         if j == k or t != int(draft_ids[j]):
             return j, t
     raise AssertionError("unreachable")
@@ -253,8 +253,9 @@ class SpeculativeDecoder:
             state = lane.state
             self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
             state.pending = self._no_taps()
-        proposal = self._draft_pass([lane.state.draft_cache for lane in drafting], [lane.anchor_id for lane in drafting],
-                                 max(plan.draft_length for plan in plans)) if drafting else None  # [S, max K]
+        proposal = self._draft_pass([lane.state.draft_cache for lane in drafting],
+                                    [lane.anchor_id for lane in drafting],
+                                    max(plan.draft_length for plan in plans)) if drafting else None  # [S, max K]
         rows = iter(range(len(drafting)))  # the proposal's row of each drafting lane, in order
         records = []
         for lane, (k, min_confidence) in zip(lanes, plans):
@@ -290,7 +291,7 @@ class SpeculativeDecoder:
         cache, state = lane.cache, lane.state
         start = cache.length - len(logits)
         if not len(record.ids):
-            token = lane.picker.take(logits[0])
+            token = lane.picker.pick_and_accept(logits[0])
             self._complete_plain(lane, record, start, taps, token)
             return LaneStep(record, 0, lane.emit(token))
         n_accepted, bonus = verify(record.ids, logits, lane.picker)
