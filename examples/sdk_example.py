@@ -12,13 +12,14 @@ import litellm_flm  # noqa: F401  registers the "flm" provider and its models on
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
-# 1. One completion, greedy. top_k / min_p are not OpenAI parameters: pass them as keywords (or,
-#    from the OpenAI SDK through the proxy, in extra_body).
+# 1. One completion, greedy.
 response = litellm.completion(model="flm/smollm2:135m", messages=MESSAGES, temperature=0, max_tokens=32)
 print(response.choices[0].message.content)
 print(response.usage)  # the engine's real prompt and completion token counts
 
-# 2. A stream, sampled with a fixed seed (same seed + same request = same text).
+# 2. A stream, sampled with a fixed seed (same seed + same request = same text). top_k / min_p are
+#    not OpenAI parameters: pass them as keywords (or, from the OpenAI SDK through the proxy, in
+#    extra_body).
 stream = litellm.completion(
     model="flm/smollm2:135m", messages=MESSAGES, stream=True, max_tokens=32, temperature=0.7, top_k=40, seed=1
 )

@@ -6,8 +6,7 @@ L2-normalised; float32 ``[E]``. It is computed with the target's own step, ``for
 the prompt, with no logits and no sampling: prefill without decode. The KV caches live only for
 the call.
 
-    from flm_runtime.api import get_engine
-    from flm_runtime.embedding import embed
+    from flm_runtime import embed, get_engine
 
     engine = get_engine("smollm2:135m")
     vectors = embed(engine.model, [engine.tokenizer.encode(t) for t in ["a cat", "a dog"]])  # [2, E]

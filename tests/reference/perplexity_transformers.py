@@ -3,7 +3,7 @@
 transformers dequantizes the GGUF with its own code path, undoes llama.cpp's Q/K permutation with
 its own code, builds its own tokenizer from the GGUF vocabulary and runs its own Llama
 implementation, so nothing is shared with ``flm_runtime`` except the file. The number it prints
-is the golden value in ``tests/test_perplexity.py``.
+is the golden value in ``tests/models/test_llama.py``.
 
 Run (needs the optional reference stack; not part of CI):
     pip install torch==2.13.0 transformers accelerate gguf

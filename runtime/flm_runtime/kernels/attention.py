@@ -307,7 +307,7 @@ def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans,
     values ``k``, ``v`` ``[R, Hkv, D]`` go into layer ``index`` of its cache, then its queries
     ``q`` ``[R, H, D]`` attend it (``attend``). ``spans``: per sequence, an object with ``cache``,
     ``start`` (the cache length before the step) and ``rows`` (its slice of the rows), as
-    ``flm_runtime.layers.RowSpan``. The caller holds ``lock.KERNEL_LOCK``.
+    ``flm_runtime.layers.decoder.RowSpan``. The caller holds ``lock.KERNEL_LOCK``.
 
     Returns:
         ``[R, H * D]`` float32.

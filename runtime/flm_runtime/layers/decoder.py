@@ -7,8 +7,8 @@ Python over numpy ops. The quantized path compiles *the same source* with numba
 the ops (numba dispatchers) and the spec's values (ints, floats, bools), and numba takes a
 closure's free variables as compile-time constants, so each matrix's product is specialized to
 its format and a layer is one compiled call, with no second copy of the layer to keep in step.
-The compiled code runs the same kernels in the same order as before it was shared, so its
-results are bit-identical to them (docs/design.md, "Batch invariance").
+The compiled code calls its kernels in a fixed order that does not depend on the rows beside a
+row, so a row's result is bit-identical alone, batched or in a verify pass (docs/design.md, "Batch invariance").
 
 A step of one sequence (a decode, a verify pass, a prefill chunk) runs the whole layer in one call
 (``Composition.layer``: the K/V write into the cache and attention inside); a step of several

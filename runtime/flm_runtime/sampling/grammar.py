@@ -19,7 +19,7 @@ JSON is generated compact-but-spaced (``{"a": 1, "b": [2, 3]}``: ``", "`` and ``
 separators, no other whitespace, ``JSON_OPTIONS``): a small model left free to add whitespace
 tends to write newlines forever, and this is the form ``json.dumps`` writes.
 
-The bridge to our tokenizer (``vocabulary_of``) hands llguidance the exact bytes of every token id
+The bridge to our tokenizer (``_Vocabulary``, built by ``compiler_for``) hands llguidance the exact bytes of every token id
 (``Tokenizer.token_bytes_table``, the table our detokenizer uses), so the mask and the delivered
 text agree by construction; it is built once per tokenizer (about 0.3 s for a 49k vocabulary).
 """

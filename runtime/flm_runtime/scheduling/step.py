@@ -101,7 +101,7 @@ class Lane:
 
 
 class Stepper(Protocol):
-    """Multi-token decoding steps for an engine (``speculation.SpeculativeDecoder``).
+    """Multi-token decoding steps for an engine (``speculation.speculative.SpeculativeDecoder``).
 
     Attributes:
         target: the target model (the engine's ``model``).
