@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import NamedTuple
 
 import numba
@@ -38,7 +38,7 @@ from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import attention
 from flm_runtime.kernels.lock import KERNEL_LOCK
 from flm_runtime.kernels.quant import Weight
-from flm_runtime.layers.ops import Ops, ops_for
+from flm_runtime.layers.ops import REFERENCE, Ops, ops_for
 from flm_runtime.layers.spec import LayerSpec
 
 
@@ -216,3 +216,27 @@ class DecoderLayer:
             q, k, v = self._in(x, *self._in_weights, cos, sin)
             attn = attention.attend_spans(index, q, k, v, spans, self.spec.causal)
             return self._out(x, attn, *self._out_weights)
+
+
+class StackArithmetic(NamedTuple):
+    """What a model's stack of layers decides once for the whole model (``stack_arithmetic``).
+
+    Attributes:
+        quantized: every layer runs on the compiled ops (all its matrices quantized).
+        kv_dtype: the KV cache's element type: float16 for a quantized stack (half the bytes
+            attention reads), float32 for the reference.
+        final_norm: the RMSNorm before the LM head, ``(x [R, E], w [E], eps) -> [R, E]``, in the
+            stack's arithmetic.
+    """
+
+    quantized: bool
+    kv_dtype: type
+    final_norm: Callable
+
+
+def stack_arithmetic(decoders: list[DecoderLayer]) -> StackArithmetic:
+    """The arithmetic of a model whose layers are ``decoders`` (the target's and the draft's
+    alike): quantized only when every layer is."""
+    quantized = all(d.ops.compiled for d in decoders)
+    ops = decoders[-1].ops if quantized else REFERENCE
+    return StackArithmetic(quantized, np.float16 if quantized else np.float32, ops.norm_rows)

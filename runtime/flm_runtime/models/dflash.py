@@ -30,7 +30,7 @@ import numpy as np
 from flm_runtime.core import KVCache, LlamaConfig, Proposal
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu, quant
-from flm_runtime.layers.decoder import DecoderLayer, RowSpan
+from flm_runtime.layers.decoder import DecoderLayer, RowSpan, stack_arithmetic
 from flm_runtime.layers.ops import REFERENCE
 from flm_runtime.layers.spec import LayerSpec
 from flm_runtime.models.llama import KV_PROJ, WeightTaker, fuse_layer, layer_weight_shapes, take_fused
@@ -226,9 +226,7 @@ class DFlashDraft:
         self.norm = take("norm.weight", (e,))
         self.layers = [fuse_layer(take, c, f"layers.{i}.") for i in range(c.num_hidden_layers)]
         self.decoders = [DecoderLayer(w, LayerSpec.of(c, causal=False)) for w in self.layers]
-        self.quantized = all(layer.ops.compiled for layer in self.decoders)
-        self.kv_dtype = np.float16 if self.quantized else np.float32  # as the target's cache: half the bytes read
-        self._final_norm = (self.decoders[-1].ops if self.quantized else REFERENCE).norm_rows
+        self.quantized, self.kv_dtype, self._final_norm = stack_arithmetic(self.decoders)
         # add_context's projection, each layer's Wk and Wv alone: a product of all wqkv's rows rounds differently
         self.context_kv = [take_fused(take, c, f"layers.{i}.", KV_PROJ) for i in range(c.num_hidden_layers)]  # [2*Hkv*D, E]
         self.rope_cos, self.rope_sin = cpu.rope_tables(d, max_positions, c.rope_theta)  # [P, D/2]

@@ -15,8 +15,7 @@ from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu
 from flm_runtime.kernels.quant import QuantWeight
-from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan
-from flm_runtime.layers.ops import REFERENCE
+from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan, stack_arithmetic
 from flm_runtime.layers.spec import LayerConfig, LayerSpec
 
 KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
@@ -99,11 +98,7 @@ class LlamaModel:
         # Each layer runs on the ops table its weights call for (layers.ops.ops_for): compiled when
         # its matrices are quantized, else the numpy reference.
         self.decoders = [DecoderLayer(w, LayerSpec.of(c)) for w in self.layers]
-        # A quantized model keeps its KV cache in float16 (half the bytes attention reads) and
-        # runs its final norm compiled; the float32 reference keeps float32.
-        self.quantized = all(d.ops.compiled for d in self.decoders)
-        self.kv_dtype = np.float16 if self.quantized else np.float32
-        self._final_norm = (self.decoders[-1].ops if self.quantized else REFERENCE).norm_rows
+        self.quantized, self.kv_dtype, self._final_norm = stack_arithmetic(self.decoders)
 
     @property
     def nbytes_per_token(self) -> int:
