@@ -247,23 +247,29 @@ def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
             (``cache_arrays``).
         out: ``[T, H * D]`` float32 C-contiguous, written.
     """
+    for item in numba.prange(q.shape[0] * k.shape[0]):
+        attend_item(q, k, v, start, causal, out, item)
+
+
+@numba.njit(nogil=True, **ELEMENTWISE)
+def attend_item(q, k, v, start, causal, out, item):  # pragma: no cover - compiled
+    """``attend``'s item ``item``: query row ``item // Hkv`` over key-value head ``item % Hkv``
+    (its query heads), alone: one thread's share of attention split over a ``kernels.team``."""
     t_rows, h, d = q.shape
     hkv = k.shape[0]
     group = h // hkv
     scale = np.float32(1.0 / np.sqrt(d))
-    for item in numba.prange(t_rows * hkv):
-        t, kv = item // hkv, item % hkv
-        n = start + t + 1 if causal else start + t_rows
-        scores = np.empty((min(group, _QUERY_GROUP), (n + KEY_TILE - 1) // KEY_TILE * KEY_TILE), dtype=np.float32)
-        head = kv * group
-        while head + _QUERY_GROUP <= (kv + 1) * group:
-            _attend_heads(q[t, head:head + _QUERY_GROUP], _QUERY_GROUP, k[kv], v[kv], n, scale, scores,
-                          out[t, head * d:(head + _QUERY_GROUP) * d])
-            head += _QUERY_GROUP
-        while head < (kv + 1) * group:
-            _attend_heads(q[t, head:head + 1], 1, k[kv], v[kv], n, scale, scores, out[t, head * d:(head + 1) * d])
-            head += 1
-
+    t, kv = item // hkv, item % hkv
+    n = start + t + 1 if causal else start + t_rows
+    scores = np.empty((min(group, _QUERY_GROUP), (n + KEY_TILE - 1) // KEY_TILE * KEY_TILE), dtype=np.float32)
+    head = kv * group
+    while head + _QUERY_GROUP <= (kv + 1) * group:
+        _attend_heads(q[t, head:head + _QUERY_GROUP], _QUERY_GROUP, k[kv], v[kv], n, scale, scores,
+                      out[t, head * d:(head + _QUERY_GROUP) * d])
+        head += _QUERY_GROUP
+    while head < (kv + 1) * group:
+        _attend_heads(q[t, head:head + 1], 1, k[kv], v[kv], n, scale, scores, out[t, head * d:(head + 1) * d])
+        head += 1
 
 
 @intrinsic
@@ -295,11 +301,17 @@ def store_kv(k, v, k_cache, v_cache, start):  # pragma: no cover - compiled
     bits, rounded as numpy rounds), as ``KVCache.write`` does: the one-call layer's write, inside
     compiled code (every other path writes through ``KVCache.write``)."""
     for t in range(k.shape[0]):
-        tile, lane = divmod(start + t, KEY_TILE)
-        for h in range(k.shape[1]):
-            for e in range(k.shape[2]):
-                k_cache[h, tile, e, lane] = _cache_element(k_cache, k[t, h, e])
-                v_cache[h, start + t, e] = _cache_element(v_cache, v[t, h, e])
+        store_kv_row(k, v, k_cache, v_cache, start, t)
+
+
+@numba.njit(nogil=True)
+def store_kv_row(k, v, k_cache, v_cache, start, t):  # pragma: no cover - compiled
+    """``store_kv`` of row ``t`` alone."""
+    tile, lane = divmod(start + t, KEY_TILE)
+    for h in range(k.shape[1]):
+        for e in range(k.shape[2]):
+            k_cache[h, tile, e, lane] = _cache_element(k_cache, k[t, h, e])
+            v_cache[h, start + t, e] = _cache_element(v_cache, v[t, h, e])
 
 
 def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans, causal: bool) -> np.ndarray:

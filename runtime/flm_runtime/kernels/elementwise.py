@@ -53,44 +53,62 @@ def exp(x):  # pragma: no cover - compiled
 @numba.njit(nogil=True, **ELEMENTWISE)
 def rms_norm(x, weight, eps):  # pragma: no cover - compiled
     """RMSNorm of each row of ``x`` ``[R, E]`` (as ``cpu.rms_norm``)."""
-    r, e = x.shape
     out = np.empty_like(x)
-    for i in range(r):
-        ss = np.float32(0.0)
-        for j in range(e):
-            ss += x[i, j] * x[i, j]
-        inv = np.float32(1.0) / np.sqrt(ss / np.float32(e) + np.float32(eps))
-        for j in range(e):
-            out[i, j] = x[i, j] * inv * weight[j]
+    for i in range(x.shape[0]):
+        rms_norm_row(x, weight, eps, out, i)
     return out
+
+
+@numba.njit(nogil=True, **ELEMENTWISE)
+def rms_norm_row(x, weight, eps, out, i):  # pragma: no cover - compiled
+    """``rms_norm`` of row ``i`` of ``x`` into row ``i`` of ``out``."""
+    e = x.shape[1]
+    ss = np.float32(0.0)
+    for j in range(e):
+        ss += x[i, j] * x[i, j]
+    inv = np.float32(1.0) / np.sqrt(ss / np.float32(e) + np.float32(eps))
+    for j in range(e):
+        out[i, j] = x[i, j] * inv * weight[j]
 
 
 @numba.njit(nogil=True)
 def rope(x, cos, sin, first, heads, d):  # pragma: no cover - compiled
     """Rotate-half RoPE of ``heads`` heads of width ``d`` starting at column ``first`` of each
     row of ``x`` (as ``cpu.apply_rope``); ``[R, heads, D]`` float32."""
-    r, half = x.shape[0], d // 2
-    out = np.empty((r, heads, d), dtype=np.float32)
-    for i in range(r):
-        for h in range(heads):
-            base = first + h * d
-            for j in range(half):
-                x1, x2, c, s = x[i, base + j], x[i, base + half + j], cos[i, j], sin[i, j]
-                out[i, h, j] = x1 * c - x2 * s
-                out[i, h, half + j] = x2 * c + x1 * s
+    out = np.empty((x.shape[0], heads, d), dtype=np.float32)
+    for i in range(x.shape[0]):
+        rope_row(x, cos, sin, first, heads, d, out, i)
     return out
+
+
+@numba.njit(nogil=True)
+def rope_row(x, cos, sin, first, heads, d, out, i):  # pragma: no cover - compiled
+    """``rope`` of row ``i`` into ``out[i]`` ``[heads, D]``."""
+    half = d // 2
+    for h in range(heads):
+        base = first + h * d
+        for j in range(half):
+            x1, x2, c, s = x[i, base + j], x[i, base + half + j], cos[i, j], sin[i, j]
+            out[i, h, j] = x1 * c - x2 * s
+            out[i, h, half + j] = x2 * c + x1 * s
 
 
 @numba.njit(nogil=True, **ELEMENTWISE)
 def swiglu(gate_up):  # pragma: no cover - compiled
     """``silu(gate) * up`` of each row of the fused ``gate_up`` ``[R, 2F]`` (as ``cpu.swiglu``); ``[R, F]``."""
-    r, f = gate_up.shape[0], gate_up.shape[1] // 2
-    out = np.empty((r, f), dtype=np.float32)
-    for i in range(r):
-        for j in range(f):
-            g = gate_up[i, j]
-            out[i, j] = g / (np.float32(1.0) + exp(-g)) * gate_up[i, f + j]
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
+    for i in range(gate_up.shape[0]):
+        swiglu_row(gate_up, out, i)
     return out
+
+
+@numba.njit(nogil=True, **ELEMENTWISE)
+def swiglu_row(gate_up, out, i):  # pragma: no cover - compiled
+    """``swiglu`` of row ``i`` into row ``i`` of ``out``."""
+    f = gate_up.shape[1] // 2
+    for j in range(f):
+        g = gate_up[i, j]
+        out[i, j] = g / (np.float32(1.0) + exp(-g)) * gate_up[i, f + j]
 
 
 def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

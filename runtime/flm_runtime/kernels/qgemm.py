@@ -94,25 +94,38 @@ def quantize_activations(x, padded):  # pragma: no cover - compiled
         (``|xw| <= 16383``); ``step`` ``[M, Kp/32]`` float32; ``sx`` ``[M, Kp/32]`` float32,
         ``step * S``; ``s`` ``[M, Kp/32]`` int32, ``S`` (``Kp = padded``).
     """
-    m, k = x.shape
-    nb = padded // BLOCK
-    xq = np.empty((m, 2 * padded), dtype=np.int8)
-    xw = np.empty((m, padded), dtype=np.int16)
-    step = np.empty((m, nb), dtype=np.float32)
-    sx = np.empty((m, nb), dtype=np.float32)
-    s = np.empty((m, nb), dtype=np.int32)
-    padded_row = np.zeros(padded, dtype=np.float32)  # a row whose width is not whole blocks, padded
+    m = x.shape[0]
+    acts = new_activations(m, padded)
     for r in range(m):
-        row = x[r]
-        if k < padded:
-            padded_row[:k] = row
-            row = padded_row
-        for b in range(nb):
-            st, total = _quantize_block(row, xq, xw, r, b, padded)
-            step[r, b] = st
-            s[r, b] = total
-            sx[r, b] = st * np.float32(total)  # exact: |S| < 2**24
-    return xq, xw, step, sx, s
+        quantize_row(x, r, padded, *acts)
+    return acts
+
+
+@numba.njit(inline="always")
+def new_activations(m, padded):  # pragma: no cover - compiled
+    """Empty ``(xq, xw, step, sx, s)`` for ``m`` rows of padded width ``padded``
+    (``quantize_activations``' shapes)."""
+    nb = padded // BLOCK
+    return (np.empty((m, 2 * padded), dtype=np.int8), np.empty((m, padded), dtype=np.int16),
+            np.empty((m, nb), dtype=np.float32), np.empty((m, nb), dtype=np.float32),
+            np.empty((m, nb), dtype=np.int32))
+
+
+@numba.njit(nogil=True)
+def quantize_row(x, r, padded, xq, xw, step, sx, s):  # pragma: no cover - compiled
+    """Row ``r`` of ``x`` quantized into row ``r`` of ``(xq, xw, step, sx, s)``
+    (``quantize_activations``' arithmetic and layout); it reads and writes that row alone."""
+    row = x[r]
+    k = row.shape[0]
+    if k < padded:  # a row whose width is not whole blocks, padded
+        padded_row = np.zeros(padded, dtype=np.float32)
+        padded_row[:k] = row
+        row = padded_row
+    for b in range(padded // BLOCK):
+        st, total = _quantize_block(row, xq, xw, r, b, padded)
+        step[r, b] = st
+        s[r, b] = total
+        sx[r, b] = st * np.float32(total)  # exact: |S| < 2**24
 
 
 @intrinsic
@@ -391,25 +404,41 @@ def _tile_group_impl(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw,
 def product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out):  # pragma: no cover - compiled
     """``out[r, n]`` for every activation row ``r`` and weight row ``n``, tiles over the threads
     (a ``prange``: call it from a ``parallel=True`` function with constant ``isa``, ``bits``,
-    ``has_mins``), activation rows in groups of 8, 4, 2, 1 (a tile's codes read once a group).
-    ``codes, scales, mins`` are ``operands(w)``; ``xq, xw, step, sx, s`` ``quantize_activations``'."""
-    m = xq.shape[0]
+    ``has_mins``). ``codes, scales, mins`` are ``operands(w)``; ``xq, xw, step, sx, s``
+    ``quantize_activations``'."""
     for t in numba.prange(codes.shape[0]):
-        r = 0
-        while r < m:
-            rem = m - r
-            if rem >= 8:
-                _tile_group(isa, bits, has_mins, 8, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
-                r += 8
-            elif rem >= 4:
-                _tile_group(isa, bits, has_mins, 4, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
-                r += 4
-            elif rem >= 2:
-                _tile_group(isa, bits, has_mins, 2, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
-                r += 2
-            else:
-                _tile_group(isa, bits, has_mins, 1, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
-                r += 1
+        product_tile(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out, t)
+
+
+@numba.njit(inline="always")
+def product_tiles(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out, first,
+                  stop):  # pragma: no cover - compiled
+    """``product`` of tiles ``first .. stop-1`` alone, in this thread: one thread's share of a
+    product split over a ``kernels.team``."""
+    for t in range(first, stop):
+        product_tile(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out, t)
+
+
+@numba.njit(inline="always")
+def product_tile(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out, t):  # pragma: no cover
+    """Tile ``t``'s 16 output columns of every activation row, the rows in groups of 8, 4, 2, 1
+    (a tile's codes read once a group)."""
+    m = xq.shape[0]
+    r = 0
+    while r < m:
+        rem = m - r
+        if rem >= 8:
+            _tile_group(isa, bits, has_mins, 8, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
+            r += 8
+        elif rem >= 4:
+            _tile_group(isa, bits, has_mins, 4, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
+            r += 4
+        elif rem >= 2:
+            _tile_group(isa, bits, has_mins, 2, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
+            r += 2
+        else:
+            _tile_group(isa, bits, has_mins, 1, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
+            r += 1
 
 
 @numba.njit(inline="always")

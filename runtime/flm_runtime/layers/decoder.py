@@ -23,21 +23,18 @@ width, S cache capacity.
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
-import numba
 import numpy as np
-from numba.core.caching import FunctionCache
 
 from flm_runtime.core import KVCache
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import attention
 from flm_runtime.kernels.lock import KERNEL_LOCK
 from flm_runtime.kernels.quant import Weight
+from flm_runtime.layers.jit import compiled, sources_key
 from flm_runtime.layers.ops import REFERENCE, Ops, ops_for
 from flm_runtime.layers.spec import LayerSpec
 
@@ -132,9 +129,9 @@ def compose(ops: Ops, spec: LayerSpec) -> Composition:
 
     if not ops.compiled:
         return Composition(attention_in, attention_out, None)
-    key = f"{ops.key} {spec!r} {_kernel_sources()}"
-    attention_in = _compiled(attention_in, key, parallel=True, nogil=True)
-    attention_out = _compiled(attention_out, key, parallel=True, nogil=True)
+    key = f"{ops.key} {spec!r} {sources_key()}"
+    attention_in = compiled(attention_in, key, parallel=True, nogil=True)
+    attention_out = compiled(attention_out, key, parallel=True, nogil=True)
 
     def layer(x, attn_norm, wqkv, cos, sin, k_cache, v_cache, start, wo, ffn_norm, w_gate_up, w_down):
         q, k, v = attention_in(x, attn_norm, wqkv, cos, sin)
@@ -143,37 +140,7 @@ def compose(ops: Ops, spec: LayerSpec) -> Composition:
         attend(q, k_cache, v_cache, start, causal, attn)
         return attention_out(x, attn, wo, ffn_norm, w_gate_up, w_down)
 
-    return Composition(attention_in, attention_out, _compiled(layer, key, nogil=True))
-
-
-class _KeyedCache(FunctionCache):
-    """numba's on-disk cache of a composed function, keyed by its bytecode and ``key`` (the ops
-    table, the spec and the kernels' sources). numba's own key pickles a closure's free
-    variables, and a pickled dispatcher differs in every process, so a composed layer would
-    compile at every load (seconds); ``key`` names what the free variables are instead."""
-
-    def __init__(self, py_func, key: str):
-        super().__init__(py_func)
-        self._key = key
-
-    def _index_key(self, sig, codegen):
-        digest = hashlib.sha256(self._py_func.__code__.co_code + self._key.encode()).hexdigest()
-        return sig, codegen.magic_tuple(), digest
-
-
-def _compiled(fn, key: str, **options):
-    """``fn`` compiled by numba with ``options``, cached on disk under ``key``."""
-    dispatcher = numba.njit(**options)(fn)
-    dispatcher._cache = _KeyedCache(fn, key)  # what numba.njit(cache=True) sets, keyed by `key`
-    return dispatcher
-
-
-@functools.cache
-def _kernel_sources() -> str:
-    """The kernels' source files' sizes and times: a cached composition compiled against other
-    kernels is not loaded."""
-    files = sorted(Path(attention.__file__).parent.glob("*.py"))
-    return " ".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    return Composition(attention_in, attention_out, compiled(layer, key, nogil=True))
 
 
 class DecoderLayer:

@@ -15,7 +15,9 @@ from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu
 from flm_runtime.kernels.quant import QuantWeight
+from flm_runtime.kernels.team import default_team
 from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan, stack_arithmetic
+from flm_runtime.layers.stack import Stack, stack_weights
 from flm_runtime.layers.spec import LayerConfig, LayerSpec
 
 KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
@@ -95,9 +97,18 @@ class LlamaModel:
         else:
             self.lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))
         self.rope_cos, self.rope_sin = cpu.rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
+        spec = LayerSpec.of(c)
+        self.stack = None  # a quantized model's one-call step (layers.stack), else None
+        if all(isinstance(m, QuantWeight) for layer in self.layers for m in layer.matrices) and isinstance(
+                self.lm_head, QuantWeight):
+            stacked, self.layers, lm_head = stack_weights(self.layers, self.norm, self.lm_head)
+            self.lm_head = lm_head
+            if c.tie_word_embeddings:
+                self.embed = lm_head
+            self.stack = Stack(stacked, spec, c.vocab_size, default_team())
         # Each layer runs on the ops table its weights call for (layers.ops.ops_for): compiled when
         # its matrices are quantized, else the numpy reference.
-        self.decoders = [DecoderLayer(w, LayerSpec.of(c)) for w in self.layers]
+        self.decoders = [DecoderLayer(w, spec) for w in self.layers]
         self.quantized, self.kv_dtype, self._final_norm = stack_arithmetic(self.decoders)
 
     @property
@@ -169,6 +180,11 @@ class LlamaModel:
         positions = np.concatenate([np.arange(s.start, s.start + s.n_rows) for s in spans])  # [R]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [R, D/2] each
         x = cpu.embedding(self.embed, token_ids)  # [R, E]
+        if self.stack is not None:
+            logits, tapped = self.stack(x, cos, sin, spans, taps)
+            for s in spans:
+                s.cache.commit(s.n_rows)
+            return logits, tapped
         tapped = {}
         for i, decoder in enumerate(self.decoders):
             x = decoder(i, x, spans, cos, sin)  # a new array each layer: no copy

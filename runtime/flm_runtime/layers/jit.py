@@ -1,0 +1,46 @@
+"""Compiled functions cached on disk under a key of our own: the composed decoder layer
+(``layers.decoder``) and the one-call stack (``layers.stack``) are closures, and numba's own cache
+key pickles a closure's free variables (numba dispatchers, which pickle differently in every
+process), so they would compile at every load (seconds). The key names what the free variables
+are instead, plus the compile options and the sources they were compiled from. This relies on
+numba's private ``dispatcher._cache`` (numba is pinned).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import numba
+from numba.core.caching import FunctionCache
+
+from flm_runtime.kernels import attention
+
+
+class _KeyedCache(FunctionCache):
+    """numba's on-disk cache of a function, keyed by its bytecode and ``key`` (module docstring)."""
+
+    def __init__(self, py_func, key: str):
+        super().__init__(py_func)
+        self._key = key
+
+    def _index_key(self, sig, codegen):
+        digest = hashlib.sha256(self._py_func.__code__.co_code + self._key.encode()).hexdigest()
+        return sig, codegen.magic_tuple(), digest
+
+
+def compiled(fn, key: str, **options):
+    """``fn`` compiled by numba with ``options``, cached on disk under ``key`` and the options."""
+    dispatcher = numba.njit(**options)(fn)
+    dispatcher._cache = _KeyedCache(fn, f"{key} {sorted(options.items())}")  # what njit(cache=True) sets
+    return dispatcher
+
+
+@functools.cache
+def sources_key() -> str:
+    """The kernels' and the layers' source files' sizes and times, for a key: a function cached
+    from other kernels, or from another version of its own module, is not loaded."""
+    here = Path(__file__).parent
+    files = sorted([*Path(attention.__file__).parent.glob("*.py"), *here.glob("*.py")])
+    return " ".join(f"{f.parent.name}/{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)

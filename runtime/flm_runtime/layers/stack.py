@@ -1,0 +1,350 @@
+"""A quantized model's whole stack (every decoder layer, the final norm and the LM head) as one
+compiled call per step, run by the kernel thread team (``kernels.team``).
+
+Every thread of the team runs ``step`` at once: for each layer, its rows of each norm and
+activation quantization, its tiles of each matrix product (with the residual add of its own
+columns), its rows of RoPE and the K/V write, its (row, key-value head) items of attention,
+meeting the others at a ``barrier`` wherever an op needs another's whole output (nine a layer).
+A token pays one fork and one join, not a parallel region per op. Each op is the same compiled
+kernel the per-layer composition (``layers.decoder``) calls, over the same rows in the same
+order: ``quantize_row``, ``product_tile``, ``rms_norm_row``, ``rope_row``, ``store_kv_row``,
+``attend_item``, ``swiglu_row``. So a row's result is bit-identical to the per-layer path's,
+alone or beside other rows, whatever the number of threads (docs/design.md, "Batch invariance").
+
+The weights are stacked per kind (``StackWeights``): the codes, scales and mins of every matrix in
+one array each, a table of where each matrix starts and which format it has, and the norms in
+one array, so that a step takes a handful of arguments whatever the depth, and the layers' own
+``QuantWeight`` matrices are views into them (no second copy).
+
+Axis legend: R rows of the step, E hidden size, H / Hkv query / key-value heads, D head dim, F FFN
+width, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import intrinsic
+
+from flm_runtime.kernels import attention, qgemm
+from flm_runtime.kernels.elementwise import rms_norm_row, rope_row, swiglu_row
+from flm_runtime.core import KEY_TILE
+from flm_runtime.kernels.quant import BLOCK, TILE, QuantWeight
+from flm_runtime.kernels.team import Team, barrier
+from flm_runtime.layers.decoder import LayerWeights, RowSpan
+from flm_runtime.layers.jit import compiled, sources_key
+from flm_runtime.layers.spec import LayerSpec
+
+# Columns of a ``StackWeights.matrices`` row: where a matrix's codes, scales and mins start in the
+# stacked arrays, its tiles (16 output rows each), its blocks (32 inputs each) and its format's
+# slot in ``StackWeights.formats``.
+CODES, SCALES, MINS, TILES, BLOCKS, FORMAT = range(6)
+_MAX_FORMATS = 4
+_WORKSPACES = 8  # step shapes whose work arrays are kept (decode, verify, prefill chunks, batches)
+
+
+class StackWeights(NamedTuple):
+    """A quantized model's matrices and norms stacked per kind (module docstring).
+
+    Attributes:
+        codes: uint8 ``[*]``, every matrix's ``QuantWeight.codes`` one after the other.
+        scales, mins: uint16 ``[*]``: their float16 scales and mins as bits (mins: only of the
+            matrices that store them).
+        matrices: int64 ``[L + 1, 4, 6]``: row ``l`` the QKV, O, gate/up and down matrices of
+            layer ``l`` (columns ``CODES .. FORMAT``); row ``L``, role 0, the LM head.
+        norms: float32 ``[L + 1, 2, E]``: layer ``l``'s attention and FFN norms; row ``L``, 0: the
+            final norm.
+        formats: the distinct ``qgemm.Format`` of the matrices (at most 4), the slots of ``FORMAT``.
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray
+    matrices: np.ndarray
+    norms: np.ndarray
+    formats: tuple[qgemm.Format, ...]
+
+
+def stack_weights(layers: list[LayerWeights], final_norm: np.ndarray,
+                  lm_head: QuantWeight) -> tuple[StackWeights, list[LayerWeights], QuantWeight]:
+    """The stacked weights of a quantized model, and its layers and LM head rebuilt as views
+    into them (so that the originals can be freed).
+
+    Raises:
+        ValueError: a matrix is not quantized, or the model has more than 4 formats.
+    """
+    matrices = [m for layer in layers for m in layer.matrices] + [lm_head]
+    if not all(isinstance(m, QuantWeight) for m in matrices):
+        raise ValueError("a stacked model's matrices are all quantized")
+    formats = tuple(dict.fromkeys(qgemm.format_of(m) for m in matrices))
+    if len(formats) > _MAX_FORMATS:
+        raise ValueError(f"a stacked model has at most {_MAX_FORMATS} matrix formats, got {formats}")
+    codes = np.concatenate([m.codes.reshape(-1) for m in matrices])
+    scales = np.concatenate([m.scales.reshape(-1) for m in matrices]).view(np.uint16)
+    mins = np.concatenate([m.mins.reshape(-1) for m in matrices if m.mins is not None]
+                          or [np.zeros(0, np.float16)]).view(np.uint16)
+    table = np.zeros((len(layers) + 1, 4, 6), dtype=np.int64)
+    offsets = np.zeros(3, dtype=np.int64)
+    views = []
+    for i, m in enumerate(matrices):
+        at = table[i // 4, i % 4] if i < 4 * len(layers) else table[len(layers), 0]
+        at[:] = (*offsets, m.codes.shape[0], m.scales.shape[1] // TILE, formats.index(qgemm.format_of(m)))
+        view = (codes[offsets[0]:offsets[0] + m.codes.size].reshape(m.codes.shape),
+                scales[offsets[1]:offsets[1] + m.scales.size].view(np.float16).reshape(m.scales.shape),
+                None if m.mins is None else mins[offsets[2]:offsets[2] + m.mins.size].view(np.float16).reshape(m.mins.shape))
+        views.append(QuantWeight(m.bits, *view, m.in_features, m.out_features))
+        offsets += (m.codes.size, m.scales.size, 0 if m.mins is None else m.mins.size)
+    norms = np.zeros((len(layers) + 1, 2, final_norm.shape[0]), dtype=np.float32)
+    for i, layer in enumerate(layers):
+        norms[i] = layer.attn_norm, layer.ffn_norm
+    norms[len(layers), 0] = final_norm
+    rebuilt = [LayerWeights(norms[i, 0], views[4 * i], views[4 * i + 1], norms[i, 1], views[4 * i + 2], views[4 * i + 3])
+               for i in range(len(layers))]
+    return StackWeights(codes, scales, mins, table, norms, formats), rebuilt, views[-1]
+
+
+def _format_products(formats: tuple[qgemm.Format, ...]):
+    """``linear(codes, scales, mins, matrix, acts, out, tid, n_threads) -> (first, stop)``: this
+    thread's tiles ``first .. stop-1`` of the product of ``acts`` (``quantize_row``'s five
+    arrays) and the stacked matrix ``matrix`` (a row of ``StackWeights.matrices``) into ``out``,
+    on the kernel of the matrix's format (the formats are constants: one branch each)."""
+    slots = formats + (formats[0],) * (_MAX_FORMATS - len(formats))
+    (i0, b0, m0), (i1, b1, m1), (i2, b2, m2), (i3, b3, m3) = slots
+
+    @numba.njit(inline="always")
+    def views(codes, scales, mins, matrix, bits, has_mins):  # pragma: no cover - compiled
+        tiles, blocks = matrix[TILES], matrix[BLOCKS]
+        width = blocks * TILE * BLOCK * bits // 8
+        c = codes[matrix[CODES]:matrix[CODES] + tiles * width].reshape((tiles, width))
+        s = scales[matrix[SCALES]:matrix[SCALES] + tiles * blocks * TILE].reshape((tiles, blocks * TILE))
+        if has_mins:
+            m = mins[matrix[MINS]:matrix[MINS] + tiles * blocks * TILE].reshape((tiles, blocks * TILE))
+        else:
+            m = mins[0:0].reshape((0, TILE))
+        return c, s, m
+
+    @numba.njit(inline="always")
+    def linear(codes, scales, mins, matrix, acts, out, tid, n_threads):  # pragma: no cover - compiled
+        xq, xw, step, sx, s = acts
+        first, stop = matrix[TILES] * tid // n_threads, matrix[TILES] * (tid + 1) // n_threads
+        slot = matrix[FORMAT]
+        if slot == 0:
+            c, sc, mn = views(codes, scales, mins, matrix, b0, m0)
+            qgemm.product_tiles(i0, b0, m0, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
+        elif slot == 1:
+            c, sc, mn = views(codes, scales, mins, matrix, b1, m1)
+            qgemm.product_tiles(i1, b1, m1, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
+        elif slot == 2:
+            c, sc, mn = views(codes, scales, mins, matrix, b2, m2)
+            qgemm.product_tiles(i2, b2, m2, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
+        else:
+            c, sc, mn = views(codes, scales, mins, matrix, b3, m3)
+            qgemm.product_tiles(i3, b3, m3, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
+        return first, stop
+
+    return linear
+
+
+# Columns of a step's span table: per sequence, its first row and row count, the positions its
+# cache held before the step, the addresses of its cache's keys and values, and their capacity.
+FIRST, ROWS, START, K_ADDRESS, V_ADDRESS, CAPACITY = range(6)
+
+
+@intrinsic
+def _half_pointer(typingctx, address):  # pragma: no cover - compiled
+    """The int64 ``address`` as a pointer to float16 bits (uint16), for ``numba.carray``."""
+    sig = types.CPointer(types.uint16)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+@functools.cache
+def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
+    """The compiled step of a stack of ``spec`` layers whose matrices have ``formats``:
+
+    ``step(tid, n_threads, sync, codes, scales, mins, matrices, norms, x, cos, sin, spans,
+    row_span, logit_rows, taps, tapped, logits, work)``, run by every thread of a ``Team``: the
+    rows ``x`` ``[R, E]`` (updated in place: the residual stream; ``cos``, ``sin`` ``[R, D/2]`` at
+    their positions) through every layer. ``spans`` ``[B, 6]`` int64 says which rows belong to
+    which sequence (``FIRST .. CAPACITY``: its rows ``FIRST .. FIRST+ROWS-1`` take positions
+    ``START ..`` of its float16 cache, keys ``[L, Hkv, CAPACITY/16, D, 16]`` and values ``[L,
+    Hkv, CAPACITY, D]`` at the given addresses), ``row_span`` ``[R]`` the span of each row. Each
+    row's K/V is written into its sequence's cache; the residual stream after layer ``taps[j]``
+    goes to columns ``j*E ..`` of ``tapped`` ``[R, n*E]``; the LM head's logits of the rows
+    ``logit_rows`` ``[N]`` go to ``logits`` ``[N, V]``. ``work`` is ``Workspace``'s arrays.
+    """
+    linear = _format_products(formats)
+    h, hkv, d, causal = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.causal
+    eps = np.float32(spec.rms_norm_eps)
+    store_kv_row, attend_item = attention.store_kv_row, attention.attend_item
+
+    @numba.njit(inline="always")
+    def caches(spans, b, layers):  # pragma: no cover - compiled
+        """Sequence ``b``'s key and value cache arrays, every layer."""
+        capacity = spans[b, CAPACITY]
+        k = numba.carray(_half_pointer(spans[b, K_ADDRESS]), (layers, hkv, capacity // KEY_TILE, d, KEY_TILE))
+        v = numba.carray(_half_pointer(spans[b, V_ADDRESS]), (layers, hkv, capacity, d))
+        return k, v
+
+    def step(tid, n_threads, sync, codes, scales, mins, matrices, norms, x, cos, sin, spans, row_span, logit_rows,
+             taps, tapped, logits, work):  # pragma: no cover - compiled
+        xn, qkv, q, k, v, attn, out, gate_up, act, acts_e, acts_attn, acts_f, last, acts_last = work
+        rows, e = x.shape
+        layers = matrices.shape[0] - 1
+        for layer in range(layers):
+            mats = matrices[layer]
+            for r in range(tid, rows, n_threads):
+                rms_norm_row(x, norms[layer, 0], eps, xn, r)
+                qgemm.quantize_row(xn, r, acts_e[1].shape[1], *acts_e)
+            barrier(sync, n_threads)
+            linear(codes, scales, mins, mats[0], acts_e, qkv, tid, n_threads)
+            barrier(sync, n_threads)
+            for r in range(tid, rows, n_threads):
+                rope_row(qkv, cos, sin, 0, h, d, q, r)
+                rope_row(qkv, cos, sin, h * d, hkv, d, k, r)
+                for j in range(hkv * d):
+                    v[r, j // d, j % d] = qkv[r, (h + hkv) * d + j]
+                b = row_span[r]
+                kc, vc = caches(spans, b, layers)
+                # row r is position START + (r - FIRST) of its sequence: store_kv_row writes row t at start + t
+                store_kv_row(k, v, kc[layer], vc[layer], spans[b, START] - spans[b, FIRST], r)
+            barrier(sync, n_threads)
+            items = rows * hkv
+            for item in range(items * tid // n_threads, items * (tid + 1) // n_threads):
+                b = row_span[item // hkv]
+                first, n = spans[b, FIRST], spans[b, ROWS]
+                kc, vc = caches(spans, b, layers)
+                attend_item(q[first:first + n], kc[layer], vc[layer], spans[b, START], causal, attn[first:first + n],
+                            item - first * hkv)
+            barrier(sync, n_threads)
+            for r in range(tid, rows, n_threads):
+                qgemm.quantize_row(attn, r, acts_attn[1].shape[1], *acts_attn)
+            barrier(sync, n_threads)
+            first, stop = linear(codes, scales, mins, mats[1], acts_attn, out, tid, n_threads)
+            _add_columns(x, out, first * TILE, min(stop * TILE, e))
+            barrier(sync, n_threads)
+            for r in range(tid, rows, n_threads):
+                rms_norm_row(x, norms[layer, 1], eps, xn, r)
+                qgemm.quantize_row(xn, r, acts_e[1].shape[1], *acts_e)
+            barrier(sync, n_threads)
+            linear(codes, scales, mins, mats[2], acts_e, gate_up, tid, n_threads)
+            barrier(sync, n_threads)
+            for r in range(tid, rows, n_threads):
+                swiglu_row(gate_up, act, r)
+                qgemm.quantize_row(act, r, acts_f[1].shape[1], *acts_f)
+            barrier(sync, n_threads)
+            first, stop = linear(codes, scales, mins, mats[3], acts_f, out, tid, n_threads)
+            _add_columns(x, out, first * TILE, min(stop * TILE, e))
+            barrier(sync, n_threads)
+            for j in range(taps.shape[0]):
+                if taps[j] == layer:
+                    for r in range(tid, rows, n_threads):
+                        tapped[r, j * e:(j + 1) * e] = x[r]
+        for i in range(tid, logit_rows.shape[0], n_threads):
+            last[i] = x[logit_rows[i]]
+            rms_norm_row(last, norms[layers, 0], eps, last, i)  # in place: a row is read whole first
+            qgemm.quantize_row(last, i, acts_last[1].shape[1], *acts_last)
+        barrier(sync, n_threads)
+        linear(codes, scales, mins, matrices[layers, 0], acts_last, logits, tid, n_threads)
+        barrier(sync, n_threads)
+
+    # No fastmath here: the products' IR is inlined into this function and must keep the exact
+    # arithmetic it has everywhere; the fastmath ops (norm, activation, attention) are calls.
+    return compiled(step, f"stack {formats!r} {spec!r} {sources_key()}", nogil=True)
+
+
+@numba.njit(inline="always")
+def _add_columns(x, out, first, stop):  # pragma: no cover - compiled
+    """``x[:, first:stop] += out[:, first:stop]``: a thread's residual add over its own columns."""
+    for r in range(x.shape[0]):
+        for c in range(first, stop):
+            x[r, c] += out[r, c]
+
+
+class Workspace(NamedTuple):
+    """The arrays a step of ``R`` rows writes between its ops, shared by the team's threads."""
+
+    xn: np.ndarray  # [R, E] a norm's output
+    qkv: np.ndarray  # [R, (H + 2 Hkv) D]
+    q: np.ndarray  # [R, H, D] RoPE applied
+    k: np.ndarray  # [R, Hkv, D] RoPE applied
+    v: np.ndarray  # [R, Hkv, D]
+    attn: np.ndarray  # [R, H D]
+    out: np.ndarray  # [R, E] the O and down products' output
+    gate_up: np.ndarray  # [R, 2F]
+    act: np.ndarray  # [R, F]
+    acts_e: tuple  # quantized activations of width E, of H D and of F (``qgemm.new_activations``)
+    acts_attn: tuple
+    acts_f: tuple
+    last: np.ndarray  # [R_logits, E] the final norm's output
+    acts_last: tuple
+
+    @classmethod
+    def of(cls, spec: LayerSpec, rows: int, logit_rows: int) -> Workspace:
+        h, hkv, d, e, f = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.hidden_size, spec.ffn_size
+
+        def empty(*shape):
+            return np.empty(shape, dtype=np.float32)
+
+        def acts(m, width):
+            padded = -(-width // BLOCK) * BLOCK
+            nb = padded // BLOCK
+            return (np.empty((m, 2 * padded), np.int8), np.empty((m, padded), np.int16), empty(m, nb), empty(m, nb),
+                    np.empty((m, nb), np.int32))
+
+        return cls(empty(rows, e), empty(rows, (h + 2 * hkv) * d), empty(rows, h, d), empty(rows, hkv, d),
+                   empty(rows, hkv, d), empty(rows, h * d), empty(rows, e), empty(rows, 2 * f), empty(rows, f),
+                   acts(rows, e), acts(rows, h * d), acts(rows, f), empty(logit_rows, e), acts(logit_rows, e))
+
+
+class Stack:
+    """A quantized model's stack as one compiled step (module docstring).
+
+    Args:
+        weights: the stacked weights (``stack_weights``).
+        spec: every layer's spec (one spec for the stack).
+        vocab: the LM head's output width (V).
+        team: the threads that run the step.
+    """
+
+    def __init__(self, weights: StackWeights, spec: LayerSpec, vocab: int, team: Team):
+        self.weights, self.spec, self.vocab, self.team = weights, spec, vocab, team
+        self._step = compile_step(spec, weights.formats)
+        self._workspaces: dict[tuple[int, int], Workspace] = {}  # by (rows, logit rows), least recently used first
+
+    def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, spans: list[RowSpan],
+                 taps: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
+        """The rows ``x`` ``[R, E]`` float32 (modified: the residual stream) of the sequences
+        ``spans`` (their caches' room reserved, float16) through the stack, at their positions
+        (``cos``, ``sin`` ``[R, D/2]``); each row's K/V is written into its cache, nothing is
+        committed.
+
+        Returns:
+            logits ``[sum n_logits, V]`` float32 of each span's last ``n_logits`` rows, span after
+            span (a new array); the residual stream after the layers ``taps`` ``[R, len(taps) *
+            E]``, or None.
+        """
+        rows, e = x.shape
+        logit_rows = np.concatenate([np.arange(s.rows.stop - s.n_logits, s.rows.stop) for s in spans])
+        key = (rows, logit_rows.size)
+        work = self._workspaces.pop(key, None) or Workspace.of(self.spec, *key)
+        self._workspaces[key] = work  # most recently used last
+        if len(self._workspaces) > _WORKSPACES:
+            del self._workspaces[next(iter(self._workspaces))]
+        table = np.array([(s.rows.start, s.n_rows, s.start, s.cache.k.ctypes.data, s.cache.v.ctypes.data,
+                           s.cache.capacity) for s in spans], dtype=np.int64)
+        assert all(s.cache.k.dtype == np.float16 and s.cache.k.flags.c_contiguous for s in spans)
+        row_span = np.repeat(np.arange(len(spans)), [s.n_rows for s in spans])
+        logits = np.empty((logit_rows.size, self.vocab), dtype=np.float32)
+        tapped = np.empty((rows, len(taps) * e), dtype=np.float32)
+        w = self.weights
+        self.team.run(self._step, w.codes, w.scales, w.mins, w.matrices, w.norms, x, cos, sin, table, row_span,
+                      logit_rows, np.asarray(taps, dtype=np.int64), tapped, logits, tuple(work))
+        return logits, (tapped if taps else None)
