@@ -20,6 +20,8 @@ Variables (name: default; meaning):
         models file (``flm_runtime.registry``).
     FLM_XCLBIN_PATH: the package ``flm_xclbins``; the folder of the npu kernel builds and their
         ``manifest.json`` (``flm_runtime.backends.npu.manifest``).
+    FLM_THREADS: the CPUs the process may run on; the threads of the kernel team that runs every
+        compiled model step of the process (``flm_runtime.kernels.team``).
     FLM_LOG_LEVEL: unset (no handler); the level of ``flm_runtime`` and ``litellm_flm`` records sent
         to stderr (``litellm_flm.configure_logging``).
 
@@ -45,7 +47,7 @@ class Settings:
 
     Attributes (each named after its variable, ``FLM_`` and upper case dropped): ``backend``,
     ``weights``, ``kv_budget``, ``max_queue``, ``model_path``, ``models_file``, ``xclbin_path``,
-    ``log_level``.
+    ``threads``, ``log_level``.
     """
 
     backend: str | None = None
@@ -55,6 +57,7 @@ class Settings:
     model_path: str | None = None
     models_file: str | None = None
     xclbin_path: str | None = None
+    threads: str | None = None
     log_level: str | None = None
 
     @classmethod
@@ -72,15 +75,21 @@ class Settings:
             InvalidRequestError: a value that is not a positive integer (``param`` names the
                 variable).
         """
-        limits = {}
-        for key in ("kv_budget", "max_queue"):
-            raw = getattr(self, key)
-            if raw is not None:
-                if not raw.isdigit() or int(raw) < 1:
-                    raise InvalidRequestError(f"{variable(key)} must be a positive integer, got {raw!r}",
-                                              param=variable(key))
-                limits[key] = int(raw)
-        return limits
+        return {key: self.positive(key) for key in ("kv_budget", "max_queue") if getattr(self, key) is not None}
+
+    def positive(self, key: str) -> int | None:
+        """The field ``key`` as a positive integer, or None when unset.
+
+        Raises:
+            InvalidRequestError: a value that is not a positive integer (``param`` names the
+                variable).
+        """
+        raw = getattr(self, key)
+        if raw is None:
+            return None
+        if not raw.isdigit() or int(raw) < 1:
+            raise InvalidRequestError(f"{variable(key)} must be a positive integer, got {raw!r}", param=variable(key))
+        return int(raw)
 
 
 def variable(name: str) -> str:

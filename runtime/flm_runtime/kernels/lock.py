@@ -1,9 +1,11 @@
-"""The lock every call of a numba parallel kernel holds.
+"""The lock every call of a parallel kernel holds.
 
-numba's default thread pool (its "workqueue" layer) aborts the process when two threads enter a
-parallel kernel at once, and two engines (two loaded models) run in two threads. Every call of a
-parallel kernel (``qgemm``, ``skinny_gemm``, ``attention``, a compiled decoder layer) therefore
-holds this one process-wide lock; on 2 cores the calls would only contend anyway.
+numba's "workqueue" threading layer aborts the process when two threads enter a parallel kernel
+at once, and two engines (two loaded models) run in two threads; a step of the kernel team
+(``kernels.team``) spins its threads at barriers, and beside another parallel kernel they would
+fight for the same CPUs. Every call of a parallel kernel (``qgemm``, ``skinny_gemm``,
+``attention``, a compiled decoder layer) and every team step therefore holds this one
+process-wide lock; on 2 cores the calls would only contend anyway.
 """
 
 from __future__ import annotations

@@ -32,13 +32,16 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from flm_runtime.kernels.irgen import I64, data_ptr, declare
+from flm_runtime.kernels.irgen import I8, I32, I64, data_ptr, declare
+from flm_runtime.kernels.lock import KERNEL_LOCK
+from flm_runtime.settings import Settings
 
 _LINE = 8  # int64 slots per cache line: each sync slot on its own line, so spinning threads share none
-STEP, ARRIVED, BARRIER, ABORT = (i * _LINE for i in range(4))  # slots of ``sync``
-SPIN_PAUSES = 2_000  # pauses a barrier spins before it yields: ~0.1 ms, far past a step's imbalance
+STEP, ARRIVED, BARRIER, SLEEPERS, ABORT = (i * _LINE for i in range(5))  # slots of ``sync``
+SPIN_PAUSES = 4_000  # pauses a barrier spins before it sleeps: ~0.2-0.5 ms, far past a step's imbalance
 SPIN_CYCLES = 4_000_000  # a worker's spin between steps before it sleeps: ~1-2 ms of the time-stamp counter
 
 
@@ -115,36 +118,67 @@ def cycles(typingctx):  # pragma: no cover - compiled
     return types.int64(), codegen
 
 
+# Linux futexes (futex(2)) on the low 32 bits of a sync slot: a barrier that has spun long
+# enough sleeps in the kernel until the last thread arrives, so that on a busy machine it gives
+# its CPU to the thread it waits for. Elsewhere the wait yields the CPU instead.
+_FUTEX = platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
+_SYS_FUTEX = 98 if platform.machine().lower() in ("aarch64", "arm64") else 202
+_FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 128, 129
+
+
 @intrinsic
-def yield_cpu(typingctx):  # pragma: no cover - compiled
-    """``sched_yield()``: let another thread run on this CPU (libc's, resolved when the code loads)."""
+def _futex(typingctx, array, index, op, value):  # pragma: no cover - compiled
+    """``futex(&array[index], op, value, NULL)`` (the slot's low 32 bits, little-endian), or
+    ``sched_yield()`` where there are no futexes."""
+    _int64_array(array)
+    sig = types.void(array, types.intp, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
-        builder.call(declare(builder, "sched_yield", ir.IntType(32), []), [])
+        if _FUTEX:
+            syscall = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I64, [I64], var_arg=True),
+                                                     "syscall")
+            word = builder.bitcast(_slot(context, builder, signature.args[0], args[0], args[1]), I32.as_pointer())
+            builder.call(syscall, [ir.Constant(I64, _SYS_FUTEX), word, builder.trunc(args[2], I32),
+                                   builder.trunc(args[3], I32), ir.Constant(I8.as_pointer(), None)])
+        else:
+            builder.call(declare(builder, "sched_yield", I32, []), [])
         return context.get_dummy_value()
 
-    return types.void(), codegen
+    return sig, codegen
 
 
 @numba.njit(inline="always")
 def barrier(sync, n_threads):  # pragma: no cover - compiled
     """Wait until all ``n_threads`` threads have arrived (a counter and a generation: the last to
     arrive resets the counter, then moves the generation on, which releases the others); returns
-    at once once ``ABORT`` is set. A wait past ``SPIN_PAUSES`` yields the CPU at every turn: on a
-    busy machine the thread it waits for may be waiting for this CPU."""
+    at once once ``ABORT`` is set. A wait past ``SPIN_PAUSES`` sleeps on the generation's futex
+    (the last to arrive wakes the sleepers): on a busy machine the thread it waits for may be
+    waiting for this CPU."""
     if n_threads == 1:
         return
     generation = atomic_load(sync, BARRIER)
     if atomic_add(sync, ARRIVED, 1) == n_threads - 1:
         atomic_store(sync, ARRIVED, 0)
         atomic_add(sync, BARRIER, 1)
+        if atomic_load(sync, SLEEPERS) > 0:
+            _futex(sync, BARRIER, _FUTEX_WAKE_PRIVATE, n_threads)
         return
     spins = 0
     while atomic_load(sync, BARRIER) == generation and atomic_load(sync, ABORT) == 0:
-        spin_pause()
-        spins += 1
-        if spins > SPIN_PAUSES:
-            yield_cpu()
+        if spins < SPIN_PAUSES:
+            spin_pause()
+            spins += 1
+        else:
+            atomic_add(sync, SLEEPERS, 1)  # before the check inside futex: a release after it wakes us
+            _futex(sync, BARRIER, _FUTEX_WAIT_PRIVATE, generation)
+            atomic_add(sync, SLEEPERS, -1)
+
+
+@numba.njit(nogil=True, cache=True)
+def _wake_all(sync):  # pragma: no cover - compiled
+    """Wake every thread asleep in a ``barrier`` (after ``ABORT`` is set)."""
+    atomic_add(sync, BARRIER, 1)
+    _futex(sync, BARRIER, _FUTEX_WAKE_PRIVATE, 1 << 30)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -157,7 +191,6 @@ def _await_step(sync, seen, budget):  # pragma: no cover - compiled
             return False
         for _ in range(16):
             spin_pause()
-        yield_cpu()  # between steps the caller's Python work (sampling, detokenizing) needs a CPU too
     return True
 
 
@@ -168,9 +201,18 @@ def default_threads() -> int:
 
 @functools.cache
 def default_team() -> Team:
-    """The process's one team (``default_threads`` threads): every model's steps share it, one
-    step at a time, so that two engines never oversubscribe the CPUs."""
-    return Team(default_threads())
+    """The process's one team, of ``FLM_THREADS`` threads (default ``default_threads``): every
+    model's steps share it, one step at a time, so that two engines never oversubscribe the
+    CPUs. A forked child makes its own (the parent's threads do not exist there).
+
+    Raises:
+        InvalidRequestError: ``FLM_THREADS`` is not a positive integer.
+    """
+    return Team(Settings.from_env().positive("threads") or default_threads())
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=default_team.cache_clear)
 
 
 class StepError(RuntimeError):
@@ -187,12 +229,13 @@ class Team:
     def __init__(self, n_threads: int):
         assert n_threads >= 1, f"a team needs a thread, got {n_threads}"
         self.n_threads = n_threads
-        self.sync = np.zeros(4 * _LINE, dtype=np.int64)
+        self.sync = np.zeros(5 * _LINE, dtype=np.int64)
         self._job = None
         self._error: BaseException | None = None
+        self._finished = [0] * (n_threads - 1)  # per worker, the last step it has left
         self._wake = threading.Condition()
         self._stopping = False
-        self._lock = threading.Lock()  # one step at a time: the team's threads are shared by every caller
+        self._lock = KERNEL_LOCK  # one step at a time, and never beside another parallel kernel
         self._workers = [threading.Thread(target=self._serve, args=(tid,), name=f"flm-kernel-{tid}", daemon=True)
                          for tid in range(1, n_threads)]
         for w in self._workers:
@@ -208,16 +251,18 @@ class Team:
         """
         with self._lock:
             self._job, self._error = (fn, args), None
-            self.sync[ABORT] = 0
             with self._wake:
                 self.sync[STEP] += 1
+                step = int(self.sync[STEP])
                 self._wake.notify_all()
             try:
                 fn(0, self.n_threads, self.sync, *args)
             except BaseException:
-                self.sync[ABORT] = 1  # the workers leave their barriers
+                self._abort()
+                self._settle(step)
                 raise
             if self._error is not None:
+                self._settle(step)
                 raise StepError("a kernel thread failed during the step") from self._error
 
     def close(self) -> None:
@@ -243,4 +288,22 @@ class Team:
                 fn(tid, self.n_threads, self.sync, *args)
             except BaseException as e:  # noqa: BLE001 - reported to the caller of run
                 self._error = e
-                self.sync[ABORT] = 1
+                self._abort()
+            self._finished[tid - 1] = seen
+            if self.sync[ABORT]:
+                with self._wake:
+                    self._wake.notify_all()
+
+    def _abort(self) -> None:
+        """Release every thread waiting in a barrier of the step in progress (the barriers of an
+        aborted step return at once)."""
+        self.sync[ABORT] = 1
+        _wake_all(self.sync)
+
+    def _settle(self, step: int) -> None:
+        """After an aborted step: wait until every worker has left it, then clear the barrier's
+        count (threads left barriers half counted) and the abort."""
+        with self._wake:
+            self._wake.wait_for(lambda: min(self._finished, default=step) >= step)
+        self.sync[ARRIVED] = 0
+        self.sync[ABORT] = 0

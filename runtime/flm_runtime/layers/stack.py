@@ -34,7 +34,7 @@ from flm_runtime.kernels import attention, qgemm
 from flm_runtime.kernels.elementwise import rms_norm_row, rope_row, swiglu_row
 from flm_runtime.core import KEY_TILE
 from flm_runtime.kernels.quant import BLOCK, TILE, QuantWeight
-from flm_runtime.kernels.team import Team, barrier
+from flm_runtime.kernels.team import Team, barrier, default_team
 from flm_runtime.layers.decoder import LayerWeights, RowSpan
 from flm_runtime.layers.jit import compiled, sources_key
 from flm_runtime.layers.spec import LayerSpec
@@ -311,10 +311,11 @@ class Stack:
         weights: the stacked weights (``stack_weights``).
         spec: every layer's spec (one spec for the stack).
         vocab: the LM head's output width (V).
-        team: the threads that run the step.
+        team: the threads that run its steps; None: the process's (``default_team``, looked up
+            at each step, so that a forked child uses its own).
     """
 
-    def __init__(self, weights: StackWeights, spec: LayerSpec, vocab: int, team: Team):
+    def __init__(self, weights: StackWeights, spec: LayerSpec, vocab: int, team: Team | None = None):
         self.weights, self.spec, self.vocab, self.team = weights, spec, vocab, team
         self._step = compile_step(spec, weights.formats)
         self._workspaces: dict[tuple[int, int], Workspace] = {}  # by (rows, logit rows), least recently used first
@@ -345,6 +346,6 @@ class Stack:
         logits = np.empty((logit_rows.size, self.vocab), dtype=np.float32)
         tapped = np.empty((rows, len(taps) * e), dtype=np.float32)
         w = self.weights
-        self.team.run(self._step, w.codes, w.scales, w.mins, w.matrices, w.norms, x, cos, sin, table, row_span,
+        (self.team or default_team()).run(self._step, w.codes, w.scales, w.mins, w.matrices, w.norms, x, cos, sin, table, row_span,
                       logit_rows, np.asarray(taps, dtype=np.int64), tapped, logits, tuple(work))
         return logits, (tapped if taps else None)

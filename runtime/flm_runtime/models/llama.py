@@ -15,7 +15,6 @@ from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu
 from flm_runtime.kernels.quant import QuantWeight
-from flm_runtime.kernels.team import default_team
 from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan, stack_arithmetic
 from flm_runtime.layers.stack import Stack, stack_weights
 from flm_runtime.layers.spec import LayerConfig, LayerSpec
@@ -105,7 +104,7 @@ class LlamaModel:
             self.lm_head = lm_head
             if c.tie_word_embeddings:
                 self.embed = lm_head
-            self.stack = Stack(stacked, spec, c.vocab_size, default_team())
+            self.stack = Stack(stacked, spec, c.vocab_size)
         # Each layer runs on the ops table its weights call for (layers.ops.ops_for): compiled when
         # its matrices are quantized, else the numpy reference.
         self.decoders = [DecoderLayer(w, spec) for w in self.layers]

@@ -1,0 +1,67 @@
+"""The one-call stack (``layers/stack.py``) against the per-layer composition it replaces for a
+quantized model: the same bits for every row, alone or beside other sequences, with taps and
+logit rows chosen per sequence, on any number of kernel threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flm_runtime.kernels.team import Team
+from flm_runtime.layers.stack import Stack
+
+
+def _steps(model):
+    """A prefill of two sequences beside a third, then a step of one decode row beside a 3-row
+    verify pass: each step's output and both caches' keys and values."""
+    ids = np.arange(1, 41)
+    a, b, c = model.new_cache(), model.new_cache(), model.new_cache()
+    first = model.forward_batch([ids[:7], ids, ids[3:20]], [a, b, c], logit_rows=[1, 5, 0], taps=(1, 5))
+    second = model.forward_batch([np.array([7]), np.array([3, 4, 5])], [a, b], logit_rows=[1, 3])
+    return first, second, [(x.keys(), x.v[:, :, :x.length]) for x in (a, b)]
+
+
+def _assert_same(got, want):
+    (g1, g2, g_caches), (w1, w2, w_caches) = got, want
+    assert np.array_equal(g1.logits, w1.logits) and np.array_equal(g1.taps, w1.taps)
+    assert np.array_equal(g2.logits, w2.logits) and g2.taps is None
+    for (gk, gv), (wk, wv) in zip(g_caches, w_caches):
+        assert np.array_equal(gk, wk) and np.array_equal(gv, wv)
+
+
+def test_the_stack_gives_the_per_layer_compositions_bits(smollm2_quantized, monkeypatch):
+    model = smollm2_quantized
+    assert model.stack is not None
+    stacked = _steps(model)
+    monkeypatch.setattr(model, "stack", None)  # the per-layer composition (layers/decoder.py)
+    _assert_same(stacked, _steps(model))
+
+
+def test_a_sequence_alone_gets_the_bits_it_gets_in_a_batch(smollm2_quantized):
+    model = smollm2_quantized
+    ids = np.arange(1, 41)
+    alone = model.forward_batch([ids], [model.new_cache()], logit_rows=[5], taps=(1, 5))
+    batched = model.forward_batch([ids[:7], ids], [model.new_cache(), model.new_cache()], logit_rows=[1, 5],
+                                  taps=(1, 5))
+    assert np.array_equal(alone.logits, batched.logits[1:]) and np.array_equal(alone.taps, batched.taps[7:])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_stack_gives_the_same_bits_on_any_number_of_threads(smollm2_quantized, monkeypatch, threads):
+    model = smollm2_quantized
+    want = _steps(model)
+    team = Team(threads)
+    try:
+        monkeypatch.setattr(model, "stack", Stack(model.stack.weights, model.stack.spec, model.stack.vocab, team))
+        _assert_same(_steps(model), want)
+    finally:
+        team.close()
+
+
+def test_the_layers_matrices_are_views_of_the_stacked_weights(smollm2_quantized):
+    model = smollm2_quantized
+    stacked = model.stack.weights
+    for m in (*model.layers[0].matrices, *model.layers[-1].matrices, model.lm_head):
+        assert np.shares_memory(m.codes, stacked.codes) and np.shares_memory(m.scales, stacked.scales)
+    assert model.embed is model.lm_head  # tied: one copy
+    assert stacked.matrices.shape == (model.config.num_hidden_layers + 1, 4, 6)
