@@ -229,13 +229,18 @@ def usage_fields(groups: list[list[Completion | StreamEvent]]) -> dict:
     = the other drafted tokens. These are OpenAI's "predicted outputs" fields applied to the
     proposers' predictions; unlike OpenAI's, rejected tokens are not
     part of ``completion_tokens`` (always the tokens delivered). The full per-request stats
-    (acceptance length and all) are in ``_hidden_params["flm_stats"]``.
+    (acceptance length and all) are in ``_hidden_params["flm_stats"]``. Prompt tokens taken from
+    the prefix cache instead of computed are ``prompt_tokens_details.cached_tokens`` (OpenAI's
+    field), present when there are any.
     """
     dones = [done for group in groups for done in group]
     prompt_tokens = sum(group[0].prompt_tokens for group in groups)
     completion_tokens = sum(done.completion_tokens for done in dones)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
+    cached = sum(group[0].stats.cached_tokens for group in groups if group[0].stats is not None)
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
     spec = [done.stats.spec for done in dones if done.stats is not None and done.stats.spec is not None]
     if spec:
         accepted = sum(s.accepted for s in spec)

@@ -215,7 +215,8 @@ class Runtime:
                     loaded, speculative = self._target(base, name, models), None
                 sampling = models.resolve(base).sampling  # a draft keeps its target's
                 engine = Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
-                                default_sampling=sampling, **settings.engine_limits())
+                                default_sampling=sampling, prefix_cache=settings.prefix_cache_on(),
+                                **settings.engine_limits())
                 self._engines[key] = engine
             return engine
 

@@ -148,6 +148,17 @@ class KVCache:
         assert 0 <= length <= self.length, f"cannot trim a cache of {self.length} to {length}"
         self.length = length
 
+    def copy_prefix(self, length: int, capacity: int) -> "KVCache":
+        """A new cache holding this one's first ``length`` positions, with room for ``capacity``
+        (a prefix cache's copy for a new request: ``scheduling.prefix_cache``)."""
+        assert 0 <= length <= self.length, f"a prefix of {length} positions of a cache of {self.length}"
+        l, hkv = self.v.shape[:2]
+        out = KVCache(l, hkv, self.v.shape[3], self.max_length, max(capacity, length), self.v.dtype.type)
+        out.k[:, :, :_tiles(length)] = self.k[:, :, :_tiles(length)]
+        out.v[:, :, :length] = self.v[:, :, :length]
+        out.length = length
+        return out
+
     def copy(self) -> "KVCache":
         """An independent cache holding the same positions (the engine's ``n`` > 1: each choice
         decodes on its own copy of the prompt's keys and values), with the same capacity."""

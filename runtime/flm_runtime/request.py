@@ -213,6 +213,7 @@ class RequestStats:
         decode_s: the first generated token to the last (0.0 with one token or none).
         total_s: submit to the end.
         spec: the speculation counters; None without speculative decoding.
+        cached_tokens: prompt tokens taken from the prefix cache instead of computed.
     """
 
     prompt_tokens: int
@@ -223,6 +224,7 @@ class RequestStats:
     decode_s: float
     total_s: float
     spec: SpecStats | None = None
+    cached_tokens: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -231,7 +233,7 @@ class RequestStats:
 
     def as_dict(self) -> dict:
         """The flat JSON form (LiteLLM's ``_hidden_params["flm_stats"]``): ``prompt_tokens``,
-        ``completion_tokens``, ``generated_tokens``, ``queue_s``, ``ttft_s``,
+        ``cached_tokens``, ``completion_tokens``, ``generated_tokens``, ``queue_s``, ``ttft_s``,
         ``decode_tokens_per_s``, ``total_s``; with ``spec`` also ``spec_steps``,
         ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length`` (all proposers together,
         n-gram-only steps included), ``gated_steps``, ``spec_switches_off`` and ``al_estimate``
@@ -239,7 +241,8 @@ class RequestStats:
         ``ngram_steps``, ``ngram_drafted_tokens``, ``ngram_accepted_tokens``,
         ``ngram_acceptance_length`` (the n-gram proposer's steps, n-gram-only ones included).
         An AL over no step is None (null): AL counts the bonus token, so a number is at least 1."""
-        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+        out = {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+               "completion_tokens": self.completion_tokens,
                "generated_tokens": self.generated_tokens, "queue_s": self.queue_s, "ttft_s": self.ttft_s,
                "decode_tokens_per_s": self.decode_tokens_per_s, "total_s": self.total_s}
         if self.spec is not None:

@@ -20,6 +20,8 @@ Variables (name: default; meaning):
         models file (``flm_runtime.registry``).
     FLM_XCLBIN_PATH: the package ``flm_xclbins``; the folder of the npu kernel builds and their
         ``manifest.json`` (``flm_runtime.backends.npu.manifest``).
+    FLM_PREFIX_CACHE: ``1``; ``0`` turns the engines' prefix caching off
+        (``flm_runtime.scheduling.prefix_cache``).
     FLM_THREADS: the CPUs the process may run on; the threads of the kernel team that runs every
         compiled model step of the process (``flm_runtime.kernels.team``).
     FLM_LOG_LEVEL: unset (no handler); the level of ``flm_runtime`` and ``litellm_flm`` records sent
@@ -47,7 +49,7 @@ class Settings:
 
     Attributes (each named after its variable, ``FLM_`` and upper case dropped): ``backend``,
     ``weights``, ``kv_budget``, ``max_queue``, ``model_path``, ``models_file``, ``xclbin_path``,
-    ``threads``, ``log_level``.
+    ``prefix_cache``, ``threads``, ``log_level``.
     """
 
     backend: str | None = None
@@ -57,6 +59,7 @@ class Settings:
     model_path: str | None = None
     models_file: str | None = None
     xclbin_path: str | None = None
+    prefix_cache: str | None = None
     threads: str | None = None
     log_level: str | None = None
 
@@ -76,6 +79,18 @@ class Settings:
                 variable).
         """
         return {key: self.positive(key) for key in ("kv_budget", "max_queue") if getattr(self, key) is not None}
+
+    def prefix_cache_on(self) -> bool:
+        """``FLM_PREFIX_CACHE``: on unless ``0``, ``false`` or ``off``.
+
+        Raises:
+            InvalidRequestError: another value than those and ``1``, ``true``, ``on``.
+        """
+        raw = (self.prefix_cache or "1").lower()
+        if raw not in ("0", "false", "off", "1", "true", "on"):
+            raise InvalidRequestError(f"{variable('prefix_cache')} must be 1 or 0, got {self.prefix_cache!r}",
+                                      param=variable("prefix_cache"))
+        return raw in ("1", "true", "on")
 
     def positive(self, key: str) -> int | None:
         """The field ``key`` as a positive integer, or None when unset.

@@ -111,8 +111,10 @@ async def test_cancelling_50_of_100_streams_leaves_nothing_behind(engine, monkey
         with pytest.raises(RequestCancelledError):
             handle.result(timeout=0)
 
-    # ... and nothing is left behind.
-    assert engine.stats() == {
+    # ... and nothing is left behind but what the prefix cache keeps, within the budget.
+    stats = engine.stats()
+    assert 0 <= stats.pop("kv_cached_bytes") <= engine.kv.budget
+    assert stats == {
         "name": engine.name, "active": 0, "queued": 0, "kv_tokens": 0, "kv_bytes": 0, "kv_reserved_bytes": 0,
         "kv_budget_bytes": engine.kv.budget, "finished": len(QUESTIONS) + N_REQUESTS // 2, "failed": 0,
         "cancelled": N_REQUESTS // 2, "timed_out": 0}

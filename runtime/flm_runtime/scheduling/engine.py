@@ -58,6 +58,7 @@ from flm_runtime.sampling import sampler
 from flm_runtime.sampling.processors import LogitsProcessor, request_processors
 from flm_runtime.scheduling import admission
 from flm_runtime.scheduling.handle import RequestCancelledError, RequestHandle
+from flm_runtime.scheduling.prefix_cache import PrefixCache
 from flm_runtime.scheduling.sequence import Sequence
 from flm_runtime.scheduling.step import PLAIN, Stepper, StepRecord
 
@@ -135,6 +136,9 @@ class Engine:
             prefill; vLLM calls its analogue ``max_num_batched_tokens``): it bounds how long a
             step, so the gap between two tokens of a decoding stream, grows while prompts
             arrive. None: the model's ``prefill_chunk``.
+        prefix_cache: keep finished sequences' KV caches for later prompts with the same prefix
+            (``prefix_cache``), within the KV budget; plain decoding on a model whose caches
+            copy a prefix (``copy_prefix``) only.
 
     Raises:
         InvalidRequestError: ``max_queue``, ``max_active``, ``kv_budget`` or ``prefill_tokens`` not
@@ -144,7 +148,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, name: str, default_sampling: sampler.SamplingDefaults | None = None,
                  max_queue: int = 64, max_active: int = 16, kv_budget: int | None = None,
                  speculative: Stepper | None = None, prefill_tokens: int | None = None,
-                 on_step: Callable[[StepTiming], None] | None = None):
+                 on_step: Callable[[StepTiming], None] | None = None, prefix_cache: bool = True):
         assert speculative is None or speculative.target is model, "the decoder's target must be the model"
         self.model = model
         self.speculative = speculative
@@ -162,7 +166,8 @@ class Engine:
                                      admission.kv_bytes_per_token(model.config, draft_config,
                                                                   np.dtype(model.kv_dtype).itemsize),
                                      speculative.block_size - 1 if speculative is not None else 0, kv_budget)
-        self._cv = threading.Condition()      # guards _waiting, _active, _counts, _closed
+        self.prefix = PrefixCache() if prefix_cache and speculative is None else None
+        self._cv = threading.Condition()      # guards _waiting, _active, _counts, _closed, prefix
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._active: list[Sequence] = []
         self._counts = collections.Counter()
@@ -263,6 +268,7 @@ class Engine:
           numpy's zeroed pages past the held positions are not touched, so not resident);
           ``kv_reserved_bytes``: the worst case the running sequences reserved at admission;
           ``kv_budget_bytes``: ``kv.budget``. All 0 but the budget when nothing runs;
+        - ``kv_cached_bytes``: what the prefix cache keeps (``prefix_cache``);
         - ``finished`` (ended with a finish reason), ``failed``, ``cancelled``, ``timed_out``:
           requests so far.
         """
@@ -272,6 +278,7 @@ class Engine:
                     "queued": sum(len(s.group) for s in self._waiting),
                     "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * self.kv.bytes_per_token,
                     "kv_reserved_bytes": self._kv_reserved(), "kv_budget_bytes": self.kv.budget,
+                    "kv_cached_bytes": self.prefix.nbytes if self.prefix is not None else 0,
                     **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out")}}
 
     @contextlib.contextmanager
@@ -353,6 +360,8 @@ class Engine:
             for seq in group:
                 seq.t_admit = t_admit
                 self._active.append(seq)
+            if self.prefix is not None:  # kept caches give way to what the running sequences reserved
+                self.prefix.evict_to(self.kv.budget - self._kv_reserved())
             try:
                 self._allocate(group[0])
                 if len(group) > 1 and not callable(getattr(group[0].cache, "copy", None)):
@@ -366,9 +375,11 @@ class Engine:
                     self._end(seq, error=e)
 
     def _allocate(self, seq: Sequence) -> None:
-        """A new sequence's cache (and draft state), sized for its prompt and first tokens."""
+        """A new sequence's cache (and draft state), sized for its prompt and first tokens: a copy
+        of the longest prefix of its prompt the prefix cache holds, if any."""
         capacity = len(seq.prompt_ids) + min(seq.budget, INITIAL_DECODE_ROOM)
-        seq.cache = self.model.new_cache(capacity)
+        cache, seq.cached_tokens = self.prefix.take(seq.prompt_ids, capacity) if self.prefix is not None else (None, 0)
+        seq.cache = cache if cache is not None else self.model.new_cache(capacity)
         if self.speculative is not None:
             seq.spec = self.speculative.new_state(capacity)
 
@@ -511,6 +522,8 @@ class Engine:
             heir = seq.pass_prefill()
             if seq in self._active:
                 self._active.remove(seq)
+                if error is None and heir is None:
+                    self._keep_prefix(seq)
             elif seq in self._waiting:
                 if heir is None:
                     self._waiting.remove(seq)
@@ -528,6 +541,18 @@ class Engine:
             if log.isEnabledFor(logging.INFO):
                 log.info("request %s; engine stats %s", "finished" if error is None else count,
                          json.dumps(self.stats()))
+
+    def _keep_prefix(self, seq: Sequence) -> None:
+        """A finished sequence's cache goes to the prefix cache, with the tokens it holds (its
+        prompt and the generated tokens fed back), in what the running sequences leave of the
+        KV budget (lock held)."""
+        cache = seq.cache
+        if self.prefix is None or not callable(getattr(cache, "copy_prefix", None)):
+            return
+        tokens = np.concatenate([seq.prompt_ids, np.asarray(seq.generated_ids, dtype=np.int64)])[:cache.length]
+        if tokens.size == cache.length:
+            self.prefix.keep(tokens, cache)
+            self.prefix.evict_to(self.kv.budget - self._kv_reserved())
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:

@@ -63,6 +63,8 @@ class Sequence:
         self.final: StreamEvent | None = None  # the last event, held until the engine retires us
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
+        self.generated_ids: list[int] = []    # every generated token, delivered or not (what the cache is fed)
+        self.cached_tokens = 0                 # prompt tokens taken from the prefix cache, not computed
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs else None
         self.t_admit = self.t_first = self.t_last = None
         self.leader: Sequence | None = None    # the sibling choice whose prompt KV this one waits for
@@ -118,6 +120,7 @@ class Sequence:
         self.t_last = time.perf_counter()
         self.t_first = self.t_first or self.t_last
         self.last_token = token
+        self.generated_ids.append(token)
         d = self.checker.push(token)
         if not (d.text or d.token_ids or d.finish_reason):
             return False
@@ -147,4 +150,4 @@ class Sequence:
             generated_tokens=self.checker.generated, queue_s=(self.t_admit - t0) if self.t_admit else None,
             ttft_s=(self.t_first - t0) if self.t_first else None,
             decode_s=(self.t_last - self.t_first) if self.t_first else 0.0, total_s=time.perf_counter() - t0,
-            spec=self.spec.report() if self.spec is not None else None)
+            spec=self.spec.report() if self.spec is not None else None, cached_tokens=self.cached_tokens)
