@@ -109,6 +109,9 @@ class LlamaModel:
         # its matrices are quantized, else the numpy reference.
         self.decoders = [DecoderLayer(w, spec) for w in self.layers]
         self.quantized, self.kv_dtype, self._final_norm = stack_arithmetic(self.decoders)
+        # A row's results do not depend on the rows beside it, bit for bit (docs/design.md,
+        # "Batch invariance"): the quantized path's promise; float32 products round by row count.
+        self.batch_invariant = self.quantized
 
     @property
     def nbytes_per_token(self) -> int:

@@ -137,8 +137,9 @@ class Engine:
             step, so the gap between two tokens of a decoding stream, grows while prompts
             arrive. None: the model's ``prefill_chunk``.
         prefix_cache: keep finished sequences' KV caches for later prompts with the same prefix
-            (``prefix_cache``), within the KV budget; plain decoding on a model whose caches
-            copy a prefix (``copy_prefix``) only.
+            (``prefix_cache``), within the KV budget. Only where it changes no bit: plain
+            decoding, on a model whose rows are ``batch_invariant`` (a cached prefix is computed
+            with other rows beside it than a cold one) and whose caches ``copy_prefix``.
 
     Raises:
         InvalidRequestError: ``max_queue``, ``max_active``, ``kv_budget`` or ``prefill_tokens`` not
@@ -166,7 +167,8 @@ class Engine:
                                      admission.kv_bytes_per_token(model.config, draft_config,
                                                                   np.dtype(model.kv_dtype).itemsize),
                                      speculative.block_size - 1 if speculative is not None else 0, kv_budget)
-        self.prefix = PrefixCache() if prefix_cache and speculative is None else None
+        exact = getattr(model, "batch_invariant", False)
+        self.prefix = PrefixCache() if prefix_cache and exact and speculative is None else None
         self._cv = threading.Condition()      # guards _waiting, _active, _counts, _closed, prefix
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._active: list[Sequence] = []
