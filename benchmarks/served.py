@@ -382,8 +382,8 @@ def wait_for_quiet(ours: list[int], max_wait: float) -> float:
 
 
 class LlamaServer:
-    """llama-server on ``gguf`` at a free port of 127.0.0.1, its log in a temporary file; a context
-    manager that stops it."""
+    """llama-server on ``gguf`` at a free port of 127.0.0.1, its log in a temporary file (removed at
+    the end unless something failed); a context manager that stops it."""
 
     def __init__(self, binary: Path, gguf: Path, threads: int, parallel: int):
         with socket.socket() as s:
@@ -409,9 +409,11 @@ class LlamaServer:
         self.proc.kill()
         raise RuntimeError(f"llama-server did not start; its log: {self.log.name}\n{Path(self.log.name).read_text()[-3000:]}")
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=60)
+        if kind is None:  # kept when something failed
+            Path(self.log.name).unlink()
 
     def version(self) -> str:
         out = subprocess.run([str(self.binary), "--version"], capture_output=True, text=True)
@@ -510,6 +512,9 @@ async def measure(args: argparse.Namespace, llama: dict, cache_off: CacheOffChat
             + ", ".join(f"{n} streams {values[name][f'streams_{n}'][-1]:.1f}" for n in args.streams)
             + f", chat turn {args.turns} TTFT {values[name][f'chat_{args.turns}'][-1]:.2f} s"
             for name in (FLM, LLAMA)), flush=True)
+        if r + 1 < args.rounds:  # the table so far, should the run be cut short
+            keys = [key for key, _, _ in figures(args.streams, args.turns)]
+            print(format_table(summarize(values, keys), args.streams, args.turns, None), flush=True)
     return values, noise.repeated
 
 

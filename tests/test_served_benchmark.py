@@ -104,3 +104,11 @@ def test_an_existing_llama_server_build_is_reused_without_running_anything(tmp_p
     binary.touch()
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a}"))
     assert served.build_llama_server(tmp_path) == binary
+
+
+def test_cpu_seconds_counts_the_machine_and_the_processes_given():
+    import os
+
+    total, ours = served.cpu_seconds([os.getpid()])
+    assert 0 < ours <= total
+    assert served.cpu_seconds([])[1] == 0
