@@ -27,9 +27,7 @@ What is measured (each figure per round; the table gives medians over ``--rounds
    whole history (each side's own previous answers appended, ``--turn-tokens`` (64) at most each,
    stopping at the end of turn): the TTFT of each turn. flm runs it twice, with its prefix cache
    on (this process) and off (a worker process, ``python served.py --worker-chat``, started with
-   ``FLM_PREFIX_CACHE=0``). Until the runtime reads ``FLM_PREFIX_CACHE`` (issue #30, item 5) the
-   two are the same engine without a prefix cache, and the on/off row reads about 1.00x.
-   llama-server runs it with ``cache_prompt`` on. The prompt tokens of each turn (from ``usage``)
+   ``FLM_PREFIX_CACHE=0``). llama-server runs it with ``cache_prompt`` on. The prompt tokens of each turn (from ``usage``)
    are in the row labels, flm's / llama-server's: the histories differ where the answers do;
 4. cold start: the wall time of ``subprocess.run`` of a new process ``litellm-flm run <tag> "Hi"
    --temperature 0``, run twice, the second reported (caches warm). flm only.
@@ -45,7 +43,7 @@ engine serves a short request and a document-length one (loading, compiling).
 Machine noise: on a shared machine other processes take CPUs, and the two engines do not suffer
 alike. llama.cpp's threads spin at their barriers, so when a CPU is taken from one of them the
 others wait spinning: on our 2-CPU machine, with other processes keeping both CPUs busy,
-llama-server decoded at ~6 tokens/s instead of ~80, while flm (libgomp, which backs off) lost far
+llama-server decoded at ~6 tokens/s instead of ~80, while flm (whose kernel threads sleep at a barrier after a short spin) lost far
 less; ratios measured under load flatter flm. So before each engine's turn (its stream, its
 streams, its chat) the script waits, ``--max-wait`` seconds at most (default 60), until other
 processes have kept fewer than ``QUIET_CPUS`` (0.25) CPUs busy over a second, runs a turn again
@@ -56,7 +54,7 @@ of this process, the cache-off worker and llama-server). Rounds where that is we
 suspect.
 
 Threads: ``--threads N`` (default 2) sets llama-server's ``-t`` and ``-tb`` and, for flm,
-``NUMBA_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS``. Those are read when numba and numpy load, so
+``FLM_THREADS``, ``NUMBA_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS``. Those are read when numba and numpy load, so
 the script re-executes itself with them set, once, before it imports the runtime. It also UNSETS
 ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` (workarounds for older CPUs that our machines set
 and that slow a current OpenBLAS, hence numpy) for its own process and the processes it starts,
@@ -201,9 +199,10 @@ def build_llama_server(directory: Path, jobs: int = 2) -> Path:
 
 
 def wanted_env(args: argparse.Namespace, environ) -> dict[str, str]:
-    """``environ`` with numba's and OpenBLAS's thread counts set and, unless kept, the OpenBLAS
-    workarounds unset."""
-    env = dict(environ) | {"NUMBA_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads)}
+    """``environ`` with flm's, numba's and OpenBLAS's thread counts set and, unless kept, the
+    OpenBLAS workarounds unset."""
+    env = dict(environ) | {name: str(args.threads) for name in ("FLM_THREADS", "NUMBA_NUM_THREADS",
+                                                                 "OPENBLAS_NUM_THREADS")}
     if not args.keep_openblas_env:
         for name in OPENBLAS_WORKAROUNDS:
             env.pop(name, None)
@@ -600,7 +599,6 @@ def header(args: argparse.Namespace, argv: list[str], gguf: Path, server: LlamaS
         f"{' '.join(server.command[3:7] + server.command[11:])}, cache_prompt true",
         f"single and concurrent streams: {args.max_tokens} tokens each, end of turn ignored; chat: "
         f"{args.turns} turns, {args.document_tokens} document tokens, answers of {args.turn_tokens} tokens at most",
-        "FLM_PREFIX_CACHE=0: not read by this runtime yet unless it says so; until then cache on and off are the same engine",
         f"cold start runs: {', '.join(f'{s:.2f} s' for s in cold)} (the second is reported)",
         f"OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE: {unset}",
         "values are medians over rounds; ratio = flm / llama-server, the median of per-round ratios "

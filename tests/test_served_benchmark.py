@@ -47,9 +47,9 @@ def test_the_worker_needs_no_llama_server():
 def test_the_environment_sets_both_thread_counts_and_unsets_the_openblas_workarounds_unless_kept():
     environ = {"PATH": "/bin", "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "512"}
     env = served.wanted_env(served.parse_args(["--llama-server", "x", "--threads", "3"]), environ)
-    assert env == {"PATH": "/bin", "NUMBA_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "3"}
+    assert env == {"PATH": "/bin", "FLM_THREADS": "3", "NUMBA_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "3"}
     kept = served.wanted_env(served.parse_args(["--llama-server", "x", "--keep-openblas-env"]), environ)
-    assert kept == environ | {"NUMBA_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2"}
+    assert kept == environ | {"FLM_THREADS": "2", "NUMBA_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2"}
     assert environ["OPENBLAS_CORETYPE"] == "Haswell"  # the caller's mapping is not changed
 
 

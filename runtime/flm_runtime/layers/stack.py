@@ -16,6 +16,9 @@ one array each, a table of where each matrix starts and which format it has, and
 one array, so that a step takes a handful of arguments whatever the depth, and the layers' own
 ``QuantWeight`` matrices are views into them (no second copy).
 
+Each sequence's rows find its KV cache through the step's span table (the addresses of its key
+and value arrays), so one call serves every sequence of a batched step.
+
 Axis legend: R rows of the step, E hidden size, H / Hkv query / key-value heads, D head dim, F FFN
 width, V vocabulary, L layers.
 """
@@ -30,9 +33,9 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
+from flm_runtime.core import KEY_TILE
 from flm_runtime.kernels import attention, qgemm
 from flm_runtime.kernels.elementwise import rms_norm_row, rope_row, swiglu_row
-from flm_runtime.core import KEY_TILE
 from flm_runtime.kernels.quant import BLOCK, TILE, QuantWeight
 from flm_runtime.kernels.team import Team, barrier, default_team
 from flm_runtime.layers.decoder import LayerWeights, RowSpan
@@ -107,6 +110,22 @@ def stack_weights(layers: list[LayerWeights], final_norm: np.ndarray,
     return StackWeights(codes, scales, mins, table, norms, formats), rebuilt, views[-1]
 
 
+@numba.njit(inline="always")
+def _matrix_views(codes, scales, mins, matrix, bits, has_mins):  # pragma: no cover - compiled
+    """A stacked matrix's ``(codes, scales, mins)`` as ``qgemm.operands`` gives them, views into
+    the stacked arrays (``matrix``: its row of ``StackWeights.matrices``; ``bits``, ``has_mins``:
+    its format's)."""
+    tiles, blocks = matrix[TILES], matrix[BLOCKS]
+    width = blocks * TILE * BLOCK * bits // 8
+    c = codes[matrix[CODES]:matrix[CODES] + tiles * width].reshape((tiles, width))
+    s = scales[matrix[SCALES]:matrix[SCALES] + tiles * blocks * TILE].reshape((tiles, blocks * TILE))
+    if has_mins:
+        m = mins[matrix[MINS]:matrix[MINS] + tiles * blocks * TILE].reshape((tiles, blocks * TILE))
+    else:
+        m = mins[0:0].reshape((0, TILE))
+    return c, s, m
+
+
 def _format_products(formats: tuple[qgemm.Format, ...]):
     """``linear(codes, scales, mins, matrix, acts, out, tid, n_threads) -> (first, stop)``: this
     thread's tiles ``first .. stop-1`` of the product of ``acts`` (``quantize_row``'s five
@@ -116,33 +135,21 @@ def _format_products(formats: tuple[qgemm.Format, ...]):
     (i0, b0, m0), (i1, b1, m1), (i2, b2, m2), (i3, b3, m3) = slots
 
     @numba.njit(inline="always")
-    def views(codes, scales, mins, matrix, bits, has_mins):  # pragma: no cover - compiled
-        tiles, blocks = matrix[TILES], matrix[BLOCKS]
-        width = blocks * TILE * BLOCK * bits // 8
-        c = codes[matrix[CODES]:matrix[CODES] + tiles * width].reshape((tiles, width))
-        s = scales[matrix[SCALES]:matrix[SCALES] + tiles * blocks * TILE].reshape((tiles, blocks * TILE))
-        if has_mins:
-            m = mins[matrix[MINS]:matrix[MINS] + tiles * blocks * TILE].reshape((tiles, blocks * TILE))
-        else:
-            m = mins[0:0].reshape((0, TILE))
-        return c, s, m
-
-    @numba.njit(inline="always")
     def linear(codes, scales, mins, matrix, acts, out, tid, n_threads):  # pragma: no cover - compiled
         xq, xw, step, sx, s = acts
         first, stop = matrix[TILES] * tid // n_threads, matrix[TILES] * (tid + 1) // n_threads
         slot = matrix[FORMAT]
         if slot == 0:
-            c, sc, mn = views(codes, scales, mins, matrix, b0, m0)
+            c, sc, mn = _matrix_views(codes, scales, mins, matrix, b0, m0)
             qgemm.product_tiles(i0, b0, m0, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
         elif slot == 1:
-            c, sc, mn = views(codes, scales, mins, matrix, b1, m1)
+            c, sc, mn = _matrix_views(codes, scales, mins, matrix, b1, m1)
             qgemm.product_tiles(i1, b1, m1, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
         elif slot == 2:
-            c, sc, mn = views(codes, scales, mins, matrix, b2, m2)
+            c, sc, mn = _matrix_views(codes, scales, mins, matrix, b2, m2)
             qgemm.product_tiles(i2, b2, m2, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
         else:
-            c, sc, mn = views(codes, scales, mins, matrix, b3, m3)
+            c, sc, mn = _matrix_views(codes, scales, mins, matrix, b3, m3)
             qgemm.product_tiles(i3, b3, m3, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
         return first, stop
 
