@@ -64,14 +64,43 @@ def test_quantize_rounds_each_weight_to_its_block_grid(w, bits):
     assert q.nbytes == rows * K * bits // 8 + rows * K // quant.BLOCK * 2  # codes + one float16 scale a block
 
 
-def test_rows_taken_stacked_and_unpermuted_as_float32(w):
+def test_rows_taken_and_stacked_as_float32(w):
     a, b = quant.quantize(w, 4), quant.quantize(w[::-1].copy(), 4)
     stacked = quant.stack_rows([a, b])
     assert np.array_equal(stacked.dequantize(), np.concatenate([a.dequantize(), b.dequantize()]))
     rows = np.array([5, 0, 11])
     assert np.array_equal(a.take_rows(rows).dequantize(), a.dequantize()[rows])
     assert np.array_equal(a.dequantize(rows), a.dequantize()[rows])
-    assert np.array_equal(gguf_loader.unpermute_rope(a, 2).dequantize(), gguf_loader.unpermute_rope(a.dequantize(), 2))
+
+
+@pytest.mark.parametrize("bits,mins", [(4, False), (4, True), (8, False)])
+def test_stacking_whole_tiles_gives_the_bytes_of_tiling_again(bits, mins):
+    # Q, K and V of a model have whole tiles of rows: their tiles are concatenated, and the result
+    # is byte for byte what untiling and tiling the rows again gives (the last part may be ragged).
+    rng = np.random.default_rng(8)
+    parts = [quant.quantize(rng.standard_normal((n, 64)).astype(np.float32), bits) for n in (32, 16, 12)]
+    if mins:
+        parts = [quant.from_blocks(*p.rows(), bits, 64) for p in parts]  # stored mins (-zero point * scale)
+        assert all(p.mins is not None for p in parts)
+    got = quant.stack_rows(parts)
+    want = quant._retile(parts[0], [p.rows() for p in parts])
+    assert got.shape == want.shape == (60, 64)
+    for name in ("codes", "scales", "mins"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None and b is None) or (a.tobytes() == b.tobytes() and a.shape == b.shape), name
+
+
+@pytest.mark.parametrize("n", [12, 32])
+def test_nibbles_packed_as_gguf_tile_as_their_codes_do(n):
+    # Q4_0 / Q4_1 bytes (input j low, j + 16 high) read as they are equal the codes split and tiled.
+    rng = np.random.default_rng(9)
+    packed = rng.integers(0, 256, (n, 3, 16), dtype=np.uint8)
+    scales, mins = rng.standard_normal((2, n, 3)).astype(np.float16)
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, 96)
+    for m in (None, mins):
+        got, want = quant.from_nibbles(packed, scales, m, 96), quant.from_blocks(codes, scales, m, 4, 96)
+        assert got.codes.tobytes() == want.codes.tobytes() and got.codes.shape == want.codes.shape
+        assert np.array_equal(got.scales, want.scales) and np.array_equal(got.dequantize(), want.dequantize())
 
 
 def test_padding_to_whole_tiles_adds_nothing():

@@ -8,7 +8,7 @@ import pytest
 from tiny_llama_files import hand_permute, random_hf_weights, tiny_config, write_tiny_gguf
 
 from flm_runtime.errors import InvalidRequestError, ModelFormatError
-from flm_runtime.loading.gguf import load_gguf, permute_rope, unpermute_rope
+from flm_runtime.loading.gguf import load_gguf, open_gguf, permute_rope, unpermute_rope
 from flm_runtime.loading.weights import llama_weight_shapes, weight_kind
 
 Q = gguf.GGMLQuantizationType
@@ -145,6 +145,55 @@ def test_missing_and_garbage_files(tmp_path):
     garbage.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ModelFormatError, match="garbage.gguf"):
         load_gguf(garbage)
+
+
+def _assert_reads_as_gguf_py(path):
+    """``open_gguf`` gives what gguf-py's own reader gives: every key, value and value type, and
+    every tensor's name, type, shape and bytes."""
+    ours, ref = open_gguf(path), gguf.GGUFReader(path, "r")
+    expected = {name: f.contents() for name, f in ref.fields.items() if not name.startswith("GGUF.")}
+    assert list(ours.metadata) == list(expected)
+    for key, value in expected.items():
+        got = ours.metadata[key]
+        assert got == value and type(got) is type(value), key
+        assert [type(v) for v in got] == [type(v) for v in value] if isinstance(value, list) else True, key
+    assert [(t.name, t.tensor_type, t.shape) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, tuple(t.shape.tolist())) for t in ref.tensors]
+    for t, r in zip(ours.tensors, ref.tensors, strict=True):
+        assert t.data.dtype == r.data.dtype and t.data.shape == r.data.shape and not t.data.flags.writeable, t.name
+        np.testing.assert_array_equal(t.data, r.data, err_msg=t.name)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_1])
+def test_header_and_tensors_read_as_gguf_py_reads_them(tmp_path, qtype):
+    config = tiny_config()
+    extra_kv = {"test.u8": (7, gguf.GGUFValueType.UINT8), "test.i64": (-3, gguf.GGUFValueType.INT64),
+                "test.f64": (0.1, gguf.GGUFValueType.FLOAT64), "test.flag": (True, gguf.GGUFValueType.BOOL),
+                "test.text": ("é ü ☃", gguf.GGUFValueType.STRING),
+                "test.floats": ([0.5, -1.25], gguf.GGUFValueType.ARRAY),
+                "test.flags": ([True, False], gguf.GGUFValueType.ARRAY),
+                "general.alignment": (64, gguf.GGUFValueType.UINT32)}
+    path = write_tiny_gguf(tmp_path / "t.gguf", config, random_hf_weights(config), qtype=qtype, extra_kv=extra_kv)
+    _assert_reads_as_gguf_py(path)
+    assert open_gguf(path).metadata["test.text"] == "é ü ☃"
+
+
+def test_smollm2_reads_as_gguf_py_reads_it(smollm2_gguf):
+    _assert_reads_as_gguf_py(smollm2_gguf)
+
+
+def test_truncated_and_big_endian_files_are_refused(tmp_path):
+    config = tiny_config()
+    data = write_tiny_gguf(tmp_path / "t.gguf", config, random_hf_weights(config)).read_bytes()
+    for cut in (6, 30, 200, len(data) - 8):  # in the header, a key, the tensor table, the last tensor
+        short = tmp_path / f"short{cut}.gguf"
+        short.write_bytes(data[:cut])
+        with pytest.raises(ModelFormatError, match=f"short{cut}.gguf"):
+            open_gguf(short)
+    swapped = tmp_path / "big.gguf"
+    swapped.write_bytes(data[:4] + (3).to_bytes(4, "big") + data[8:])
+    with pytest.raises(ModelFormatError, match="big-endian"):
+        open_gguf(swapped)
 
 
 def test_smollm2_config_matches_design_facts(smollm2_bundle):

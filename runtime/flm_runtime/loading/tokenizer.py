@@ -23,7 +23,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.chat_template import ThinkingFormat, render_chat_template, thinking_format
-from flm_runtime.loading.gguf import read_gguf_metadata
 from flm_runtime.loading.hf_files import read_hf_tokenizer_files
 
 # GGUF tokenizer.ggml.token_type values (llama.cpp llama_token_type).
@@ -118,21 +117,17 @@ class Tokenizer:
     # -- construction ------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader_or_metadata: Any, *, source: str = "GGUF") -> "Tokenizer":
+    def from_gguf(cls, meta: dict[str, Any], *, source: str = "GGUF") -> "Tokenizer":
         """Build from the ``tokenizer.*`` metadata of a GGUF file.
 
         Args:
-            reader_or_metadata: a ``gguf.GGUFReader`` or the dict of
-                ``flm_runtime.loading.gguf.read_gguf_metadata``.
+            meta: the file's metadata (``flm_runtime.loading.gguf.open_gguf(path).metadata``).
             source: file name for error messages.
 
         Raises:
             ModelFormatError: not a byte-level BPE vocabulary (``tokenizer.ggml.model != "gpt2"``),
                 an unknown ``tokenizer.ggml.pre``, or missing tokens / merges.
         """
-        meta = reader_or_metadata
-        if not isinstance(meta, dict):
-            meta = read_gguf_metadata(reader_or_metadata)
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ModelFormatError(
