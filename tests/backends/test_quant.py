@@ -91,26 +91,16 @@ def test_stacking_whole_tiles_gives_the_bytes_of_tiling_again(bits, mins):
 
 
 @pytest.mark.parametrize("n", [12, 32])
-def test_nibbles_packed_as_gguf_tile_as_their_codes_do(n):
-    # Q4_0 / Q4_1 bytes (input j low, j + 16 high) read as they are equal the codes split and tiled.
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_blocks_tile_as_their_codes_do(n, bits):
+    # Q8_0's bytes (input j) and Q4_0 / Q4_1's (input j low, j + 16 high) read as they are equal
+    # the codes in input order, tiled.
     rng = np.random.default_rng(9)
-    packed = rng.integers(0, 256, (n, 3, 16), dtype=np.uint8)
+    packed = rng.integers(0, 256, (n, 3, bits * 4), dtype=np.uint8)
     scales, mins = rng.standard_normal((2, n, 3)).astype(np.float16)
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, 96)
+    codes = (packed if bits == 8 else np.concatenate([packed & 0x0F, packed >> 4], axis=-1)).reshape(n, 96)
     for m in (None, mins):
-        got, want = quant.from_nibbles(packed, scales, m, 96), quant.from_blocks(codes, scales, m, 4, 96)
-        assert got.codes.tobytes() == want.codes.tobytes() and got.codes.shape == want.codes.shape
-        assert np.array_equal(got.scales, want.scales) and np.array_equal(got.dequantize(), want.dequantize())
-
-
-def test_padding_to_whole_tiles_adds_nothing():
-    w = np.random.default_rng(4).standard_normal((3, 96)).astype(np.float32)  # 3 rows of a 16-row tile
-    q = quant.quantize(w, 8)
-    assert q.padded_in_features == 96 and q.shape == (3, 96) and q.codes.shape == (1, 3 * quant.TILE * quant.BLOCK)
-    assert q.dequantize().shape == (3, 96)
-    x = np.random.default_rng(5).standard_normal((2, 96)).astype(np.float32)
-    from flm_runtime.kernels import qgemm
-
-    got = qgemm.qlinear(x, q)
-    assert got.shape == (2, 3)
-    np.testing.assert_allclose(got, x @ q.dequantize().T, rtol=0, atol=1e-3)
+        got, want = quant.from_packed(packed, scales, m, bits, 96), quant.from_blocks(codes, scales, m, bits, 96)
+        for name in ("codes", "scales", "mins"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None and b is None) or (a.tobytes() == b.tobytes() and a.shape == b.shape), name

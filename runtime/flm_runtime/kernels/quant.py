@@ -144,29 +144,40 @@ def from_blocks(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, 
     return _tiled(codes, scales, mins, bits, in_features)
 
 
-def from_nibbles(packed: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, in_features: int) -> QuantWeight:
-    """A 4-bit ``QuantWeight`` from codes packed as GGUF's Q4_0 and Q4_1 blocks pack them: byte
-    ``j`` of ``packed[n, b]`` (``[N, K/32, 16]`` uint8) holds input ``32b + j`` in its low nibble
-    and ``32b + j + 16`` in its high one; ``scales`` / ``mins`` ``[N, K/32]`` as ``from_blocks``.
-
-    That is the tiled layout's own byte (group ``g``'s low nibble, ``g + 4``'s high one: byte
-    ``j = 4g + i``), so tiling moves bytes and never splits them.
+def from_packed(packed: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits: int,
+                in_features: int) -> QuantWeight:
+    """A ``QuantWeight`` from blocks whose bytes are already packed as a tile packs a lane's:
+    ``packed[n, b]`` (``[N, K/32, 32 * bits/8]`` uint8, any strides) holds in byte ``j`` input
+    ``32b + j`` (8-bit), or input ``32b + j`` in its low nibble and ``32b + j + 16`` in its high
+    one (4-bit: GGUF's Q4_0 and Q4_1 packing); ``scales`` / ``mins`` ``[N, K/32]`` as
+    ``from_blocks``. Byte ``j = 4g + i`` is group ``g``'s code ``i``, so tiling moves bytes and
+    never splits them.
     """
-    n, nb, half = packed.shape
-    assert half == BLOCK // 2 and in_features == nb * BLOCK and scales.shape == (n, nb)
-    pad = -n % TILE
-    tiles = (n + pad) // TILE
-    by_lane = np.pad(packed, ((0, pad), (0, 0), (0, 0))).reshape(tiles, TILE, nb, half // GROUP, GROUP)
-    codes = np.ascontiguousarray(by_lane.transpose(0, 2, 3, 1, 4)).reshape(tiles, -1)  # [t, b, g, l, i]
-    return QuantWeight(4, codes, _lanes(scales, pad), None if mins is None else _lanes(mins, pad), in_features, n)
+    n, nb, width = packed.shape
+    assert width == BLOCK * bits // 8 and in_features == nb * BLOCK and scales.shape == (n, nb)
+    codes = np.zeros((-(-n // TILE), nb, width // GROUP, TILE, GROUP), dtype=np.uint8)  # [t, b, g, l, i]
+    # A lane's GROUP codes move as one 32-bit word: a quarter of the elements to copy.
+    _by_lane(codes.view(np.uint32)[..., 0].transpose(0, 3, 1, 2), packed.view(np.uint32))
+    return QuantWeight(bits, codes.reshape(codes.shape[0], -1), _lanes(scales), None if mins is None else _lanes(mins),
+                       in_features, n)
 
 
-def _lanes(a: np.ndarray, pad: int) -> np.ndarray:
-    """Per-block values ``[N, nb]`` in the tiled layout ``[Np/16, nb * 16]`` float16, ``pad`` zero
-    rows added."""
-    a = np.pad(np.asarray(a, dtype=np.float16), ((0, pad), (0, 0)))
-    tiles, nb = a.shape[0] // TILE, a.shape[1]
-    return np.ascontiguousarray(a.reshape(tiles, TILE, nb).transpose(0, 2, 1).reshape(tiles, -1))
+def _lanes(a: np.ndarray) -> np.ndarray:
+    """Per-block values ``[N, nb]`` in the tiled layout ``[Np/16, nb * 16]`` float16 (padding rows
+    zero)."""
+    n, nb = a.shape
+    out = np.zeros((-(-n // TILE), nb, TILE), dtype=np.float16)
+    _by_lane(out.transpose(0, 2, 1), a)
+    return out.reshape(out.shape[0], -1)
+
+
+def _by_lane(dst: np.ndarray, src: np.ndarray) -> None:
+    """Row ``16t + l`` of ``src`` ``[N, ...]`` into ``dst[t, l]`` (``dst`` ``[Np/16, 16, ...]``, a
+    view of a tiled array): one strided copy, no padded copy of ``src`` first."""
+    full, rest = divmod(src.shape[0], TILE)
+    dst[:full] = src[:full * TILE].reshape(full, TILE, *src.shape[1:])
+    if rest:
+        dst[full, :rest] = src[full * TILE:]
 
 
 def _tiled(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits: int,
@@ -182,8 +193,8 @@ def _tiled(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits:
     if bits == 4:
         half = BLOCK // GROUP // 2
         by_group = by_group[:, :, :half] | (by_group[:, :, half:] << 4)
-    return QuantWeight(bits, np.ascontiguousarray(by_group.reshape(tiles, -1)), _lanes(scales, pad),
-                       None if mins is None else _lanes(mins, pad), in_features, n)
+    return QuantWeight(bits, np.ascontiguousarray(by_group.reshape(tiles, -1)), _lanes(scales),
+                       None if mins is None else _lanes(mins), in_features, n)
 
 
 def widen(w: QuantWeight) -> QuantWeight:

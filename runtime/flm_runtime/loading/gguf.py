@@ -392,13 +392,11 @@ def quantized_tensor(tensor: GGUFTensor, kind: str) -> Weight:
 def _read_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, k: int) -> QuantWeight:
     """Q4_0 / Q4_1 / Q8_0 blocks ``[N, K/32, bytes]`` (uint8) as a ``QuantWeight``, unchanged:
     Q4_0 ``w = d * (q - 8)``, Q4_1 ``w = d * q + m``, Q8_0 ``w = d * q`` with ``q`` int8."""
-    n, nb, _ = blocks.shape
     scales = blocks[..., :2].copy().view(np.float16)[..., 0]  # [N, K/32]
-    if qtype == GGMLQuantizationType.Q8_0:
-        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return quant.from_blocks(codes.reshape(n, k), scales, None, 8, k)
+    if qtype == GGMLQuantizationType.Q8_0:  # int8 q + 128 as a byte: its sign bit flipped
+        return quant.from_packed(np.bitwise_xor(blocks[..., 2:], np.uint8(0x80)), scales, None, 8, k)
     mins = blocks[..., 2:4].copy().view(np.float16)[..., 0] if qtype == GGMLQuantizationType.Q4_1 else None
-    return quant.from_nibbles(blocks[..., 4:] if mins is not None else blocks[..., 2:], scales, mins, k)
+    return quant.from_packed(blocks[..., 4:] if mins is not None else blocks[..., 2:], scales, mins, 4, k)
 
 
 def _read_q4_k(blocks: np.ndarray, k: int) -> QuantWeight:
