@@ -81,7 +81,7 @@ def load_model(tag: str, models: registry.Registry | None = None) -> LoadedModel
     """
     models = models or registry.current()
     entry = models.resolve(tag)
-    bundle = load_model_files(pull.locate(tag, models=models), weights=entry.weights)
+    bundle = load_model_files(pull.locate(tag, models=models), weights=entry.weights, keep=paths.converted_dir())
     model, tokenizer = LlamaModel(bundle.config, bundle.weights), bundle.tokenizer
     if entry.thinking is not None:  # the entry's markers replace the defaults the template was read with
         tokenizer.thinking = thinking_format(tokenizer.chat_template, entry.thinking)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
 from tiny_llama_files import hand_permute, random_hf_weights, tiny_config, write_tiny_gguf
 
 from flm_runtime.errors import InvalidRequestError, ModelFormatError
+from flm_runtime.kernels.quant import QuantWeight
+from flm_runtime.loading import converted
+from flm_runtime.loading import gguf as gguf_loader
 from flm_runtime.loading.gguf import load_gguf, open_gguf, permute_rope, unpermute_rope
 from flm_runtime.loading.weights import llama_weight_shapes, weight_kind
 
@@ -194,6 +199,62 @@ def test_truncated_and_big_endian_files_are_refused(tmp_path):
     swapped.write_bytes(data[:4] + (3).to_bytes(4, "big") + data[8:])
     with pytest.raises(ModelFormatError, match="big-endian"):
         open_gguf(swapped)
+
+
+def _arrays(weights):
+    """name -> the arrays of each weight (a quantized one's codes, scales and mins)."""
+    return {name: (w.codes, w.scales, w.mins) if isinstance(w, QuantWeight) else (w,) for name, w in weights.items()}
+
+
+def _same_bytes(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        for x, y in zip(_arrays(a)[name], _arrays(b)[name], strict=True):
+            assert (x is None and y is None) or (x.dtype == y.dtype and x.shape == y.shape
+                                                 and x.tobytes() == y.tobytes()), name
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16])
+def test_kept_weights_map_back_bit_for_bit_until_their_file_changes(tmp_path, monkeypatch, qtype):
+    config = tiny_config()
+    path = write_tiny_gguf(tmp_path / "q.gguf", config, random_hf_weights(config), qtype=qtype)
+    keep = tmp_path / "kept"
+    fresh = load_gguf(path, weights="auto").weights
+    _same_bytes(load_gguf(path, weights="auto", keep=keep).weights, fresh)  # converted, then kept
+    assert [p.name for p in keep.iterdir()] == [converted.cache_file(keep, path, "auto").name]
+
+    conversions = []
+    convert = gguf_loader.load_gguf_weights
+    monkeypatch.setattr(gguf_loader, "load_gguf_weights", lambda *a, **k: conversions.append(1) or convert(*a, **k))
+    kept = load_gguf(path, weights="auto", keep=keep).weights
+    _same_bytes(kept, fresh)
+    assert not conversions and all(a.flags.writeable for arrays in _arrays(kept).values() for a in arrays
+                                   if a is not None)  # numba types read-only arrays apart
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # the source changed: converted again
+    _same_bytes(load_gguf(path, weights="auto", keep=keep).weights, fresh)
+    assert len(conversions) == 1
+    load_gguf(path, weights="q8", keep=keep)  # another kind, another file
+    load_gguf(path, weights="f32", keep=keep)  # float32 is not kept (four times the file)
+    assert len(conversions) == 3 and len(list(keep.iterdir())) == 2
+
+
+def test_a_damaged_or_unwritable_keep_costs_only_a_conversion(tmp_path):
+    config = tiny_config()
+    path = write_tiny_gguf(tmp_path / "q.gguf", config, random_hf_weights(config), qtype=Q.Q4_1)
+    fresh = load_gguf(path, weights="auto").weights
+    keep = tmp_path / "kept"
+    load_gguf(path, weights="auto", keep=keep)
+    kept = converted.cache_file(keep, path, "auto")
+    data = kept.read_bytes()
+    for damaged in (data[:len(data) // 2], b"not a kept file", data[:-64]):
+        kept.write_bytes(damaged)
+        _same_bytes(load_gguf(path, weights="auto", keep=keep).weights, fresh)
+        assert kept.read_bytes() == data  # replaced whole
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the directory would be")
+    _same_bytes(load_gguf(path, weights="auto", keep=blocked).weights, fresh)
+    assert list(tmp_path.glob("**/.*.tmp")) == []  # no temporary file left behind
 
 
 def test_smollm2_config_matches_design_facts(smollm2_bundle):

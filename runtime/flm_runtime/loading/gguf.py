@@ -45,6 +45,7 @@ from flm_runtime.kernels import quant
 from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.loading import converted
 from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_llama_weights
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -83,7 +84,8 @@ class GGUFModel(NamedTuple):
     metadata: dict[str, Any]
 
 
-def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f32") -> GGUFModel:
+def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f32",
+              keep: Path | None = None) -> GGUFModel:
     """Read a Llama GGUF file into Hugging Face weights, its config and its metadata.
 
     Args:
@@ -92,10 +94,14 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f3
             as stored (interleaved-pair RoPE order); for tests and comparisons only.
         weights: a weight kind of ``WEIGHT_KINDS`` (module docstring); ``load_model_files``
             chooses it for a served model.
+        keep: a directory where converted weights are kept (``flm_runtime.loading.converted``):
+            the weights are mapped from there when kept for this file and kind, else converted
+            and kept. Not for ``f32`` (four times the file's size) or raw Q/K rows.
 
     Returns:
-        ``GGUFModel(config, weights, metadata)``; the weights are copies (the file is unmapped
-        when the last view of it is garbage-collected).
+        ``GGUFModel(config, weights, metadata)``; the weights are copies of the file's (it is
+        unmapped when the last view of it is garbage-collected) or copy-on-write maps of the kept
+        ones.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -105,7 +111,12 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f3
     gguf_file = open_gguf(path)
     metadata = gguf_file.metadata
     config = llama_config_from_gguf(metadata, [t.name for t in gguf_file.tensors], source=str(path))
-    tensors = load_gguf_weights(gguf_file, config, unpermute_qk=unpermute_qk, kind=weights)
+    path, keep = Path(path), keep if unpermute_qk and weights != "f32" else None
+    tensors = converted.load(keep, path, weights) if keep is not None else None
+    if tensors is None:
+        tensors = load_gguf_weights(gguf_file, config, unpermute_qk=unpermute_qk, kind=weights)
+        if keep is not None:
+            converted.save(keep, path, weights, tensors)
     check_llama_weights(config, tensors, source=str(path))
     return GGUFModel(config, tensors, metadata)
 
