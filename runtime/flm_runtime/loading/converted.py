@@ -2,18 +2,18 @@
 converting again.
 
 A GGUF's matrices are converted to the cpu backend's tiled blocks at every load (0.15 s for the
-embedded default; a K-quant file's 6-bit matrices are dequantized and quantized again, tens of
-seconds for a 3B model). ``load`` gives the weights ``save`` wrote for the same source file and
-weight kind, or None; the caller converts and saves then.
+embedded default on the AVX-512 host; a K-quant file's 6-bit matrices are dequantized and
+quantized again, slower still). ``load`` gives the weights ``save`` wrote for the same source file
+and weight kind, or None; the caller converts and saves then.
 
 One file per (source file, weight kind) in the caller's directory (``paths.converted_dir()``):
 ``<key>-<kind>.flmw``, the key a digest of the source's absolute path (as the registry's
-``.verified`` records: nothing is written beside a user's files). Its header records the source's size, mtime and inode and a digest of
-the code whose rules the bytes follow (``kernels/quant.py``, ``loading/gguf.py``, gguf-py's
-version); a file that does not match them all, or that is unreadable, is not used and is
-replaced at the next ``save``. A ``save`` writes a temporary file and renames it, so a failed or
-concurrent write never leaves a partial file under the name; a cache that cannot be written only
-costs the conversion next time.
+``.verified`` records: nothing is written beside a user's files). Its header records the
+source's size, mtime and inode and a digest of the code whose rules the bytes follow
+(``kernels/quant.py``, ``loading/gguf.py``, gguf-py's version); a file that does not match them
+all, or that is unreadable, is not used, and the next ``save`` replaces it. A ``save`` writes a
+temporary file and renames it, so a failed or concurrent write never leaves a partial file under
+the name; a cache that cannot be written only costs the conversion next time.
 
 Layout: ``MAGIC``, the header's length (8 bytes, little-endian), the header (JSON), then each
 array's bytes at a 64-byte aligned offset. The file is mapped copy-on-write: the arrays are
@@ -78,18 +78,19 @@ def save(directory: Path, source: Path, kind: str, weights: dict[str, Weight]) -
     path = cache_file(directory, source, kind)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     arrays: list[np.ndarray] = []
+    length = 0  # of the data so far, each array's bytes padded to the alignment
 
     def entry(a: np.ndarray | None) -> list | None:  # [dtype, shape, offset from the data's start]
+        nonlocal length
         if a is None:
             return None
-        offset = _aligned(sum(_aligned(b.nbytes) for b in arrays))
         arrays.append(a)
-        return [a.dtype.str, list(a.shape), offset]
+        length += _aligned(a.nbytes)
+        return [a.dtype.str, list(a.shape), length - _aligned(a.nbytes)]
 
     tensors = {name: {"bits": w.bits, "in": w.in_features, "out": w.out_features, "codes": entry(w.codes),
                       "scales": entry(w.scales), "mins": entry(w.mins)} if isinstance(w, QuantWeight)
                else {"array": entry(w)} for name, w in weights.items()}
-    length = sum(_aligned(a.nbytes) for a in arrays)
     header = json.dumps({"stamp": _stamp(source, kind), "length": length, "tensors": tensors}).encode()
     start = _aligned(len(MAGIC) + 8 + len(header))
     try:
