@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -192,3 +194,56 @@ def test_run_prints_the_verify_steps_and_al_of_a_dflash_tag():
     assert cli.stats_line("t", RequestStats(**base, spec=spec)).endswith(
         "tokens/s, 8 verify steps, AL 3.62 (6 by prompt lookup)]")
     assert cli.stats_line("t", RequestStats(**base, spec=SpecStats())).endswith("tokens/s, no verify step]")
+
+
+
+
+class FakeHandle:
+    """A request's handle that streams "Hel", "lo"."""
+
+    def __iter__(self):
+        return iter([SimpleNamespace(text="Hel"), SimpleNamespace(text="lo")])
+
+    def result(self):
+        return SimpleNamespace(stats=RequestStats(prompt_tokens=1, completion_tokens=2, generated_tokens=2,
+                                                  queue_s=0.0, ttft_s=0.1, decode_s=0.1, total_s=0.2))
+
+
+class FakeEngine:
+    """What ``run`` asks of an engine; records whether the garbage collector was on while it was
+    made (loaded) and what was submitted."""
+
+    def __init__(self):
+        self.collector_on_while_loading = gc.isenabled()
+        self.tokenizer = SimpleNamespace(apply_chat_template=lambda messages: messages[-1]["content"],
+                                         encode=lambda text: [len(text)])
+
+    def sampling_params(self, **given):
+        return given
+
+    def submit(self, ids, params):
+        self.submitted = ids, params
+        return FakeHandle()
+
+
+def test_run_loads_without_the_collector_and_leaves_it_as_it_was(monkeypatch, capsys):
+    import flm_runtime.api
+
+    engines = []
+    monkeypatch.setattr(flm_runtime.api, "get_engine", lambda tag: engines.append(FakeEngine()) or engines[-1])
+    frozen = gc.get_freeze_count()
+    assert cli.main(["run", "smollm2:135m", "Hi", "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "Hello" and err.startswith("\n[smollm2:135m: 1 prompt tokens, 2 completion tokens")
+    assert engines[0].submitted == ([2], {"max_tokens": 256, "temperature": 0.0})
+    assert not engines[0].collector_on_while_loading and gc.isenabled()
+    assert gc.get_freeze_count() == frozen  # only the console script (no argv) freezes, on its way out
+
+
+def test_the_console_script_freezes_what_is_left_on_its_way_out(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["litellm-flm", "list", "--json"])
+    try:
+        assert cli.main() == 0
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -46,7 +46,6 @@ from flm_runtime.backends import TargetModel
 from flm_runtime.backends.select import log_once, select_backend
 from flm_runtime.errors import BackendUnavailableError
 from flm_runtime.loading import Tokenizer, load_model_files
-from flm_runtime.kernels import skinny_gemm
 from flm_runtime.loading.chat_template import thinking_format
 from flm_runtime.models.dflash import DFlashDraft
 from flm_runtime.models.llama import LlamaModel
@@ -82,15 +81,15 @@ def load_model(tag: str, models: registry.Registry | None = None) -> LoadedModel
     """
     models = models or registry.current()
     entry = models.resolve(tag)
-    bundle = load_model_files(pull.locate(tag, models=models), weights=entry.weights)
+    bundle = load_model_files(pull.locate(tag, models=models), weights=entry.weights, keep=paths.converted_dir())
     model, tokenizer = LlamaModel(bundle.config, bundle.weights), bundle.tokenizer
     if entry.thinking is not None:  # the entry's markers replace the defaults the template was read with
         tokenizer.thinking = thinking_format(tokenizer.chat_template, entry.thinking)
-    del bundle  # the model holds its own (fused) copies of the weights
+    del bundle  # the model holds what it needs: fused copies, the rest as loaded (maps of a kept file)
     _return_free_memory()
-    # Compile (or load from numba's cache) the kernels here, not in the first request's time: the
-    # skinny float32 kernel, and one step of the model for the quantized ones.
-    skinny_gemm.compile_kernel()
+    # Compile (or load from numba's cache) the kernels here, not in the first request's time: one
+    # step of the model runs every kernel a decode runs (the skinny float32 one only where a
+    # float32 matrix is), and no other.
     model.forward_batch([np.zeros(1, dtype=np.int64)], [model.new_cache(1)])
     return LoadedModel(tag, model, tokenizer)
 

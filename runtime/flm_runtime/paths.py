@@ -30,6 +30,12 @@ def model_dir() -> Path:
     return platformdirs.user_cache_path(APP_NAME) / "models"
 
 
+def converted_dir() -> Path:
+    """Where model files' converted weights are kept (``flm_runtime.loading.converted``):
+    ``<model dir>/.converted`` (not created here)."""
+    return model_dir() / ".converted"
+
+
 def config_dir() -> Path:
     """The user config directory of litellm-flm (not created here)."""
     return platformdirs.user_config_path(APP_NAME)

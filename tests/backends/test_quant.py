@@ -64,24 +64,43 @@ def test_quantize_rounds_each_weight_to_its_block_grid(w, bits):
     assert q.nbytes == rows * K * bits // 8 + rows * K // quant.BLOCK * 2  # codes + one float16 scale a block
 
 
-def test_rows_taken_stacked_and_unpermuted_as_float32(w):
+def test_rows_taken_and_stacked_as_float32(w):
     a, b = quant.quantize(w, 4), quant.quantize(w[::-1].copy(), 4)
     stacked = quant.stack_rows([a, b])
     assert np.array_equal(stacked.dequantize(), np.concatenate([a.dequantize(), b.dequantize()]))
     rows = np.array([5, 0, 11])
     assert np.array_equal(a.take_rows(rows).dequantize(), a.dequantize()[rows])
     assert np.array_equal(a.dequantize(rows), a.dequantize()[rows])
-    assert np.array_equal(gguf_loader.unpermute_rope(a, 2).dequantize(), gguf_loader.unpermute_rope(a.dequantize(), 2))
 
 
-def test_padding_to_whole_tiles_adds_nothing():
-    w = np.random.default_rng(4).standard_normal((3, 96)).astype(np.float32)  # 3 rows of a 16-row tile
-    q = quant.quantize(w, 8)
-    assert q.padded_in_features == 96 and q.shape == (3, 96) and q.codes.shape == (1, 3 * quant.TILE * quant.BLOCK)
-    assert q.dequantize().shape == (3, 96)
-    x = np.random.default_rng(5).standard_normal((2, 96)).astype(np.float32)
-    from flm_runtime.kernels import qgemm
+@pytest.mark.parametrize("bits,mins", [(4, False), (4, True), (8, False)])
+def test_stacking_whole_tiles_gives_the_bytes_of_tiling_again(bits, mins):
+    # Q, K and V of a model have whole tiles of rows: their tiles are concatenated, and the result
+    # is byte for byte what untiling and tiling the rows again gives (the last part may be ragged).
+    rng = np.random.default_rng(8)
+    parts = [quant.quantize(rng.standard_normal((n, 64)).astype(np.float32), bits) for n in (32, 16, 12)]
+    if mins:
+        parts = [quant.from_blocks(*p.rows(), bits, 64) for p in parts]  # stored mins (-zero point * scale)
+        assert all(p.mins is not None for p in parts)
+    got = quant.stack_rows(parts)
+    want = quant._retile(parts[0], [p.rows() for p in parts])
+    assert got.shape == want.shape == (60, 64)
+    for name in ("codes", "scales", "mins"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None and b is None) or (a.tobytes() == b.tobytes() and a.shape == b.shape), name
 
-    got = qgemm.qlinear(x, q)
-    assert got.shape == (2, 3)
-    np.testing.assert_allclose(got, x @ q.dequantize().T, rtol=0, atol=1e-3)
+
+@pytest.mark.parametrize("n", [12, 32])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_blocks_tile_as_their_codes_do(n, bits):
+    # Q8_0's bytes (input j) and Q4_0 / Q4_1's (input j low, j + 16 high) read as they are equal
+    # the codes in input order, tiled.
+    rng = np.random.default_rng(9)
+    packed = rng.integers(0, 256, (n, 3, bits * 4), dtype=np.uint8)
+    scales, mins = rng.standard_normal((2, n, 3)).astype(np.float16)
+    codes = (packed if bits == 8 else np.concatenate([packed & 0x0F, packed >> 4], axis=-1)).reshape(n, 96)
+    for m in (None, mins):
+        got, want = quant.from_packed(packed, scales, m, bits, 96), quant.from_blocks(codes, scales, m, bits, 96)
+        for name in ("codes", "scales", "mins"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None and b is None) or (a.tobytes() == b.tobytes() and a.shape == b.shape), name

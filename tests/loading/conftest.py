@@ -7,10 +7,10 @@ import pytest
 
 @pytest.fixture(scope="session")
 def smollm2_metadata(smollm2_gguf):
-    """All metadata of the SmolLM2 GGUF (reading it takes a few seconds: once per session)."""
-    from flm_runtime.loading.gguf import open_gguf, read_gguf_metadata
+    """All metadata of the SmolLM2 GGUF."""
+    from flm_runtime.loading.gguf import open_gguf
 
-    return read_gguf_metadata(open_gguf(smollm2_gguf))
+    return open_gguf(smollm2_gguf).metadata
 
 
 @pytest.fixture(scope="session")

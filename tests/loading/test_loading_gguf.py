@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
 from tiny_llama_files import hand_permute, random_hf_weights, tiny_config, write_tiny_gguf
 
 from flm_runtime.errors import InvalidRequestError, ModelFormatError
-from flm_runtime.loading.gguf import load_gguf, permute_rope, unpermute_rope
+from flm_runtime.kernels.quant import QuantWeight
+from flm_runtime.loading import converted
+from flm_runtime.loading import gguf as gguf_loader
+from flm_runtime.loading.gguf import load_gguf, open_gguf, permute_rope, unpermute_rope
 from flm_runtime.loading.weights import llama_weight_shapes, weight_kind
 
 Q = gguf.GGMLQuantizationType
@@ -145,6 +150,111 @@ def test_missing_and_garbage_files(tmp_path):
     garbage.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ModelFormatError, match="garbage.gguf"):
         load_gguf(garbage)
+
+
+def _assert_reads_as_gguf_py(path):
+    """``open_gguf`` gives what gguf-py's own reader gives: every key, value and value type, and
+    every tensor's name, type, shape and bytes."""
+    ours, ref = open_gguf(path), gguf.GGUFReader(path, "r")
+    expected = {name: f.contents() for name, f in ref.fields.items() if not name.startswith("GGUF.")}
+    assert list(ours.metadata) == list(expected)
+    for key, value in expected.items():
+        got = ours.metadata[key]
+        assert got == value and type(got) is type(value), key
+        assert [type(v) for v in got] == [type(v) for v in value] if isinstance(value, list) else True, key
+    assert [(t.name, t.tensor_type, t.shape) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, tuple(t.shape.tolist())) for t in ref.tensors]
+    for t, r in zip(ours.tensors, ref.tensors, strict=True):
+        assert t.data.dtype == r.data.dtype and t.data.shape == r.data.shape and not t.data.flags.writeable, t.name
+        np.testing.assert_array_equal(t.data, r.data, err_msg=t.name)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_1])
+def test_header_and_tensors_read_as_gguf_py_reads_them(tmp_path, qtype):
+    config = tiny_config()
+    extra_kv = {"test.u8": (7, gguf.GGUFValueType.UINT8), "test.i64": (-3, gguf.GGUFValueType.INT64),
+                "test.f64": (0.1, gguf.GGUFValueType.FLOAT64), "test.flag": (True, gguf.GGUFValueType.BOOL),
+                "test.text": ("é ü ☃", gguf.GGUFValueType.STRING),
+                "test.floats": ([0.5, -1.25], gguf.GGUFValueType.ARRAY),
+                "test.flags": ([True, False], gguf.GGUFValueType.ARRAY),
+                "general.alignment": (64, gguf.GGUFValueType.UINT32)}
+    path = write_tiny_gguf(tmp_path / "t.gguf", config, random_hf_weights(config), qtype=qtype, extra_kv=extra_kv)
+    _assert_reads_as_gguf_py(path)
+    assert open_gguf(path).metadata["test.text"] == "é ü ☃"
+
+
+def test_smollm2_reads_as_gguf_py_reads_it(smollm2_gguf):
+    _assert_reads_as_gguf_py(smollm2_gguf)
+
+
+def test_truncated_and_big_endian_files_are_refused(tmp_path):
+    config = tiny_config()
+    data = write_tiny_gguf(tmp_path / "t.gguf", config, random_hf_weights(config)).read_bytes()
+    for cut in (6, 30, 200, len(data) - 8):  # in the header, a key, the tensor table, the last tensor
+        short = tmp_path / f"short{cut}.gguf"
+        short.write_bytes(data[:cut])
+        with pytest.raises(ModelFormatError, match=f"short{cut}.gguf"):
+            open_gguf(short)
+    swapped = tmp_path / "big.gguf"
+    swapped.write_bytes(data[:4] + (3).to_bytes(4, "big") + data[8:])
+    with pytest.raises(ModelFormatError, match="big-endian"):
+        open_gguf(swapped)
+
+
+def _arrays(weights):
+    """name -> the arrays of each weight (a quantized one's codes, scales and mins)."""
+    return {name: (w.codes, w.scales, w.mins) if isinstance(w, QuantWeight) else (w,) for name, w in weights.items()}
+
+
+def _same_bytes(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        for x, y in zip(_arrays(a)[name], _arrays(b)[name], strict=True):
+            assert (x is None and y is None) or (x.dtype == y.dtype and x.shape == y.shape
+                                                 and x.tobytes() == y.tobytes()), name
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F16])
+def test_kept_weights_map_back_bit_for_bit_until_their_file_changes(tmp_path, monkeypatch, qtype):
+    config = tiny_config()
+    path = write_tiny_gguf(tmp_path / "q.gguf", config, random_hf_weights(config), qtype=qtype)
+    keep = tmp_path / "kept"
+    fresh = load_gguf(path, weights="auto").weights
+    _same_bytes(load_gguf(path, weights="auto", keep=keep).weights, fresh)  # converted, then kept
+    assert [p.name for p in keep.iterdir()] == [converted.cache_file(keep, path, "auto").name]
+
+    conversions = []
+    convert = gguf_loader.load_gguf_weights
+    monkeypatch.setattr(gguf_loader, "load_gguf_weights", lambda *a, **k: conversions.append(1) or convert(*a, **k))
+    kept = load_gguf(path, weights="auto", keep=keep).weights
+    _same_bytes(kept, fresh)
+    assert not conversions and all(a.flags.writeable for arrays in _arrays(kept).values() for a in arrays
+                                   if a is not None)  # numba types read-only arrays apart
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # the source changed: converted again
+    _same_bytes(load_gguf(path, weights="auto", keep=keep).weights, fresh)
+    assert len(conversions) == 1
+    load_gguf(path, weights="q8", keep=keep)  # another kind, another file
+    load_gguf(path, weights="f32", keep=keep)  # float32 is not kept (four times the file)
+    assert len(conversions) == 3 and len(list(keep.iterdir())) == 2
+
+
+def test_a_damaged_or_unwritable_keep_costs_only_a_conversion(tmp_path):
+    config = tiny_config()
+    path = write_tiny_gguf(tmp_path / "q.gguf", config, random_hf_weights(config), qtype=Q.Q4_1)
+    fresh = load_gguf(path, weights="auto").weights
+    keep = tmp_path / "kept"
+    load_gguf(path, weights="auto", keep=keep)
+    kept = converted.cache_file(keep, path, "auto")
+    data = kept.read_bytes()
+    for damaged in (data[:len(data) // 2], b"not a kept file", data[:-64]):
+        kept.write_bytes(damaged)
+        _same_bytes(load_gguf(path, weights="auto", keep=keep).weights, fresh)
+        assert kept.read_bytes() == data  # replaced whole
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the directory would be")
+    _same_bytes(load_gguf(path, weights="auto", keep=blocked).weights, fresh)
+    assert list(tmp_path.glob("**/.*.tmp")) == []  # no temporary file left behind
 
 
 def test_smollm2_config_matches_design_facts(smollm2_bundle):

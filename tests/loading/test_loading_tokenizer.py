@@ -107,7 +107,7 @@ def test_smollm2_token_bytes_agree_with_tokenizers_decode_for_every_id(smollm2_t
 def test_smollm2_token_bytes_agree_with_gguf_vocab(smollm2_gguf, smollm2_tokenizer):
     # The GGUF token strings themselves: byte-level pieces must map back to the bytes they encode,
     # e.g. 'Ġworld' -> b' world', 'Ċ' -> b'\n'.
-    tokens = open_gguf(smollm2_gguf).fields["tokenizer.ggml.tokens"].contents()
+    tokens = open_gguf(smollm2_gguf).metadata["tokenizer.ggml.tokens"]
     tok = smollm2_tokenizer
     assert tok.token_bytes(tokens.index("Ġworld")) == b" world"
     assert tok.token_bytes(tokens.index("Ċ")) == b"\n"
@@ -169,7 +169,7 @@ def test_smollm2_rendered_prompt_encodes_specials_as_single_ids(smollm2_tokenize
 def tiny_gguf_tokenizer(tmp_path):
     config = tiny_config()
     path = write_tiny_gguf(tmp_path / "t.gguf", config, random_hf_weights(config))
-    return Tokenizer.from_gguf(open_gguf(path), source=str(path))
+    return Tokenizer.from_gguf(open_gguf(path).metadata, source=str(path))
 
 
 def test_tiny_gguf_tokenizer_merges_and_specials(tiny_gguf_tokenizer):

@@ -10,9 +10,9 @@ positions costs little more than one decode (figures: docs/benchmarks.md,
 "`benchmarks/skinny_gemm.py`").
 It serves the float32 reference path; quantized weights run ``qgemm``.
 
-The kernel is compiled by numba and cached on disk: ``compile_kernel`` runs when a model loads
-(``flm_runtime.api.load_model``), so that the compilation (seconds on a fresh install, then a load
-from the cache) is not counted in the first request's decode time. Summation order differs from
+The kernel is compiled by numba and cached on disk; a float32 model's load runs it once
+(``flm_runtime.api.load_model``'s warm-up step), so that the compilation (seconds on a fresh
+install, then a load from the cache) is not counted in the first request's decode time. Summation order differs from
 BLAS: results agree to float32 rounding, not bit for bit.
 
 Thread safety: every call holds ``lock.KERNEL_LOCK``.
@@ -159,7 +159,3 @@ def skinny_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         _skinny_matmul(np.ascontiguousarray(x), w, out)
     return out
 
-
-def compile_kernel() -> None:
-    """Compile the kernel now, or load it from numba's disk cache (``skinny_linear`` on 1 x 8 zeros)."""
-    skinny_linear(np.zeros((1, 8), dtype=np.float32), np.zeros((8, 8), dtype=np.float32))

@@ -45,16 +45,19 @@ class ModelBundle:
     source: Path
 
 
-def load_model_files(path: str | Path, weights: str | None = None) -> ModelBundle:
+def load_model_files(path: str | Path, weights: str | None = None, keep: Path | None = None) -> ModelBundle:
     """Load a model from a ``.gguf`` file or a Hugging Face directory.
 
     Args:
         path: a GGUF file (any name; its magic is checked) or a directory with config.json.
         weights: the weight kind (``loading.weights.WEIGHT_KINDS``); None: ``$FLM_WEIGHTS``,
             else ``auto`` (each GGUF tensor keeps its precision class; safetensors 8-bit).
+        keep: where a GGUF's converted weights are kept for the next load
+            (``flm_runtime.loading.converted``; ``load_gguf``'s ``keep``); None: converted at
+            every load.
 
     Returns:
-        The ``ModelBundle`` (weights fully in memory).
+        The ``ModelBundle`` (weights in memory, or mapped from ``keep``).
 
     Raises:
         FileNotFoundError: ``path`` (or a file the directory needs) does not exist.
@@ -66,12 +69,12 @@ def load_model_files(path: str | Path, weights: str | None = None) -> ModelBundl
     if path.is_dir():
         return _load_hf_dir(path, kind)
     if path.is_file():
-        return _load_gguf(path, kind)
+        return _load_gguf(path, kind, keep)
     raise FileNotFoundError(2, "model file or directory not found", str(path))
 
 
-def _load_gguf(path: Path, kind: str) -> ModelBundle:
-    model = load_gguf(path, weights=kind)
+def _load_gguf(path: Path, kind: str, keep: Path | None) -> ModelBundle:
+    model = load_gguf(path, weights=kind, keep=keep)
     tokenizer = Tokenizer.from_gguf(model.metadata, source=str(path))
     _check_vocab(model.config, tokenizer, path)
     return ModelBundle(model.config, model.weights, tokenizer, path)

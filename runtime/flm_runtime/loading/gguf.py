@@ -1,6 +1,8 @@
 """GGUF reader for Llama-architecture models: weights under Hugging Face names.
 
-The file is memory-mapped with ``gguf.GGUFReader`` (gguf-py, llama.cpp's reference Python reader).
+The file is memory-mapped and its header parsed here (``open_gguf``): gguf-py's ``GGUFReader`` makes
+numpy views of every piece of every field, which takes seconds over a 49k-token vocabulary and its
+merges, paid at every load. gguf-py still supplies the format's constants and its dequantization.
 Every matrix is kept quantized in the cpu backend's block format (``flm_runtime.kernels.quant``)
 or dequantized to float32, as the weight kind asks (``WEIGHT_KINDS``):
 
@@ -29,18 +31,21 @@ Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 
 from __future__ import annotations
 
+import mmap
 import re
+import struct
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 from gguf.quants import Q4_K, dequantize
 
 from flm_runtime.kernels import quant
 from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.loading import converted
 from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_llama_weights
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -79,7 +84,8 @@ class GGUFModel(NamedTuple):
     metadata: dict[str, Any]
 
 
-def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f32") -> GGUFModel:
+def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f32",
+              keep: Path | None = None) -> GGUFModel:
     """Read a Llama GGUF file into Hugging Face weights, its config and its metadata.
 
     Args:
@@ -88,53 +94,170 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f3
             as stored (interleaved-pair RoPE order); for tests and comparisons only.
         weights: a weight kind of ``WEIGHT_KINDS`` (module docstring); ``load_model_files``
             chooses it for a served model.
+        keep: a directory where converted weights are kept (``flm_runtime.loading.converted``):
+            the weights are mapped from there when kept for this file and kind, else converted
+            and kept. Not for ``f32`` (four times the file's size) or raw Q/K rows.
 
     Returns:
-        ``GGUFModel(config, weights, metadata)``; the weights are copies (the file is unmapped
-        when the reader is garbage-collected).
+        ``GGUFModel(config, weights, metadata)``; the weights are copies of the file's (it is
+        unmapped when the last view of it is garbage-collected) or copy-on-write maps of the kept
+        ones.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ModelFormatError: not a GGUF file, an architecture other than llama, an unsupported
             quantization type or tensor, or shapes inconsistent with the metadata.
     """
-    reader = open_gguf(path)
-    metadata = read_gguf_metadata(reader)
-    config = llama_config_from_gguf(metadata, [t.name for t in reader.tensors], source=str(path))
-    tensors = load_gguf_weights(reader, config, unpermute_qk=unpermute_qk, kind=weights)
+    gguf_file = open_gguf(path)
+    metadata = gguf_file.metadata
+    config = llama_config_from_gguf(metadata, [t.name for t in gguf_file.tensors], source=str(path))
+    path, keep = Path(path), keep if unpermute_qk and weights != "f32" else None
+    tensors = converted.load(keep, path, weights) if keep is not None else None
+    if tensors is None:
+        tensors = load_gguf_weights(gguf_file, config, unpermute_qk=unpermute_qk, kind=weights)
+        if keep is not None:
+            converted.save(keep, path, weights, tensors)
     check_llama_weights(config, tensors, source=str(path))
     return GGUFModel(config, tensors, metadata)
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
-    """Memory-map a GGUF file (read-only).
+class GGUFTensor(NamedTuple):
+    """One tensor of a GGUF file.
+
+    Attributes:
+        name: llama.cpp's name (``blk.0.attn_q.weight``).
+        tensor_type: its ``GGMLQuantizationType``.
+        shape: GGUF's dimensions, fastest first (``ne[0]`` = in_features).
+        data: a read-only view of the mapped file, ``shape`` reversed: elements of their own dtype
+            for F32, F16, F64 and the integer types, else bytes (uint8), the last dimension holding
+            a row's blocks (as gguf-py's ``ReaderTensor.data``, which ``gguf.quants`` takes).
+    """
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+class GGUFFile(NamedTuple):
+    """A parsed GGUF file: ``metadata`` (every key/value of the file; strings ``str``, arrays
+    ``list``, numbers ``int``/``float``/``bool``) and its ``tensors`` in file order."""
+
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+# GGUFValueType -> struct format of a scalar (little-endian); STRING and ARRAY are read apart.
+_SCALARS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+            GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+            GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+            GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}
+# Tensor types whose data are elements of a numpy dtype (the rest are blocks of bytes).
+_ELEMENT_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                   GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                   GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                   GGMLQuantizationType.I64: np.int64}
+_SUPPORTED_VERSIONS = (2, 3)  # gguf-py's reader's; version 1 used 32-bit lengths
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Memory-map a GGUF file (read-only) and parse its header: metadata and tensor table.
+    Little-endian files only (llama.cpp's; a big-endian file is refused, not misread).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ModelFormatError: the file is not a readable GGUF (bad magic, version, truncated).
+        ModelFormatError: the file is not a readable GGUF (bad magic, version, byte order,
+            truncated, a duplicate tensor name, tensor data beyond the end of the file).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(2, "GGUF model file not found", str(path))
     try:
-        return GGUFReader(path, "r")
-    except (ValueError, IndexError, KeyError, OSError) as e:
-        # gguf-py signals bad magic / version with ValueError and a truncated file with
-        # IndexError or a short read inside numpy.
+        with path.open("rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays mapped while a view lives
+        return _parse(mapped)
+    except (ValueError, struct.error, UnicodeDecodeError, OverflowError, OSError) as e:
+        # an empty file (mmap), a short read (struct), a bad enum value or size (ValueError)
         raise ModelFormatError(f"{path}: not a readable GGUF file ({e})") from e
 
 
-def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file as Python values.
+class _Cursor:
+    """Reads GGUF's little-endian values from ``buf`` forward from ``pos``."""
 
-    Strings are ``str``, arrays ``list`` (``tokenizer.ggml.tokens`` -> ``list[str]``), numbers
-    ``int``/``float``/``bool``. The reader's own ``GGUF.*`` header pseudo-fields are left out.
-    """
-    return {
-        name: field.contents()
-        for name, field in reader.fields.items()
-        if not name.startswith("GGUF.")
-    }
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        end = self.pos + n
+        if end > len(self.buf):
+            raise ValueError(f"a string of {n} bytes runs past the end of the file")
+        text = self.buf[self.pos:end].decode("utf-8")
+        self.pos = end
+        return text
+
+    def value(self, vtype: GGUFValueType) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            item, count = GGUFValueType(self.scalar("<I")), self.scalar("<Q")
+            if item in _SCALARS:  # one numpy read, not one per item
+                dtype = np.dtype(_SCALARS[item])
+                values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
+                self.pos += count * dtype.itemsize
+                return values
+            return [self.value(item) for _ in range(count)]
+        return self.scalar(_SCALARS[vtype])
+
+
+def _parse(buf: mmap.mmap) -> GGUFFile:
+    """``open_gguf``'s parser over the mapped file ``buf`` (gguf.md's layout)."""
+    c = _Cursor(buf)
+    if c.scalar("<I") != GGUF_MAGIC:
+        raise ValueError("GGUF magic invalid")
+    version = c.scalar("<I")
+    if version not in _SUPPORTED_VERSIONS:
+        order = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
+        raise ValueError(f"GGUF version {version} is not supported{order}")
+    n_tensors, n_kv = c.scalar("<Q"), c.scalar("<Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = c.string()
+        metadata[key] = c.value(GGUFValueType(c.scalar("<I")))
+    infos = []
+    for _ in range(n_tensors):
+        name = c.string()
+        shape = tuple(c.scalar("<Q") for _ in range(c.scalar("<I")))
+        infos.append((name, GGMLQuantizationType(c.scalar("<I")), shape, c.scalar("<Q")))
+    alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment!r} is not a power of two")
+    start = -(-c.pos // alignment) * alignment
+    tensors, names = [], set()
+    for name, qtype, shape, offset in infos:
+        if name in names:
+            raise ValueError(f"tensor {name!r} appears twice")
+        names.add(name)
+        tensors.append(GGUFTensor(name, qtype, shape, _tensor_data(buf, start + offset, qtype, shape)))
+    return GGUFFile(metadata, tensors)
+
+
+def _tensor_data(buf: mmap.mmap, offset: int, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """The view of a tensor's data (``GGUFTensor.data``)."""
+    dims = tuple(reversed(shape))
+    n = int(np.prod(dims))
+    if qtype in _ELEMENT_DTYPES:
+        return np.frombuffer(buf, _ELEMENT_DTYPES[qtype], n, offset).reshape(dims)
+    block, size = GGML_QUANT_SIZES[qtype]
+    if dims[-1] % block:
+        raise ValueError(f"a row of {dims[-1]} is not a whole number of {qtype.name} blocks of {block}")
+    row_bytes = dims[-1] // block * size
+    return np.frombuffer(buf, np.uint8, n // block * size, offset).reshape(*dims[:-1], row_bytes)
 
 
 def llama_config_from_gguf(
@@ -218,12 +341,12 @@ def gguf_to_hf_name(name: str) -> str:
 
 
 def load_gguf_weights(
-    reader: GGUFReader, config: LlamaConfig, *, unpermute_qk: bool = True, kind: str = "f32"
+    gguf_file: GGUFFile, config: LlamaConfig, *, unpermute_qk: bool = True, kind: str = "f32"
 ) -> dict[str, Weight]:
     """Every tensor under its Hugging Face name, as the weight kind ``kind`` asks.
 
     Args:
-        reader: an open GGUF file.
+        gguf_file: an open GGUF file.
         config: its config (head counts for the Q/K un-permutation).
         unpermute_qk: restore Hugging Face's rotate-half row order in q_proj / k_proj.
         kind: a weight kind of ``WEIGHT_KINDS`` (module docstring).
@@ -237,14 +360,14 @@ def load_gguf_weights(
     """
     assert kind in WEIGHT_KINDS, f"weight kind {kind!r} not in {WEIGHT_KINDS}"
     weights: dict[str, Weight] = {}
-    for tensor in reader.tensors:
+    for tensor in gguf_file.tensors:
         name = gguf_to_hf_name(tensor.name)
-        w = dequantize_tensor(tensor) if kind == "f32" or len(tensor.shape) != 2 else quantized_tensor(tensor, kind)
         heads = {"self_attn.q_proj.weight": config.num_attention_heads,
                  "self_attn.k_proj.weight": config.num_key_value_heads}.get(name.split(".", 3)[-1])
-        if unpermute_qk and heads:
-            w = unpermute_rope(w, heads)
-        weights[name] = w
+        if unpermute_qk and heads:  # the stored rows moved whole, before any conversion (rows convert alone)
+            tensor = tensor._replace(data=unpermute_rope(tensor.data, heads))
+        weights[name] = (dequantize_tensor(tensor) if kind == "f32" or len(tensor.shape) != 2
+                         else quantized_tensor(tensor, kind))
     return weights
 
 
@@ -253,7 +376,7 @@ _NATIVE_BLOCKS = {GGMLQuantizationType.Q4_0: (4, 18), GGMLQuantizationType.Q4_1:
                   GGMLQuantizationType.Q8_0: (8, 34)}
 
 
-def quantized_tensor(tensor: ReaderTensor, kind: str) -> Weight:
+def quantized_tensor(tensor: GGUFTensor, kind: str) -> Weight:
     """One GGUF matrix in the cpu backend's block format (the module docstring's rules), or as
     float32 when its input width is not a whole number of blocks of 32.
 
@@ -261,7 +384,7 @@ def quantized_tensor(tensor: ReaderTensor, kind: str) -> Weight:
         ModelFormatError: gguf-py cannot dequantize a type that must be converted.
     """
     qtype = tensor.tensor_type
-    n, k = (int(d) for d in reversed(tensor.shape.tolist()))
+    n, k = reversed(tensor.shape)
     if k % quant.BLOCK:
         return dequantize_tensor(tensor)
     native = _NATIVE_BLOCKS.get(qtype, (4, None) if qtype == GGMLQuantizationType.Q4_K else (8, None))[0]
@@ -280,15 +403,11 @@ def quantized_tensor(tensor: ReaderTensor, kind: str) -> Weight:
 def _read_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, k: int) -> QuantWeight:
     """Q4_0 / Q4_1 / Q8_0 blocks ``[N, K/32, bytes]`` (uint8) as a ``QuantWeight``, unchanged:
     Q4_0 ``w = d * (q - 8)``, Q4_1 ``w = d * q + m``, Q8_0 ``w = d * q`` with ``q`` int8."""
-    n, nb, _ = blocks.shape
     scales = blocks[..., :2].copy().view(np.float16)[..., 0]  # [N, K/32]
-    if qtype == GGMLQuantizationType.Q8_0:
-        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return quant.from_blocks(codes.reshape(n, k), scales, None, 8, k)
+    if qtype == GGMLQuantizationType.Q8_0:  # int8 q + 128 as a byte: its sign bit flipped
+        return quant.from_packed(np.bitwise_xor(blocks[..., 2:], np.uint8(0x80)), scales, None, 8, k)
     mins = blocks[..., 2:4].copy().view(np.float16)[..., 0] if qtype == GGMLQuantizationType.Q4_1 else None
-    qs = blocks[..., 4:] if mins is not None else blocks[..., 2:]  # [N, K/32, 16]: q[t] | q[t + 16] << 4
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
-    return quant.from_blocks(codes, scales, mins, 4, k)
+    return quant.from_packed(blocks[..., 4:] if mins is not None else blocks[..., 2:], scales, mins, 4, k)
 
 
 def _read_q4_k(blocks: np.ndarray, k: int) -> QuantWeight:
@@ -307,7 +426,7 @@ def _read_q4_k(blocks: np.ndarray, k: int) -> QuantWeight:
     return quant.from_blocks(codes, scales, mins, 4, k)
 
 
-def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
     """One GGUF tensor as a float32 numpy array in row-major order (GGUF shape reversed).
 
     Raises:
@@ -320,8 +439,7 @@ def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
         raise ModelFormatError(
             f"GGUF tensor {tensor.name!r}: quantization type {qtype.name} is not supported"
         ) from e
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    w = w.reshape(shape)
+    w = w.reshape(tuple(reversed(tensor.shape)))
     if np.may_share_memory(w, tensor.data):
         w = w.copy()  # F32 comes back as a view of the read-only memory map
     return np.ascontiguousarray(w, dtype=np.float32)
@@ -345,21 +463,19 @@ def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def unpermute_rope(w: Weight, n_head: int) -> Weight:
+def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp (interleaved pairs) row order -> Hugging Face (rotate-half) row order.
 
     The inverse of ``permute_rope``: per head, ``[H, D/2, 2, in] -> [H, 2, D/2, in]``.
 
     Args:
-        w: ``[n_head*D, in]`` q or k weight as stored in a GGUF file (float32 or quantized: a
-            quantized weight's rows move whole).
+        w: ``[n_head*D, ...]`` q or k weight as stored in a GGUF file: its elements, or its rows
+            of blocks (bytes), which move whole.
         n_head: heads of this projection (H for q_proj, Hkv for k_proj).
 
     Returns:
-        A new C-contiguous array (or ``QuantWeight``) of the same shape.
+        A new C-contiguous array of the same shape.
     """
-    if isinstance(w, QuantWeight):
-        return w.take_rows(unpermute_rope(np.arange(w.shape[0]), n_head))
     d = w.shape[0] // n_head
     assert d * n_head == w.shape[0] and d % 2 == 0, f"rows {w.shape[0]} vs {n_head} heads"
     return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
