@@ -50,7 +50,7 @@ def exp(x):  # pragma: no cover - compiled
     return (p * (f * f) + f + np.float32(1.0)) * _pow2(np.int32(n))
 
 
-@numba.njit(nogil=True, **ELEMENTWISE)
+@numba.njit(nogil=True, cache=True, **ELEMENTWISE)
 def rms_norm(x, weight, eps):  # pragma: no cover - compiled
     """RMSNorm of each row of ``x`` ``[R, E]`` (as ``cpu.rms_norm``)."""
     out = np.empty_like(x)

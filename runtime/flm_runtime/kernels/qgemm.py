@@ -466,7 +466,7 @@ def _matmul_of(fmt: Format):
     retype the call every time), a compiled caller can (``_matmul`` itself is cached on disk)."""
     isa, bits, has_mins = fmt
 
-    @numba.njit(nogil=True)
+    @numba.njit(nogil=True, cache=True)  # its free variables are ints and a bool: numba's own key holds
     def matmul(codes, scales, mins, xq, xw, step, sx, s, out):  # pragma: no cover - compiled
         _matmul(codes, scales, mins, xq, xw, step, sx, s, out, isa, bits, has_mins)
 

@@ -39,8 +39,11 @@ def compiled(fn, key: str, **options):
 
 @functools.cache
 def sources_key() -> str:
-    """The kernels' and the layers' source files' sizes and times, for a key: a function cached
-    from other kernels, or from another version of its own module, is not loaded."""
+    """A digest of the kernels' and the layers' sources, for a key: a function cached from other
+    kernels, or from another version of its own module, is not loaded. Contents, not times: a
+    checkout or a new worktree of the same code loads what is cached."""
     here = Path(__file__).parent
-    files = sorted([*Path(attention.__file__).parent.glob("*.py"), *here.glob("*.py")])
-    return " ".join(f"{f.parent.name}/{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    digest = hashlib.sha256()
+    for f in sorted([*Path(attention.__file__).parent.glob("*.py"), *here.glob("*.py")]):
+        digest.update(f"{f.parent.name}/{f.name}\0".encode() + f.read_bytes())
+    return digest.hexdigest()
