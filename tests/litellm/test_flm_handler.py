@@ -18,9 +18,9 @@ import pytest
 import litellm_flm
 from flm_runtime import errors as rt
 from flm_fake_engine import FakeTokenizer
-from litellm_flm.llm import FlmLLM, StreamChunks
+from litellm_flm.llm import FlmLLM, StreamChunks, usage_fields
 from stream_choices import joined_choices
-from flm_runtime.request import RequestStats, SpecStats, StreamEvent, TokenLogprob
+from flm_runtime.request import Completion, RequestStats, SpecStats, StreamEvent, TokenLogprob
 from flm_runtime.sampling.sampler import choice_seed
 
 MODEL = "flm/smollm2:135m"
@@ -187,13 +187,25 @@ SPEC_STATS = RequestStats(prompt_tokens=9, completion_tokens=12, generated_token
 
 def test_flm_stats_keys():
     """The public keys of ``_hidden_params["flm_stats"]``, with and without speculation."""
-    plain = {"prompt_tokens": 9, "completion_tokens": 12, "generated_tokens": 13, "queue_s": 0.0, "ttft_s": 0.1,
-             "decode_tokens_per_s": 10.0, "total_s": 1.3}
+    plain = {"prompt_tokens": 9, "cached_tokens": 0, "completion_tokens": 12, "generated_tokens": 13, "queue_s": 0.0,
+             "ttft_s": 0.1, "decode_tokens_per_s": 10.0, "total_s": 1.3}
     assert replace(SPEC_STATS, spec=None).as_dict() == plain
     assert SPEC_STATS.as_dict() == {**plain, "spec_steps": 4, "drafted_tokens": 28, "accepted_tokens": 9,
                                     "acceptance_length": 3.25, "gated_steps": 0, "spec_switches_off": 0,
                                     "al_estimate": None, "draft_acceptance_length": 7 / 3, "ngram_steps": 1,
                                     "ngram_drafted_tokens": 7, "ngram_accepted_tokens": 5, "ngram_acceptance_length": 6.0}
+
+
+def test_cached_prompt_tokens_reach_the_usage():
+    """Prompt tokens from the prefix cache are OpenAI's ``prompt_tokens_details.cached_tokens``,
+    counted once per prompt however many choices share it; absent when there are none."""
+    def done(cached):
+        return Completion("hi", (5, 6), "stop", 9, 2, replace(SPEC_STATS, spec=None, cached_tokens=cached))
+
+    usage = usage_fields([[done(7), done(7)], [done(0)]])
+    assert usage == {"prompt_tokens": 18, "completion_tokens": 6, "total_tokens": 24,
+                     "prompt_tokens_details": {"cached_tokens": 7}}
+    assert "prompt_tokens_details" not in usage_fields([[done(0)]])
 
 
 def test_speculative_stats_reach_the_usage(fake_engine):
