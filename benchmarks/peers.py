@@ -49,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flm_bench.options import positive_int
 from flm_runtime import pull
 from flm_runtime.backends import forward, prefill
 from flm_runtime.kernels.quant import QuantWeight
@@ -90,13 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tag", default="smollm2:135m", help="registry tag of the GGUF to compare on")
-    parser.add_argument("--threads", type=_positive, default=2, help="threads of both engines")
+    parser.add_argument("--threads", type=positive_int, default=2, help="threads of both engines")
     parser.add_argument("--weights", default=DEFAULT_WEIGHTS,
                         help=f"our weight kinds, comma-separated, of {','.join(WEIGHT_KINDS)} (default {DEFAULT_WEIGHTS})")
-    parser.add_argument("--rounds", type=_positive, default=6, help="interleaved rounds")
-    parser.add_argument("--steps", type=_positive, default=16,
+    parser.add_argument("--rounds", type=positive_int, default=6, help="interleaved rounds")
+    parser.add_argument("--steps", type=positive_int, default=16,
                         help="timed decode steps and 8-token passes per figure and round (median taken)")
-    parser.add_argument("--prefills", type=_positive, default=2, help="timed prefills per round (median taken)")
+    parser.add_argument("--prefills", type=positive_int, default=2, help="timed prefills per round (median taken)")
     parser.add_argument("--json", type=Path, help="also write the raw per-round times here")
     parser.add_argument("--keep-openblas-env", action="store_true",
                         help="keep OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE instead of unsetting them")
@@ -107,13 +108,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--weights {args.weights!r}: give distinct kinds of {', '.join(WEIGHT_KINDS)}")
     args.weights = kinds
     return args
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
 
 
 def engine_label(kind: str) -> str:

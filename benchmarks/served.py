@@ -99,6 +99,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from flm_bench.options import positive_int
+
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm must not fetch it
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
@@ -130,13 +132,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     peer.add_argument("--build-llama-server", type=Path, metavar="DIR",
                       help=f"build llama-server from the {LLAMA_CPP_PYTHON} sdist in DIR (reused if built), then measure")
     parser.add_argument("--tag", default="smollm2:135m", help="registry tag of the model (and its GGUF)")
-    parser.add_argument("--threads", type=_positive, default=2, help="threads of both engines")
-    parser.add_argument("--rounds", type=_positive, default=3, help="interleaved rounds")
-    parser.add_argument("--max-tokens", type=_positive, default=128, help="tokens per single / concurrent stream")
+    parser.add_argument("--threads", type=positive_int, default=2, help="threads of both engines")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds")
+    parser.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per single / concurrent stream")
     parser.add_argument("--streams", type=_counts, default=[8, 32], help="concurrent streams, comma-separated")
-    parser.add_argument("--turns", type=_positive, default=4, help="turns of the multi-turn chat")
-    parser.add_argument("--document-tokens", type=_positive, default=2000, help="document tokens in the chat's first turn")
-    parser.add_argument("--turn-tokens", type=_positive, default=64, help="answer tokens at most per chat turn")
+    parser.add_argument("--turns", type=positive_int, default=4, help="turns of the multi-turn chat")
+    parser.add_argument("--document-tokens", type=positive_int, default=2000, help="document tokens in the chat's first turn")
+    parser.add_argument("--turn-tokens", type=positive_int, default=64, help="answer tokens at most per chat turn")
     parser.add_argument("--quick", action="store_true", help="a short smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     parser.add_argument("--max-wait", type=float, default=60,
                         help="seconds to wait at most, before each engine's turn, for other processes to quieten")
@@ -155,16 +157,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
-
-
 def _counts(text: str) -> list[int]:
     try:
-        values = [_positive(part) for part in text.split(",") if part.strip()]
+        values = [positive_int(part) for part in text.split(",") if part.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     if not values:

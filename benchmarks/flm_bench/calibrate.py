@@ -58,6 +58,7 @@ import numpy as np
 from tqdm import tqdm
 
 from flm_bench import documents
+from flm_bench.options import positive_int
 from flm_runtime import SamplingParams, SpeculativeDecoder
 from flm_runtime import paths
 from flm_runtime.backends import forward
@@ -281,16 +282,6 @@ def calibrate(decoder: SpeculativeDecoder, tokenizer, *, tag: str, backend: str,
     })
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _number_at_least(minimum: float, what: str):
     """An argparse type: a float of at least ``minimum`` (NaN refused), ``what`` naming the bound."""
 
@@ -311,7 +302,7 @@ _speedup = _number_at_least(1.0, "1 (a speed-up)")
 
 
 def _contexts(text: str) -> list[int]:
-    return [_positive_int(part) for part in text.split(",")]
+    return [positive_int(part) for part in text.split(",")]
 
 
 def calibrate_arguments(p: argparse.ArgumentParser) -> None:
@@ -320,9 +311,9 @@ def calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=_contexts, default="256,1024,4096,8192",
                    help="comma-separated contexts (tokens) to time; each ends a bucket, the last one extends to "
                         "the context length (default: %(default)s)")
-    p.add_argument("--rounds", type=_positive_int, default=5,
+    p.add_argument("--rounds", type=positive_int, default=5,
                    help="timed rounds per operation and context (default: %(default)s)")
-    p.add_argument("--spells", type=_positive_int, default=1,
+    p.add_argument("--spells", type=positive_int, default=1,
                    help="times the step costs are measured; a bucket speculates only where it paid in every one "
                         "(default: %(default)s)")
     p.add_argument("--spell-gap", type=_seconds, default=300.0,
@@ -330,7 +321,7 @@ def calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-speedup", type=_speedup, default=MIN_SPEEDUP,
                    help="the expected speed-up a bucket must exceed to speculate, a margin for served acceptance "
                         "below calibration's (default: %(default)s)")
-    p.add_argument("--max-new", type=_positive_int, default=128,
+    p.add_argument("--max-new", type=positive_int, default=128,
                    help="tokens per calibration prompt, for the acceptance records (default: %(default)s)")
     p.add_argument("--out", default=None,
                    help="table file (default: ~/.config/litellm-flm/policy/<family>/<size>-<backend>.json, which "

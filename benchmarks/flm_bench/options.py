@@ -1,4 +1,5 @@
-"""Command-line options of ``litellm-flm bench`` (and ``bench --quick``) and ``agreement``.
+"""Command-line options of ``litellm-flm bench`` (and ``bench --quick``) and ``agreement``, and
+the argument types the benchmark commands and scripts share.
 
 Kept apart from the commands themselves (and free of heavy imports) so that building the
 ``litellm-flm`` parser loads no model code; ``flm_runtime.cli`` registers the commands.
@@ -9,6 +10,17 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_TAG = "smollm2:135m"
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 # Defaults that differ between the decode-speed table and ``--quick``.
 SPEED_CONTEXTS, SPEED_MAX_TOKENS = "short,1k,4k,max", 512

@@ -200,6 +200,18 @@ def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
         v = numba.carray(_half_pointer(spans[b, V_ADDRESS]), (layers, hkv, capacity, d))
         return k, v
 
+    @numba.njit(inline="always")
+    def normed_product(x, weight, xn, acts, codes, scales, mins, matrix, out, sync, tid,
+                       n_threads):  # pragma: no cover - compiled
+        """``out = rms_norm(x, weight) @ matrix.T``: this thread's rows of the norm and their
+        quantization, then (past a barrier) its tiles of the product; returns past the next."""
+        for r in range(tid, x.shape[0], n_threads):
+            rms_norm_row(x, weight, eps, xn, r)
+            qgemm.quantize_row(xn, r, acts[1].shape[1], *acts)
+        barrier(sync, n_threads)
+        linear(codes, scales, mins, matrix, acts, out, tid, n_threads)
+        barrier(sync, n_threads)
+
     def step(tid, n_threads, sync, codes, scales, mins, matrices, norms, x, cos, sin, spans, row_span, logit_rows,
              taps, tapped, logits, work):  # pragma: no cover - compiled
         xn, qkv, q, k, v, attn, out, gate_up, act, acts_e, acts_attn, acts_f, last, acts_last = work
@@ -207,12 +219,7 @@ def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
         layers = matrices.shape[0] - 1
         for layer in range(layers):
             mats = matrices[layer]
-            for r in range(tid, rows, n_threads):
-                rms_norm_row(x, norms[layer, 0], eps, xn, r)
-                qgemm.quantize_row(xn, r, acts_e[1].shape[1], *acts_e)
-            barrier(sync, n_threads)
-            linear(codes, scales, mins, mats[0], acts_e, qkv, tid, n_threads)
-            barrier(sync, n_threads)
+            normed_product(x, norms[layer, 0], xn, acts_e, codes, scales, mins, mats[0], qkv, sync, tid, n_threads)
             for r in range(tid, rows, n_threads):
                 rope_row(qkv, cos, sin, 0, h, d, q, r)
                 rope_row(qkv, cos, sin, h * d, hkv, d, k, r)
@@ -237,12 +244,8 @@ def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
             first, stop = linear(codes, scales, mins, mats[1], acts_attn, out, tid, n_threads)
             _add_columns(x, out, first * TILE, min(stop * TILE, e))
             barrier(sync, n_threads)
-            for r in range(tid, rows, n_threads):
-                rms_norm_row(x, norms[layer, 1], eps, xn, r)
-                qgemm.quantize_row(xn, r, acts_e[1].shape[1], *acts_e)
-            barrier(sync, n_threads)
-            linear(codes, scales, mins, mats[2], acts_e, gate_up, tid, n_threads)
-            barrier(sync, n_threads)
+            normed_product(x, norms[layer, 1], xn, acts_e, codes, scales, mins, mats[2], gate_up, sync, tid,
+                           n_threads)
             for r in range(tid, rows, n_threads):
                 swiglu_row(gate_up, act, r)
                 qgemm.quantize_row(act, r, acts_f[1].shape[1], *acts_f)
