@@ -29,7 +29,7 @@ import numpy as np
 class PrefixCache:
     """Finished sequences' KV caches by the tokens they hold (module docstring).
 
-    The engine thread alone calls it.
+    Not thread-safe: the engine calls it with its lock held.
     """
 
     def __init__(self) -> None:
