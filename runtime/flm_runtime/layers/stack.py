@@ -26,6 +26,7 @@ width, V vocabulary, L layers.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import NamedTuple
 
 import numba
@@ -329,6 +330,7 @@ class Stack:
         self.weights, self.spec, self.vocab, self.team = weights, spec, vocab, team
         self._step = compile_step(spec, weights.formats)
         self._workspaces: dict[tuple[int, int], Workspace] = {}  # by (rows, logit rows), least recently used first
+        self._workspaces_lock = threading.Lock()  # two engines (a tag and its DFlash tag) share a target
 
     def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, spans: list[RowSpan],
                  taps: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -345,10 +347,11 @@ class Stack:
         rows, e = x.shape
         logit_rows = np.concatenate([np.arange(s.rows.stop - s.n_logits, s.rows.stop) for s in spans])
         key = (rows, logit_rows.size)
-        work = self._workspaces.pop(key, None) or Workspace.of(self.spec, *key)
-        self._workspaces[key] = work  # most recently used last
-        if len(self._workspaces) > _WORKSPACES:
-            del self._workspaces[next(iter(self._workspaces))]
+        with self._workspaces_lock:  # the arrays are used under the team's lock, one step at a time
+            work = self._workspaces.pop(key, None) or Workspace.of(self.spec, *key)
+            self._workspaces[key] = work  # most recently used last
+            if len(self._workspaces) > _WORKSPACES:
+                del self._workspaces[next(iter(self._workspaces))]
         table = np.array([(s.rows.start, s.n_rows, s.start, s.cache.k.ctypes.data, s.cache.v.ctypes.data,
                            s.cache.capacity) for s in spans], dtype=np.int64)
         assert all(s.cache.k.dtype == np.float16 and s.cache.k.flags.c_contiguous for s in spans)
