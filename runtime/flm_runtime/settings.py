@@ -20,10 +20,10 @@ Variables (name: default; meaning):
         models file (``flm_runtime.registry``).
     FLM_XCLBIN_PATH: the package ``flm_xclbins``; the folder of the npu kernel builds and their
         ``manifest.json`` (``flm_runtime.backends.npu.manifest``).
-    FLM_PREFIX_CACHE: ``1``; ``0`` turns the engines' prefix caching off
+    FLM_PREFIX_CACHE: ``1``; ``0`` (``false``, ``off``) turns the engines' prefix caching off
         (``flm_runtime.scheduling.prefix_cache``).
-    FLM_THREADS: the CPUs the process may run on; the threads of the kernel team that runs every
-        compiled model step of the process (``flm_runtime.kernels.team``).
+    FLM_THREADS: the CPUs the process may run on (and at most that); the threads of the kernel team
+        that runs every compiled model step of the process (``flm_runtime.kernels.team``).
     FLM_LOG_LEVEL: unset (no handler); the level of ``flm_runtime`` and ``litellm_flm`` records sent
         to stderr (``litellm_flm.configure_logging``).
 
@@ -88,7 +88,8 @@ class Settings:
         """
         raw = (self.prefix_cache or "1").lower()
         if raw not in ("0", "false", "off", "1", "true", "on"):
-            raise InvalidRequestError(f"{variable('prefix_cache')} must be 1 or 0, got {self.prefix_cache!r}",
+            raise InvalidRequestError(f"{variable('prefix_cache')} must be 1, true, on, 0, false or off, got "
+                                      f"{self.prefix_cache!r}",
                                       param=variable("prefix_cache"))
         return raw in ("1", "true", "on")
 

@@ -5,6 +5,8 @@ the kept caches stay within the KV budget, least recently used first out."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -54,6 +56,37 @@ def test_a_second_turn_takes_the_first_from_the_cache_and_gets_the_cold_bits(eng
     assert 0 < got[1].stats.cached_tokens <= len(second) // 2
     assert all(w.stats.cached_tokens == 0 for w in want)
     assert cached.stats()["kv_cached_bytes"] > 0 and cold.stats()["kv_cached_bytes"] == 0
+
+
+def test_a_cancelled_request_leaves_its_prefix(engines, smollm2_tokenizer):
+    cached, _ = engines
+    prompt = _chat(smollm2_tokenizer, "Write a very long poem about the sea, the wind and the gulls.")
+    stream = cached.submit(prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    for i, _event in enumerate(stream):
+        if i == 3:
+            stream.cancel()
+            break
+    deadline = time.monotonic() + 60
+    while not stream.done and time.monotonic() < deadline:  # the engine drops it at its next step
+        time.sleep(0.01)
+    again = cached.submit(prompt, GREEDY).result()
+    assert again.stats.cached_tokens == len(prompt) - 1
+
+
+def test_a_request_that_reserves_the_whole_budget_still_takes_its_prefix(smollm2_quantized, smollm2_tokenizer):
+    prompt = _chat(smollm2_tokenizer, "Name a colour.")
+    n, new = 4, 300  # each reservation above the 256 positions a kept cache holds at least
+    engine = Engine(smollm2_quantized, smollm2_tokenizer, name="small",
+                    kv_budget=n * (len(prompt) + new) * (2 * 30 * 3 * 64 * 2))  # n sequences' K and V, float16
+    try:
+        assert engine.kv.budget == engine.kv.need(len(prompt), new) * n
+        engine.submit(prompt, SamplingParams(max_tokens=new, temperature=0.0)).result()
+        choices = engine.submit_choices(prompt, SamplingParams(max_tokens=new, temperature=0.0), n)
+        first = [c.result() for c in choices][0]
+        assert first.stats.cached_tokens == len(prompt) - 1  # taken before the kept caches made room
+        assert engine.stats()["kv_cached_bytes"] > 0
+    finally:
+        engine.close()
 
 
 def _cache(tokens, capacity=32):

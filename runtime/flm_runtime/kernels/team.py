@@ -24,6 +24,7 @@ returns at once and ``run`` raises, so a failed step never leaves the caller spi
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform
 import threading
@@ -38,6 +39,8 @@ from numba.extending import intrinsic
 from flm_runtime.kernels.irgen import I8, I32, I64, data_ptr, declare
 from flm_runtime.kernels.lock import KERNEL_LOCK
 from flm_runtime.settings import Settings
+
+log = logging.getLogger(__name__)
 
 _LINE = 8  # int64 slots per cache line: each sync slot on its own line, so spinning threads share none
 STEP, ARRIVED, BARRIER, SLEEPERS, ABORT = (i * _LINE for i in range(5))  # slots of ``sync``
@@ -201,14 +204,18 @@ def default_threads() -> int:
 
 @functools.cache
 def default_team() -> Team:
-    """The process's one team, of ``FLM_THREADS`` threads (default ``default_threads``): every
+    """The process's one team, of ``FLM_THREADS`` threads (default and most ``default_threads``): every
     model's steps share it, one step at a time, so that two engines never oversubscribe the
     CPUs. A forked child makes its own (the parent's threads do not exist there).
 
     Raises:
         InvalidRequestError: ``FLM_THREADS`` is not a positive integer.
     """
-    return Team(Settings.from_env().positive("threads") or default_threads())
+    wanted, cpus = Settings.from_env().positive("threads"), default_threads()
+    if wanted is not None and wanted > cpus:
+        # More threads than CPUs wait at every barrier for a thread that has no CPU: 5-13x slower.
+        log.warning("FLM_THREADS=%d is more than the %d CPUs this process may use; using %d", wanted, cpus, cpus)
+    return Team(min(wanted or cpus, cpus))
 
 
 if hasattr(os, "register_at_fork"):

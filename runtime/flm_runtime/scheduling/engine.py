@@ -362,8 +362,6 @@ class Engine:
             for seq in group:
                 seq.t_admit = t_admit
                 self._active.append(seq)
-            if self.prefix is not None:  # kept caches give way to what the running sequences reserved
-                self.prefix.evict_to(self.kv.budget - self._kv_reserved())
             try:
                 self._allocate(group[0])
                 if len(group) > 1 and not callable(getattr(group[0].cache, "copy", None)):
@@ -375,6 +373,8 @@ class Engine:
             except Exception as e:       # noqa: BLE001 - one request's failure, not the engine's
                 for seq in reversed(group):  # followers first: nothing is handed over
                     self._end(seq, error=e)
+            if self.prefix is not None:  # kept caches give way to what the running sequences reserved
+                self.prefix.evict_to(self.kv.budget - self._kv_reserved())
 
     def _allocate(self, seq: Sequence) -> None:
         """A new sequence's cache (and draft state), sized for its prompt and first tokens: a copy
@@ -524,8 +524,8 @@ class Engine:
             heir = seq.pass_prefill()
             if seq in self._active:
                 self._active.remove(seq)
-                if error is None and heir is None:
-                    self._keep_prefix(seq)
+                if heir is None and (error is None or count in ("cancelled", "timed_out")):
+                    self._keep_prefix(seq)  # a request that stopped between steps left a whole cache
             elif seq in self._waiting:
                 if heir is None:
                     self._waiting.remove(seq)
@@ -545,7 +545,7 @@ class Engine:
                          json.dumps(self.stats()))
 
     def _keep_prefix(self, seq: Sequence) -> None:
-        """A finished sequence's cache goes to the prefix cache, with the tokens it holds (its
+        """A finished (or cancelled) sequence's cache goes to the prefix cache, with the tokens it holds (its
         prompt and the generated tokens fed back), in what the running sequences leave of the
         KV budget (lock held)."""
         cache = seq.cache
