@@ -95,7 +95,8 @@ def atomic_store(typingctx, array, index, value):  # pragma: no cover - compiled
     return sig, codegen
 
 
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_MACHINE = platform.machine().lower()
+_X86 = _MACHINE in ("x86_64", "amd64", "i386", "i686")
 
 
 @intrinsic
@@ -124,8 +125,8 @@ def cycles(typingctx):  # pragma: no cover - compiled
 # Linux futexes (futex(2)) on the low 32 bits of a sync slot: a barrier that has spun long
 # enough sleeps in the kernel until the last thread arrives, so that on a busy machine it gives
 # its CPU to the thread it waits for. Elsewhere the wait yields the CPU instead.
-_FUTEX = platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
-_SYS_FUTEX = 98 if platform.machine().lower() in ("aarch64", "arm64") else 202
+_FUTEX = platform.system() == "Linux" and _MACHINE in ("x86_64", "amd64", "aarch64", "arm64")
+_SYS_FUTEX = 98 if _MACHINE in ("aarch64", "arm64") else 202
 _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 128, 129
 
 

@@ -305,10 +305,7 @@ class Workspace(NamedTuple):
             return np.empty(shape, dtype=np.float32)
 
         def acts(m, width):
-            padded = -(-width // BLOCK) * BLOCK
-            nb = padded // BLOCK
-            return (np.empty((m, 2 * padded), np.int8), np.empty((m, padded), np.int16), empty(m, nb), empty(m, nb),
-                    np.empty((m, nb), np.int32))
+            return qgemm.new_activations(m, -(-width // BLOCK) * BLOCK)
 
         return cls(empty(rows, e), empty(rows, (h + 2 * hkv) * d), empty(rows, h, d), empty(rows, hkv, d),
                    empty(rows, hkv, d), empty(rows, h * d), empty(rows, e), empty(rows, 2 * f), empty(rows, f),

@@ -73,8 +73,9 @@ class PrefixCache:
 
     def evict_to(self, nbytes: int) -> None:
         """Drop the least recently used caches until the rest hold at most ``nbytes``."""
-        while self._kept and self.nbytes > nbytes:
-            self._kept.popitem(last=False)
+        held = self.nbytes
+        while self._kept and held > nbytes:
+            held -= self._kept.popitem(last=False)[1][1].nbytes
 
     def clear(self) -> None:
         self._kept.clear()
