@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from flm_runtime.core import KVCache
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.kernels import attention, cpu
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -45,7 +45,7 @@ def measure(context: int, rows: int, rounds: int, repeat: int) -> tuple[float, f
     start = context - rows
     fns = []
     for dtype in (np.float32, np.float16):
-        cache = KVCache(1, KV_HEADS, HEAD_DIM, max_length=context, dtype=dtype)
+        cache = KVCache.private(1, KV_HEADS, HEAD_DIM, max_length=context, dtype=dtype)
         cache.reserve(context)
         cache.write(0, k, v)
         cache.commit(context)

@@ -7,7 +7,7 @@ import numba
 import numpy as np
 import pytest
 
-from flm_runtime.core import KVCache
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.kernels import attention, cpu, elementwise
 
 
@@ -30,7 +30,7 @@ def test_exp_is_within_two_ulp_and_clamps_outside_float32_range():
 
 def _cache_of(k: np.ndarray, v: np.ndarray, dtype: type = np.float32) -> KVCache:
     """A one-layer cache of ``dtype`` holding ``k``, ``v`` ``[Hkv, N, D]``."""
-    cache = KVCache(1, k.shape[0], k.shape[2], max_length=4096, dtype=dtype)
+    cache = KVCache.private(1, k.shape[0], k.shape[2], max_length=4096, dtype=dtype)
     cache.reserve(k.shape[1])
     cache.write(0, k, v)
     cache.commit(k.shape[1])

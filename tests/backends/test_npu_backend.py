@@ -14,7 +14,7 @@ import pytest
 from flm_runtime.backends import TargetModel, decode, forward, npu, prefill, prefill_chunks
 from flm_runtime.backends.npu import NpuModel
 from flm_runtime.backends.npu.layout import from_bf16, to_bf16
-from flm_runtime.core import KVCache
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.errors import BackendUnavailableError
 from flm_runtime.scheduling.engine import Engine
 from flm_runtime.speculation.speculative import SpeculativeDecoder
@@ -201,7 +201,7 @@ def test_the_npu_reference_layer_is_the_runtime_layer():
     spec = LayerSpec(hidden_size=e, ffn_size=f, n_heads=h, n_kv_heads=hkv, head_dim=d, rms_norm_eps=1e-5,
                      rope_theta=10000.0)
     decoder = DecoderLayer(LayerWeights(**w), spec)
-    cache = KVCache(1, hkv, d, s)
+    cache = KVCache.private(1, hkv, d, s)
     cos, sin = cpu.rope_tables(d, s, spec.rope_theta)
     kv = np.zeros((2, hkv, s, d), dtype=np.uint16)
     for start, t in ((0, 6), (6, 1)):

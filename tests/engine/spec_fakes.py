@@ -15,7 +15,8 @@ import numpy as np
 from engine_fakes import EOS
 
 from flm_runtime.backends import decode, prefill
-from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
+from flm_runtime.core import ForwardOutput, LlamaConfig
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
 from flm_runtime.models.llama import LlamaModel
 from flm_runtime.sampling import sampler
@@ -43,7 +44,7 @@ class ScriptTarget:
         self.script, self.prompt_len = list(script), prompt_len
 
     def new_cache(self, capacity: int = 0) -> KVCache:
-        return KVCache(1, 1, 1, self.config.max_position_embeddings, capacity)
+        return KVCache.private(1, 1, 1, self.config.max_position_embeddings, capacity)
 
     def fed(self, cache: KVCache) -> list[int]:
         """The token ids the cache holds, positions ``0 .. length-1``."""

@@ -2,11 +2,12 @@
 
 import numpy as np
 
-from flm_runtime.core import GROWTH_QUANTUM, KEY_TILE, KVCache
+from flm_runtime.core import KEY_TILE
+from flm_runtime.kv_cache import KVCache
 
 
 def test_growth_keeps_contents_and_trim_rolls_back():
-    cache = KVCache(n_layers=2, n_kv_heads=3, head_dim=4, max_length=1000)
+    cache = KVCache.private(n_layers=2, n_kv_heads=3, head_dim=4, max_length=1000)
     assert cache.capacity == GROWTH_QUANTUM and cache.length == 0
     rng = np.random.default_rng(0)
     written = rng.standard_normal((2, 3, 600, 4)).astype(np.float32)
@@ -33,7 +34,7 @@ def test_growth_keeps_contents_and_trim_rolls_back():
 
 
 def test_capacity_never_exceeds_context_length():
-    cache = KVCache(n_layers=1, n_kv_heads=1, head_dim=2, max_length=300, capacity=10_000)
+    cache = KVCache.private(n_layers=1, n_kv_heads=1, head_dim=2, max_length=300, capacity=10_000)
     assert cache.capacity == 300
     cache.reserve(300)
     try:
@@ -45,7 +46,7 @@ def test_capacity_never_exceeds_context_length():
 
 
 def test_a_copy_holds_the_same_positions_and_is_independent():
-    cache = KVCache(n_layers=2, n_kv_heads=1, head_dim=4, max_length=1000)
+    cache = KVCache.private(n_layers=2, n_kv_heads=1, head_dim=4, max_length=1000)
     block = np.arange(2 * 1 * 5 * 4, dtype=np.float32).reshape(2, 1, 5, 4)
     cache.reserve(5)
     for layer in range(2):

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from flm_runtime.core import KVCache
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.errors import InvalidRequestError
 from flm_runtime.request import SamplingParams
 from flm_runtime.scheduling.engine import Engine
@@ -90,7 +90,7 @@ def test_a_request_that_reserves_the_whole_budget_still_takes_its_prefix(smollm2
 
 
 def _cache(tokens, capacity=32):
-    cache = KVCache(1, 1, 16, 1024, capacity, np.float16)
+    cache = KVCache.private(1, 1, 16, 1024, capacity, np.float16)
     cache.reserve(len(tokens))
     cache.write(0, np.full((1, len(tokens), 16), 1.0), np.arange(len(tokens) * 16, dtype=np.float32).reshape(1, -1, 16))
     cache.commit(len(tokens))

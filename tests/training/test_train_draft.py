@@ -112,7 +112,7 @@ def test_the_torch_draft_layer_equals_the_runtime_layer(start):
     """One torch ``DraftLayer`` and the runtime's decoder layer (``layers.decoder``, non-causal, its
     context K/V in the cache) on the same weights and inputs: the same block states within
     float32 rounding, so the training's layer cannot drift from the one serving runs."""
-    from flm_runtime.core import KVCache
+    from flm_runtime.kv_cache import KVCache
     from flm_runtime.kernels import cpu
     from flm_runtime.layers.decoder import DecoderLayer, RowSpan
     from flm_runtime.layers.ops import REFERENCE
@@ -143,7 +143,7 @@ def test_the_torch_draft_layer_equals_the_runtime_layer(start):
 
     take = WeightTaker(weights)
     decoder = DecoderLayer(fuse_layer(take, c, ""), LayerSpec.of(c, causal=False))
-    cache = KVCache(1, c.num_key_value_heads, c.head_dim, c.max_position_embeddings)
+    cache = KVCache.private(1, c.num_key_value_heads, c.head_dim, c.max_position_embeddings)
     hkv, d = c.num_key_value_heads, c.head_dim
     cache.reserve(start)
     kv = cpu.linear(ctx, take_fused(take, c, "", KV_PROJ))  # the context's K/V, as DFlashDraft.add_context

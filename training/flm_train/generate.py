@@ -45,7 +45,7 @@ from pathlib import Path
 import numba
 import numpy as np
 from flm_runtime import LoadedModel, SamplingParams, load_model
-from flm_runtime.core import KVCache
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.models.llama import LlamaModel
 from flm_runtime.sampling import sampler
 from tqdm import tqdm

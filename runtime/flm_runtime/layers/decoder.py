@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flm_runtime.core import KVCache
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import attention
 from flm_runtime.kernels.lock import KERNEL_LOCK

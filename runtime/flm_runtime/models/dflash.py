@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flm_runtime.core import KVCache, LlamaConfig, Proposal
+from flm_runtime.core import LlamaConfig, Proposal
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu, quant
 from flm_runtime.layers.decoder import DecoderLayer, RowSpan, stack_arithmetic
@@ -261,7 +262,7 @@ class DFlashDraft:
     def new_cache(self, capacity: int = 0) -> DraftCache:
         """An empty context K/V cache for one sequence (``capacity`` in tokens is a hint)."""
         c = self.config
-        return DraftCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.max_positions, capacity,
+        return DraftCache.private(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.max_positions, capacity,
                           self.kv_dtype)
 
     def add_context(self, cache: DraftCache, taps: np.ndarray, start_position: int) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from flm_runtime.backends import Backend
-from flm_runtime.core import ForwardOutput, KVCache, LlamaConfig
+from flm_runtime.core import ForwardOutput, LlamaConfig
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu
 from flm_runtime.kernels.quant import QuantWeight
@@ -122,7 +123,7 @@ class LlamaModel:
     def new_cache(self, capacity: int = 0) -> KVCache:
         """An empty KV cache for one sequence; ``capacity`` (tokens) is a hint, it grows on demand."""
         c = self.config
-        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings, capacity,
+        return KVCache.private(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings, capacity,
                        self.kv_dtype)
 
     def forward_batch(self, token_rows: list[np.ndarray], caches: list[KVCache], *,

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flm_runtime.core import KVCache
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.request import SpecStats
 from flm_runtime.sampling.picker import Picker
 

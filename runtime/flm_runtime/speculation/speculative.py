@@ -70,7 +70,8 @@ from typing import NamedTuple
 import numpy as np
 
 from flm_runtime.backends import prefill_chunks
-from flm_runtime.core import KVCache, Proposal
+from flm_runtime.core import Proposal
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.request import SpecStats
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.step import NO_CONFIDENCE, PLAIN, Lane, StepRecord

@@ -47,7 +47,7 @@ from flm_runtime.backends import Backend
 from flm_runtime.kernels import cpu
 from flm_runtime.backends.npu.manifest import Build, KernelFiles, Manifest, RoleSpec, geometry_mismatch
 from flm_runtime.backends.npu.layout import layout_entries, pack, step_array
-from flm_runtime.core import GROWTH_QUANTUM, ForwardOutput
+from flm_runtime.core import ForwardOutput
 from flm_runtime.errors import BackendUnavailableError
 
 VERIFY_POSITIONS = 8
@@ -437,6 +437,9 @@ class NpuModel:
                 segments.append(_Segment(self.pyxrt, context, []))
             segments[-1].runs.append(run)
         return segments
+
+
+GROWTH_QUANTUM = 256  # positions; a cache's buffer grows in multiples of this to amortize reallocation
 
 
 def _round_up(n: int) -> int:
