@@ -145,10 +145,10 @@ def test_kv_cache_grows_and_keeps_its_positions(tmp_path, bf16_kv):
     cpu, model, _ = build(tmp_path, max_positions=600)
     ids = np.random.default_rng(1).integers(0, cpu.config.vocab_size, 300)
     cache = model.new_cache(1)
-    assert cache.capacity == 256
+    assert cache.buffer_capacity == 256
     prefill(model, ids[:250], cache)
     logits = forward(model, ids[250:], cache, all_logits=True).logits  # grows to 512 mid-way
-    assert cache.capacity == 512 and cache.length == 300
+    assert cache.buffer_capacity == 512 and cache.length == 300
     agree(logits, forward(cpu, ids, cpu.new_cache(), all_logits=True).logits[250:])
 
 

@@ -19,6 +19,7 @@ import weakref
 import numpy as np
 
 from flm_runtime.core import ForwardOutput, LlamaConfig
+from flm_runtime.kv_cache import BlockPool, BlockTable
 
 EOS, EOT, BOT = 256, 257, 258
 SPECIALS = {EOS: b"<eos>", EOT: b"<|im_end|>", BOT: b"<|im_start|>"}
@@ -65,29 +66,34 @@ class FakeTokenizer:
         return b"".join(self.vocab[i] for i in ids if i not in self.special_token_ids).decode("utf-8", "replace")
 
 
-class FakeCache:
-    """Grows on demand like the real ``KVCache``; ``capacity`` is the hint it was created with."""
+FAKE_BLOCK = 16  # positions per block of the fakes' pools: small, so that tests run out of blocks
 
-    def __init__(self, capacity: int, max_length: int):
-        self.capacity = capacity
-        self.max_length = max_length
-        self.length = 0
+
+class FakeCache(BlockTable):
+    """A ``BlockTable`` (its blocks counted in a pool, as the real ``KVCache``'s) that keeps the
+    tokens fed to it; ``capacity_hint`` is the capacity it was created with."""
+
+    def __init__(self, capacity: int, max_length: int, pool: BlockPool | None = None):
+        super().__init__(pool or BlockPool(0, FAKE_BLOCK, growable=True), max_length)
+        self.capacity_hint = capacity
         self.prompt_length = 0
         self.tokens: list[int] = []
 
     def append(self, ids) -> None:
         assert self.length + len(ids) <= self.max_length, "KV cache overflow: past the context length"
+        self.reserve(len(ids))
+        self.commit(len(ids))
         self.tokens.extend(int(i) for i in ids)
-        self.length += len(ids)
 
     def trim(self, length: int) -> None:
+        super().trim(length)
         del self.tokens[length:]
-        self.length = length
 
     def copy(self) -> "FakeCache":
-        """As ``KVCache.copy``: the same positions, independent from now on."""
-        out = FakeCache(self.capacity, self.max_length)
-        out.length, out.prompt_length, out.tokens = self.length, self.prompt_length, list(self.tokens)
+        """As ``KVCache.copy``: the same positions, independent from now on (blocks of its own)."""
+        out = FakeCache(self.capacity_hint, self.max_length, self.pool)
+        out.append(self.tokens)
+        out.prompt_length = self.prompt_length
         return out
 
 
@@ -109,8 +115,11 @@ class FakeModelBase:
         self.passes: list[list[tuple[int, int]]] = []   # per forward_batch call, (rows, logit rows) per sequence
         self._lock = threading.Lock()
 
-    def new_cache(self, capacity: int) -> FakeCache:
-        cache = FakeCache(capacity, self.config.max_position_embeddings)
+    def new_pool(self, positions: int) -> BlockPool:
+        return BlockPool(positions // FAKE_BLOCK, FAKE_BLOCK)
+
+    def new_cache(self, capacity: int = 0, pool: BlockPool | None = None) -> FakeCache:
+        cache = FakeCache(capacity, self.config.max_position_embeddings, pool)
         with self._lock:
             self.caches.append(weakref.ref(cache))
         return cache

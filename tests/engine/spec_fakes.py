@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from engine_fakes import EOS
+from engine_fakes import EOS, FAKE_BLOCK
 
 from flm_runtime.backends import decode, prefill
 from flm_runtime.core import ForwardOutput, LlamaConfig
-from flm_runtime.kv_cache import KVCache
+from flm_runtime.kv_cache import KVCache, KVPool
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
 from flm_runtime.models.llama import LlamaModel
 from flm_runtime.sampling import sampler
@@ -43,8 +43,13 @@ class ScriptTarget:
         self.lm_head = rng.standard_normal((vocab, 8)).astype(np.float32)
         self.script, self.prompt_len = list(script), prompt_len
 
-    def new_cache(self, capacity: int = 0) -> KVCache:
-        return KVCache.private(1, 1, 1, self.config.max_position_embeddings, capacity)
+    def new_pool(self, positions: int) -> KVPool:
+        return KVPool(1, 1, 1, np.float32, positions // FAKE_BLOCK, FAKE_BLOCK)
+
+    def new_cache(self, capacity: int = 0, pool: KVPool | None = None) -> KVCache:
+        if pool is not None:
+            return KVCache(pool, self.config.max_position_embeddings)
+        return KVCache.private(1, 1, 1, self.config.max_position_embeddings, capacity, block_tokens=FAKE_BLOCK)
 
     def fed(self, cache: KVCache) -> list[int]:
         """The token ids the cache holds, positions ``0 .. length-1``."""

@@ -68,8 +68,8 @@ def test_unseeded_choices_differ(make_engine, tok):
 class UncopyableModel(HashModel):
     """Caches without ``copy`` (as the npu backend's)."""
 
-    def new_cache(self, capacity: int) -> FakeCache:
-        cache = super().new_cache(capacity)
+    def new_cache(self, capacity: int = 0, pool=None) -> FakeCache:
+        cache = super().new_cache(capacity, pool)
         cache.copy = None
         return cache
 
@@ -122,27 +122,29 @@ def test_cancelling_choices_before_admission_and_while_waiting_for_the_prompt(ma
     assert engine.stats()["cancelled"] == 2 and idle(engine)
 
 
-def test_n_sequences_reserve_the_kv_budget(make_engine, tok):
+def test_n_sequences_hold_a_block_each(make_engine, tok):
     model = HashModel(delay=0.01)
     engine = make_engine(model, tok)
-    params = dataclasses.replace(GREEDY, max_tokens=40)
+    params = dataclasses.replace(GREEDY, max_tokens=4)
     handles = engine.submit_choices(PROMPT, params, 3)
     wait_until(lambda: engine.stats()["kv_tokens"] == 3 * (len(PROMPT) + 1))
     stats = engine.stats()
-    assert (stats["active"], stats["kv_reserved_bytes"]) == (3, 3 * engine.kv.need(len(PROMPT), 40))
+    # the fakes' caches share nothing: a block of 16 positions each for 11 positions
+    assert (stats["active"], stats["kv_blocks_used"], stats["kv_bytes"]) == (3, 3, 3 * 16 * 32)
     results(handles)
     assert idle(engine)
 
 
 def test_a_request_whose_choices_cannot_fit_together_is_refused(make_engine, tok):
-    engine = make_engine(HashModel(), tok, kv_budget=32 * 100)  # 100 positions of the fake model
+    # 100 positions of the fake model: 6 blocks of 16; 10 + 20 positions take 2 blocks
+    engine = make_engine(HashModel(), tok, kv_budget=32 * 100)
     assert len(engine.submit_choices(PROMPT, dataclasses.replace(GREEDY, max_tokens=20), 3)) == 3
     with pytest.raises(KVBudgetError, match="for each of n=4 choices") as info:
         engine.submit_choices(PROMPT, dataclasses.replace(GREEDY, max_tokens=20), 4)
-    assert info.value.n == 4 and info.value.need_bytes == 4 * 30 * 32
-    # max_tokens unset: each choice gets its share of the budget.
+    assert info.value.n == 4 and info.value.need_bytes == 4 * 2 * 16 * 32
+    # max_tokens unset: each choice gets its share of the pool, 3 blocks.
     handles = engine.submit_choices(PROMPT, SamplingParams(temperature=0.0), 2)
-    assert [h.result().stats.generated_tokens for h in handles] == [100 // 2 - len(PROMPT)] * 2
+    assert [h.result().stats.generated_tokens for h in handles] == [3 * 16 - len(PROMPT)] * 2
 
 
 def test_groups_wait_for_free_slots_together(make_engine, tok):

@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from flm_runtime.core import ForwardOutput, LlamaConfig
+from flm_runtime.kv_cache import BlockPool
 
 
 class Backend(enum.Enum):
@@ -35,16 +36,23 @@ class Backend(enum.Enum):
 
 @runtime_checkable
 class KVCacheLike(Protocol):
-    """One sequence's KV cache as the engine sees it: positions ``0 .. length-1`` are held.
+    """One sequence's KV cache as the engine sees it: a ``kv_cache.BlockTable``, positions ``0 ..
+    length-1`` held in blocks of its pool.
 
-    ``trim(n)`` rolls back to ``n`` positions (a rejected speculative block); appending past
-    ``max_length`` (the context length) is a bug.
+    ``reserve(n)`` takes the blocks of ``n`` more positions (``kv_cache.KVPoolExhausted`` when a
+    fixed pool has none left), ``trim(n)`` rolls back to ``n`` positions (a rejected speculative
+    block), ``release()`` gives every block back; appending past ``max_length`` (the context
+    length) is a bug.
     """
 
     length: int
     max_length: int
 
+    def reserve(self, n_new: int) -> None: ...
+
     def trim(self, length: int) -> None: ...
+
+    def release(self) -> None: ...
 
 
 @runtime_checkable
@@ -73,8 +81,14 @@ class TargetModel(Protocol):
     prefill_chunk: int
     kv_dtype: type
 
-    def new_cache(self, capacity: int = 0) -> KVCacheLike:
-        """An empty cache; ``capacity`` (tokens) is a hint, it grows on demand."""
+    def new_pool(self, positions: int) -> BlockPool:
+        """The KV pool of one engine: ``positions // block_tokens`` blocks, a fixed number (a
+        ``kv_cache.KVPool`` where the cache is host memory; a plain ``BlockPool`` that only counts
+        where the backend stores the KV itself)."""
+
+    def new_cache(self, capacity: int = 0, pool: BlockPool | None = None) -> KVCacheLike:
+        """An empty cache taking its blocks from ``pool`` (``new_pool``); without one, from a
+        pool of its own that grows on demand (``capacity``, tokens, is a hint)."""
 
     def forward_batch(self, token_rows: list[np.ndarray], caches: list[KVCacheLike], *,
                       taps: tuple[int, ...] = (), logit_rows: list[int] | None = None) -> ForwardOutput:

@@ -1,19 +1,19 @@
-"""Admission control: the KV memory budget of an engine and its limits.
+"""Admission control: the KV memory budget of an engine, in blocks of its paged KV pool.
 
-An engine admits a queued request only when the KV memory the request may need at most fits in
-what the running sequences leave of the budget. What a request may need is known at submit time:
-``prompt + budget`` positions (``budget`` = ``max_tokens``, or the rest of the context), plus, with
-speculative decoding, the ``block_size - 1`` positions a verify pass writes past the last kept
-token before rolling back; a request of ``n`` choices reserves that for each of its ``n``
-sequences (each decodes on its own copy of the prompt's KV). Reserving that worst case up front (as Hugging Face TGI's
-``max_batch_total_tokens`` does) means a running sequence never runs out of memory and nothing is
-ever preempted. A request whose worst case exceeds the whole budget cannot run even alone and is
+An engine's KV cache is one pool of fixed-size blocks (``flm_runtime.kv_cache``) of ``kv_budget``
+bytes. A queued request is admitted when the blocks of its prompt fit in what the pool has
+available, less one block for each running sequence (what it may take at its next step); a
+sequence then takes blocks as it grows. When a step finds the pool empty, the engine preempts the
+youngest sequence (its blocks freed, its context recomputed when it is admitted again: vLLM's
+recompute preemption), so a request of unknown length (``max_tokens`` unset) holds only what it
+uses. A request whose longest possible sequence would not fit in the whole pool even alone is
 refused at submit (``KVBudgetError``).
 
 Bytes per position count the K and V of every target layer in the target cache's dtype (float16
 for a quantized cpu model, float32 otherwise) and, with speculative decoding, the float32 K and V
-of every draft layer (``kv_bytes_per_token``). The npu backend keeps its cache in bfloat16 and is
-counted as float32, so there the budget is conservative by a factor of 2.
+of every draft layer (``kv_bytes_per_token``): the pool's blocks are sized by the target's bytes,
+the draft's caches grow beside them, and the budget counts both. The npu backend keeps its cache
+in bfloat16 and is counted as float32, so there the budget is conservative by a factor of 2.
 
 ``FLM_KV_BUDGET`` and ``FLM_MAX_QUEUE`` (``flm_runtime.settings``, ``Settings.engine_limits``) set
 an engine's ``kv_budget`` and ``max_queue`` when ``flm_runtime.api`` creates it. The default budget
@@ -57,7 +57,7 @@ def default_kv_budget(context_length: int, bytes_per_token: int) -> int:
 
 
 class KVBudget:
-    """The KV memory budget of one engine: what a request may hold at most, and what is reserved.
+    """The KV memory budget of one engine, and the positions its pool holds.
 
     Args:
         engine: the engine's name (in ``KVBudgetError``).
@@ -65,7 +65,7 @@ class KVBudget:
         bytes_per_token: ``kv_bytes_per_token`` of the target (and draft).
         headroom: positions a verify pass writes past the last kept token before rolling back
             (``block_size - 1`` with speculative decoding, else 0).
-        budget: bytes the running sequences may reserve together; None:
+        budget: bytes of KV cache the engine's sequences hold together at most; None:
             ``default_kv_budget``.
 
     Raises:
@@ -81,40 +81,41 @@ class KVBudget:
         self.budget = (default_kv_budget(context_length, bytes_per_token) if budget is None
                        else positive_int(budget, "kv_budget"))
 
-    def generated_tokens(self, n_prompt: int, max_tokens: int | None, n: int = 1) -> int:
+    @property
+    def positions(self) -> int:
+        """Positions the budget holds: what the engine's pool is made for."""
+        return self.budget // self.bytes_per_token
+
+    def generated_tokens(self, n_prompt: int, max_tokens: int | None, block_tokens: int, n: int = 1) -> int:
         """Generated tokens each of a request's ``n`` choices may have: ``max_tokens``; when None,
-        all the context leaves (or, if that is less, all the budget leaves to each of the ``n``
-        sequences: only where the budget holds less than ``n`` contexts).
+        all the context leaves (or, if that is less, all the pool leaves to each of the ``n``
+        sequences alone: only where the budget holds less than ``n`` contexts).
+
+        Args:
+            block_tokens: positions per block of the engine's pool (a sequence holds whole blocks).
 
         Raises:
             ContextLengthError: ``n_prompt + max_tokens > context``, or with ``max_tokens`` None a
                 prompt that fills the whole context.
-            KVBudgetError: the worst-case KV cache of the ``n`` sequences is over the budget.
+            KVBudgetError: the ``n`` sequences at their longest would not fit in the pool alone.
         """
         room = self.context_length - n_prompt
+        pool_blocks = self.positions // block_tokens
         if max_tokens is None:
             if room < 1:
                 raise ContextLengthError(prompt_tokens=n_prompt, max_tokens=None, context_length=self.context_length)
-            kv_room = self.budget // (n * self.bytes_per_token) - n_prompt - self.headroom
+            kv_room = pool_blocks // n * block_tokens - n_prompt - self.headroom
             wanted = max(min(room, kv_room), 1)
         else:
             wanted = max_tokens
         if wanted > room:
             raise ContextLengthError(prompt_tokens=n_prompt, max_tokens=wanted, context_length=self.context_length)
-        need = n * self.need(n_prompt, wanted)
-        if need > self.budget:
-            raise KVBudgetError(engine=self.engine, prompt_tokens=n_prompt, max_tokens=wanted, need_bytes=need,
-                                budget_bytes=self.budget, bytes_per_token=self.bytes_per_token, n=n)
+        blocks = -(-min(self.context_length, n_prompt + wanted + self.headroom) // block_tokens)
+        if n * blocks > pool_blocks:
+            raise KVBudgetError(engine=self.engine, prompt_tokens=n_prompt, max_tokens=wanted,
+                                need_bytes=n * blocks * block_tokens * self.bytes_per_token, budget_bytes=self.budget,
+                                bytes_per_token=self.bytes_per_token, n=n)
         return wanted
-
-    def need(self, n_prompt: int, generated: int) -> int:
-        """Bytes of KV cache a request of ``n_prompt`` prompt tokens and ``generated`` generated
-        tokens may hold at most (its reservation while it runs)."""
-        return min(self.context_length, n_prompt + generated + self.headroom) * self.bytes_per_token
-
-    def reserved(self, requests: Iterable[tuple[int, int]]) -> int:
-        """Bytes reserved by running requests, given as ``(n_prompt, generated)`` pairs."""
-        return sum(self.need(n_prompt, generated) for n_prompt, generated in requests)
 
 
 def positive_int(value, name: str) -> int:

@@ -21,12 +21,19 @@ prompt is prefilled once, by the first, and its KV copied to the others, which t
 same batch, each with its own seed (``sampler.choice_seed``) and its own picker and logits
 processors (``sequence.py``).
 
-Admission control (``admission.py``, ``KVBudget``): at most ``max_queue`` requests wait and
-``max_active`` sequences run; a request is admitted only when its worst-case KV cache (of all its
-choices) fits in what the running ones leave of ``kv_budget`` (bytes), in arrival order. A request
-that cannot fit even alone is refused at submit (``KVBudgetError``); a full queue is refused at
-submit too (``EngineOverloadedError``), so no caller ever hangs on a full engine. ``stats()``
-counts what is running, waiting and held.
+KV memory (``flm_runtime.kv_cache``, ``admission.py``): the engine's sequences hold their KV in
+one pool of fixed-size blocks (``model.new_pool``) of ``kv_budget`` bytes, taking blocks as they
+grow. At most ``max_queue`` requests wait and ``max_active`` sequences run; a request is admitted,
+in arrival order, when its prompt's blocks fit in what the pool has available, less a block for
+each running sequence. When a step finds no block left, the youngest sequence is preempted: its
+blocks go back, it waits at the head of the queue, and when admitted again it prefills its context
+again and goes on, emitting what it would have emitted (``Sequence.preempt``; vLLM's recompute
+preemption). A request that cannot fit even alone is refused at submit (``KVBudgetError``); a
+full queue is refused at submit too (``EngineOverloadedError``), so no caller ever hangs on a full
+engine. ``stats()`` counts what is running, waiting and held.
+
+Prefix caching (``prefix_cache.py``): full blocks are registered under the digest of their tokens
+and reused by any later request whose prompt starts with them.
 
 Speculative decoding: an engine given a ``Stepper`` (``step.py``; ``api`` passes the
 ``SpeculativeDecoder`` of ``flm_runtime.speculation`` for a DFlash tag, which this package never
@@ -53,21 +60,16 @@ import numpy as np
 
 from flm_runtime.errors import (BackendUnavailableError, EngineOverloadedError, InvalidRequestError,
                                 RequestTimeoutError)
+from flm_runtime.kv_cache import KVPool, KVPoolExhausted
 from flm_runtime.request import SamplingParams
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.processors import LogitsProcessor, request_processors
-from flm_runtime.scheduling import admission
+from flm_runtime.scheduling import admission, prefix_cache
 from flm_runtime.scheduling.handle import RequestCancelledError, RequestHandle
-from flm_runtime.scheduling.prefix_cache import PrefixCache
 from flm_runtime.scheduling.sequence import Sequence
 from flm_runtime.scheduling.step import PLAIN, Stepper, StepRecord
 
 log = logging.getLogger(__name__)
-
-# Positions a new cache reserves beyond the prompt (a hint: caches grow on demand), so that a
-# request with max_tokens None does not allocate the whole context up front.
-INITIAL_DECODE_ROOM = 256
-
 
 class _Part(NamedTuple):
     """One sequence's rows in a step's batched forward pass.
@@ -113,11 +115,11 @@ class Engine:
 
     Args:
         model: implements ``config`` (``max_position_embeddings``, ``vocab_size``),
-            ``new_cache(capacity) -> cache`` (capacity: a hint in tokens, the cache grows on
-            demand up to the context; ``cache.length``: tokens held), ``prefill_chunk`` (most
-            rows of one sequence per pass) and ``forward_batch(rows, caches, taps=,
-            logit_rows=)`` (``backends.TargetModel``; it leaves the caches as they were when it
-            raises).
+            ``new_pool(positions)`` (a ``kv_cache.BlockPool``), ``new_cache(pool=) -> cache``
+            (a ``kv_cache.BlockTable`` into the pool; ``cache.length``: tokens held),
+            ``prefill_chunk`` (most rows of one sequence per pass) and ``forward_batch(rows,
+            caches, taps=, logit_rows=)`` (``backends.TargetModel``; it leaves the caches as
+            they were when it raises).
         tokenizer: implements ``token_bytes(id) -> bytes``, ``stop_token_ids`` and
             ``special_token_ids``.
         name: the model's name (thread name, stats, messages).
@@ -125,8 +127,8 @@ class Engine:
             None -> ``sampler.FALLBACK_SAMPLING``.
         max_queue: requests waiting for admission at most; one more -> ``EngineOverloadedError``.
         max_active: sequences running at once; the others wait in the queue.
-        kv_budget: bytes of KV cache the running sequences may reserve together (see
-            ``admission``); None: ``admission.default_kv_budget`` (4 full contexts).
+        kv_budget: bytes of the engine's KV pool (see ``admission``); None:
+            ``admission.default_kv_budget`` (4 full contexts).
         speculative: decode with this ``Stepper`` (a ``SpeculativeDecoder``; its target must be
             ``model``);
             None decodes plainly.
@@ -136,10 +138,10 @@ class Engine:
             prefill; vLLM calls its analogue ``max_num_batched_tokens``): it bounds how long a
             step, so the gap between two tokens of a decoding stream, grows while prompts
             arrive. None: the model's ``prefill_chunk``.
-        prefix_cache: keep finished sequences' KV caches for later prompts with the same prefix
-            (``prefix_cache``), within the KV budget. Only where it changes no bit: plain
-            decoding, on a model whose rows are ``batch_invariant`` (a cached prefix is computed
-            with other rows beside it than a cold one) and whose caches ``copy_prefix``.
+        prefix_cache: keep full blocks for later prompts with the same prefix (``prefix_cache``).
+            Only where it changes no bit: plain decoding, on a model whose rows are
+            ``batch_invariant`` (a cached prefix was computed with other rows beside it than a
+            cold one) and whose pool stores the KV (a ``kv_cache.KVPool``).
 
     Raises:
         InvalidRequestError: ``max_queue``, ``max_active``, ``kv_budget`` or ``prefill_tokens`` not
@@ -147,7 +149,7 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, *, name: str, default_sampling: sampler.SamplingDefaults | None = None,
-                 max_queue: int = 64, max_active: int = 16, kv_budget: int | None = None,
+                 max_queue: int = 64, max_active: int = 64, kv_budget: int | None = None,
                  speculative: Stepper | None = None, prefill_tokens: int | None = None,
                  on_step: Callable[[StepTiming], None] | None = None, prefix_cache: bool = True):
         assert speculative is None or speculative.target is model, "the decoder's target must be the model"
@@ -167,9 +169,11 @@ class Engine:
                                      admission.kv_bytes_per_token(model.config, draft_config,
                                                                   np.dtype(model.kv_dtype).itemsize),
                                      speculative.block_size - 1 if speculative is not None else 0, kv_budget)
+        self.pool = model.new_pool(self.kv.positions)
+        self.block_bytes = self.pool.block_tokens * self.kv.bytes_per_token
         exact = getattr(model, "batch_invariant", False)
-        self.prefix = PrefixCache() if prefix_cache and exact and speculative is None else None
-        self._cv = threading.Condition()      # guards _waiting, _active, _counts, _closed, prefix
+        self.prefix = prefix_cache and exact and speculative is None and isinstance(self.pool, KVPool)
+        self._cv = threading.Condition()      # guards _waiting, _active, _counts, _closed, pool
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._active: list[Sequence] = []
         self._counts = collections.Counter()
@@ -230,7 +234,7 @@ class Engine:
         if n > self.max_active:
             raise InvalidRequestError(f"n={n} choices are more than engine {self.name!r} runs at once "
                                       f"(max_active={self.max_active})", param="n")
-        budget = self.kv.generated_tokens(len(prompt), params.max_tokens, n)
+        budget = self.kv.generated_tokens(len(prompt), params.max_tokens, self.pool.block_tokens, n)
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}",
                                       param="timeout")
@@ -247,13 +251,13 @@ class Engine:
             if self._closed:
                 raise BackendUnavailableError(f"engine {self.name!r} is closed")
             # Only requests that must wait count: those the engine thread would admit at its next
-            # step (free slots and KV budget) fill no queue place, so a burst uses every free slot.
+            # step (free slots and KV blocks) fill no queue place, so a burst uses every free slot.
             backlog = len(self._waiting) - self._admittable()
             if backlog >= self.max_queue:
                 raise EngineOverloadedError(
                     f"engine {self.name!r} is full: {backlog} requests waiting (max_queue="
                     f"{self.max_queue}), {len(self._active)} running (max_active={self.max_active}), "
-                    f"{self._kv_reserved():,} of {self.kv.budget:,} KV bytes reserved; retry later")
+                    f"{self.pool.used} of {self.pool.n_blocks} KV blocks in use; retry later")
             self._waiting.append(seq)
             self._cv.notify()
             if log.isEnabledFor(logging.DEBUG):
@@ -265,23 +269,23 @@ class Engine:
 
         - ``active``: sequences running; ``queued``: sequences waiting for admission (a request
           of ``n`` choices is ``n`` sequences);
-        - ``kv_tokens``: KV positions the running sequences hold; ``kv_bytes``: their bytes
-          (``kv_tokens * kv.bytes_per_token``; the cache arrays grow in steps of 256 positions, but
-          numpy's zeroed pages past the held positions are not touched, so not resident);
-          ``kv_reserved_bytes``: the worst case the running sequences reserved at admission;
-          ``kv_budget_bytes``: ``kv.budget``. All 0 but the budget when nothing runs;
-        - ``kv_cached_bytes``: what the prefix cache keeps (``prefix_cache``);
+        - ``kv_tokens``: KV positions the running sequences hold; ``kv_blocks``: the pool's
+          blocks of ``kv_block_tokens`` positions, ``kv_blocks_used`` those sequences hold (a
+          block shared by several counts once), ``kv_bytes`` their bytes (each block's share of
+          the budget: ``kv_block_tokens * kv.bytes_per_token``); ``kv_budget_bytes``:
+          ``kv.budget``. All 0 but the pool's size when nothing runs;
+        - ``kv_cached_bytes``: the unreferenced blocks kept for their tokens (``prefix_cache``);
         - ``finished`` (ended with a finish reason), ``failed``, ``cancelled``, ``timed_out``:
-          requests so far.
+          requests so far; ``preempted``: sequences preempted so far (each resumed later).
         """
         with self._cv:
-            kv_tokens = sum(s.kv_tokens for s in self._active)
             return {"name": self.name, "active": len(self._active),
                     "queued": sum(len(s.group) for s in self._waiting),
-                    "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * self.kv.bytes_per_token,
-                    "kv_reserved_bytes": self._kv_reserved(), "kv_budget_bytes": self.kv.budget,
-                    "kv_cached_bytes": self.prefix.nbytes if self.prefix is not None else 0,
-                    **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out")}}
+                    "kv_tokens": sum(s.kv_tokens for s in self._active), "kv_block_tokens": self.pool.block_tokens,
+                    "kv_blocks": self.pool.n_blocks, "kv_blocks_used": self.pool.used,
+                    "kv_bytes": self.pool.used * self.block_bytes, "kv_budget_bytes": self.kv.budget,
+                    "kv_cached_bytes": self.pool.cached * self.block_bytes,
+                    **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out", "preempted")}}
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -308,10 +312,6 @@ class Engine:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="messages")
         return ids.astype(np.int64)
 
-    def _kv_reserved(self) -> int:
-        """Bytes reserved by the running sequences (lock held)."""
-        return self.kv.reserved((len(s.prompt_ids), s.budget) for s in self._active)
-
     # ---- engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -337,21 +337,21 @@ class Engine:
 
     def _admittable(self) -> int:
         """How many queued requests, from the head of the queue, fit now: slots free for all their
-        choices, and their worst-case KV caches within what the running ones leave of
-        ``kv_budget``. Call with ``_cv`` held."""
-        reserved, active, fit = self._kv_reserved(), len(self._active), 0
+        choices, and the blocks of their prompts (and of each further choice's copy of the last
+        one) within what the pool has available, less a block for each running sequence (what it
+        may take at its next step). Call with ``_cv`` held."""
+        available, active, fit = self.pool.available, len(self._active), 0
         for first in self._waiting:
             group = first.group
-            need = len(group) * self.kv.need(len(first.prompt_ids), first.budget)
-            if active + len(group) > self.max_active or reserved + need > self.kv.budget:
+            need = self.pool.blocks_for(len(first.prefill_ids)) + len(group) - 1
+            if active + len(group) > self.max_active or need > available - active:
                 break
-            reserved, active, fit = reserved + need, active + len(group), fit + 1
+            available, active, fit = available - need, active + len(group), fit + 1
         return fit
 
     def _admit(self) -> None:
         """Move queued requests into the active set, in arrival order, while slots are free for
-        all its choices and the first one's worst-case KV cache (all choices) fits in what the
-        running ones leave of ``kv_budget``.
+        all its choices and its prompt's blocks fit (``_admittable``).
 
         The first in line waits rather than being overtaken, so small requests cannot starve a
         large one; it always fits once nothing runs (``submit`` refused any that would not).
@@ -360,7 +360,7 @@ class Engine:
             group = self._waiting.popleft().group
             t_admit = time.perf_counter()
             for seq in group:
-                seq.t_admit = t_admit
+                seq.t_admit = seq.t_admit or t_admit  # a preempted sequence keeps its first admission
                 self._active.append(seq)
             try:
                 self._allocate(group[0])
@@ -373,17 +373,20 @@ class Engine:
             except Exception as e:       # noqa: BLE001 - one request's failure, not the engine's
                 for seq in reversed(group):  # followers first: nothing is handed over
                     self._end(seq, error=e)
-            if self.prefix is not None:  # kept caches give way to what the running sequences reserved
-                self.prefix.evict_to(self.kv.budget - self._kv_reserved())
 
     def _allocate(self, seq: Sequence) -> None:
-        """A new sequence's cache (and draft state), sized for its prompt and first tokens: a copy
-        of the longest prefix of its prompt the prefix cache holds, if any."""
-        capacity = len(seq.prompt_ids) + min(seq.budget, INITIAL_DECODE_ROOM)
-        cache, seq.cached_tokens = self.prefix.take(seq.prompt_ids, capacity) if self.prefix is not None else (None, 0)
-        seq.cache = cache if cache is not None else self.model.new_cache(capacity)
+        """A new sequence's cache (and draft state) with the blocks of its whole prompt (so that
+        its prefill never waits for one): the registered blocks of its prompt's longest cached
+        prefix, if any, then new ones."""
+        seq.cache = self.model.new_cache(pool=self.pool)
+        if self.prefix:
+            blocks, cached = prefix_cache.take(self.pool, seq.prefill_ids)
+            seq.cache.adopt(blocks, cached)
+            if not seq.preemptions:
+                seq.cached_tokens = cached
+        seq.cache.reserve(len(seq.prefill_ids) - seq.cache.length)
         if self.speculative is not None:
-            seq.spec = self.speculative.new_state(capacity)
+            seq.spec = self.speculative.new_state(len(seq.prefill_ids))
 
     def _step(self) -> None:
         """Advance every active sequence with ONE batched forward pass: prepare, the pass, then
@@ -404,6 +407,8 @@ class Engine:
             # A follower (a choice waiting for its prompt's KV) has no part in the step.
             if not self._abort_if_needed(seq, now) and seq.leader is None:
                 (decoding if seq.prefilled else prefilling).append(seq)
+        decoding = self._make_room(decoding)
+        prefilling = [s for s in prefilling if s.cache is not None]  # the preempted went back
         t_propose = time.perf_counter()
         decode = self._decode_parts(decoding)
         t_forward = time.perf_counter()
@@ -419,20 +424,55 @@ class Engine:
             self.on_step(StepTiming(t_forward - t_propose, t_commit - t_forward, t_end - t_commit, t_end - t0,
                                     tuple(p.record for p in decode)))
 
+    def _make_room(self, decoding: list[Sequence]) -> list[Sequence]:
+        """Blocks for this step's rows of each decoding sequence, oldest first (the most rows a
+        step of it writes: 1, or a speculative block). When the pool has none left, the youngest
+        sequence is preempted (``_preempt``), until the rows fit or the one asking is the
+        youngest and goes itself. Prefilling sequences hold their prompt's blocks already.
+        Returns the sequences still running."""
+        rows = self.speculative.block_size if self.speculative is not None else 1
+        for seq in decoding:
+            while seq.cache is not None:
+                try:
+                    seq.cache.reserve(min(rows, seq.cache.max_length - seq.cache.length))
+                    break
+                except KVPoolExhausted:
+                    self._preempt(next(s for s in reversed(self._active) if s.leader is None))
+        return [s for s in decoding if s.cache is not None]
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt ``seq`` (and its choices waiting for its prompt): its full blocks stay cached
+        for its return (prefix caching), the rest go back to the pool; it waits at the head of the
+        queue, to prefill its context again when admitted (``Sequence.preempt``)."""
+        with self._cv:
+            group = seq.group
+            if self.prefix:
+                prefix_cache.keep(seq.cache, seq.context_ids())
+            seq.preempt().release()
+            for s in group:
+                self._active.remove(s)
+            self._waiting.appendleft(seq)
+            self._counts["preempted"] += 1
+            log.debug("preempted a sequence of %d tokens; engine stats %s", len(seq.prefill_ids),
+                      json.dumps(self.stats()))
+
     def _prefill_parts(self, prefilling: list[Sequence]) -> list[_Part]:
         """The next prompt chunk of prefilling sequences, in admission order, each whose chunk
         fits in what the step's budget leaves (the first always runs). A sequence's chunks are
-        always ``[k*C, (k+1)*C)`` with ``C = min(prefill_tokens, model.prefill_chunk)``,
-        whatever runs beside it, so its prefill does not depend on other requests."""
+        always ``[k*C, (k+1)*C)`` past what its cache held when admitted, with ``C =
+        min(prefill_tokens, model.prefill_chunk)``, whatever runs beside it, so its prefill does
+        not depend on other requests. The last chunk asks for the logits of its last row, but
+        for a sequence preempted after its first token (``Sequence.resumed``)."""
         size = min(self.prefill_tokens, self.model.prefill_chunk)
         parts, budget = [], self.prefill_tokens
         for seq in prefilling:
             done = seq.cache.length
-            chunk = seq.prompt_ids[done : done + size]
+            chunk = seq.prefill_ids[done : done + size]
             if parts and len(chunk) > budget:
                 continue
             budget -= len(chunk)
-            parts.append(_Part(seq, chunk, int(done + len(chunk) == len(seq.prompt_ids))))
+            last = done + len(chunk) == len(seq.prefill_ids)
+            parts.append(_Part(seq, chunk, int(last and not seq.resumed)))
         return parts
 
     def _decode_parts(self, decoding: list[Sequence]) -> list[_Part]:
@@ -483,8 +523,15 @@ class Engine:
             return
         if part.record is None and spec is not None:
             spec.add_prompt(seq.cache, seq.spec, part.ids, taps)
+        if self.prefix and part.record is None and seq.cache.length == len(seq.prefill_ids):
+            prefix_cache.keep(seq.cache, seq.prefill_ids)  # the prompt's blocks, for requests beside it
         if part.n_logits:
-            for choice in seq.fork():
+            forked, alone = seq.fork()
+            for choice in alone:  # no block for its copy: it prefills the prompt itself
+                with self._cv:
+                    self._active.remove(choice)
+                    self._waiting.appendleft(choice)
+            for choice in forked:
                 self._advance(choice, lambda c=choice: c.lane().decode_plain(logits[0]))
             seq.lane().decode_plain(logits[0])
 
@@ -524,8 +571,11 @@ class Engine:
             heir = seq.pass_prefill()
             if seq in self._active:
                 self._active.remove(seq)
-                if heir is None and (error is None or count in ("cancelled", "timed_out")):
-                    self._keep_prefix(seq)  # a request that stopped between steps left a whole cache
+                if heir is None and seq.cache is not None:
+                    if self.prefix and (error is None or count in ("cancelled", "timed_out")):
+                        # a request that stopped between steps left a whole cache
+                        prefix_cache.keep(seq.cache, seq.context_ids())
+                    seq.cache.release()
             elif seq in self._waiting:
                 if heir is None:
                     self._waiting.remove(seq)
@@ -543,18 +593,6 @@ class Engine:
             if log.isEnabledFor(logging.INFO):
                 log.info("request %s; engine stats %s", "finished" if error is None else count,
                          json.dumps(self.stats()))
-
-    def _keep_prefix(self, seq: Sequence) -> None:
-        """A finished (or cancelled) sequence's cache goes to the prefix cache, with the tokens it holds (its
-        prompt and the generated tokens fed back), in what the running sequences leave of the
-        KV budget (lock held)."""
-        cache = seq.cache
-        if self.prefix is None or not callable(getattr(cache, "copy_prefix", None)):
-            return
-        tokens = np.concatenate([seq.prompt_ids, np.asarray(seq.generated_ids, dtype=np.int64)])[:cache.length]
-        if tokens.size == cache.length:
-            self.prefix.keep(tokens, cache)
-            self.prefix.evict_to(self.kv.budget - self._kv_reserved())
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:

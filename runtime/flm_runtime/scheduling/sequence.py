@@ -13,6 +13,11 @@ the others (its *followers*) wait, and when the prompt is in the leader's cache 
 a copy of it (``fork``) and all ``n`` pick their first token from the same logits, each with its
 own picker (processors and RNG). A leader that ends before that hands its cache to the next
 follower (``pass_prefill``).
+
+A sequence the engine preempts (its pool ran out of blocks) gives its cache back and waits to be
+admitted again; then it prefills its context again, the prompt and the tokens it generated but the
+last (``prefill_ids``), with no token picked at the end, and goes on decoding from ``last_token``
+with its picker, stop checker and output as they were: it emits what it would have emitted.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from flm_runtime.kv_cache import KVPoolExhausted
 from flm_runtime.request import Completion, RequestStats, SamplingParams, StreamEvent, TokenLogprob
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.picker import Picker
@@ -48,6 +54,8 @@ class Sequence:
                  budget: int, tokenizer, processors: Iterable[LogitsProcessor] = ()):
         self.handle = handle
         self.prompt_ids = prompt_ids
+        self.prefill_ids = prompt_ids         # what the cache must hold before decoding (preemption: more)
+        self.preemptions = 0
         self.params = params
         self.budget = budget
         self.cache = None                      # allocated at admission
@@ -76,23 +84,52 @@ class Sequence:
 
     @property
     def prefilled(self) -> bool:
-        """The prompt is in the cache: the next step decodes ``last_token``."""
+        """The prompt (after a preemption: the context) is in the cache: the next step decodes
+        ``last_token``."""
+        return self.last_token is not None and self.cache.length >= len(self.prefill_ids)
+
+    @property
+    def resumed(self) -> bool:
+        """Preempted after its first token: its prefill picks no token."""
         return self.last_token is not None
+
+    def context_ids(self) -> np.ndarray:
+        """The tokens its cache holds between steps: the prompt and the generated tokens fed
+        back (all but ``last_token``), ``[cache.length]`` int64."""
+        generated = np.asarray(self.generated_ids, dtype=np.int64)
+        return np.concatenate([self.prompt_ids, generated])[: self.cache.length]
+
+    def preempt(self):
+        """Let go of the cache and the draft state, to prefill the context again when admitted
+        (module docstring). Returns the cache, whose blocks the caller gives back."""
+        if self.prefilled:
+            self.prefill_ids = self.context_ids()
+        cache, self.cache, self.spec = self.cache, None, None
+        self.preemptions += 1
+        return cache
 
     @property
     def group(self) -> list[Sequence]:
         """This sequence and the choices waiting for its prompt KV."""
         return [self, *self.followers]
 
-    def fork(self) -> list[Sequence]:
+    def fork(self) -> tuple[list[Sequence], list[Sequence]]:
         """The prompt is in this sequence's cache: each follower gets a copy of the cache (and of
-        the draft's state) and stops waiting. Returns them, to take their first token."""
+        the draft's state) and stops waiting. Returns them, to take their first token, and the
+        followers the pool had no block left for the copy of: on their own now, each to prefill
+        the prompt itself."""
         followers, self.followers = self.followers, []
+        forked, alone = [], []
         for seq in followers:
-            seq.cache = self.cache.copy()
-            seq.spec = self.spec.copy() if self.spec is not None else None
             seq.leader = None
-        return followers
+            try:
+                seq.cache = self.cache.copy()
+            except KVPoolExhausted:
+                alone.append(seq)
+                continue
+            seq.spec = self.spec.copy() if self.spec is not None else None
+            forked.append(seq)
+        return forked, alone
 
     def pass_prefill(self) -> Sequence | None:
         """This leader ends before its prompt KV was shared: the first follower takes over its

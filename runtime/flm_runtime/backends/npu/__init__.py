@@ -49,6 +49,7 @@ from flm_runtime.backends.npu.manifest import Build, KernelFiles, Manifest, Role
 from flm_runtime.backends.npu.layout import layout_entries, pack, step_array
 from flm_runtime.core import ForwardOutput
 from flm_runtime.errors import BackendUnavailableError
+from flm_runtime.kv_cache import BLOCK_TOKENS, BlockPool, BlockTable
 
 VERIFY_POSITIONS = 8
 XRT_PYTHON_DIRS = ("/opt/xilinx/xrt/python",)  # where XRT installs pyxrt (not on PyPI)
@@ -229,20 +230,22 @@ class _Segment:
 
 # ---- the model -----------------------------------------------------------------------------
 
-class NpuKVCache:
+class NpuKVCache(BlockTable):
     """The KV cache of one sequence in one ``host_only`` BO: ``[L, 2, Hkv, S, D]`` bfloat16, a
-    sub-buffer per layer. Same API as ``core.KVCache`` (``length``, ``max_length``,
-    ``reserve``, ``commit``, ``trim``); growing reallocates and copies the held positions."""
+    sub-buffer per layer; growing reallocates and copies the held positions. Its positions'
+    blocks come from a ``BlockPool`` that only counts (the engine's, or one of its own), so the
+    engine admits and preempts npu sequences as cpu ones; the storage is the BO's."""
 
-    def __init__(self, model: NpuModel, capacity: int):
+    def __init__(self, model: NpuModel, capacity: int, pool: BlockPool | None = None):
+        max_length = model.config.max_position_embeddings
+        super().__init__(pool or BlockPool(0, growable=True), max_length)
         self.model = model
-        self.max_length = model.config.max_position_embeddings
-        self.length = 0
         self.plans: dict[tuple[str, bool], list[_Segment]] = {}
-        self._allocate(min(self.max_length, _round_up(max(capacity, 1))))
+        self._allocate(min(max_length, _round_up(max(capacity, 1))))
 
     @property
-    def capacity(self) -> int:
+    def buffer_capacity(self) -> int:
+        """Positions the BO holds."""
         return self.view.shape[3]
 
     @property
@@ -266,17 +269,10 @@ class NpuKVCache:
         self.plans.clear()  # runs bound the old sub-buffers
 
     def reserve(self, n_new: int) -> None:
+        super().reserve(n_new)
         need = self.length + n_new
-        assert need <= self.max_length, f"KV cache overflow: {need} > context length {self.max_length}"
-        if need > self.capacity:
-            self._allocate(min(self.max_length, _round_up(max(need, 2 * self.capacity))))
-
-    def commit(self, n_new: int) -> None:
-        self.length += n_new
-
-    def trim(self, length: int) -> None:
-        assert 0 <= length <= self.length, f"cannot trim a cache of {self.length} to {length}"
-        self.length = length
+        if need > self.buffer_capacity:
+            self._allocate(min(self.max_length, _round_up(max(need, 2 * self.buffer_capacity))))
 
 
 class NpuModel:
@@ -342,9 +338,14 @@ class NpuModel:
 
     # ---- the step (TargetModel) ----
 
-    def new_cache(self, capacity: int = 0) -> NpuKVCache:
-        """An empty KV cache for one sequence (``capacity``: a hint in tokens; it grows)."""
-        return NpuKVCache(self, capacity)
+    def new_pool(self, positions: int) -> BlockPool:
+        """The engine's pool: blocks that only count (each cache's storage is its own BO)."""
+        return BlockPool(positions // BLOCK_TOKENS)
+
+    def new_cache(self, capacity: int = 0, pool: BlockPool | None = None) -> NpuKVCache:
+        """An empty KV cache for one sequence (``capacity``: a hint in tokens; it grows), its
+        blocks counted in ``pool`` (one of its own without)."""
+        return NpuKVCache(self, capacity, pool)
 
     def forward_batch(self, token_rows: list[np.ndarray], caches: list[NpuKVCache], *, taps: tuple[int, ...] = (),
                       logit_rows: list[int] | None = None) -> ForwardOutput:
@@ -396,7 +397,7 @@ class NpuModel:
         cache.reserve(t)
         start, first_row = cache.length, 0 if all_logits else t - 1
         self.acts[0].array[:t] = self.embed[ids]  # [T, E] float32
-        self.step.array[:] = step_array(start, t, cache.capacity, first_row)
+        self.step.array[:] = step_array(start, t, cache.buffer_capacity, first_row)
         plan = cache.plans.get((role, need_logits))
         if plan is None:
             plan = cache.plans[(role, need_logits)] = self._plan(role, need_logits, cache)
