@@ -106,7 +106,7 @@ def test_the_first_in_line_is_not_overtaken_by_smaller_requests(make_engine, tok
     large = engine.submit([2] * 70, SamplingParams(max_tokens=20, ignore_eos=True))    # 5 blocks: waits for `running`
     small = engine.submit([3] * 2, SamplingParams(max_tokens=2, ignore_eos=True))      # 1 would fit, but is behind
     assert (engine.stats()["active"], engine.stats()["queued"]) == (1, 2)
-    assert [h.result(timeout=30).completion_tokens for h in (running, large, small)] == [40, 20, 2]
+    assert [h.result(timeout=30).stats.generated_tokens for h in (running, large, small)] == [40, 20, 2]
     # admitted in arrival order, and `large` only once `running` had ended (perf_counter seconds)
     ended = running.t_submit + running.result().stats.total_s
     assert ended <= admitted(large) <= admitted(small)
