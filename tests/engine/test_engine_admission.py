@@ -99,6 +99,20 @@ def test_running_out_of_blocks_preempts_and_every_request_gets_its_output_alone(
     assert stats["kv_blocks_used"] == 0
 
 
+def test_32_requests_without_max_tokens_are_all_admitted_under_the_default_budget(make_engine, tok):
+    """Admission counts the blocks a request holds, not its worst case: 32 requests that may each
+    run to the end of an 8,192-token context all run at once in a pool of 4 contexts."""
+    engine = make_engine(HashModel(context=8192, delay=0.01), tok)
+    with engine.held():
+        handles = [engine.submit([i + 1] * 20, SamplingParams(ignore_eos=True)) for i in range(32)]
+    wait_until(lambda: engine.stats()["active"] == 32)
+    assert engine.stats()["queued"] == 0
+    for h in handles:
+        h.cancel()
+    wait_until(lambda: idle(engine))
+    assert engine.stats()["cancelled"] == 32 and engine.stats()["preempted"] == 0
+
+
 def test_the_first_in_line_is_not_overtaken_by_smaller_requests(make_engine, tok):
     engine = make_engine(HashModel(delay=0.01), tok, kv_budget=6 * 16 * BYTES_PER_TOKEN)
     running = engine.submit([1] * 10, SamplingParams(max_tokens=40, ignore_eos=True))  # 1 block, then up to 4

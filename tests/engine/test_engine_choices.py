@@ -162,3 +162,22 @@ def test_bad_n_is_named(make_engine, tok, n):
     with pytest.raises(InvalidRequestError) as info:
         engine.submit_choices(PROMPT, GREEDY, n)
     assert info.value.param == "n"
+
+
+def test_a_choice_with_no_block_for_its_copy_prefills_the_prompt_itself(make_engine, tok):
+    """The fakes' copies take blocks of their own (2 for a 20-token prompt). In a pool of 7 blocks,
+    beside a request holding 2, the third choice finds 1 block left at the fork: it prefills the
+    prompt on its own later, and every sequence ends with what it has in a roomy pool."""
+    other, prompt = [9] * 30, list(range(1, 21))
+    params = dataclasses.replace(SAMPLED, max_tokens=10, ignore_eos=True)
+
+    def run(engine):
+        with engine.held():
+            beside = engine.submit(other, params)
+            choices = engine.submit_choices(prompt, params, 3)
+        return results([beside, *choices])
+
+    want = run(make_engine(HashModel(), tok))
+    engine = make_engine(HashModel(), tok, kv_budget=7 * 16 * 32)
+    assert run(engine) == want
+    assert engine.stats()["finished"] == 4 and idle(engine)
