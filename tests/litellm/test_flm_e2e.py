@@ -180,7 +180,7 @@ def test_timeout_is_enforced_by_the_engine(engine):
             pass
     s = engine.stats()
     assert s["timed_out"] == timed_out + 2
-    assert (s["active"], s["queued"], s["kv_tokens"], s["kv_reserved_bytes"]) == (0, 0, 0, 0)
+    assert (s["active"], s["queued"], s["kv_tokens"], s["kv_blocks_used"]) == (0, 0, 0, 0)
 
 
 RAW_PROMPTS = ["The capital of France is", "def fibonacci(n):"]

@@ -392,4 +392,4 @@ async def test_client_disconnects_free_their_sequences(proxy_url):
     assert engine_stats(log) == {**before, "finished": before["finished"] + half,
                                  "cancelled": before["cancelled"] + half}
     assert (before["active"], before["queued"], before["kv_tokens"], before["kv_bytes"],
-            before["kv_reserved_bytes"], before["failed"], before["timed_out"]) == (0, 0, 0, 0, 0, 0, 0)
+            before["kv_blocks_used"], before["failed"], before["timed_out"]) == (0, 0, 0, 0, 0, 0, 0)
