@@ -234,7 +234,7 @@ def test_run_loads_without_the_collector_and_leaves_it_as_it_was(monkeypatch, ca
     frozen = gc.get_freeze_count()
     assert cli.main(["run", "smollm2:135m", "Hi", "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
-    assert out == "Hello" and err.startswith("\n[smollm2:135m: 1 prompt tokens, 2 completion tokens")
+    assert out == "Hello\n" and err.startswith("[smollm2:135m: 1 prompt tokens, 2 completion tokens")
     assert engines[0].submitted == ([2], {"max_tokens": 256, "temperature": 0.0})
     assert not engines[0].collector_on_while_loading and gc.isenabled()
     assert gc.get_freeze_count() == frozen  # only the console script (no argv) freezes, on its way out

@@ -166,7 +166,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     for event in handle:
         sys.stdout.write(event.text)
         sys.stdout.flush()
-    print("\n" + stats_line(args.tag, handle.result().stats), file=sys.stderr)
+    print()  # the reply ends its line, on stdout too when it is piped
+    print(stats_line(args.tag, handle.result().stats), file=sys.stderr)
     return 0
 
 
