@@ -53,7 +53,6 @@ from flm_bench.options import positive_int
 from flm_runtime import pull
 from flm_runtime.backends import forward, prefill
 from flm_runtime.kernels.quant import QuantWeight
-from flm_runtime.core import KEY_TILE
 from flm_runtime.loading import load_model_files
 from flm_runtime.loading.weights import WEIGHT_KINDS
 from flm_runtime.models.llama import LlamaModel
@@ -275,14 +274,15 @@ class Ours:
         on their values, and a real long prefill costs minutes on a busy machine)."""
         first = self.model.new_cache(CONTEXTS[0])
         prefill(self.model, tokens[: CONTEXTS[0]], first)
+        keys, values = first.keys(), first.values()  # [L, Hkv, N, D]
         for c in CONTEXTS:
             cache = self.caches[c] = self.model.new_cache(c + PASS_ROWS)
             cache.reserve(c)
             for s in range(0, c, CONTEXTS[0]):
                 n = min(CONTEXTS[0], c - s)
-                tiles = slice(s // KEY_TILE, (s + n) // KEY_TILE)  # CONTEXTS[0] is whole key tiles
-                cache.k[:, :, tiles], cache.v[:, :, s : s + n] = first.k[:, :, : n // KEY_TILE], first.v[:, :, :n]
-            cache.commit(c)
+                for layer in range(keys.shape[0]):
+                    cache.write(layer, keys[layer, :, :n], values[layer, :, :n])
+                cache.commit(n)
 
     def step(self, context: int, ids: list[int]) -> float:
         """Seconds of one forward of ``ids`` appended at ``context`` (logits for every new

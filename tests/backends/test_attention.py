@@ -1,5 +1,6 @@
 """The compiled kernels a layer runs (``runtime/flm_runtime/kernels/elementwise.py``, ``attention.py``): the vectorizing exp, and the attention
-kernel against numpy's ``cpu.attention`` over a ``KVCache``."""
+kernel against numpy's ``cpu.attention`` over a ``KVCache``, bit-identical whatever blocks hold the
+context."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numba
 import numpy as np
 import pytest
 
-from flm_runtime.kv_cache import KVCache
+from flm_runtime.kv_cache import KVCache, KVPool
 from flm_runtime.kernels import attention, cpu, elementwise
 
 
@@ -28,9 +29,9 @@ def test_exp_is_within_two_ulp_and_clamps_outside_float32_range():
     assert np.all(np.isfinite(edges)) and edges[0] > 0
 
 
-def _cache_of(k: np.ndarray, v: np.ndarray, dtype: type = np.float32) -> KVCache:
+def _cache_of(k: np.ndarray, v: np.ndarray, dtype: type = np.float32, block_tokens: int = 64) -> KVCache:
     """A one-layer cache of ``dtype`` holding ``k``, ``v`` ``[Hkv, N, D]``."""
-    cache = KVCache.private(1, k.shape[0], k.shape[2], max_length=4096, dtype=dtype)
+    cache = KVCache.private(1, k.shape[0], k.shape[2], max_length=4096, dtype=dtype, block_tokens=block_tokens)
     cache.reserve(k.shape[1])
     cache.write(0, k, v)
     cache.commit(k.shape[1])
@@ -63,15 +64,47 @@ def test_attention_kernel_matches_numpy_and_is_row_invariant(head_dim, causal, h
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_the_compiled_kv_store_writes_what_the_cache_writes(dtype):
-    # store_kv (the one-call layer's write) against KVCache.write (the reference), across a tile edge
+    # store_kv (the compiled layers' write) against KVCache.write (the reference), across a tile
+    # edge and a block edge
     rng = np.random.default_rng(7)
     first, new = rng.standard_normal((2, 2, 13, 8)).astype(np.float32), rng.standard_normal((2, 9, 2, 8)).astype(np.float32)
-    caches = [_cache_of(first[0], first[1], dtype) for _ in range(2)]
+    caches = [_cache_of(first[0], first[1], dtype, block_tokens=16) for _ in range(2)]
     for cache in caches:
         cache.reserve(9)
     caches[0].write(0, new[0].transpose(1, 0, 2), new[1].transpose(1, 0, 2))
     attention.store_kv(new[0], new[1], *attention.cache_arrays(caches[1], 0), 13)
     for cache in caches:
         cache.commit(9)
-    assert np.array_equal(caches[0].k, caches[1].k) and np.array_equal(caches[0].v, caches[1].v)
+    assert np.array_equal(caches[0].keys(), caches[1].keys()) and np.array_equal(caches[0].values(), caches[1].values())
     assert np.array_equal(caches[1].keys(0)[:, 13:], new[0].transpose(1, 0, 2).astype(dtype))
+    assert np.array_equal(caches[1].values(0)[:, 13:], new[1].transpose(1, 0, 2).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_attention_is_bit_identical_whatever_blocks_hold_the_context(dtype, head_dim):
+    """The same keys and values in blocks of 64 (consecutive), of 16 scattered through a shared
+    pool (another cache's blocks between them) and of 128: the same output bits, causal rows and
+    not, at lengths that end inside a tile, on a tile edge and on a block edge."""
+    rng = np.random.default_rng(3)
+    hkv, h = 2, 6
+    for n in (5, 64, 200, 257):
+        k, v = (rng.standard_normal((hkv, n, head_dim)).astype(np.float32) for _ in range(2))
+        q = rng.standard_normal((4, h, head_dim)).astype(np.float32)
+        shared = KVPool(1, hkv, head_dim, dtype, n_blocks=64, block_tokens=16)
+        scattered, other = KVCache(shared, 4096), KVCache(shared, 4096)
+        for at in range(0, n, 16):  # the two caches take blocks by turns: not one of ours is next to another
+            other.reserve(16)
+            other.commit(16)
+            scattered.reserve(min(16, n - at))
+            scattered.write(0, k[:, at:at + 16], v[:, at:at + 16])
+            scattered.commit(min(16, n - at))
+        assert all(b - a > 1 for a, b in zip(scattered.blocks, scattered.blocks[1:]))
+        caches = [_cache_of(k, v, dtype, 64), scattered, _cache_of(k, v, dtype, 128)]
+        for causal in (True, False):
+            outs = []
+            for cache in caches:
+                out = np.empty((4, h * head_dim), np.float32)
+                attention.attend(q, *attention.cache_arrays(cache, 0), n - 4, causal, out)
+                outs.append(out)
+            assert all(np.array_equal(outs[0], o) for o in outs[1:]), (n, causal)

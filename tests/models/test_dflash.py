@@ -203,8 +203,8 @@ def test_an_8_bit_draft_is_batch_invariant_and_near_the_float32_draft(tmp_path):
     q8 = DFlashDraft.load(write_draft_dir(tmp_path / "d", cfg, draft_weights, dtype=np.float32), target)
     f32 = DFlashDraft(DFlashConfig.from_dict(cfg), draft_weights, embed=target.embed, lm_head=target.lm_head,
                       max_positions=TINY_Q.max_position_embeddings)
-    assert q8.quantized and q8.kv_dtype == np.float16 and q8.new_cache().k.dtype == np.float16
-    assert not f32.quantized and f32.new_cache().k.dtype == np.float32
+    assert q8.quantized and q8.kv_dtype == np.float16 and q8.new_cache().pool.dtype == np.float16
+    assert not f32.quantized and f32.new_cache().pool.dtype == np.float32
     rng = np.random.default_rng(5)
     blocks = {}
     for name, draft in (("q8", q8), ("f32", f32)):

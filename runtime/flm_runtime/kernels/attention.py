@@ -1,5 +1,6 @@
-"""The attention kernel every decoder layer runs, over the ``KVCache``'s key tiles, and the K/V
-write of the one-call layer.
+"""The attention kernel every decoder layer runs, over a ``KVCache``'s blocks (``kv_cache``:
+keys in tiles of 16 positions, a sequence's blocks named by its block table), and the K/V write
+of the compiled layers.
 
 ``attend`` serves every layer of every model, float32 or quantized, target or draft
 (docs/design.md, "Quantized weights": attention over key tiles): one parallel item per query
@@ -8,7 +9,7 @@ position alone, so a row's output is bit-identical whatever rows run beside it (
 "Batch invariance").
 
 Axis legend: T query rows of one sequence, N positions attended, H / Hkv query / key-value heads,
-D head dim, S cache capacity.
+D head dim, NB blocks of the pool, B positions per block.
 """
 
 from __future__ import annotations
@@ -44,22 +45,23 @@ def _widen(builder, value):
 
 
 @intrinsic
-def _score_tiles(typingctx, queries, n_queries, tiles, first, count, scale, scores):  # pragma: no cover - compiled
-    """``_score_tiles(queries, n_queries, tiles, first, count, scale, scores)``: for each of the
-    first ``n_queries`` (a constant) rows ``j`` of ``queries`` ``[G, D]`` and each of the
-    ``count`` (a constant) key tiles ``i = first ..`` of ``tiles`` ``[n_tiles, D, 16]``,
-    ``scores[j, 16 i + l] = scale * sum_e queries[j, e] * tiles[i, e, l]``, each lane a chain of
-    fused multiply-adds over ``e`` in order. A tile's row is loaded once for all the queries,
+def _score_tiles(typingctx, queries, n_queries, tiles, first, count, scale, scores, at):  # pragma: no cover
+    """``_score_tiles(queries, n_queries, tiles, first, count, scale, scores, at)``: for each of
+    the first ``n_queries`` (a constant) rows ``j`` of ``queries`` ``[G, D]`` and each of the
+    ``count`` (a constant) key tiles ``i = first + c`` of ``tiles`` ``[n_tiles, D, 16]`` (one
+    block's), ``scores[j, 16 (at + c) + l] = scale * sum_e queries[j, e] * tiles[i, e, l]``
+    (``at``: the tile's place in the sequence), each lane a chain of fused multiply-adds over
+    ``e`` in order. A tile's row is loaded once for all the queries,
     and the chains run side by side so that their latencies overlap; each chain's arithmetic is
     the same whatever runs beside it."""
     elem = _contiguous(queries, scores, cache=tiles)
     g, n = literal(n_queries, "n_queries"), literal(count, "count")
-    sig = types.void(queries, n_queries, tiles, first, count, scale, scores)
+    sig = types.void(queries, n_queries, tiles, first, count, scale, scores, at)
 
     def codegen(context, builder, signature, args):
-        q_t, _, k_t, _, _, _, s_t = signature.args
-        queries_v, _, tiles_v, first_v, _, scale_v, scores_v = args
-        first_v = as_i64(builder, first_v)
+        q_t, _, k_t, _, _, _, s_t, _ = signature.args
+        queries_v, _, tiles_v, first_v, _, scale_v, scores_v, at_v = args
+        first_v, at_v = as_i64(builder, first_v), as_i64(builder, at_v)
         d = builder.extract_value(context.make_array(q_t)(context, builder, queries_v).shape, 1)
         score_width = builder.extract_value(context.make_array(s_t)(context, builder, scores_v).shape, 1)
         qp, sp = (data_ptr(context, builder, t, v, F32) for t, v in ((q_t, queries_v), (s_t, scores_v)))
@@ -81,9 +83,9 @@ def _score_tiles(typingctx, queries, n_queries, tiles, first, count, scale, scor
         close(sums)
         scale_v = broadcast(builder, scale_v, KEY_TILE)
         for j in range(g):
-            for i, acc in zip(tiles_at, sums[j * n:(j + 1) * n]):
-                at = builder.add(builder.mul(i64(j), score_width), builder.mul(i, i64(KEY_TILE)))
-                store(builder, builder.fmul(acc, scale_v), sp, at)
+            for c, acc in enumerate(sums[j * n:(j + 1) * n]):
+                place = builder.mul(builder.add(at_v, i64(c)), i64(KEY_TILE))
+                store(builder, builder.fmul(acc, scale_v), sp, builder.add(builder.mul(i64(j), score_width), place))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -110,25 +112,30 @@ def _max_of_tiles(typingctx, scores, n_tiles):  # pragma: no cover - compiled
 
 
 @intrinsic
-def _weighted_values(typingctx, weights, n_queries, values, n, column, width, masked, scales,
-                     out):  # pragma: no cover - compiled
-    """``_weighted_values(weights, n_queries, values, n, column, width, masked, scales, out)``:
-    for each of the first ``n_queries`` (a constant) rows ``j`` of ``weights`` ``[G, N']``,
-    ``out[j * D + column + c] = scales[j] * sum_i weights[j, i] * values[i, column + c]`` over
-    ``i < n`` for ``c < width`` (a constant multiple of 16), ``D`` the row width of ``values``.
-    ``masked`` (a constant): lanes with ``column + c >= D`` are neither read nor written;
-    without it the caller ensures ``column + width <= D``. The sums stay in registers, each lane
-    a chain over ``i`` in order (the same whatever runs beside it); a value row is loaded once
-    for all the queries."""
+def _weighted_values(typingctx, weights, n_queries, values, n, column, width, masked, scales, out, at, first,
+                     last):  # pragma: no cover - compiled
+    """``_weighted_values(weights, n_queries, values, n, column, width, masked, scales, out, at,
+    first, last)``: one block's share of ``out[j * D + column + c] = scales[j] * sum_i
+    weights[j, i] * values[i, column + c]``, for each of the first ``n_queries`` (a constant)
+    rows ``j`` of ``weights`` ``[G, N']`` and ``c < width`` (a constant multiple of 16), ``D``
+    the row width of ``values``: the positions ``at .. at + n - 1`` of the sum, whose values are
+    the rows ``0 .. n - 1`` of ``values`` ``[B, D]`` (one block's). The sums start at 0 in the
+    ``first`` block and from what ``out`` holds in the others, and are scaled by ``scales`` in
+    the ``last`` (``first``, ``last``: booleans), so that each lane is one chain over the
+    positions in order, whatever the blocks: the same whatever runs beside it. ``masked`` (a
+    constant): lanes with ``column + c >= D`` are neither read nor written; without it the
+    caller ensures ``column + width <= D``. Within a block the sums stay in registers; a value
+    row is loaded once for all the queries."""
     elem = _contiguous(weights, scales, out, cache=values)
     g, w, is_masked = literal(n_queries, "n_queries"), literal(width, "width"), bool(literal(masked, "masked"))
     assert w % KEY_TILE == 0
-    sig = types.void(weights, n_queries, values, n, column, width, masked, scales, out)
+    sig = types.void(weights, n_queries, values, n, column, width, masked, scales, out, at, first, last)
 
     def codegen(context, builder, signature, args):
-        p_t, _, v_t, _, _, _, _, c_t, o_t = signature.args
-        weights_v, _, values_v, n_v, column_v, _, _, scales_v, out_v = args
-        n_v, column_v = as_i64(builder, n_v), as_i64(builder, column_v)
+        p_t, _, v_t, _, _, _, _, c_t, o_t, _, _, _ = signature.args
+        weights_v, _, values_v, n_v, column_v, _, _, scales_v, out_v, at_v, first_v, last_v = args
+        n_v, column_v, at_v = as_i64(builder, n_v), as_i64(builder, column_v), as_i64(builder, at_v)
+        first_v, last_v = (builder.trunc(v, I1) if v.type != I1 else v for v in (first_v, last_v))
         weights_width = builder.extract_value(context.make_array(p_t)(context, builder, weights_v).shape, 1)
         pp, cp, op = (data_ptr(context, builder, t, v, F32) for t, v in ((p_t, weights_v), (c_t, scales_v),
                                                                           (o_t, out_v)))
@@ -143,6 +150,8 @@ def _weighted_values(typingctx, weights, n_queries, values, n, column, width, ma
             masked_load = declare(builder, f"llvm.masked.load.{suffix}.p0", ve, [ve.as_pointer(), I32, mask_t, ve])
             masked_store = declare(builder, f"llvm.masked.store.v{KEY_TILE}f32.p0", ir.VoidType(),
                                    [vf, vf.as_pointer(), I32, mask_t])
+            masked_load_out = declare(builder, f"llvm.masked.load.v{KEY_TILE}f32.p0", vf,
+                                      [vf.as_pointer(), I32, mask_t, vf])
             lane = ir.Constant(vec(I64, KEY_TILE), list(range(KEY_TILE)))
             width_v = broadcast(builder, row_width, KEY_TILE)
             masks = [builder.icmp_signed("<", builder.add(broadcast(builder, builder.add(column_v, i64(KEY_TILE * c)),
@@ -156,26 +165,40 @@ def _weighted_values(typingctx, weights, n_queries, values, n, column, width, ma
                 return builder.call(masked_load, [at(vp, index, ve), ir.Constant(I32, 2), masks[c], ir.Constant(ve, None)])
             return load(builder, vp, index, ve)
 
-        i, accs, close = counted_loop(builder, n_v, [ir.Constant(vf, None)] * (g * chunks))
-        first = builder.add(builder.mul(i, row_width), column_v)
-        for c in range(chunks):  # the value row _VALUE_AHEAD positions on
-            prefetch(builder, vp, builder.add(first, builder.add(builder.mul(row_width, i64(_VALUE_AHEAD)),
-                                                                 i64(KEY_TILE * c))))
-        rows = [_widen(builder, read(c, builder.add(first, i64(KEY_TILE * c)))) for c in range(chunks)]
-        sums = []
+        def out_at(j, c):
+            return builder.add(builder.mul(i64(j), row_width), builder.add(column_v, i64(KEY_TILE * c)))
+
+        starts = []  # 0 in the first block, else the sums so far from out
         for j in range(g):
-            p = broadcast(builder, load(builder, pp, builder.add(builder.mul(i64(j), weights_width), i), F32), KEY_TILE)
+            for c in range(chunks):
+                if is_masked:
+                    held = builder.call(masked_load_out, [at(op, out_at(j, c), vf), ir.Constant(I32, 4), masks[c],
+                                                          ir.Constant(vf, None)])
+                else:
+                    held = load(builder, op, out_at(j, c), vf)
+                starts.append(builder.select(first_v, ir.Constant(vf, None), held))
+        i, accs, close = counted_loop(builder, n_v, starts)
+        row = builder.add(builder.mul(i, row_width), column_v)
+        for c in range(chunks):  # the value row _VALUE_AHEAD positions on
+            prefetch(builder, vp, builder.add(row, builder.add(builder.mul(row_width, i64(_VALUE_AHEAD)),
+                                                               i64(KEY_TILE * c))))
+        rows = [_widen(builder, read(c, builder.add(row, i64(KEY_TILE * c)))) for c in range(chunks)]
+        sums = []
+        position = builder.add(at_v, i)
+        for j in range(g):
+            p = broadcast(builder, load(builder, pp, builder.add(builder.mul(i64(j), weights_width), position), F32),
+                          KEY_TILE)
             sums += [builder.call(fma, [p, value, acc]) for value, acc in zip(rows, accs[j * chunks:(j + 1) * chunks])]
         close(sums)
         for j in range(g):
             scale = broadcast(builder, load(builder, cp, i64(j), F32), KEY_TILE)
             for c in range(chunks):
-                dst = builder.add(builder.mul(i64(j), row_width), builder.add(column_v, i64(KEY_TILE * c)))
-                result = builder.fmul(sums[j * chunks + c], scale)
+                total = sums[j * chunks + c]
+                result = builder.select(last_v, builder.fmul(total, scale), total)
                 if is_masked:
-                    builder.call(masked_store, [result, at(op, dst, vf), ir.Constant(I32, 4), masks[c]])
+                    builder.call(masked_store, [result, at(op, out_at(j, c), vf), ir.Constant(I32, 4), masks[c]])
                 else:
-                    store(builder, result, op, dst)
+                    store(builder, result, op, out_at(j, c))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -190,19 +213,27 @@ _SCORE_TILES, _VALUE_COLUMNS = (8, 64) if cpu_features.vector_registers() == 32 
 
 
 @numba.njit(inline="always", **ELEMENTWISE)
-def _attend_heads(queries, g, tiles, values, n, scale, scores, out):  # pragma: no cover - compiled
+def _attend_heads(queries, g, keys, values, table, kv, n, scale, scores, out):  # pragma: no cover - compiled
     """``g`` (a constant) query heads ``queries`` ``[g, D]`` of one row over the first ``n``
-    positions of one key-value head (``tiles``, ``values``): softmax of the scaled scores, then
-    the weighted values into ``out`` ``[g * D]``; ``scores`` ``[>= g, >= 16 n_tiles]`` is scratch."""
+    positions of key-value head ``kv`` of one layer (``keys`` ``[NB, Hkv, B/16, D, 16]``,
+    ``values`` ``[NB, Hkv, B, D]``, the sequence's blocks ``table``): softmax of the scaled
+    scores, then the weighted values into ``out`` ``[g * D]``; ``scores`` ``[>= g, >= 16
+    n_tiles]`` is scratch. Block by block, each score and each sum in the order of the positions."""
     d = queries.shape[1]
+    block_tiles = keys.shape[2]
+    block = block_tiles * KEY_TILE
     n_tiles = (n + KEY_TILE - 1) // KEY_TILE
-    tile = 0
-    while tile + _SCORE_TILES <= n_tiles:
-        _score_tiles(queries, g, tiles, tile, _SCORE_TILES, scale, scores)
-        tile += _SCORE_TILES
-    while tile < n_tiles:
-        _score_tiles(queries, g, tiles, tile, 1, scale, scores)
-        tile += 1
+    n_blocks = (n + block - 1) // block
+    for j in range(n_blocks):
+        tiles = keys[table[j], kv]  # [B/16, D, 16]
+        count = min(block_tiles, n_tiles - j * block_tiles)
+        tile = 0
+        while tile + _SCORE_TILES <= count:
+            _score_tiles(queries, g, tiles, tile, _SCORE_TILES, scale, scores, j * block_tiles + tile)
+            tile += _SCORE_TILES
+        while tile < count:
+            _score_tiles(queries, g, tiles, tile, 1, scale, scores, j * block_tiles + tile)
+            tile += 1
     inverse = np.empty(g, dtype=np.float32)
     for j in range(g):
         row = scores[j]
@@ -216,18 +247,22 @@ def _attend_heads(queries, g, tiles, values, n, scale, scores, out):  # pragma: 
             total += p
         inverse[j] = np.float32(1.0) / total
     column = 0
-    while column + _VALUE_COLUMNS <= d:
-        _weighted_values(scores, g, values, n, column, _VALUE_COLUMNS, False, inverse, out)
-        column += _VALUE_COLUMNS
-    while column + KEY_TILE <= d:
-        _weighted_values(scores, g, values, n, column, KEY_TILE, False, inverse, out)
-        column += KEY_TILE
-    if column < d:  # a head dim that is not whole vectors
-        _weighted_values(scores, g, values, n, column, KEY_TILE, True, inverse, out)
+    while column < d:
+        for j in range(n_blocks):
+            rows = values[table[j], kv]  # [B, D]
+            count, first, last = min(block, n - j * block), j == 0, j == n_blocks - 1
+            if column + _VALUE_COLUMNS <= d:
+                _weighted_values(scores, g, rows, count, column, _VALUE_COLUMNS, False, inverse, out, j * block, first,
+                                 last)
+            elif column + KEY_TILE <= d:
+                _weighted_values(scores, g, rows, count, column, KEY_TILE, False, inverse, out, j * block, first, last)
+            else:  # a head dim that is not whole vectors
+                _weighted_values(scores, g, rows, count, column, KEY_TILE, True, inverse, out, j * block, first, last)
+        column += _VALUE_COLUMNS if column + _VALUE_COLUMNS <= d else KEY_TILE
 
 
 @numba.njit(parallel=True, cache=True, nogil=True, **ELEMENTWISE)
-def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
+def attend(q, k, v, table, start, causal, out):  # pragma: no cover - compiled
     """Grouped-query attention of ``T`` query rows over one layer of a sequence's KV cache (as
     ``cpu.attention``): query row ``t`` sits at position ``start + t`` and attends positions
     ``0 .. start + t`` (``causal``) or all ``start + T``; query head ``h`` reads key/value head
@@ -236,27 +271,28 @@ def attend(q, k, v, start, causal, out):  # pragma: no cover - compiled
     One parallel item per query row and key-value head, its query heads taken up to
     ``_QUERY_GROUP`` at a time over keys and values loaded once for them. Each query's scores and
     sums run in a fixed order that depends on its position alone (``_score_tiles``,
-    ``_weighted_values``): a row's output is bit-identical whatever rows run beside it
-    (docs/design.md, "Batch invariance").
+    ``_weighted_values``), whatever the blocks hold its context: a row's output is bit-identical
+    whatever rows run beside it and whatever its block table (docs/design.md, "Batch
+    invariance").
 
     Args:
         q: ``[T, H, D]`` float32 C-contiguous (RoPE applied).
-        k: ``[Hkv, S/16, D, 16]``, v: ``[Hkv, S, D]``: one layer of a ``KVCache`` (keys in tiles),
-            holding the step's keys and values already (positions ``0 .. start + T - 1``; the
-            rest of its capacity is not used); float32, or float16 as its uint16 bits
-            (``cache_arrays``).
+        k: ``[NB, Hkv, B/16, D, 16]``, v: ``[NB, Hkv, B, D]``: one layer of a ``KVPool`` (keys in
+            tiles), holding the step's keys and values already; float32, or float16 as its uint16
+            bits (``cache_arrays``).
+        table: int64 ``[>= ceil((start + T) / B)]``, the sequence's blocks in order.
         out: ``[T, H * D]`` float32 C-contiguous, written.
     """
-    for item in numba.prange(q.shape[0] * k.shape[0]):
-        attend_item(q, k, v, start, causal, out, item)
+    for item in numba.prange(q.shape[0] * k.shape[1]):
+        attend_item(q, k, v, table, start, causal, out, item)
 
 
 @numba.njit(nogil=True, **ELEMENTWISE)
-def attend_item(q, k, v, start, causal, out, item):  # pragma: no cover - compiled
+def attend_item(q, k, v, table, start, causal, out, item):  # pragma: no cover - compiled
     """``attend``'s item ``item``: query row ``item // Hkv`` over key-value head ``item % Hkv``
     (its query heads), alone: one thread's share of attention split over a ``kernels.team``."""
     t_rows, h, d = q.shape
-    hkv = k.shape[0]
+    hkv = k.shape[1]
     group = h // hkv
     scale = np.float32(1.0 / np.sqrt(d))
     t, kv = item // hkv, item % hkv
@@ -264,11 +300,11 @@ def attend_item(q, k, v, start, causal, out, item):  # pragma: no cover - compil
     scores = np.empty((min(group, _QUERY_GROUP), (n + KEY_TILE - 1) // KEY_TILE * KEY_TILE), dtype=np.float32)
     head = kv * group
     while head + _QUERY_GROUP <= (kv + 1) * group:
-        _attend_heads(q[t, head:head + _QUERY_GROUP], _QUERY_GROUP, k[kv], v[kv], n, scale, scores,
+        _attend_heads(q[t, head:head + _QUERY_GROUP], _QUERY_GROUP, k, v, table, kv, n, scale, scores,
                       out[t, head * d:(head + _QUERY_GROUP) * d])
         head += _QUERY_GROUP
     while head < (kv + 1) * group:
-        _attend_heads(q[t, head:head + 1], 1, k[kv], v[kv], n, scale, scores, out[t, head * d:(head + 1) * d])
+        _attend_heads(q[t, head:head + 1], 1, k, v, table, kv, n, scale, scores, out[t, head * d:(head + 1) * d])
         head += 1
 
 
@@ -295,23 +331,27 @@ def _cache_element_impl(cache, x):
 
 
 @numba.njit(nogil=True, cache=True)
-def store_kv(k, v, k_cache, v_cache, start):  # pragma: no cover - compiled
+def store_kv(k, v, k_pool, v_pool, table, start):  # pragma: no cover - compiled
     """Write a step's keys and values ``k``, ``v`` ``[T, Hkv, D]`` float32 at positions ``start ..
-    start + T - 1`` of one layer of a cache (``cache_arrays``: keys in tiles; float32, or float16
-    bits, rounded as numpy rounds), as ``KVCache.write`` does: the one-call layer's write, inside
-    compiled code (every other path writes through ``KVCache.write``)."""
+    start + T - 1`` of one layer of a sequence's cache (``cache_arrays``: the pool's layer, keys in
+    tiles, float32 or float16 bits rounded as numpy rounds; the sequence's blocks ``table``), as
+    ``KVCache.write`` does: the compiled layers' write (the reference writes through
+    ``KVCache.write``)."""
     for t in range(k.shape[0]):
-        store_kv_row(k, v, k_cache, v_cache, start, t)
+        store_kv_row(k, v, k_pool, v_pool, table, start, t)
 
 
 @numba.njit(nogil=True)
-def store_kv_row(k, v, k_cache, v_cache, start, t):  # pragma: no cover - compiled
+def store_kv_row(k, v, k_pool, v_pool, table, start, t):  # pragma: no cover - compiled
     """``store_kv`` of row ``t`` alone."""
-    tile, lane = divmod(start + t, KEY_TILE)
+    block = v_pool.shape[2]
+    position = start + t
+    at, slot = table[position // block], position % block
+    tile, lane = divmod(slot, KEY_TILE)
     for h in range(k.shape[1]):
         for e in range(k.shape[2]):
-            k_cache[h, tile, e, lane] = _cache_element(k_cache, k[t, h, e])
-            v_cache[h, start + t, e] = _cache_element(v_cache, v[t, h, e])
+            k_pool[at, h, tile, e, lane] = _cache_element(k_pool, k[t, h, e])
+            v_pool[at, h, slot, e] = _cache_element(v_pool, v[t, h, e])
 
 
 def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans, causal: bool) -> np.ndarray:
@@ -331,9 +371,11 @@ def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans,
     return out
 
 
-def cache_arrays(cache, index: int) -> tuple[np.ndarray, np.ndarray]:
-    """Layer ``index`` of a ``KVCache`` as ``attend`` takes it: ``(k, v)``, float16 ones as their
-    uint16 bits (numba has no float16 arrays; the kernel converts them)."""
-    k, v = cache.k[index], cache.v[index]
-    return (k.view(np.uint16), v.view(np.uint16)) if k.dtype == np.float16 else (k, v)
-
+def cache_arrays(cache, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Layer ``index`` of a ``KVCache`` as ``attend`` takes it: ``(k, v, table)``, its pool's
+    keys and values (float16 ones as their uint16 bits: numba has no float16 arrays; the kernel
+    converts them) and its blocks (int64)."""
+    k, v = cache.pool.k[index], cache.pool.v[index]
+    if k.dtype == np.float16:
+        k, v = k.view(np.uint16), v.view(np.uint16)
+    return k, v, cache.table

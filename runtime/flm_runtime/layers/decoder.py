@@ -17,7 +17,7 @@ caches are separate arrays, which a compiled call does not take as a list cheapl
 ``attention_out``.
 
 Axis legend: R rows of the step, E hidden size, H / Hkv query / key-value heads, D head dim, F FFN
-width, S cache capacity.
+width.
 """
 
 from __future__ import annotations
@@ -88,10 +88,11 @@ class Composition(NamedTuple):
             norm, QKV product, RoPE on q and k.
         attention_out: ``(x, attn [R, H*D], wo, ffn_norm, w_gate_up, w_down) -> [R, E]``: O product
             and residual, norm, gate/up product, activation, down product and residual.
-        layer: ``(x, attn_norm, wqkv, cos, sin, k_cache, v_cache, start, wo, ffn_norm, w_gate_up,
-            w_down) -> [R, E]``: the whole layer over one sequence's rows, its K/V written into
-            one layer of its cache (``attention.cache_arrays``) at ``start ..``; compiled tables
-            only (None for the reference, whose K/V go through ``KVCache.write``).
+        layer: ``(x, attn_norm, wqkv, cos, sin, k_pool, v_pool, table, start, wo, ffn_norm,
+            w_gate_up, w_down) -> [R, E]``: the whole layer over one sequence's rows, its K/V
+            written into one layer of its cache (``attention.cache_arrays``: the pool's layer and
+            the sequence's blocks) at ``start ..``; compiled tables only (None for the reference,
+            whose K/V go through ``KVCache.write``).
     """
 
     attention_in: Callable
@@ -133,11 +134,11 @@ def compose(ops: Ops, spec: LayerSpec) -> Composition:
     attention_in = compiled(attention_in, key, parallel=True, nogil=True)
     attention_out = compiled(attention_out, key, parallel=True, nogil=True)
 
-    def layer(x, attn_norm, wqkv, cos, sin, k_cache, v_cache, start, wo, ffn_norm, w_gate_up, w_down):
+    def layer(x, attn_norm, wqkv, cos, sin, k_pool, v_pool, table, start, wo, ffn_norm, w_gate_up, w_down):
         q, k, v = attention_in(x, attn_norm, wqkv, cos, sin)
-        store_kv(k, v, k_cache, v_cache, start)
+        store_kv(k, v, k_pool, v_pool, table, start)
         attn = np.empty((x.shape[0], h * d), dtype=np.float32)
-        attend(q, k_cache, v_cache, start, causal, attn)
+        attend(q, k_pool, v_pool, table, start, causal, attn)
         return attention_out(x, attn, wo, ffn_norm, w_gate_up, w_down)
 
     return Composition(attention_in, attention_out, compiled(layer, key, nogil=True))

@@ -16,8 +16,10 @@ one array each, a table of where each matrix starts and which format it has, and
 one array, so that a step takes a handful of arguments whatever the depth, and the layers' own
 ``QuantWeight`` matrices are views into them (no second copy).
 
-Each sequence's rows find its KV cache through the step's span table (the addresses of its key
-and value arrays), so one call serves every sequence of a batched step.
+Each sequence's rows find its KV cache through the step's span table: the addresses and size of
+its pool's key and value arrays and where its block table starts in the step's one array of
+block tables (``kv_cache``), so one call serves every sequence of a batched step, whether they
+share the engine's pool or each has its own.
 
 Axis legend: R rows of the step, E hidden size, H / Hkv query / key-value heads, D head dim, F FFN
 width, V vocabulary, L layers.
@@ -158,8 +160,9 @@ def _format_products(formats: tuple[qgemm.Format, ...]):
 
 
 # Columns of a step's span table: per sequence, its first row and row count, the positions its
-# cache held before the step, the addresses of its cache's keys and values, and their capacity.
-FIRST, ROWS, START, K_ADDRESS, V_ADDRESS, CAPACITY = range(6)
+# cache held before the step, the addresses of its pool's keys and values, the pool's blocks and
+# positions per block, and where the sequence's blocks start in the step's block tables.
+FIRST, ROWS, START, K_ADDRESS, V_ADDRESS, POOL_BLOCKS, BLOCK_TOKENS, TABLE = range(8)
 
 
 @intrinsic
@@ -177,13 +180,14 @@ def _half_pointer(typingctx, address):  # pragma: no cover - compiled
 def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
     """The compiled step of a stack of ``spec`` layers whose matrices have ``formats``:
 
-    ``step(tid, n_threads, sync, codes, scales, mins, matrices, norms, x, cos, sin, spans,
+    ``step(tid, n_threads, sync, codes, scales, mins, matrices, norms, x, cos, sin, spans, tables,
     row_span, logit_rows, taps, tapped, logits, work)``, run by every thread of a ``Team``: the
     rows ``x`` ``[R, E]`` (updated in place: the residual stream; ``cos``, ``sin`` ``[R, D/2]`` at
-    their positions) through every layer. ``spans`` ``[B, 6]`` int64 says which rows belong to
-    which sequence (``FIRST .. CAPACITY``: its rows ``FIRST .. FIRST+ROWS-1`` take positions
-    ``START ..`` of its float16 cache, keys ``[L, Hkv, CAPACITY/16, D, 16]`` and values ``[L,
-    Hkv, CAPACITY, D]`` at the given addresses), ``row_span`` ``[R]`` the span of each row. Each
+    their positions) through every layer. ``spans`` ``[S, 8]`` int64 says which rows belong to
+    which sequence (``FIRST .. TABLE``: its rows ``FIRST .. FIRST+ROWS-1`` take positions
+    ``START ..`` of its float16 cache, in the blocks ``tables[TABLE ..]`` of a pool whose keys
+    ``[L, POOL_BLOCKS, Hkv, BLOCK_TOKENS/16, D, 16]`` and values ``[L, POOL_BLOCKS, Hkv,
+    BLOCK_TOKENS, D]`` are at the given addresses), ``row_span`` ``[R]`` the span of each row. Each
     row's K/V is written into its sequence's cache; the residual stream after layer ``taps[j]``
     goes to columns ``j*E ..`` of ``tapped`` ``[R, n*E]``; the LM head's logits of the rows
     ``logit_rows`` ``[N]`` go to ``logits`` ``[N, V]``. ``work`` is ``Workspace``'s arrays.
@@ -194,12 +198,12 @@ def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
     store_kv_row, attend_item = attention.store_kv_row, attention.attend_item
 
     @numba.njit(inline="always")
-    def caches(spans, b, layers):  # pragma: no cover - compiled
-        """Sequence ``b``'s key and value cache arrays, every layer."""
-        capacity = spans[b, CAPACITY]
-        k = numba.carray(_half_pointer(spans[b, K_ADDRESS]), (layers, hkv, capacity // KEY_TILE, d, KEY_TILE))
-        v = numba.carray(_half_pointer(spans[b, V_ADDRESS]), (layers, hkv, capacity, d))
-        return k, v
+    def caches(spans, tables, b, layers):  # pragma: no cover - compiled
+        """Sequence ``b``'s pool (keys and values, every layer) and its blocks."""
+        blocks, block = spans[b, POOL_BLOCKS], spans[b, BLOCK_TOKENS]
+        k = numba.carray(_half_pointer(spans[b, K_ADDRESS]), (layers, blocks, hkv, block // KEY_TILE, d, KEY_TILE))
+        v = numba.carray(_half_pointer(spans[b, V_ADDRESS]), (layers, blocks, hkv, block, d))
+        return k, v, tables[spans[b, TABLE]:]
 
     @numba.njit(inline="always")
     def normed_product(x, weight, xn, acts, codes, scales, mins, matrix, out, sync, tid,
@@ -213,8 +217,8 @@ def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
         linear(codes, scales, mins, matrix, acts, out, tid, n_threads)
         barrier(sync, n_threads)
 
-    def step(tid, n_threads, sync, codes, scales, mins, matrices, norms, x, cos, sin, spans, row_span, logit_rows,
-             taps, tapped, logits, work):  # pragma: no cover - compiled
+    def step(tid, n_threads, sync, codes, scales, mins, matrices, norms, x, cos, sin, spans, tables, row_span,
+             logit_rows, taps, tapped, logits, work):  # pragma: no cover - compiled
         xn, qkv, q, k, v, attn, out, gate_up, act, acts_e, acts_attn, acts_f, last, acts_last = work
         rows, e = x.shape
         layers = matrices.shape[0] - 1
@@ -227,17 +231,17 @@ def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
                 for j in range(hkv * d):
                     v[r, j // d, j % d] = qkv[r, (h + hkv) * d + j]
                 b = row_span[r]
-                kc, vc = caches(spans, b, layers)
+                kc, vc, table = caches(spans, tables, b, layers)
                 # row r is position START + (r - FIRST) of its sequence: store_kv_row writes row t at start + t
-                store_kv_row(k, v, kc[layer], vc[layer], spans[b, START] - spans[b, FIRST], r)
+                store_kv_row(k, v, kc[layer], vc[layer], table, spans[b, START] - spans[b, FIRST], r)
             barrier(sync, n_threads)
             items = rows * hkv
             for item in range(items * tid // n_threads, items * (tid + 1) // n_threads):
                 b = row_span[item // hkv]
                 first, n = spans[b, FIRST], spans[b, ROWS]
-                kc, vc = caches(spans, b, layers)
-                attend_item(q[first:first + n], kc[layer], vc[layer], spans[b, START], causal, attn[first:first + n],
-                            item - first * hkv)
+                kc, vc, table = caches(spans, tables, b, layers)
+                attend_item(q[first:first + n], kc[layer], vc[layer], table, spans[b, START], causal,
+                            attn[first:first + n], item - first * hkv)
             barrier(sync, n_threads)
             for r in range(tid, rows, n_threads):
                 qgemm.quantize_row(attn, r, acts_attn[1].shape[1], *acts_attn)
@@ -349,13 +353,17 @@ class Stack:
             self._workspaces[key] = work  # most recently used last
             if len(self._workspaces) > _WORKSPACES:
                 del self._workspaces[next(iter(self._workspaces))]
-        table = np.array([(s.rows.start, s.n_rows, s.start, s.cache.k.ctypes.data, s.cache.v.ctypes.data,
-                           s.cache.capacity) for s in spans], dtype=np.int64)
-        assert all(s.cache.k.dtype == np.float16 and s.cache.k.flags.c_contiguous for s in spans)
+        tables = [s.cache.table for s in spans]
+        offsets = np.cumsum([0] + [t.size for t in tables[:-1]])
+        table = np.array([(s.rows.start, s.n_rows, s.start, s.cache.pool.k.ctypes.data, s.cache.pool.v.ctypes.data,
+                           s.cache.pool.n_blocks, s.cache.pool.block_tokens, offset)
+                          for s, offset in zip(spans, offsets)], dtype=np.int64)
+        assert all(s.cache.pool.k.dtype == np.float16 and s.cache.pool.k.flags.c_contiguous for s in spans)
         row_span = np.repeat(np.arange(len(spans)), [s.n_rows for s in spans])
         logits = np.empty((logit_rows.size, self.vocab), dtype=np.float32)
         tapped = np.empty((rows, len(taps) * e), dtype=np.float32)
         w = self.weights
-        (self.team or default_team()).run(self._step, w.codes, w.scales, w.mins, w.matrices, w.norms, x, cos, sin, table, row_span,
-                      logit_rows, np.asarray(taps, dtype=np.int64), tapped, logits, tuple(work))
+        (self.team or default_team()).run(self._step, w.codes, w.scales, w.mins, w.matrices, w.norms, x, cos, sin, table,
+                                          np.concatenate(tables), row_span, logit_rows,
+                                          np.asarray(taps, dtype=np.int64), tapped, logits, tuple(work))
         return logits, (tapped if taps else None)

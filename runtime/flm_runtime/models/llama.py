@@ -12,7 +12,7 @@ import numpy as np
 
 from flm_runtime.backends import Backend
 from flm_runtime.core import ForwardOutput, LlamaConfig
-from flm_runtime.kv_cache import KVCache
+from flm_runtime.kv_cache import BLOCK_TOKENS, KVCache, KVPool
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu
 from flm_runtime.kernels.quant import QuantWeight
@@ -120,11 +120,21 @@ class LlamaModel:
         n = sum(a.nbytes for layer in self.layers for a in vars(layer).values())
         return n + self.norm.nbytes + self.lm_head.nbytes
 
-    def new_cache(self, capacity: int = 0) -> KVCache:
-        """An empty KV cache for one sequence; ``capacity`` (tokens) is a hint, it grows on demand."""
+    def new_pool(self, positions: int) -> KVPool:
+        """An engine's KV pool: ``positions // BLOCK_TOKENS`` blocks in this model's geometry and
+        ``kv_dtype``, a fixed number (``kv_cache``)."""
         c = self.config
-        return KVCache.private(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings, capacity,
-                       self.kv_dtype)
+        return KVPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv_dtype, positions // BLOCK_TOKENS)
+
+    def new_cache(self, capacity: int = 0, pool: KVPool | None = None) -> KVCache:
+        """An empty KV cache for one sequence, its blocks taken from ``pool`` (``new_pool``);
+        without one, from a pool of its own that grows on demand (``capacity``, tokens, is a
+        hint)."""
+        c = self.config
+        if pool is not None:
+            return KVCache(pool, c.max_position_embeddings)
+        return KVCache.private(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings,
+                               capacity, self.kv_dtype)
 
     def forward_batch(self, token_rows: list[np.ndarray], caches: list[KVCache], *,
                       taps: tuple[int, ...] = (), logit_rows: list[int] | None = None) -> ForwardOutput:
