@@ -512,7 +512,7 @@ def test_an_ngram_only_step_fits_its_rows_in_the_context():
 
 
 def test_a_preempted_speculative_sequence_rebuilds_its_draft_context_and_equals_plain(make_engine, tiny):
-    """Three requests that grow to 2 blocks each in a pool of 4: the youngest are preempted, and
+    """Three requests that grow to 2 blocks each in a pool of 3: the youngest are preempted, and
     when admitted again prefill their context, which rebuilds the draft's context from its taps;
     each ends with the tokens plain decoding gives, greedy and seeded."""
     from flm_runtime.scheduling.admission import kv_bytes_per_token
@@ -520,7 +520,7 @@ def test_a_preempted_speculative_sequence_rebuilds_its_draft_context_and_equals_
     tok = FakeTokenizer(vocab_size=300)
     decoder = SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]))
     per_token = kv_bytes_per_token(tiny.config, decoder.draft.config, np.dtype(tiny.kv_dtype).itemsize)
-    spec = make_engine(tiny, tok, speculative=decoder, kv_budget=4 * 64 * per_token)
+    spec = make_engine(tiny, tok, speculative=decoder, kv_budget=3 * 64 * per_token)
     plain = make_engine(tiny, tok)
     prompts = [PROMPT, PROMPT[::-1], PROMPT[2:] + PROMPT[:2]]
     params = [SamplingParams(max_tokens=70, ignore_eos=True),
