@@ -308,8 +308,8 @@ class Workspace(NamedTuple):
         def empty(*shape):
             return np.empty(shape, dtype=np.float32)
 
-        def acts(m, width):
-            return qgemm.new_activations(m, -(-width // BLOCK) * BLOCK)
+        def acts(m, width):  # its Python source: compiling it would cost every process a second
+            return qgemm.new_activations.py_func(m, -(-width // BLOCK) * BLOCK)
 
         return cls(empty(rows, e), empty(rows, (h + 2 * hkv) * d), empty(rows, h, d), empty(rows, hkv, d),
                    empty(rows, hkv, d), empty(rows, h * d), empty(rows, e), empty(rows, 2 * f), empty(rows, f),
