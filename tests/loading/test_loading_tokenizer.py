@@ -274,7 +274,7 @@ def test_sentencepiece_needs_its_scores():
         Tokenizer.from_gguf(meta)
 
 
-# Recorded once by tests/reference/llama_cpp_gemma3.py (its header says how).
+# Recorded once by `tests/reference/llama_cpp.py tokens` (the command is in the fixture).
 GEMMA3_LLAMA_CPP = json.loads((Path(__file__).resolve().parents[1] / "data" /
                                "gemma3_270m_llama_cpp_tokens.json").read_text(encoding="utf-8"))
 PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
