@@ -341,8 +341,8 @@ def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[s
         piece = tokens[i]
         if _BYTE_PIECE.fullmatch(piece):
             continue
-        splits = [(piece[:cut], piece[cut:]) for cut in range(1, len(piece))
-                  if piece[:cut] in ids and piece[cut:] in ids]
+        splits = [(left, right) for cut in range(1, len(piece))
+                  if (left := piece[:cut]) in ids and (right := piece[cut:]) in ids]
         if len(splits) > 1:
             splits.sort(key=lambda lr: (ids[lr[0]], ids[lr[1]]))
         merges += splits
