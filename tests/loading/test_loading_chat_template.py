@@ -1,4 +1,4 @@
-"""Chat template rendering: HF-compatible environment, content parts, errors, ChatML fallback."""
+"""Chat template rendering: HF-compatible environment, content parts, errors, no template."""
 
 from __future__ import annotations
 
@@ -6,19 +6,22 @@ import datetime
 
 import pytest
 
-from flm_runtime.errors import InvalidRequestError
-from flm_runtime.loading.chat_template import CHATML_FALLBACK, render_chat_template
+from flm_runtime.errors import InvalidRequestError, NoChatTemplateError
+from flm_runtime.loading.chat_template import render_chat_template
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+CHATML = ("{% for message in messages %}"
+          "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def test_missing_template_falls_back_to_chatml():
-    expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                "<|im_start|>assistant\n")
-    assert render_chat_template(None, MESSAGES) == expected
-    assert render_chat_template("", MESSAGES) == expected
-    assert render_chat_template(CHATML_FALLBACK, MESSAGES, add_generation_prompt=False) == (
-        expected.removesuffix("<|im_start|>assistant\n"))
+@pytest.mark.parametrize("template", [None, ""])
+def test_no_template_is_a_base_model_and_names_text_completion(template):
+    with pytest.raises(NoChatTemplateError) as info:
+        render_chat_template(template, MESSAGES)
+    assert isinstance(info.value, InvalidRequestError) and info.value.param == "messages"
+    assert "base model without a chat template" in str(info.value)
+    assert "text completion" in str(info.value)
 
 
 def test_trim_and_lstrip_blocks_like_transformers():
@@ -42,7 +45,7 @@ def test_content_parts_are_flattened():
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"},
                                              {"type": "text", "text": "b"}]},
                 {"role": "assistant", "content": None, "tool_calls": []}]
-    out = render_chat_template(None, messages, add_generation_prompt=False)
+    out = render_chat_template(CHATML, messages, add_generation_prompt=False)
     assert out == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
     assert messages[0]["content"][0] == {"type": "text", "text": "a"}  # caller's list untouched
 
@@ -56,7 +59,7 @@ def test_content_parts_are_flattened():
 ])
 def test_bad_messages_raise_invalid_request(messages):
     with pytest.raises(InvalidRequestError) as e:
-        render_chat_template(None, messages)
+        render_chat_template(CHATML, messages)
     assert e.value.param == "messages"
 
 

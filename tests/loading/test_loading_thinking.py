@@ -9,7 +9,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from flm_runtime import api, registry
 from flm_runtime.loading import Tokenizer
-from flm_runtime.loading.chat_template import CHATML_FALLBACK, ThinkingFormat, thinking_format
+from flm_runtime.loading.chat_template import ThinkingFormat, thinking_format
 
 from tiny_llama_files import CHATML, random_hf_weights, tiny_config, tiny_tokenizer_json, write_tiny_hf_dir
 
@@ -28,7 +28,7 @@ PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     (TEMPLATE, ThinkingFormat()),
     ("{% set enable_thinking = enable_thinking | default(true) %}{{ messages }}", ThinkingFormat()),
     ("{% set enable_thinking = false %}{{ enable_thinking }}", None),  # set, never read from the caller
-    (CHATML, None), (CHATML_FALLBACK, None), (None, None), ("", None),
+    (CHATML, None), (None, None), ("", None),
     ("{% if enable_thinking %}", None),  # does not compile: rendering says why
 ])
 def test_thinking_format_is_found_among_the_template_variables(template, found):

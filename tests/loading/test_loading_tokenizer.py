@@ -1,8 +1,12 @@
-"""Tokenizer: the SmolLM2 vocabulary from its GGUF, and a tiny vocabulary written here."""
+"""Tokenizer: the SmolLM2 vocabulary from its GGUF, tiny vocabularies written here (byte-level BPE and
+SentencePiece), and Gemma 3's SentencePiece vocabulary against llama.cpp's tokenizer."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
+from pathlib import Path
 
 import pytest
 from tiny_llama_files import random_hf_weights, tiny_config, write_tiny_gguf, write_tiny_hf_dir
@@ -10,7 +14,7 @@ from tokenizers import pre_tokenizers
 
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.gguf import open_gguf
-from flm_runtime.loading.tokenizer import Tokenizer, gguf_pre_tokenizer
+from flm_runtime.loading.tokenizer import Tokenizer, gguf_pre_tokenizer, sentencepiece_merges
 
 CORPUS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -209,8 +213,114 @@ def test_pre_tokenizers_split_numbers_like_their_models(pre, pieces):
     assert got == pieces
 
 
-def test_unknown_pre_tokenizer_and_sentencepiece_are_rejected():
+def test_unknown_pre_tokenizer_and_tokenizer_models_are_rejected():
     with pytest.raises(ModelFormatError, match="qwen2"):
         gguf_pre_tokenizer("qwen2")
-    with pytest.raises(ModelFormatError, match="'llama'"):
-        Tokenizer.from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(ModelFormatError, match="tokenizer model 'rwkv' is not supported"):
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "rwkv", "tokenizer.ggml.tokens": ["a"]})
+
+
+# --- SentencePiece BPE: a vocabulary written here, and Gemma 3's against llama.cpp -------------
+
+SPM_PIECES = [("▁", -1.0), ("a", -2.0), ("b", -3.0), ("c", -4.0), ("bc", -5.0), ("ab", -6.0),
+              ("▁a", -7.0), ("▁ab", -8.0)]
+UNK, BOS, EOS, BYTE0, SPACE, A, B, C, BC, AB, SPACE_A, SPACE_AB = 0, 1, 2, 3, 259, 260, 261, 262, 263, 264, 265, 266
+
+
+def spm_metadata(**extra) -> dict:
+    """A SentencePiece GGUF vocabulary: <unk> <s> </s>, the 256 byte tokens, ``SPM_PIECES``."""
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *(p for p, _ in SPM_PIECES)]
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": pieces,
+            "tokenizer.ggml.scores": [0.0] * 259 + [s for _, s in SPM_PIECES],
+            "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES),
+            "tokenizer.ggml.unknown_token_id": UNK, "tokenizer.ggml.bos_token_id": BOS,
+            "tokenizer.ggml.eos_token_id": EOS, "tokenizer.ggml.add_bos_token": False, **extra}
+
+
+def test_sentencepiece_merges_follow_the_score_of_the_piece_made():
+    meta = spm_metadata()
+    merges = sentencepiece_merges(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"])
+    # best piece first; the two splits of "▁ab" by the ids of their halves ("▁" 259 < "▁a" 265)
+    assert merges == [("b", "c"), ("a", "b"), ("▁", "a"), ("▁", "ab"), ("▁a", "b")]
+
+
+def test_sentencepiece_joins_the_best_pair_first_and_falls_back_to_bytes():
+    tok = Tokenizer.from_gguf(spm_metadata(**{"tokenizer.ggml.add_space_prefix": False}))
+    assert tok.encode("abc") == [A, BC]  # "bc" (-5) beats "ab" (-6), and "abc" is no piece
+    assert tok.encode(" ab") == [SPACE_AB]  # "ab" first, then "▁" + "ab"
+    assert tok.encode("abcd é") == [A, BC, BYTE0 + 0x64, SPACE, BYTE0 + 0xC3, BYTE0 + 0xA9]
+    assert tok.encode("ab</s>ab") == [AB, EOS, AB]
+    assert tok.encode("ab", add_bos=True) == [BOS, AB]
+    assert [tok.token_bytes(i) for i in (SPACE_AB, BYTE0 + 0x64, BYTE0 + 0xC3, EOS)] == [b" ab", b"d", b"\xc3", b"</s>"]
+    for text in ("abcd é", " ab  c ", "\x00\x7f☃"):
+        assert tok.decode(tok.encode(text)) == text
+        assert tok.hf_tokenizer.decode(tok.encode(text)) == text  # the independent Rust decoder
+    assert tok.missing_bytes == frozenset()
+
+
+def test_sentencepiece_space_prefix_goes_before_each_fragment_as_llama_cpp():
+    # llama.cpp's default when the key is absent; after a special token the next fragment gets one too
+    tok = Tokenizer.from_gguf(spm_metadata())
+    assert tok.encode("ab") == [SPACE_AB]
+    assert tok.encode("ab</s>ab") == [SPACE_AB, EOS, SPACE_AB]
+    assert tok.decode(tok.encode("ab")) == " ab"  # the table keeps the space that encoding added
+    assert tok.hf_tokenizer.decode(tok.encode("ab")) == "ab"  # HF's decoder strips it
+
+
+def test_sentencepiece_needs_its_scores():
+    meta = spm_metadata()
+    del meta["tokenizer.ggml.scores"]
+    with pytest.raises(ModelFormatError, match="scores"):
+        Tokenizer.from_gguf(meta)
+
+
+# Recorded once by `tests/reference/llama_cpp.py tokens` (the command is in the fixture).
+GEMMA3_LLAMA_CPP = json.loads((Path(__file__).resolve().parents[1] / "data" /
+                               "gemma3_270m_llama_cpp_tokens.json").read_text(encoding="utf-8"))
+PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
+
+
+@pytest.fixture(scope="module")
+def gemma3_tokenizer(gemma3_gguf):
+    return Tokenizer.from_gguf(open_gguf(gemma3_gguf).metadata, source=str(gemma3_gguf))
+
+
+def test_gemma3_fixture_is_of_the_registered_file():
+    from flm_runtime import registry
+
+    assert GEMMA3_LLAMA_CPP["model_sha256"] == registry.resolve("gemma3:270m").files[0].sha256
+
+
+@pytest.mark.parametrize("case", GEMMA3_LLAMA_CPP["cases"], ids=lambda c: c["text"][:24])
+def test_gemma3_ids_equal_llama_cpps(gemma3_tokenizer, case):
+    assert gemma3_tokenizer.encode(case["text"]) == case["ids"]
+
+
+def test_gemma3_passage_ids_equal_what_llama_perplexity_scores(gemma3_tokenizer):
+    text = PASSAGE.read_text(encoding="utf-8").removesuffix("\n")  # llama-perplexity -f drops it
+    assert gemma3_tokenizer.encode(text) == GEMMA3_LLAMA_CPP["passage"]["ids"]
+
+
+def test_gemma3_special_tokens(gemma3_tokenizer):
+    tok = gemma3_tokenizer
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.add_bos) == (262144, 2, 1, True)
+    assert tok.stop_token_ids == frozenset({1, 106})  # <eos>, <end_of_turn>
+    assert tok.chat_template is None  # a base model
+    assert tok.encode("<start_of_turn>user\nHi<end_of_turn>", add_bos=False)[:1] == [105]
+    assert tok.token_bytes(138) == b"  " and tok.token_bytes(107) == b"\n"  # user-defined: raw text
+    assert tok.token_bytes(tok.token_to_id("<0x0A>")) == b"\n"
+
+
+@pytest.mark.parametrize("text", [c["text"] for c in GEMMA3_LLAMA_CPP["cases"]] + CORPUS + _fuzz_strings(100))
+def test_gemma3_round_trip_is_exact(gemma3_tokenizer, text):
+    ids = gemma3_tokenizer.encode(text, add_bos=False)
+    assert gemma3_tokenizer.decode(ids) == text
+    assert gemma3_tokenizer.hf_tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_gemma3_token_bytes_agree_with_tokenizers_decode(gemma3_tokenizer):
+    # Every id but the byte tokens (one byte alone is no UTF-8 text for the Rust decoder).
+    tok = gemma3_tokenizer
+    ids = [i for i in range(tok.vocab_size) if not re.fullmatch(r"<0x[0-9A-F]{2}>", tok.id_to_token(i))]
+    decoded = tok.hf_tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    assert [tok.token_bytes(i).decode("utf-8", "replace") for i in ids] == decoded

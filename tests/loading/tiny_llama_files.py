@@ -82,16 +82,17 @@ def gguf_name(hf_name: str) -> str:
 def write_tiny_gguf(path: Path, config: LlamaConfig, weights: dict[str, np.ndarray], *,
                     qtype=gguf.GGMLQuantizationType.F32, arch: str = "llama",
                     pre: str = "smollm", extra_tensors: dict | None = None,
-                    replace: dict | None = None, extra_kv: dict | None = None) -> Path:
+                    replace: dict | None = None, extra_kv: dict | None = None,
+                    chat_template: str | None = CHATML) -> Path:
     """Write ``weights`` (HF names/layout) as a llama.cpp-style GGUF, Q/K permuted.
 
     Matrices are stored as ``qtype`` (quantized with gguf-py); 1-D norms stay F32.
     ``extra_tensors``: GGUF name -> (array, qtype) written as is; ``replace``: the same, in
-    place of the tensor of that GGUF name.
+    place of the tensor of that GGUF name. ``chat_template`` None: none (a base model).
     """
     writer = gguf.GGUFWriter(str(path), arch)
     _add_llama_kv(writer, config, arch)
-    _add_tokenizer_kv(writer, pre)
+    _add_tokenizer_kv(writer, pre, chat_template)
     for key, value in (extra_kv or {}).items():
         writer.add_key_value(key, value[0], value[1])
     for name, w in weights.items():
@@ -137,7 +138,7 @@ def _add_llama_kv(writer, c: LlamaConfig, arch: str) -> None:
     writer.add_uint32(f"{arch}.rope.dimension_count", c.head_dim)
 
 
-def _add_tokenizer_kv(writer, pre: str) -> None:
+def _add_tokenizer_kv(writer, pre: str, chat_template: str | None) -> None:
     tokens, merges, types = tiny_vocab()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
@@ -147,7 +148,8 @@ def _add_tokenizer_kv(writer, pre: str) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
 
 def tiny_tokenizer_json() -> str:

@@ -6,9 +6,9 @@ extension, a ``tojson`` filter that keeps non-ASCII text, and the globals ``rais
 and ``strftime_now(fmt)``. Variables: ``messages``, ``add_generation_prompt``, ``bos_token``,
 ``eos_token`` and any extra keyword (``tools``, ``enable_thinking`` ...).
 
-A model without a template gets ``CHATML_FALLBACK``:
-``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``
-when a generation prompt is asked for.
+A model without a template is a base model (``gemma3:270m``): there is no prompt format its
+training taught it, so rendering raises ``NoChatTemplateError`` rather than guess one; such a model
+continues text (a text completion).
 
 A template that reads an ``enable_thinking`` variable (Qwen3's, Nemotron's) has a thinking switch:
 ``thinking_format`` says so, with the markers that enclose the model's thinking in its output
@@ -28,14 +28,7 @@ import jinja2.ext
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from flm_runtime.errors import InvalidRequestError
-
-CHATML_FALLBACK = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from flm_runtime.errors import InvalidRequestError, NoChatTemplateError
 
 # How the text parts of one OpenAI content list are joined (vLLM's "string" content format does
 # the same); a text-only model has no better place for part boundaries.
@@ -127,7 +120,7 @@ class ThinkingFormat:
 def thinking_format(template: str | None, declared: ThinkingFormat | None = None) -> ThinkingFormat | None:
     """The thinking switch of ``template``: ``declared`` (a registry entry's) or else the default
     ``ThinkingFormat``, when the template reads its ``switch`` variable; None when it does not
-    (``CHATML_FALLBACK`` has none), or when it does not compile (rendering it says why).
+    (or there is no template), or when it does not compile (rendering it says why).
     """
     fmt = declared or ThinkingFormat()
     try:
@@ -149,7 +142,7 @@ def render_chat_template(
 
     Args:
         template: Jinja source (GGUF ``tokenizer.chat_template`` or tokenizer_config.json's
-            ``chat_template``); ``None`` or empty -> ``CHATML_FALLBACK``.
+            ``chat_template``); ``None`` or empty: the model has none.
         messages: OpenAI-style messages, ``{"role": ..., "content": str | list[part] | None}``;
             list content is flattened to text (parts joined by ``TEXT_PART_SEPARATOR``), ``None``
             becomes ``""``; other keys (``name``, ``tool_calls`` ...) pass through unchanged.
@@ -161,10 +154,13 @@ def render_chat_template(
         The prompt text, special tokens written out (``<|im_start|>``...).
 
     Raises:
+        NoChatTemplateError: no ``template`` (a base model).
         InvalidRequestError: (``param="messages"``) malformed messages, a non-text content part,
             or the template rejected the conversation (its own message is kept).
     """
-    compiled = compile_chat_template(template or CHATML_FALLBACK)
+    if not template:
+        raise NoChatTemplateError()
+    compiled = compile_chat_template(template)
     context = dict(extra, messages=normalize_messages(messages),
                    add_generation_prompt=add_generation_prompt,
                    bos_token=bos_token, eos_token=eos_token)

@@ -1,25 +1,35 @@
-"""Byte-level BPE tokenizer built from a model's own files (GGUF metadata or tokenizer.json).
+"""Tokenizers built from a model's own files (GGUF metadata or tokenizer.json): byte-level BPE and
+SentencePiece BPE.
 
 Encoding runs in Hugging Face ``tokenizers`` (Rust). Decoding is ours: every token id maps to the
 exact bytes it stands for (``token_bytes``, precomputed), and ``decode`` joins those bytes. The
 engine's incremental detokenizer uses the same table, so streamed text and ``decode`` agree by
 construction.
 
-Byte-level BPE (GPT-2, Radford et al. 2019) writes each byte as one printable character:
+Byte-level BPE (GPT-2, Radford et al. 2019; GGUF ``tokenizer.ggml.model == "gpt2"``, or a
+tokenizer.json with a ``ByteLevel`` decoder) writes each byte as one printable character:
 printable Latin-1 bytes stand for themselves, the 68 others for ``chr(256 + n)`` in byte order
 (space -> ``Ġ``, newline -> ``Ċ``). Added/special tokens (``<|im_start|>``) are plain UTF-8 text.
 
-Only byte-level BPE vocabularies are supported (GGUF ``tokenizer.ggml.model == "gpt2"``;
-tokenizer.json with a ``ByteLevel`` decoder); SentencePiece ones raise ``ModelFormatError``.
+SentencePiece BPE (Kudo & Richardson 2018; GGUF ``tokenizer.ggml.model == "llama"``: Llama 2,
+Gemma) stores pieces as UTF-8 text with ``▁`` (U+2581) for a space, a score per piece and no merges,
+plus 256 byte tokens ``<0x00>`` .. ``<0xFF>`` for characters no piece covers (byte fallback).
+llama.cpp's tokenizer (``llm_tokenizer_spm`` in ``src/llama-vocab.cpp``) starts from the text's
+characters and repeatedly joins the adjacent pair whose concatenation is the piece of highest
+score; BPE whose merges are ranked by the score of the piece they make does the same
+(``sentencepiece_merges``). Text is cut at control and user-defined tokens first, and a space is
+put before each remaining fragment when ``tokenizer.ggml.add_space_prefix`` (llama.cpp's default:
+true; Gemma's GGUF says false). A tokenizer.json of this kind is not read yet.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from flm_runtime.errors import ModelFormatError
@@ -29,6 +39,9 @@ from flm_runtime.loading.hf_files import read_hf_tokenizer_files
 # GGUF tokenizer.ggml.token_type values (llama.cpp llama_token_type).
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+
+SPACE_PIECE = "\u2581"  # "▁": SentencePiece's space
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
 
 # Tokens that end a turn in some chat format; each that exists as an added token stops generation.
 END_OF_TURN_TOKENS = (
@@ -70,8 +83,19 @@ def byte_level_to_bytes(token: str) -> bytes:
     return b"".join(bytes([table[c]]) if c in table else c.encode() for c in token)
 
 
+def sentencepiece_to_bytes(piece: str) -> bytes:
+    """The bytes a SentencePiece piece stands for: ``"▁world"`` -> ``b" world"``, a byte token
+    ``"<0x0A>"`` -> ``b"\\n"``."""
+    if (m := _BYTE_PIECE.fullmatch(piece)) is not None:
+        return bytes([int(m.group(1), 16)])
+    return piece.replace(SPACE_PIECE, " ").encode("utf-8")
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its special tokens and chat template.
+
+    Built over a ``tokenizers.Tokenizer`` (``hf``); ``piece_bytes`` maps one of its vocabulary
+    pieces to the bytes it stands for (``byte_level_to_bytes`` or ``sentencepiece_to_bytes``).
 
     Attributes:
         vocab_size: number of token ids (V); ids are ``0 .. V-1``.
@@ -84,14 +108,16 @@ class Tokenizer:
         missing_bytes: byte values no token stands for; ``encode`` drops them, as the model's
             Hugging Face tokenizer does (SmolLM2 lacks 0x04, 0x06, 0x13, 0x14, 0x16, 0x1D and
             bytes never seen in UTF-8). Text without them round-trips exactly.
-        chat_template: Jinja source, or ``None`` (the ChatML fallback is used).
+        chat_template: Jinja source, or ``None``: a base model (``apply_chat_template`` raises
+            ``NoChatTemplateError``).
         thinking: the template's thinking switch and output markers (``thinking_format``), or
             ``None`` when the template has no switch. A registry entry may declare its own
             (``flm_runtime.api.load_model`` sets it then; setting it updates ``special_token_ids``).
     """
 
     def __init__(self, hf: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: list[int],
-                 add_bos: bool, chat_template: str | None, source: str):
+                 add_bos: bool, chat_template: str | None, source: str,
+                 piece_bytes: Callable[[str], bytes] = byte_level_to_bytes):
         self._hf = hf
         self.source = source
         self.bos_token_id = bos_token_id
@@ -102,7 +128,7 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._added_ids = {t.content: i for i, t in added.items()}
         self.thinking = thinking_format(self.chat_template)
-        self._token_bytes = _token_bytes_table(hf, added)
+        self._token_bytes = _token_bytes_table(hf, added, piece_bytes)
         self.vocab_size = len(self._token_bytes)
         self.missing_bytes = _missing_bytes(self._token_bytes, added)
         eot = {i for i, t in added.items() if t.content in END_OF_TURN_TOKENS}
@@ -130,32 +156,28 @@ class Tokenizer:
             source: file name for error messages.
 
         Raises:
-            ModelFormatError: not a byte-level BPE vocabulary (``tokenizer.ggml.model != "gpt2"``),
-                an unknown ``tokenizer.ggml.pre``, or missing tokens / merges.
+            ModelFormatError: a tokenizer model other than byte-level BPE (``"gpt2"``) or
+                SentencePiece (``"llama"``), an unknown ``tokenizer.ggml.pre``, or missing tokens,
+                merges (``gpt2``) or scores (``llama``).
         """
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if kind == "gpt2":
+            hf, piece_bytes = _byte_level_bpe(meta, source), byte_level_to_bytes
+        elif kind == "llama":
+            hf, piece_bytes = _sentencepiece_bpe(meta, source), sentencepiece_to_bytes
+        else:
             raise ModelFormatError(
                 f"{source}: tokenizer model {kind!r} is not supported "
-                f"(only byte-level BPE, 'gpt2')")
-        tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
-        if not tokens or merges is None:
-            raise ModelFormatError(f"{source}: tokenizer.ggml.tokens or .merges is missing")
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        hf = HFTokenizer(models.BPE(
-            vocab={t: i for i, t in enumerate(tokens)},
-            merges=[tuple(m.split(" ", 1)) for m in merges],
-            ignore_merges=pre == "llama-bpe",  # Llama-3 looks whole words up first (as llama.cpp)
-        ))
-        hf.pre_tokenizer = gguf_pre_tokenizer(pre, source)
-        hf.decoder = decoders.ByteLevel()
+                f"(byte-level BPE 'gpt2' and SentencePiece 'llama' are)")
         _add_gguf_special_tokens(hf, tokens, meta.get("tokenizer.ggml.token_type") or [])
         eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                  "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
         return cls(hf, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
                    eos_token_ids=list(dict.fromkeys(eos)),
                    add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=meta.get("tokenizer.chat_template"), source=source)
+                   chat_template=meta.get("tokenizer.chat_template"), source=source,
+                   piece_bytes=piece_bytes)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
@@ -227,7 +249,7 @@ class Tokenizer:
         return self._token_bytes
 
     def id_to_token(self, token_id: int) -> str | None:
-        """The vocabulary string of a token (byte-level form, ``"Ġworld"``)."""
+        """The vocabulary string of a token (``"Ġworld"`` byte-level, ``"▁world"`` SentencePiece)."""
         return self._hf.id_to_token(token_id)
 
     def token_to_id(self, token: str) -> int | None:
@@ -261,6 +283,70 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
                 f"eos={self.eos_token_id}, stop={sorted(self.stop_token_ids)})")
+
+
+def _byte_level_bpe(meta: dict[str, Any], source: str) -> HFTokenizer:
+    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        raise ModelFormatError(f"{source}: tokenizer.ggml.tokens or .merges is missing")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    hf = HFTokenizer(models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)},
+        merges=[tuple(m.split(" ", 1)) for m in merges],
+        ignore_merges=pre == "llama-bpe",  # Llama-3 looks whole words up first (as llama.cpp)
+    ))
+    hf.pre_tokenizer = gguf_pre_tokenizer(pre, source)
+    hf.decoder = decoders.ByteLevel()
+    return hf
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], source: str) -> HFTokenizer:
+    tokens, scores = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.scores")
+    if not tokens or scores is None or len(scores) != len(tokens):
+        raise ModelFormatError(f"{source}: tokenizer.ggml.tokens or .scores is missing, or they differ in length")
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    hf = HFTokenizer(models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)},
+        merges=sentencepiece_merges(tokens, scores),
+        unk_token=tokens[unk] if unk is not None else None,
+        byte_fallback=True,  # a character no piece covers becomes its UTF-8 bytes' <0xNN> tokens
+    ))
+    steps = [normalizers.Replace(" ", SPACE_PIECE)]
+    unprefix = []
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        # Prepend runs per fragment between added tokens: llama.cpp's space after a special token.
+        steps.insert(0, normalizers.Prepend(SPACE_PIECE))
+        unprefix = [decoders.Strip(" ", 1, 0)]
+    hf.normalizer = normalizers.Sequence(steps)
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse(), *unprefix])
+    return hf
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges that reproduce SentencePiece BPE over ``tokens`` (pieces) and ``scores``.
+
+    Every split of a piece into two pieces is a merge, ranked by the score of the piece it makes
+    (highest first: the order in which llama.cpp's ``llm_tokenizer_spm`` joins pairs), then by
+    that piece's id, then by the ids of the two halves (the list Hugging Face's
+    ``SentencePieceExtractor`` builds). Byte tokens make no merges (only text, never a ``<0xNN>``
+    literal, is merged).
+
+    Returns:
+        (left, right) pairs, best first.
+    """
+    ids = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for i in sorted(range(len(tokens)), key=lambda i: -scores[i]):  # stable: equal scores by id
+        piece = tokens[i]
+        if _BYTE_PIECE.fullmatch(piece):
+            continue
+        splits = [(left, right) for cut in range(1, len(piece))
+                  if (left := piece[:cut]) in ids and (right := piece[cut:]) in ids]
+        if len(splits) > 1:
+            splits.sort(key=lambda lr: (ids[lr[0]], ids[lr[1]]))
+        merges += splits
+    return merges
 
 
 def gguf_pre_tokenizer(pre: str, source: str = "GGUF") -> Any:
@@ -297,12 +383,13 @@ def _add_gguf_special_tokens(hf: HFTokenizer, tokens: list[str], token_types: li
     hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
 
-def _token_bytes_table(hf: HFTokenizer, added: dict[int, AddedToken]) -> list[bytes]:
-    vocab = hf.get_vocab(with_added_tokens=False)  # byte-level string -> id
+def _token_bytes_table(hf: HFTokenizer, added: dict[int, AddedToken],
+                       piece_bytes: Callable[[str], bytes]) -> list[bytes]:
+    vocab = hf.get_vocab(with_added_tokens=False)  # piece -> id
     size = max([*vocab.values(), *added.keys()]) + 1
     table = [b""] * size  # ids the vocabulary skips stand for nothing
     for token, i in vocab.items():
-        table[i] = byte_level_to_bytes(token)
+        table[i] = piece_bytes(token)
     for i, t in added.items():
         table[i] = t.content.encode("utf-8")
     return table

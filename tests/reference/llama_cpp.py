@@ -1,0 +1,121 @@
+"""Record llama.cpp's reference values for a GGUF: token ids, and perplexity over the test passage.
+
+llama.cpp shares nothing with ``flm_runtime`` but the GGUF file: its tokenizer (``llm_tokenizer_spm``,
+``llm_tokenizer_bpe``) and its forward passes are its own. Each subcommand writes one JSON fixture,
+with the command, the date and the llama.cpp commit in it:
+
+- ``tokens``: ``llama-tokenize`` ids of ``TEXTS`` and of the perplexity passage as
+  ``llama-perplexity`` reads it (``-f`` drops the file's one trailing newline), BOS included where
+  the model's ``add_bos_token`` asks for it;
+- ``perplexity``: ``llama-perplexity``'s final estimate over ``tests/data/wizard_of_oz_ch1.txt``
+  with a context of ``N_CTX`` tokens.
+
+What ``llama-perplexity`` computes (``tools/perplexity/perplexity.cpp``, ``perplexity()``): the text
+is tokenized (BOS first when the model adds one); it is cut into ``len(ids) // n_ctx`` chunks of
+``n_ctx`` tokens (the tail left over is not scored), each evaluated alone from an empty KV cache,
+its first token replaced by BOS when the model adds one; in each chunk only the second half is
+scored: the logits at positions ``n_ctx/2 .. n_ctx-2`` predict tokens ``n_ctx/2 + 1 .. n_ctx-1``
+(``n_ctx/2 - 1`` tokens a chunk). The figure is exp(sum of those negative log-likelihoods / their
+count), over all chunks together. ``-b`` equal to ``-c`` makes each chunk one batch of one sequence
+(the figure does not depend on it). ``-fa off -ctk f32 -ctv f32``: llama.cpp's defaults (its
+flash-attention kernel on the CPU, a float16 KV cache) round K, V and the scores to float16, which
+moves the figure by about 1% over this short passage (SmolLM2: 21.9446 by default, 21.9129 without
+flash attention, 21.8490 with a float32 cache too; ours 21.69, and over the first chunk alone
+18.0914 against llama.cpp's 18.0931). The weights stay as stored; llama.cpp still quantizes the
+activations to 8 bits for the quantized matrix products, ours (float32 reference path) does not.
+``tests/models/perplexity.py`` computes ours the same way.
+
+Run (not part of CI; needs a llama.cpp build with the llama-tokenize and llama-perplexity targets):
+    python tests/reference/llama_cpp.py tokens LLAMA_CPP_DIR GGUF tests/data/OUT.json
+    python tests/reference/llama_cpp.py perplexity LLAMA_CPP_DIR GGUF tests/data/OUT.json
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
+N_CTX = 128  # tokens: the passage has ~330, and llama-perplexity needs at least 2 * n_ctx
+THREADS = 2
+
+# Plain prose, unicode from several scripts, digits, runs of spaces, newlines and tabs, a character
+# no piece covers (U+F0000, private use: byte fallback), HTML tags (user-defined tokens in Gemma 3).
+TEXTS = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "Café naïve résumé — 你好，世界！ こんにちは。 Привет, мир! Ελληνικά 😀🎉👍🏽",
+    "In 1900, 3.14159 and 1234567890 apples cost $42.50 (or 7%).",
+    "a  b   c    d     e      f  ",
+    "  two spaces before, one after ",
+    "line one\nline two\n\n\nafter three newlines\r\n\tand a tab\n",
+    "private use \ue000 and \U000f0000 fall back to bytes",
+    "<b>bold</b> and <td>cell</td>",
+]
+
+
+def header(llama_dir: Path, gguf: Path, argv: list[str]) -> dict:
+    commit = subprocess.run(["git", "-C", str(llama_dir), "rev-parse", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    return {
+        "llama.cpp": commit,
+        "date": datetime.date.today().isoformat(),
+        "model": gguf.name,
+        "model_sha256": hashlib.sha256(gguf.read_bytes()).hexdigest(),
+        "recorded_by": " ".join(["python", "tests/reference/llama_cpp.py", *argv]),
+    }
+
+
+def tokenize(bin_dir: Path, gguf: Path, text: str) -> list[int]:
+    out = subprocess.run([str(bin_dir / "llama-tokenize"), "-m", str(gguf), "--stdin", "--ids", "--no-escape",
+                          "--log-disable"], input=text.encode("utf-8"), capture_output=True, check=True)
+    return json.loads(out.stdout.decode().strip().splitlines()[-1])
+
+
+def record_tokens(bin_dir: Path, gguf: Path) -> dict:
+    return {
+        "command": f"llama-tokenize -m {gguf.name} --stdin --ids --no-escape --log-disable < TEXT",
+        "cases": [{"text": t, "ids": tokenize(bin_dir, gguf, t)} for t in TEXTS],
+        "passage": {"file": PASSAGE.name, "trailing_newline_dropped": True,
+                    "ids": tokenize(bin_dir, gguf, PASSAGE.read_text(encoding="utf-8").removesuffix("\n"))},
+    }
+
+
+def record_perplexity(bin_dir: Path, gguf: Path) -> dict:
+    args = ["-f", str(PASSAGE), "-c", str(N_CTX), "-b", str(N_CTX), "-fa", "off", "-ctk", "f32", "-ctv", "f32",
+            "-t", str(THREADS)]
+    run = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(gguf), *args], capture_output=True,
+                         text=True, check=True)
+    log = run.stdout + run.stderr
+    final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
+    chunks = re.search(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+), batch_size=(\d+), n_seq=(\d+)", log)
+    assert final and chunks, log[-2000:]
+    n_chunks = int(chunks.group(1))
+    return {
+        "command": " ".join(["llama-perplexity", "-m", gguf.name, "-f", f"tests/data/{PASSAGE.name}", *args[2:]]),
+        "n_ctx": N_CTX, "n_batch": int(chunks.group(3)), "n_seq": int(chunks.group(4)), "chunks": n_chunks,
+        "scored_tokens": n_chunks * (N_CTX - N_CTX // 2 - 1),
+        "perplexity": float(final.group(1)), "plus_minus": float(final.group(2)),
+    }
+
+
+def compact_json(obj: dict) -> str:
+    """JSON text with each list of numbers on one line."""
+    text = json.dumps(obj, ensure_ascii=False, indent=1)
+    return re.sub(r"\[[-\d.,\s]*\]", lambda m: json.dumps(json.loads(m.group(0))), text) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    what, llama_dir, gguf, out = argv[0], Path(argv[1]), Path(argv[2]), Path(argv[3])
+    record = {"tokens": record_tokens, "perplexity": record_perplexity}[what]
+    fixture = {**header(llama_dir, gguf, argv), **record(llama_dir / "build" / "bin", gguf)}
+    out.write_text(compact_json(fixture), encoding="utf-8")
+    print(compact_json({k: v for k, v in fixture.items() if k not in ("cases", "passage")}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
