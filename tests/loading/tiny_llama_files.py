@@ -89,9 +89,7 @@ def write_tiny_gguf(path: Path, config: LlamaConfig, weights: dict[str, np.ndarr
     ``extra_tensors``: GGUF name -> (array, qtype) written as is; ``replace``: the same, in
     place of the tensor of that GGUF name.
     """
-    writer = gguf.GGUFWriter(str(path), arch)
-    _add_llama_kv(writer, config, arch)
-    _add_tokenizer_kv(writer, pre)
+    writer = llama_gguf_writer(path, config, arch=arch, pre=pre)
     for key, value in (extra_kv or {}).items():
         writer.add_key_value(key, value[0], value[1])
     for name, w in weights.items():
@@ -111,6 +109,15 @@ def write_tiny_gguf(path: Path, config: LlamaConfig, weights: dict[str, np.ndarr
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama_gguf_writer(path: Path, config: LlamaConfig, *, arch: str = "llama", pre: str = "smollm") -> gguf.GGUFWriter:
+    """A ``GGUFWriter`` of ``path`` holding a Llama's metadata (``config``) and the tiny tokenizer's;
+    the caller adds the tensors and writes the file."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    _add_llama_kv(writer, config, arch)
+    _add_tokenizer_kv(writer, pre)
+    return writer
 
 
 def _add_tensor(writer, name: str, w: np.ndarray, qtype) -> None:
