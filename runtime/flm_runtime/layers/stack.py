@@ -91,7 +91,6 @@ def stack_weights(layers: list[LayerWeights], final_norm: np.ndarray,
     formats = tuple(dict.fromkeys(qgemm.format_of(m) for m in matrices))
     if len(formats) > _MAX_FORMATS:
         raise ValueError(f"a stacked model has at most {_MAX_FORMATS} matrix formats, got {formats}")
-    # Views of one mapping when the weights were kept in this order (loading.converted), else copies.
     codes = joined([m.codes for m in matrices])
     scales = joined([m.scales for m in matrices]).view(np.uint16)
     mins = joined([m.mins for m in matrices if m.mins is not None] or [np.zeros(0, np.float16)]).view(np.uint16)
