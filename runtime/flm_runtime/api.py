@@ -85,7 +85,7 @@ def load_model(tag: str, models: registry.Registry | None = None) -> LoadedModel
     model, tokenizer = LlamaModel(bundle.config, bundle.weights), bundle.tokenizer
     if entry.thinking is not None:  # the entry's markers replace the defaults the template was read with
         tokenizer.thinking = thinking_format(tokenizer.chat_template, entry.thinking)
-    del bundle  # the model holds what it needs: fused copies, the rest as loaded (maps of a kept file)
+    del bundle  # the model holds what it needs: views of the kept file's mapping (copies if none was kept)
     _return_free_memory()
     # Compile (or load from numba's cache) the kernels here, not in the first request's time: one
     # step of the model runs every kernel a decode runs (the skinny float32 one only where a

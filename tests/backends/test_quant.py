@@ -90,6 +90,25 @@ def test_stacking_whole_tiles_gives_the_bytes_of_tiling_again(bits, mins):
         assert (a is None and b is None) or (a.tobytes() == b.tobytes() and a.shape == b.shape), name
 
 
+def test_arrays_lying_one_after_the_other_join_without_a_copy():
+    # Adjacent views of one mapped buffer (kept weights) join as a view of it; apart, or from
+    # different buffers, they are copied: the same values either way.
+    import mmap
+
+    buffer = mmap.mmap(-1, 4096)
+    whole = np.frombuffer(buffer, np.uint16)
+    whole[:] = np.arange(whole.size)
+    a, b, c = (np.frombuffer(buffer, np.uint16, n, at).reshape(-1, 4) for n, at in ((8, 64), (12, 80), (4, 200)))
+    view = quant.joined([a, b])
+    assert view.tolist() == list(range(32, 52)) and quant.owner_of(view) is buffer and np.shares_memory(view, whole)
+    view[0] = 7  # writable as the buffer is: the kernels take it as they take the parts
+    assert a[0, 0] == 7
+    for apart in ([a, c], [a, b.copy()], [b, a]):
+        copy = quant.joined(apart)
+        assert copy.tolist() == np.concatenate([x.reshape(-1) for x in apart]).tolist()
+        assert not np.shares_memory(copy, whole)
+
+
 @pytest.mark.parametrize("n", [12, 32])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_packed_blocks_tile_as_their_codes_do(n, bits):

@@ -90,9 +90,7 @@ def write_tiny_gguf(path: Path, config: LlamaConfig, weights: dict[str, np.ndarr
     ``extra_tensors``: GGUF name -> (array, qtype) written as is; ``replace``: the same, in
     place of the tensor of that GGUF name. ``chat_template`` None: none (a base model).
     """
-    writer = gguf.GGUFWriter(str(path), arch)
-    _add_llama_kv(writer, config, arch)
-    _add_tokenizer_kv(writer, pre, chat_template)
+    writer = llama_gguf_writer(path, config, arch=arch, pre=pre, chat_template=chat_template)
     for key, value in (extra_kv or {}).items():
         writer.add_key_value(key, value[0], value[1])
     for name, w in weights.items():
@@ -112,6 +110,16 @@ def write_tiny_gguf(path: Path, config: LlamaConfig, weights: dict[str, np.ndarr
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama_gguf_writer(path: Path, config: LlamaConfig, *, arch: str = "llama", pre: str = "smollm",
+                      chat_template: str | None = CHATML) -> gguf.GGUFWriter:
+    """A ``GGUFWriter`` of ``path`` holding a Llama's metadata (``config``) and the tiny tokenizer's
+    (``chat_template`` None: none); the caller adds the tensors and writes the file."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    _add_llama_kv(writer, config, arch)
+    _add_tokenizer_kv(writer, pre, chat_template)
+    return writer
 
 
 def _add_tensor(writer, name: str, w: np.ndarray, qtype) -> None:

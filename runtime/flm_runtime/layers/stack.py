@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 from flm_runtime.core import KEY_TILE
 from flm_runtime.kernels import attention, qgemm
 from flm_runtime.kernels.elementwise import rms_norm_row, rope_row, swiglu_row
-from flm_runtime.kernels.quant import BLOCK, TILE, QuantWeight
+from flm_runtime.kernels.quant import BLOCK, TILE, QuantWeight, joined
 from flm_runtime.kernels.team import Team, barrier, default_team
 from flm_runtime.layers.decoder import LayerWeights, RowSpan
 from flm_runtime.layers.jit import compiled, sources_key
@@ -78,7 +78,9 @@ class StackWeights(NamedTuple):
 def stack_weights(layers: list[LayerWeights], final_norm: np.ndarray,
                   lm_head: QuantWeight) -> tuple[StackWeights, list[LayerWeights], QuantWeight]:
     """The stacked weights of a quantized model, and its layers and LM head rebuilt as views
-    into them (so that the originals can be freed).
+    into them (so that the originals can be freed). The matrices' arrays are not copied when they
+    already lie one after the other, layer by layer (QKV, O, gate/up, down), then the LM head
+    (``quant.joined``; kept weights are laid out so: ``loading.converted``).
 
     Raises:
         ValueError: a matrix is not quantized, or the model has more than 4 formats.
@@ -89,10 +91,9 @@ def stack_weights(layers: list[LayerWeights], final_norm: np.ndarray,
     formats = tuple(dict.fromkeys(qgemm.format_of(m) for m in matrices))
     if len(formats) > _MAX_FORMATS:
         raise ValueError(f"a stacked model has at most {_MAX_FORMATS} matrix formats, got {formats}")
-    codes = np.concatenate([m.codes.reshape(-1) for m in matrices])
-    scales = np.concatenate([m.scales.reshape(-1) for m in matrices]).view(np.uint16)
-    mins = np.concatenate([m.mins.reshape(-1) for m in matrices if m.mins is not None]
-                          or [np.zeros(0, np.float16)]).view(np.uint16)
+    codes = joined([m.codes for m in matrices])
+    scales = joined([m.scales for m in matrices]).view(np.uint16)
+    mins = joined([m.mins for m in matrices if m.mins is not None] or [np.zeros(0, np.float16)]).view(np.uint16)
     table = np.zeros((len(layers) + 1, 4, 6), dtype=np.int64)
     offsets = np.zeros(3, dtype=np.int64)
     views = []

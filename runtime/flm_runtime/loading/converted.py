@@ -4,7 +4,9 @@ converting again.
 A GGUF's matrices are converted to the cpu backend's tiled blocks at every load (0.15 s for the
 embedded default on the AVX-512 host; a K-quant file's 6-bit matrices are dequantized and
 quantized again, slower still). ``load`` gives the weights ``save`` wrote for the same source file
-and weight kind, or None; the caller converts and saves then.
+and weight kind, or None; the caller converts then, writing each part of a tensor into the file
+as it is converted (``save``), and maps the file: the converted weights are never all in memory
+besides the mapping (docs/design.md, "How weights are held").
 
 One file per (source file, weight kind) in the caller's directory (``paths.converted_dir()``):
 ``<key>-<kind>.flmw``, the key a digest of the source's absolute path (as the registry's
@@ -15,10 +17,13 @@ all, or that is unreadable, is not used, and the next ``save`` replaces it. A ``
 temporary file and renames it, so a failed or concurrent write never leaves a partial file under
 the name; a cache that cannot be written only costs the conversion next time.
 
-Layout: ``MAGIC``, the header's length (8 bytes, little-endian), the header (JSON), then each
-array's bytes at a 64-byte aligned offset. The file is mapped copy-on-write: the arrays are
-writable views of it (numba compiles read-only arrays as another type), their pages read from the
-page cache and shared by every process that maps them.
+Layout: ``MAGIC``, the header's length (8 bytes, little-endian), the header (JSON: each array's
+dtype, shape and offset), then the data from a 64-byte aligned offset: every matrix's codes one
+after the other in the caller's order, then their scales, then their mins, then each float32
+array (``_layout``). Given in the order a quantized model stacks them, the stacked arrays are
+views of the mapping, not copies (``layers.stack.stack_weights``). The file is mapped
+copy-on-write: the arrays are writable views of it (numba compiles read-only arrays as another
+type), their pages read from the page cache and shared by every process that maps them.
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import quant
 from flm_runtime.kernels.quant import QuantWeight, Weight
 
@@ -72,40 +80,114 @@ def load(directory: Path, source: Path, kind: str) -> dict[str, Weight] | None:
         return None
 
 
-def save(directory: Path, source: Path, kind: str, weights: dict[str, Weight]) -> None:
-    """Keep ``weights``, converted from ``source`` as ``kind``, in ``directory`` for ``load`` (best
-    effort, atomic; the directory is created)."""
+class Entry(NamedTuple):
+    """How one kept tensor is held: ``bits`` 4 or 8 for a ``QuantWeight`` (``mins``: it stores
+    mins), 0 for a float32 array; ``shape``: the matrix's ``[out, in]``, or the array's shape."""
+
+    bits: int
+    mins: bool
+    shape: tuple[int, ...]
+
+    @classmethod
+    def like(cls, part: Weight, rows: int) -> Entry:
+        """The entry of a tensor of ``rows`` rows converted as its rows ``part`` were."""
+        if isinstance(part, QuantWeight):
+            return cls(part.bits, part.mins is not None, (rows, part.in_features))
+        return cls(0, False, (rows, *part.shape[1:]))
+
+
+def save(directory: Path, source: Path, kind: str, entries: dict[str, Entry],
+         parts: Iterable[tuple[str, int, Weight]]) -> bool:
+    """Keep the weights converted from ``source`` as ``kind`` in ``directory`` for ``load``,
+    written part by part as ``parts`` gives them (best effort, atomic; the directory is created).
+
+    Args:
+        entries: every tensor's format and shape; their order is the layout's (``_layout``).
+        parts: ``(name, first row, weight)``: the rows ``first ..`` of tensor ``name``
+            (``first`` a multiple of ``quant.TILE`` for a ``QuantWeight``), each row once.
+
+    Returns:
+        Whether the weights were kept; False (nothing written under the name): the directory or
+        the file cannot be written, or ``parts`` did not cover every row.
+    """
     path = cache_file(directory, source, kind)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    arrays: list[np.ndarray] = []
-    length = 0  # of the data so far, each array's bytes padded to the alignment
-
-    def entry(a: np.ndarray | None) -> list | None:  # [dtype, shape, offset from the data's start]
-        nonlocal length
-        if a is None:
-            return None
-        arrays.append(a)
-        length += _aligned(a.nbytes)
-        return [a.dtype.str, list(a.shape), length - _aligned(a.nbytes)]
-
-    tensors = {name: {"bits": w.bits, "in": w.in_features, "out": w.out_features, "codes": entry(w.codes),
-                      "scales": entry(w.scales), "mins": entry(w.mins)} if isinstance(w, QuantWeight)
-               else {"array": entry(w)} for name, w in weights.items()}
+    tensors, length = _layout(entries)
     header = json.dumps({"stamp": _stamp(source, kind), "length": length, "tensors": tensors}).encode()
     start = _aligned(len(MAGIC) + 8 + len(header))
+    rows = dict.fromkeys(entries, 0)  # written so far, per tensor
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tmp.open("wb") as f:
             f.write(MAGIC + len(header).to_bytes(8, "little") + header)
-            for a in arrays:
-                f.write(bytes(_aligned(f.tell()) - f.tell()))
-                f.write(np.ascontiguousarray(a).data)
-            f.write(bytes(start + length - f.tell()))
+            f.truncate(start + length)
+            for name, first, part in parts:
+                rows[name] += _write_part(f.fileno(), start, tensors[name], first, part)
+        if rows != {name: e.shape[0] for name, e in entries.items()}:
+            raise ValueError(f"rows written {rows} are not the tensors' rows")
         os.replace(tmp, path)
-    except OSError as e:  # a read-only or full cache only costs the conversion next time
+        return True
+    except ModelFormatError:  # the source's, not the cache's
+        raise
+    except (OSError, ValueError) as e:  # a read-only or full cache only costs the conversion next time
         log.debug("cannot write %s: %s", path, e)
+        return False
+    finally:  # gone once renamed; else never left behind, whatever stopped the writing
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def _layout(entries: dict[str, Entry]) -> tuple[dict, int]:
+    """The header's tensor entries (arrays as ``[dtype, shape, offset from the data's start]``) and
+    the data's length. The matrices' codes come one after the other in ``entries``' order, then
+    their scales, then the mins of those that store them, then each float32 array at an aligned
+    offset: so that consecutive matrices' arrays are one array (``quant.joined``) and the
+    stacked model's arrays are views of the mapping (``layers.stack.stack_weights``)."""
+    matrices = {name: e for name, e in entries.items() if e.bits}
+    shapes = {name: quant.tiled_shapes(e.bits, *e.shape) for name, e in matrices.items()}
+    tensors: dict[str, dict] = {name: {"bits": e.bits, "out": e.shape[0], "in": e.shape[1], "mins": None}
+                                for name, e in matrices.items()}
+    length = 0
+
+    def place(dtype: str, shape: tuple[int, ...]) -> list:
+        nonlocal length
+        at, length = length, length + int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return [dtype, list(shape), at]
+
+    for field, dtype, shape_of in (("codes", "|u1", 0), ("scales", "<f2", 1), ("mins", "<f2", 1)):
+        length = _aligned(length)
+        for name, e in matrices.items():
+            if field != "mins" or e.mins:
+                tensors[name][field] = place(dtype, shapes[name][shape_of])
+    for name, e in entries.items():
+        if not e.bits:
+            length = _aligned(length)
+            tensors[name] = {"array": place("<f4", e.shape)}
+    return tensors, _aligned(length)
+
+
+def _write_part(fd: int, start: int, spec: dict, first: int, part: Weight) -> int:
+    """Write ``part``, the rows ``first ..`` of the tensor of header entry ``spec``, at its place in
+    the file ``fd`` (data from ``start``); returns its rows.
+
+    Raises:
+        ValueError: the part's format or shape is not the entry's.
+    """
+    if isinstance(part, QuantWeight):
+        if part.bits != spec.get("bits") or part.in_features != spec["in"] or first % quant.TILE or \
+                (part.mins is not None) != (spec["mins"] is not None):
+            raise ValueError(f"a part of {part.bits}-bit rows from {first} does not fit {spec}")
+        arrays = [(part.codes, spec["codes"]), (part.scales, spec["scales"]), (part.mins, spec["mins"])]
+        at, rows = first // quant.TILE, part.out_features
+    else:
+        if "array" not in spec or list(part.shape[1:]) != spec["array"][1][1:] or part.dtype != np.float32:
+            raise ValueError(f"a part of shape {part.shape} does not fit {spec}")
+        arrays, at, rows = [(part, spec["array"])], first, part.shape[0]
+    for a, entry in arrays:
+        if a is not None:  # entry: [dtype, shape, offset]
+            a = np.ascontiguousarray(a)
+            os.pwrite(fd, a.data.cast("B"), start + entry[2] + at * a[0].nbytes)
+    return rows
 
 
 def _aligned(n: int) -> int:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import mmap
 import re
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -46,7 +47,7 @@ from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading import converted
-from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_llama_weights
+from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_llama_weights, stacking_order
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -99,9 +100,10 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f3
             and kept. Not for ``f32`` (four times the file's size) or raw Q/K rows.
 
     Returns:
-        ``GGUFModel(config, weights, metadata)``; the weights are copies of the file's (it is
-        unmapped when the last view of it is garbage-collected) or copy-on-write maps of the kept
-        ones.
+        ``GGUFModel(config, weights, metadata)``; the weights are copy-on-write maps of the kept
+        ones (converted into the kept file first if need be, holding one tensor's pages of the
+        GGUF at a time), or, without ``keep``, copies of the file's (it is unmapped when the last
+        view of it is garbage-collected).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -114,9 +116,8 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f3
     path, keep = Path(path), keep if unpermute_qk and weights != "f32" else None
     tensors = converted.load(keep, path, weights) if keep is not None else None
     if tensors is None:
-        tensors = load_gguf_weights(gguf_file, config, unpermute_qk=unpermute_qk, kind=weights)
-        if keep is not None:
-            converted.save(keep, path, weights, tensors)
+        tensors = load_gguf_weights(gguf_file, config, unpermute_qk=unpermute_qk, kind=weights,
+                                    keep=None if keep is None else (keep, path))
     check_llama_weights(config, tensors, source=str(path))
     return GGUFModel(config, tensors, metadata)
 
@@ -341,7 +342,8 @@ def gguf_to_hf_name(name: str) -> str:
 
 
 def load_gguf_weights(
-    gguf_file: GGUFFile, config: LlamaConfig, *, unpermute_qk: bool = True, kind: str = "f32"
+    gguf_file: GGUFFile, config: LlamaConfig, *, unpermute_qk: bool = True, kind: str = "f32",
+    keep: tuple[Path, Path] | None = None,
 ) -> dict[str, Weight]:
     """Every tensor under its Hugging Face name, as the weight kind ``kind`` asks.
 
@@ -350,6 +352,10 @@ def load_gguf_weights(
         config: its config (head counts for the Q/K un-permutation).
         unpermute_qk: restore Hugging Face's rotate-half row order in q_proj / k_proj.
         kind: a weight kind of ``WEIGHT_KINDS`` (module docstring).
+        keep: ``(directory, source)``: convert into the kept file of ``source`` (this GGUF's path)
+            as ``kind`` in ``directory`` (``converted.save``) tensor by tensor, in slices of rows,
+            each slice's pages of the GGUF released once converted (``release_pages``), and return
+            that file's weights, mapped; converted in memory only when it cannot be written.
 
     Returns:
         name -> C-contiguous float32 array or ``QuantWeight``, ``[out_features, in_features]``
@@ -359,16 +365,83 @@ def load_gguf_weights(
         ModelFormatError: an unsupported tensor name or quantization type.
     """
     assert kind in WEIGHT_KINDS, f"weight kind {kind!r} not in {WEIGHT_KINDS}"
-    weights: dict[str, Weight] = {}
-    for tensor in gguf_file.tensors:
-        name = gguf_to_hf_name(tensor.name)
-        heads = {"self_attn.q_proj.weight": config.num_attention_heads,
-                 "self_attn.k_proj.weight": config.num_key_value_heads}.get(name.split(".", 3)[-1])
-        if unpermute_qk and heads:  # the stored rows moved whole, before any conversion (rows convert alone)
-            tensor = tensor._replace(data=unpermute_rope(tensor.data, heads))
-        weights[name] = (dequantize_tensor(tensor) if kind == "f32" or len(tensor.shape) != 2
-                         else quantized_tensor(tensor, kind))
-    return weights
+    tensors = {gguf_to_hf_name(t.name): t for t in gguf_file.tensors}
+    kept = None if keep is None else _converted_into(*keep, tensors, config, kind)
+    if kept is not None:
+        return kept
+    return {name: _converted(_in_hf_order(name, tensor, config, unpermute_qk), kind)
+            for name, tensor in tensors.items()}
+
+
+def _converted_into(directory: Path, source: Path, tensors: dict[str, GGUFTensor], config: LlamaConfig,
+                    kind: str) -> dict[str, Weight] | None:
+    """``load_gguf_weights``'s ``keep``: ``tensors`` (by Hugging Face name) converted into the kept
+    file, laid out in the stacking order (the stacked model's arrays are then views of it), and
+    mapped from it; None when it cannot be written."""
+    stacked = stacking_order(config)
+    order = [n for n in stacked if n in tensors] + [n for n in tensors if n not in set(stacked)]
+    # Each tensor's format is its first tile's: the same rules convert every row.
+    entries = {name: converted.Entry.like(_converted(_rows(tensors[name], 0, quant.TILE), kind),
+                                          tensors[name].data.shape[0]) for name in order}
+    if not converted.save(directory, source, kind, entries, _converted_parts(tensors, order, config, kind)):
+        return None
+    return converted.load(directory, source, kind)
+
+
+# Weights converted at a time when converting into a kept file: its largest temporary is a slice
+# of this many float32 weights (16 MB), however large the tensor.
+_SLICE_WEIGHTS = 1 << 22
+
+
+def _converted_parts(tensors: dict[str, GGUFTensor], order: list[str], config: LlamaConfig,
+                     kind: str) -> Iterator[tuple[str, int, Weight]]:
+    """``converted.save``'s parts: the tensors in ``order``, converted slice by slice of rows
+    (whole tiles; about ``_SLICE_WEIGHTS`` weights each), each slice's GGUF pages released once
+    it is converted."""
+    for name in order:
+        source = tensors[name].data
+        tensor = _in_hf_order(name, tensors[name], config, True)  # q/k: the whole tensor read once, reordered
+        rows = source.shape[0]
+        step = rows if source.ndim != 2 else max(quant.TILE, _SLICE_WEIGHTS // tensor.shape[0] // quant.TILE
+                                                  * quant.TILE)
+        for first in range(0, rows, step):
+            yield name, first, _converted(_rows(tensor, first, first + step), kind)
+            release_pages(source[first:first + step])
+
+
+def _rows(tensor: GGUFTensor, first: int, stop: int) -> GGUFTensor:
+    """Rows ``first .. stop-1`` of a matrix (clipped to its rows; a 1-D tensor whole)."""
+    if len(tensor.shape) != 2:
+        return tensor
+    data = tensor.data[first:stop]
+    return tensor._replace(shape=(tensor.shape[0], data.shape[0]), data=data)
+
+
+def _in_hf_order(name: str, tensor: GGUFTensor, config: LlamaConfig, unpermute_qk: bool) -> GGUFTensor:
+    """The tensor of Hugging Face name ``name`` with its rows in Hugging Face's order (q_proj's
+    and k_proj's un-permuted when ``unpermute_qk``: the stored rows move whole, before any
+    conversion, as rows convert alone)."""
+    heads = {"self_attn.q_proj.weight": config.num_attention_heads,
+             "self_attn.k_proj.weight": config.num_key_value_heads}.get(name.split(".", 3)[-1])
+    return tensor._replace(data=unpermute_rope(tensor.data, heads)) if unpermute_qk and heads else tensor
+
+
+def _converted(tensor: GGUFTensor, kind: str) -> Weight:
+    """One tensor (or rows of it) as ``kind`` holds it: float32 for ``f32`` and 1-D tensors,
+    else ``quantized_tensor``."""
+    return dequantize_tensor(tensor) if kind == "f32" or len(tensor.shape) != 2 else quantized_tensor(tensor, kind)
+
+
+def release_pages(view: np.ndarray) -> None:
+    """Drop the pages under ``view`` (rows of a tensor of a file ``open_gguf`` mapped) from this
+    process's resident set: they stay in the page cache, and a later read maps them again. A
+    conversion so holds a slice's pages of the file at a time, not the whole file's."""
+    mapped = quant.owner_of(view)
+    if not isinstance(mapped, mmap.mmap) or not view.size or not hasattr(mmap, "MADV_DONTNEED"):
+        return  # not a mapping, or a system without madvise (Windows): the pages stay
+    offset = view.ctypes.data - np.frombuffer(mapped, np.uint8).ctypes.data
+    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    mapped.madvise(mmap.MADV_DONTNEED, start, min(offset + view.nbytes, len(mapped)) - start)
 
 
 # GGUF block types read as they are: type -> (bits, bytes per block of 32).

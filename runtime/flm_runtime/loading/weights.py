@@ -72,6 +72,17 @@ def llama_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def stacking_order(config: LlamaConfig) -> list[str]:
+    """The matrices of a Llama checkpoint in the order a quantized model stacks them
+    (``layers.stack.stack_weights``): each layer's q, k, v, o, gate, up and down projections, then
+    the LM head (the embedding when tied). Kept weights laid out in this order are the stacked
+    arrays already (``loading.converted``)."""
+    layer = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj")
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    return [f"model.layers.{i}.{m}.weight" for i in range(config.num_hidden_layers) for m in layer] + [head]
+
+
 def check_llama_weights(config: LlamaConfig, weights: dict[str, Weight], source: str) -> None:
     """Check that ``weights`` holds exactly the tensors ``config`` asks for, as float32 arrays
     or (matrices) ``QuantWeight``.

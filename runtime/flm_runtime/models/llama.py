@@ -75,8 +75,9 @@ class LlamaModel:
     Args:
         config: hyper-parameters.
         weights: float32 arrays or (matrices) ``QuantWeight`` keyed by Hugging Face names, HF layout
-            and RoPE convention (see module docstring). Matrices are fused into new arrays; the
-            dict is not modified.
+            and RoPE convention (see module docstring). Matrices are fused and stacked as views
+            when they lie in that order in one mapping (kept weights, ``loading.converted``),
+            else into new arrays; the dict is not modified.
 
     Raises:
         ModelFormatError: a tensor is missing or has the wrong shape.
