@@ -28,7 +28,7 @@ VOCAB = 256
 
 _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-             tie_word_embeddings=False, hidden_act="silu", bos_token_id=1, eos_token_id=2)
+             tie_word_embeddings=False, hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 # case -> (model_type, HF architecture, config.json values beyond _BASE)
 CASES: dict[str, tuple[str, str, dict]] = {

@@ -57,7 +57,7 @@ def _golden_params():
         yield pytest.param(case, source, id=f"{case}-{source}", marks=waits)
 
 
-@pytest.mark.parametrize("case, source", _golden_params())
+@pytest.mark.parametrize("case, source", list(_golden_params()))
 def test_float32_logits_match_transformers(tmp_path, case, source):
     """The float32 reference path's logits of every position equal transformers' to 1e-4."""
     config, weights = _load(tmp_path, case, source)
@@ -66,25 +66,25 @@ def test_float32_logits_match_transformers(tmp_path, case, source):
     assert np.abs(logits - GOLDEN[case]).max() <= F32_TOLERANCE
 
 
-# Measured max |q8 - transformers| (tests/models/test_families.py, 2 Dec 2026): see Q8_TOLERANCE.
-Q8_CASES = ("llama", "llama_yarn", "llama_dynamic", "phi3")
-# 8-bit weights in blocks of 32 with float16 scales (and 8-bit activations in the compiled
-# products) perturb each product by about 0.4% of its size; through 2-3 layers these random
-# logits (std about 1) moved by at most 0.03 in the cases below, so 0.06 leaves a factor 2.
-Q8_TOLERANCE = 0.06
+RUNS_NOW = [c for c in CASES if c not in WAITS_FOR]
+LLAMA_ROPES = [c for c in RUNS_NOW if c.startswith("llama")]
+# 8-bit weights in blocks of 32 with float16 scales, and activations quantized to 8 bits before
+# each product, move these logits (std 0.79) by at most 0.032 (mean 0.0063) in every case below
+# (measured 4 Dec 2026); 0.05 leaves half again, and stays under the 0.14 by which the nearest
+# other RoPE scaling moves them, so a wrong table on the quantized path fails.
+Q8_TOLERANCE = 0.05
 
 
-@pytest.mark.parametrize("case", Q8_CASES)
+@pytest.mark.parametrize("case", RUNS_NOW)
 def test_q8_logits_stay_near_transformers(tmp_path, case):
     """The quantized path (8-bit matrices, compiled layers) within ``Q8_TOLERANCE`` of the golden
-    logits, and nearer to them than to another family's (the bound is not vacuous)."""
+    logits, and farther than it from every other Llama RoPE scaling's."""
     config, weights = _load(tmp_path, case, "hf", weights="q8")
     model = LlamaModel(config, weights)
     assert model.quantized
     logits = model.forward_batch([golden_tokens()], [model.new_cache()]).logits[:, :GOLDEN_VOCAB]
-    error = np.abs(logits - GOLDEN[case]).max()
-    assert error <= Q8_TOLERANCE
-    assert np.abs(GOLDEN[case] - GOLDEN["llama_linear"]).max() > 20 * Q8_TOLERANCE
+    assert np.abs(logits - GOLDEN[case]).max() <= Q8_TOLERANCE
+    assert all(np.abs(logits - GOLDEN[other]).max() > Q8_TOLERANCE for other in LLAMA_ROPES if other != case)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c not in HF_ONLY])
@@ -141,7 +141,8 @@ def _write_config(path: Path, case: str, **changes) -> Path:
 @pytest.mark.parametrize("case, changes, message", [
     ("llama", {"model_type": "qwen2_moe"}, "model_type 'qwen2_moe' is not supported"),
     ("llama", {"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "rope_scaling type 'mrope' is not supported"),
-    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs the key 'low_freq_factor'"),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32}},
+     "rope_scaling type 'llama3' needs the key 'low_freq_factor'"),
     ("llama", {"attention_bias": True}, "llama with attention_bias=true is not supported"),
     ("phi3", {"partial_rotary_factor": 0.75}, "phi3 with partial_rotary_factor=0.75 .partial rotary. is not supported"),
     ("llama", {"num_local_experts": 8}, "llama with experts .mixture of experts. is not supported"),

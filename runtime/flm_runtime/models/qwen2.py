@@ -28,12 +28,13 @@ QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.
 def qwen_layer_windows(config: dict[str, Any], n_layers: int, source: str) -> tuple[int, ...]:
     """Each layer's sliding window (0: full attention) by Qwen's rule: ``layer_types`` if the
     config has them, else a window on layers ``max_window_layers ..`` when ``use_sliding_window``
-    (``Qwen2Config.__init__``)."""
+    (``Qwen2Config.__init__``); empty when no layer has one (as a GGUF, which has no window)."""
     use = bool(config.get("use_sliding_window") and config.get("sliding_window"))
     first = int(config.get("max_window_layers", n_layers))
     default = ["sliding_attention" if use and i >= first else "full_attention" for i in range(n_layers)]
-    return layer_windows({**config, "sliding_window": config.get("sliding_window") if use else 0}, n_layers,
-                         default, source)
+    windows = layer_windows({**config, "sliding_window": config.get("sliding_window") if use else 0}, n_layers,
+                            default, source)
+    return windows if any(windows) else ()
 
 
 @dataclass(frozen=True)
