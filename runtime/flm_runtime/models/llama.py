@@ -31,6 +31,8 @@ from flm_runtime.models.family import GGUFMetadata, RopePlan, RopeTable, WeightT
 KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
 QKV_PROJ = ("self_attn.q_proj.weight", *KV_PROJ)  # LayerWeights.wqkv's rows, in this order
 GATE_UP_PROJ = ("mlp.gate_proj.weight", "mlp.up_proj.weight")  # LayerWeights.w_gate_up's rows
+RUN_ORDER = ("input_layernorm.weight", *QKV_PROJ, "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+             *GATE_UP_PROJ, "mlp.down_proj.weight")
 
 
 def layer_weight_shapes(config: LayerConfig) -> dict[str, tuple[int, ...]]:
@@ -214,8 +216,9 @@ class Llama:
 
     def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         """The tensors of one layer of a checkpoint of this family, by Hugging Face name below
-        ``model.layers.{i}.``, with their shapes."""
-        return layer_weight_shapes(config)
+        ``model.layers.{i}.``, with their shapes, in the order a layer's modules run."""
+        shapes = layer_weight_shapes(config)
+        return {name: shapes[name] for name in RUN_ORDER}
 
     def checkpoint_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint of this family must hold, by Hugging Face name, with its
