@@ -44,7 +44,7 @@ from __future__ import annotations
 import mmap
 import struct
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
@@ -56,9 +56,9 @@ from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading import converted
 from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_weights
-from flm_runtime.models import families
-from flm_runtime.models.family import GGUFMetadata
-from flm_runtime.models.llama import Llama
+
+if TYPE_CHECKING:
+    from flm_runtime.models.llama import Llama
 
 # llama.cpp's RoPE factor tensors: read into the config's RoPE scaling, not the weights.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -105,6 +105,10 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f3
             not (mixture of experts, partial rotary, a RoPE scaling type), an unsupported
             quantization type or tensor, or shapes inconsistent with the metadata; each named.
     """
+    # Deferred: the registry imports this package (chat templates), and importing the provider
+    # must load no kernel, which the families' layer types would (tests/test_public_api.py).
+    from flm_runtime.models import families
+
     gguf_file = open_gguf(path)
     metadata = gguf_file.metadata
     family = families.for_gguf(metadata, str(path))
@@ -267,6 +271,8 @@ def config_from_gguf(gguf_file: GGUFFile, family: Llama, *, source: str = "GGUF"
         ModelFormatError: a missing key, or a feature the family refuses (mixture of experts,
             partial rotary, a RoPE scaling type we lack), naming it.
     """
+    from flm_runtime.models.family import GGUFMetadata  # deferred as in load_gguf
+
     rope_tensors = {t.name: dequantize_tensor(t) for t in gguf_file.tensors if t.name in ROPE_TENSORS}
     meta = GGUFMetadata(gguf_file.metadata, gguf_file.metadata["general.architecture"],
                         [t.name for t in gguf_file.tensors], rope_tensors, source)

@@ -30,7 +30,6 @@ from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.hf_files import load_json
 from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_weights
-from flm_runtime.models import families
 
 # Tensors some checkpoints carry that the model computes itself.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -64,6 +63,8 @@ def load_hf_dir(path: str | Path, *, weights: str = "f32") -> HFModel:
         ModelFormatError: a model_type we do not run, a feature of it we do not (named with its
             key), malformed files, tensors missing, unexpected (named) or of the wrong shape.
     """
+    from flm_runtime.models import families  # deferred as in loading.gguf.load_gguf
+
     path = Path(path)
     config_dict = load_json(path / "config.json")
     family = families.for_model_type(config_dict.get("model_type"), str(path))
