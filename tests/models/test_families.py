@@ -128,6 +128,19 @@ def test_gemma3_norms_are_folded_and_layers_keep_their_rope(tmp_path):
     assert family.embed_scale(config) == 8.0
 
 
+def test_dynamic_ntk_serves_the_context_its_factor_extends_to(tmp_path):
+    """Dynamic NTK's ``max_position_embeddings`` (24) is the pretrained context, the factor (2)
+    extends it: the model serves 48 positions, and rotates positions below 24 as unscaled RoPE."""
+    config, _ = _load(tmp_path, "llama_dynamic", "hf")
+    assert config.max_position_embeddings == 48
+    assert config.rope_scaling == rope.RopeScaling("dynamic", 2.0, 24)
+    scaled = rope.rope_tables(16, 48, 10000.0, config.rope_scaling)
+    plain = rope.rope_tables(16, 48, 10000.0)
+    for a, b in zip(scaled, plain):
+        np.testing.assert_array_equal(a[:24], b[:24])
+        assert np.abs(a[24:] - b[24:]).max() > 0.01
+
+
 # -- refusals ---------------------------------------------------------------------------------
 
 
