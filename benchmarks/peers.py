@@ -55,7 +55,7 @@ from flm_runtime.backends import forward, prefill
 from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.loading import load_model_files
 from flm_runtime.loading.weights import WEIGHT_KINDS
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.models.causal_lm import LlamaModel
 
 CONTEXTS = (256, 4096)  # decode contexts (positions already in the KV cache)
 PASS_ROWS = 8  # positions of the verify-sized pass, appended at PASS_CONTEXT

@@ -34,8 +34,8 @@ before = rss()
 model = api.load_model(sys.argv[1]).model
 gc.collect()
 after = rss()
-arrays = [a for layer in model.layers for a in vars(layer).values()] + [model.embed, model.norm, model.rope_cos,
-                                                                        model.rope_sin]
+arrays = [a for layer in model.layers for a in vars(layer).values() if a is not None]
+arrays += [model.embed, model.norm, model.rope_cos, model.rope_sin]
 if model.lm_head is not model.embed:
     arrays.append(model.lm_head)
 c = model.config

@@ -70,7 +70,7 @@ def smollm2_quantized(smollm2_gguf):
     """SmolLM2 with the default weights (``auto``: its Q4_1 layers 4-bit, its Q8_0 embedding and
     LM head 8-bit), running the compiled layers; a model of its own, read only."""
     from flm_runtime.loading import load_model_files
-    from flm_runtime.models.llama import LlamaModel
+    from flm_runtime.models.causal_lm import LlamaModel
 
     bundle = load_model_files(smollm2_gguf, weights="auto")
     return LlamaModel(bundle.config, bundle.weights)

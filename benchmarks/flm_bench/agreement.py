@@ -46,7 +46,7 @@ from flm_runtime import pull
 from flm_runtime.backends import decode, forward, prefill
 from flm_runtime.cli import Command
 from flm_runtime.loading import load_model_files
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.models.causal_lm import LlamaModel
 
 NEAR_TIE_STEPS = 2
 BF16_MANTISSA_BITS = 7  # explicit fraction bits of bfloat16 (8 significant bits with the implicit one)

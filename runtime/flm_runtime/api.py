@@ -48,7 +48,7 @@ from flm_runtime.errors import BackendUnavailableError
 from flm_runtime.loading import Tokenizer, load_model_files
 from flm_runtime.loading.chat_template import thinking_format
 from flm_runtime.models.dflash import DFlashDraft
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.models.causal_lm import LlamaModel
 from flm_runtime.scheduling.engine import Engine
 from flm_runtime.settings import Settings, requested_backend
 from flm_runtime.speculation.policy import ALWAYS_SPECULATE, PolicyTable, SpeculationPolicy

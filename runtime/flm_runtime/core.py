@@ -1,4 +1,5 @@
-"""The types every layer shares: a model's hyper-parameters (``LlamaConfig``), the key tile of
+"""The types every layer shares: a model's hyper-parameters (``LlamaConfig``, which each model
+family's config in ``flm_runtime.models`` extends with its own keys), the key tile of
 the KV cache (``KEY_TILE``), what a target step returns (``ForwardOutput``) and what a draft proposes
 (``Proposal``). It imports nothing of ``flm_runtime``: the backends, the models, the engine and the
 loaders all build on it.
@@ -9,13 +10,15 @@ Axis legend (whole runtime): L layers, Hkv key/value heads, B positions per KV b
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Hyper-parameters, named as in a Hugging Face ``config.json`` (unknown keys are ignored).
+    """The hyper-parameters every model family has, named as in a Hugging Face ``config.json``
+    (unknown keys are ignored). A family's own keys live in its config, a subclass
+    (``flm_runtime.models``); this class is the Llama family's.
 
     Attributes:
         vocab_size: tokens in the vocabulary (V).
@@ -29,6 +32,7 @@ class LlamaConfig:
         rms_norm_eps: epsilon inside RMSNorm.
         tie_word_embeddings: the LM head is the embedding matrix.
         head_dim: per-head width (D); defaults to hidden_size // num_attention_heads.
+        rope_scaling: the RoPE scaling (``flm_runtime.models.rope.RopeScaling``), None for none.
     """
 
     vocab_size: int
@@ -42,6 +46,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     head_dim: int = 0
+    rope_scaling: Any = None
 
     def __post_init__(self) -> None:
         if not self.head_dim:

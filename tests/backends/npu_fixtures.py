@@ -12,9 +12,9 @@ from flm_runtime.backends.npu import manifest as mf
 from flm_runtime.backends.npu import reference as npu_reference
 from flm_runtime.backends.npu.layout import from_bf16, to_bf16, unpack
 from flm_runtime.core import LlamaConfig
-from flm_runtime.loading.weights import llama_weight_shapes
+from flm_runtime.models.llama import FAMILY as LLAMA
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft, draft_weight_shapes
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.models.causal_lm import LlamaModel
 
 from fake_pyxrt import make_fake_pyxrt
 from xclbin_files import write_build
@@ -29,7 +29,7 @@ def tiny_model(*, max_positions: int = 128, seed: int = 0) -> LlamaModel:
                          rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
     rng = np.random.default_rng(seed)
     weights = {}
-    for name, shape in llama_weight_shapes(config).items():
+    for name, shape in LLAMA.checkpoint_shapes(config).items():
         w = rng.standard_normal(shape).astype(np.float32) * (0.3 if len(shape) == 2 else 0.1)
         w = w + 1.0 if name.endswith("norm.weight") else w
         weights[name] = from_bf16(to_bf16(w))

@@ -12,7 +12,7 @@ from flm_runtime import api, registry
 from flm_runtime.backends import npu, select
 from flm_runtime.backends.npu import NpuModel
 from flm_runtime.errors import BackendUnavailableError, InvalidRequestError
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.models.causal_lm import LlamaModel
 
 from npu_fixtures import TAG, ByteTokenizer, fake_pyxrt_for, tiny_model, write_tiny_build
 

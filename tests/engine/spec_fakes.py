@@ -18,7 +18,7 @@ from flm_runtime.backends import decode, prefill
 from flm_runtime.core import ForwardOutput, LlamaConfig
 from flm_runtime.kv_cache import KVCache, KVPool
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.models.causal_lm import LlamaModel
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.step import Lane

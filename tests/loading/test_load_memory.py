@@ -28,8 +28,8 @@ from flm_runtime.core import LlamaConfig
 from flm_runtime.kernels import quant
 from flm_runtime.loading import converted
 from flm_runtime.loading import gguf as gguf_loader
-from flm_runtime.loading.weights import llama_weight_shapes
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.models.llama import FAMILY as LLAMA
 
 Q = gguf.GGMLQuantizationType
 MB = 1 << 20
@@ -65,7 +65,7 @@ def write_blocks_gguf(path, config: LlamaConfig, seed: int = 0):
     rng = np.random.default_rng(seed)
     writer = llama_gguf_writer(path, config)
     writer.add_vocab_size(config.vocab_size)  # the tokenizer's vocabulary is smaller: padding rows
-    for name, shape in llama_weight_shapes(config).items():
+    for name, shape in LLAMA.checkpoint_shapes(config).items():
         if len(shape) == 1:
             writer.add_tensor(gguf_name(name), np.ones(shape, np.float32))
         else:
@@ -84,7 +84,7 @@ _LOAD = textwrap.dedent("""
     from pathlib import Path
     import numpy as np
     from flm_runtime.loading import load_model_files
-    from flm_runtime.models.llama import LlamaModel
+    from flm_runtime.models.causal_lm import LlamaModel
     from flm_runtime.kernels.quant import QuantWeight
 
     def status():

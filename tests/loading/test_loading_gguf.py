@@ -14,7 +14,8 @@ from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.loading import converted
 from flm_runtime.loading import gguf as gguf_loader
 from flm_runtime.loading.gguf import load_gguf, open_gguf, permute_rope, unpermute_rope
-from flm_runtime.loading.weights import llama_weight_shapes, weight_kind
+from flm_runtime.loading.weights import weight_kind
+from flm_runtime.models.llama import FAMILY as LLAMA
 
 Q = gguf.GGMLQuantizationType
 
@@ -98,7 +99,7 @@ def test_quantized_matrices_dequantize_to_the_right_shape_and_values(tmp_path, q
     got = load_gguf(path).weights
 
     assert "lm_head.weight" in got
-    for name, shape in llama_weight_shapes(config).items():
+    for name, shape in LLAMA.checkpoint_shapes(config).items():
         assert got[name].shape == shape and got[name].dtype == np.float32, name
         # Quantization error is per block; un-permuted rows line up with the originals.
         assert np.abs(got[name] - weights[name]).max() < tol * np.abs(weights[name]).max(), name
@@ -129,17 +130,17 @@ def test_an_unknown_weight_kind_is_a_bad_request_naming_its_origin(monkeypatch):
 
 def test_other_architecture_is_rejected(tmp_path):
     config = tiny_config()
-    path = write_tiny_gguf(tmp_path / "q.gguf", config, random_hf_weights(config), arch="qwen2")
-    with pytest.raises(ModelFormatError, match="qwen2"):
+    path = write_tiny_gguf(tmp_path / "q.gguf", config, random_hf_weights(config), arch="falcon")
+    with pytest.raises(ModelFormatError, match="architecture 'falcon' is not supported"):
         load_gguf(path)
 
 
 def test_unknown_tensor_is_rejected(tmp_path):
     config = tiny_config()
-    extra = {"rope_freqs.weight": (np.ones(8, np.float32), Q.F32)}
+    extra = {"blk.0.attn_q.bias": (np.ones(64, np.float32), Q.F32)}
     path = write_tiny_gguf(tmp_path / "r.gguf", config, random_hf_weights(config),
                            extra_tensors=extra)
-    with pytest.raises(ModelFormatError, match="rope_freqs"):
+    with pytest.raises(ModelFormatError, match="GGUF tensor 'blk.0.attn_q.bias' is not supported by the llama family"):
         load_gguf(path)
 
 

@@ -44,11 +44,11 @@ def tiny_config(**overrides) -> LlamaConfig:
 
 def random_hf_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights under Hugging Face names, in Hugging Face layout."""
-    from flm_runtime.loading.weights import llama_weight_shapes
+    from flm_runtime.models.llama import FAMILY as LLAMA
 
     rng = np.random.default_rng(seed)
     return {name: rng.standard_normal(shape).astype(np.float32)
-            for name, shape in llama_weight_shapes(config).items()}
+            for name, shape in LLAMA.checkpoint_shapes(config).items()}
 
 
 def hand_permute(w: np.ndarray, n_head: int) -> np.ndarray:

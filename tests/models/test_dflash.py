@@ -17,7 +17,7 @@ from flm_runtime.backends import forward
 from flm_runtime.kernels import quant
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.models.causal_lm import LlamaModel
 
 
 def naive_draft_logits(cfg: dict, w: dict, embed: np.ndarray, lm_head: np.ndarray, taps: np.ndarray,

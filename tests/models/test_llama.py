@@ -13,7 +13,7 @@ from perplexity import llama_cpp_fixture, llama_perplexity, passage_as_llama_per
 from flm_runtime.backends import decode, forward, prefill
 from flm_runtime.core import LlamaConfig
 from flm_runtime.loading.gguf import load_gguf
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.models.causal_lm import LlamaModel
 
 PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
 # Golden value: tests/reference/perplexity_transformers.py (Hugging Face transformers 5.24.0,

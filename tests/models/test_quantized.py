@@ -17,7 +17,7 @@ from test_llama import PASSAGE, TINY, tiny_weights
 
 from flm_runtime.backends import forward
 from flm_runtime.kernels import quant
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.models.causal_lm import LlamaModel
 
 
 def _rows_alone_in_a_pass_and_in_a_batch(model, ids):
@@ -108,7 +108,7 @@ def test_a_gguf_too_big_for_float32_loads_quantized(tmp_path):
         import resource, sys
         import numpy as np
         from flm_runtime.loading.gguf import load_gguf
-        from flm_runtime.models.llama import LlamaModel
+        from flm_runtime.models.causal_lm import LlamaModel
         # RLIMIT_DATA counts the data segment and private mappings: VmData, not the RSS.
         used = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmData:"))
         resource.setrlimit(resource.RLIMIT_DATA, (used + int(0.9 * {GIB}), resource.RLIM_INFINITY))

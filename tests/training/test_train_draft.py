@@ -117,7 +117,8 @@ def test_the_torch_draft_layer_equals_the_runtime_layer(start):
     from flm_runtime.layers.decoder import DecoderLayer, RowSpan
     from flm_runtime.layers.ops import REFERENCE
     from flm_runtime.layers.spec import LayerSpec
-    from flm_runtime.models.llama import KV_PROJ, WeightTaker, fuse_layer, take_fused
+    from flm_runtime.models.family import WeightTaker
+    from flm_runtime.models.llama import KV_PROJ, fuse_layer, take_fused
     from flm_train.draft import DraftLayer
 
     c = tiny_draft(1).c

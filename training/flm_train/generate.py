@@ -46,7 +46,7 @@ import numba
 import numpy as np
 from flm_runtime import LoadedModel, SamplingParams, load_model
 from flm_runtime.kv_cache import KVCache
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.models.causal_lm import LlamaModel
 from flm_runtime.sampling import sampler
 from tqdm import tqdm
 

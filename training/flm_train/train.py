@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.models.dflash import DFlashConfig
-from flm_runtime.models.llama import LlamaModel
+from flm_runtime.models.causal_lm import LlamaModel
 from flm_train.draft import DFlashDraft
 from flm_train.export import read_draft
 from flm_train.generate import causal_taps, default_tap_layers, load_target

@@ -1,6 +1,6 @@
 """Backends: where a model step runs. One interface, ``TargetModel``, that both implement.
 
-- ``cpu``: ``flm_runtime.models.llama.LlamaModel`` *is* the cpu backend's target (its layers
+- ``cpu``: ``flm_runtime.models.causal_lm.LlamaModel`` *is* the cpu backend's target (its layers
   ``flm_runtime.layers``, its kernels ``flm_runtime.kernels``); it is the numerical reference for every other backend.
 - ``npu``: ``flm_runtime.backends.npu.NpuModel``, built from a loaded ``LlamaModel`` and a kernel
   build of ``xclbins/flm_xclbins/manifest.json``; the same step on an AMD NPU through ``pyxrt``. Never run on

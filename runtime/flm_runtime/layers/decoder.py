@@ -50,6 +50,11 @@ class LayerWeights:
         wo: ``[E, H * D]`` attention output projection.
         w_gate_up: ``[2F, E]`` gate and up projections stacked (gate first).
         w_down: ``[E, F]``.
+        qkv_bias: ``[(H + 2*Hkv) * D]`` the q, k and v biases stacked, or None.
+        q_norm, k_norm: ``[D]`` the QK-norm weights, or None.
+        post_attn_norm, post_ffn_norm: ``[E]`` the norms of the attention and FFN outputs, or
+            None. Every norm weight is the multiplier itself (a ``1 + w`` checkpoint's is folded
+            at load).
     """
 
     attn_norm: np.ndarray
@@ -58,6 +63,11 @@ class LayerWeights:
     ffn_norm: np.ndarray
     w_gate_up: Weight
     w_down: Weight
+    qkv_bias: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
 
     @property
     def matrices(self) -> tuple[Weight, Weight, Weight, Weight]:

@@ -47,6 +47,7 @@ class LayerSpec:
         activation: the gated FFN's activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU).
         sliding_window: attend at most this many positions back (0: all).
         attn_softcap: scores become ``c * tanh(s / c)`` before the softmax (0: none).
+        attn_scale: the scores' scale (0: ``head_dim ** -0.5``).
     """
 
     hidden_size: int
@@ -64,6 +65,7 @@ class LayerSpec:
     activation: str = "silu"
     sliding_window: int = 0
     attn_softcap: float = 0.0
+    attn_scale: float = 0.0
 
     @classmethod
     def of(cls, config: LayerConfig, *, causal: bool = True) -> LayerSpec:
@@ -78,5 +80,5 @@ class LayerSpec:
         llama = LayerSpec(self.hidden_size, self.ffn_size, self.n_heads, self.n_kv_heads, self.head_dim,
                           self.rms_norm_eps, self.rope_theta, self.causal)
         return [name for name in ("qkv_bias", "qk_norm", "norm_offset", "post_norms", "activation",
-                                  "sliding_window", "attn_softcap")
+                                  "sliding_window", "attn_softcap", "attn_scale")
                 if getattr(self, name) != getattr(llama, name)]

@@ -1,4 +1,5 @@
-"""GGUF reader for Llama-architecture models: weights under Hugging Face names.
+"""GGUF reader for the model families we run (``flm_runtime.models.families``: llama, qwen2,
+qwen3, gemma3, phi3, and Mistral written as llama): weights under Hugging Face names.
 
 The file is memory-mapped and its header parsed here (``open_gguf``): gguf-py's ``GGUFReader`` makes
 numpy views of every piece of every field, which takes seconds over a 49k-token vocabulary and its
@@ -19,12 +20,21 @@ Norm weights are float32 always.
 Layout. GGUF lists dimensions fastest-first (``ne[0]`` = in_features), so a tensor whose GGUF
 shape is ``[in, out]`` is the row-major numpy array ``[out, in]``: Hugging Face's layout.
 
+The family (from ``general.architecture``) says the config (its ``{arch}.*`` keys), the name of
+each tensor (a tensor it has no place for is refused, named) and which rows were permuted.
+llama.cpp's RoPE factor tensors (``rope_freqs``, ``rope_factors_long`` / ``_short``) go to the
+config's RoPE scaling, not to the weights.
+
 RoPE. llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders the rows of every
-``q_proj``/``k_proj`` head so that llama.cpp can rotate adjacent pairs ``(2i, 2i+1)``; Hugging Face
-rotates ``(i, i + D/2)`` ("rotate half"). ``unpermute_rope`` restores Hugging Face's order, which
-is what ``flm_runtime.models.llama`` expects. Mixing the conventions gives fluent-looking text with
-a much higher perplexity (docs/design.md, "The embedded model"), so the raw order is available
-only on request.
+``q_proj``/``k_proj`` head of the Llama family (Mistral included; not Qwen2, Qwen3, Gemma 3 or
+Phi-3, which llama.cpp rotates the "neox" way) so that llama.cpp can rotate adjacent pairs
+``(2i, 2i+1)``; Hugging Face rotates ``(i, i + D/2)`` ("rotate half"). ``unpermute_rope`` restores
+Hugging Face's order, which is what the models expect. Mixing the conventions gives
+fluent-looking text with a much higher perplexity (docs/design.md, "The embedded model"), so the
+raw order is available only on request.
+
+Norms. llama.cpp's converter stores Gemma 3's norm weights as ``1 + w`` (the multiplier), which
+is our convention: they are read as they are.
 
 Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
@@ -32,11 +42,10 @@ Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 from __future__ import annotations
 
 import mmap
-import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
@@ -47,34 +56,20 @@ from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading import converted
-from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_llama_weights, stacking_order
+from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_weights
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+if TYPE_CHECKING:
+    from flm_runtime.models.llama import Llama
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# llama.cpp's RoPE factor tensors: read into the config's RoPE scaling, not the weights.
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 class GGUFModel(NamedTuple):
     """What ``load_gguf`` returns.
 
     Attributes:
-        config: hyper-parameters from the ``llama.*`` metadata.
+        config: hyper-parameters from the ``{arch}.*`` metadata (the family's config class).
         weights: Hugging Face name -> float32 array or ``QuantWeight`` (see
             ``flm_runtime.loading.weights``).
         metadata: every key/value of the file (``tokenizer.ggml.tokens`` is a ``list[str]`` ...).
@@ -87,7 +82,8 @@ class GGUFModel(NamedTuple):
 
 def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f32",
               keep: Path | None = None) -> GGUFModel:
-    """Read a Llama GGUF file into Hugging Face weights, its config and its metadata.
+    """Read a GGUF file of one of our families into Hugging Face weights, its config and its
+    metadata.
 
     Args:
         path: the ``.gguf`` file.
@@ -107,18 +103,24 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f3
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ModelFormatError: not a GGUF file, an architecture other than llama, an unsupported
-            quantization type or tensor, or shapes inconsistent with the metadata.
+        ModelFormatError: not a GGUF file, an architecture we do not run, a feature of it we do
+            not (mixture of experts, partial rotary, a RoPE scaling type), an unsupported
+            quantization type or tensor, or shapes inconsistent with the metadata; each named.
     """
+    # Deferred: the registry imports this package (chat templates), and importing the provider
+    # must load no kernel, which the families' layer types would (tests/test_public_api.py).
+    from flm_runtime.models import families
+
     gguf_file = open_gguf(path)
     metadata = gguf_file.metadata
-    config = llama_config_from_gguf(metadata, [t.name for t in gguf_file.tensors], source=str(path))
+    family = families.for_gguf(metadata, str(path))
+    config = config_from_gguf(gguf_file, family, source=str(path))
     path, keep = Path(path), keep if unpermute_qk and weights != "f32" else None
     tensors = converted.load(keep, path, weights) if keep is not None else None
     if tensors is None:
-        tensors = load_gguf_weights(gguf_file, config, unpermute_qk=unpermute_qk, kind=weights,
-                                    keep=None if keep is None else (keep, path))
-    check_llama_weights(config, tensors, source=str(path))
+        tensors = load_gguf_weights(gguf_file, config, family, unpermute_qk=unpermute_qk, kind=weights,
+                                    source=str(path), keep=None if keep is None else (keep, path))
+    check_weights(family.checkpoint_shapes(config), tensors, source=str(path))
     return GGUFModel(config, tensors, metadata)
 
 
@@ -261,97 +263,35 @@ def _tensor_data(buf: mmap.mmap, offset: int, qtype: GGMLQuantizationType, shape
     return np.frombuffer(buf, np.uint8, n // block * size, offset).reshape(*dims[:-1], row_bytes)
 
 
-def llama_config_from_gguf(
-    metadata: dict[str, Any], tensor_names: list[str], *, source: str = "GGUF"
-) -> LlamaConfig:
-    """Build the ``LlamaConfig`` of a GGUF file from its ``llama.*`` keys.
-
-    ``head_dim`` is ``llama.attention.key_length`` if present, else ``llama.rope.dimension_count``,
-    else hidden / heads. The embedding is tied to the LM head exactly when the file has no
-    ``output.weight`` tensor (llama.cpp then reuses ``token_embd.weight``).
+def config_from_gguf(gguf_file: GGUFFile, family: Llama, *, source: str = "GGUF") -> LlamaConfig:
+    """The config of a GGUF file of ``family`` (``families.for_gguf``): its ``{arch}.*`` keys and
+    RoPE factor tensors, read by the family (``Llama.config_from_gguf``).
 
     Raises:
-        ModelFormatError: another architecture, a missing key, RoPE scaling, partial rotary
-            embedding or mixture-of-experts (none of which our Llama kernels implement).
+        ModelFormatError: a missing key, or a feature the family refuses (mixture of experts,
+            partial rotary, a RoPE scaling type we lack), naming it.
     """
-    arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelFormatError(
-            f"{source}: architecture {arch!r} is not supported "
-            f"(supported: {SUPPORTED_ARCHITECTURES})"
-        )
+    from flm_runtime.models.family import GGUFMetadata  # deferred as in load_gguf
 
-    def key(name: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ModelFormatError(f"{source}: metadata key {arch}.{name} is missing")
-        return value
-
-    _reject_unsupported_features(metadata, arch, source)
-    hidden, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-    rope_dim = int(key("rope.dimension_count", hidden // n_head))
-    head_dim = int(key("attention.key_length", rope_dim))
-    if rope_dim != head_dim:
-        raise ModelFormatError(
-            f"{source}: partial rotary embedding (rope.dimension_count={rope_dim} < "
-            f"head_dim={head_dim}) is not supported"
-        )
-    tokens = metadata.get("tokenizer.ggml.tokens") or []
-    return LlamaConfig(
-        vocab_size=int(key("vocab_size", len(tokens) or None)),
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_hidden_layers=int(key("block_count")),
-        num_attention_heads=n_head,
-        num_key_value_heads=int(key("attention.head_count_kv", n_head)),
-        max_position_embeddings=int(key("context_length")),
-        rope_theta=_decimal(key("rope.freq_base", 10000.0)),
-        rms_norm_eps=_decimal(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        head_dim=head_dim,
-    )
+    rope_tensors = {t.name: dequantize_tensor(t) for t in gguf_file.tensors if t.name in ROPE_TENSORS}
+    meta = GGUFMetadata(gguf_file.metadata, gguf_file.metadata["general.architecture"],
+                        [t.name for t in gguf_file.tensors], rope_tensors, source)
+    return family.config_from_gguf(meta)
 
 
-def _decimal(value: float) -> float:
-    # GGUF stores float32: 1e-5 reads back as 9.99999974738e-06. The shortest decimal that
-    # round-trips through float32 is the value the config.json had.
-    return float(str(np.float32(value)))
-
-
-def _reject_unsupported_features(metadata: dict[str, Any], arch: str, source: str) -> None:
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ModelFormatError(f"{source}: RoPE scaling {scaling!r} is not supported")
-    if int(metadata.get(f"{arch}.expert_count", 0) or 0) > 0:
-        raise ModelFormatError(f"{source}: mixture-of-experts Llama models are not supported")
-
-
-def gguf_to_hf_name(name: str) -> str:
-    """Map a llama.cpp tensor name to Hugging Face's (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``).
-
-    Raises:
-        ModelFormatError: a tensor our Llama model has no place for (biases, ``rope_freqs``...).
-    """
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    m = _BLOCK_RE.fullmatch(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.weight"
-    raise ModelFormatError(f"GGUF tensor {name!r} is not supported by the llama model")
-
-
-def load_gguf_weights(
-    gguf_file: GGUFFile, config: LlamaConfig, *, unpermute_qk: bool = True, kind: str = "f32",
-    keep: tuple[Path, Path] | None = None,
-) -> dict[str, Weight]:
-    """Every tensor under its Hugging Face name, as the weight kind ``kind`` asks.
+def load_gguf_weights(gguf_file: GGUFFile, config: LlamaConfig, family: Llama, *, unpermute_qk: bool = True,
+                      kind: str = "f32", source: str = "GGUF",
+                      keep: tuple[Path, Path] | None = None) -> dict[str, Weight]:
+    """Every tensor (but the RoPE factors) under its Hugging Face name, as the weight kind
+    ``kind`` asks.
 
     Args:
         gguf_file: an open GGUF file.
         config: its config (head counts for the Q/K un-permutation).
-        unpermute_qk: restore Hugging Face's rotate-half row order in q_proj / k_proj.
+        family: its family (tensor names, which rows llama.cpp permuted).
+        unpermute_qk: restore Hugging Face's rotate-half row order where llama.cpp permuted it.
         kind: a weight kind of ``WEIGHT_KINDS`` (module docstring).
+        source: the file, for error messages.
         keep: ``(directory, source)``: convert into the kept file of ``source`` (this GGUF's path)
             as ``kind`` in ``directory`` (``converted.save``) tensor by tensor, in slices of rows,
             each slice's pages of the GGUF released once converted (``release_pages``), and return
@@ -365,25 +305,25 @@ def load_gguf_weights(
         ModelFormatError: an unsupported tensor name or quantization type.
     """
     assert kind in WEIGHT_KINDS, f"weight kind {kind!r} not in {WEIGHT_KINDS}"
-    tensors = {gguf_to_hf_name(t.name): t for t in gguf_file.tensors}
-    kept = None if keep is None else _converted_into(*keep, tensors, config, kind)
+    tensors = {family.hf_name(t.name, source): t for t in gguf_file.tensors if t.name not in ROPE_TENSORS}
+    kept = None if keep is None else _converted_into(*keep, tensors, config, family, kind)
     if kept is not None:
         return kept
-    return {name: _converted(_in_hf_order(name, tensor, config, unpermute_qk), kind)
+    return {name: _converted(_in_hf_order(name, tensor, config, family, unpermute_qk), kind)
             for name, tensor in tensors.items()}
 
 
 def _converted_into(directory: Path, source: Path, tensors: dict[str, GGUFTensor], config: LlamaConfig,
-                    kind: str) -> dict[str, Weight] | None:
+                    family: Llama, kind: str) -> dict[str, Weight] | None:
     """``load_gguf_weights``'s ``keep``: ``tensors`` (by Hugging Face name) converted into the kept
     file, laid out in the stacking order (the stacked model's arrays are then views of it), and
     mapped from it; None when it cannot be written."""
-    stacked = stacking_order(config)
+    stacked = family.stacking_order(config)
     order = [n for n in stacked if n in tensors] + [n for n in tensors if n not in set(stacked)]
     # Each tensor's format is its first tile's: the same rules convert every row.
     entries = {name: converted.Entry.like(_converted(_rows(tensors[name], 0, quant.TILE), kind),
                                           tensors[name].data.shape[0]) for name in order}
-    if not converted.save(directory, source, kind, entries, _converted_parts(tensors, order, config, kind)):
+    if not converted.save(directory, source, kind, entries, _converted_parts(tensors, order, config, family, kind)):
         return None
     return converted.load(directory, source, kind)
 
@@ -393,14 +333,14 @@ def _converted_into(directory: Path, source: Path, tensors: dict[str, GGUFTensor
 _SLICE_WEIGHTS = 1 << 22
 
 
-def _converted_parts(tensors: dict[str, GGUFTensor], order: list[str], config: LlamaConfig,
+def _converted_parts(tensors: dict[str, GGUFTensor], order: list[str], config: LlamaConfig, family: Llama,
                      kind: str) -> Iterator[tuple[str, int, Weight]]:
     """``converted.save``'s parts: the tensors in ``order``, converted slice by slice of rows
     (whole tiles; about ``_SLICE_WEIGHTS`` weights each), each slice's GGUF pages released once
     it is converted."""
     for name in order:
         source = tensors[name].data
-        tensor = _in_hf_order(name, tensors[name], config, True)  # q/k: the whole tensor read once, reordered
+        tensor = _in_hf_order(name, tensors[name], config, family, True)  # q/k: the whole tensor read once, reordered
         rows = source.shape[0]
         step = rows if source.ndim != 2 else max(quant.TILE, _SLICE_WEIGHTS // tensor.shape[0] // quant.TILE
                                                   * quant.TILE)
@@ -417,12 +357,12 @@ def _rows(tensor: GGUFTensor, first: int, stop: int) -> GGUFTensor:
     return tensor._replace(shape=(tensor.shape[0], data.shape[0]), data=data)
 
 
-def _in_hf_order(name: str, tensor: GGUFTensor, config: LlamaConfig, unpermute_qk: bool) -> GGUFTensor:
-    """The tensor of Hugging Face name ``name`` with its rows in Hugging Face's order (q_proj's
-    and k_proj's un-permuted when ``unpermute_qk``: the stored rows move whole, before any
-    conversion, as rows convert alone)."""
-    heads = {"self_attn.q_proj.weight": config.num_attention_heads,
-             "self_attn.k_proj.weight": config.num_key_value_heads}.get(name.split(".", 3)[-1])
+def _in_hf_order(name: str, tensor: GGUFTensor, config: LlamaConfig, family: Llama,
+                 unpermute_qk: bool) -> GGUFTensor:
+    """The tensor of Hugging Face name ``name`` with its rows in Hugging Face's order (un-permuted
+    where llama.cpp's converter permuted them for ``family`` and ``unpermute_qk``: the stored rows
+    move whole, before any conversion, as rows convert alone)."""
+    heads = family.permuted_heads(name, config)
     return tensor._replace(data=unpermute_rope(tensor.data, heads)) if unpermute_qk and heads else tensor
 
 

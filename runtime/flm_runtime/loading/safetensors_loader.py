@@ -1,5 +1,8 @@
-"""Hugging Face model directory (config.json + *.safetensors) -> Llama weights (float32, or
-8-bit blocks of the cpu backend's format when the weight kind asks: ``load_hf_dir``).
+"""Hugging Face model directory (config.json + *.safetensors) -> the weights of one of our model
+families (``flm_runtime.models.families``, by ``model_type``), float32 or blocks of the cpu
+backend's format when the weight kind asks (``load_hf_dir``). The family reads the config and
+says which tensors the checkpoint must hold; a family whose norms scale by ``1 + w`` (Gemma) has
+the 1 folded into its norm weights here.
 
 Checkpoints are usually bfloat16, which numpy has no dtype for: ``safetensors.numpy.load_file``
 and ``safe_open(framework="np")`` raise ``TypeError: data type 'bfloat16' not understood``
@@ -26,9 +29,7 @@ from flm_runtime.kernels import quant
 from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.hf_files import load_json
-from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_llama_weights
-
-SUPPORTED_MODEL_TYPES = ("llama",)
+from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_weights
 
 # Tensors some checkpoints carry that the model computes itself.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -37,7 +38,8 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
 
 
 class HFModel(NamedTuple):
-    """What ``load_hf_dir`` returns: config, Hugging Face weights, raw config.json."""
+    """What ``load_hf_dir`` returns: config (its family's class), Hugging Face weights, raw
+    config.json."""
 
     config: LlamaConfig
     weights: dict[str, Weight]
@@ -45,7 +47,7 @@ class HFModel(NamedTuple):
 
 
 def load_hf_dir(path: str | Path, *, weights: str = "f32") -> HFModel:
-    """Read a Hugging Face Llama checkpoint directory.
+    """Read a Hugging Face checkpoint directory of one of our families.
 
     Args:
         path: directory with config.json and model.safetensors (or shards + index).
@@ -58,12 +60,15 @@ def load_hf_dir(path: str | Path, *, weights: str = "f32") -> HFModel:
 
     Raises:
         FileNotFoundError: no config.json or no safetensors file.
-        ModelFormatError: model_type other than llama, unsupported features, malformed files,
-            tensors missing or of the wrong shape.
+        ModelFormatError: a model_type we do not run, a feature of it we do not (named with its
+            key), malformed files, tensors missing, unexpected (named) or of the wrong shape.
     """
+    from flm_runtime.models import families  # deferred as in loading.gguf.load_gguf
+
     path = Path(path)
     config_dict = load_json(path / "config.json")
-    config = llama_config_from_hf(config_dict, source=str(path))
+    family = families.for_model_type(config_dict.get("model_type"), str(path))
+    config = family.config_from_hf(config_dict, str(path))
     assert weights in WEIGHT_KINDS, f"weight kind {weights!r} not in {WEIGHT_KINDS}"
     bits = None if weights == "f32" else 4 if weights == "q4" else 8
     tensors: dict[str, Weight] = {}
@@ -71,34 +76,11 @@ def load_hf_dir(path: str | Path, *, weights: str = "f32") -> HFModel:
         for name, w in iter_safetensors(file):
             if name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight"):
                 continue
+            if family.norm_offset and name.endswith("norm.weight"):  # the checkpoint's w of a (offset + w) norm
+                w = w + np.float32(family.norm_offset)
             tensors[name] = quant.quantize(w, bits) if bits and w.ndim == 2 and w.shape[1] % quant.BLOCK == 0 else w
-    check_llama_weights(config, tensors, source=str(path))
+    check_weights(family.checkpoint_shapes(config), tensors, source=str(path))
     return HFModel(config, tensors, config_dict)
-
-
-def llama_config_from_hf(config: dict[str, Any], *, source: str = "config.json") -> LlamaConfig:
-    """``LlamaConfig`` from a config.json mapping, with Hugging Face's defaults.
-
-    Raises:
-        ModelFormatError: another model_type, RoPE scaling, attention/MLP biases, or missing keys.
-    """
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelFormatError(
-            f"{source}: model_type {model_type!r} is not supported (supported: "
-            f"{SUPPORTED_MODEL_TYPES})")
-    scaling = config.get("rope_scaling")
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
-        raise ModelFormatError(f"{source}: rope_scaling {scaling} is not supported")
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ModelFormatError(f"{source}: attention/MLP biases are not supported")
-    values = dict(config)
-    values.setdefault("num_key_value_heads", values.get("num_attention_heads"))
-    values.setdefault("max_position_embeddings", 2048)  # transformers' LlamaConfig default
-    try:
-        return LlamaConfig.from_dict(values)
-    except TypeError as e:
-        raise ModelFormatError(f"{source}: incomplete Llama config ({e})") from e
 
 
 def safetensors_files(directory: Path) -> list[Path]:

@@ -34,7 +34,8 @@ from flm_runtime.kernels import cpu, quant
 from flm_runtime.layers.decoder import DecoderLayer, RowSpan, stack_arithmetic
 from flm_runtime.layers.ops import REFERENCE
 from flm_runtime.layers.spec import LayerSpec
-from flm_runtime.models.llama import KV_PROJ, WeightTaker, fuse_layer, layer_weight_shapes, take_fused
+from flm_runtime.models.family import WeightTaker
+from flm_runtime.models.llama import KV_PROJ, fuse_layer, layer_weight_shapes, take_fused
 
 log = logging.getLogger(__name__)
 

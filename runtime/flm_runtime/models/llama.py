@@ -1,32 +1,43 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-style GQA) in numpy.
+"""The Llama family (Llama 2/3, SmolLM2): the base every other family extends (``models.family``).
 
-Weights follow Hugging Face's names and layout (``model.layers.{i}.self_attn.q_proj.weight`` is
-``[out_features, in_features]``) and Hugging Face's RoPE convention: the rotation pairs dimension
-``i`` with ``i + head_dim/2`` ("rotate half"). Loaders bring every format to this convention
-(GGUF stores Q/K permuted for interleaved pairs; ``flm_runtime.loading.gguf`` undoes it).
+Hugging Face config keys: ``LlamaConfig``'s fields, ``rope_scaling`` (``models.rope``: linear,
+dynamic, llama3, yarn), ``attention_bias`` and ``mlp_bias`` (refused: no bias of o_proj or of
+the FFN runs here). GGUF: ``llama.*`` keys, ``llama.rope.scaling.*`` and llama.cpp's
+``rope_freqs.weight`` (its converter's form of llama3 scaling).
+
+Tensors below ``model.layers.{i}.``: ``input_layernorm``, ``self_attn.{q,k,v,o}_proj``,
+``post_attention_layernorm`` (the FFN's norm), ``mlp.{gate,up,down}_proj``; in GGUF
+``blk.{i}.attn_norm``, ``attn_{q,k,v,output}``, ``ffn_norm``, ``ffn_{gate,up,down}``. Q/K/V and
+gate/up are fused into ``LayerWeights.wqkv`` / ``w_gate_up`` (one product each).
+
+RoPE convention: Hugging Face's "rotate half" (dimension ``i`` pairs with ``i + D/2``).
+llama.cpp's converter permutes the rows of each q_proj/k_proj head of this family (and only
+of this family among ours) for its interleaved pairs; the GGUF loader undoes it
+(``gguf_permuted``).
 """
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
-from flm_runtime.backends import Backend
-from flm_runtime.core import ForwardOutput, LlamaConfig
-from flm_runtime.kv_cache import BLOCK_TOKENS, KVCache, KVPool
+from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu
-from flm_runtime.kernels.quant import QuantWeight
-from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan, stack_arithmetic
-from flm_runtime.layers.stack import Stack, stack_weights
+from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerConfig, LayerSpec
+from flm_runtime.models import rope
+from flm_runtime.models.family import GGUFMetadata, RopePlan, RopeTable, WeightTaker
 
 KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
 QKV_PROJ = ("self_attn.q_proj.weight", *KV_PROJ)  # LayerWeights.wqkv's rows, in this order
+GATE_UP_PROJ = ("mlp.gate_proj.weight", "mlp.up_proj.weight")  # LayerWeights.w_gate_up's rows
+RUN_ORDER = ("input_layernorm.weight", *QKV_PROJ, "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+             *GATE_UP_PROJ, "mlp.down_proj.weight")
 
 
 def layer_weight_shapes(config: LayerConfig) -> dict[str, tuple[int, ...]]:
-    """The tensors of one decoder layer, by Hugging Face name below the layer's prefix, with their
-    ``[out, in]`` shapes."""
+    """The tensors of one Llama decoder layer, by Hugging Face name below the layer's prefix,
+    with their ``[out, in]`` shapes."""
     c = config
     e, f = c.hidden_size, c.intermediate_size
     q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -48,8 +59,8 @@ def take_fused(take: WeightTaker, config: LayerConfig, prefix: str, names: tuple
 
 
 def fuse_layer(take: WeightTaker, config: LayerConfig, prefix: str) -> LayerWeights:
-    """One decoder layer's weights (the tensors of ``layer_weight_shapes`` below ``prefix``) as a
-    ``LayerWeights``.
+    """One Llama decoder layer's weights (the tensors of ``layer_weight_shapes`` below ``prefix``)
+    as a ``LayerWeights``.
 
     Raises:
         ModelFormatError: a tensor is missing or has the wrong shape.
@@ -64,166 +75,217 @@ def fuse_layer(take: WeightTaker, config: LayerConfig, prefix: str) -> LayerWeig
         wqkv=take_fused(take, config, prefix, QKV_PROJ),
         wo=one("self_attn.o_proj.weight"),
         ffn_norm=one("post_attention_layernorm.weight"),
-        w_gate_up=take_fused(take, config, prefix, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+        w_gate_up=take_fused(take, config, prefix, GATE_UP_PROJ),
         w_down=one("mlp.down_proj.weight"),
     )
 
 
-class LlamaModel:
-    """A Llama-family target model on the cpu backend.
+# The tensors every family names alike, GGUF -> Hugging Face.
+GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                     "output.weight": "lm_head.weight"}
 
-    Args:
-        config: hyper-parameters.
-        weights: float32 arrays or (matrices) ``QuantWeight`` keyed by Hugging Face names, HF layout
-            and RoPE convention (see module docstring). Matrices are fused and stacked as views
-            when they lie in that order in one mapping (kept weights, ``loading.converted``),
-            else into new arrays; the dict is not modified.
 
-    Raises:
-        ModelFormatError: a tensor is missing or has the wrong shape.
-    """
+class Llama:
+    """The Llama family (module docstring); its methods are what a family says
+    (``models.family``), overridden by the families that differ."""
 
-    backend = Backend.CPU
-    prefill_chunk = 256  # positions per prefill forward; bounds the [Hkv, R*T, N] score buffer
-
-    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray]):
-        self.config = config
-        c = config
-        take = WeightTaker(weights)
-        self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))  # [V, E]
-        self.layers = [fuse_layer(take, c, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
-        self.norm = take("model.norm.weight", (c.hidden_size,))
-        if c.tie_word_embeddings:
-            self.lm_head = self.embed  # [V, E]
-        else:
-            self.lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))
-        self.rope_cos, self.rope_sin = cpu.rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta)
-        spec = LayerSpec.of(c)
-        self.stack = None  # a quantized model's one-call step (layers.stack), else None
-        if all(isinstance(m, QuantWeight) for layer in self.layers for m in layer.matrices) and isinstance(
-                self.lm_head, QuantWeight):
-            stacked, self.layers, lm_head = stack_weights(self.layers, self.norm, self.lm_head)
-            self.lm_head = lm_head
-            if c.tie_word_embeddings:
-                self.embed = lm_head
-            self.stack = Stack(stacked, spec, c.vocab_size)
-        # Each layer runs on the ops table its weights call for (layers.ops.ops_for): compiled when
-        # its matrices are quantized, else the numpy reference.
-        self.decoders = [DecoderLayer(w, spec) for w in self.layers]
-        self.quantized, self.kv_dtype, self._final_norm = stack_arithmetic(self.decoders)
-        # A row's results do not depend on the rows beside it, bit for bit (docs/design.md,
-        # "Batch invariance"): the quantized path's promise; float32 products round by row count.
-        self.batch_invariant = self.quantized
+    model_types: tuple[str, ...] = ("llama",)
+    gguf_architectures: tuple[str, ...] = ("llama",)
+    config_class: type[LlamaConfig] = LlamaConfig
+    # GGUF tensor name below ``blk.{i}.`` -> Hugging Face name below ``model.layers.{i}.``
+    gguf_block_names: dict[str, str] = {
+        "attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight"}
+    gguf_permuted = True  # llama.cpp's converter permutes q_proj / k_proj rows (module docstring)
+    norm_offset = 0.0  # a Hugging Face checkpoint's norms scale by ``norm_offset + w``
 
     @property
-    def nbytes_per_token(self) -> int:
-        """Weight bytes read by one decode step (every layer + final norm + LM head, not the embedding row)."""
-        n = sum(a.nbytes for layer in self.layers for a in vars(layer).values())
-        return n + self.norm.nbytes + self.lm_head.nbytes
+    def name(self) -> str:
+        return self.model_types[0]
 
-    def new_pool(self, positions: int) -> KVPool:
-        """An engine's KV pool: ``positions // BLOCK_TOKENS`` blocks in this model's geometry and
-        ``kv_dtype``, a fixed number (``kv_cache``)."""
-        c = self.config
-        return KVPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv_dtype, positions // BLOCK_TOKENS)
+    # -- config -------------------------------------------------------------------------------
 
-    def new_cache(self, capacity: int = 0, pool: KVPool | None = None) -> KVCache:
-        """An empty KV cache for one sequence, its blocks taken from ``pool`` (``new_pool``);
-        without one, from a pool of its own that grows on demand (``capacity``, tokens, is a
-        hint)."""
-        c = self.config
-        if pool is not None:
-            return KVCache(pool, c.max_position_embeddings)
-        return KVCache.private(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.max_position_embeddings,
-                               capacity, self.kv_dtype)
+    def config_from_hf(self, values: dict[str, Any], source: str) -> LlamaConfig:
+        """The config of a ``config.json`` mapping of this family.
 
-    def forward_batch(self, token_rows: list[np.ndarray], caches: list[KVCache], *,
-                      taps: tuple[int, ...] = (), logit_rows: list[int] | None = None) -> ForwardOutput:
-        """One step for ``B`` sequences at once (continuous batching): sequence ``b`` appends the
-        ``T_b`` positions ``token_rows[b]`` to ``caches[b]`` (a prefill chunk, a plain decode row,
-        or a DFlash verify pass: the anchor and the drafted tokens).
-
-        All ``R = sum T_b`` rows share every matrix product: one product per weight matrix, so
-        the weights are read once per step instead of once per sequence. Attention stays per
-        sequence, over its own cache. The sequences are independent: rows ``b`` equal the step of
-        sequence ``b`` alone up to float rounding (a product of more rows runs a different BLAS
-        kernel).
-
-        Args:
-            token_rows: ``B`` int arrays ``[T_b]`` (``T_b >= 1``).
-            caches: ``B`` distinct KV caches, one per sequence.
-            taps: the layers to tap (``TargetModel.forward_batch``); costs one concatenation.
-            logit_rows: per sequence, how many of its LAST rows need logits (``0 <= n_b <= T_b``:
-                a prefill chunk needs 1 or none, a verify pass all of them); None: every row.
-                The LM head runs only on those rows.
-        Returns:
-            logits ``[sum n_b, V]`` float32 of the selected rows, sequence after sequence, and the
-            taps of EVERY row ``[R, len(taps) * E]`` (None without ``taps``). If it raises, no
-            cache's length has changed.
+        Raises:
+            ModelFormatError: a feature this runtime does not run (named with its key), or
+                missing keys.
         """
-        rows = [np.asarray(t, dtype=np.int64).reshape(-1) for t in token_rows]
-        n_logits = [r.size for r in rows] if logit_rows is None else [int(n) for n in logit_rows]
-        assert len(rows) == len(caches) == len(n_logits) > 0 and all(r.size for r in rows), "one non-empty row group per cache"
-        assert all(0 <= n <= r.size for n, r in zip(n_logits, rows)), f"logit_rows {n_logits} out of range"
-        assert len({id(c) for c in caches}) == len(caches), "a cache appears twice in the batch"
-        ends = np.cumsum([r.size for r in rows])
-        spans = [RowSpan(cache, cache.length, slice(int(e) - r.size, int(e)), n)
-                 for cache, r, e, n in zip(caches, rows, ends, n_logits)]
-        return ForwardOutput(*self._run(np.concatenate(rows), spans, taps=taps))
+        values = self.hf_values(values, source)
+        try:
+            return self.config_class.from_dict(values)
+        except TypeError as e:
+            raise ModelFormatError(f"{source}: incomplete {self.name} config ({e})") from e
 
-    def _run(self, token_ids: np.ndarray, spans: list[RowSpan], *,
-             taps: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
-        """The rows ``token_ids`` ``[R]`` through every layer, and the LM head over each span's
-        last ``n_logits`` rows; ``spans`` say which rows belong to which sequence (in row order,
-        covering all rows), one span per sequence.
+    def hf_values(self, config: dict[str, Any], source: str) -> dict[str, Any]:
+        """``config``'s values as this family's config class takes them (defaults filled,
+        ``rope_scaling`` parsed); a family extends it with its keys and refusals."""
+        for key in ("attention_bias", "mlp_bias"):
+            if config.get(key):
+                raise ModelFormatError(f"{source}: {self.name} with {key}=true is not supported (no bias of "
+                                       "o_proj or of the FFN runs here)")
+        if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ModelFormatError(f"{source}: {self.name} with partial_rotary_factor="
+                                   f"{config['partial_rotary_factor']} (partial rotary) is not supported")
+        if config.get("num_local_experts") or config.get("num_experts"):
+            raise ModelFormatError(f"{source}: {self.name} with experts (mixture of experts) is not supported")
+        values = dict(config)
+        values.setdefault("num_key_value_heads", values.get("num_attention_heads"))
+        values.setdefault("max_position_embeddings", 2048)  # transformers' LlamaConfig default
+        if values.get("head_dim") is None and "hidden_size" in values and "num_attention_heads" in values:
+            values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+        scaling = rope.scaling_from_hf(config.get("rope_scaling"), values["max_position_embeddings"],
+                                       original_max_position_embeddings=int(
+                                           config.get("original_max_position_embeddings") or 0),
+                                       source=source)
+        values["rope_scaling"] = scaling
+        values["max_position_embeddings"] = rope.context_length(values["max_position_embeddings"], scaling)
+        return values
 
-        Returns:
-            logits ``[sum n_logits, V]``; the taps ``[R, len(taps) * E]`` or None without ``taps``.
+    def config_from_gguf(self, meta: GGUFMetadata) -> LlamaConfig:
+        """The config of a GGUF file of this family (its ``{arch}.*`` keys).
+
+        ``head_dim`` is ``{arch}.attention.key_length`` if present, else
+        ``{arch}.rope.dimension_count``, else hidden / heads. The embedding is tied to the LM head
+        exactly when the file has no ``output.weight`` (llama.cpp then reuses the embedding).
+
+        Raises:
+            ModelFormatError: a missing key, partial rotary embedding, mixture of experts or a
+                RoPE scaling we lack, naming the key.
         """
-        assert all(0 <= i < len(self.layers) for i in taps), f"tap layers {taps} out of range"
-        assert spans[0].rows.start == 0 and spans[-1].rows.stop == token_ids.shape[0]
-        assert all(a.rows.stop == b.rows.start for a, b in zip(spans, spans[1:])), "spans out of row order"
-        with cpu.forward_pass(token_ids.shape[0]):
-            return self._run_rows(token_ids, spans, taps=taps)
+        return self.config_class(**self.gguf_values(meta))
 
-    def _run_rows(self, token_ids: np.ndarray, spans: list[RowSpan], *,
-                  taps: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
-        """``_run``'s body, inside ``cpu.forward_pass``."""
-        for s in spans:
-            s.cache.reserve(s.n_rows)
-        positions = np.concatenate([np.arange(s.start, s.start + s.n_rows) for s in spans])  # [R]
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [R, D/2] each
-        x = cpu.embedding(self.embed, token_ids)  # [R, E]
-        if self.stack is not None:
-            logits, tapped = self.stack(x, cos, sin, spans, taps)
-            for s in spans:
-                s.cache.commit(s.n_rows)
-            return logits, tapped
-        tapped = {}
-        for i, decoder in enumerate(self.decoders):
-            x = decoder(i, x, spans, cos, sin)  # a new array each layer: no copy
-            if i in taps:
-                tapped[i] = x
-        if sum(s.n_logits for s in spans) < x.shape[0]:
-            x = x[np.concatenate([np.arange(s.rows.stop - s.n_logits, s.rows.stop) for s in spans])]
-        logits = np.ascontiguousarray(cpu.linear(self._final_norm(x, self.norm, self.config.rms_norm_eps),
-                                                 self.lm_head))  # [sum n_logits, V]
-        for s in spans:  # last: a step that raised has appended nothing
-            s.cache.commit(s.n_rows)
-        return logits, (np.concatenate([tapped[i] for i in taps], axis=-1) if taps else None)  # [R, n*E]
+    def gguf_values(self, meta: GGUFMetadata) -> dict[str, Any]:
+        """The config values of a GGUF file (``config_from_gguf``); a family extends them."""
+        if int(meta.key("expert_count", 0) or 0) > 0:
+            raise ModelFormatError(f"{meta.source}: {meta.arch} with {meta.arch}.expert_count="
+                                   f"{meta.key('expert_count')} (mixture of experts) is not supported")
+        hidden, n_head = int(meta.key("embedding_length")), int(meta.key("attention.head_count"))
+        head_dim = int(meta.key("attention.key_length", meta.key("rope.dimension_count", hidden // n_head)))
+        rope_dim = int(meta.key("rope.dimension_count", head_dim))
+        if rope_dim != head_dim:
+            raise ModelFormatError(f"{meta.source}: {meta.arch} with partial rotary embedding "
+                                   f"({meta.arch}.rope.dimension_count={rope_dim} < head_dim={head_dim}) is not supported")
+        tokens = meta.values.get("tokenizer.ggml.tokens") or []
+        context = int(meta.key("context_length"))
+        return dict(
+            vocab_size=int(meta.key("vocab_size", len(tokens) or None)), hidden_size=hidden,
+            intermediate_size=int(meta.key("feed_forward_length")), num_hidden_layers=int(meta.key("block_count")),
+            num_attention_heads=n_head, num_key_value_heads=int(meta.key("attention.head_count_kv", n_head)),
+            max_position_embeddings=context, rope_theta=meta.decimal("rope.freq_base", 10000.0),
+            rms_norm_eps=meta.decimal("attention.layer_norm_rms_epsilon", 1e-5),
+            tie_word_embeddings="output.weight" not in meta.tensor_names, head_dim=head_dim,
+            rope_scaling=self.gguf_rope_scaling(meta, context))
+
+    def gguf_rope_scaling(self, meta: GGUFMetadata, context: int) -> rope.RopeScaling | None:
+        """The RoPE scaling of a GGUF file: ``{arch}.rope.scaling.type`` (linear, yarn), or
+        llama.cpp's factor tensors (``rope_freqs.weight``: per-frequency divisors;
+        ``rope_factors_long/short.weight``: LongRoPE).
+
+        Raises:
+            ModelFormatError: another scaling type, naming it and its key.
+        """
+        kind = meta.key("rope.scaling.type", "none")
+        factors = meta.rope_tensors
+        if "rope_factors_long.weight" in factors:
+            original = int(meta.key("rope.scaling.original_context_length"))
+            return rope.RopeScaling("longrope", context / original, original,
+                                    attention_factor=float(meta.key("rope.scaling.attn_factor", 0.0)),
+                                    short_factor=tuple(factors["rope_factors_short.weight"].tolist()),
+                                    long_factor=tuple(factors["rope_factors_long.weight"].tolist()))
+        if "rope_freqs.weight" in factors:
+            return rope.RopeScaling("freq_factors", short_factor=tuple(factors["rope_freqs.weight"].tolist()))
+        if kind == "none":
+            return None
+        if kind == "linear":
+            return rope.RopeScaling("linear", meta.decimal("rope.scaling.factor"))
+        if kind == "yarn":
+            return rope.RopeScaling(
+                "yarn", meta.decimal("rope.scaling.factor"), int(meta.key("rope.scaling.original_context_length")),
+                beta_fast=meta.decimal("rope.scaling.yarn_beta_fast", 32.0),
+                beta_slow=meta.decimal("rope.scaling.yarn_beta_slow", 1.0),
+                attention_factor=meta.decimal("rope.scaling.attn_factor", 0.0))
+        raise ModelFormatError(f"{meta.source}: {meta.arch}.rope.scaling.type {kind!r} is not supported "
+                               "(supported: none, linear, yarn, and llama.cpp's rope factor tensors)")
+
+    # -- tensors ------------------------------------------------------------------------------
+
+    def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+        """The tensors of one layer of a checkpoint of this family, by Hugging Face name below
+        ``model.layers.{i}.``, with their shapes, in the order a layer's modules run."""
+        shapes = layer_weight_shapes(config)
+        return {name: shapes[name] for name in RUN_ORDER}
+
+    def checkpoint_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+        """Every tensor a checkpoint of this family must hold, by Hugging Face name, with its
+        shape (``lm_head.weight`` only when the config does not tie it to the embedding)."""
+        e = config.hidden_size
+        shapes = {"model.embed_tokens.weight": (config.vocab_size, e), "model.norm.weight": (e,)}
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, e)
+        for i in range(config.num_hidden_layers):
+            shapes.update({f"model.layers.{i}.{name}": shape for name, shape in self.layer_shapes(config).items()})
+        return shapes
+
+    def stacking_order(self, config: LlamaConfig) -> list[str]:
+        """The checkpoint's matrices in the order a quantized model stacks them
+        (``layers.stack.stack_weights``): each layer's in ``layer_shapes``' order, then the LM
+        head (the embedding when tied). Kept weights laid out in this order are the stacked arrays
+        already (``loading.converted``)."""
+        matrices = [name for name, shape in self.layer_shapes(config).items() if len(shape) == 2]
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        return [f"model.layers.{i}.{name}" for i in range(config.num_hidden_layers) for name in matrices] + [head]
+
+    def hf_name(self, gguf_name: str, source: str) -> str:
+        """The Hugging Face name of a GGUF tensor of this family (``blk.3.attn_q.weight`` ->
+        ``model.layers.3.self_attn.q_proj.weight``).
+
+        Raises:
+            ModelFormatError: a tensor this family has no place for, naming it.
+        """
+        if gguf_name in GGUF_GLOBAL_NAMES:
+            return GGUF_GLOBAL_NAMES[gguf_name]
+        parts = gguf_name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in self.gguf_block_names:
+            return f"model.layers.{parts[1]}.{self.gguf_block_names[parts[2]]}"
+        raise ModelFormatError(f"{source}: GGUF tensor {gguf_name!r} is not supported by the {self.name} family")
+
+    def permuted_heads(self, hf_name: str, config: LlamaConfig) -> int:
+        """The heads whose rows llama.cpp's converter permuted in this tensor (0: none)."""
+        if not self.gguf_permuted:
+            return 0
+        return {"self_attn.q_proj.weight": config.num_attention_heads,
+                "self_attn.k_proj.weight": config.num_key_value_heads}.get(hf_name.split(".", 3)[-1], 0)
+
+    def layer_weights(self, take: WeightTaker, config: LlamaConfig, prefix: str) -> LayerWeights:
+        """One layer's ``LayerWeights`` from the tensors below ``prefix``.
+
+        Raises:
+            ModelFormatError: a tensor is missing or has the wrong shape.
+        """
+        return fuse_layer(take, config, prefix)
+
+    # -- what the layers run ------------------------------------------------------------------
+
+    def layer_spec(self, config: LlamaConfig, layer: int) -> LayerSpec:
+        """Layer ``layer``'s spec."""
+        return LayerSpec.of(config)
+
+    def rope(self, config: LlamaConfig) -> RopePlan:
+        """The RoPE tables and each layer's (one table here)."""
+        return RopePlan((RopeTable(config.rope_theta, config.rope_scaling),), (0,) * config.num_hidden_layers)
+
+    def embed_scale(self, config: LlamaConfig) -> float:
+        """What the embedding rows are multiplied by (1: none)."""
+        return 1.0
+
+    def final_softcap(self, config: LlamaConfig) -> float:
+        """The final logits' soft-cap ``c * tanh(z / c)`` (0: none)."""
+        return 0.0
 
 
-class WeightTaker:
-    """Looks up named tensors in a weights dict, checking shape; arrays become float32
-    C-contiguous, quantized matrices (``cpu.Weight``) are taken as they are."""
-
-    def __init__(self, weights: dict[str, cpu.Weight]):
-        self.weights = weights
-
-    def __call__(self, name: str, shape: tuple[int, ...]) -> cpu.Weight:
-        if name not in self.weights:
-            raise ModelFormatError(f"tensor {name!r} is missing from the model file")
-        a = self.weights[name]
-        if tuple(a.shape) != shape:
-            raise ModelFormatError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {shape}")
-        return a if isinstance(a, QuantWeight) else np.ascontiguousarray(a, dtype=np.float32)
+FAMILY = Llama()

@@ -1,0 +1,111 @@
+"""What every model family module (``models/llama.py``, ``qwen2.py`` ...) builds on: the named
+tensors a family takes its weights from (``WeightTaker``), a GGUF file's metadata as a family
+reads it (``GGUFMetadata``) and the RoPE tables a model gives its layers (``RopePlan``).
+
+A family is a class whose one instance (``FAMILY`` in its module) says, for checkpoints of its
+``model_type`` / GGUF architecture: its config (HF keys and ``{arch}.*`` GGUF keys), its tensor
+names and shapes, how its tensors become ``LayerWeights``, the ``LayerSpec`` of each layer, its
+RoPE tables and its embedding scale. ``models.llama.Llama`` is the base the others extend;
+``models.families`` maps names to families. Imports: core, errors, kernels, layers and
+``models.rope`` only, so that the loaders can read the families.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from flm_runtime.errors import ModelFormatError
+from flm_runtime.kernels.quant import QuantWeight, Weight
+from flm_runtime.models.rope import RopeScaling
+
+
+class WeightTaker:
+    """Looks up named tensors in a weights dict, checking shape; arrays become float32
+    C-contiguous, quantized matrices (``QuantWeight``) are taken as they are."""
+
+    def __init__(self, weights: dict[str, Weight]):
+        self.weights = weights
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> Weight:
+        """The tensor ``name`` of shape ``shape``.
+
+        Raises:
+            ModelFormatError: it is missing or has another shape.
+        """
+        if name not in self.weights:
+            raise ModelFormatError(f"tensor {name!r} is missing from the model file")
+        a = self.weights[name]
+        if tuple(a.shape) != shape:
+            raise ModelFormatError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {shape}")
+        return a if isinstance(a, QuantWeight) else np.ascontiguousarray(a, dtype=np.float32)
+
+
+class GGUFMetadata(NamedTuple):
+    """A GGUF file as a family's config reads it.
+
+    Attributes:
+        values: every metadata key/value of the file.
+        arch: ``general.architecture``.
+        tensor_names: the names of the file's tensors.
+        rope_tensors: the RoPE factor tensors of the file (``rope_freqs.weight``,
+            ``rope_factors_long.weight``, ``rope_factors_short.weight``) present, float32 ``[D/2]``.
+        source: the file, for error messages.
+    """
+
+    values: dict[str, Any]
+    arch: str
+    tensor_names: list[str]
+    rope_tensors: dict[str, np.ndarray]
+    source: str
+
+    def key(self, name: str, default: Any = None) -> Any:
+        """The value of ``{arch}.{name}``, else ``default``.
+
+        Raises:
+            ModelFormatError: absent and no default.
+        """
+        value = self.values.get(f"{self.arch}.{name}", default)
+        if value is None:
+            raise ModelFormatError(f"{self.source}: metadata key {self.arch}.{name} is missing")
+        return value
+
+    def decimal(self, name: str, default: float | None = None) -> float:
+        """The float32 value of ``{arch}.{name}`` as the shortest decimal that round-trips through
+        float32 (GGUF stores 1e-5 as 9.99999974738e-06; the config.json had 1e-5)."""
+        return float(str(np.float32(self.key(name, default))))
+
+
+class RopeTable(NamedTuple):
+    """One RoPE table of a model: its base and scaling (``models.rope.rope_tables``)."""
+
+    theta: float
+    scaling: RopeScaling | None
+
+
+class RopePlan(NamedTuple):
+    """The RoPE tables of a model and which one each layer uses.
+
+    Attributes:
+        tables: the distinct tables (T of them).
+        layer_table: ``[L]``, the index into ``tables`` of each layer's.
+    """
+
+    tables: tuple[RopeTable, ...]
+    layer_table: tuple[int, ...]
+
+
+def layer_windows(config: dict[str, Any], n_layers: int, default_types: list[str], source: str) -> tuple[int, ...]:
+    """Each layer's sliding window from a config.json (0: full attention): Hugging Face's
+    ``layer_types`` (``"sliding_attention"`` / ``"full_attention"``), else ``default_types``
+    (the family's rule), the window being ``sliding_window``.
+
+    Raises:
+        ModelFormatError: ``layer_types`` of another length or with another type, naming it.
+    """
+    types = config.get("layer_types") or default_types
+    if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ModelFormatError(f"{source}: layer_types {types} is not {n_layers} of sliding_attention / full_attention")
+    window = int(config.get("sliding_window") or 0)
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
