@@ -105,7 +105,7 @@ class LlamaModel:
             self.lm_head = lm_head
             if c.tie_word_embeddings:
                 self.embed = lm_head
-            self.stack = Stack(stacked, spec, c.vocab_size)
+            self.stack = Stack(stacked, [spec] * c.num_hidden_layers, c.vocab_size)
         # Each layer runs on the ops table its weights call for (layers.ops.ops_for): compiled when
         # its matrices are quantized, else the numpy reference.
         self.decoders = [DecoderLayer(w, spec) for w in self.layers]
@@ -117,7 +117,7 @@ class LlamaModel:
     @property
     def nbytes_per_token(self) -> int:
         """Weight bytes read by one decode step (every layer + final norm + LM head, not the embedding row)."""
-        n = sum(a.nbytes for layer in self.layers for a in vars(layer).values())
+        n = sum(a.nbytes for layer in self.layers for a in vars(layer).values() if a is not None)
         return n + self.norm.nbytes + self.lm_head.nbytes
 
     def new_pool(self, positions: int) -> KVPool:
@@ -194,7 +194,7 @@ class LlamaModel:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [R, D/2] each
         x = cpu.embedding(self.embed, token_ids)  # [R, E]
         if self.stack is not None:
-            logits, tapped = self.stack(x, cos, sin, spans, taps)
+            logits, tapped = self.stack(x, cos[None], sin[None], spans, taps)  # one RoPE table
             for s in spans:
                 s.cache.commit(s.n_rows)
             return logits, tapped
