@@ -92,7 +92,7 @@ class Tiny:
         for s in spans:
             s.cache.reserve(s.n_rows)
         positions = np.concatenate([np.arange(s.start, s.start + s.n_rows) for s in spans])
-        cos, sin = self.cos[:, positions], self.sin[:, positions]  # [2, R, D/2]
+        cos, sin = (np.ascontiguousarray(t[:, positions]) for t in (self.cos, self.sin))  # [2, R, D/2]
         last = np.concatenate([np.arange(s.rows.stop - s.n_logits, s.rows.stop) for s in spans])
         if path == "stack":
             stack = self.stack if team is None else Stack(self.stack.weights, self.specs, V, team, rope=self.rope)

@@ -146,7 +146,10 @@ def compose(ops: Ops, spec: LayerSpec) -> Composition:
     store_kv, attend = attention.store_kv, attention.attend
     h, hkv, d, causal = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.causal
     has_bias, has_qk_norm, post_norms = spec.qkv_bias, spec.qk_norm, spec.post_norms
-    gelu, window, scale = spec.activation == "gelu_tanh", spec.sliding_window, spec.softmax_scale
+    gelu, scale = spec.activation == "gelu_tanh", spec.softmax_scale
+    # an int64, not a Python int (a literal to numba): ``attend`` compiles once for every path,
+    # while a literal would compile a variant whose reductions may vectorize in another order
+    window = np.int64(spec.sliding_window)
     eps = np.float32(spec.rms_norm_eps)
 
     def attention_in(x, attn_norm, wqkv, qkv_bias, q_norm, k_norm, cos, sin):
