@@ -43,14 +43,15 @@ def measure(context: int, rows: int, rounds: int, repeat: int) -> tuple[float, f
             for _ in range(2))  # values a float16 cache holds exactly
     q = rng.standard_normal((rows, HEADS, HEAD_DIM)).astype(np.float32)
     start = context - rows
-    fns = []
+    fns, scale = [], np.float32(HEAD_DIM ** -0.5)
     for dtype in (np.float32, np.float16):
         cache = KVCache.private(1, KV_HEADS, HEAD_DIM, max_length=context, dtype=dtype)
         cache.reserve(context)
         cache.write(0, k, v)
         cache.commit(context)
         out = np.empty((rows, HEADS * HEAD_DIM), dtype=np.float32)
-        fns.append(lambda out=out, cache=cache: attention.attend(q, *attention.cache_arrays(cache, 0), start, True, out) or out)
+        fns.append(lambda out=out, cache=cache: attention.attend(q, *attention.cache_arrays(cache, 0), start, True, 0,
+                                                                 scale, out) or out)
     fns.append(lambda: cpu.attention(q, k, v, start))
     for fn in fns[:2]:
         np.testing.assert_allclose(fn(), fns[2](), rtol=0, atol=1e-5)  # the same attention

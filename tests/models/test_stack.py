@@ -52,7 +52,7 @@ def test_the_stack_gives_the_same_bits_on_any_number_of_threads(smollm2_quantize
     want = _steps(model)
     team = Team(threads)
     try:
-        monkeypatch.setattr(model, "stack", Stack(model.stack.weights, model.stack.spec, model.stack.vocab, team))
+        monkeypatch.setattr(model, "stack", Stack(model.stack.weights, model.stack.specs, model.stack.vocab, team))
         _assert_same(_steps(model), want)
     finally:
         team.close()

@@ -213,67 +213,76 @@ _SCORE_TILES, _VALUE_COLUMNS = (8, 64) if cpu_features.vector_registers() == 32 
 
 
 @numba.njit(inline="always", **ELEMENTWISE)
-def _attend_heads(queries, g, keys, values, table, kv, n, scale, scores, out):  # pragma: no cover - compiled
-    """``g`` (a constant) query heads ``queries`` ``[g, D]`` of one row over the first ``n``
-    positions of key-value head ``kv`` of one layer (``keys`` ``[NB, Hkv, B/16, D, 16]``,
+def _attend_heads(queries, g, keys, values, table, kv, lo, n, scale, scores, out):  # pragma: no cover - compiled
+    """``g`` (a constant) query heads ``queries`` ``[g, D]`` of one row over the positions ``lo
+    .. n - 1`` of key-value head ``kv`` of one layer (``keys`` ``[NB, Hkv, B/16, D, 16]``,
     ``values`` ``[NB, Hkv, B, D]``, the sequence's blocks ``table``): softmax of the scaled
     scores, then the weighted values into ``out`` ``[g * D]``; ``scores`` ``[>= g, >= 16
-    n_tiles]`` is scratch. Block by block, each score and each sum in the order of the positions."""
+    (ceil(n / 16) - lo // 16)]`` is scratch, position ``i``'s score at ``i - 16 (lo // 16)``.
+    Blocks and tiles wholly below ``lo`` are not read; in the tile holding ``lo`` the positions
+    before it are masked. Block by block, each score and each sum in the order of the positions
+    from ``lo``, so the result depends on the positions alone, not on the blocks."""
     d = queries.shape[1]
     block_tiles = keys.shape[2]
     block = block_tiles * KEY_TILE
+    first_tile = lo // KEY_TILE
+    base = first_tile * KEY_TILE  # the position of scores[:, 0]
     n_tiles = (n + KEY_TILE - 1) // KEY_TILE
-    n_blocks = (n + block - 1) // block
-    for j in range(n_blocks):
+    first_block, n_blocks = lo // block, (n + block - 1) // block
+    for j in range(first_block, n_blocks):
         tiles = keys[table[j], kv]  # [B/16, D, 16]
         count = min(block_tiles, n_tiles - j * block_tiles)
-        tile = 0
+        tile = max(first_tile - j * block_tiles, 0)
         while tile + _SCORE_TILES <= count:
-            _score_tiles(queries, g, tiles, tile, _SCORE_TILES, scale, scores, j * block_tiles + tile)
+            _score_tiles(queries, g, tiles, tile, _SCORE_TILES, scale, scores, j * block_tiles + tile - first_tile)
             tile += _SCORE_TILES
         while tile < count:
-            _score_tiles(queries, g, tiles, tile, 1, scale, scores, j * block_tiles + tile)
+            _score_tiles(queries, g, tiles, tile, 1, scale, scores, j * block_tiles + tile - first_tile)
             tile += 1
     inverse = np.empty(g, dtype=np.float32)
     for j in range(g):
         row = scores[j]
-        for i in range(n, n_tiles * KEY_TILE):  # the last tile's positions past n
+        for i in range(lo - base):  # the first tile's positions before the window
             row[i] = -np.inf
-        top = _max_of_tiles(row, n_tiles)
+        for i in range(n - base, (n_tiles - first_tile) * KEY_TILE):  # the last tile's positions past n
+            row[i] = -np.inf
+        top = _max_of_tiles(row, n_tiles - first_tile)
         total = np.float32(0.0)
-        for i in range(n):
+        for i in range(lo - base, n - base):
             p = exp(row[i] - top)
             row[i] = p
             total += p
         inverse[j] = np.float32(1.0) / total
     column = 0
     while column < d:
-        for j in range(n_blocks):
-            rows = values[table[j], kv]  # [B, D]
-            count, first, last = min(block, n - j * block), j == 0, j == n_blocks - 1
+        for j in range(first_block, n_blocks):
+            skip = max(lo - j * block, 0)  # the block's positions before the window
+            rows = values[table[j], kv][skip:]  # [B - skip, D]
+            count, first, last = min(block, n - j * block) - skip, j == first_block, j == n_blocks - 1
+            at = j * block + skip - base
             if column + _VALUE_COLUMNS <= d:
-                _weighted_values(scores, g, rows, count, column, _VALUE_COLUMNS, False, inverse, out, j * block, first,
-                                 last)
+                _weighted_values(scores, g, rows, count, column, _VALUE_COLUMNS, False, inverse, out, at, first, last)
             elif column + KEY_TILE <= d:
-                _weighted_values(scores, g, rows, count, column, KEY_TILE, False, inverse, out, j * block, first, last)
+                _weighted_values(scores, g, rows, count, column, KEY_TILE, False, inverse, out, at, first, last)
             else:  # a head dim that is not whole vectors
-                _weighted_values(scores, g, rows, count, column, KEY_TILE, True, inverse, out, j * block, first, last)
+                _weighted_values(scores, g, rows, count, column, KEY_TILE, True, inverse, out, at, first, last)
         column += _VALUE_COLUMNS if column + _VALUE_COLUMNS <= d else KEY_TILE
 
 
 @numba.njit(parallel=True, cache=True, nogil=True, **ELEMENTWISE)
-def attend(q, k, v, table, start, causal, out):  # pragma: no cover - compiled
+def attend(q, k, v, table, start, causal, window, scale, out):  # pragma: no cover - compiled
     """Grouped-query attention of ``T`` query rows over one layer of a sequence's KV cache (as
-    ``cpu.attention``): query row ``t`` sits at position ``start + t`` and attends positions
-    ``0 .. start + t`` (``causal``) or all ``start + T``; query head ``h`` reads key/value head
-    ``h // (H / Hkv)``.
+    ``cpu.attention``): query row ``t`` sits at position ``p = start + t`` and attends positions
+    ``0 .. p`` (``causal``) or all ``start + T``; with a sliding ``window`` ``W > 0`` (causal
+    only), positions ``max(0, p - W + 1) .. p`` (transformers' convention: key ``k`` is masked
+    when ``p - k >= W``). Query head ``h`` reads key/value head ``h // (H / Hkv)``.
 
     One parallel item per query row and key-value head, its query heads taken up to
     ``_QUERY_GROUP`` at a time over keys and values loaded once for them. Each query's scores and
     sums run in a fixed order that depends on its position alone (``_score_tiles``,
     ``_weighted_values``), whatever the blocks hold its context: a row's output is bit-identical
     whatever rows run beside it and whatever its block table (docs/design.md, "Batch
-    invariance").
+    invariance"). Blocks and key tiles wholly outside a row's window are not read.
 
     Args:
         q: ``[T, H, D]`` float32 C-contiguous (RoPE applied).
@@ -281,30 +290,34 @@ def attend(q, k, v, table, start, causal, out):  # pragma: no cover - compiled
             tiles), holding the step's keys and values already; float32, or float16 as its uint16
             bits (``cache_arrays``).
         table: int64 ``[>= ceil((start + T) / B)]``, the sequence's blocks in order.
+        start: the position of row 0.
+        causal: bool; window: int, 0 for none.
+        scale: float32, the scores' scale before the softmax (``D ** -0.5`` for most models).
         out: ``[T, H * D]`` float32 C-contiguous, written.
     """
     for item in numba.prange(q.shape[0] * k.shape[1]):
-        attend_item(q, k, v, table, start, causal, out, item)
+        attend_item(q, k, v, table, start, causal, window, scale, out, item)
 
 
 @numba.njit(nogil=True, **ELEMENTWISE)
-def attend_item(q, k, v, table, start, causal, out, item):  # pragma: no cover - compiled
+def attend_item(q, k, v, table, start, causal, window, scale, out, item):  # pragma: no cover - compiled
     """``attend``'s item ``item``: query row ``item // Hkv`` over key-value head ``item % Hkv``
     (its query heads), alone: one thread's share of attention split over a ``kernels.team``."""
     t_rows, h, d = q.shape
     hkv = k.shape[1]
     group = h // hkv
-    scale = np.float32(1.0 / np.sqrt(d))
     t, kv = item // hkv, item % hkv
     n = start + t + 1 if causal else start + t_rows
-    scores = np.empty((min(group, _QUERY_GROUP), (n + KEY_TILE - 1) // KEY_TILE * KEY_TILE), dtype=np.float32)
+    lo = max(n - window, 0) if window > 0 else 0
+    width = ((n + KEY_TILE - 1) // KEY_TILE - lo // KEY_TILE) * KEY_TILE
+    scores = np.empty((min(group, _QUERY_GROUP), width), dtype=np.float32)
     head = kv * group
     while head + _QUERY_GROUP <= (kv + 1) * group:
-        _attend_heads(q[t, head:head + _QUERY_GROUP], _QUERY_GROUP, k, v, table, kv, n, scale, scores,
+        _attend_heads(q[t, head:head + _QUERY_GROUP], _QUERY_GROUP, k, v, table, kv, lo, n, scale, scores,
                       out[t, head * d:(head + _QUERY_GROUP) * d])
         head += _QUERY_GROUP
     while head < (kv + 1) * group:
-        _attend_heads(q[t, head:head + 1], 1, k, v, table, kv, n, scale, scores, out[t, head * d:(head + 1) * d])
+        _attend_heads(q[t, head:head + 1], 1, k, v, table, kv, lo, n, scale, scores, out[t, head * d:(head + 1) * d])
         head += 1
 
 
@@ -354,11 +367,13 @@ def store_kv_row(k, v, k_pool, v_pool, table, start, t):  # pragma: no cover - c
             v_pool[at, h, slot, e] = _cache_element(v_pool, v[t, h, e])
 
 
-def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans, causal: bool) -> np.ndarray:
+def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans, causal: bool, window: int,
+                 scale: np.float32) -> np.ndarray:
     """A layer's attention over a step's rows, sequence by sequence: each span's new keys and
     values ``k``, ``v`` ``[R, Hkv, D]`` go into layer ``index`` of its cache, then its queries
-    ``q`` ``[R, H, D]`` attend it (``attend``). ``spans``: per sequence, an object with ``cache``,
-    ``start`` (the cache length before the step) and ``rows`` (its slice of the rows), as
+    ``q`` ``[R, H, D]`` attend it (``attend``, with ``causal``, ``window``, ``scale``).
+    ``spans``: per sequence, an object with ``cache``, ``start`` (the cache length before the
+    step) and ``rows`` (its slice of the rows), as
     ``flm_runtime.layers.decoder.RowSpan``. The caller holds ``lock.KERNEL_LOCK``.
 
     Returns:
@@ -367,7 +382,7 @@ def attend_spans(index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, spans,
     out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
     for s in spans:
         s.cache.write(index, k[s.rows].transpose(1, 0, 2), v[s.rows].transpose(1, 0, 2))
-        attend(q[s.rows], *cache_arrays(s.cache, index), s.start, causal, out[s.rows])
+        attend(q[s.rows], *cache_arrays(s.cache, index), s.start, causal, window, scale, out[s.rows])
     return out
 
 

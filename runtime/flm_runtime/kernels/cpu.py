@@ -197,8 +197,27 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, *, causal
     return out.reshape(hkv, r, t, d).transpose(2, 0, 1, 3).reshape(t, h * d)
 
 
-def swiglu(gate_up: np.ndarray) -> np.ndarray:
-    """SwiGLU activation (Shazeer 2020): ``silu(gate) * up``.
+def qk_norm(qkv: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, h: int, hkv: int, d: int,
+            eps: float) -> np.ndarray:
+    """QK-norm (Qwen3, Gemma 3): RMSNorm of each query head and each key head of the fused QKV
+    product, over the head dimension, with its own weight.
+
+    Args:
+        qkv: ``[T, (H + 2 Hkv) D]``: ``H`` query heads, then ``Hkv`` key heads, then the values.
+        q_norm, k_norm: ``[D]``.
+    Returns:
+        ``[T, (H + 2 Hkv) D]``, the values copied as they are.
+    """
+    t = qkv.shape[0]
+    q = rms_norm(qkv[:, :h * d].reshape(t * h, d), q_norm, eps).reshape(t, h * d)
+    k = rms_norm(qkv[:, h * d:(h + hkv) * d].reshape(t * hkv, d), k_norm, eps).reshape(t, hkv * d)
+    return np.concatenate([q, k, qkv[:, (h + hkv) * d:]], axis=1)
+
+
+def glu(gate_up: np.ndarray, gelu: bool) -> np.ndarray:
+    """The gated FFN's activation (Shazeer 2020, "GLU Variants Improve Transformer"): ``act(gate)
+    * up``, ``act`` silu (SwiGLU) or, with ``gelu``, gelu's tanh approximation (GeGLU: ``g / 2 *
+    (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``, Hugging Face's ``gelu_pytorch_tanh``).
 
     Args:
         gate_up: ``[T, 2F]``, the fused gate and up projections (gate first).
@@ -207,4 +226,7 @@ def swiglu(gate_up: np.ndarray) -> np.ndarray:
     """
     f = gate_up.shape[-1] // 2
     gate, up = gate_up[:, :f], gate_up[:, f:]
+    if gelu:
+        inner = np.float32(np.sqrt(2.0 / np.pi)) * (gate + np.float32(0.044715) * gate ** 3)
+        return np.float32(0.5) * gate * (1.0 + np.tanh(inner)) * up
     return gate / (1.0 + np.exp(-gate)) * up

@@ -1,5 +1,6 @@
-"""The compiled row-wise ops of a decoder layer: RMSNorm, rotate-half RoPE, SwiGLU, and the
-float32 ``exp`` they and attention use.
+"""The compiled row-wise ops of a decoder layer: RMSNorm (of rows and of attention heads),
+rotate-half RoPE, the gated FFN's activation (SwiGLU, GeGLU), and the float32 ``exp`` they and
+attention use.
 
 Each is computed row by row in an order fixed by the compiled code alone, the same for any number
 of rows (docs/design.md, "Batch invariance"). ``flm_runtime.layers.ops`` puts them in the
@@ -7,6 +8,8 @@ compiled ops table; their numpy counterparts (``flm_runtime.kernels.cpu``) are t
 """
 
 from __future__ import annotations
+
+import math
 
 import numba
 import numpy as np
@@ -93,22 +96,56 @@ def rope_row(x, cos, sin, first, heads, d, out, i):  # pragma: no cover - compil
             out[i, h, half + j] = x2 * c + x1 * s
 
 
-@numba.njit(nogil=True, **ELEMENTWISE)
-def swiglu(gate_up):  # pragma: no cover - compiled
-    """``silu(gate) * up`` of each row of the fused ``gate_up`` ``[R, 2F]`` (as ``cpu.swiglu``); ``[R, F]``."""
-    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
-    for i in range(gate_up.shape[0]):
-        swiglu_row(gate_up, out, i)
+@numba.njit(nogil=True, cache=True, **ELEMENTWISE)
+def qk_norm(qkv, q_norm, k_norm, h, hkv, d, eps):  # pragma: no cover - compiled
+    """RMSNorm of each of the ``h`` query heads (weight ``q_norm`` ``[D]``) and ``hkv`` key heads
+    (``k_norm``) of each row of the fused ``qkv`` ``[R, (H + 2 Hkv) D]`` (as ``cpu.qk_norm``); the
+    values are copied as they are. ``[R, (H + 2 Hkv) D]``, a new array."""
+    out = qkv.copy()
+    for i in range(out.shape[0]):
+        qk_norm_row(out, q_norm, k_norm, h, hkv, d, eps, i)
     return out
 
 
 @numba.njit(nogil=True, **ELEMENTWISE)
-def swiglu_row(gate_up, out, i):  # pragma: no cover - compiled
-    """``swiglu`` of row ``i`` into row ``i`` of ``out``."""
+def qk_norm_row(qkv, q_norm, k_norm, h, hkv, d, eps, i):  # pragma: no cover - compiled
+    """``qk_norm`` of row ``i`` of ``qkv``, in place (a head is read whole before it is written)."""
+    for head in range(h + hkv):
+        weight = q_norm if head < h else k_norm
+        base = head * d
+        ss = np.float32(0.0)
+        for j in range(d):
+            ss += qkv[i, base + j] * qkv[i, base + j]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + np.float32(eps))
+        for j in range(d):
+            qkv[i, base + j] = qkv[i, base + j] * inv * weight[j]
+
+
+_SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
+_GELU_CUBIC = np.float32(0.044715)  # the cubic term of gelu's tanh approximation (Hendrycks & Gimpel 2016)
+
+
+@numba.njit(nogil=True, cache=True, **ELEMENTWISE)
+def glu(gate_up, gelu):  # pragma: no cover - compiled
+    """The gated FFN's activation times up, ``act(gate) * up``, of each row of the fused
+    ``gate_up`` ``[R, 2F]`` (gate first; as ``cpu.glu``): ``act`` silu (SwiGLU), or with ``gelu``
+    gelu's tanh approximation (GeGLU). ``[R, F]``."""
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
+    for i in range(gate_up.shape[0]):
+        glu_row(gate_up, out, i, gelu)
+    return out
+
+
+@numba.njit(nogil=True, **ELEMENTWISE)
+def glu_row(gate_up, out, i, gelu):  # pragma: no cover - compiled
+    """``glu`` of row ``i`` into row ``i`` of ``out``. Both activations are ``g * sigmoid(s)``:
+    silu with ``s = g``, gelu_tanh with ``s = 2 sqrt(2/pi) (g + 0.044715 g^3)``, since
+    ``(1 + tanh(y)) / 2 = sigmoid(2y)``; so both run on ``exp`` and vectorize."""
     f = gate_up.shape[1] // 2
     for j in range(f):
         g = gate_up[i, j]
-        out[i, j] = g / (np.float32(1.0) + exp(-g)) * gate_up[i, f + j]
+        s = np.float32(2.0) * _SQRT_2_OVER_PI * (g + _GELU_CUBIC * g * g * g) if gelu else g
+        out[i, j] = g / (np.float32(1.0) + exp(-s)) * gate_up[i, f + j]
 
 
 def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

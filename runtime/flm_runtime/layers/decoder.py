@@ -42,7 +42,7 @@ from flm_runtime.layers.spec import LayerSpec
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer's weights, fused for fewer matrix products per step. Matrices are
-    ``kernels.quant.Weight``: float32 arrays or quantized blocks.
+    ``kernels.quant.Weight``: float32 arrays or quantized blocks; vectors are float32.
 
     Attributes:
         attn_norm, ffn_norm: ``[E]`` RMSNorm weights.
@@ -50,11 +50,9 @@ class LayerWeights:
         wo: ``[E, H * D]`` attention output projection.
         w_gate_up: ``[2F, E]`` gate and up projections stacked (gate first).
         w_down: ``[E, F]``.
-        qkv_bias: ``[(H + 2*Hkv) * D]`` the q, k and v biases stacked, or None.
-        q_norm, k_norm: ``[D]`` the QK-norm weights, or None.
-        post_attn_norm, post_ffn_norm: ``[E]`` the norms of the attention and FFN outputs, or
-            None. Every norm weight is the multiplier itself (a ``1 + w`` checkpoint's is folded
-            at load).
+        qkv_bias: ``[(H + 2*Hkv) * D]``, the q, k and v biases stacked (``LayerSpec.qkv_bias``), or None.
+        q_norm, k_norm: ``[D]`` QK-norm weights (``LayerSpec.qk_norm``), or None.
+        post_attn_norm, post_ffn_norm: ``[E]`` post-norm weights (``LayerSpec.post_norms``), or None.
     """
 
     attn_norm: np.ndarray
@@ -74,6 +72,25 @@ class LayerWeights:
         """The four matrices, in the order of an ops table's ``linears``."""
         return self.wqkv, self.wo, self.w_gate_up, self.w_down
 
+    def check(self, spec: LayerSpec) -> None:
+        """Raise ``ModelFormatError`` unless the optional vectors are those ``spec``'s features
+        read, each of its shape."""
+        h, hkv, d, e = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.hidden_size
+        for feature, names, shape in (("qkv_bias", ("qkv_bias",), ((h + 2 * hkv) * d,)),
+                                      ("qk_norm", ("q_norm", "k_norm"), (d,)),
+                                      ("post_norms", ("post_attn_norm", "post_ffn_norm"), (e,))):
+            for name in names:
+                w = getattr(self, name)
+                if getattr(spec, feature) != (w is not None):
+                    raise ModelFormatError(f"the layer's {feature} is {getattr(spec, feature)} but its {name} is "
+                                           f"{'missing' if w is None else 'given'}")
+                if w is not None and w.shape != shape:
+                    raise ModelFormatError(f"the layer's {name} has shape {w.shape}, expected {shape}")
+
+
+# An optional vector a layer does not have, as its compiled composition takes it (never read).
+ABSENT = np.zeros(0, dtype=np.float32)
+
 
 class RowSpan(NamedTuple):
     """The rows ``rows`` of a step that belong to one sequence: new positions ``start ..`` of its
@@ -91,18 +108,21 @@ class RowSpan(NamedTuple):
 
 
 class Composition(NamedTuple):
-    """A layer composed over one ops table and spec.
+    """A layer composed over one ops table and spec. An optional vector the spec does not read
+    is passed as ``ABSENT`` (or None to the reference).
 
     Attributes:
-        attention_in: ``(x, attn_norm, wqkv, cos, sin) -> (q [R, H, D], k [R, Hkv, D], v [R, Hkv, D])``:
-            norm, QKV product, RoPE on q and k.
-        attention_out: ``(x, attn [R, H*D], wo, ffn_norm, w_gate_up, w_down) -> [R, E]``: O product
-            and residual, norm, gate/up product, activation, down product and residual.
-        layer: ``(x, attn_norm, wqkv, cos, sin, k_pool, v_pool, table, start, wo, ffn_norm,
-            w_gate_up, w_down) -> [R, E]``: the whole layer over one sequence's rows, its K/V
-            written into one layer of its cache (``attention.cache_arrays``: the pool's layer and
-            the sequence's blocks) at ``start ..``; compiled tables only (None for the reference,
-            whose K/V go through ``KVCache.write``).
+        attention_in: ``(x, attn_norm, wqkv, qkv_bias, q_norm, k_norm, cos, sin) -> (q [R, H, D],
+            k [R, Hkv, D], v [R, Hkv, D])``: norm, QKV product, bias, QK-norm, RoPE on q and k.
+        attention_out: ``(x, attn [R, H*D], wo, post_attn_norm, ffn_norm, w_gate_up, w_down,
+            post_ffn_norm) -> [R, E]``: O product, its post norm and the residual, norm, gate/up
+            product, activation, down product, its post norm and the residual.
+        layer: ``(x, attn_norm, wqkv, qkv_bias, q_norm, k_norm, cos, sin, k_pool, v_pool, table,
+            start, wo, post_attn_norm, ffn_norm, w_gate_up, w_down, post_ffn_norm) -> [R, E]``:
+            the whole layer over one sequence's rows, its K/V written into one layer of its cache
+            (``attention.cache_arrays``: the pool's layer and the sequence's blocks) at
+            ``start ..``; compiled tables only (None for the reference, whose K/V go through
+            ``KVCache.write``).
     """
 
     attention_in: Callable
@@ -112,31 +132,46 @@ class Composition(NamedTuple):
 
 @functools.cache
 def compose(ops: Ops, spec: LayerSpec) -> Composition:
-    """The decoder layer of ``spec`` over ``ops`` (module docstring).
+    """The decoder layer of ``spec`` over ``ops`` (module docstring). The spec's features are
+    constants of the composition: a feature it does not turn on is not in the compiled code.
 
     Raises:
-        ModelFormatError: ``spec`` turns on a feature the composition does not run yet.
+        ModelFormatError: ``spec`` asks what the composition does not run (``LayerSpec.unsupported``).
     """
     if unsupported := spec.unsupported():
-        raise ModelFormatError(f"the checkpoint's layers turn on {', '.join(unsupported)}, which this runtime "
-                               "does not run yet")
-    norm, rope, act = ops.norm, ops.rope, ops.act
+        raise ModelFormatError(f"the checkpoint's layers ask for {'; '.join(unsupported)}, which this runtime "
+                               "does not run")
+    norm, qk_norm, rope, glu = ops.norm, ops.qk_norm, ops.rope, ops.glu
     qkv_linear, o_linear, gate_up_linear, down_linear = ops.linears
     store_kv, attend = attention.store_kv, attention.attend
     h, hkv, d, causal = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.causal
+    has_bias, has_qk_norm, post_norms = spec.qkv_bias, spec.qk_norm, spec.post_norms
+    gelu, scale = spec.activation == "gelu_tanh", spec.softmax_scale
+    # an int64, not a Python int (a literal to numba): ``attend`` compiles once for every path,
+    # while a literal would compile a variant whose reductions may vectorize in another order
+    window = np.int64(spec.sliding_window)
     eps = np.float32(spec.rms_norm_eps)
 
-    def attention_in(x, attn_norm, wqkv, cos, sin):
+    def attention_in(x, attn_norm, wqkv, qkv_bias, q_norm, k_norm, cos, sin):
         qkv = qkv_linear(norm(x, attn_norm, eps), wqkv)  # [R, (H+2Hkv)*D]
+        if has_bias:
+            qkv = qkv + qkv_bias
+        if has_qk_norm:
+            qkv = qk_norm(qkv, q_norm, k_norm, h, hkv, d, eps)
         q = rope(qkv, cos, sin, 0, h, d)
         k = rope(qkv, cos, sin, h * d, hkv, d)
         v = qkv[:, (h + hkv) * d:].copy().reshape(x.shape[0], hkv, d)
         return q, k, v
 
-    def attention_out(x, attn, wo, ffn_norm, w_gate_up, w_down):
-        x = x + o_linear(attn, wo)
-        gate_up = gate_up_linear(norm(x, ffn_norm, eps), w_gate_up)  # [R, 2F]
-        return x + down_linear(act(gate_up), w_down)
+    def attention_out(x, attn, wo, post_attn_norm, ffn_norm, w_gate_up, w_down, post_ffn_norm):
+        o = o_linear(attn, wo)
+        if post_norms:
+            o = norm(o, post_attn_norm, eps)
+        x = x + o
+        down = down_linear(glu(gate_up_linear(norm(x, ffn_norm, eps), w_gate_up), gelu), w_down)
+        if post_norms:
+            down = norm(down, post_ffn_norm, eps)
+        return x + down
 
     if not ops.compiled:
         return Composition(attention_in, attention_out, None)
@@ -144,12 +179,13 @@ def compose(ops: Ops, spec: LayerSpec) -> Composition:
     attention_in = compiled(attention_in, key, parallel=True, nogil=True)
     attention_out = compiled(attention_out, key, parallel=True, nogil=True)
 
-    def layer(x, attn_norm, wqkv, cos, sin, k_pool, v_pool, table, start, wo, ffn_norm, w_gate_up, w_down):
-        q, k, v = attention_in(x, attn_norm, wqkv, cos, sin)
+    def layer(x, attn_norm, wqkv, qkv_bias, q_norm, k_norm, cos, sin, k_pool, v_pool, table, start, wo,
+              post_attn_norm, ffn_norm, w_gate_up, w_down, post_ffn_norm):
+        q, k, v = attention_in(x, attn_norm, wqkv, qkv_bias, q_norm, k_norm, cos, sin)
         store_kv(k, v, k_pool, v_pool, table, start)
         attn = np.empty((x.shape[0], h * d), dtype=np.float32)
-        attend(q, k_pool, v_pool, table, start, causal, attn)
-        return attention_out(x, attn, wo, ffn_norm, w_gate_up, w_down)
+        attend(q, k_pool, v_pool, table, start, causal, window, scale, attn)
+        return attention_out(x, attn, wo, post_attn_norm, ffn_norm, w_gate_up, w_down, post_ffn_norm)
 
     return Composition(attention_in, attention_out, compiled(layer, key, nogil=True))
 
@@ -161,15 +197,23 @@ class DecoderLayer:
     Args:
         weights: the layer's weights.
         spec: its geometry and features (``causal`` False for the DFlash draft's block).
+
+    Raises:
+        ModelFormatError: the spec asks what the composition does not run, or the weights lack
+            a vector its features read (``LayerWeights.check``).
     """
 
     def __init__(self, weights: LayerWeights, spec: LayerSpec):
+        weights.check(spec)
         self.weights, self.spec = weights, spec
         self.ops = ops_for(*weights.matrices)
         self._in, self._out, self._layer = compose(self.ops, spec)
         wqkv, wo, w_gate_up, w_down = (self.ops.operand(w) for w in weights.matrices)
-        self._in_weights = (weights.attn_norm, wqkv)
-        self._out_weights = (wo, weights.ffn_norm, w_gate_up, w_down)
+        w = weights
+        self._in_weights = (w.attn_norm, wqkv, *(ABSENT if v is None else v for v in (w.qkv_bias, w.q_norm, w.k_norm)))
+        self._out_weights = (wo, ABSENT if w.post_attn_norm is None else w.post_attn_norm, w.ffn_norm, w_gate_up,
+                             w_down, ABSENT if w.post_ffn_norm is None else w.post_ffn_norm)
+        self._attention = (spec.causal, spec.sliding_window, spec.softmax_scale)
 
     def __call__(self, index: int, x: np.ndarray, spans: list[RowSpan], cos: np.ndarray,
                  sin: np.ndarray) -> np.ndarray:
@@ -184,7 +228,7 @@ class DecoderLayer:
         if not self.ops.compiled:  # its products take the kernel lock themselves (skinny_gemm, qgemm)
             q, k, v = self._in(x, *self._in_weights, cos, sin)
             with KERNEL_LOCK:
-                attn = attention.attend_spans(index, q, k, v, spans, self.spec.causal)
+                attn = attention.attend_spans(index, q, k, v, spans, *self._attention)
             return self._out(x, attn, *self._out_weights)
         with KERNEL_LOCK:
             if len(spans) == 1:  # one sequence: one call
@@ -192,7 +236,7 @@ class DecoderLayer:
                 return self._layer(x, *self._in_weights, cos, sin, *attention.cache_arrays(s.cache, index), s.start,
                                    *self._out_weights)
             q, k, v = self._in(x, *self._in_weights, cos, sin)
-            attn = attention.attend_spans(index, q, k, v, spans, self.spec.causal)
+            attn = attention.attend_spans(index, q, k, v, spans, *self._attention)
             return self._out(x, attn, *self._out_weights)
 
 

@@ -1,10 +1,12 @@
 """The two ops tables a decoder layer runs on, and the one place that chooses between them.
 
 The composition (``layers.decoder``) calls its ops by role: ``norm(x, w, eps)`` (RMSNorm of each
-row), ``rope(qkv, cos, sin, first, heads, d)`` (rotate-half RoPE of ``heads`` heads from column
-``first``, ``[R, heads, D]``), ``act(gate_up)`` (the gated FFN's activation) and one
-``linear(x, w)`` per matrix (``x @ w.T``). Swapping the table swaps the arithmetic, as mlx-lm
-gets quantization by swapping ``Linear`` for ``QuantizedLinear``:
+row), ``qk_norm(qkv, q_norm, k_norm, h, hkv, d, eps)`` (RMSNorm of each query and key head of the
+fused QKV product), ``rope(qkv, cos, sin, first, heads, d)`` (rotate-half RoPE of ``heads`` heads
+from column ``first``, ``[R, heads, D]``), ``glu(gate_up, gelu)`` (the gated FFN's activation
+times up: SwiGLU, or GeGLU with ``gelu``) and one ``linear(x, w)`` per matrix (``x @ w.T``).
+Swapping the table swaps the arithmetic, as mlx-lm gets quantization by swapping ``Linear`` for
+``QuantizedLinear``:
 
 - ``REFERENCE``: numpy (``kernels.cpu``), run as plain Python; matrices float32 (products on
   BLAS or the skinny kernel) or quantized (``qgemm``). The numerical reference.
@@ -32,7 +34,7 @@ class Ops(NamedTuple):
     Attributes:
         key: names the table and its matrix formats (the compiled composition's cache key).
         compiled: the composition is compiled over these ops (numba), else run as Python.
-        norm, rope, act: the row-wise ops, callable from the composition.
+        norm, qk_norm, rope, glu: the row-wise ops, callable from the composition.
         linears: the products of the layer's four matrices, in ``LayerWeights``' order (QKV, O,
             gate/up, down).
         norm_rows: RMSNorm callable from Python (a model's final norm).
@@ -42,8 +44,9 @@ class Ops(NamedTuple):
     key: str
     compiled: bool
     norm: Callable
+    qk_norm: Callable
     rope: Callable
-    act: Callable
+    glu: Callable
     linears: tuple[Callable, Callable, Callable, Callable]
     norm_rows: Callable
     operand: Callable
@@ -55,7 +58,7 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, first: int, heads: in
     return cpu.apply_rope(x[:, first:first + heads * d].reshape(x.shape[0], heads, d), cos, sin)
 
 
-REFERENCE = Ops("reference", False, cpu.rms_norm, _rope, cpu.swiglu, (cpu.linear,) * 4, cpu.rms_norm,
+REFERENCE = Ops("reference", False, cpu.rms_norm, cpu.qk_norm, _rope, cpu.glu, (cpu.linear,) * 4, cpu.rms_norm,
                 lambda w: w)
 
 
@@ -89,9 +92,9 @@ def _quantized_linear(isa: int, bits: int, has_mins: bool):
 @functools.cache
 def compiled_ops(formats: tuple[qgemm.Format, ...]) -> Ops:
     """The compiled ops table of a layer whose four matrices have ``formats`` (``qgemm.Format``)."""
-    return Ops(f"compiled {tuple(tuple(f) for f in formats)}", True, elementwise.rms_norm, elementwise.rope,
-               elementwise.swiglu, tuple(_quantized_linear(*f) for f in formats), elementwise.rms_norm_rows,
-               Product.of)
+    return Ops(f"compiled {tuple(tuple(f) for f in formats)}", True, elementwise.rms_norm, elementwise.qk_norm,
+               elementwise.rope, elementwise.glu, tuple(_quantized_linear(*f) for f in formats),
+               elementwise.rms_norm_rows, Product.of)
 
 
 def ops_for(*matrices: Weight) -> Ops:

@@ -1,18 +1,23 @@
 """What a checkpoint turns on in its decoder layers: ``LayerSpec``.
 
 The composition (``layers.decoder``) reads a layer's geometry and features from here and nothing
-else, so a model family that differs from Llama by a feature is a spec, not a new layer. The
-features below are the ones the next model families need (Qwen2's Q/K/V bias, Qwen3's QK-norm,
-Gemma's ``(1 + w)`` norms, sandwich norms, GeGLU, per-layer sliding window and RoPE base, and
-attention-logit soft-capping); only Llama's values run today, and ``LayerSpec.unsupported``
-names any other a checkpoint turns on, so that loading it fails instead of running a different
-model. The final logits' soft-cap belongs to the model's LM head, not to a layer.
+else, so a model family that differs from Llama by a feature is a spec, not a new layer: Qwen2's
+Q/K/V bias, Qwen3's and Gemma 3's QK-norm, Gemma's sandwich norms, GeGLU, a softmax scale of its
+own and sliding-window layers, Mistral's sliding window. A Gemma checkpoint's ``(1 + w)`` norm
+weights are folded into ``w`` at load (as llama.cpp's converter does for GGUF), so the layer has
+one kind of norm. ``LayerSpec.unsupported`` names what the composition does not run, so that
+loading such a checkpoint fails instead of running a different model.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
+
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated FFN's activations: SwiGLU, GeGLU
 
 
 class LayerConfig(Protocol):
@@ -36,18 +41,23 @@ class LayerSpec:
         hidden_size, ffn_size: E and F.
         n_heads, n_kv_heads, head_dim: H, Hkv, D (query head ``h`` reads key/value head
             ``h // (H / Hkv)``).
-        rms_norm_eps: the RMSNorms' epsilon.
-        rope_theta: the RoPE base of this layer (a model may give its layers different bases).
+        rms_norm_eps: the epsilon of every RMSNorm of the layer (QK-norm and post norms too).
+        rope_theta: the RoPE base of this layer (a model may give its layers different bases;
+            the model computes the tables and says which one each layer reads).
         causal: each row attends positions up to its own (a target), or all positions of its
             sequence (the DFlash draft's block, docs/dflash.md).
-        qkv_bias: the Q/K/V projections add a bias.
-        qk_norm: an RMSNorm over each query and key head before RoPE.
-        norm_offset: the norms scale by ``1 + w`` instead of ``w``.
-        post_norms: a norm on the attention and on the FFN output before each residual add.
-        activation: the gated FFN's activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU).
-        sliding_window: attend at most this many positions back (0: all).
-        attn_softcap: scores become ``c * tanh(s / c)`` before the softmax (0: none).
-        attn_scale: the scores' scale (0: ``head_dim ** -0.5``).
+        qkv_bias: the QKV product adds a bias ``[(H + 2 Hkv) D]`` (Qwen2), before RoPE.
+        qk_norm: an RMSNorm over each query and key head ``[D]`` after the bias, before RoPE
+            (Qwen3, Gemma 3).
+        post_norms: an RMSNorm of the attention output (after the O product) and of the FFN
+            output (after the down product) before each residual add (Gemma's sandwich norms).
+        activation: the gated FFN's activation on the gate, times up: ``"silu"`` (SwiGLU) or
+            ``"gelu_tanh"`` (GeGLU: gelu's tanh approximation, Hugging Face's ``gelu_pytorch_tanh``).
+        sliding_window: ``W > 0``: a row at position ``p`` attends positions ``max(0, p - W + 1)
+            .. p``, W positions with its own (transformers masks key ``k`` when ``p - k >= W``,
+            Mistral's and Gemma 3's ``sliding_window``); 0: all positions up to its own.
+        attn_scale: the scores' scale before the softmax (Gemma 3: ``query_pre_attn_scalar **
+            -0.5``); 0: ``D ** -0.5``.
     """
 
     hidden_size: int
@@ -60,11 +70,9 @@ class LayerSpec:
     causal: bool = True
     qkv_bias: bool = False
     qk_norm: bool = False
-    norm_offset: bool = False
     post_norms: bool = False
     activation: str = "silu"
     sliding_window: int = 0
-    attn_softcap: float = 0.0
     attn_scale: float = 0.0
 
     @classmethod
@@ -75,10 +83,20 @@ class LayerSpec:
                    n_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=float(c.rms_norm_eps),
                    rope_theta=float(c.rope_theta), causal=causal)
 
+    @property
+    def softmax_scale(self) -> np.float32:
+        """The scores' scale: ``attn_scale``, or ``1 / sqrt(D)`` when it is 0."""
+        return np.float32(self.attn_scale or 1.0 / math.sqrt(self.head_dim))
+
     def unsupported(self) -> list[str]:
-        """The features this spec turns on that the composition does not run yet (empty for Llama)."""
-        llama = LayerSpec(self.hidden_size, self.ffn_size, self.n_heads, self.n_kv_heads, self.head_dim,
-                          self.rms_norm_eps, self.rope_theta, self.causal)
-        return [name for name in ("qkv_bias", "qk_norm", "norm_offset", "post_norms", "activation",
-                                  "sliding_window", "attn_softcap", "attn_scale")
-                if getattr(self, name) != getattr(llama, name)]
+        """What this spec asks that the composition does not run (empty when it runs it all)."""
+        problems = []
+        if self.activation not in ACTIVATIONS:
+            problems.append(f"activation {self.activation!r} (runs {', '.join(ACTIVATIONS)})")
+        if self.sliding_window < 0:
+            problems.append(f"sliding_window {self.sliding_window} (a window is >= 0)")
+        if self.sliding_window and not self.causal:
+            problems.append("a sliding window on a non-causal layer")
+        if self.attn_scale < 0:
+            problems.append(f"attn_scale {self.attn_scale} (a scale is >= 0)")
+        return problems

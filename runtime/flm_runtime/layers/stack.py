@@ -4,17 +4,24 @@ compiled call per step, run by the kernel thread team (``kernels.team``).
 Every thread of the team runs ``step`` at once: for each layer, its rows of each norm and
 activation quantization, its tiles of each matrix product (with the residual add of its own
 columns), its rows of RoPE and the K/V write, its (row, key-value head) items of attention,
-meeting the others at a ``barrier`` wherever an op needs another's whole output (nine a layer).
-A token pays one fork and one join, not a parallel region per op. Each op is the same compiled
-kernel the per-layer composition (``layers.decoder``) calls, over the same rows in the same
-order: ``quantize_row``, ``product_tile``, ``rms_norm_row``, ``rope_row``, ``store_kv_row``,
-``attend_item``, ``swiglu_row``. So a row's result is bit-identical to the per-layer path's,
-alone or beside other rows, whatever the number of threads (docs/design.md, "Batch invariance").
+meeting the others at a ``barrier`` wherever an op needs another's whole output (nine a layer,
+eleven with post norms). A token pays one fork and one join, not a parallel region per op. Each
+op is the same compiled kernel the per-layer composition (``layers.decoder``) calls, over the
+same rows in the same order: ``quantize_row``, ``product_tile``, ``rms_norm_row``,
+``qk_norm_row``, ``rope_row``, ``store_kv_row``, ``attend_item``, ``glu_row``. So a row's result
+is bit-identical to the per-layer path's, alone or beside other rows, whatever the number of
+threads (docs/design.md, "Batch invariance").
+
+The layers share one spec but for their sliding window and the RoPE table they read (Gemma 3
+interleaves sliding-window layers with global ones, each kind with its RoPE base): the windows
+are constants of the compiled step, the tables an argument (``cos``, ``sin`` ``[T, R, D/2]``
+and each layer's table). The spec's features are constants too: a feature the layers do not turn
+on is not in the compiled code.
 
 The weights are stacked per kind (``StackWeights``): the codes, scales and mins of every matrix in
-one array each, a table of where each matrix starts and which format it has, and the norms in
-one array, so that a step takes a handful of arguments whatever the depth, and the layers' own
-``QuantWeight`` matrices are views into them (no second copy).
+one array each, a table of where each matrix starts and which format it has, the norms in one
+array, the QK-norms and the Q/K/V biases in one each, so that a step takes a handful of arguments
+whatever the depth, and the layers' own weights are views into them (no second copy).
 
 Each sequence's rows find its KV cache through the step's span table: the addresses and size of
 its pool's key and value arrays and where its block table starts in the step's one array of
@@ -27,8 +34,10 @@ width, V vocabulary, L layers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numba
@@ -37,8 +46,9 @@ from numba import types
 from numba.extending import intrinsic
 
 from flm_runtime.core import KEY_TILE
+from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import attention, qgemm
-from flm_runtime.kernels.elementwise import rms_norm_row, rope_row, swiglu_row
+from flm_runtime.kernels.elementwise import glu_row, qk_norm_row, rms_norm_row, rope_row
 from flm_runtime.kernels.quant import BLOCK, TILE, QuantWeight, joined
 from flm_runtime.kernels.team import Team, barrier, default_team
 from flm_runtime.layers.decoder import LayerWeights, RowSpan
@@ -49,6 +59,9 @@ from flm_runtime.layers.spec import LayerSpec
 # stacked arrays, its tiles (16 output rows each), its blocks (32 inputs each) and its format's
 # slot in ``StackWeights.formats``.
 CODES, SCALES, MINS, TILES, BLOCKS, FORMAT = range(6)
+# Slots of a layer's row of ``StackWeights.norms``: its RMSNorms' weights (the post norms' only
+# with ``LayerSpec.post_norms``).
+ATTN_NORM, FFN_NORM, POST_ATTN_NORM, POST_FFN_NORM = range(4)
 _MAX_FORMATS = 4
 _WORKSPACES = 8  # step shapes whose work arrays are kept (decode, verify, prefill chunks, batches)
 
@@ -62,8 +75,11 @@ class StackWeights(NamedTuple):
             matrices that store them).
         matrices: int64 ``[L + 1, 4, 6]``: row ``l`` the QKV, O, gate/up and down matrices of
             layer ``l`` (columns ``CODES .. FORMAT``); row ``L``, role 0, the LM head.
-        norms: float32 ``[L + 1, 2, E]``: layer ``l``'s attention and FFN norms; row ``L``, 0: the
-            final norm.
+        norms: float32 ``[L + 1, 2 or 4, E]``: layer ``l``'s norms in the slots ``ATTN_NORM ..
+            POST_FFN_NORM`` (4 slots with post norms); row ``L``, slot 0: the final norm.
+        qk_norms: float32 ``[L, 2, D]``: layer ``l``'s query and key head norms, or ``[0, 2, 0]``
+            without QK-norm.
+        biases: float32 ``[L, (H + 2 Hkv) D]``: layer ``l``'s Q/K/V bias, or ``[0, 0]`` without.
         formats: the distinct ``qgemm.Format`` of the matrices (at most 4), the slots of ``FORMAT``.
     """
 
@@ -72,6 +88,8 @@ class StackWeights(NamedTuple):
     mins: np.ndarray
     matrices: np.ndarray
     norms: np.ndarray
+    qk_norms: np.ndarray
+    biases: np.ndarray
     formats: tuple[qgemm.Format, ...]
 
 
@@ -83,7 +101,8 @@ def stack_weights(layers: list[LayerWeights], final_norm: np.ndarray,
     (``quant.joined``; kept weights are laid out so: ``loading.converted``).
 
     Raises:
-        ValueError: a matrix is not quantized, or the model has more than 4 formats.
+        ValueError: a matrix is not quantized, the model has more than 4 formats, or the layers
+            differ in which optional vectors they have.
     """
     matrices = [m for layer in layers for m in layer.matrices] + [lm_head]
     if not all(isinstance(m, QuantWeight) for m in matrices):
@@ -105,13 +124,46 @@ def stack_weights(layers: list[LayerWeights], final_norm: np.ndarray,
                 None if m.mins is None else mins[offsets[2]:offsets[2] + m.mins.size].view(np.float16).reshape(m.mins.shape))
         views.append(QuantWeight(m.bits, *view, m.in_features, m.out_features))
         offsets += (m.codes.size, m.scales.size, 0 if m.mins is None else m.mins.size)
-    norms = np.zeros((len(layers) + 1, 2, final_norm.shape[0]), dtype=np.float32)
+    optional = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+    has = {name: getattr(layers[0], name) is not None for name in optional}
+    if any((getattr(layer, name) is not None) != has[name] for layer in layers for name in optional):
+        raise ValueError(f"a stacked model's layers all have or all lack each of {optional}")
+    post = has["post_attn_norm"]
+    norms = np.zeros((len(layers) + 1, 4 if post else 2, final_norm.shape[0]), dtype=np.float32)
     for i, layer in enumerate(layers):
-        norms[i] = layer.attn_norm, layer.ffn_norm
+        norms[i] = (layer.attn_norm, layer.ffn_norm, layer.post_attn_norm, layer.post_ffn_norm)[:norms.shape[1]]
     norms[len(layers), 0] = final_norm
-    rebuilt = [LayerWeights(norms[i, 0], views[4 * i], views[4 * i + 1], norms[i, 1], views[4 * i + 2], views[4 * i + 3])
+    if has["q_norm"]:
+        qk_norms = np.stack([np.stack([layer.q_norm, layer.k_norm]) for layer in layers]).astype(np.float32)
+    else:
+        qk_norms = np.zeros((0, 2, 0), dtype=np.float32)
+    if has["qkv_bias"]:
+        biases = np.stack([layer.qkv_bias for layer in layers]).astype(np.float32)
+    else:
+        biases = np.zeros((0, 0), dtype=np.float32)
+    rebuilt = [LayerWeights(norms[i, ATTN_NORM], views[4 * i], views[4 * i + 1], norms[i, FFN_NORM], views[4 * i + 2],
+                            views[4 * i + 3], qkv_bias=biases[i] if has["qkv_bias"] else None,
+                            q_norm=qk_norms[i, 0] if has["q_norm"] else None,
+                            k_norm=qk_norms[i, 1] if has["q_norm"] else None,
+                            post_attn_norm=norms[i, POST_ATTN_NORM] if post else None,
+                            post_ffn_norm=norms[i, POST_FFN_NORM] if post else None)
                for i in range(len(layers))]
-    return StackWeights(codes, scales, mins, table, norms, formats), rebuilt, views[-1]
+    return StackWeights(codes, scales, mins, table, norms, qk_norms, biases, formats), rebuilt, views[-1]
+
+
+def shared_spec(specs: Sequence[LayerSpec]) -> LayerSpec:
+    """What a stack's layers share: their spec with no sliding window and no RoPE base (the stack
+    takes those per layer).
+
+    Raises:
+        ModelFormatError: the layers differ in anything else, named.
+    """
+    shared = [dataclasses.replace(s, sliding_window=0, rope_theta=0.0) for s in specs]
+    differ = [f.name for f in dataclasses.fields(LayerSpec) if len({getattr(s, f.name) for s in shared}) > 1]
+    if differ:
+        raise ModelFormatError(f"the model's layers differ in {', '.join(differ)}; a stack's layers may differ "
+                               "only in their sliding window and RoPE table")
+    return shared[0]
 
 
 @numba.njit(inline="always")
@@ -178,14 +230,16 @@ def _half_pointer(typingctx, address):  # pragma: no cover - compiled
 
 
 @functools.cache
-def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
-    """The compiled step of a stack of ``spec`` layers whose matrices have ``formats``:
+def compile_step(spec: LayerSpec, windows: tuple[int, ...], formats: tuple[qgemm.Format, ...]):
+    """The compiled step of a stack of layers of ``spec`` (``shared_spec``) and sliding windows
+    ``windows`` (one a layer, 0: none) whose matrices have ``formats``:
 
-    ``step(tid, n_threads, sync, codes, scales, mins, matrices, norms, x, cos, sin, spans, tables,
-    row_span, logit_rows, taps, tapped, logits, work)``, run by every thread of a ``Team``: the
-    rows ``x`` ``[R, E]`` (updated in place: the residual stream; ``cos``, ``sin`` ``[R, D/2]`` at
-    their positions) through every layer. ``spans`` ``[S, 8]`` int64 says which rows belong to
-    which sequence (``FIRST .. TABLE``: its rows ``FIRST .. FIRST+ROWS-1`` take positions
+    ``step(tid, n_threads, sync, codes, scales, mins, matrices, norms, qk_norms, biases, x, cos,
+    sin, rope, spans, tables, row_span, logit_rows, taps, tapped, logits, work)``, run by every
+    thread of a ``Team``: the rows ``x`` ``[R, E]`` (updated in place: the residual stream)
+    through every layer, layer ``l`` reading the RoPE table ``rope[l]`` of ``cos``, ``sin`` ``[T,
+    R, D/2]`` (T tables at the rows' positions). ``spans`` ``[S, 8]`` int64 says which rows belong
+    to which sequence (``FIRST .. TABLE``: its rows ``FIRST .. FIRST+ROWS-1`` take positions
     ``START ..`` of its float16 cache, in the blocks ``tables[TABLE ..]`` of a pool whose keys
     ``[L, POOL_BLOCKS, Hkv, BLOCK_TOKENS/16, D, 16]`` and values ``[L, POOL_BLOCKS, Hkv,
     BLOCK_TOKENS, D]`` are at the given addresses), ``row_span`` ``[R]`` the span of each row. Each
@@ -195,6 +249,8 @@ def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
     """
     linear = _format_products(formats)
     h, hkv, d, causal = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.causal
+    has_bias, has_qk_norm, post_norms = spec.qkv_bias, spec.qk_norm, spec.post_norms
+    gelu, scale = spec.activation == "gelu_tanh", spec.softmax_scale
     eps = np.float32(spec.rms_norm_eps)
     store_kv_row, attend_item = attention.store_kv_row, attention.attend_item
 
@@ -218,17 +274,40 @@ def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
         linear(codes, scales, mins, matrix, acts, out, tid, n_threads)
         barrier(sync, n_threads)
 
-    def step(tid, n_threads, sync, codes, scales, mins, matrices, norms, x, cos, sin, spans, tables, row_span,
-             logit_rows, taps, tapped, logits, work):  # pragma: no cover - compiled
+    @numba.njit(inline="always")
+    def residual(x, out, first, stop, post_norm, xn, sync, tid, n_threads):  # pragma: no cover - compiled
+        """``x += out`` after a product whose tiles ``first .. stop-1`` this thread made: its own
+        columns; with post norms (past a barrier) its rows of ``rms_norm(out, post_norm)`` (via
+        ``xn``; ``post_norm`` is not read without). Every row of ``x`` is whole past the barrier
+        it returns behind."""
+        if post_norms:
+            barrier(sync, n_threads)
+            for r in range(tid, x.shape[0], n_threads):
+                rms_norm_row(out, post_norm, eps, xn, r)
+                for c in range(x.shape[1]):
+                    x[r, c] += xn[r, c]
+        else:
+            _add_columns(x, out, first * TILE, min(stop * TILE, x.shape[1]))
+        barrier(sync, n_threads)
+
+    def step(tid, n_threads, sync, codes, scales, mins, matrices, norms, qk_norms, biases, x, cos, sin, rope, spans,
+             tables, row_span, logit_rows, taps, tapped, logits, work):  # pragma: no cover - compiled
         xn, qkv, q, k, v, attn, out, gate_up, act, acts_e, acts_attn, acts_f, last, acts_last = work
         rows, e = x.shape
         layers = matrices.shape[0] - 1
         for layer in range(layers):
             mats = matrices[layer]
-            normed_product(x, norms[layer, 0], xn, acts_e, codes, scales, mins, mats[0], qkv, sync, tid, n_threads)
+            cos_l, sin_l = cos[rope[layer]], sin[rope[layer]]
+            normed_product(x, norms[layer, ATTN_NORM], xn, acts_e, codes, scales, mins, mats[0], qkv, sync, tid,
+                           n_threads)
             for r in range(tid, rows, n_threads):
-                rope_row(qkv, cos, sin, 0, h, d, q, r)
-                rope_row(qkv, cos, sin, h * d, hkv, d, k, r)
+                if has_bias:
+                    for j in range(qkv.shape[1]):
+                        qkv[r, j] += biases[layer, j]
+                if has_qk_norm:
+                    qk_norm_row(qkv, qk_norms[layer, 0], qk_norms[layer, 1], h, hkv, d, eps, r)
+                rope_row(qkv, cos_l, sin_l, 0, h, d, q, r)
+                rope_row(qkv, cos_l, sin_l, h * d, hkv, d, k, r)
                 for j in range(hkv * d):
                     v[r, j // d, j % d] = qkv[r, (h + hkv) * d + j]
                 b = row_span[r]
@@ -237,28 +316,29 @@ def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
                 store_kv_row(k, v, kc[layer], vc[layer], table, spans[b, START] - spans[b, FIRST], r)
             barrier(sync, n_threads)
             items = rows * hkv
+            window = windows[layer]
             for item in range(items * tid // n_threads, items * (tid + 1) // n_threads):
                 b = row_span[item // hkv]
                 first, n = spans[b, FIRST], spans[b, ROWS]
                 kc, vc, table = caches(spans, tables, b, layers)
-                attend_item(q[first:first + n], kc[layer], vc[layer], table, spans[b, START], causal,
+                attend_item(q[first:first + n], kc[layer], vc[layer], table, spans[b, START], causal, window, scale,
                             attn[first:first + n], item - first * hkv)
             barrier(sync, n_threads)
             for r in range(tid, rows, n_threads):
                 qgemm.quantize_row(attn, r, acts_attn[1].shape[1], *acts_attn)
             barrier(sync, n_threads)
             first, stop = linear(codes, scales, mins, mats[1], acts_attn, out, tid, n_threads)
-            _add_columns(x, out, first * TILE, min(stop * TILE, e))
-            barrier(sync, n_threads)
-            normed_product(x, norms[layer, 1], xn, acts_e, codes, scales, mins, mats[2], gate_up, sync, tid,
+            residual(x, out, first, stop, norms[layer, POST_ATTN_NORM if post_norms else ATTN_NORM], xn, sync, tid,
+                     n_threads)
+            normed_product(x, norms[layer, FFN_NORM], xn, acts_e, codes, scales, mins, mats[2], gate_up, sync, tid,
                            n_threads)
             for r in range(tid, rows, n_threads):
-                swiglu_row(gate_up, act, r)
+                glu_row(gate_up, act, r, gelu)
                 qgemm.quantize_row(act, r, acts_f[1].shape[1], *acts_f)
             barrier(sync, n_threads)
             first, stop = linear(codes, scales, mins, mats[3], acts_f, out, tid, n_threads)
-            _add_columns(x, out, first * TILE, min(stop * TILE, e))
-            barrier(sync, n_threads)
+            residual(x, out, first, stop, norms[layer, POST_FFN_NORM if post_norms else FFN_NORM], xn, sync, tid,
+                     n_threads)
             for j in range(taps.shape[0]):
                 if taps[j] == layer:
                     for r in range(tid, rows, n_threads):
@@ -273,7 +353,7 @@ def compile_step(spec: LayerSpec, formats: tuple[qgemm.Format, ...]):
 
     # No fastmath here: the products' IR is inlined into this function and must keep the exact
     # arithmetic it has everywhere; the fastmath ops (norm, activation, attention) are calls.
-    return compiled(step, f"stack {formats!r} {spec!r} {sources_key()}", nogil=True)
+    return compiled(step, f"stack {formats!r} {spec!r} {windows!r} {sources_key()}", nogil=True)
 
 
 @numba.njit(inline="always")
@@ -322,15 +402,31 @@ class Stack:
 
     Args:
         weights: the stacked weights (``stack_weights``).
-        spec: every layer's spec (one spec for the stack).
+        specs: each layer's spec; they may differ only in ``sliding_window`` and ``rope_theta``.
         vocab: the LM head's output width (V).
         team: the threads that run its steps; None: the process's (``default_team``, looked up
             at each step, so that a forked child uses its own).
+        rope: int ``[L]``, the RoPE table each layer reads of a step's ``cos``, ``sin``; None: the
+            first for every layer.
+
+    Raises:
+        ModelFormatError: the specs differ in more (``shared_spec``), or the weights lack a
+            vector their features read.
     """
 
-    def __init__(self, weights: StackWeights, spec: LayerSpec, vocab: int, team: Team | None = None):
-        self.weights, self.spec, self.vocab, self.team = weights, spec, vocab, team
-        self._step = compile_step(spec, weights.formats)
+    def __init__(self, weights: StackWeights, specs: Sequence[LayerSpec], vocab: int, team: Team | None = None, *,
+                 rope: Sequence[int] | None = None):
+        layers = weights.matrices.shape[0] - 1
+        assert len(specs) == layers, f"{len(specs)} specs for {layers} layers"
+        self.spec = spec = shared_spec(specs)
+        present = {"qkv_bias": weights.biases.shape[0] == layers, "qk_norm": weights.qk_norms.shape[0] == layers,
+                   "post_norms": weights.norms.shape[1] == 4}
+        if wrong := [name for name, has in present.items() if getattr(spec, name) != has]:
+            raise ModelFormatError(f"the stacked weights do not hold what the layers' {', '.join(wrong)} read")
+        self.weights, self.specs, self.vocab, self.team = weights, tuple(specs), vocab, team
+        self.rope = np.zeros(layers, dtype=np.int64) if rope is None else np.asarray(rope, dtype=np.int64)
+        assert self.rope.shape == (layers,) and self.rope.min(initial=0) >= 0, f"rope tables {rope}"
+        self._step = compile_step(spec, tuple(s.sliding_window for s in specs), weights.formats)
         self._workspaces: dict[tuple[int, int], Workspace] = {}  # by (rows, logit rows), least recently used first
         self._workspaces_lock = threading.Lock()  # two engines (a tag and its DFlash tag) share a target
 
@@ -338,8 +434,8 @@ class Stack:
                  taps: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
         """The rows ``x`` ``[R, E]`` float32 (modified: the residual stream) of the sequences
         ``spans`` (their caches' room reserved, float16) through the stack, at their positions
-        (``cos``, ``sin`` ``[R, D/2]``); each row's K/V is written into its cache, nothing is
-        committed.
+        (``cos``, ``sin`` ``[T, R, D/2]`` float32 C-contiguous: the T RoPE tables ``rope`` names,
+        at the rows' positions); each row's K/V is written into its cache, nothing is committed.
 
         Returns:
             logits ``[sum n_logits, V]`` float32 of each span's last ``n_logits`` rows, span after
@@ -347,6 +443,8 @@ class Stack:
             E]``, or None.
         """
         rows, e = x.shape
+        assert cos.shape == sin.shape and cos.ndim == 3 and cos.shape[0] > self.rope.max(initial=0) and (
+            cos.shape[1] == rows and cos.flags.c_contiguous and sin.flags.c_contiguous), f"RoPE tables {cos.shape}"
         logit_rows = np.concatenate([np.arange(s.rows.stop - s.n_logits, s.rows.stop) for s in spans])
         key = (rows, logit_rows.size)
         with self._workspaces_lock:  # the arrays are used under the team's lock, one step at a time
@@ -364,7 +462,7 @@ class Stack:
         logits = np.empty((logit_rows.size, self.vocab), dtype=np.float32)
         tapped = np.empty((rows, len(taps) * e), dtype=np.float32)
         w = self.weights
-        (self.team or default_team()).run(self._step, w.codes, w.scales, w.mins, w.matrices, w.norms, x, cos, sin, table,
-                                          np.concatenate(tables), row_span, logit_rows,
-                                          np.asarray(taps, dtype=np.int64), tapped, logits, tuple(work))
+        (self.team or default_team()).run(self._step, w.codes, w.scales, w.mins, w.matrices, w.norms, w.qk_norms,
+                                          w.biases, x, cos, sin, self.rope, table, np.concatenate(tables), row_span,
+                                          logit_rows, np.asarray(taps, dtype=np.int64), tapped, logits, tuple(work))
         return logits, (tapped if taps else None)

@@ -67,14 +67,13 @@ class LlamaModel:
         # its matrices are quantized, else the numpy reference.
         self.decoders = [DecoderLayer(w, spec) for w, spec in zip(self.layers, specs)]
         self.stack = None  # a quantized model's one-call step (layers.stack), else None
-        # The one-call step runs one spec and one RoPE table; a model of several runs layer by layer.
-        if (all(isinstance(m, QuantWeight) for layer in self.layers for m in layer.matrices)
-                and isinstance(self.lm_head, QuantWeight) and len(set(specs)) == 1 and len(plan.tables) == 1):
+        if all(isinstance(m, QuantWeight) for layer in self.layers for m in layer.matrices) and isinstance(
+                self.lm_head, QuantWeight):
             stacked, self.layers, lm_head = stack_weights(self.layers, self.norm, self.lm_head)
             self.lm_head = lm_head
             if c.tie_word_embeddings:
                 self.embed = lm_head
-            self.stack = Stack(stacked, specs[0], c.vocab_size)
+            self.stack = Stack(stacked, specs, c.vocab_size, rope=self.layer_rope)
         self.quantized, self.kv_dtype, self._final_norm = stack_arithmetic(self.decoders)
         # A row's results do not depend on the rows beside it, bit for bit (docs/design.md,
         # "Batch invariance"): the quantized path's promise; float32 products round by row count.
@@ -162,7 +161,7 @@ class LlamaModel:
         if self.embed_scale != 1:
             x *= self.embed_scale
         if self.stack is not None:
-            logits, taps_out = self.stack(x, cos[0], sin[0], spans, taps)
+            logits, taps_out = self.stack(x, cos, sin, spans, taps)
         else:
             logits, taps_out = self._layers(x, cos, sin, spans, taps)
         if self.final_softcap:

@@ -47,14 +47,16 @@ def decoder_layer(x_in: np.ndarray, x_out: np.ndarray, weights: dict[str, np.nda
     x = x_in[:t]  # [T, E]
     cos, sin = cpu.rope_tables(d, start + t, spec.rope_theta)
     cos, sin = cos[start:], sin[start:]  # [T, D/2]
-    q, k, v = layer.attention_in(x, weights["attn_norm"], weights["wqkv"], cos, sin)  # [T, H | Hkv, D]
+    # a Llama layer: no Q/K/V bias, no QK-norm, no post norms
+    q, k, v = layer.attention_in(x, weights["attn_norm"], weights["wqkv"], None, None, None, cos,
+                                 sin)  # [T, H | Hkv, D]
     kv[0, :, start : start + t] = to_bf16(k.transpose(1, 0, 2))
     kv[1, :, start : start + t] = to_bf16(v.transpose(1, 0, 2))
     keys = from_bf16(kv[0, :, : start + t])  # [Hkv, N, D]
     values = from_bf16(kv[1, :, : start + t])
     attn = cpu.attention(q, keys, values, start)  # [T, H*D]
-    x_out[:t] = layer.attention_out(x, attn, weights["wo"], weights["ffn_norm"], weights["w_gate_up"],
-                                    weights["w_down"])
+    x_out[:t] = layer.attention_out(x, attn, weights["wo"], None, weights["ffn_norm"], weights["w_gate_up"],
+                                    weights["w_down"], None)
 
 
 def lm_head(x_in: np.ndarray, weights: dict[str, np.ndarray], logits: np.ndarray, step: np.ndarray,
