@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
 from perplexity import llama_cpp_fixture, llama_perplexity, passage_as_llama_perplexity_reads_it
 
 # Recorded once by tests/reference/llama_cpp.py (command, date, llama.cpp commit inside).
 LLAMA_CPP = llama_cpp_fixture("gemma3_270m_llama_cpp_perplexity.json")
 
 
-@pytest.mark.xfail(strict=True, reason="gemma3 architecture")
 def test_perplexity_is_within_1_percent_of_llama_cpps(gemma3_gguf):
     from flm_runtime.api import load_model
 

@@ -156,7 +156,8 @@ class LlamaModel:
         for s in spans:
             s.cache.reserve(s.n_rows)
         positions = np.concatenate([np.arange(s.start, s.start + s.n_rows) for s in spans])  # [R]
-        cos, sin = self.rope_cos[:, positions], self.rope_sin[:, positions]  # [T, R, D/2] each
+        # [T, R, D/2] each; C-contiguous (an index array after a slice need not give that)
+        cos, sin = np.ascontiguousarray(self.rope_cos[:, positions]), np.ascontiguousarray(self.rope_sin[:, positions])
         x = cpu.embedding(self.embed, token_ids)  # [R, E]
         if self.embed_scale != 1:
             x *= self.embed_scale

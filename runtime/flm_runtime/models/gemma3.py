@@ -4,13 +4,14 @@ Against Llama: the embedding rows are scaled by ``sqrt(E)``; four norms per laye
 after attention, before and after the FFN) and QK-norm, every one scaling by ``1 + w``; a GeGLU FFN
 (tanh GELU); scores scaled by ``query_pre_attn_scalar ** -0.5``; sliding-window layers
 interleaved with global ones, the sliding ones on their own RoPE base (``rope_local_base_freq``,
-unscaled), the global ones on ``rope_theta`` with ``rope_scaling``; optional soft-caps of the
-scores and of the final logits.
+unscaled), the global ones on ``rope_theta`` with ``rope_scaling``; an optional soft-cap of the
+final logits.
 
 Hugging Face config keys beyond Llama's: ``query_pre_attn_scalar``, ``sliding_window``,
 ``layer_types`` (default: every 6th layer global, ``Gemma3TextConfig``), ``rope_local_base_freq``,
-``attn_logit_softcapping``, ``final_logit_softcapping``, ``hidden_activation`` (must be
-``gelu_pytorch_tanh``); ``attention_bias`` and ``use_bidirectional_attention`` are refused. GGUF
+``final_logit_softcapping``, ``hidden_activation`` (must be ``gelu_pytorch_tanh``);
+``attention_bias``, ``use_bidirectional_attention`` and an ``attn_logit_softcapping`` (Gemma 2's,
+null in Gemma 3's configs) are refused. GGUF
 (``gemma3.*``): ``attention.sliding_window``, ``attention.sliding_window_pattern`` (one bool per
 layer, true = sliding; absent: llama.cpp's period of 6), ``rope.freq_base_swa`` (absent:
 llama.cpp's 10000); the score scale is llama.cpp's (``llama-model.cpp``): ``key_length ** -0.5``,
@@ -51,7 +52,7 @@ class Gemma3Config(LlamaConfig):
         query_pre_attn_scalar: the scores are scaled by its inverse square root.
         layer_windows: ``[L]`` each layer's sliding window (0: global).
         rope_local_base_freq: the sliding layers' RoPE base.
-        attn_logit_softcapping, final_logit_softcapping: the soft-caps (0: none).
+        final_logit_softcapping: the final logits' soft-cap (0: none).
     """
 
     rms_norm_eps: float = 1e-6
@@ -59,7 +60,6 @@ class Gemma3Config(LlamaConfig):
     query_pre_attn_scalar: float = 256.0
     layer_windows: tuple[int, ...] = ()
     rope_local_base_freq: float = _LOCAL_BASE
-    attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
 
 
@@ -90,11 +90,16 @@ class Gemma3(Llama):
         default = ["full_attention" if (i + 1) % config.get("sliding_window_pattern", _PATTERN) == 0
                    else "sliding_attention" for i in range(n)]
         values["layer_windows"] = layer_windows(config, n, default, source)
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            values[key] = float(config.get(key) or 0.0)
+        if config.get("attn_logit_softcapping"):
+            raise ModelFormatError(f"{source}: gemma3_text with attn_logit_softcapping="
+                                   f"{config['attn_logit_softcapping']} is not supported (attention-logit soft-capping)")
+        values["final_logit_softcapping"] = float(config.get("final_logit_softcapping") or 0.0)
         return values
 
     def gguf_values(self, meta: GGUFMetadata) -> dict[str, Any]:
+        if meta.decimal("attn_logit_softcapping", 0.0):
+            raise ModelFormatError(f"{meta.source}: gemma3 with gemma3.attn_logit_softcapping is not supported "
+                                   "(attention-logit soft-capping)")
         values = super().gguf_values(meta)
         n, window = values["num_hidden_layers"], int(meta.key("attention.sliding_window", 0))
         pattern = meta.key("attention.sliding_window_pattern", _PATTERN)
@@ -107,7 +112,6 @@ class Gemma3(Llama):
         return {**values, "layer_windows": tuple(window if s else 0 for s in sliding),
                 "query_pre_attn_scalar": float(scalar),
                 "rope_local_base_freq": meta.decimal("rope.freq_base_swa", _LOCAL_BASE),
-                "attn_logit_softcapping": meta.decimal("attn_logit_softcapping", 0.0),
                 "final_logit_softcapping": meta.decimal("final_logit_softcapping", 0.0)}
 
     def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -131,7 +135,7 @@ class Gemma3(Llama):
     def layer_spec(self, config: Gemma3Config, layer: int) -> LayerSpec:
         window = config.layer_windows[layer]
         return replace(super().layer_spec(config, layer), qk_norm=True, post_norms=True, activation="gelu_tanh",
-                       sliding_window=window, attn_softcap=config.attn_logit_softcapping,
+                       sliding_window=window,
                        attn_scale=config.query_pre_attn_scalar ** -0.5,
                        rope_theta=config.rope_local_base_freq if window else config.rope_theta)
 
