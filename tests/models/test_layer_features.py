@@ -219,13 +219,14 @@ def _numpy_forward(model: Tiny, x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("feature", FEATURES)
 def test_the_float32_and_quantized_paths_match_numpy(feature):
     """A 40-row prefill then a decode row: the float32 reference within float32 rounding of the
-    numpy forward pass, the quantized stack within its activations' quantization."""
+    numpy forward pass, the quantized stack within its activations' quantization and its float16
+    keys and values (2.6e-3 of the logits' spread at most over these features)."""
     model = Tiny(feature)
     rng = np.random.default_rng(3)
     x = _hidden(rng, 41)
     want = _numpy_forward(model, x)[[39, 40]]  # [2, V]
     spread = np.abs(want).max()
-    for path, cache, bound in (("float", model.new_cache(np.float32), 1e-5), ("stack", model.new_cache(), 2e-3)):
+    for path, cache, bound in (("float", model.new_cache(np.float32), 1e-5), ("stack", model.new_cache(), 5e-3)):
         got = np.concatenate([model.step([x[:40]], [cache], [1], path=path)[0],
                               model.step([x[40:]], [cache], [1], path=path)[0]])
         assert np.abs(got - want).max() < bound * spread, (feature, path, np.abs(got - want).max() / spread)
