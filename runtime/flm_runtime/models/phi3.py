@@ -16,25 +16,21 @@ GGUF (``phi3.*``): ``rope.scaling.original_context_length``, ``rope.scaling.attn
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 from flm_runtime.core import LlamaConfig
 from flm_runtime.layers.decoder import LayerWeights
-from flm_runtime.layers.spec import LayerSpec
-from flm_runtime.models.family import GGUFMetadata, WeightTaker
-from flm_runtime.models.llama import Llama
+from flm_runtime.models.family import WeightTaker
+from flm_runtime.models.mistral import Mistral, MistralConfig
 
 
 @dataclass(frozen=True)
-class Phi3Config(LlamaConfig):
-    """Llama's hyper-parameters and the window every layer attends (0: all positions)."""
-
-    sliding_window: int = 0
+class Phi3Config(MistralConfig):
+    """Mistral's hyper-parameters (a window on every layer, 0: all positions)."""
 
 
-class Phi3(Llama):
-    """The Phi-3 family (module docstring)."""
+class Phi3(Mistral):
+    """The Phi-3 family (module docstring): Mistral's window, its own fused tensors and RoPE."""
 
     model_types = ("phi3",)
     gguf_architectures = ("phi3",)
@@ -44,14 +40,6 @@ class Phi3(Llama):
                         "ffn_norm.weight": "post_attention_layernorm.weight",
                         "ffn_up.weight": "mlp.gate_up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
     gguf_permuted = False
-
-    def hf_values(self, config: dict[str, Any], source: str) -> dict[str, Any]:
-        values = super().hf_values(config, source)
-        values["sliding_window"] = int(config.get("sliding_window") or 0)
-        return values
-
-    def gguf_values(self, meta: GGUFMetadata) -> dict[str, Any]:
-        return {**super().gguf_values(meta), "sliding_window": int(meta.key("attention.sliding_window", 0))}
 
     def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         c = config
@@ -71,9 +59,6 @@ class Phi3(Llama):
         return LayerWeights(attn_norm=one("input_layernorm.weight"), wqkv=one("self_attn.qkv_proj.weight"),
                             wo=one("self_attn.o_proj.weight"), ffn_norm=one("post_attention_layernorm.weight"),
                             w_gate_up=one("mlp.gate_up_proj.weight"), w_down=one("mlp.down_proj.weight"))
-
-    def layer_spec(self, config: Phi3Config, layer: int) -> LayerSpec:
-        return replace(super().layer_spec(config, layer), sliding_window=config.sliding_window)
 
 
 FAMILY = Phi3()
