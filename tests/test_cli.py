@@ -12,6 +12,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from gguf import GGUFValueType
+from loading.tiny_llama_files import random_hf_weights, tiny_config, write_tiny_gguf
 
 from flm_runtime import cli, paths, pull as pull_mod, registry
 from flm_runtime.registry import ModelEntry, ModelFile, PipSource
@@ -50,7 +52,7 @@ def fake_pullable(isolated, monkeypatch):
 
 def table(out: str) -> dict[str, list[str]]:
     lines = out.strip().splitlines()
-    assert lines[0].split() == ["TAG", "FORMAT", "SIZE", "INSTALLED", "PATH"]
+    assert lines[0].split() == ["TAG", "FAMILY", "FORMAT", "SIZE", "INSTALLED", "PATH"]
     return {ln.split()[0]: ln.split() for ln in lines[1:]}
 
 
@@ -60,11 +62,11 @@ def test_list_shows_every_tag_with_format_size_state_and_path(capsys):
     assert set(rows) == {"smollm2:135m", "smollm2-dflash:135m", "gemma3:270m", "nemotron3.5-bolt:e4b",
                          "nemotron3.5-bolt-dflash:e4b"}
     gemma3 = str(paths.model_dir() / "gemma3" / "270m" / "gemma-3-270m-q4_k_m.gguf")
-    assert rows["gemma3:270m"] == ["gemma3:270m", "gguf", "253.1", "MB", "no", gemma3]
+    assert rows["gemma3:270m"] == ["gemma3:270m", "?", "gguf", "253.1", "MB", "no", gemma3]
     gguf = str(paths.model_dir() / "smollm2" / "135m" / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert rows["smollm2:135m"] == ["smollm2:135m", "gguf", "98.4", "MB", "no", gguf]
-    assert rows["nemotron3.5-bolt:e4b"][1:4] == ["hf", "?", "no"]
-    assert rows["smollm2-dflash:135m"][1] == "gguf+dflash"
+    assert rows["smollm2:135m"] == ["smollm2:135m", "?", "gguf", "98.4", "MB", "no", gguf]
+    assert rows["nemotron3.5-bolt:e4b"][1:5] == ["?", "hf", "?", "no"]
+    assert rows["smollm2-dflash:135m"][2] == "gguf+dflash"
     # The shipped draft's files have no recorded size: measured where they are, plus the target's.
     draft = paths.package_dir() / "drafts" / "smollm2-135m-dflash"
     size = sum((draft / f).stat().st_size for f in ("config.json", "model.safetensors"))
@@ -77,13 +79,13 @@ def test_list_after_pull_says_installed(fake_pullable, capsys):
     out = capsys.readouterr().out
     assert out.strip() == f"fake:1m: {fake_pullable.location()}"
     assert cli.main(["list"]) == 0
-    assert table(capsys.readouterr().out)["fake:1m"][1:5] == ["gguf", "25.6", "KB", "yes"]
+    assert table(capsys.readouterr().out)["fake:1m"][1:6] == ["unsupported", "gguf", "25.6", "KB", "yes"]
 
 
 def test_list_json(fake_pullable, capsys):
     assert cli.main(["list", "--json"]) == 0
     rows = {r["tag"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert rows["fake:1m"] == {"tag": "fake:1m", "format": "gguf", "size": len(DATA), "installed": False,
+    assert rows["fake:1m"] == {"tag": "fake:1m", "family": None, "format": "gguf", "size": len(DATA), "installed": False,
                                "path": str(fake_pullable.location()), "origin": "built-in"}
 
 
@@ -93,7 +95,19 @@ def test_list_shows_user_tags(isolated, capsys):
     (isolated / "models.yaml").write_text(f"mine:1b: {gguf}\n")
     registry.reload()
     assert cli.main(["list"]) == 0
-    assert table(capsys.readouterr().out)["mine:1b"][1:] == ["gguf", "25.6", "KB", "yes", str(gguf)]
+    assert table(capsys.readouterr().out)["mine:1b"][1:] == ["unsupported", "gguf", "25.6", "KB", "yes", str(gguf)]
+
+
+def test_list_names_the_family_of_installed_files(isolated, capsys):
+    config = tiny_config()
+    gguf = write_tiny_gguf(isolated / "tiny.gguf", config, random_hf_weights(config))
+    mistral = write_tiny_gguf(isolated / "window.gguf", config, random_hf_weights(config),
+                              extra_kv={"llama.attention.sliding_window": (8, GGUFValueType.UINT32)})
+    (isolated / "models.yaml").write_text(f"tiny:1m: {gguf}\nwindow:1m: {mistral}\n")
+    registry.reload()
+    assert cli.main(["list"]) == 0
+    rows = table(capsys.readouterr().out)
+    assert rows["tiny:1m"][1] == "llama" and rows["window:1m"][1] == "mistral"
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -95,9 +95,29 @@ def _size(entry: registry.ModelEntry) -> int | None:
     return size if size is not None else entry.size_on_disk()
 
 
+def _family(entry: registry.ModelEntry) -> str | None:
+    """The model family (``models.families``) of an installed entry's files: its GGUF header's
+    architecture or its config.json's ``model_type``; ``unsupported`` when no family runs them or
+    they cannot be read; None when they are not installed."""
+    from flm_runtime.loading.gguf import open_gguf
+    from flm_runtime.models import families
+
+    if not registry.is_installed(entry):
+        return None
+    path = entry.location()
+    try:
+        if entry.format == "gguf":
+            return families.for_gguf(open_gguf(path).metadata, str(path)).name
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        return families.for_model_type(model_type, str(path)).name
+    except (OSError, ValueError, FlmError):  # unreadable, not JSON, or a family we do not run
+        return "unsupported"
+
+
 def list_rows() -> list[dict]:
-    """One dict per known tag: tag, format, size (bytes, recorded or else measured on disk; None
-    when neither is known; a DFlash tag's includes its target's), installed, path, origin."""
+    """One dict per known tag: tag, family (``_family``; a DFlash tag's is its target's), format,
+    size (bytes, recorded or else measured on disk; None when neither is known; a DFlash tag's
+    includes its target's), installed, path, origin."""
     entries = {e.tag: e for e in registry.list_entries()}
     rows = []
     for e in entries.values():
@@ -112,6 +132,7 @@ def list_rows() -> list[dict]:
             installed = False
         rows.append({
             "tag": e.tag,
+            "family": _family(base) if base is not None and installed else None,
             "format": (f"{base.format}+dflash" if e.is_dflash else e.format) if base else "?",
             "size": size,
             "installed": installed,
@@ -128,12 +149,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         for row in rows:
             print(json.dumps(row))
         return 0
-    table = [("TAG", "FORMAT", "SIZE", "INSTALLED", "PATH")]
-    table += [(r["tag"], r["format"], _size_text(r["size"]), "yes" if r["installed"] else "no", r["path"])
-              for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    table = [("TAG", "FAMILY", "FORMAT", "SIZE", "INSTALLED", "PATH")]
+    table += [(r["tag"], r["family"] or "?", r["format"], _size_text(r["size"]), "yes" if r["installed"] else "no",
+               r["path"]) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(5)]
     for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4])
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
     return 0
 
 
