@@ -90,6 +90,20 @@ def test_stacking_whole_tiles_gives_the_bytes_of_tiling_again(bits, mins):
         assert (a is None and b is None) or (a.tobytes() == b.tobytes() and a.shape == b.shape), name
 
 
+@pytest.mark.parametrize("mins", [False, True])
+def test_parts_of_different_widths_stack_in_the_widest_with_every_value_kept(mins):
+    # A Q4_K_M file's QKV: 4-bit q and k (with stored mins, as Q4_K's) beside an 8-bit v (Q6_K's
+    # conversion; symmetric, as Q8_0's): one 8-bit matrix, each weight's value unchanged.
+    rng = np.random.default_rng(9)
+    q, k = (quant.quantize(rng.standard_normal((n, 64)).astype(np.float32), 4) for n in (32, 16))
+    if mins:
+        q, k = (quant.from_blocks(*p.rows(), 4, 64) for p in (q, k))
+    v = quant.quantize(rng.standard_normal((16, 64)).astype(np.float32), 8)
+    got = quant.stack_rows([q, k, v])
+    assert got.bits == 8 and got.mins is not None and got.shape == (64, 64)
+    assert np.array_equal(got.dequantize(), np.concatenate([q.dequantize(), k.dequantize(), v.dequantize()]))
+
+
 def test_arrays_lying_one_after_the_other_join_without_a_copy():
     # Adjacent views of one mapped buffer (kept weights) join as a view of it; apart, or from
     # different buffers, they are copied: the same values either way.

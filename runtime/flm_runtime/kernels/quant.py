@@ -113,10 +113,15 @@ Weight = np.ndarray | QuantWeight  # a matrix: float32 ``[out, in]``, or this mo
 
 
 def stack_rows(weights: list[QuantWeight]) -> QuantWeight:
-    """Weights of one input width stacked along the output rows (the fused QKV and gate/up)."""
+    """Weights of one input width stacked along the output rows (the fused QKV and gate/up). Parts
+    of different widths (a Q4_K_M file's 6-bit ``attn_v`` beside 4-bit q and k) are tiled again
+    in the widest: a 4-bit code is an 8-bit code of the same block scale and min, so every weight
+    keeps its value exactly."""
     first = weights[0]
-    assert all(w.bits == first.bits and w.in_features == first.in_features for w in weights)
+    assert all(w.in_features == first.in_features for w in weights)
     with_mins = {w.mins is not None for w in weights}
+    if len({w.bits for w in weights}) > 1:  # their zero points differ: the mins are stored
+        return _retile(max(weights, key=lambda w: w.bits), [w.rows() for w in weights], keep_mins=True)
     if len(with_mins) == 1 and all(w.out_features % TILE == 0 for w in weights[:-1]):
         # Whole tiles (a model's Q, K and V rows are): stacking rows is stacking tiles, the bytes
         # joined instead of untiled and tiled again (a tenth of a load's time), with no copy when
