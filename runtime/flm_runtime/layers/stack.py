@@ -186,27 +186,38 @@ def _format_products(formats: tuple[qgemm.Format, ...]):
     """``linear(codes, scales, mins, matrix, acts, out, tid, n_threads) -> (first, stop)``: this
     thread's tiles ``first .. stop-1`` of the product of ``acts`` (``quantize_row``'s five
     arrays) and the stacked matrix ``matrix`` (a row of ``StackWeights.matrices``) into ``out``,
-    on the kernel of the matrix's format (the formats are constants: one branch each)."""
-    slots = formats + (formats[0],) * (_MAX_FORMATS - len(formats))
-    (i0, b0, m0), (i1, b1, m1), (i2, b2, m2), (i3, b3, m3) = slots
+    on the kernel of the matrix's format. The formats are constants: one branch per distinct
+    format, as each branch inlines a product (compile time grows with their number)."""
+
+    def product(fmt: qgemm.Format):
+        isa, bits, has_mins = fmt
+
+        @numba.njit(inline="always")
+        def tiles(codes, scales, mins, matrix, acts, out, first, stop):  # pragma: no cover - compiled
+            xq, xw, step, sx, s = acts
+            c, sc, mn = _matrix_views(codes, scales, mins, matrix, bits, has_mins)
+            qgemm.product_tiles(isa, bits, has_mins, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
+
+        return tiles
+
+    def dispatch(slot: int, here, rest):
+        @numba.njit(inline="always")
+        def tiles(codes, scales, mins, matrix, acts, out, first, stop):  # pragma: no cover - compiled
+            if matrix[FORMAT] == slot:
+                here(codes, scales, mins, matrix, acts, out, first, stop)
+            else:
+                rest(codes, scales, mins, matrix, acts, out, first, stop)
+
+        return tiles
+
+    tiles = product(formats[-1])
+    for slot in range(len(formats) - 2, -1, -1):
+        tiles = dispatch(slot, product(formats[slot]), tiles)
 
     @numba.njit(inline="always")
     def linear(codes, scales, mins, matrix, acts, out, tid, n_threads):  # pragma: no cover - compiled
-        xq, xw, step, sx, s = acts
         first, stop = matrix[TILES] * tid // n_threads, matrix[TILES] * (tid + 1) // n_threads
-        slot = matrix[FORMAT]
-        if slot == 0:
-            c, sc, mn = _matrix_views(codes, scales, mins, matrix, b0, m0)
-            qgemm.product_tiles(i0, b0, m0, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
-        elif slot == 1:
-            c, sc, mn = _matrix_views(codes, scales, mins, matrix, b1, m1)
-            qgemm.product_tiles(i1, b1, m1, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
-        elif slot == 2:
-            c, sc, mn = _matrix_views(codes, scales, mins, matrix, b2, m2)
-            qgemm.product_tiles(i2, b2, m2, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
-        else:
-            c, sc, mn = _matrix_views(codes, scales, mins, matrix, b3, m3)
-            qgemm.product_tiles(i3, b3, m3, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
+        tiles(codes, scales, mins, matrix, acts, out, first, stop)
         return first, stop
 
     return linear
