@@ -45,6 +45,10 @@ class Qwen2Config(LlamaConfig):
     rms_norm_eps: float = 1e-6
     layer_windows: tuple[int, ...] = ()
 
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
 
 class Qwen2(Llama):
     """The Qwen2 family (module docstring)."""
@@ -76,8 +80,7 @@ class Qwen2(Llama):
         return replace(super().layer_weights(take, config, prefix), qkv_bias=bias)
 
     def layer_spec(self, config: Qwen2Config, layer: int) -> LayerSpec:
-        window = config.layer_windows[layer] if config.layer_windows else 0
-        return replace(super().layer_spec(config, layer), qkv_bias=True, sliding_window=window)
+        return replace(super().layer_spec(config, layer), qkv_bias=True, sliding_window=config.window(layer))
 
 
 FAMILY = Qwen2()

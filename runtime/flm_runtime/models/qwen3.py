@@ -20,15 +20,12 @@ from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerSpec
 from flm_runtime.models.family import WeightTaker
 from flm_runtime.models.llama import Llama
-from flm_runtime.models.qwen2 import qwen_layer_windows
+from flm_runtime.models.qwen2 import Qwen2Config, qwen_layer_windows
 
 
 @dataclass(frozen=True)
-class Qwen3Config(LlamaConfig):
-    """Llama's hyper-parameters and each layer's sliding window (as ``Qwen2Config``'s)."""
-
-    rms_norm_eps: float = 1e-6
-    layer_windows: tuple[int, ...] = ()
+class Qwen3Config(Qwen2Config):
+    """Qwen2's hyper-parameters (Llama's and each layer's sliding window)."""
 
 
 class Qwen3(Llama):
@@ -57,8 +54,7 @@ class Qwen3(Llama):
                        k_norm=take(prefix + "self_attn.k_norm.weight", shapes["self_attn.k_norm.weight"]))
 
     def layer_spec(self, config: Qwen3Config, layer: int) -> LayerSpec:
-        window = config.layer_windows[layer] if config.layer_windows else 0
-        return replace(super().layer_spec(config, layer), qk_norm=True, sliding_window=window)
+        return replace(super().layer_spec(config, layer), qk_norm=True, sliding_window=config.window(layer))
 
 
 FAMILY = Qwen3()
