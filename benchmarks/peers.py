@@ -26,10 +26,22 @@ load, so the script re-executes itself with them set (once, before it measures a
 ``OPENBLAS_L2_SIZE`` for its own process (older-CPU workarounds some machines set, which slow a
 current OpenBLAS) unless ``--keep-openblas-env`` is given; its output says which.
 
+A fifth figure: decode at context 256 against the bandwidth bound, ``tokens/s / (read bandwidth /
+bytes per token)``. The read bandwidth is measured in every round, before the engines: the best of
+three streaming reads of 1 GiB by the same number of threads (numba ``prange``, a sum of 64-bit
+words). Bytes per token are the weights each engine streams in a decode step: ours as held
+(``LlamaModel.nbytes_per_token``: 6-bit GGUF blocks are held 8-bit, 4-bit ones with float32
+scales), llama.cpp's the GGUF's own tensors (all but the embedding, unless it is the LM head); the
+KV cache's read at context 256 (under 2% here) is left out.
+
+Models: ``--tag`` (a registry tag, default the embedded SmolLM2-135M), ``--gguf PATH``, or
+``--shape NAME``, a random-weight file shaped like a real model (``flm_bench.shaped_gguf``:
+Llama 3.2 1B Q4_K_M, Llama 3.2 3B Q4_0), written once into ``--shape-dir``.
+
 Needs the optional extra ``peers`` (llama-cpp-python, built from source with the flags that
 pyproject.toml gives); without it the script says so and exits 0.
 
-    python benchmarks/peers.py [--tag smollm2:135m] [--threads 2] [--weights auto,q8,f32]
+    python benchmarks/peers.py [--tag smollm2:135m | --gguf PATH | --shape NAME] [--threads 2] [--weights auto,q8,f32]
         [--rounds 6] [--steps 16] [--prefills 2] [--json FILE]
 """
 
@@ -47,10 +59,13 @@ import sys
 import time
 from pathlib import Path
 
+import gguf
+import numba
 import numpy as np
 
 from flm_bench.options import positive_int
-from flm_runtime import pull
+from flm_bench.shaped_gguf import SHAPES, write_shaped_gguf
+from flm_runtime import paths, pull
 from flm_runtime.backends import forward, prefill
 from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.loading import load_model_files
@@ -79,7 +94,9 @@ FIGURES = (
     ("decode_4096", "decode tokens/s, context 4,096"),
     ("pass_cost", f"{PASS_ROWS}-token pass at context {PASS_CONTEXT}, in decodes"),
     ("prefill", f"prefill tokens/s, {PREFILL} tokens"),
+    ("bound", f"decode at context {CONTEXTS[0]} / bandwidth bound"),
 )
+PROBE_BYTES = 1 << 30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,7 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         SystemExit: (argparse) an unknown weight kind, a repeated one, or a count below 1.
     """
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tag", default="smollm2:135m", help="registry tag of the GGUF to compare on")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--tag", default="smollm2:135m", help="registry tag of the GGUF to compare on")
+    model.add_argument("--gguf", type=Path, help="a GGUF file to compare on")
+    model.add_argument("--shape", choices=sorted(SHAPES), help="a random-weight GGUF shaped like this model")
+    parser.add_argument("--shape-dir", type=Path, default=paths.model_dir() / "shaped",
+                        help="where --shape's file is written once (default: the model cache's shaped/)")
     parser.add_argument("--threads", type=positive_int, default=2, help="threads of both engines")
     parser.add_argument("--weights", default=DEFAULT_WEIGHTS,
                         help=f"our weight kinds, comma-separated, of {','.join(WEIGHT_KINDS)} (default {DEFAULT_WEIGHTS})")
@@ -114,37 +136,43 @@ def engine_label(kind: str) -> str:
     return f"ours {kind} (default)" if kind == "auto" else f"ours {kind}"
 
 
-def summarize(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+def summarize(times: dict[str, dict[str, list[float]]], bandwidth: list[float],
+              nbytes: dict[str, int]) -> dict[str, dict[str, float]]:
     """Figures and ratios from per-round seconds.
 
     Args:
         times: engine -> ``{"decode_256", "decode_4096", "pass", "prefill"}`` -> seconds per round
             (one decode step, one 8-token pass, one 512-token prefill), the same rounds for every
             engine; the engine ``LLAMA`` is the reference.
+        bandwidth: bytes/s the read probe streamed in each round.
+        nbytes: engine -> weight bytes it reads per decode step.
     Returns:
         engine -> figure (``FIGURES``' keys) -> median over rounds, and, for engines other than
         ``LLAMA``, ``ratio_<figure>`` -> median over rounds of ours / llama.cpp for the tokens/s
-        figures (higher is better for us) and the pass cost (lower is better for us).
+        figures (higher is better for us) and the pass cost (lower is better for us); the bound
+        figure has no ratio.
     """
-    per_round = {name: _per_round(t) for name, t in times.items()}
+    per_round = {name: _per_round(t, bandwidth, nbytes[name]) for name, t in times.items()}
     summary = {}
     for name, figures in per_round.items():
         row = {key: statistics.median(values) for key, values in figures.items()}
         if name != LLAMA:
             ref = per_round[LLAMA]
             row |= {f"ratio_{key}": statistics.median(a / b for a, b in zip(values, ref[key]))
-                    for key, values in figures.items()}
+                    for key, values in figures.items() if key != "bound"}
         summary[name] = row
     return summary
 
 
-def _per_round(t: dict[str, list[float]]) -> dict[str, list[float]]:
-    """One engine's figures per round (tokens/s, and the pass in decode units of its round)."""
+def _per_round(t: dict[str, list[float]], bandwidth: list[float], nbytes: int) -> dict[str, list[float]]:
+    """One engine's figures per round (tokens/s, the pass in decode units of its round, and decode
+    at 256 as a share of its round's bound ``bandwidth / nbytes``)."""
     return {
         "decode_256": [1 / s for s in t["decode_256"]],
         "decode_4096": [1 / s for s in t["decode_4096"]],
         "pass_cost": [p / d for p, d in zip(t["pass"], t["decode_256"])],
         "prefill": [PREFILL / s for s in t["prefill"]],
+        "bound": [nbytes / (s * bw) for s, bw in zip(t["decode_256"], bandwidth)],
     }
 
 
@@ -155,10 +183,11 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
     head = ["figure", LLAMA] + [col for name in ours for col in (name, "ratio")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, label in FIGURES:
-        digits = 2 if key == "pass_cost" else 1
+        digits = 2 if key in ("pass_cost", "bound") else 1
         cells = [label, f"{summary[LLAMA][key]:.{digits}f}"]
         for name in ours:
-            cells += [f"{summary[name][key]:.{digits}f}", f"{summary[name][f'ratio_{key}']:.2f}x"]
+            ratio = summary[name].get(f"ratio_{key}")
+            cells += [f"{summary[name][key]:.{digits}f}", "-" if ratio is None else f"{ratio:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -190,11 +219,12 @@ def _wanted_env(args: argparse.Namespace, environ) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     """Load every engine, warm it up, measure ``args.rounds`` interleaved rounds, print the table
     (and write ``args.json``). Assumes ``_wanted_env`` is in effect."""
-    path = pull.locate(args.tag)
+    path = model_path(args)
     ours = {engine_label(kind): Ours(path, kind) for kind in args.weights}
     n_vocab = next(iter(ours.values())).model.config.vocab_size
     tokens = np.random.default_rng(0).integers(0, n_vocab, size=max(CONTEXTS) + PASS_ROWS).tolist()
     engines = {LLAMA: LlamaCpp(path, args.threads)} | ours
+    probe = ReadProbe()
     load = [os.getloadavg()[0]]
     started = time.time()
     for name, engine in engines.items():
@@ -202,7 +232,9 @@ def run(args: argparse.Namespace) -> int:
         engine.prepare(tokens)
         _measure(engine, tokens, 1, 1)  # warm-up: compiled kernels, buffers
     times = {name: {"decode_256": [], "decode_4096": [], "pass": [], "prefill": []} for name in engines}
+    bandwidth = []
     for r in range(args.rounds):
+        bandwidth.append(probe.read())
         order = list(engines) if r % 2 == 0 else list(engines)[1:] + [LLAMA]
         for name in order:
             time.sleep(SETTLE_S)
@@ -211,12 +243,55 @@ def run(args: argparse.Namespace) -> int:
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     load.append(os.getloadavg()[0])
 
-    summary = summarize(times)
+    nbytes = {name: engine.nbytes_per_token for name, engine in engines.items()}
+    summary = summarize(times, bandwidth, nbytes)
     header = _header(args, path, engines, load, time.time() - started)
+    header.append(f"read bandwidth {statistics.median(bandwidth) / 1e9:.1f} GB/s (median of rounds; "
+                  f"{', '.join(f'{b / 1e9:.1f}' for b in bandwidth)}); weight bytes per decode step: "
+                  + ", ".join(f"{name} {n / 1e6:.0f} MB" for name, n in nbytes.items()))
     print("\n" + "\n".join(header) + "\n\n" + format_table(summary))
     if args.json:
-        args.json.write_text(json.dumps({"header": header, "seconds_per_round": times, "summary": summary}, indent=1))
+        args.json.write_text(json.dumps({"header": header, "seconds_per_round": times, "read_bandwidth": bandwidth,
+                                         "summary": summary}, indent=1))
     return 0
+
+
+def model_path(args: argparse.Namespace) -> Path:
+    """The GGUF compared on: ``--gguf``, ``--shape``'s file (written first if missing) or ``--tag``'s."""
+    if args.gguf:
+        return args.gguf
+    if args.shape:
+        return write_shaped_gguf(args.shape_dir, args.shape)
+    return pull.locate(args.tag)
+
+
+class ReadProbe:
+    """The process's streaming-read bandwidth: its threads (``NUMBA_NUM_THREADS``) sum a 1 GiB
+    array of 64-bit words, each thread a contiguous share."""
+
+    def __init__(self):
+        self.words = np.random.default_rng(0).integers(0, 1 << 62, PROBE_BYTES // 8, dtype=np.uint64)
+        _word_sum(self.words)  # compiled before any round
+
+    def read(self) -> float:
+        """Bytes/s of the best of three reads."""
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            _word_sum(self.words)
+            best = min(best, time.perf_counter() - t0)
+        return self.words.nbytes / best
+
+
+@numba.njit(parallel=True, cache=True)
+def _word_sum(words: np.ndarray) -> int:
+    shares = 64
+    step = len(words) // shares
+    total = np.uint64(0)
+    for share in numba.prange(shares):
+        for i in range(share * step, (share + 1) * step):
+            total += words[i]
+    return total
 
 
 def _measure(engine, tokens: list[int], steps: int, prefills: int) -> dict[str, float]:
@@ -246,7 +321,7 @@ def _header(args: argparse.Namespace, path: Path, engines: dict, load: list[floa
     return [
         f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}, "
         f"command: python benchmarks/peers.py {' '.join(sys.argv[1:])}",
-        f"model {args.tag} ({path.name}), {args.threads} threads for both engines, "
+        f"model {path.name}, {args.threads} threads for both engines, "
         f"{args.rounds} rounds ({args.steps} steps / passes, {args.prefills} prefills per figure and round), "
         f"{elapsed:.0f} s, load average {load[0]:.1f} at start, {load[1]:.1f} at end",
         f"our weights: {kinds}; the default is auto",
@@ -266,6 +341,7 @@ class Ours:
         m = self.model
         matrices = [w for layer in m.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)] + [m.lm_head]
         self.held = "/".join(f"q{b}" for b in sorted({w.bits for w in matrices if isinstance(w, QuantWeight)})) or "f32"
+        self.nbytes_per_token = m.nbytes_per_token
         self.caches = {}
 
     def prepare(self, tokens: list[int]) -> None:
@@ -318,6 +394,10 @@ class LlamaCpp:
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
         assert self.model, f"llama.cpp could not load {path}"
         self.threads = threads
+        tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+        if "output.weight" in tensors:  # untied: the embedding is not read but a row
+            del tensors["token_embd.weight"]
+        self.nbytes_per_token = sum(tensors.values())
         self.contexts = {c: self._context(c + PASS_ROWS) for c in CONTEXTS}
         self.prefill_context = self._context(PREFILL)
         self.batch = llama_cpp.llama_batch_init(PREFILL, 0, 1)

@@ -51,20 +51,27 @@ def _times():
     }
 
 
+# Per round the probe read 10, 20 and 10 GB/s; llama.cpp streams 100 MB a decode step, we 200 MB.
+BANDWIDTH = [10e9, 20e9, 10e9]
+NBYTES = {peers.LLAMA: 100e6, OURS: 200e6, "ours q8": 100e6}
+
+
 def test_summary_takes_medians_over_rounds_and_ratios_within_each_round():
-    summary = peers.summarize(_times())
-    assert summary[peers.LLAMA] == {"decode_256": 50.0, "decode_4096": 20.0, "pass_cost": 3.0, "prefill": 256.0}
+    summary = peers.summarize(_times(), BANDWIDTH, NBYTES)
+    assert summary[peers.LLAMA] == pytest.approx(
+        {"decode_256": 50.0, "decode_4096": 20.0, "pass_cost": 3.0, "prefill": 256.0, "bound": 0.25})  # 50, 50, 25 of 100, 200, 100 tokens/s
     ours = summary[OURS]
     assert ours["decode_256"] == 125.0  # median of 100, 200, 125 tokens/s
     assert ours["ratio_decode_256"] == 4.0  # per round 2, 4, 5: the median ratio, not 125 / 50
     assert ours["decode_4096"] == 20.0 and ours["ratio_decode_4096"] == 1.0
     assert ours["pass_cost"] == pytest.approx(1.2) and ours["ratio_pass_cost"] == pytest.approx(0.4)  # 1.2, 1.2, 2 decodes
     assert ours["prefill"] == 512.0 and ours["ratio_prefill"] == 2.0
+    assert ours["bound"] == pytest.approx(2.0) and "ratio_bound" not in ours  # 100, 200, 125 of 50, 100, 50 tokens/s
 
 
 def test_table_has_one_row_per_figure_and_a_ratio_column_per_weight_kind():
     times = _times() | {"ours q8": _times()[peers.LLAMA]}
-    lines = peers.format_table(peers.summarize(times)).splitlines()
+    lines = peers.format_table(peers.summarize(times, BANDWIDTH, NBYTES)).splitlines()
     assert lines[0] == f"| figure | llama.cpp | {OURS} | ratio | ours q8 | ratio |"
     assert lines[1] == "|---|---|---|---|---|---|"
     assert lines[2:] == [
@@ -72,6 +79,7 @@ def test_table_has_one_row_per_figure_and_a_ratio_column_per_weight_kind():
         "| decode tokens/s, context 4,096 | 20.0 | 20.0 | 1.00x | 20.0 | 1.00x |",
         "| 8-token pass at context 256, in decodes | 3.00 | 1.20 | 0.40x | 3.00 | 1.00x |",
         "| prefill tokens/s, 512 tokens | 256.0 | 512.0 | 2.00x | 256.0 | 1.00x |",
+        "| decode at context 256 / bandwidth bound | 0.25 | 2.00 | - | 0.25 | - |",
     ]
 
 

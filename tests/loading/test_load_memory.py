@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from tiny_llama_files import gguf_name, llama_gguf_writer, tiny_config
 
+from flm_bench.shaped_gguf import random_blocks
 from flm_runtime.core import LlamaConfig
 from flm_runtime.kernels import quant
 from flm_runtime.loading import converted
@@ -47,19 +48,6 @@ def _qtype(name: str) -> Q:
     return next((t for part, t in _TYPES.items() if part in name), Q.Q4_0)
 
 
-def _random_blocks(rng: np.random.Generator, shape: tuple[int, int], qtype: Q) -> np.ndarray:
-    """Random ``[N, K]`` weights of type ``qtype`` as GGUF blocks ``[N, K/block * bytes]``: random
-    codes, every float16 scale (and min) a small finite value (random bits would hold NaNs)."""
-    n, k = shape
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    half = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    float_bytes = {Q.Q4_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [size - 2]}[qtype]  # d (and dmin)
-    for at in float_bytes:
-        blocks[..., at:at + 2] = half
-    return blocks.reshape(n, -1)
-
-
 def write_blocks_gguf(path, config: LlamaConfig, seed: int = 0):
     """A Llama GGUF of random blocks (``_qtype`` per matrix; norms F32), written tensor by tensor."""
     rng = np.random.default_rng(seed)
@@ -69,7 +57,7 @@ def write_blocks_gguf(path, config: LlamaConfig, seed: int = 0):
         if len(shape) == 1:
             writer.add_tensor(gguf_name(name), np.ones(shape, np.float32))
         else:
-            writer.add_tensor(gguf_name(name), _random_blocks(rng, shape, _qtype(name)), raw_dtype=_qtype(name))
+            writer.add_tensor(gguf_name(name), random_blocks(rng, shape, _qtype(name)), raw_dtype=_qtype(name))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
