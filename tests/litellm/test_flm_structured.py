@@ -180,7 +180,7 @@ QUESTIONS = ["Where is the Eiffel Tower?", "Is the sky blue?", "What should I bu
              "Describe a user of a website.", "Write a headline about a football match."]
 
 
-async def test_fifty_sampled_json_schema_requests_all_parse_and_validate(smollm2_engine):
+async def test_twenty_concurrent_sampled_json_schema_requests_all_parse_and_validate(smollm2_engine):
     async def ask(i):
         schema, question = SCHEMAS[i % 5], QUESTIONS[i % 5]
         r = await litellm.acompletion(model=MODEL, messages=[{"role": "user", "content": question}], temperature=1.0,
@@ -189,13 +189,13 @@ async def test_fifty_sampled_json_schema_requests_all_parse_and_validate(smollm2
                                                        "json_schema": {"name": f"s{i % 5}", "schema": schema}})
         return r.choices[0], schema
 
-    results = await asyncio.gather(*(ask(i) for i in range(50)))
+    results = await asyncio.gather(*(ask(i) for i in range(20)))  # four of each schema, batched
     valid = 0
     for choice, schema in results:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), schema)
         valid += 1
-    assert valid == 50
+    assert valid == 20
 
 
 @pytest.mark.parametrize("stream", [False, True])
