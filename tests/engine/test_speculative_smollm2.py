@@ -209,10 +209,11 @@ def test_prompt_lookup_on_a_copying_prompt_equals_plain(make_engine, smollm2_eng
             done = engine.submit(prompt, p).result()
             assert done.token_ids == want
             stats[ngram] = done.stats.spec
-        assert stats[False].ngram_steps == 0 and stats[True].ngram_steps >= 1
-        assert stats[True].ngram_acceptance_length > 1.0
-        figures = (f"AL {stats[True].acceptance_length:.2f} (n-gram {stats[True].ngram_steps} steps, AL "
-                   f"{stats[True].ngram_acceptance_length:.2f}) vs draft alone {stats[False].acceptance_length:.2f}")
+        ngram = stats[True].counts("ngram")
+        assert stats[False].counts("ngram").steps == 0 and ngram.steps >= 1
+        assert ngram.acceptance_length > 1.0
+        figures = (f"AL {stats[True].acceptance_length:.2f} (n-gram {ngram.steps} steps, AL "
+                   f"{ngram.acceptance_length:.2f}) vs draft alone {stats[False].acceptance_length:.2f}")
         record_property("greedy" if p.greedy else "sampled", figures)
         print(f"copying prompt, {'greedy' if p.greedy else 'sampled'}: {figures}")
 
@@ -238,12 +239,12 @@ def test_ngram_only_steps_on_a_copying_prompt_equal_plain(make_engine, smollm2_e
             engine = make_engine(smollm2_model, tok, speculative=SpeculativeDecoder(smollm2_model, draft, policy=table))
             done = engine.submit(prompt, p).result()
             assert done.token_ids == want
-            s = done.stats.spec
+            s, ngram = done.stats.spec, done.stats.spec.counts("ngram")
             if ratio is None:
-                assert (s.steps, s.ngram_steps, s.gated) == (0, 0, 0)
+                assert (s.steps, ngram.steps, s.gated) == (0, 0, 0)
             else:
-                assert s.ngram_steps == s.steps >= 1 and s.ngram_acceptance_length > 1.0, s
-                figures = f"{s.ngram_steps} n-gram-only steps, AL {s.ngram_acceptance_length:.2f}"
+                assert ngram.steps == s.steps >= 1 and ngram.acceptance_length > 1.0, s
+                figures = f"{ngram.steps} n-gram-only steps, AL {ngram.acceptance_length:.2f}"
                 record_property("greedy" if p.greedy else "sampled", figures)
                 print(f"copying prompt, no speculation, {'greedy' if p.greedy else 'sampled'}: {figures}")
     assert asked == []

@@ -1,13 +1,16 @@
 """The suffix proposer on hand-made token sequences: the engine-wide index (longest match, most
-frequent continuation, its tie rule, probabilities, eviction, the cap) and the per-request
-proposer."""
+frequent continuation, its tie rule, probabilities, eviction, the cap), the per-request proposer
+(confidence, record, copies) and its setting."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from flm_runtime.speculation.suffix import SuffixIndex
+from flm_runtime.errors import InvalidRequestError
+from flm_runtime.settings import SUFFIX_CACHE_TOKENS, Settings
+from flm_runtime.speculation.retrieval import DECAY, NO_LOOKUP
+from flm_runtime.speculation.suffix import SuffixIndex, SuffixProposer
 
 
 def index_of(*sequences: list[int], max_tokens: int = 1000, depth: int = 16) -> SuffixIndex:
@@ -99,3 +102,68 @@ def test_the_trie_stays_within_its_node_bound():
     for n in rng.integers(1, 120, 40):
         index.add(rng.integers(0, 1000, n).tolist())
         assert index.tokens <= 300 and index.nodes <= 8 * index.tokens
+
+
+# ---- the per-request proposer ---------------------------------------------------------------------
+
+def proposer_after(index: SuffixIndex, tokens: list[int]) -> SuffixProposer:
+    out = SuffixProposer(index)
+    out.extend(tokens)
+    assert len(out) == len(tokens)
+    return out
+
+
+def test_the_proposer_matches_its_last_tokens_and_the_anchor():
+    """Its tokens (7, 1) and the anchor 2: the index's proposal after (1, 2), each token's
+    confidence the smaller of its probability (1, 0.5, 1) and the prior rate 0.5, cut by the
+    gate (cumulative 0.5, 0.25, 0.125)."""
+    index = index_of([1, 2, 3, 4, 5], [1, 2, 3, 9])
+    proposer = proposer_after(index, [7, 1])
+    got = proposer.find(2, 3, 0.0)
+    assert (got.ids.tolist(), got.match, got.confidence.tolist()) == ([3, 4, 5], 2, [0.5, 0.5, 0.5])
+    assert got.ids.dtype == np.int64 and got.confidence.dtype == np.float32
+    assert proposer.find(2, 3, 0.3).ids.tolist() == [3]
+    assert proposer.find(2, 3, 0.6) is NO_LOOKUP and proposer.find(2, 0, 0.0) is NO_LOOKUP
+    assert proposer.find(42, 3, 0.0) is NO_LOOKUP  # no suffix ending at 42 occurs
+
+
+def test_the_record_raises_the_confidence_up_to_the_index_probability():
+    index = index_of([1, 2, 3, 4, 5], [1, 2, 3, 9])
+    proposer = proposer_after(index, [7, 1])
+    proposer.observe(proposer.find(2, 3, 0.0), [3, 4, 5, 6])  # all 3 accepted
+    rate = (DECAY * 1 + 3) / (DECAY * 2 + 3)
+    assert proposer.rate == pytest.approx(rate)
+    assert proposer.find(2, 3, 0.0).confidence.tolist() == pytest.approx([rate, 0.5, rate])
+    proposer.observe(proposer.find(2, 3, 0.0), [3, 8])  # 1 accepted, 1 rejected
+    assert proposer.rate == pytest.approx((DECAY * (DECAY * 1 + 3) + 1) / (DECAY * (DECAY * 2 + 3) + 2))
+    before = proposer.rate
+    proposer.observe(NO_LOOKUP, [7])
+    proposer.observe(None, [7])
+    assert proposer.rate == before
+
+
+def test_a_copy_is_independent_but_shares_the_index():
+    index = index_of([1, 2, 3, 4, 5])
+    proposer = proposer_after(index, [9, 1])
+    twin = proposer.copy()
+    twin.extend([2, 3])
+    twin.observe(twin.find(4, 1, 0.0), [7])  # rejected
+    assert (len(proposer), len(twin)) == (2, 4)
+    assert proposer.find(2, 2, 0.0).ids.tolist() == [3, 4] and proposer.rate == 0.5 < 1.0 and twin.rate < 0.5
+    assert twin.find(4, 1, 0.0).ids.tolist() == [5]
+    index.add([1, 2, 8])  # the index is the engine's: both see it
+    assert proposer.find(2, 1, 0.0).ids.tolist() == twin.find(2, 1, 0.0).ids.tolist() == [3]
+    index.add([1, 2, 8])
+    assert proposer.find(2, 1, 0.0).ids.tolist() == [8]
+
+
+@pytest.mark.parametrize(("value", "cap"), [(None, SUFFIX_CACHE_TOKENS), ("0", 0), ("4096", 4096)])
+def test_flm_suffix_cache_tokens_sets_the_cap(value, cap):
+    assert Settings(suffix_cache_tokens=value).suffix_cache_cap() == cap
+    assert Settings.from_env({} if value is None else {"FLM_SUFFIX_CACHE_TOKENS": value}).suffix_cache_cap() == cap
+
+
+@pytest.mark.parametrize("value", ["-1", "many", "1.5"])
+def test_a_bad_flm_suffix_cache_tokens_is_refused(value):
+    with pytest.raises(InvalidRequestError, match="FLM_SUFFIX_CACHE_TOKENS"):
+        Settings(suffix_cache_tokens=value).suffix_cache_cap()

@@ -16,16 +16,31 @@ Bound: the index holds at most ``max_tokens`` tokens; adding a sequence evicts t
 whole (their counts taken back exactly, nodes that reach 0 freed), and a sequence longer than the
 cap keeps its last ``max_tokens`` tokens. Each indexed token starts one path of at most
 ``depth`` nodes, so the trie has at most ``depth * max_tokens`` nodes; inserting or evicting a
-token costs O(``depth``) dict and array operations (ties and evictions aside, below).
+token costs O(``depth``) dict and array operations (and, where an eviction lowers a node's best
+child, a scan of that node's children). A node takes about 150 bytes (its dict entry and key,
+six array slots), so an index of ``max_tokens`` tokens holds at most about ``150 * depth *
+max_tokens`` bytes: 2.4 kB per token at ``DEPTH`` = 16 (text that repeats itself shares nodes
+and takes less).
+
+``SuffixProposer`` is one sequence's proposer over the engine's index (a ``retrieval.Retrieval``,
+beside prompt lookup, which covers the sequence's own tokens): it keeps the sequence's last
+tokens, the pattern's source, and its own acceptance record. A proposed token's confidence is
+the smaller of its probability in the index and the record's acceptance rate: the index says
+how often the continuation followed in other requests, the record how well the index has
+predicted this one (our choice; SuffixDecoding scores a path by the index's probabilities alone).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from flm_runtime.speculation.policy import confident_length
+from flm_runtime.speculation.retrieval import NO_LOOKUP, AcceptanceRecord, Lookup
 
 # Tokens on a trie path: the longest pattern matched plus the tokens proposed after it (a pattern
 # of up to depth - most tokens, so that a K = 7 proposal follows a pattern of up to 9).
@@ -209,3 +224,65 @@ class SuffixIndex:
         if nxt != NONE:
             self._prev[nxt] = prev
         self._free.append(node)
+
+
+class SuffixProposer:
+    """One sequence's suffix proposer over the engine's ``SuffixIndex`` (module docstring).
+
+    Args:
+        index: the engine's index, shared by every sequence of the engine (not copied).
+    """
+
+    name = "suffix"
+
+    def __init__(self, index: SuffixIndex):
+        self.index = index
+        self._length = 0
+        self._tail: deque[int] = deque(maxlen=index.depth)  # the last tokens: the longest pattern is shorter
+        self._record = AcceptanceRecord()
+
+    def __len__(self) -> int:
+        """Tokens the sequence's target cache holds (positions ``0 .. len-1``)."""
+        return self._length
+
+    def copy(self) -> SuffixProposer:
+        """An independent proposer over the same index, with the same last tokens and record."""
+        twin = SuffixProposer(self.index)
+        twin._length, twin._tail, twin._record = self._length, self._tail.copy(), dataclasses.replace(self._record)
+        return twin
+
+    def extend(self, ids: Iterable[int]) -> None:
+        """Tokens the target cache now holds (a prompt chunk, a step's kept rows)."""
+        ids = [int(t) for t in ids]
+        self._tail.extend(ids)
+        self._length += len(ids)
+
+    def find(self, anchor_id: int, most: int, min_confidence: float) -> Lookup:
+        """The index's proposal after the sequence's last tokens and ``anchor_id``
+        (``SuffixIndex.propose``, at most ``depth - 1`` tokens), each token's confidence the
+        smaller of its probability and the record's rate, cut by ``confident_length(confidence,
+        min_confidence)``.
+
+        Returns:
+            the ``Lookup`` (``match``: the matched suffix's length); ``NO_LOOKUP`` when nothing
+            matches, ``most`` is 0 or the gate keeps nothing.
+        """
+        if most <= 0:
+            return NO_LOOKUP
+        ids, match, probability = self.index.propose([*self._tail, anchor_id], min(most, self.index.depth - 1))
+        confidence = np.minimum(probability, np.float32(self._record.rate))
+        kept = confident_length(confidence, min_confidence)
+        if not kept:
+            return NO_LOOKUP
+        return Lookup(ids[:kept], match, confidence[:kept])
+
+    def observe(self, lookup: Lookup | None, kept: list[int]) -> None:
+        """Score ``lookup`` against the tokens the step kept (``AcceptanceRecord.observe``); None
+        or a ``NO_LOOKUP`` records nothing."""
+        if lookup is not None and lookup.match:
+            self._record.observe(lookup.ids, kept)
+
+    @property
+    def rate(self) -> float:
+        """The record's acceptance rate of a proposed token."""
+        return self._record.rate
