@@ -44,8 +44,8 @@ from dataclasses import dataclass, fields
 from flm_runtime.errors import InvalidRequestError
 
 BACKENDS = ("auto", "cpu", "npu")
-# The suffix index's default cap in tokens: at most about 2.4 kB a token (``speculation.suffix``:
-# 16 trie nodes of about 150 bytes), so at most about 40 MB per DFlash engine.
+# The suffix index's default cap in tokens: at most about 3 kB a token (``speculation.suffix``: 16
+# trie nodes of at most about 190 bytes), so at most about 50 MB per DFlash engine.
 SUFFIX_CACHE_TOKENS = 16384
 
 

@@ -339,7 +339,8 @@ def test_ngram_stats_are_reported_apart_from_the_draft(make_engine):
     alone = copy_engine(make_engine, ngram=False).submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
     assert alone.token_ids == done.token_ids
     s = alone.stats.spec
-    assert s.counts("ngram").steps == 0 and s.emitted == 11 and s.counts("draft").acceptance_length == s.acceptance_length == 11 / s.steps
+    assert s.counts("ngram").steps == 0 and s.emitted == 11
+    assert s.counts("draft").acceptance_length == s.acceptance_length == 11 / s.steps
 
 
 def test_seeded_sampled_prompt_lookup_equals_plain(make_engine):

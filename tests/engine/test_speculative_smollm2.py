@@ -20,6 +20,7 @@ from flm_runtime import api, registry
 from flm_runtime.backends import decode, prefill
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.request import SamplingParams
+from flm_runtime.settings import SUFFIX_CACHE_TOKENS
 from flm_runtime.speculation.policy import Bucket, PolicyTable
 from flm_runtime.speculation.speculative import SpeculativeDecoder
 
@@ -96,6 +97,28 @@ def test_dflash_engine_shares_the_target_and_equals_greedy_baseline(dflash_tag, 
         assert 1.0 <= s.spec.acceptance_length <= 8.0
     record_property("near_ties", near_ties)
     print(f"greedy equivalence, random draft: {near_ties} near-tie cut(s) in {len(chats)} prompts")
+
+
+def test_a_repeated_request_takes_the_suffix_proposers_tokens(dflash_tag, chats, record_property):
+    """Through ``get_engine`` of a DFlash tag, whose suffix proposer is on by default: the same
+    chat twice. The first request's prompt and answer join the engine's index when it finishes;
+    the second's greedy output is the baseline's, and the suffix proposer's steps (its proposals
+    confident at the prior rate 0.5 against the random draft's ~0) were verified and kept more
+    than one token each."""
+    engine = api.get_engine(dflash_tag())
+    assert engine.speculative.suffix.max_tokens == SUFFIX_CACHE_TOKENS
+    prompt, want, margins = chats[0]
+    params = SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)
+    first = engine.submit(prompt, params).result()
+    assert engine.speculative.suffix.tokens == len(prompt) + N_TOKENS
+    second = engine.submit(prompt, params).result()
+    near_ties = sum(compare(list(done.token_ids), want, margins) for done in (first, second))
+    assert first.stats.spec.counts("suffix").steps == 0
+    suffix = second.stats.spec.counts("suffix")
+    assert suffix.accepted > 0 and suffix.acceptance_length > 2.0, second.stats.spec
+    figures = f"suffix {suffix.steps} steps, AL {suffix.acceptance_length:.2f}; {near_ties} near-tie cut(s)"
+    record_property("repeated", figures)
+    print(f"a repeated request: {figures}")
 
 
 def test_dflash_engine_seeded_sampling_is_reproducible_and_equals_plain(dflash_tag, smollm2_engine, chats):

@@ -193,9 +193,9 @@ def test_flm_stats_keys():
     assert SPEC_STATS.as_dict() == {**plain, "spec_steps": 4, "drafted_tokens": 28, "accepted_tokens": 9,
                                     "acceptance_length": 3.25, "gated_steps": 0, "spec_switches_off": 0,
                                     "al_estimate": None, "draft_acceptance_length": 7 / 3, "ngram_steps": 1,
-                                    "ngram_drafted_tokens": 7, "ngram_accepted_tokens": 5, "ngram_acceptance_length": 6.0,
-                                    "suffix_steps": 0, "suffix_drafted_tokens": 0, "suffix_accepted_tokens": 0,
-                                    "suffix_acceptance_length": None}
+                                    "ngram_drafted_tokens": 7, "ngram_accepted_tokens": 5,
+                                    "ngram_acceptance_length": 6.0, "suffix_steps": 0, "suffix_drafted_tokens": 0,
+                                    "suffix_accepted_tokens": 0, "suffix_acceptance_length": None}
 
 
 def test_cached_prompt_tokens_reach_the_usage():

@@ -14,7 +14,7 @@ docs/dflash.md, "Prompt lookup").
 (``extend``, kept in step with the cache: ``len(lookup) == cache.length``), the lookup
 (``find``), and the per-request record of how often its proposals were accepted (``observe``),
 from which a proposal gets a confidence per token as the draft's does (its softmax probability),
-so the same confidence gate and the same expected-accepted figure apply to both proposers.
+so the same confidence gate and the same expected-accepted figure apply to every proposer.
 
 Match lengths: ``n`` from ``MAX_MATCH`` = 4 down to ``MIN_MATCH`` = 2, the longest that occurs
 (a longer match is a more specific context, so its continuation is likelier the text's; vLLM's

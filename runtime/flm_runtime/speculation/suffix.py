@@ -18,9 +18,10 @@ cap keeps its last ``max_tokens`` tokens. Each indexed token starts one path of 
 ``depth`` nodes, so the trie has at most ``depth * max_tokens`` nodes; inserting or evicting a
 token costs O(``depth``) dict and array operations (and, where an eviction lowers a node's best
 child, a scan of that node's children). A node takes about 150 bytes (its dict entry and key,
-six array slots), so an index of ``max_tokens`` tokens holds at most about ``150 * depth *
-max_tokens`` bytes: 2.4 kB per token at ``DEPTH`` = 16 (text that repeats itself shares nodes
-and takes less).
+six array slots), up to about 190 once evictions have grown the dict's table and the free list
+to their largest, so an index of ``max_tokens`` tokens holds at most about ``190 * depth *
+max_tokens`` bytes: 3 kB per token at ``DEPTH`` = 16 (text that repeats itself shares nodes and
+takes less).
 
 ``SuffixProposer`` is one sequence's proposer over the engine's index (a ``retrieval.Retrieval``,
 beside prompt lookup, which covers the sequence's own tokens): it keeps the sequence's last
