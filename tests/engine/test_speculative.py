@@ -276,12 +276,16 @@ def test_seeded_sampled_speculative_is_reproducible_and_equals_plain(make_engine
     assert first.stats.spec.steps >= 1 and plain.submit(PROMPT, params).result().stats.spec is None
 
 
-def test_choices_copy_the_draft_state_and_equal_plain_decoding(make_engine, tiny):
+@pytest.mark.parametrize("suffix", [False, True], ids=["draft and prompt lookup", "and the suffix proposer"])
+def test_choices_copy_the_draft_state_and_equal_plain_decoding(make_engine, tiny, suffix):
     """``n`` = 3 with a draft: each choice decodes speculatively from a copy of the prompt's draft
-    context (a wrong copy would fail ``SpeculativeDecoder``'s invariant checks or change the
-    drafts, not the tokens) and gives what plain decoding gives, greedy and seeded."""
+    context and proposers (a wrong copy would fail ``SpeculativeDecoder``'s invariant checks or
+    change the drafts, not the tokens) and gives what plain decoding gives, greedy and seeded; with
+    the suffix proposer, the sampled choices take proposals from the greedy ones, which finished
+    before them."""
     tok = FakeTokenizer(vocab_size=300)
-    spec = make_engine(tiny, tok, speculative=SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2])))
+    spec = make_engine(tiny, tok, speculative=SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]),
+                                                                 suffix=SuffixIndex(1000) if suffix else None))
     plain = make_engine(tiny, tok)
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=42, max_tokens=24, ignore_eos=True)
@@ -292,6 +296,7 @@ def test_choices_copy_the_draft_state_and_equal_plain_decoding(make_engine, tiny
         h.result().token_ids for h in plain.submit_choices(PROMPT, sampled, 3)]
     assert len({d.token_ids for d in sampled_choices}) == 3
     assert all(d.stats.spec.steps >= 1 for d in greedy_choices + sampled_choices)
+    assert (sum(d.stats.spec.counts("suffix").steps for d in sampled_choices) >= 1) == suffix
 
 
 # ---- prompt lookup beside the draft -------------------------------------------------------------

@@ -121,6 +121,13 @@ def test_a_repeated_request_takes_the_suffix_proposers_tokens(dflash_tag, chats,
     print(f"a repeated request: {figures}")
 
 
+def test_flm_suffix_cache_tokens_0_turns_the_suffix_proposer_off(dflash_tag, monkeypatch):
+    monkeypatch.setenv("FLM_SUFFIX_CACHE_TOKENS", "0")
+    engine = api.get_engine(dflash_tag())
+    assert engine.speculative.suffix is None
+    assert [p.name for p in engine.speculative.new_state().proposers] == ["ngram"]
+
+
 def test_dflash_engine_seeded_sampling_is_reproducible_and_equals_plain(dflash_tag, smollm2_engine, chats):
     """One draw per emitted token in both paths: the same seed gives the same tokens."""
     engine = api.get_engine(dflash_tag())
