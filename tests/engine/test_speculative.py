@@ -550,7 +550,7 @@ def test_the_suffix_proposer_equals_plain_decoding(tiny, params):
     the caches and proposers stay in step (``check_caches``, ``SpeculativeDecoder._check``)."""
     base = plain_generate(tiny, PROMPT, 40, params, seed=7)
     decoder = SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]), suffix=SuffixIndex(1000))
-    decoder.finish(np.array(PROMPT + base))
+    decoder.finish(np.array(PROMPT), np.array(base))
     out, _, state = spec_generate(decoder, PROMPT, 40, params, seed=7, on_step=check_caches(tiny, decoder, PROMPT))
     assert out == base
     assert [p.name for p in state.proposers] == ["ngram", "suffix"]

@@ -596,7 +596,7 @@ class Engine:
                 log.info("request %s; engine stats %s", "finished" if error is None else count,
                          json.dumps(self.stats()))
         if error is None and self.speculative is not None:  # after the caller was told: it need not wait
-            self.speculative.finish(np.concatenate([seq.prompt_ids, np.asarray(seq.generated_ids, dtype=np.int64)]))
+            self.speculative.finish(seq.prompt_ids, np.asarray(seq.generated_ids, dtype=np.int64))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:

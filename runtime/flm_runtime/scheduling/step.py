@@ -132,7 +132,6 @@ class Stepper(Protocol):
         """Finish one lane's step from its rows' logits ``[k+1, V]`` and taps: the tokens it keeps
         go through ``lane.emit``."""
 
-    def finish(self, ids: np.ndarray) -> None:
-        """A request's sequence finished with these tokens ``[T]`` int64 (its prompt and every
-        generated token), which the stepper may keep for later requests (the suffix proposer's
-        index)."""
+    def finish(self, prompt_ids: np.ndarray, generated_ids: np.ndarray) -> None:
+        """A request finished: its prompt ``[T]`` and generated tokens ``[G]`` (int64), which the
+        stepper may keep for later requests (the suffix proposer's index)."""

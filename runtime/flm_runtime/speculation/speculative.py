@@ -212,11 +212,15 @@ class SpeculativeDecoder:
             proposers.append(SuffixProposer(self.suffix))
         return SpecState(self.draft.new_cache(capacity), self._no_taps(), proposers=tuple(proposers))
 
-    def finish(self, ids: np.ndarray) -> None:
-        """A finished sequence's tokens ``[T]`` (its prompt and generated tokens) join the suffix
-        index, if the decoder keeps one."""
+    def finish(self, prompt_ids: np.ndarray, generated_ids: np.ndarray) -> None:
+        """A finished request's generated tokens ``[G]``, after the last ``depth - 1`` of its
+        prompt's ``[T]`` (the context they continued), join the suffix index, if the decoder keeps
+        one. The rest of the prompt is left out: SuffixDecoding's global index holds outputs (a
+        request's own prompt is prompt lookup's), and indexing costs the engine thread tens of
+        microseconds a token."""
         if self.suffix is not None:
-            self.suffix.add(ids)
+            context = prompt_ids[max(len(prompt_ids) - self.suffix.depth + 1, 0):]
+            self.suffix.add(np.concatenate([context, generated_ids]))
 
     def prefill(self, prompt_ids: np.ndarray, cache: KVCache, state: SpecState) -> np.ndarray:
         """Chunked target prefill whose taps go into the draft cache chunk by chunk.

@@ -5,7 +5,8 @@ After SuffixDecoding (Oliaro et al., "SuffixDecoding: Extreme Speculative Decodi
 AI Applications", arXiv:2411.04975): requests to one model repeat one another (agent loops,
 templated answers, the same question asked again), so a continuation that followed the current
 context in earlier requests is likely to follow it again. ``SuffixIndex`` is one engine's index
-of the token sequences (prompt and output) of its recently finished requests: a suffix trie of
+of the token sequences of its recently finished requests (their outputs, each after the end of
+its prompt: ``SpeculativeDecoder.finish``): a suffix trie of
 bounded depth (every suffix of every sequence, truncated at ``depth`` tokens), each node
 counting the occurrences of the tokens on its path. Given the last tokens of a request's context
 it finds the longest suffix of them that occurs in the index and proposes the most frequent path
@@ -93,7 +94,7 @@ class SuffixIndex:
         return len(self._child)
 
     def add(self, ids: Iterable[int]) -> None:
-        """Index a sequence (a finished request's prompt and output), first evicting the oldest
+        """Index a sequence (a finished request's output after its prompt's end), first evicting the oldest
         sequences until it fits; of a sequence longer than ``max_tokens`` its last
         ``max_tokens`` tokens. An empty sequence is ignored."""
         seq = tuple(int(t) for t in ids)[-self.max_tokens :]
