@@ -43,7 +43,7 @@ def run(spec, tok, prompts: list[list[int]], params, ngram: bool) -> list[Comple
 def summary(done: list[Completion]) -> str:
     s = [d.stats.spec for d in done]
     steps, emitted = sum(x.steps for x in s), sum(x.emitted for x in s)
-    n_steps, n_emitted = sum(x.ngram_steps for x in s), sum(x.ngram_emitted for x in s)
+    n_steps, n_emitted = sum(x.counts("ngram").steps for x in s), sum(x.counts("ngram").emitted for x in s)
     d_steps = steps - n_steps
     return (f"AL {emitted / steps:.3f} over {steps} steps; n-gram {n_steps} steps, AL "
             f"{n_emitted / n_steps if n_steps else 0.0:.3f}; draft {d_steps} steps, AL "

@@ -37,7 +37,7 @@ acceptance then moves its decision online.
 
 Per bucket also ``verify_ratio``: ``t_verify(n+1) / t_decode`` for n = 1..7, each the largest at
 the bucket's edges over all spells (as the cost ratio), the cost of an n-gram-only step of n
-tokens where the bucket plans plain decoding (``policy.lookup_length``); the table records
+tokens where the bucket plans plain decoding (``policy.lookup_step``); the table records
 ``--min-speedup`` as the margin such a step must exceed too.
 
     litellm-flm calibrate [--tag smollm2-dflash:135m] [--backend cpu] [--contexts 256,1024,4096,8192]

@@ -185,7 +185,7 @@ class Run:
         if spec is None:
             return cls(s.prompt_tokens, s.generated_tokens, s.ttft_s, s.decode_s)
         return cls(s.prompt_tokens, s.generated_tokens, s.ttft_s, s.decode_s, spec.steps, spec.acceptance_length,
-                   spec.switches_off, spec.ngram_steps, spec.ngram_acceptance_length)
+                   spec.switches_off, spec.counts("ngram").steps, spec.counts("ngram").acceptance_length)
 
 
 def run_request(engine: Engine, prompt_ids, params: SamplingParams, timeout: float = 3600.0) -> Run:

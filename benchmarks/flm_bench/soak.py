@@ -12,7 +12,9 @@ Per request, from the stream itself:
 
 - **tokens**: the final chunk's ``usage.completion_tokens`` (tokens delivered);
 - **verify passes**: the 8-token checks of speculative steps, from ``usage.completion_tokens_details``
-  (accepted + rejected drafted tokens = K drafted per pass, K = block size - 1);
+  (accepted + rejected drafted tokens over K, rounded up, K = block size - 1: a pass verifies at
+  most K, fewer where the confidence gate cut the draft or a suffix proposal was shorter, so the
+  count is a lower bound);
 - **error**: any exception out of LiteLLM (the request still counts);
 - **stall**: a gap of more than ``--stall-s`` seconds without a token: from the request's start to
   its first content chunk, between two content chunks, or from the last one to the end of the
@@ -170,7 +172,7 @@ def _take_usage(result: Result, usage, block_drafts: int) -> None:
     accepted = int(getattr(details, "accepted_prediction_tokens", 0) or 0) if details else 0
     rejected = int(getattr(details, "rejected_prediction_tokens", 0) or 0) if details else 0
     result.accepted_tokens = accepted
-    result.verify_passes = (accepted + rejected) // block_drafts if block_drafts else 0
+    result.verify_passes = -(-(accepted + rejected) // block_drafts) if block_drafts else 0  # rounded up
 
 
 def request_plan(i: int, args: argparse.Namespace, defaults) -> tuple[str, str, str, dict]:

@@ -54,6 +54,7 @@ from flm_runtime.settings import Settings, requested_backend
 from flm_runtime.speculation.policy import ALWAYS_SPECULATE, PolicyTable, SpeculationPolicy
 from flm_runtime.speculation.policy import FILE_NAME as POLICY_FILE
 from flm_runtime.speculation.speculative import SpeculativeDecoder
+from flm_runtime.speculation.suffix import SuffixIndex
 
 
 @dataclass(frozen=True)
@@ -208,8 +209,10 @@ class Runtime:
                 if entry.is_dflash:
                     pull.locate(tag, models=models)  # the draft's and the base's files, pulling the base if need be
                     loaded = self._target(base, name, models)
+                    cap = settings.suffix_cache_cap()
                     speculative = SpeculativeDecoder(loaded.model, load_draft(tag, loaded.model, models),
-                                                     policy=load_policy(tag, name, models))
+                                                     policy=load_policy(tag, name, models),
+                                                     suffix=SuffixIndex(cap) if cap else None)
                 else:
                     loaded, speculative = self._target(base, name, models), None
                 sampling = models.resolve(base).sampling  # a draft keeps its target's

@@ -220,7 +220,7 @@ def stats_line(tag: str, stats: RequestStats) -> str:
             f"TTFT {stats.ttft_s:.2f} s, decode {stats.decode_tokens_per_s:.1f} tokens/s")
     if stats.spec is not None:
         s = stats.spec
-        line += (f", {s.steps} verify steps, AL {s.acceptance_length:.2f} ({s.ngram_steps} by prompt lookup)"
+        line += (f", {s.steps} verify steps, AL {s.acceptance_length:.2f} ({s.counts('ngram').steps} by prompt lookup)"
                  if s.steps else ", no verify step")
     return line + "]"
 

@@ -8,6 +8,7 @@ delivered, so they are not counted).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -132,22 +133,53 @@ def _check(value, name: str, low: float, high: float, low_open: bool = False, hi
         raise InvalidRequestError(f"{name} must lie in {lo}{low}, {high}{hi}, got {value!r}", param=name)
 
 
+# The proposers a speculative step verifies the tokens of: the DFlash draft and the retrieval
+# proposers (prompt lookup, the suffix proposer), as ``StepRecord.proposer`` names them.
+PROPOSERS = ("draft", "ngram", "suffix")
+
+
+@dataclass
+class ProposerCounts:
+    """The speculative steps that verified one proposer's tokens (``SpecStats``' counts).
+
+    Attributes:
+        steps, drafted, accepted, emitted: as ``SpecStats``' totals, over these steps.
+    """
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        """One step of ``drafted`` verified tokens, ``accepted`` of them kept, ``emitted`` pushed."""
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += emitted
+
+    @property
+    def acceptance_length(self) -> float:
+        """AL of these steps (bonus included); 0.0 before one."""
+        return self.emitted / self.steps if self.steps else 0.0
+
+
 @dataclass
 class SpecStats:
     """One request's speculation counters.
 
     Attributes:
-        steps: speculative steps run (steps that verified proposed tokens, the draft's or the
-            n-gram proposer's, n-gram-only steps included: those the policy planned plain, where
-            the draft did not run).
+        steps: speculative steps run (steps that verified proposed tokens, the draft's or a
+            retrieval proposer's, n-gram-only steps included: those the policy planned plain,
+            where the draft did not run).
         drafted: proposed tokens verified (k per step, after the confidence gate).
         accepted: drafted tokens kept and pushed into the output pipeline.
         emitted: tokens pushed by speculative steps (accepted + one bonus per step; a step cut
             short by EOS / stop / max_tokens counts only the tokens pushed before the cut).
         gated: plain steps the confidence gate made (the draft ran, nothing was verified).
-        ngram_steps, ngram_drafted, ngram_accepted, ngram_emitted: the same counts of the
-            speculative steps that verified the n-gram proposer's tokens (prompt lookup,
-            ``ngram.py``; beside the draft or n-gram-only), included in the totals above.
+        proposers: the same counts per proposer whose tokens the steps verified (a name of
+            ``PROPOSERS``: the draft, prompt lookup ``"ngram"``, the suffix proposer
+            ``"suffix"``), of those that verified any (``counts``); they sum to the totals.
         switches_off: times the request's acceptance tracker turned speculation off, and
         al_estimate: its final AL estimate (None before a step): the policy's figures
             (``policy.AcceptanceTracker``, over the steps the draft ran: n-gram-only steps do
@@ -159,45 +191,37 @@ class SpecStats:
     accepted: int = 0
     emitted: int = 0
     gated: int = 0
-    ngram_steps: int = 0
-    ngram_drafted: int = 0
-    ngram_accepted: int = 0
-    ngram_emitted: int = 0
+    proposers: dict[str, ProposerCounts] = field(default_factory=dict)
     switches_off: int = 0
     al_estimate: float | None = None
 
-    def record_step(self, drafted: int, accepted: int, emitted: int, *, ngram: bool = False) -> None:
-        """A speculative step verified ``drafted`` tokens and pushed ``emitted`` tokens, of which
-        ``accepted`` were drafted ones; ``ngram``: the n-gram proposer's tokens."""
+    def record_step(self, drafted: int, accepted: int, emitted: int, *, proposer: str = "draft") -> None:
+        """A speculative step verified ``drafted`` tokens of ``proposer`` (a name of
+        ``PROPOSERS``) and pushed ``emitted`` tokens, of which ``accepted`` were drafted ones."""
+        assert proposer in PROPOSERS, f"unknown proposer {proposer!r}"
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
         self.emitted += emitted
-        if ngram:
-            self.ngram_steps += 1
-            self.ngram_drafted += drafted
-            self.ngram_accepted += accepted
-            self.ngram_emitted += emitted
+        self.proposers.setdefault(proposer, ProposerCounts()).record(drafted, accepted, emitted)
 
     def record_plain(self, gated: bool) -> None:
         """A plain decode step; ``gated``: the confidence gate made it one."""
         self.gated += gated
 
+    def counts(self, proposer: str) -> ProposerCounts:
+        """The counts of the steps that verified ``proposer``'s tokens (zeros without one), a
+        copy."""
+        return dataclasses.replace(self.proposers.get(proposer, ProposerCounts()))
+
+    def copy(self) -> SpecStats:
+        """An independent copy (its per-proposer counts too)."""
+        return dataclasses.replace(self, proposers={k: dataclasses.replace(v) for k, v in self.proposers.items()})
+
     @property
     def acceptance_length(self) -> float:
         """AL: tokens per speculative step INCLUDING the bonus token; 0.0 before a step."""
         return self.emitted / self.steps if self.steps else 0.0
-
-    @property
-    def ngram_acceptance_length(self) -> float:
-        """AL of the steps that verified the n-gram proposer's tokens; 0.0 before one."""
-        return self.ngram_emitted / self.ngram_steps if self.ngram_steps else 0.0
-
-    @property
-    def draft_acceptance_length(self) -> float:
-        """AL of the steps that verified the draft's tokens; 0.0 before one."""
-        steps = self.steps - self.ngram_steps
-        return (self.emitted - self.ngram_emitted) / steps if steps else 0.0
 
 
 @dataclass(frozen=True)
@@ -238,22 +262,26 @@ class RequestStats:
         ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length`` (all proposers together,
         n-gram-only steps included), ``gated_steps``, ``spec_switches_off`` and ``al_estimate``
         (the tracker's, ``SpecStats``), then ``draft_acceptance_length`` (the draft's steps) and
-        ``ngram_steps``, ``ngram_drafted_tokens``, ``ngram_accepted_tokens``,
-        ``ngram_acceptance_length`` (the n-gram proposer's steps, n-gram-only ones included).
-        An AL over no step is None (null): AL counts the bonus token, so a number is at least 1."""
+        per retrieval proposer ``P`` (``ngram``: prompt lookup; ``suffix``) ``P_steps``,
+        ``P_drafted_tokens``, ``P_accepted_tokens``, ``P_acceptance_length`` (its steps,
+        n-gram-only ones included). An AL over no step is None (null): AL counts the bonus
+        token, so a number is at least 1."""
         out = {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                "completion_tokens": self.completion_tokens,
                "generated_tokens": self.generated_tokens, "queue_s": self.queue_s, "ttft_s": self.ttft_s,
                "decode_tokens_per_s": self.decode_tokens_per_s, "total_s": self.total_s}
         if self.spec is not None:
             s = self.spec
+            draft = s.counts("draft")
             out |= {"spec_steps": s.steps, "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
                     "acceptance_length": s.acceptance_length if s.steps else None, "gated_steps": s.gated,
                     "spec_switches_off": s.switches_off, "al_estimate": s.al_estimate,
-                    "draft_acceptance_length": s.draft_acceptance_length if s.steps > s.ngram_steps else None,
-                    "ngram_steps": s.ngram_steps, "ngram_drafted_tokens": s.ngram_drafted,
-                    "ngram_accepted_tokens": s.ngram_accepted,
-                    "ngram_acceptance_length": s.ngram_acceptance_length if s.ngram_steps else None}
+                    "draft_acceptance_length": draft.acceptance_length if draft.steps else None}
+            for name in PROPOSERS[1:]:
+                c = s.counts(name)
+                out |= {f"{name}_steps": c.steps, f"{name}_drafted_tokens": c.drafted,
+                        f"{name}_accepted_tokens": c.accepted,
+                        f"{name}_acceptance_length": c.acceptance_length if c.steps else None}
         return out
 
 

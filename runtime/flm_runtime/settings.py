@@ -22,6 +22,9 @@ Variables (name: default; meaning):
         ``manifest.json`` (``flm_runtime.backends.npu.manifest``).
     FLM_PREFIX_CACHE: ``1``; ``0`` (``false``, ``off``) turns the engines' prefix caching off
         (``flm_runtime.scheduling.prefix_cache``).
+    FLM_SUFFIX_CACHE_TOKENS: ``SUFFIX_CACHE_TOKENS`` (16384); tokens of finished requests each
+        DFlash engine keeps for its suffix proposer (``flm_runtime.speculation.suffix``); ``0``
+        turns the suffix proposer off.
     FLM_THREADS: the CPUs the process may run on (and at most that); the threads of the kernel team
         that runs every compiled model step of the process (``flm_runtime.kernels.team``).
     FLM_LOG_LEVEL: unset (no handler); the level of ``flm_runtime`` and ``litellm_flm`` records sent
@@ -41,6 +44,9 @@ from dataclasses import dataclass, fields
 from flm_runtime.errors import InvalidRequestError
 
 BACKENDS = ("auto", "cpu", "npu")
+# The suffix index's default cap in tokens: at most about 3 kB a token (``speculation.suffix``: 16
+# trie nodes of at most about 190 bytes), so at most about 50 MB per DFlash engine.
+SUFFIX_CACHE_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class Settings:
 
     Attributes (each named after its variable, ``FLM_`` and upper case dropped): ``backend``,
     ``weights``, ``kv_budget``, ``max_queue``, ``model_path``, ``models_file``, ``xclbin_path``,
-    ``prefix_cache``, ``threads``, ``log_level``.
+    ``prefix_cache``, ``suffix_cache_tokens``, ``threads``, ``log_level``.
     """
 
     backend: str | None = None
@@ -60,6 +66,7 @@ class Settings:
     models_file: str | None = None
     xclbin_path: str | None = None
     prefix_cache: str | None = None
+    suffix_cache_tokens: str | None = None
     threads: str | None = None
     log_level: str | None = None
 
@@ -92,6 +99,22 @@ class Settings:
                                       f"{self.prefix_cache!r}",
                                       param=variable("prefix_cache"))
         return raw in ("1", "true", "on")
+
+    def suffix_cache_cap(self) -> int:
+        """``FLM_SUFFIX_CACHE_TOKENS``: the suffix index's cap in tokens, ``SUFFIX_CACHE_TOKENS``
+        when unset; 0: no suffix proposer.
+
+        Raises:
+            InvalidRequestError: a value that is not a non-negative integer (``param`` names the
+                variable).
+        """
+        raw = self.suffix_cache_tokens
+        if raw is None:
+            return SUFFIX_CACHE_TOKENS
+        if not raw.isdigit():
+            raise InvalidRequestError(f"{variable('suffix_cache_tokens')} must be a non-negative integer, got {raw!r}",
+                                      param=variable("suffix_cache_tokens"))
+        return int(raw)
 
     def positive(self, key: str) -> int | None:
         """The field ``key`` as a positive integer, or None when unset.

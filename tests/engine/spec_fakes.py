@@ -2,8 +2,9 @@
 proposers, and a hand-driven speculative generation loop.
 
 ``ScriptTarget`` predicts ``script[i]`` as output token ``i`` whatever it is fed (one-hot logits
-of 10.0; EOS after the script) and writes each fed token id into its KV cache, so a test can read
-back what the cache holds after rollbacks. Its taps are zeros.
+of 10.0; EOS after the script), or gives ``rows[i]`` as its logits, and writes each fed token id
+into its KV cache, so a test can read back what the cache holds after rollbacks. Its taps are
+zeros.
 """
 
 from __future__ import annotations
@@ -30,18 +31,20 @@ from dflash_files import draft_config_dict, random_draft_weights, write_draft_di
 
 
 class ScriptTarget:
-    """Target whose output token ``i`` (at position ``prompt_len + i``) is ``script[i]``."""
+    """Target whose output token ``i`` (at position ``prompt_len + i``) is ``script[i]``, or whose
+    logits there are ``rows[i]`` (``[N, vocab]``) where given."""
 
     prefill_chunk = 256
     kv_dtype = np.float32
 
-    def __init__(self, script: list[int], prompt_len: int, vocab: int = 300, context: int = 2048):
+    def __init__(self, script: list[int], prompt_len: int, vocab: int = 300, context: int = 2048,
+                 rows: np.ndarray | None = None):
         self.config = LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=context)
         rng = np.random.default_rng(0)
         self.embed = rng.standard_normal((vocab, 8)).astype(np.float32)  # [V, E]
         self.lm_head = rng.standard_normal((vocab, 8)).astype(np.float32)
-        self.script, self.prompt_len = list(script), prompt_len
+        self.script, self.prompt_len, self.rows = list(script), prompt_len, rows
 
     def new_pool(self, positions: int) -> KVPool:
         return KVPool(1, 1, 1, np.float32, positions // FAKE_BLOCK, FAKE_BLOCK)
@@ -67,6 +70,9 @@ class ScriptTarget:
             cache.commit(t)
             for j in range(t - n, t):
                 i = start + j + 1 - self.prompt_len  # the output index this row predicts
+                if self.rows is not None and 0 <= i < len(self.rows):
+                    logits.append(self.rows[i])
+                    continue
                 row = np.zeros(self.config.vocab_size, dtype=np.float32)
                 row[self.script[i] if 0 <= i < len(self.script) else EOS] = 10.0
                 logits.append(row)

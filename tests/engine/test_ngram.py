@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flm_runtime.speculation.ngram import DECAY, NO_LOOKUP, PromptLookup
+from flm_runtime.speculation.ngram import PromptLookup
+from flm_runtime.speculation.retrieval import DECAY, NO_LOOKUP
 
 
 def lookup_of(tokens: list[int], chunks: int = 1) -> PromptLookup:

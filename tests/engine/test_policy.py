@@ -12,8 +12,8 @@ from pydantic import ValidationError
 from spec_fakes import ScriptTarget, random_draft, replay_proposer
 
 from flm_runtime.request import SamplingParams
-from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, MIN_SPEEDUP, AcceptanceTracker, Bucket, PolicyTable,
-                                      confident_length, paying_length)
+from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, MIN_SPEEDUP, PLAIN_STEP, AcceptanceTracker, Bucket,
+                                            PolicyTable, confident_length, paying_step)
 from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 PAYS_AT_2 = Bucket(max_context=1 << 20, speculate=True, draft_length=7, cost_ratio=2.0, expected_al=3.0)
@@ -113,21 +113,22 @@ def test_a_table_with_verify_ratios_round_trips_and_checks_their_length(tmp_path
     old = PolicyTable.model_validate({"model": "m", "backend": "cpu", "buckets": [
         {"max_context": 256, "speculate": False, "draft_length": 4, "cost_ratio": 1.8, "expected_al": 1.6}]})
     assert (old.block_size, old.buckets[0].verify_ratio, old.min_speedup) == (None, None, MIN_SPEEDUP)
-    assert old.lookup_length(100, np.ones(7, dtype=np.float32)) is None
-    assert ALWAYS_SPECULATE.lookup_length(100, np.ones(7, dtype=np.float32)) is None
-    assert table.lookup_length(100, np.ones(7, dtype=np.float32)) == 7
-    assert table.lookup_length(1000, np.ones(7, dtype=np.float32)) is None  # its bucket has no verify_ratio
+    assert old.lookup_step(100, np.ones(7, dtype=np.float32)) is None
+    assert ALWAYS_SPECULATE.lookup_step(100, np.ones(7, dtype=np.float32)) is None
+    assert table.lookup_step(100, np.ones(7, dtype=np.float32)) == (7, 8 / VERIFY_RATIO[6])
+    assert table.lookup_step(1000, np.ones(7, dtype=np.float32)) is None  # its bucket has no verify_ratio
 
 
 @pytest.mark.parametrize("confidence, most, want", [
-    (1.0, 7, 7),   # 1 + n tokens: (1 + 7) / 2.0 = 4 beats 2 / 1.25 = 1.6
-    (1.0, 2, 2),   # a shorter proposal: n <= 2, 3 / 1.5 = 2
-    (0.5, 7, 1),   # 1.5 / 1.25 = 1.2 beats 1.75 / 1.5 = 1.17 and 1.875 / 2.0
-    (0.3, 7, 0),   # 1.3 / 1.25 = 1.04, and less further on: no n exceeds 1.1
+    (1.0, 7, (7, 4.0)),   # 1 + n tokens: (1 + 7) / 2.0 = 4 beats 2 / 1.25 = 1.6
+    (1.0, 2, (2, 2.0)),   # a shorter proposal: n <= 2, 3 / 1.5 = 2
+    (0.5, 7, (1, 1.2)),   # 1.5 / 1.25 = 1.2 beats 1.75 / 1.5 = 1.17 and 1.875 / 2.0
+    (0.3, 7, (0, 1.0)),   # 1.3 / 1.25 = 1.04, and less further on: no n exceeds 1.1, a plain step
 ])
 def test_an_ngram_only_step_verifies_the_length_with_the_best_expected_speedup(confidence, most, want):
-    assert paying_length(np.full(most, confidence, dtype=np.float32), VERIFY_RATIO, MIN_SPEEDUP) == want
-    assert paying_length(np.zeros(0, dtype=np.float32), VERIFY_RATIO, MIN_SPEEDUP) == 0
+    got = paying_step(np.full(most, confidence, dtype=np.float32), VERIFY_RATIO, MIN_SPEEDUP)
+    assert (got.length, got.speedup) == (want[0], pytest.approx(want[1]))
+    assert paying_step(np.zeros(0, dtype=np.float32), VERIFY_RATIO, MIN_SPEEDUP) is PLAIN_STEP
 
 
 def test_a_plain_step_of_several_tokens_counts_them_towards_the_probe():

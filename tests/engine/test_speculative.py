@@ -15,10 +15,11 @@ from flm_runtime.backends import forward
 from flm_runtime.request import SamplingParams
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.picker import Picker
-from flm_runtime.scheduling.step import PLAIN, StepRecord
-from flm_runtime.speculation.ngram import NO_LOOKUP, Lookup
+from flm_runtime.scheduling.step import PLAIN, Lane, StepRecord
 from flm_runtime.speculation.policy import Bucket, PolicyTable, expected_accepted
+from flm_runtime.speculation.retrieval import NO_LOOKUP, Lookup
 from flm_runtime.speculation.speculative import SpeculativeDecoder, choose, verify
+from flm_runtime.speculation.suffix import SuffixIndex
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11)
@@ -275,12 +276,16 @@ def test_seeded_sampled_speculative_is_reproducible_and_equals_plain(make_engine
     assert first.stats.spec.steps >= 1 and plain.submit(PROMPT, params).result().stats.spec is None
 
 
-def test_choices_copy_the_draft_state_and_equal_plain_decoding(make_engine, tiny):
+@pytest.mark.parametrize("suffix", [False, True], ids=["draft and prompt lookup", "and the suffix proposer"])
+def test_choices_copy_the_draft_state_and_equal_plain_decoding(make_engine, tiny, suffix):
     """``n`` = 3 with a draft: each choice decodes speculatively from a copy of the prompt's draft
-    context (a wrong copy would fail ``SpeculativeDecoder``'s invariant checks or change the
-    drafts, not the tokens) and gives what plain decoding gives, greedy and seeded."""
+    context and proposers (a wrong copy would fail ``SpeculativeDecoder``'s invariant checks or
+    change the drafts, not the tokens) and gives what plain decoding gives, greedy and seeded; with
+    the suffix proposer, the sampled choices take proposals from the greedy ones, which finished
+    before them."""
     tok = FakeTokenizer(vocab_size=300)
-    spec = make_engine(tiny, tok, speculative=SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2])))
+    spec = make_engine(tiny, tok, speculative=SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]),
+                                                                 suffix=SuffixIndex(1000) if suffix else None))
     plain = make_engine(tiny, tok)
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=42, max_tokens=24, ignore_eos=True)
@@ -291,6 +296,7 @@ def test_choices_copy_the_draft_state_and_equal_plain_decoding(make_engine, tiny
         h.result().token_ids for h in plain.submit_choices(PROMPT, sampled, 3)]
     assert len({d.token_ids for d in sampled_choices}) == 3
     assert all(d.stats.spec.steps >= 1 for d in greedy_choices + sampled_choices)
+    assert (sum(d.stats.spec.counts("suffix").steps for d in sampled_choices) >= 1) == suffix
 
 
 # ---- prompt lookup beside the draft -------------------------------------------------------------
@@ -308,7 +314,7 @@ def test_prompt_lookup_equals_plain_greedy_decoding(tiny):
         out, _, state = spec_generate(decoder, REPEATS, 60, GREEDY, on_step=check_caches(tiny, decoder, REPEATS))
         assert out == base
         s = state.stats
-        assert (s.ngram_accepted >= 1) if ngram else (s.ngram_steps == 0 and state.lookup is None), s
+        assert (s.counts("ngram").accepted >= 1) if ngram else (s.counts("ngram").steps == 0 and not state.proposers), s
 
 
 COPIED = LETTERS[:12]
@@ -338,7 +344,8 @@ def test_ngram_stats_are_reported_apart_from_the_draft(make_engine):
     alone = copy_engine(make_engine, ngram=False).submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
     assert alone.token_ids == done.token_ids
     s = alone.stats.spec
-    assert s.ngram_steps == 0 and s.emitted == 11 and s.draft_acceptance_length == s.acceptance_length == 11 / s.steps
+    assert s.counts("ngram").steps == 0 and s.emitted == 11
+    assert s.counts("draft").acceptance_length == s.acceptance_length == 11 / s.steps
 
 
 def test_seeded_sampled_prompt_lookup_equals_plain(make_engine):
@@ -349,7 +356,7 @@ def test_seeded_sampled_prompt_lookup_equals_plain(make_engine):
     done = copy_engine(make_engine).submit([1, 2, *COPIED], params).result()
     plain = make_engine(ScriptTarget(COPIED, prompt_len=14), FakeTokenizer(vocab_size=300))
     assert done.token_ids == plain.submit([1, 2, *COPIED], params).result().token_ids
-    assert done.stats.spec.ngram_accepted >= 1, done.stats.spec
+    assert done.stats.spec.counts("ngram").accepted >= 1, done.stats.spec
 
 
 def test_the_policy_plan_bounds_the_ngram_proposal(make_engine):
@@ -365,8 +372,8 @@ def test_the_policy_plan_bounds_the_ngram_proposal(make_engine):
     done = engine.submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
     assert done.token_ids == tuple(COPIED)
     drafts = [d for t in steps for d in t.records]
-    assert any(d.ngram for d in drafts) and all(len(d.ids) <= d.planned == 3 for d in drafts if d.planned)
-    assert drafts[-1] is PLAIN and done.stats.spec.ngram_steps == sum(d.ngram for d in drafts)
+    assert any(d.proposer == "ngram" for d in drafts) and all(len(d.ids) <= d.planned == 3 for d in drafts if d.planned)
+    assert drafts[-1] is PLAIN and done.stats.spec.counts("ngram").steps == sum(d.proposer == "ngram" for d in drafts)
 
 
 def test_choose_prefers_the_proposal_expected_to_keep_more():
@@ -374,12 +381,13 @@ def test_choose_prefers_the_proposal_expected_to_keep_more():
     tie, 1 + 0.7."""
     draft = StepRecord(DRAFT[:2], 3, np.array([0.9, 0.9, 0.1], dtype=np.float32))
     more = Lookup(np.array([1, 2]), 2, np.array([1.0, 0.8], dtype=np.float32))
-    assert choose(draft, more).ids is more.ids and choose(draft, more).ngram
+    assert choose(draft, {"ngram": more}).ids is more.ids and choose(draft, {"ngram": more}).proposer == "ngram"
     tie = Lookup(np.array([1, 2]), 2, draft.confidence[:2])
     assert tie.expected == expected_accepted(draft.confidence[:2])
     for lookup in (tie, Lookup(np.array([1, 2]), 2, np.array([1.0, 0.7], dtype=np.float32)), NO_LOOKUP):
-        kept = choose(draft, lookup)
-        assert kept.ids is draft.ids and not kept.ngram and kept.lookup is lookup
+        kept = choose(draft, {"ngram": lookup})
+        assert kept.ids is draft.ids and kept.proposer is None and kept.lookups == {"ngram": lookup}
+    assert choose(draft, {}).ids is draft.ids
 
 
 # ---- n-gram-only steps where the policy plans plain decoding --------------------------------------
@@ -427,7 +435,7 @@ def test_ngram_only_steps_where_the_table_speculates_nowhere(make_engine):
         if ratio is None:
             assert all(d is PLAIN for d in drafts) and len(drafts) == 11
         else:
-            assert [(len(d.ids), d.ngram) for d in drafts] == [(0, False), (7, True), (7, True)]
+            assert [(len(d.ids), d.proposer) for d in drafts] == [(0, None), (7, "ngram"), (7, "ngram")]
     assert {k: stats[False][k] for k in ("spec_steps", "drafted_tokens", "accepted_tokens", "acceptance_length",
                                          "draft_acceptance_length", "ngram_steps", "ngram_drafted_tokens",
                                          "ngram_accepted_tokens", "ngram_acceptance_length", "gated_steps",
@@ -459,8 +467,8 @@ def test_an_ngram_only_step_verifies_as_many_tokens_as_pay(make_engine, ratio, m
     done = engine.submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
     assert done.token_ids == tuple(COPIED)
     drafts = [d for t in steps for d in t.records]
-    assert [(d.lookup.match if d.lookup is not None else 0, len(d.ids), d.ngram) for d in drafts] == want
-    assert done.stats.spec.ngram_steps == done.stats.spec.steps == sum(n for *_, n in want)
+    assert [(d.lookups["ngram"].match if d.lookups else 0, len(d.ids), d.proposer == "ngram") for d in drafts] == want
+    assert done.stats.spec.counts("ngram").steps == done.stats.spec.steps == sum(n for *_, n in want)
 
 
 def test_seeded_sampled_ngram_only_steps_equal_plain(make_engine):
@@ -474,7 +482,7 @@ def test_seeded_sampled_ngram_only_steps_equal_plain(make_engine):
     plain = make_engine(ScriptTarget(COPIED, prompt_len=14), FakeTokenizer(vocab_size=300))
     assert done.token_ids == plain.submit([1, 2, *COPIED], params).result().token_ids
     s = done.stats.spec
-    assert s.ngram_accepted >= 1 and s.ngram_steps == s.steps >= 1, s
+    assert s.counts("ngram").accepted >= 1 and s.counts("ngram").steps == s.steps >= 1, s
 
 
 def test_ngram_only_steps_keep_the_draft_in_step(tiny):
@@ -494,8 +502,8 @@ def test_ngram_only_steps_keep_the_draft_in_step(tiny):
     assert out == base
     planned = [d.planned > 0 for d in drafts]
     assert planned == sorted(planned) and len(asked) == sum(planned) >= 1  # plain plans, then the draft's
-    ngram_only = sum(d.ngram and not d.planned for d in drafts)
-    assert ngram_only >= 1 and state.stats.ngram_steps >= ngram_only, (ngram_only, state.stats)
+    ngram_only = sum(d.proposer == "ngram" and not d.planned for d in drafts)
+    assert ngram_only >= 1 and state.stats.counts("ngram").steps >= ngram_only, (ngram_only, state.stats)
 
 
 def test_an_ngram_only_step_fits_its_rows_in_the_context():
@@ -508,7 +516,7 @@ def test_an_ngram_only_step_fits_its_rows_in_the_context():
     decoder.prepare = lambda lanes: drafts.extend(prepare(lanes)) or drafts[-len(lanes):]
     out, cache, _ = spec_generate(decoder, [1, 2, *COPIED], 7, GREEDY)
     assert out == COPIED[:7] and cache.length == 20
-    assert [(len(d.ids), d.ngram) for d in drafts] == [(0, False), (4, True)]
+    assert [(len(d.ids), d.proposer) for d in drafts] == [(0, None), (4, "ngram")]
 
 
 def test_a_preempted_speculative_sequence_rebuilds_its_draft_context_and_equals_plain(make_engine, tiny):
@@ -531,3 +539,117 @@ def test_a_preempted_speculative_sequence_rebuilds_its_draft_context_and_equals_
     assert [h.result().token_ids for h in handles] == [plain.submit(p, q).result().token_ids
                                                        for p, q in zip(prompts, params)]
     assert spec.stats()["preempted"] >= 1 and spec.stats()["kv_blocks_used"] == 0
+
+
+# ---- the suffix proposer: continuations of earlier requests --------------------------------------
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_the_suffix_proposer_equals_plain_decoding(tiny, params):
+    """An index that holds an earlier run of the same prompt: the suffix proposer's proposals are
+    verified and accepted, the output is plain decoding's token for token (greedy and seeded), and
+    the caches and proposers stay in step (``check_caches``, ``SpeculativeDecoder._check``)."""
+    base = plain_generate(tiny, PROMPT, 40, params, seed=7)
+    decoder = SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]), suffix=SuffixIndex(1000))
+    decoder.finish(np.array(PROMPT), np.array(base))
+    out, _, state = spec_generate(decoder, PROMPT, 40, params, seed=7, on_step=check_caches(tiny, decoder, PROMPT))
+    assert out == base
+    assert [p.name for p in state.proposers] == ["ngram", "suffix"]
+    suffix = state.stats.counts("suffix")
+    assert suffix.accepted >= 7 and suffix.acceptance_length > 2.0, state.stats
+
+
+def test_the_suffix_proposer_emits_the_target_distribution():
+    """Lossless with the suffix proposer: a target whose logits after the anchor are fixed random
+    rows, a table that speculates nowhere (the draft never runs) and an index holding the prompt,
+    the anchor and 7 tokens, the first of which the target gives about a quarter of the time:
+    each trial's n-gram-only step verifies the suffix proposal, and its first emitted token ~
+    warp(row 1) and, when the first proposed token was accepted, its second ~ warp(row 2).
+    Pearson chi-square over 20,000 seeded trials; passes at p > 0.001 (deterministic: fixed
+    seeds)."""
+    rows = np.full((9, 12), -np.inf, dtype=np.float32)
+    rows[0, 7] = 0.0  # the first token (the anchor) is 7
+    rows[1:] = np.random.default_rng(3).standard_normal((8, 12)) * 0.5
+    params = SamplingParams(temperature=0.8, top_k=5)  # 5 tokens keep mass: df = 4
+    p1, p2 = sampler.warp(rows[1], params), sampler.warp(rows[2], params)
+    proposal = [int(np.argsort(-p1)[1]), int(np.argsort(-p2)[0]), 0, 1, 2, 3, 4]
+    target = ScriptTarget([], prompt_len=2, vocab=12, rows=rows)
+    index = SuffixIndex(100)
+    index.add([11, 10, 7, *proposal])
+    decoder = SpeculativeDecoder(target, random_draft(target, taps=[0, 1]), ngram=False, suffix=index,
+                                 policy=plain_table(CHEAP))
+    picker = Picker(params, sampler.new_rng(1234))
+    first, second = np.zeros(12, int), np.zeros(12, int)
+    emitted: list[int] = []
+
+    def emit(token: int) -> bool:
+        emitted.append(token)
+        return False
+
+    prompt_cache, prompt_state = target.new_cache(16), decoder.new_state()
+    anchor = picker.pick_and_accept(decoder.prefill(np.array([11, 10]), prompt_cache, prompt_state))
+    for _ in range(20_000):  # each trial continues from a copy of the prompt's cache and state
+        emitted.clear()
+        done = decoder.step(Lane(anchor, prompt_cache.copy(), prompt_state.copy(), picker, emit))
+        assert done.record.proposer == "suffix" and done.record.ids.tolist() == proposal
+        first[emitted[0]] += 1
+        if done.accepted >= 1:
+            second[emitted[1]] += 1
+    assert 0.15 < first[proposal[0]] / first.sum() < 0.5 and second.sum() > 3000  # both branches exercised
+    assert chi_square_p_value(first, p1) > 0.001
+    assert chi_square_p_value(second, p2) > 0.001
+
+
+def suffix_engine(make_engine, **kw):
+    """A scripted target that answers the 12 letters whatever the prompt, a random draft (its
+    confidence is low), and a suffix index of 1000 tokens."""
+    target = ScriptTarget(COPIED, prompt_len=14)
+    return make_engine(target, FakeTokenizer(vocab_size=300), speculative=SpeculativeDecoder(
+        target, random_draft(target, taps=[0, 1]), suffix=SuffixIndex(1000), **kw))
+
+
+QUESTION = list(range(20, 34))  # 14 tokens that do not hold the answer: prompt lookup finds nothing
+
+
+def test_a_repeated_request_is_answered_from_the_suffix_index(make_engine):
+    """The first request has only the draft (the index is empty, its prompt holds no letter); its
+    prompt and answer then join the index. The second, the same: prefill gives a; step 1 matches
+    the last 9 tokens (a pattern of at most 16 - 7) and proposes b .. h (probability 1, confidence
+    the prior 0.5 each: 0.99 expected against the random draft's ~0), all accepted, bonus i; step 2
+    proposes what the index holds after i: j, k, l, accepted, and max_tokens ends the output."""
+    engine = suffix_engine(make_engine)
+    first, second = (engine.submit(QUESTION, SamplingParams(max_tokens=12)).result() for _ in range(2))
+    assert first.token_ids == second.token_ids == tuple(COPIED)
+    assert first.stats.spec.counts("suffix").steps == first.stats.spec.counts("ngram").steps == 0
+    d = second.stats.as_dict()
+    assert {k: d[k] for k in ("spec_steps", "drafted_tokens", "accepted_tokens", "acceptance_length",
+                              "draft_acceptance_length", "ngram_steps", "suffix_steps", "suffix_drafted_tokens",
+                              "suffix_accepted_tokens", "suffix_acceptance_length")} == {
+        "spec_steps": 2, "drafted_tokens": 10, "accepted_tokens": 10, "acceptance_length": 5.5,
+        "draft_acceptance_length": None, "ngram_steps": 0, "suffix_steps": 2, "suffix_drafted_tokens": 10,
+        "suffix_accepted_tokens": 10, "suffix_acceptance_length": 5.5}
+    off = make_engine(ScriptTarget(COPIED, prompt_len=14), FakeTokenizer(vocab_size=300))
+    assert off.submit(QUESTION, SamplingParams(max_tokens=12)).result().token_ids == second.token_ids
+
+
+def test_seeded_sampled_suffix_proposals_equal_plain(make_engine):
+    """Sampled at temperature 1 from the scripted target (the script's letter about 98.7% of the
+    time): a repeated seeded request with suffix proposals gives an engine without a draft's
+    tokens, and some suffix proposals were accepted."""
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=12)
+    engine = suffix_engine(make_engine)
+    first, second = (engine.submit(QUESTION, params).result() for _ in range(2))
+    plain = make_engine(ScriptTarget(COPIED, prompt_len=14), FakeTokenizer(vocab_size=300))
+    assert first.token_ids == second.token_ids == plain.submit(QUESTION, params).result().token_ids
+    assert second.stats.spec.counts("suffix").accepted >= 1, second.stats.spec
+
+
+def test_choose_takes_the_retrieval_proposal_expected_to_keep_most():
+    """The draft's expected accepted tokens: 0.9 + 0.81; n-gram 1 + 0.8; suffix 1 + 0.9; a tie
+    between the two goes to the earlier in the decoder's order."""
+    draft = StepRecord(DRAFT[:2], 3, np.array([0.9, 0.9, 0.1], dtype=np.float32))
+    ngram = Lookup(np.array([1, 2]), 2, np.array([1.0, 0.8], dtype=np.float32))
+    suffix = Lookup(np.array([3, 4]), 5, np.array([1.0, 0.9], dtype=np.float32))
+    got = choose(draft, {"ngram": ngram, "suffix": suffix})
+    assert got.ids is suffix.ids and got.proposer == "suffix" and got.lookups == {"ngram": ngram, "suffix": suffix}
+    assert choose(draft, {"ngram": suffix, "suffix": suffix._replace(ids=np.array([5, 6]))}).proposer == "ngram"
+    assert choose(draft, {"ngram": NO_LOOKUP, "suffix": NO_LOOKUP}).proposer is None

@@ -20,6 +20,7 @@ from flm_runtime import api, registry
 from flm_runtime.backends import decode, prefill
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.request import SamplingParams
+from flm_runtime.settings import SUFFIX_CACHE_TOKENS
 from flm_runtime.speculation.policy import Bucket, PolicyTable
 from flm_runtime.speculation.speculative import SpeculativeDecoder
 
@@ -96,6 +97,36 @@ def test_dflash_engine_shares_the_target_and_equals_greedy_baseline(dflash_tag, 
         assert 1.0 <= s.spec.acceptance_length <= 8.0
     record_property("near_ties", near_ties)
     print(f"greedy equivalence, random draft: {near_ties} near-tie cut(s) in {len(chats)} prompts")
+
+
+def test_a_repeated_request_takes_the_suffix_proposers_tokens(dflash_tag, chats, record_property):
+    """Through ``get_engine`` of a DFlash tag, whose suffix proposer is on by default: the same
+    chat twice. The first request's answer (after its prompt's end) joins the engine's index when
+    it finishes; the second's greedy output is the baseline's, and the suffix proposer's steps (its proposals
+    confident at the prior rate 0.5 against the random draft's ~0) were verified and kept more
+    than one token each."""
+    engine = api.get_engine(dflash_tag())
+    assert engine.speculative.suffix.max_tokens == SUFFIX_CACHE_TOKENS
+    prompt, want, margins = chats[0]
+    params = SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)
+    first = engine.submit(prompt, params).result()
+    index = engine.speculative.suffix
+    assert index.tokens == min(len(prompt), index.depth - 1) + N_TOKENS  # the answer after its prompt's end
+    second = engine.submit(prompt, params).result()
+    near_ties = sum(compare(list(done.token_ids), want, margins) for done in (first, second))
+    assert first.stats.spec.counts("suffix").steps == 0
+    suffix = second.stats.spec.counts("suffix")
+    assert suffix.accepted > 0 and suffix.acceptance_length > 2.0, second.stats.spec
+    figures = f"suffix {suffix.steps} steps, AL {suffix.acceptance_length:.2f}; {near_ties} near-tie cut(s)"
+    record_property("repeated", figures)
+    print(f"a repeated request: {figures}")
+
+
+def test_flm_suffix_cache_tokens_0_turns_the_suffix_proposer_off(dflash_tag, monkeypatch):
+    monkeypatch.setenv("FLM_SUFFIX_CACHE_TOKENS", "0")
+    engine = api.get_engine(dflash_tag())
+    assert engine.speculative.suffix is None
+    assert [p.name for p in engine.speculative.new_state().proposers] == ["ngram"]
 
 
 def test_dflash_engine_seeded_sampling_is_reproducible_and_equals_plain(dflash_tag, smollm2_engine, chats):
@@ -209,10 +240,11 @@ def test_prompt_lookup_on_a_copying_prompt_equals_plain(make_engine, smollm2_eng
             done = engine.submit(prompt, p).result()
             assert done.token_ids == want
             stats[ngram] = done.stats.spec
-        assert stats[False].ngram_steps == 0 and stats[True].ngram_steps >= 1
-        assert stats[True].ngram_acceptance_length > 1.0
-        figures = (f"AL {stats[True].acceptance_length:.2f} (n-gram {stats[True].ngram_steps} steps, AL "
-                   f"{stats[True].ngram_acceptance_length:.2f}) vs draft alone {stats[False].acceptance_length:.2f}")
+        ngram = stats[True].counts("ngram")
+        assert stats[False].counts("ngram").steps == 0 and ngram.steps >= 1
+        assert ngram.acceptance_length > 1.0
+        figures = (f"AL {stats[True].acceptance_length:.2f} (n-gram {ngram.steps} steps, AL "
+                   f"{ngram.acceptance_length:.2f}) vs draft alone {stats[False].acceptance_length:.2f}")
         record_property("greedy" if p.greedy else "sampled", figures)
         print(f"copying prompt, {'greedy' if p.greedy else 'sampled'}: {figures}")
 
@@ -238,12 +270,12 @@ def test_ngram_only_steps_on_a_copying_prompt_equal_plain(make_engine, smollm2_e
             engine = make_engine(smollm2_model, tok, speculative=SpeculativeDecoder(smollm2_model, draft, policy=table))
             done = engine.submit(prompt, p).result()
             assert done.token_ids == want
-            s = done.stats.spec
+            s, ngram = done.stats.spec, done.stats.spec.counts("ngram")
             if ratio is None:
-                assert (s.steps, s.ngram_steps, s.gated) == (0, 0, 0)
+                assert (s.steps, ngram.steps, s.gated) == (0, 0, 0)
             else:
-                assert s.ngram_steps == s.steps >= 1 and s.ngram_acceptance_length > 1.0, s
-                figures = f"{s.ngram_steps} n-gram-only steps, AL {s.ngram_acceptance_length:.2f}"
+                assert ngram.steps == s.steps >= 1 and ngram.acceptance_length > 1.0, s
+                figures = f"{ngram.steps} n-gram-only steps, AL {ngram.acceptance_length:.2f}"
                 record_property("greedy" if p.greedy else "sampled", figures)
                 print(f"copying prompt, no speculation, {'greedy' if p.greedy else 'sampled'}: {figures}")
     assert asked == []

@@ -20,7 +20,7 @@ from flm_runtime import errors as rt
 from flm_fake_engine import FakeTokenizer
 from litellm_flm.llm import FlmLLM, StreamChunks, usage_fields
 from stream_choices import joined_choices
-from flm_runtime.request import Completion, RequestStats, SpecStats, StreamEvent, TokenLogprob
+from flm_runtime.request import Completion, ProposerCounts, RequestStats, SpecStats, StreamEvent, TokenLogprob
 from flm_runtime.sampling.sampler import choice_seed
 
 MODEL = "flm/smollm2:135m"
@@ -181,8 +181,8 @@ def test_stream(fake_engine):
 
 SPEC_STATS = RequestStats(prompt_tokens=9, completion_tokens=12, generated_tokens=13, queue_s=0.0, ttft_s=0.1,
                           decode_s=1.2, total_s=1.3,
-                          spec=SpecStats(steps=4, drafted=28, accepted=9, emitted=13, ngram_steps=1, ngram_drafted=7,
-                                         ngram_accepted=5, ngram_emitted=6))
+                          spec=SpecStats(steps=4, drafted=28, accepted=9, emitted=13, proposers={
+                              "draft": ProposerCounts(3, 21, 4, 7), "ngram": ProposerCounts(1, 7, 5, 6)}))
 
 
 def test_flm_stats_keys():
@@ -193,7 +193,9 @@ def test_flm_stats_keys():
     assert SPEC_STATS.as_dict() == {**plain, "spec_steps": 4, "drafted_tokens": 28, "accepted_tokens": 9,
                                     "acceptance_length": 3.25, "gated_steps": 0, "spec_switches_off": 0,
                                     "al_estimate": None, "draft_acceptance_length": 7 / 3, "ngram_steps": 1,
-                                    "ngram_drafted_tokens": 7, "ngram_accepted_tokens": 5, "ngram_acceptance_length": 6.0}
+                                    "ngram_drafted_tokens": 7, "ngram_accepted_tokens": 5,
+                                    "ngram_acceptance_length": 6.0, "suffix_steps": 0, "suffix_drafted_tokens": 0,
+                                    "suffix_accepted_tokens": 0, "suffix_acceptance_length": None}
 
 
 def test_cached_prompt_tokens_reach_the_usage():

@@ -13,7 +13,7 @@ float rounding of a batched matrix product.
 
 Per-request stats: ``Completion.stats``, a ``request.RequestStats`` (token counts, queue and
 first-token times, decode seconds and tokens/s; with speculative decoding the ``SpecStats``
-counters: steps, drafted, accepted, AL, gated steps, and the n-gram proposer's steps and AL apart).
+counters: steps, drafted, accepted, AL, gated steps, and each proposer's steps and AL apart).
 The final ``StreamEvent`` carries the same stats.
 
 A request of ``n`` choices (``submit_choices``) is ``n`` sequences that are admitted together: the
@@ -40,7 +40,9 @@ Speculative decoding: an engine given a ``Stepper`` (``step.py``; ``api`` passes
 imports) runs every sequence's decoding through it, a step as prepare -> one batched target pass ->
 complete (draft K, verify K+1, greedy or
 sampled; or a plain step where its policy says a block does not pay, whose token is sampled as in
-an engine without a draft). ``on_step`` hands each step's ``StepTiming`` to benchmarks.
+an engine without a draft), and hands it each finished request's prompt and generated tokens
+(``Stepper.finish``: the suffix proposer's index of earlier requests). ``on_step`` hands each
+step's ``StepTiming`` to benchmarks.
 """
 
 from __future__ import annotations
@@ -593,6 +595,8 @@ class Engine:
             if log.isEnabledFor(logging.INFO):
                 log.info("request %s; engine stats %s", "finished" if error is None else count,
                          json.dumps(self.stats()))
+        if error is None and self.speculative is not None:  # after the caller was told: it need not wait
+            self.speculative.finish(seq.prompt_ids, np.asarray(seq.generated_ids, dtype=np.int64))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:

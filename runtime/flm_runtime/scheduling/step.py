@@ -11,7 +11,7 @@ logits and taps (``Stepper.complete``). The engine itself never imports the spec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,22 +31,24 @@ class StepRecord:
 
     Attributes:
         ids: ``[k]`` int64 drafted tokens to verify after the anchor, after the confidence gate
-            (k = 0: a plain decode step): the draft's, or with ``ngram`` the n-gram proposer's.
+            (k = 0: a plain decode step): the draft's, or ``proposer``'s.
         planned: K, the tokens the speculation policy planned to draft (0: the draft did not run:
-            a plain step, or with ``ngram`` an n-gram-only step).
+            a plain step, or with ``proposer`` an n-gram-only step).
         confidence: ``[K]`` float32, the draft's confidence in each of its K tokens, before the
             gate (``Proposal.confidence``).
-        lookup: the step's n-gram proposal (``speculation.ngram.Lookup``), verified or not, which
-            the decoder scores against the kept tokens; None: there was none.
-        ngram: ``ids`` are the n-gram proposer's: ``lookup.ids``, or their first ones on an
-            n-gram-only step.
+        lookups: the step's retrieval proposals (``speculation.retrieval.Lookup``) by proposer
+            name, verified or not, which the decoder scores against the kept tokens; empty: there
+            were none.
+        proposer: the name of the retrieval proposer whose tokens ``ids`` are
+            (``lookups[proposer].ids``, or their first ones on an n-gram-only step): ``"ngram"``,
+            ``"suffix"``; None: the draft's, or a plain step.
     """
 
     ids: np.ndarray
     planned: int = 0
     confidence: np.ndarray = field(default_factory=lambda: NO_CONFIDENCE)
-    lookup: Any = None
-    ngram: bool = False
+    lookups: Mapping[str, Any] = field(default_factory=dict)
+    proposer: str | None = None
 
     @property
     def gated(self) -> bool:
@@ -129,3 +131,7 @@ class Stepper(Protocol):
     def complete(self, lane: Lane, record: StepRecord, logits: np.ndarray, taps: np.ndarray) -> Any:
         """Finish one lane's step from its rows' logits ``[k+1, V]`` and taps: the tokens it keeps
         go through ``lane.emit``."""
+
+    def finish(self, prompt_ids: np.ndarray, generated_ids: np.ndarray) -> None:
+        """A request finished: its prompt ``[T]`` and generated tokens ``[G]`` (int64), which the
+        stepper may keep for later requests (the suffix proposer's index)."""

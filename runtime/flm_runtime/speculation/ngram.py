@@ -14,7 +14,7 @@ docs/dflash.md, "Prompt lookup").
 (``extend``, kept in step with the cache: ``len(lookup) == cache.length``), the lookup
 (``find``), and the per-request record of how often its proposals were accepted (``observe``),
 from which a proposal gets a confidence per token as the draft's does (its softmax probability),
-so the same confidence gate and the same expected-accepted figure apply to both proposers.
+so the same confidence gate and the same expected-accepted figure apply to every proposer.
 
 Match lengths: ``n`` from ``MAX_MATCH`` = 4 down to ``MIN_MATCH`` = 2, the longest that occurs
 (a longer match is a more specific context, so its continuation is likelier the text's; vLLM's
@@ -28,60 +28,27 @@ copies at most K tokens: microseconds, whatever the context.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
-from typing import NamedTuple
 
 import numpy as np
 
-from flm_runtime.speculation.policy import confident_length, expected_accepted
+from flm_runtime.speculation.policy import confident_length
+from flm_runtime.speculation.retrieval import NO_LOOKUP, AcceptanceRecord, Lookup
 
 MAX_MATCH, MIN_MATCH = 4, 2  # n-gram lengths looked up, longest first (module docstring)
-# Each observed proposal scales the earlier counts by this: the record follows about the last 16
-# proposals (the text may change from copying to free writing), as the policy's tracker does.
-DECAY = 15 / 16
-# The record's prior, in tokens: one accepted out of two compared (rate 0.5) per match length,
-# soon outweighed by the request's own proposals.
-PRIOR_ACCEPTED, PRIOR_COMPARED = 1.0, 2.0
-
-
-class Lookup(NamedTuple):
-    """One step's n-gram proposal.
-
-    Attributes:
-        ids: ``[g]`` int64 proposed tokens after the confidence gate (g = 0: none).
-        match: ``n``, the length of the matched n-gram (0: no match).
-        confidence: ``[g]`` float32, the confidence in each token (the record's acceptance rate
-            after a ``match``-token match).
-    """
-
-    ids: np.ndarray
-    match: int
-    confidence: np.ndarray
-
-    @property
-    def expected(self) -> float:
-        """The expected accepted tokens of ``ids`` (``policy.expected_accepted`` of their
-        confidence), 0.0 without ids."""
-        return expected_accepted(self.confidence)
-
-
-NO_LOOKUP = Lookup(np.zeros(0, dtype=np.int64), 0, np.zeros(0, dtype=np.float32))
-
-
-def common_prefix(proposed: np.ndarray, kept: list[int]) -> int:
-    """How many leading tokens of ``proposed`` equal those of ``kept``."""
-    n = min(len(proposed), len(kept))
-    differ = np.flatnonzero(np.asarray(proposed[:n]) != np.asarray(kept[:n], dtype=np.int64))
-    return int(differ[0]) if len(differ) else n
 
 
 class PromptLookup:
-    """One sequence's n-gram proposer: its tokens, indexed, and its acceptance record.
+    """One sequence's n-gram proposer (a ``retrieval.Retrieval``): its tokens, indexed, and its
+    acceptance record per match length.
 
     Args:
         max_match, min_match: the n-gram lengths looked up, longest first (``MAX_MATCH``,
             ``MIN_MATCH``); ``1 <= min_match <= max_match``.
     """
+
+    name = "ngram"
 
     def __init__(self, max_match: int = MAX_MATCH, min_match: int = MIN_MATCH):
         assert 1 <= min_match <= max_match, f"match lengths {min_match} .. {max_match}"
@@ -89,9 +56,7 @@ class PromptLookup:
         self._tokens: list[int] = []
         # _last[n]: n-gram (tuple of ids) -> position of its last token, the most recent occurrence
         self._last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self._lengths()}
-        # Decayed counts per match length: proposed tokens accepted, and proposed tokens compared.
-        self._accepted = {n: PRIOR_ACCEPTED for n in self._lengths()}
-        self._compared = {n: PRIOR_COMPARED for n in self._lengths()}
+        self._records = {n: AcceptanceRecord() for n in self._lengths()}
 
     def __len__(self) -> int:
         """Tokens indexed (the target cache's length, positions ``0 .. len-1``)."""
@@ -102,7 +67,7 @@ class PromptLookup:
         twin = PromptLookup(self.max_match, self.min_match)
         twin._tokens = list(self._tokens)
         twin._last = {n: dict(d) for n, d in self._last.items()}
-        twin._accepted, twin._compared = dict(self._accepted), dict(self._compared)
+        twin._records = {n: dataclasses.replace(r) for n, r in self._records.items()}
         return twin
 
     def extend(self, ids: Iterable[int]) -> None:
@@ -155,23 +120,14 @@ class PromptLookup:
         return NO_LOOKUP
 
     def observe(self, lookup: Lookup | None, kept: list[int]) -> None:
-        """Record how ``lookup`` fared against the tokens the step kept (its accepted tokens and
-        the bonus): whether it was verified or not, its first ``a = common_prefix`` tokens would
-        have been accepted (the verifier's draws do not depend on the proposal), then a rejected
-        one unless all compared tokens matched (all ``g``, or all ``len(kept)``: the rest is
-        unknown). Counts of the lookup's match length only; None or a ``NO_LOOKUP`` records
-        nothing."""
-        if lookup is None or not lookup.match:
-            return
-        accepted = common_prefix(lookup.ids, kept)
-        compared = accepted + (accepted < min(len(lookup.ids), len(kept)))
-        n = lookup.match
-        self._accepted[n] = DECAY * self._accepted[n] + accepted
-        self._compared[n] = DECAY * self._compared[n] + compared
+        """Score ``lookup`` against the tokens the step kept (``AcceptanceRecord.observe``), in
+        the record of its match length; None or a ``NO_LOOKUP`` records nothing."""
+        if lookup is not None and lookup.match:
+            self._records[lookup.match].observe(lookup.ids, kept)
 
     def rate(self, match: int) -> float:
         """The record's acceptance rate of a proposed token after a ``match``-token match."""
-        return self._accepted[match] / self._compared[match]
+        return self._records[match].rate
 
     def _lengths(self) -> range:
         return range(self.max_match, self.min_match - 1, -1)

@@ -26,13 +26,14 @@ grows its draft tree by the same estimate).
 An n-gram-only step (prompt lookup, ``ngram.py``) runs where the plan is plain: the draft does
 not run, the target verifies ``[anchor, g1 .. gn]`` of the n-gram proposal, at ``verify_ratio[n-1]
 = t_verify(n+1) / t_decode`` decode steps for ``1 + E(n)`` tokens (``E(n)``: the expected accepted
-tokens of the first n, ``expected_accepted``). ``lookup_length`` takes the n with the best
+tokens of the first n, ``expected_accepted``). ``lookup_step`` takes the n with the best
 ``(1 + E(n)) / verify_ratio[n-1]``, and only where that speed-up exceeds the table's
 ``min_speedup`` (``calibrate``'s margin, ``MIN_SPEEDUP``); a bucket without ``verify_ratio`` (a
-table calibrated before they were recorded) takes none.
+table calibrated before they were recorded) takes none. With several retrieval proposals the
+decoder verifies the one of the best speed-up: the most tokens per unit of cost.
 
 The policy is an object with one interface (``SpeculationPolicy``: ``plan`` a step, or
-``lookup_length`` an n-gram-only one where the plan is plain, then ``record_step`` or
+``lookup_step`` an n-gram-only one where the plan is plain, then ``record_step`` or
 ``record_plain`` what it did): a ``PolicyTable`` with the request's tracker, or
 ``ALWAYS_SPECULATE``, the null policy of a tag without a table (whole blocks, no gate, no
 switch-off, no n-gram-only step).
@@ -75,6 +76,22 @@ class Plan(NamedTuple):
     min_confidence: float
 
 
+class LookupStep(NamedTuple):
+    """An n-gram-only step of a retrieval proposal, as the policy prices it.
+
+    Attributes:
+        length: the proposal's leading tokens to verify (0: none pays, a plain decode step).
+        speedup: its expected tokens per decode step's cost, ``(1 + E(length)) /
+            verify_ratio[length-1]`` (1.0 for a plain step: one token for one decode).
+    """
+
+    length: int
+    speedup: float
+
+
+PLAIN_STEP = LookupStep(0, 1.0)
+
+
 class SpeculationPolicy(Protocol):
     """When and how far a decoder speculates; a request's own state is its ``AcceptanceTracker``.
 
@@ -89,10 +106,11 @@ class SpeculationPolicy(Protocol):
         """A speculative step (or a gated one, ``emitted`` = 1) at ``context`` kept ``emitted``
         tokens, the bonus included."""
 
-    def lookup_length(self, context: int, confidence: np.ndarray) -> int | None:
-        """Where ``plan`` is plain: the leading tokens of an n-gram proposal with these per-token
-        confidences (``[g]``) that an n-gram-only step at ``context`` verifies; 0: none pays, the
-        step decodes plainly; None: n-gram-only steps are off at this context."""
+    def lookup_step(self, context: int, confidence: np.ndarray) -> LookupStep | None:
+        """Where ``plan`` is plain: the leading tokens of a retrieval proposal with these
+        per-token confidences (``[g]``) that an n-gram-only step at ``context`` verifies, and its
+        expected speed-up (``PLAIN_STEP``: none pays, the step decodes plainly); None:
+        n-gram-only steps are off at this context."""
 
     def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
         """A step planned plain (K = 0) generated ``emitted`` tokens: a plain decode step one, an
@@ -109,7 +127,7 @@ class AlwaysSpeculate:
     def record_step(self, context: int, tracker: AcceptanceTracker, emitted: int) -> None:
         pass
 
-    def lookup_length(self, context: int, confidence: np.ndarray) -> int | None:
+    def lookup_step(self, context: int, confidence: np.ndarray) -> LookupStep | None:
         return None
 
     def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
@@ -170,10 +188,11 @@ def confident_length(confidence: np.ndarray, min_confidence: float) -> int | np.
     return int(kept) if np.ndim(confidence) == 1 else kept
 
 
-def paying_length(confidence: np.ndarray, verify_ratio: list[float], min_speedup: float) -> int:
-    """The n-gram-only step's length: the ``n`` in ``1 .. min(g, len(verify_ratio))`` with the
-    best expected speed-up ``(1 + expected_accepted(confidence[:n])) / verify_ratio[n-1]`` (the
-    shortest of equal ones), if that exceeds ``min_speedup``; else 0.
+def paying_step(confidence: np.ndarray, verify_ratio: list[float], min_speedup: float) -> LookupStep:
+    """The n-gram-only step: the ``n`` in ``1 .. min(g, len(verify_ratio))`` with the best
+    expected speed-up ``(1 + expected_accepted(confidence[:n])) / verify_ratio[n-1]`` (the
+    shortest of equal ones) and that speed-up, if it exceeds ``min_speedup``; else
+    ``PLAIN_STEP``.
 
     Args:
         confidence: ``[g]`` per-token confidence of the proposal (``Lookup.confidence``).
@@ -182,11 +201,11 @@ def paying_length(confidence: np.ndarray, verify_ratio: list[float], min_speedup
     """
     n = min(len(confidence), len(verify_ratio))
     if not n:
-        return 0
+        return PLAIN_STEP
     tokens = 1.0 + np.cumsum(np.cumprod(confidence[:n], dtype=np.float64))  # [n]: 1 + E(1 .. n)
     speedup = tokens / np.asarray(verify_ratio[:n], dtype=np.float64)
     best = int(np.argmax(speedup))
-    return best + 1 if speedup[best] > min_speedup else 0
+    return LookupStep(best + 1, float(speedup[best])) if speedup[best] > min_speedup else PLAIN_STEP
 
 
 def expected_accepted(confidence: np.ndarray) -> float:
@@ -212,7 +231,7 @@ class PolicyTable(BaseModel):
         block_size: the draft's block size the table was calibrated with (the anchor and up to
             ``block_size - 1`` drafted tokens); required where a bucket has ``verify_ratio``,
             which then holds ``block_size - 1`` values; None in tables without them.
-        min_speedup: the expected speed-up an n-gram-only step must exceed (``lookup_length``);
+        min_speedup: the expected speed-up an n-gram-only step must exceed (``lookup_step``);
             ``calibrate`` writes its ``--min-speedup``.
         measured: provenance (command, machine, per-bucket timings, acceptance profile); free-form.
 
@@ -266,11 +285,11 @@ class PolicyTable(BaseModel):
         """``SpeculationPolicy.record_step``: into the request's tracker, against the bucket."""
         tracker.record_step(self.bucket(context), emitted)
 
-    def lookup_length(self, context: int, confidence: np.ndarray) -> int | None:
-        """``SpeculationPolicy.lookup_length``: ``paying_length`` with the bucket's
-        ``verify_ratio`` and the table's ``min_speedup``; None where the bucket has none."""
+    def lookup_step(self, context: int, confidence: np.ndarray) -> LookupStep | None:
+        """``SpeculationPolicy.lookup_step``: ``paying_step`` with the bucket's ``verify_ratio``
+        and the table's ``min_speedup``; None where the bucket has none."""
         ratio = self.bucket(context).verify_ratio
-        return None if ratio is None else paying_length(confidence, ratio, self.min_speedup)
+        return None if ratio is None else paying_step(confidence, ratio, self.min_speedup)
 
     def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
         """``SpeculationPolicy.record_plain``: into the request's tracker."""

@@ -22,17 +22,21 @@ draft is sure enough of (k = 0: the step decodes plainly, "gated"). A plain step
 as an engine without a draft does (``Lane.decode_plain``) and still records taps, so the draft can resume
 at any step.
 
-Prompt lookup (``ngram.py``): a second proposer, for text that copies its context. Per drafting
-lane and step it looks the last tokens up among the sequence's earlier ones and proposes what
-followed them, with a confidence per token from its own acceptance record; the step verifies the
-n-gram proposal instead of the draft's when its expected accepted tokens
-(``policy.expected_accepted`` of the gated confidences) are more than the draft's, in the same
-verify pass (``choose``); there the plan holds for both: the n-gram proposal is at most K tokens
-and passes the same gate. A lane planned plain (K = 0) takes an *n-gram-only* step instead when
-the policy expects the proposal to pay for its verify rows (``policy.lookup_length``: the bucket's
-measured ``verify_ratio``): the draft does not run, the target verifies ``[anchor, g1 .. gn]``.
+Retrieval proposers (``retrieval.py``), which copy tokens instead of running a model, beside the
+draft: prompt lookup (``ngram.py``: the sequence's own earlier tokens, for text that copies its
+context) and the suffix proposer (``suffix.py``: continuations seen in the engine's earlier
+requests, for requests that repeat one another; on when the decoder is given a ``SuffixIndex``).
+Per drafting lane and step each proposes tokens after the anchor with a confidence per token;
+the step verifies the proposal with the most expected accepted tokens (``policy.expected_accepted``
+of the gated confidences), the draft's included, in the same verify pass (``choose``): there the
+plan holds for all, each proposal is at most K tokens and passes the same gate, and a verify pass
+costs the same whichever it verifies. A lane planned plain (K = 0) takes an *n-gram-only* step
+instead when the policy expects a proposal to pay for its verify rows (``policy.lookup_step``:
+the bucket's measured ``verify_ratio``), of the proposals the one of the best expected speed-up
+(tokens per unit of cost): the draft does not run, the target verifies ``[anchor, g1 .. gn]``.
 Its tokens are verified as the draft's (the verifier only compares tokens), and the kept
 positions' taps join the pending ones as after a plain step, so the draft resumes from them.
+Every proposal, verified or not, is scored against the kept tokens by its proposer.
 
 Glossary (after vLLM's rejection sampler, ``vllm/v1/sample/rejection_sampler.py``):
 
@@ -75,9 +79,11 @@ from flm_runtime.kv_cache import KVCache
 from flm_runtime.request import SpecStats
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.step import NO_CONFIDENCE, PLAIN, Lane, StepRecord
-from flm_runtime.speculation.ngram import Lookup, PromptLookup
+from flm_runtime.speculation.ngram import PromptLookup
 from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, AcceptanceTracker, Plan, SpeculationPolicy,
                                             confident_length, expected_accepted)
+from flm_runtime.speculation.retrieval import Lookup, Retrieval
+from flm_runtime.speculation.suffix import SuffixIndex, SuffixProposer
 
 # Pending taps of plain and n-gram-only steps are folded into the draft cache once this many
 # accumulate (while the policy keeps the draft from running), so that each step copies a bounded
@@ -122,33 +128,34 @@ class SpecState:
     """One sequence's speculative state.
 
     Invariant (docs/dflash.md): ``draft_cache.length + len(pending) == start``, the anchor's
-    position (= the target cache's length between steps); with prompt lookup also
-    ``len(lookup) == start``.
+    position (= the target cache's length between steps), and ``len(proposer) == start`` for each
+    retrieval proposer.
 
     Attributes:
         draft_cache: the draft's context K/V.
         pending: ``[P, n*E]`` float32 taps of committed tokens not yet in ``draft_cache``.
         tracker: the request's acceptance estimate and speculate / plain decision (policy.py).
         stats: the request's speculation counters.
-        lookup: the n-gram proposer over the tokens of the target cache; None without prompt
-            lookup.
+        proposers: the retrieval proposers over the tokens of the target cache, in the order
+            that breaks ties between their proposals (the earlier wins); empty: the draft alone.
     """
 
     draft_cache: KVCache
     pending: np.ndarray
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     stats: SpecStats = field(default_factory=SpecStats)
-    lookup: PromptLookup | None = None
+    proposers: tuple[Retrieval, ...] = ()
 
     def copy(self) -> SpecState:
         """An independent state with the same draft context, pending taps, tracker, counters and
-        lookup (the engine's ``n`` > 1: each choice continues from a copy of the prompt's state)."""
+        proposers (the engine's ``n`` > 1: each choice continues from a copy of the prompt's
+        state)."""
         return SpecState(self.draft_cache.copy(), self.pending.copy(), copy.deepcopy(self.tracker),
-                         dataclasses.replace(self.stats), self.lookup.copy() if self.lookup is not None else None)
+                         self.stats.copy(), tuple(p.copy() for p in self.proposers))
 
     def report(self) -> SpecStats:
         """The counters with the tracker's figures (``switches_off``, ``al_estimate``), a copy."""
-        return dataclasses.replace(self.stats, switches_off=self.tracker.switches, al_estimate=self.tracker.al)
+        return dataclasses.replace(self.stats.copy(), switches_off=self.tracker.switches, al_estimate=self.tracker.al)
 
 
 class LaneStep(NamedTuple):
@@ -179,12 +186,15 @@ class SpeculativeDecoder:
             verifies all of it and never switches off.
         proposer: replaces the draft's proposals (tests), called per sequence as
             ``proposer(draft_cache, anchor_id, start)``; the draft still keeps its context cache.
-        ngram: prompt lookup beside the draft (``ngram.py``; module docstring); False: the
-            draft's proposals alone (calibration, measuring the draft).
+        ngram: prompt lookup beside the draft (``ngram.py``; module docstring); False: not
+            (calibration, measuring the draft).
+        suffix: the engine's index of its finished requests (``suffix.py``), which this decoder
+            keeps (``finish``) and each sequence's suffix proposer reads; None: no suffix
+            proposer. With neither, the draft's proposals alone.
     """
 
     def __init__(self, target, draft, *, policy: SpeculationPolicy = ALWAYS_SPECULATE,
-                 proposer: Proposer | None = None, ngram: bool = True):
+                 proposer: Proposer | None = None, ngram: bool = True, suffix: SuffixIndex | None = None):
         self.target = target
         self.draft = draft
         self.taps = tuple(draft.config.target_layer_ids)
@@ -192,12 +202,25 @@ class SpeculativeDecoder:
         self.policy = policy
         self.proposer = proposer
         self.ngram = ngram
+        self.suffix = suffix
         self._tap_width = len(self.taps) * int(target.config.hidden_size)
 
     def new_state(self, capacity: int = 0) -> SpecState:
         """Fresh state for one sequence (``capacity``: a hint in tokens)."""
-        return SpecState(self.draft.new_cache(capacity), self._no_taps(),
-                         lookup=PromptLookup() if self.ngram else None)
+        proposers = [PromptLookup()] if self.ngram else []
+        if self.suffix is not None:
+            proposers.append(SuffixProposer(self.suffix))
+        return SpecState(self.draft.new_cache(capacity), self._no_taps(), proposers=tuple(proposers))
+
+    def finish(self, prompt_ids: np.ndarray, generated_ids: np.ndarray) -> None:
+        """A finished request's generated tokens ``[G]``, after the last ``depth - 1`` of its
+        prompt's ``[T]`` (the context they continued), join the suffix index, if the decoder keeps
+        one. The rest of the prompt is left out: SuffixDecoding's global index holds outputs (a
+        request's own prompt is prompt lookup's), and indexing costs the engine thread tens of
+        microseconds a token."""
+        if self.suffix is not None:
+            context = prompt_ids[max(len(prompt_ids) - self.suffix.depth + 1, 0):]
+            self.suffix.add(np.concatenate([context, generated_ids]))
 
     def prefill(self, prompt_ids: np.ndarray, cache: KVCache, state: SpecState) -> np.ndarray:
         """Chunked target prefill whose taps go into the draft cache chunk by chunk.
@@ -211,13 +234,13 @@ class SpeculativeDecoder:
         return out.logits[0]
 
     def add_prompt(self, cache: KVCache, state: SpecState, ids: np.ndarray, taps: np.ndarray) -> None:
-        """A prompt chunk the target ``cache`` now holds: its ids ``[T]`` go into the lookup and
-        its taps ``[T, n*E]`` into the draft cache (its context K/V), which restores the
-        invariant."""
+        """A prompt chunk the target ``cache`` now holds: its ids ``[T]`` go into the retrieval
+        proposers and its taps ``[T, n*E]`` into the draft cache (its context K/V), which
+        restores the invariant."""
         assert len(state.pending) == 0, "a prompt chunk after decoding started"
         self.draft.add_context(state.draft_cache, taps, state.draft_cache.length)
-        if state.lookup is not None:
-            state.lookup.extend(ids)
+        for p in state.proposers:
+            p.extend(ids)
         self._check(cache, state)
 
     def step(self, lane: Lane) -> LaneStep:
@@ -235,9 +258,9 @@ class SpeculativeDecoder:
         also near the context end, where a whole block, which the draft always runs, does not
         fit) and the gate; with ``K > 0`` the draft catches up on the pending taps and proposes
         ``d1 .. dK``, of which the lane keeps the first ``k = confident_length(confidence,
-        min_confidence)`` (k = 0 makes the step a gated plain step), or, with prompt lookup,
-        the n-gram proposal when ``choose`` prefers it; with ``K = 0``, a plain step or an
-        n-gram-only one (``_lookup_only``). The caller runs
+        min_confidence)`` (k = 0 makes the step a gated plain step), or a retrieval proposer's
+        proposal when ``choose`` prefers it; with ``K = 0``, a plain step or an n-gram-only one
+        (``_lookup_only``). The caller runs
         ``record.rows(lane.anchor_id)`` of every lane through the target (with ``taps=self.taps``)
         and ``complete``s each lane.
 
@@ -266,9 +289,9 @@ class SpeculativeDecoder:
             row = next(rows)
             confidence = proposal.confidence[row, :k]
             record = StepRecord(proposal.ids[row, : confident_length(confidence, min_confidence)], k, confidence)
-            lookup = lane.state.lookup
-            records.append(record if lookup is None else
-                          choose(record, lookup.find(lane.anchor_id, k, min_confidence)))
+            proposers = lane.state.proposers
+            records.append(choose(record, {p.name: p.find(lane.anchor_id, k, min_confidence) for p in proposers})
+                           if proposers else record)
         return records
 
     def complete(self, lane: Lane, record: StepRecord, logits: np.ndarray, taps: np.ndarray) -> LaneStep:
@@ -299,9 +322,10 @@ class SpeculativeDecoder:
         cache.trim(start + n_accepted + 1)  # roll back the rejected positions
         self._add_pending(state, taps[: n_accepted + 1])
         kept = [*record.ids[:n_accepted].tolist(), bonus]
-        if state.lookup is not None:
-            state.lookup.extend(record.rows(lane.anchor_id)[: n_accepted + 1])
-            state.lookup.observe(record.lookup, kept)
+        fed = record.rows(lane.anchor_id)[: n_accepted + 1]  # the anchor and the accepted tokens
+        for p in state.proposers:
+            p.extend(fed)
+            p.observe(record.lookups.get(p.name), kept)
         if record.planned:
             self.policy.record_step(start, state.tracker, n_accepted + 1)
         else:  # n-gram-only: the tracker's AL asks whether the draft's pass pays, which this step did not run
@@ -312,7 +336,7 @@ class SpeculativeDecoder:
             emitted += 1
             if finished := lane.emit(int(token)):
                 break
-        state.stats.record_step(len(record.ids), min(emitted, n_accepted), emitted, ngram=record.ngram)
+        state.stats.record_step(len(record.ids), min(emitted, n_accepted), emitted, proposer=record.proposer or "draft")
         return LaneStep(record, n_accepted, finished)
 
     def _plan(self, lane: Lane) -> Plan:
@@ -323,30 +347,33 @@ class SpeculativeDecoder:
         return self.policy.plan(cache.length, lane.state.tracker, self.block_size - 1)
 
     def _lookup_only(self, lane: Lane) -> StepRecord:
-        """A lane planned plain: an n-gram-only step of the first ``n`` tokens of the n-gram
+        """A lane planned plain: an n-gram-only step of the first ``n`` tokens of a retrieval
         proposal (at most ``block_size - 1``, and the rows must fit in the context), ``n`` from
-        ``policy.lookup_length``; else a plain step, which carries the proposal for ``complete`` to
-        score, unless n-gram-only steps are off at this context (``PLAIN``, as without prompt
-        lookup). The draft does not run."""
-        lookup, cache = lane.state.lookup, lane.cache
-        if lookup is None:
+        ``policy.lookup_step``, of the proposal with the best expected speed-up (the earlier
+        proposer on a tie); else a plain step, which carries the proposals for ``complete`` to
+        score, unless no proposer matched or n-gram-only steps are off at this context
+        (``PLAIN``, as without retrieval proposers). The draft does not run."""
+        proposers, cache = lane.state.proposers, lane.cache
+        if not proposers:
             return PLAIN
         room = cache.max_length - cache.length - 1  # positions after the anchor's
-        proposal = lookup.find(lane.anchor_id, min(self.block_size - 1, room), 0.0)
-        n = self.policy.lookup_length(cache.length, proposal.confidence)
-        if n is None or not proposal.match:
+        lookups = {p.name: p.find(lane.anchor_id, min(self.block_size - 1, room), 0.0) for p in proposers}
+        steps = {name: self.policy.lookup_step(cache.length, lookup.confidence) for name, lookup in lookups.items()}
+        if None in steps.values() or not any(lookup.match for lookup in lookups.values()):
             return PLAIN
-        return StepRecord(proposal.ids[:n], 0, NO_CONFIDENCE, lookup=proposal, ngram=bool(n))
+        best = max(steps, key=lambda name: steps[name].speedup)  # the first of equal ones
+        n = steps[best].length
+        return StepRecord(lookups[best].ids[:n], 0, NO_CONFIDENCE, lookups=lookups, proposer=best if n else None)
 
     def _complete_plain(self, lane: Lane, record: StepRecord, start: int, taps: np.ndarray, token: int) -> None:
         """A plain step's row (at position ``start``), which gave ``token``: its taps become
-        pending, the lookup scores the step's n-gram proposal if it had one, the step is recorded
-        (a gated one as a 1-token speculative step)."""
+        pending, the retrieval proposers score the step's proposals if it had any, the step is
+        recorded (a gated one as a 1-token speculative step)."""
         state = lane.state
         self._add_pending(state, taps)
-        if state.lookup is not None:
-            state.lookup.extend([lane.anchor_id])
-            state.lookup.observe(record.lookup, [token])
+        for p in state.proposers:
+            p.extend([lane.anchor_id])
+            p.observe(record.lookups.get(p.name), [token])
         if record.gated:
             self.policy.record_step(start, state.tracker, 1)
         else:
@@ -383,15 +410,17 @@ class SpeculativeDecoder:
     def _check(cache: KVCache, state: SpecState) -> None:
         assert state.draft_cache.length + len(state.pending) == cache.length, (
             f"draft cache {state.draft_cache.length} + pending {len(state.pending)} != anchor position {cache.length}")
-        assert state.lookup is None or len(state.lookup) == cache.length, (
-            f"lookup {len(state.lookup)} != anchor position {cache.length}")
+        for p in state.proposers:
+            assert len(p) == cache.length, f"{p.name} proposer {len(p)} != anchor position {cache.length}"
 
 
-def choose(record: StepRecord, lookup: Lookup) -> StepRecord:
-    """The step's proposal: the n-gram's when its expected accepted tokens (``lookup.expected``)
-    are more than the gated draft's (``expected_accepted`` of the confidences of ``draft.ids``);
-    else the draft's (a tie keeps the record). Either way the ``StepRecord`` carries ``lookup``, so that
-    ``complete`` scores it."""
-    if lookup.expected > expected_accepted(record.confidence[: len(record.ids)]):
-        return dataclasses.replace(record, ids=lookup.ids, lookup=lookup, ngram=True)
-    return dataclasses.replace(record, lookup=lookup)
+def choose(record: StepRecord, lookups: dict[str, Lookup]) -> StepRecord:
+    """The step's proposal: the retrieval proposal of the most expected accepted tokens
+    (``Lookup.expected``; the earlier in ``lookups`` on a tie) when they are more than the gated
+    draft's (``expected_accepted`` of the confidences of ``record.ids``); else the draft's (a tie
+    keeps the record). Either way the ``StepRecord`` carries ``lookups`` (proposer name ->
+    proposal), so that ``complete`` scores them."""
+    best = max(lookups, key=lambda name: lookups[name].expected, default=None)
+    if best is not None and lookups[best].expected > expected_accepted(record.confidence[: len(record.ids)]):
+        return dataclasses.replace(record, ids=lookups[best].ids, lookups=lookups, proposer=best)
+    return dataclasses.replace(record, lookups=lookups)
