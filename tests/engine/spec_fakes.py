@@ -18,6 +18,7 @@ from engine_fakes import EOS, FAKE_BLOCK
 from flm_runtime.backends import decode, prefill
 from flm_runtime.core import ForwardOutput, LlamaConfig
 from flm_runtime.kv_cache import KVCache, KVPool
+from flm_runtime.loading.safetensors_loader import load_hf_dir
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
 from flm_runtime.models.causal_lm import LlamaModel
 from flm_runtime.sampling import sampler
@@ -92,6 +93,15 @@ def tiny_model() -> LlamaModel:
     from test_llama import tiny_weights  # tests/models is on sys.path (above)
 
     return LlamaModel(TINY300, tiny_weights(TINY300, seed=4))
+
+
+def family_model(directory: Path, case: str) -> LlamaModel:
+    """The float32 model of the tiny checkpoint ``case`` of ``family_files.CASES`` (a model family
+    with its features), written as a Hugging Face directory under ``directory``."""
+    from family_files import write_hf_dir  # tests/models is on sys.path (above)
+
+    loaded = load_hf_dir(write_hf_dir(directory / case, case), weights="f32")
+    return LlamaModel(loaded.config, loaded.weights)
 
 
 def random_draft(target, *, taps: list[int], layers: int = 1, seed: int = 0) -> DFlashDraft:

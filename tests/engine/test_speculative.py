@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 from engine_fakes import EOS, FakeTokenizer
-from spec_fakes import PROMPT, ScriptTarget, plain_generate, random_draft, replay_proposer, spec_generate
+from spec_fakes import PROMPT, ScriptTarget, family_model, plain_generate, random_draft, replay_proposer, spec_generate
 
 from flm_runtime.backends import forward
 from flm_runtime.request import SamplingParams
@@ -155,6 +155,23 @@ def test_speculative_equals_plain_decoding(tiny, params, proposer):
     assert out == base
     al = state.stats.acceptance_length
     assert (al > 2.0) if proposer == "replay" else (1.0 <= al < 1.5), al
+
+
+@pytest.mark.parametrize("case", ["qwen2", "qwen3", "mistral", "gemma3", "phi3", "llama_llama3"])
+def test_speculative_equals_plain_decoding_on_every_family(tmp_path, case):
+    """DFlash over each family's tiny target (``family_files``: Q/K/V bias, QK-norm, sliding
+    windows of 8, Gemma 3's norms, GeGLU and local RoPE base, LongRoPE, Llama 3's RoPE), float32:
+    greedy, with a proposer replaying the baseline with every third position wrong, the tokens are
+    plain decoding's and the caches after every step a fresh prefill's. The 50 positions pass every
+    window and original context of the cases."""
+    target = family_model(tmp_path, case)
+    base = plain_generate(target, PROMPT, 40, GREEDY)
+    truth = dict(enumerate(base, start=len(PROMPT)))
+    propose = replay_proposer(lambda p: truth.get(p, 0), target.config.vocab_size, corrupt=lambda p: p % 3 == 0)
+    decoder = SpeculativeDecoder(target, random_draft(target, taps=[0, 1]), proposer=propose)
+    out, _, state = spec_generate(decoder, PROMPT, 40, GREEDY, on_step=check_caches(target, decoder, PROMPT))
+    assert out == base
+    assert state.stats.acceptance_length > 2.0, state.stats
 
 
 def test_near_the_context_end_decoding_is_plain(tiny):
