@@ -379,15 +379,18 @@ async def test_atext_completion_of_a_list(fake_engine):
 
 
 def test_text_completion_streams_one_prompt(fake_engine):
+    """Every chunk's text is a string, "" on the last one (OpenAI's), so the texts join as they are."""
     chunks = list(litellm.text_completion(model=MODEL, prompt="Once", max_tokens=6, stream=True))
-    assert "".join(c.choices[0].text or "" for c in chunks) == fake_engine.reply[:6]
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks) == fake_engine.reply[:6]
+    assert (chunks[-1].choices[0].text, chunks[-1].choices[0].finish_reason) == ("", "length")
     assert fake_engine.submitted[0][0] == fake_engine.tokenizer.encode("Once")
 
 
 async def test_atext_completion_streams_one_prompt(fake_engine):
     stream = await litellm.atext_completion(model=MODEL, prompt="Once", max_tokens=6, stream=True)
-    assert "".join([c.choices[0].text or "" async for c in stream]) == fake_engine.reply[:6]
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks) == fake_engine.reply[:6]
+    assert (chunks[-1].choices[0].text, chunks[-1].choices[0].finish_reason) == ("", "length")
 
 
 @pytest.mark.parametrize("prompt, stream, name", [
@@ -408,7 +411,7 @@ def test_a_text_stream_of_prompts_and_choices_numbers_them_in_order(fake_engine)
     texts = {}
     for c in chunks:
         for choice in c.choices:
-            texts[choice.index] = texts.get(choice.index, "") + (choice.text or "")
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
     assert texts == {0: "AB", 1: "AB", 2: "CDE", 3: "CDE"}
     r = litellm.text_completion(model=MODEL, prompt=["ab", "cde"], n=2, max_tokens=20)
     assert [(c.index, c.text) for c in r.choices] == [(0, "AB"), (1, "AB"), (2, "CDE"), (3, "CDE")]
