@@ -92,6 +92,30 @@ def test_bad_param_is_bad_request_at_call_time(fake_engine, stream):
     assert fake_engine.requested_tags == []  # refused before the model is even looked up
 
 
+@pytest.mark.parametrize("messages, param, message", [
+    ([{"content": "Hi"}], "messages[0].role",
+     "messages[0].role is missing; give one of ['assistant', 'developer', 'system', 'tool', 'user']"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user"}], "messages[1].content",
+     "messages[1].content is missing; a user message needs it"),
+    ([{"role": "user", "content": None}], "messages[0].content",
+     "messages[0].content is missing; a user message needs it"),
+])
+@pytest.mark.parametrize("call", ["completion", "acompletion", "stream", "astream"])
+async def test_a_message_without_role_or_content_is_a_bad_request_naming_it(fake_engine, messages, param, message,
+                                                                           call):
+    """LiteLLM gives a message without a role the role "assistant" before the handler sees it:
+    refused all the same, as OpenAI does, and nothing runs."""
+    with pytest.raises(litellm.BadRequestError) as info:
+        if call == "astream":  # an async stream raises at its first chunk
+            [_ async for _ in await litellm.acompletion(model=MODEL, messages=messages, stream=True)]
+        elif call == "acompletion":
+            await litellm.acompletion(model=MODEL, messages=messages)
+        else:
+            litellm.completion(model=MODEL, messages=messages, stream=call == "stream")
+    assert (info.value.body["param"], info.value.body["message"]) == (param, message)
+    assert fake_engine.submitted == []
+
+
 def test_overloaded_engine_is_rate_limit(fake_engine):
     fake_engine.submit_error = rt.EngineOverloadedError("queue full")
     with pytest.raises(litellm.RateLimitError):
