@@ -156,16 +156,22 @@ def test_partial_character_tokens_go_with_the_token_completing_them():
 EMOJI = "😀".encode()  # 4 bytes
 
 
-def test_a_length_cut_inside_a_character_ends_at_the_last_whole_one():
+def test_a_length_cut_inside_a_character_ends_at_the_last_whole_one_and_delivers_every_token():
+    """The cut character's first bytes stay out of the text; the tokens holding them were
+    generated, so they are delivered and counted."""
     tok = FakeTokenizer(extra=[EMOJI[:2], EMOJI[2:3], b"b" + EMOJI[:2]])
-    # The cut token holds only the first bytes: it delivers nothing.
-    c = _checker(tok, max_tokens=2)
-    ds = _push_all(c, [ord("a"), tok.id_of(EMOJI[:2])])
-    assert _joined(ds) == ("a", [ord("a")]) and (c.generated, c.delivered) == (2, 1)
+    half = tok.id_of(EMOJI[:2])
+    c = _checker(tok, max_tokens=1)
+    ds = _push_all(c, [half])
+    assert _joined(ds) == ("", [half]) and (c.generated, c.delivered) == (1, 1)
     assert ds[-1].finish_reason == "length"
-    # Two tokens of the same unfinished character: neither is delivered.
+    c = _checker(tok, max_tokens=2)
+    ds = _push_all(c, [ord("a"), half])
+    assert _joined(ds) == ("a", [ord("a"), half]) and (c.generated, c.delivered) == (2, 2)
+    # Two tokens of the same unfinished character: both are delivered.
     c = _checker(tok, max_tokens=3)
-    assert _joined(_push_all(c, [ord("a"), tok.id_of(EMOJI[:2]), tok.id_of(EMOJI[2:3])])) == ("a", [ord("a")])
+    ids = [ord("a"), half, tok.id_of(EMOJI[2:3])]
+    assert _joined(_push_all(c, ids)) == ("a", ids) and c.delivered == 3
     # A token with a whole character before the cut one is delivered, without the cut bytes.
     c = _checker(tok, max_tokens=2)
     assert _joined(_push_all(c, [ord("a"), tok.id_of(b"b" + EMOJI[:2])])) == ("ab", [ord("a"), tok.id_of(b"b" + EMOJI[:2])])
