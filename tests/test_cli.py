@@ -130,6 +130,19 @@ def test_a_broken_models_file_is_one_line_too(isolated, capsys):
     assert err.count("\n") == 1 and str(isolated / "models.yaml") in err
 
 
+def test_an_invalid_models_file_entry_is_skipped_by_list_and_named_by_run(isolated, capsys, caplog):
+    f = isolated / "models.yaml"
+    f.write_text("x:1b: {path: /x.gguf, weights: q3}\n")
+    registry.reload()
+    error = f"models file {f}: tag 'x:1b': weights: Input should be 'auto', 'q4', 'q8' or 'f32'"
+    assert cli.main(["list"]) == 0
+    assert sorted(table(capsys.readouterr().out)) == ["gemma3:270m", "nemotron3.5-bolt-dflash:e4b",
+                                                      "nemotron3.5-bolt:e4b", "smollm2-dflash:135m", "smollm2:135m"]
+    assert caplog.messages == [f"skipping an invalid entry: {error}"]
+    assert cli.main(["run", "x:1b", "Hi"]) == 1
+    assert capsys.readouterr().err == f"litellm-flm: error: {error}\n"
+
+
 def test_usage_errors_exit_2():
     with pytest.raises(SystemExit) as info:
         cli.main([])
