@@ -68,8 +68,9 @@ def to_litellm(error: FlmError, model: str) -> Exception:
     if isinstance(error, UnknownModelError):
         return litellm.NotFoundError(**{**kw, "message": f"{msg} (`litellm-flm list` shows the known tags)"})
     if isinstance(error, ModelFilesMissingError):
-        # Installed nowhere and not pullable: a retry cannot help, so not a 503.
-        return litellm.NotFoundError(**{**kw, "message": f"{msg} (`litellm-flm pull <tag>` installs a model)"})
+        # Not installed, and not pulled on use: a retry cannot help, so not a 503. The message already
+        # says how to install it (`litellm-flm pull`, or where to put files that have no download).
+        return litellm.NotFoundError(**kw)
     # Anything else: our side is broken, and retrying will not mend it.
     return litellm.InternalServerError(**kw)
 

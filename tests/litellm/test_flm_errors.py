@@ -45,6 +45,13 @@ EXACT = [
     (rt.EngineOverloadedError("queue full"), "litellm.RateLimitError: queue full"),
     (rt.RequestTimeoutError("deadline passed"), "litellm.Timeout: deadline passed"),
     (rt.BackendUnavailableError("npu: no device"), "litellm.ServiceUnavailableError: npu: no device"),
+    # Files without a download are not told to pull; a pullable tag's message says so itself.
+    (rt.ModelFilesMissingError("x:1b needs its model files: put config.json in /m/; now config.json is missing. "
+                               "These files have no automatic download."),
+     "litellm.NotFoundError: x:1b needs its model files: put config.json in /m/; now config.json is missing. "
+     "These files have no automatic download."),
+    (rt.ModelFilesMissingError("smollm2:135m is not installed (x is missing): run `litellm-flm pull smollm2:135m`"),
+     "litellm.NotFoundError: smollm2:135m is not installed (x is missing): run `litellm-flm pull smollm2:135m`"),
 ]
 
 
