@@ -250,7 +250,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from flm_runtime.backends.npu.validate import format_report, validate_report
 
     entry = registry.resolve(args.tag)
-    report = validate_report(entry.base or entry.tag)  # a DFlash tag runs on its base's kernels
+    report = validate_report(entry.tag, entry.base)  # a DFlash tag runs on its base's kernels
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
