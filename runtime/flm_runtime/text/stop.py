@@ -30,6 +30,12 @@ and some delivered character belongs to it or to a later token, or the sequence 
   end-of-turn token after an incomplete character still turns it into U+FFFD: the model itself
   ended the text there.
 
+So the delivered tokens (one logprob entry each) are a prefix of the generated ones, and their
+bytes joined are the text's followed only by the rest of the token a cut reaches into: a stop
+string that begins inside a token (``stop=["loyal"]``: text ``"A dog is a "``, last token
+``" loyal"``), or the first bytes of a character a ``length`` cut splits. (An EOS / end-of-turn
+token after an incomplete character is the one exception: the text has U+FFFD for its bytes.)
+
 Streaming releases a token in the event that releases its first delivered character; the rule
 depends only on how much text is released, which only grows, so the streamed and the final counts
 agree and the non-streamed result (the join of the events) is the same text and tokens.
