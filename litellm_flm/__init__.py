@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 
 import litellm
+from litellm.text_completions.streaming_iterator import TextCompletionStreamWrapper
 
 from flm_runtime import FlmError, Settings
 
@@ -107,9 +108,35 @@ def register() -> None:
     others = [item for item in litellm.custom_provider_map if item.get("provider") != PROVIDER]
     litellm.custom_provider_map = [*others, {"provider": PROVIDER, "custom_handler": handler}]
     litellm.utils.custom_llm_setup()
+    _stream_text_as_strings()
     contexts = _context_lengths(_registry_entries())
     if contexts:
         litellm.register_model({f"{PROVIDER}/{tag}": model_info(n) for tag, n in contexts.items()})
+
+
+def _stream_text_as_strings() -> None:
+    """Make every streamed text-completion chunk of an ``flm`` model carry ``choices[i].text`` as a
+    string ("" on the final chunk, as OpenAI sends), never None. Idempotent.
+
+    LiteLLM 1.110.2 builds a custom provider's final chunk itself (``CustomStreamWrapper``'s
+    ``finish_reason_handler``, an empty ``Delta``) and ``TextCompletionStreamWrapper`` copies its
+    ``content`` None into ``text``, so no chunk the handler yields can set it: the conversion is
+    wrapped instead, for chunks LiteLLM marks as this provider's only.
+    """
+    convert = TextCompletionStreamWrapper.convert_to_text_completion_object
+    if getattr(convert, "_flm_text_as_strings", False):
+        return
+
+    def convert_to_text_completion_object(self, chunk):
+        response = convert(self, chunk)
+        ours = (getattr(chunk, "_hidden_params", None) or {}).get("custom_llm_provider") == PROVIDER
+        for choice in response.choices if ours or self.custom_llm_provider == PROVIDER else ():
+            if choice.text is None:
+                choice.text = ""
+        return response
+
+    convert_to_text_completion_object._flm_text_as_strings = True
+    TextCompletionStreamWrapper.convert_to_text_completion_object = convert_to_text_completion_object
 
 
 _stderr = logging.StreamHandler()  # sys.stderr

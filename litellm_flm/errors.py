@@ -6,7 +6,9 @@ The choice of class decides what LiteLLM does next (docs/design.md, "LiteLLM fac
   fires the Router's ``context_window_fallbacks``;
 - ``RateLimitError`` (429) and ``ServiceUnavailableError`` (503) are retried and put the deployment
   in cooldown, so a full queue or a backend that is down sends traffic elsewhere for a while;
-- ``BadRequestError`` / ``NotFoundError`` are the caller's to fix: no retry helps.
+- ``BadRequestError`` / ``NotFoundError`` are the caller's to fix: no retry helps (a model file
+  that cannot be read, ``ModelFormatError``, is a ``BadRequestError`` with ``param`` ``model``:
+  the user's files are to fix, not the server).
 
 LiteLLM passes its own exception types through unchanged (``exception_type`` returns them as they
 are), so what we raise here is what the caller catches.
@@ -21,7 +23,7 @@ import litellm
 
 from flm_runtime import (BackendUnavailableError, ContextLengthError, EngineOverloadedError, FlmError,
                          InvalidRequestError, KVBudgetError, ModelDownloadError, ModelFilesMissingError,
-                         RequestTimeoutError, UnknownModelError)
+                         ModelFormatError, RequestTimeoutError, UnknownModelError)
 
 PROVIDER = "flm"
 
@@ -53,6 +55,9 @@ def to_litellm(error: FlmError, model: str) -> Exception:
         # The OpenAI error body's "param" (openai's APIError reads it into ``exc.param``).
         body = {"message": kw["message"], "type": "invalid_request_error", "param": error.param, "code": None}
         return litellm.BadRequestError(**kw, body=body)
+    if isinstance(error, ModelFormatError):
+        body = {"message": msg, "type": "invalid_request_error", "param": "model", "code": None}
+        return litellm.BadRequestError(**kw, body=body)
     if isinstance(error, RequestTimeoutError):
         return litellm.Timeout(**kw)
     if isinstance(error, EngineOverloadedError):
@@ -63,9 +68,10 @@ def to_litellm(error: FlmError, model: str) -> Exception:
     if isinstance(error, UnknownModelError):
         return litellm.NotFoundError(**{**kw, "message": f"{msg} (`litellm-flm list` shows the known tags)"})
     if isinstance(error, ModelFilesMissingError):
-        # Installed nowhere and not pullable: a retry cannot help, so not a 503.
-        return litellm.NotFoundError(**{**kw, "message": f"{msg} (`litellm-flm pull <tag>` installs a model)"})
-    # ModelFormatError and anything else: our side is broken, and retrying will not mend it.
+        # Not installed, and not pulled on use: a retry cannot help, so not a 503. The message already
+        # says how to install it (`litellm-flm pull`, or where to put files that have no download).
+        return litellm.NotFoundError(**kw)
+    # Anything else: our side is broken, and retrying will not mend it.
     return litellm.InternalServerError(**kw)
 
 

@@ -20,7 +20,7 @@ import base64
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import httpx
@@ -87,8 +87,11 @@ class Started(NamedTuple):
 
 
 def _start(model: str, messages: list, optional_params: dict, timeout: Any,
-           litellm_params: dict | None) -> Started:
+           litellm_params: dict | None, logging_obj: Any = None) -> Started:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
+
+    ``logging_obj``: LiteLLM's, whose ``messages`` are the chat's as the caller sent them
+    (``_as_sent``).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
     (``request_fields``), and a thinking switch the model does not have (``template_switch``).
@@ -119,7 +122,7 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     output = output_format(merge_extra_body(optional_params))
     n = choices_of(optional_params)
     prompts = raw_prompts(messages) if raw else None
-    chat = None if raw else render_messages(normalize_messages(messages), output.functions)
+    chat = None if raw else render_messages(normalize_messages(_as_sent(messages, logging_obj)), output.functions)
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
     fmt = None if raw else engine.tokenizer.thinking
@@ -140,6 +143,20 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
         _cancel(groups)
         raise
     return Started(groups, reasoning, engine.tokenizer.token_bytes, output)
+
+
+def _as_sent(messages: list, logging_obj: Any) -> list:
+    """``messages`` without the roles LiteLLM filled in: its ``completion`` gives a message the
+    caller sent without a role the role "assistant" before it calls the handler
+    (``validate_and_fix_openai_messages``, litellm 1.110.2), and its logging object keeps the
+    caller's messages (``Logging.messages``), so ``normalize_messages`` refuses such a message
+    instead of taking it for the assistant's."""
+    sent = getattr(logging_obj, "messages", None)
+    if not isinstance(sent, list) or len(sent) != len(messages):
+        return messages
+    return [{k: v for k, v in m.items() if k != "role"}
+            if isinstance(m, Mapping) and isinstance(s, Mapping) and not s.get("role") else m
+            for m, s in zip(messages, sent)]
 
 
 def _cancel(groups: list[list]) -> None:
@@ -433,15 +450,17 @@ class FlmLLM(CustomLLM):
 
     The signatures take what LiteLLM passes by keyword and ignore the rest (api_base, api_key,
     headers, client, ...: a local engine has no use for them); of ``litellm_params`` only
-    ``drop_params``, ``text_completion`` and (for embeddings) ``proxy_server_request`` are read.
+    ``drop_params``, ``text_completion`` and (for embeddings) ``proxy_server_request`` are read, and
+    of ``logging_obj`` the caller's ``messages`` (``_as_sent``).
     """
 
     def completion(
         self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
-        litellm_params: dict | None = None, **_: Any
+        litellm_params: dict | None = None, logging_obj: Any = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            groups, reasoning, token_bytes, output = _start(model, messages, optional_params, timeout, litellm_params)
+            groups, reasoning, token_bytes, output = _start(model, messages, optional_params, timeout, litellm_params,
+                                                            logging_obj)
             try:
                 dones = [[handle.result() for handle in handles] for handles in groups]
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
@@ -451,11 +470,11 @@ class FlmLLM(CustomLLM):
 
     async def acompletion(
         self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
-        litellm_params: dict | None = None, **_: Any
+        litellm_params: dict | None = None, logging_obj: Any = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            groups, reasoning, token_bytes, output = await asyncio.to_thread(_start, model, messages, optional_params,
-                                                                             timeout, litellm_params)
+            groups, reasoning, token_bytes, output = await asyncio.to_thread(
+                _start, model, messages, optional_params, timeout, litellm_params, logging_obj)
             try:
                 dones = [list(await asyncio.gather(*(handle.aresult() for handle in handles))) for handles in groups]
             except BaseException:  # CancelledError: the client went away
@@ -465,12 +484,12 @@ class FlmLLM(CustomLLM):
 
     def streaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
-        litellm_params: dict | None = None, **_: Any
+        litellm_params: dict | None = None, logging_obj: Any = None, **_: Any
     ) -> Iterator[ModelResponseStream | GenericStreamingChunk]:
         # A plain function returning a generator: a bad request or a full context raises here, at
         # call time, not at the first next().
         with litellm_errors(model):
-            started = _start(model, messages, optional_params, timeout, litellm_params)
+            started = _start(model, messages, optional_params, timeout, litellm_params, logging_obj)
         stream = self._stream(model, started)
         # Its ``finally`` runs only once it has started: a stream dropped before its first chunk
         # frees the sequences when it is collected (at once, by reference counting).
@@ -493,7 +512,7 @@ class FlmLLM(CustomLLM):
 
     async def astreaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
-        litellm_params: dict | None = None, **_: Any
+        litellm_params: dict | None = None, logging_obj: Any = None, **_: Any
     ) -> AsyncIterator[ModelResponseStream | GenericStreamingChunk]:
         # Must be an async generator (docs/design.md, "LiteLLM facts"): litellm iterates the
         # object it gets back.
@@ -501,7 +520,7 @@ class FlmLLM(CustomLLM):
         try:
             with litellm_errors(model):
                 groups, reasoning, token_bytes, output = await asyncio.to_thread(
-                    _start, model, messages, optional_params, timeout, litellm_params)
+                    _start, model, messages, optional_params, timeout, litellm_params, logging_obj)
                 handles = [handle for group in groups for handle in group]
                 chunks = StreamChunks(model, reasoning, len(groups[0]), len(handles), token_bytes,
                                       output.reads_tool_calls)

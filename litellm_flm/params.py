@@ -331,11 +331,12 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
 
     ``developer`` is OpenAI's newer name for ``system``. ``tool`` messages (the results of calls)
     and an assistant's ``tool_calls`` are kept; the deprecated ``function`` messages and
-    ``function_call`` are refused. Content is passed on as given: the runtime's template renderer
+    ``function_call`` are refused. Every message needs a ``role``, and every one but an assistant's
+    a ``content`` (OpenAI's rule). Content is passed on as given: the runtime's template renderer
     flattens text parts and refuses images and audio.
 
     Raises:
-        InvalidRequestError: with ``param`` naming the message, e.g. ``messages[2].role``.
+        InvalidRequestError: with ``param`` naming the message and the key, e.g. ``messages[2].role``.
     """
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
@@ -345,6 +346,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(msg, Mapping):
             raise InvalidRequestError(f"{where} must be an object with role and content", param=where)
         role = msg.get("role")
+        if role is None:
+            raise InvalidRequestError(f"{where}.role is missing; give one of {sorted(ROLE_ALIASES)}",
+                                      param=f"{where}.role")
         if role not in ROLE_ALIASES:
             raise InvalidRequestError(
                 f"{where}.role {role!r} is not supported; use one of {sorted(ROLE_ALIASES)}", param=f"{where}.role"
@@ -356,6 +360,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if tool_calls and (role != "assistant" or not isinstance(tool_calls, list)):
             raise InvalidRequestError(f"{where}.tool_calls must be a list on an assistant message",
                                       param=f"{where}.tool_calls")
+        if msg.get("content") is None and role != "assistant":  # OpenAI's rule: only an assistant's is optional
+            raise InvalidRequestError(f"{where}.content is missing; a {role} message needs it",
+                                      param=f"{where}.content")
         out.append({"role": ROLE_ALIASES[role], "content": msg.get("content")}
                    | ({"tool_calls": tool_calls} if tool_calls else {}))
     return out

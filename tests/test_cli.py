@@ -7,19 +7,32 @@ import hashlib
 import json
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from gguf import GGUFValueType
+from gguf import GGUFValueType, GGUFWriter
 from loading.tiny_llama_files import random_hf_weights, tiny_config, write_tiny_gguf
 
 from flm_runtime import cli, paths, pull as pull_mod, registry
 from flm_runtime.registry import ModelEntry, ModelFile, PipSource
 from flm_runtime.request import ProposerCounts, RequestStats, SpecStats
 
-DATA = b"GGUF" + bytes(range(256)) * 100
+
+def unsupported_gguf(size: int = 25_604) -> bytes:
+    """A readable GGUF file of an architecture no family runs (bert), zero-padded to ``size`` bytes."""
+    with tempfile.TemporaryDirectory() as d:
+        writer = GGUFWriter(f"{d}/bert.gguf", "bert")
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        head = Path(f"{d}/bert.gguf").read_bytes()
+    return head + bytes(size - len(head))
+
+
+DATA = unsupported_gguf()
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +99,7 @@ def test_list_json(fake_pullable, capsys):
     assert cli.main(["list", "--json"]) == 0
     rows = {r["tag"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     assert rows["fake:1m"] == {"tag": "fake:1m", "family": None, "format": "gguf", "size": len(DATA), "installed": False,
-                               "path": str(fake_pullable.location()), "origin": "built-in"}
+                               "broken": None, "path": str(fake_pullable.location()), "origin": "built-in"}
 
 
 def test_list_shows_user_tags(isolated, capsys):
@@ -96,6 +109,19 @@ def test_list_shows_user_tags(isolated, capsys):
     registry.reload()
     assert cli.main(["list"]) == 0
     assert table(capsys.readouterr().out)["mine:1b"][1:] == ["unsupported", "gguf", "25.6", "KB", "yes", str(gguf)]
+
+
+def test_list_shows_a_file_that_is_not_gguf_as_broken(isolated, capsys):
+    notes = isolated / "notes.gguf"
+    notes.write_text("not a model\n")
+    (isolated / "models.yaml").write_text(f"notes:1b: {notes}\n")
+    registry.reload()
+    assert cli.main(["list"]) == 0
+    assert table(capsys.readouterr().out)["notes:1b"][1:] == ["?", "gguf", "12", "B", "broken", str(notes)]
+    assert cli.main(["list", "--json"]) == 0
+    rows = {r["tag"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert (rows["notes:1b"]["installed"], rows["notes:1b"]["broken"]) == (
+        False, f"{notes}: not a readable GGUF file (GGUF magic invalid)")
 
 
 def test_list_names_the_family_of_installed_files(isolated, capsys):
@@ -128,6 +154,19 @@ def test_a_broken_models_file_is_one_line_too(isolated, capsys):
     assert cli.main(["list"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(isolated / "models.yaml") in err
+
+
+def test_an_invalid_models_file_entry_is_skipped_by_list_and_named_by_run(isolated, capsys, caplog):
+    f = isolated / "models.yaml"
+    f.write_text("x:1b: {path: /x.gguf, weights: q3}\n")
+    registry.reload()
+    error = f"models file {f}: tag 'x:1b': weights: Input should be 'auto', 'q4', 'q8' or 'f32'"
+    assert cli.main(["list"]) == 0
+    assert sorted(table(capsys.readouterr().out)) == ["gemma3:270m", "nemotron3.5-bolt-dflash:e4b",
+                                                      "nemotron3.5-bolt:e4b", "smollm2-dflash:135m", "smollm2:135m"]
+    assert caplog.messages == [f"skipping an invalid entry: {error}"]
+    assert cli.main(["run", "x:1b", "Hi"]) == 1
+    assert capsys.readouterr().err == f"litellm-flm: error: {error}\n"
 
 
 def test_usage_errors_exit_2():

@@ -269,21 +269,43 @@ def test_user_file_missing_files_error_names_the_users_path(isolated):
 
 @pytest.mark.parametrize("text, fragment", [
     ("[a, b]\n", "expected a mapping"),
-    ("bad tag: /x.gguf\n", "tag 'bad tag'"),
-    ("x:1b: {path: /x.gguf, colour: red}\n", "colour"),
-    ("x:1b: {path: /x.gguf, thinking: {start: '<t>', end: '<t>'}}\n", "two different, non-empty markers"),
     ("x:1b: {path: /x.gguf\n", "cannot read it"),
-    ("x-dflash:1b: {base: nope:1b, draft: /d}\n", None),  # loads; resolving it fails (below)
 ])
 def test_a_broken_user_file_is_an_error_naming_the_file(isolated, text, fragment):
     f = write_user_file(isolated, text)
-    if fragment is None:
-        with pytest.raises(ModelFormatError, match="base 'nope:1b'"):
-            registry.resolve("x-dflash:1b")
-        return
     with pytest.raises(ModelFormatError) as info:
         registry.list_entries()
     assert str(f) in str(info.value) and fragment in str(info.value)
+
+
+def test_a_dflash_entry_with_an_unknown_base_fails_when_resolved(isolated):
+    write_user_file(isolated, "x-dflash:1b: {base: nope:1b, draft: /d}\n")
+    with pytest.raises(ModelFormatError, match="base 'nope:1b'"):
+        registry.resolve("x-dflash:1b")
+
+
+@pytest.mark.parametrize("text, tag, why", [
+    ("x:1b: {path: /x.gguf, weights: q3}\n", "x:1b", "weights: Input should be 'auto', 'q4', 'q8' or 'f32'"),
+    ("bad tag: /x.gguf\n", "bad tag",
+     "tag: Value error, tag must look like family:size (letters, digits, '.', '_', '-'), got 'bad tag'"),
+    ("x:1b: {path: /x.gguf, colour: red}\n", "x:1b", "colour: Extra inputs are not permitted"),
+    ("x:1b: {path: /x.gguf, thinking: {start: '<t>', end: '<t>'}}\n", "x:1b",
+     "thinking: Value error, a thinking format needs a switch and two different, non-empty markers; "
+     "got ThinkingFormat(switch='enable_thinking', start='<t>', end='<t>')"),
+    ("smollm2:135m: {path: /x.gguf, weights: q3}\n", "smollm2:135m",
+     "weights: Input should be 'auto', 'q4', 'q8' or 'f32'"),
+])
+def test_an_invalid_user_entry_is_logged_and_skipped_and_its_tag_names_the_key(isolated, caplog, text, tag, why):
+    """One bad entry leaves every other tag served; the bad tag (a built-in one included: the
+    user meant to replace it) raises the error naming the file, the tag and the key."""
+    f = write_user_file(isolated, "mine:1b: /data/mine-1b\n" + text)
+    assert [e.tag for e in registry.list_entries()] == sorted({*BUILTIN_TAGS, "mine:1b"} - {tag})
+    error = f"models file {f}: tag {tag!r}: {why}"
+    assert caplog.messages == [f"skipping an invalid entry: {error}"]
+    with pytest.raises(ModelFormatError) as info:
+        registry.resolve(tag)
+    assert str(info.value) == error
+    assert registry.resolve("mine:1b").path == Path("/data/mine-1b")
 
 
 def test_an_empty_user_file_adds_nothing(isolated):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import entrypoints
 
 from flm_runtime import registry
-from flm_runtime.errors import FlmError, InvalidRequestError
+from flm_runtime.errors import FlmError, InvalidRequestError, ModelFormatError
 
 if TYPE_CHECKING:  # the engine's modules load only when a command needs them
     from flm_runtime.request import RequestStats
@@ -95,29 +95,33 @@ def _size(entry: registry.ModelEntry) -> int | None:
     return size if size is not None else entry.size_on_disk()
 
 
-def _family(entry: registry.ModelEntry) -> str | None:
+def _family(entry: registry.ModelEntry) -> str:
     """The model family (``models.families``) of an installed entry's files: its GGUF header's
-    architecture or its config.json's ``model_type``; ``unsupported`` when no family runs them or
-    they cannot be read; None when they are not installed."""
+    architecture or its config.json's ``model_type``; ``unsupported`` when no family runs them.
+
+    Raises:
+        ModelFormatError, OSError, ValueError: the files cannot be read (not a GGUF file, a
+            config.json that is not JSON): ``list_rows`` shows the tag as broken.
+    """
     from flm_runtime.loading.gguf import open_gguf
     from flm_runtime.models import families
 
-    if not registry.is_installed(entry):
-        return None
     path = entry.location()
+    if entry.format == "gguf":
+        lookup, key = families.for_gguf, open_gguf(path).metadata
+    else:
+        lookup, key = families.for_model_type, json.loads((path / "config.json").read_text()).get("model_type")
     try:
-        if entry.format == "gguf":
-            return families.for_gguf(open_gguf(path).metadata, str(path)).name
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-        return families.for_model_type(model_type, str(path)).name
-    except (OSError, ValueError, FlmError):  # unreadable, not JSON, or a family we do not run
+        return lookup(key, str(path)).name
+    except ModelFormatError:  # readable, but of a family we do not run
         return "unsupported"
 
 
 def list_rows() -> list[dict]:
-    """One dict per known tag: tag, family (``_family``; a DFlash tag's is its target's), format,
-    size (bytes, recorded or else measured on disk; None when neither is known; a DFlash tag's
-    includes its target's), installed, path, origin."""
+    """One dict per known tag: tag, family (``_family``, of installed files; a DFlash tag's is its
+    target's), format, size (bytes, recorded or else measured on disk; None when neither is known;
+    a DFlash tag's includes its target's), installed, broken (why installed files cannot be read,
+    else None: the tag is then not installed), path, origin."""
     entries = {e.tag: e for e in registry.list_entries()}
     rows = []
     for e in entries.values():
@@ -130,12 +134,19 @@ def list_rows() -> list[dict]:
             installed = registry.is_installed(e)
         except FlmError:  # e.g. a DFlash entry whose base is unknown
             installed = False
+        family = broken = None
+        if base is not None and installed:
+            try:
+                family = _family(base)
+            except (OSError, ValueError, FlmError) as why:
+                installed, broken = False, " ".join(str(why).split())
         rows.append({
             "tag": e.tag,
-            "family": _family(base) if base is not None and installed else None,
+            "family": family,
             "format": (f"{base.format}+dflash" if e.is_dflash else e.format) if base else "?",
             "size": size,
             "installed": installed,
+            "broken": broken,
             "path": str(e.location()),
             "origin": e.origin,
         })
@@ -150,8 +161,8 @@ def cmd_list(args: argparse.Namespace) -> int:
             print(json.dumps(row))
         return 0
     table = [("TAG", "FAMILY", "FORMAT", "SIZE", "INSTALLED", "PATH")]
-    table += [(r["tag"], r["family"] or "?", r["format"], _size_text(r["size"]), "yes" if r["installed"] else "no",
-               r["path"]) for r in rows]
+    table += [(r["tag"], r["family"] or "?", r["format"], _size_text(r["size"]),
+               "broken" if r["broken"] else "yes" if r["installed"] else "no", r["path"]) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(5)]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
@@ -239,7 +250,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from flm_runtime.backends.npu.validate import format_report, validate_report
 
     entry = registry.resolve(args.tag)
-    report = validate_report(entry.base or entry.tag)  # a DFlash tag runs on its base's kernels
+    report = validate_report(entry.tag, entry.base)  # a DFlash tag runs on its base's kernels
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 

@@ -15,7 +15,9 @@ Tags come from three layers, later ones winning a conflict as stated:
 3. the user models file, YAML read with PyYAML (a dependency of ours and of litellm):
    ``$FLM_MODELS_FILE`` or ``<config dir>/models.yaml``; JSON is valid YAML, so
    ``FLM_MODELS_FILE=models.json`` works too. It may redefine any tag: it is the user's own choice. A
-   broken user file is an error naming the file. Example::
+   file that cannot be read as a mapping is an error naming the file; an invalid entry in it is
+   logged (a warning naming the file, the tag and the key) and skipped, the other tags served,
+   and looking its tag up raises that error. Example::
 
        mymodel:7b: ~/models/mymodel-7b.Q4_0.gguf        # a GGUF file
        other:1b:                                        # an HF-style directory
@@ -384,7 +386,13 @@ def _guess_format(path: Path) -> str:
     return "hf"  # not there yet: a name without .gguf is taken for a directory
 
 
-def _user_file_entries(path: Path) -> list[ModelEntry]:
+def _user_file_entries(path: Path) -> tuple[list[ModelEntry], dict[str, str]]:
+    """The valid entries of the user models file at ``path``, and tag -> what is wrong for each
+    invalid one.
+
+    Raises:
+        ModelFormatError: the file cannot be read, or is not a mapping of tags.
+    """
     import yaml  # only needed once a user writes a models file
 
     try:
@@ -392,17 +400,17 @@ def _user_file_entries(path: Path) -> list[ModelEntry]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ModelFormatError(f"models file {path}: cannot read it: {e}") from e
     if data is None:
-        return []
+        return [], {}
     if not isinstance(data, Mapping):
         raise ModelFormatError(f"models file {path}: expected a mapping of tag -> path or settings")
-    entries = []
+    entries, broken = [], {}
     for tag, spec in data.items():
         try:
             entries.append(entry_from_spec(str(tag), spec, origin=f"models file {path}",
                                            base_dir=path.parent))
         except ValueError as e:  # pydantic's ValidationError is a ValueError
-            raise ModelFormatError(f"models file {path}: tag {tag!r}: {_one_line(e)}") from e
-    return entries
+            broken[str(tag).strip().lower()] = f"models file {path}: tag {tag!r}: {_one_line(e)}"
+    return entries, broken
 
 
 def _entry_point_entries() -> list[ModelEntry]:
@@ -549,17 +557,22 @@ class Registry:
 
     Args:
         entries: tag -> entry.
+        broken: tag -> what is wrong with its entry in the user models file (not served).
     """
 
-    def __init__(self, entries: Mapping[str, ModelEntry]):
+    def __init__(self, entries: Mapping[str, ModelEntry], broken: Mapping[str, str] | None = None):
         self._entries = dict(entries)
+        self._broken = dict(broken or {})
 
     @classmethod
     def read(cls) -> Registry:
         """The built-ins, the entry points and the user models file, merged as the module docstring says.
 
+        An invalid entry of the user models file is logged and left out: its tag, a built-in's
+        included, is then broken (``resolve`` raises), not served from an earlier layer.
+
         Raises:
-            ModelFormatError: the user models file is unreadable or invalid.
+            ModelFormatError: the user models file is unreadable or not a mapping of tags.
         """
         merged = {e.tag: e for e in builtin_entries()}
         for e in _entry_point_entries():
@@ -569,12 +582,17 @@ class Registry:
                 continue
             merged[e.tag] = e
         user_file = paths.models_file()
+        broken: dict[str, str] = {}
         if user_file.is_file():
-            for e in _user_file_entries(user_file):
+            entries, broken = _user_file_entries(user_file)
+            for e in entries:
                 if e.tag in merged:
                     log.info("%s overrides %s (from %s)", e.origin, e.tag, merged[e.tag].origin)
                 merged[e.tag] = e
-        return cls(merged)
+            for tag, why in broken.items():
+                log.warning("skipping an invalid entry: %s", why)
+                merged.pop(tag, None)
+        return cls(merged, broken)
 
     def entries(self) -> list[ModelEntry]:
         """Every entry, sorted by tag."""
@@ -585,9 +603,12 @@ class Registry:
 
         Raises:
             UnknownModelError: no layer defines the tag; the message lists the known tags.
-            ModelFormatError: a DFlash entry's base is unknown or itself a DFlash entry.
+            ModelFormatError: the tag's entry in the user models file is invalid (naming the file,
+                the tag and the key), or a DFlash entry's base is unknown or itself a DFlash entry.
         """
         key = tag.strip().lower()
+        if key in self._broken:
+            raise ModelFormatError(self._broken[key])
         entry = self._entries.get(key)
         if entry is None:
             raise UnknownModelError(f"unknown model tag {tag!r}; known tags: {', '.join(sorted(self._entries))}. "
@@ -640,8 +661,8 @@ def current() -> Registry:
     """The process's registry, read on first use (and after ``reload``).
 
     Raises:
-        ModelFormatError: the user models file is unreadable or invalid (nothing is kept: the
-            next call reads again).
+        ModelFormatError: the user models file is unreadable or not a mapping of tags (nothing
+            is kept: the next call reads again).
     """
     global _current
     with _current_lock:

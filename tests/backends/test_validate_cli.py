@@ -43,9 +43,11 @@ def test_this_machine_without_npu(capsys, monkeypatch):
     assert "pyxrt: pyxrt is not importable" in out and "No xclbin is shipped" in out
     assert "auto would choose cpu, because:" in out and "FLM_BACKEND unset (auto): runs on cpu" in out
 
-    status, out = run(capsys, "--json", "smollm2-dflash:135m")  # a DFlash tag: its base's kernels
+    status, out = run(capsys, "smollm2-dflash:135m")  # a DFlash tag: the tag asked, and its base's kernels
+    assert "backend for smollm2-dflash:135m (runs its target smollm2:135m)\n" in out
+    status, out = run(capsys, "--json", "smollm2-dflash:135m")
     report = json.loads(out)
-    assert report["tag"] == "smollm2:135m"
+    assert (report["tag"], report["target"]) == ("smollm2-dflash:135m", "smollm2:135m")
     assert report["npu"]["present"] is False and report["pyxrt"]["importable"] is False
     assert report["device"] == {"opened": False, "name": None, "error": None}
     assert report["manifest"]["shipped"] is False and report["manifest"]["builds"] == []

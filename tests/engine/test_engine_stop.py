@@ -156,19 +156,47 @@ def test_partial_character_tokens_go_with_the_token_completing_them():
 EMOJI = "😀".encode()  # 4 bytes
 
 
-def test_a_length_cut_inside_a_character_ends_at_the_last_whole_one():
+def test_a_length_cut_inside_a_character_ends_at_the_last_whole_one_and_delivers_every_token():
+    """The cut character's first bytes stay out of the text; the tokens holding them were
+    generated, so they are delivered and counted."""
     tok = FakeTokenizer(extra=[EMOJI[:2], EMOJI[2:3], b"b" + EMOJI[:2]])
-    # The cut token holds only the first bytes: it delivers nothing.
-    c = _checker(tok, max_tokens=2)
-    ds = _push_all(c, [ord("a"), tok.id_of(EMOJI[:2])])
-    assert _joined(ds) == ("a", [ord("a")]) and (c.generated, c.delivered) == (2, 1)
+    half = tok.id_of(EMOJI[:2])
+    c = _checker(tok, max_tokens=1)
+    ds = _push_all(c, [half])
+    assert _joined(ds) == ("", [half]) and (c.generated, c.delivered) == (1, 1)
     assert ds[-1].finish_reason == "length"
-    # Two tokens of the same unfinished character: neither is delivered.
+    c = _checker(tok, max_tokens=2)
+    ds = _push_all(c, [ord("a"), half])
+    assert _joined(ds) == ("a", [ord("a"), half]) and (c.generated, c.delivered) == (2, 2)
+    # Two tokens of the same unfinished character: both are delivered.
     c = _checker(tok, max_tokens=3)
-    assert _joined(_push_all(c, [ord("a"), tok.id_of(EMOJI[:2]), tok.id_of(EMOJI[2:3])])) == ("a", [ord("a")])
+    ids = [ord("a"), half, tok.id_of(EMOJI[2:3])]
+    assert _joined(_push_all(c, ids)) == ("a", ids) and c.delivered == 3
     # A token with a whole character before the cut one is delivered, without the cut bytes.
     c = _checker(tok, max_tokens=2)
     assert _joined(_push_all(c, [ord("a"), tok.id_of(b"b" + EMOJI[:2])])) == ("ab", [ord("a"), tok.id_of(b"b" + EMOJI[:2])])
+
+
+@pytest.mark.parametrize("pieces, stop, max_tokens, text, past, delivered", [
+    # A stop string that begins inside a token: that token is delivered, its text runs into the stop string.
+    (["A", " dog", " is", " a", " loyal", " friend"], ["loyal"], 100, "A dog is a ", b"loyal", 5),
+    # A length cut inside a character: the token holding its first bytes is delivered.
+    (["A", " dog", EMOJI[:2]], [], 3, "A dog", EMOJI[:2], 3),
+    # A stop string that begins at a token's start: that token is not delivered, nothing runs past.
+    (["A", " dog", " is", " loyal"], [" loyal"], 100, "A dog is", b"", 3),
+])
+def test_the_delivered_tokens_are_the_text_and_run_past_it_only_in_a_token_a_cut_reaches_into(
+        pieces, stop, max_tokens, text, past, delivered):
+    """The rule stop.py states for the text, the delivered tokens (one logprob entry each) and
+    completion_tokens: the tokens up to the last one any of whose bytes the text holds, whose
+    bytes joined are the text's and then ``past``, the rest of the token a cut reaches into."""
+    tok = FakeTokenizer(extra=[p if isinstance(p, bytes) else p.encode() for p in pieces if len(p) > 1])
+    ids = [tok.id_of(p) for p in pieces]
+    c = _checker(tok, stop=stop, max_tokens=max_tokens)
+    got, tokens = _joined(_push_all(c, ids))
+    assert got == text
+    assert tokens == ids[:delivered] and c.delivered == delivered
+    assert b"".join(tok.token_bytes(t) for t in tokens) == text.encode() + past
 
 
 def test_a_stop_token_after_an_unfinished_character_leaves_a_replacement_character():

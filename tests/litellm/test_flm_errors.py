@@ -19,7 +19,7 @@ CASES = [
     (rt.ModelDownloadError("sha256 mismatch"), litellm.ServiceUnavailableError, 503),
     (rt.UnknownModelError("no model 'nope:1b'"), litellm.NotFoundError, 404),
     (rt.ModelFilesMissingError("missing model.gguf"), litellm.NotFoundError, 404),
-    (rt.ModelFormatError("unsupported quant Q2_K"), litellm.InternalServerError, 500),
+    (rt.ModelFormatError("unsupported quant Q2_K"), litellm.BadRequestError, 400),
     (rt.FlmError("something else"), litellm.InternalServerError, 500),
 ]
 
@@ -45,6 +45,13 @@ EXACT = [
     (rt.EngineOverloadedError("queue full"), "litellm.RateLimitError: queue full"),
     (rt.RequestTimeoutError("deadline passed"), "litellm.Timeout: deadline passed"),
     (rt.BackendUnavailableError("npu: no device"), "litellm.ServiceUnavailableError: npu: no device"),
+    # Files without a download are not told to pull; a pullable tag's message says so itself.
+    (rt.ModelFilesMissingError("x:1b needs its model files: put config.json in /m/; now config.json is missing. "
+                               "These files have no automatic download."),
+     "litellm.NotFoundError: x:1b needs its model files: put config.json in /m/; now config.json is missing. "
+     "These files have no automatic download."),
+    (rt.ModelFilesMissingError("smollm2:135m is not installed (x is missing): run `litellm-flm pull smollm2:135m`"),
+     "litellm.NotFoundError: smollm2:135m is not installed (x is missing): run `litellm-flm pull smollm2:135m`"),
 ]
 
 
@@ -140,3 +147,21 @@ async def test_router_retries_a_full_engine(fake_engine):
     r = await router.acompletion(model="local", messages=MSG)
     assert calls == ["smollm2:135m", "smollm2:135m"]
     assert r.choices[0].message.content == fake_engine.reply
+
+
+def test_a_models_file_path_that_is_not_gguf_is_a_bad_request_naming_the_file(tmp_path, monkeypatch):
+    from flm_runtime import registry
+
+    notes = tmp_path / "notes.gguf"
+    notes.write_text("not a model\n")
+    (tmp_path / "models.yaml").write_text(f"notes:1b: {notes}\n")
+    monkeypatch.setenv("FLM_MODELS_FILE", str(tmp_path / "models.yaml"))
+    registry.reload()
+    try:
+        with pytest.raises(litellm.BadRequestError) as info:
+            litellm.completion(model="flm/notes:1b", messages=[{"role": "user", "content": "Hi"}])
+    finally:
+        registry.reload()
+    assert info.value.message == f"litellm.BadRequestError: {notes}: not a readable GGUF file (GGUF magic invalid)"
+    assert (info.value.status_code, info.value.body["param"]) == (400, "model")
+    assert isinstance(info.value.__cause__, rt.ModelFormatError)

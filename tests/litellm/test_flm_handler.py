@@ -92,6 +92,30 @@ def test_bad_param_is_bad_request_at_call_time(fake_engine, stream):
     assert fake_engine.requested_tags == []  # refused before the model is even looked up
 
 
+@pytest.mark.parametrize("messages, param, message", [
+    ([{"content": "Hi"}], "messages[0].role",
+     "messages[0].role is missing; give one of ['assistant', 'developer', 'system', 'tool', 'user']"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user"}], "messages[1].content",
+     "messages[1].content is missing; a user message needs it"),
+    ([{"role": "user", "content": None}], "messages[0].content",
+     "messages[0].content is missing; a user message needs it"),
+])
+@pytest.mark.parametrize("call", ["completion", "acompletion", "stream", "astream"])
+async def test_a_message_without_role_or_content_is_a_bad_request_naming_it(fake_engine, messages, param, message,
+                                                                           call):
+    """LiteLLM gives a message without a role the role "assistant" before the handler sees it:
+    refused all the same, as OpenAI does, and nothing runs."""
+    with pytest.raises(litellm.BadRequestError) as info:
+        if call == "astream":  # an async stream raises at its first chunk
+            [_ async for _ in await litellm.acompletion(model=MODEL, messages=messages, stream=True)]
+        elif call == "acompletion":
+            await litellm.acompletion(model=MODEL, messages=messages)
+        else:
+            litellm.completion(model=MODEL, messages=messages, stream=call == "stream")
+    assert (info.value.body["param"], info.value.body["message"]) == (param, message)
+    assert fake_engine.submitted == []
+
+
 def test_overloaded_engine_is_rate_limit(fake_engine):
     fake_engine.submit_error = rt.EngineOverloadedError("queue full")
     with pytest.raises(litellm.RateLimitError):
@@ -379,15 +403,18 @@ async def test_atext_completion_of_a_list(fake_engine):
 
 
 def test_text_completion_streams_one_prompt(fake_engine):
+    """Every chunk's text is a string, "" on the last one (OpenAI's), so the texts join as they are."""
     chunks = list(litellm.text_completion(model=MODEL, prompt="Once", max_tokens=6, stream=True))
-    assert "".join(c.choices[0].text or "" for c in chunks) == fake_engine.reply[:6]
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks) == fake_engine.reply[:6]
+    assert (chunks[-1].choices[0].text, chunks[-1].choices[0].finish_reason) == ("", "length")
     assert fake_engine.submitted[0][0] == fake_engine.tokenizer.encode("Once")
 
 
 async def test_atext_completion_streams_one_prompt(fake_engine):
     stream = await litellm.atext_completion(model=MODEL, prompt="Once", max_tokens=6, stream=True)
-    assert "".join([c.choices[0].text or "" async for c in stream]) == fake_engine.reply[:6]
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks) == fake_engine.reply[:6]
+    assert (chunks[-1].choices[0].text, chunks[-1].choices[0].finish_reason) == ("", "length")
 
 
 @pytest.mark.parametrize("prompt, stream, name", [
@@ -408,7 +435,7 @@ def test_a_text_stream_of_prompts_and_choices_numbers_them_in_order(fake_engine)
     texts = {}
     for c in chunks:
         for choice in c.choices:
-            texts[choice.index] = texts.get(choice.index, "") + (choice.text or "")
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
     assert texts == {0: "AB", 1: "AB", 2: "CDE", 3: "CDE"}
     r = litellm.text_completion(model=MODEL, prompt=["ab", "cde"], n=2, max_tokens=20)
     assert [(c.index, c.text) for c in r.choices] == [(0, "AB"), (1, "AB"), (2, "CDE"), (3, "CDE")]

@@ -175,6 +175,8 @@ def test_messages_are_normalized():
         (["hi"], "messages[0]"),
         ([{"role": "function", "content": "42", "name": "f"}], "messages[0].role"),
         ([{"content": "no role"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "system", "content": "s"}, {"role": "tool", "content": None}], "messages[1].content"),
         ([{"role": "user", "content": "a", "tool_calls": [{"id": "x"}]}], "messages[0].tool_calls"),
         ([{"role": "assistant", "content": None, "function_call": {"name": "f"}}], "messages[0].function_call"),
     ],

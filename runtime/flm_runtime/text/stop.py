@@ -16,17 +16,25 @@ The engine sets the budget to ``min(max_tokens, context - prompt)``, so a full c
 *Delivered* tokens (docs/design.md, "Contract", 4: ``completion_tokens`` == tokens delivered). The
 output text is cut into characters, and each character belongs to the token whose bytes completed
 it. A generated token is delivered iff it is not an EOS / end-of-turn token (unless ``ignore_eos``)
-and some delivered character belongs to it or to a later token. So:
+and some delivered character belongs to it or to a later token, or the sequence ends on
+``length``. So:
 
 - without a stop string, every generated token but the EOS / end-of-turn one is delivered;
 - a token whose text begins before a stop string and runs into it (``"x\\n"`` with stop ``"\\n"``)
   is delivered: part of its text is;
 - tokens whose text lies wholly inside or after the stop string are not delivered, nor counted;
 - a token holding only the first bytes of a character is delivered with the token completing it;
-- a ``length`` cut inside a character drops that character's first bytes (the text ends at the
-  last whole character, not with U+FFFD) and the tokens after the last delivered character: they
-  hold only those bytes (or markers among them). An EOS / end-of-turn token after an incomplete
-  character still turns it into U+FFFD: the model itself ended the text there.
+- a ``length`` cut inside a character drops that character's first bytes from the text (it ends
+  at the last whole character, not with U+FFFD), but the tokens holding them are delivered: they
+  were generated, so ``completion_tokens`` counts them, and their bytes run past the text. An EOS /
+  end-of-turn token after an incomplete character still turns it into U+FFFD: the model itself
+  ended the text there.
+
+So the delivered tokens (one logprob entry each) are a prefix of the generated ones, and their
+bytes joined are the text's followed only by the rest of the token a cut reaches into: a stop
+string that begins inside a token (``stop=["loyal"]``: text ``"A dog is a "``, last token
+``" loyal"``), or the first bytes of a character a ``length`` cut splits. (An EOS / end-of-turn
+token after an incomplete character is the one exception: the text has U+FFFD for its bytes.)
 
 Streaming releases a token in the event that releases its first delivered character; the rule
 depends only on how much text is released, which only grows, so the streamed and the final counts
@@ -179,14 +187,10 @@ class StopChecker:
 
     def _finish_flush(self, reason: FinishReason, head: str = "") -> Delivery:
         """No more tokens: flush the detokenizer's tail and the held-back text, deliver all; a
-        ``length`` cut inside a character drops it instead (see the module docstring)."""
-        if reason == "length" and self._detok.pending_bytes:
-            text = head + self._matcher.flush()
-            ids = self._release(len(text))
-            self._pending.clear()
-            self.finish_reason = reason
-            return Delivery(text, ids, reason)
-        tail = self._detok.flush()
+        ``length`` cut inside a character leaves its first bytes out of the text instead (see the
+        module docstring)."""
+        # The model did not end the text there, so the cut bytes are not its U+FFFD.
+        tail = "" if reason == "length" and self._detok.pending_bytes else self._detok.flush()
         if tail and self._pending:            # U+FFFD of a dangling tail belongs to its token
             self._pending[-1][2] += len(tail)
         self._produced += len(tail)

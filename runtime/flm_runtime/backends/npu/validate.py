@@ -13,18 +13,21 @@ from flm_runtime.errors import FlmError
 from flm_runtime.settings import Settings, requested_backend, variable
 
 
-def validate_report(tag: str) -> dict:
-    """Everything ``validate`` shows, for model ``tag`` (a plain registry tag)."""
-    probe = probe_npu(tag)
+def validate_report(tag: str, target: str | None = None) -> dict:
+    """Everything ``validate`` shows, for model ``tag`` as asked, whose kernels are those of
+    ``target`` (a plain registry tag: a DFlash tag's base; None: ``tag`` itself)."""
+    target = target or tag
+    probe = probe_npu(target)
     report = {
         "tag": tag,
+        "target": target,
         "npu": probe.detection.as_dict(),
         "pyxrt": {"importable": probe.pyxrt_error is None, "error": probe.pyxrt_error,
                   "path": getattr(sys.modules.get("pyxrt"), "__file__", None) if probe.pyxrt_error is None else None},
         "device": {"opened": probe.pyxrt_error is None and probe.device_error is None,
                    "name": probe.device_name, "error": probe.device_error},
         "manifest": _manifest_report(),
-        "backend": _backend_report(tag, probe),
+        "backend": _backend_report(target, probe),
     }
     return report
 
@@ -97,7 +100,8 @@ def format_report(report: dict) -> str:
     if m.get("builds") == [] and not m["error"]:
         lines.append("  no builds")
     bk = report["backend"]
-    lines.append(f"backend for {report['tag']}")
+    runs_as = f" (runs its target {report['target']})" if report["target"] != report["tag"] else ""
+    lines.append(f"backend for {report['tag']}{runs_as}")
     if bk["missing"]:
         lines.append(f"  auto would choose {bk['auto']}, because:")
         lines += [f"    - {m}" for m in bk["missing"]]
