@@ -59,7 +59,6 @@ import sys
 import time
 from pathlib import Path
 
-import gguf
 import numba
 import numpy as np
 
@@ -69,6 +68,7 @@ from flm_runtime import paths, pull
 from flm_runtime.backends import forward, prefill
 from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.loading import load_model_files
+from flm_runtime.loading.gguf import open_gguf
 from flm_runtime.loading.weights import WEIGHT_KINDS
 from flm_runtime.models.causal_lm import LlamaModel
 
@@ -394,7 +394,7 @@ class LlamaCpp:
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
         assert self.model, f"llama.cpp could not load {path}"
         self.threads = threads
-        tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+        tensors = {t.name: t.data.nbytes for t in open_gguf(path).tensors}
         if "output.weight" in tensors:  # untied: the embedding is not read but a row
             del tensors["token_embd.weight"]
         self.nbytes_per_token = sum(tensors.values())

@@ -245,9 +245,9 @@ def test_run_prints_the_verify_steps_and_al_of_a_dflash_tag():
                 decode_s=0.5, total_s=0.8)
     plain = "[smollm2:135m: 40 prompt tokens, 30 completion tokens, TTFT 0.25 s, decode 58.0 tokens/s]"
     assert cli.stats_line("smollm2:135m", RequestStats(**base)) == plain
-    spec = SpecStats(steps=8, drafted=56, accepted=21, emitted=29, proposers={
-        "draft": ProposerCounts(steps=2, drafted=14, emitted=4),
-        "ngram": ProposerCounts(steps=6, drafted=42, emitted=25)})
+    spec = SpecStats(proposers={
+        "draft": ProposerCounts(steps=2, drafted=14, accepted=2, emitted=4),
+        "ngram": ProposerCounts(steps=6, drafted=42, accepted=19, emitted=25)})
     assert cli.stats_line("t", RequestStats(**base, spec=spec)).endswith(
         "tokens/s, 8 verify steps, AL 3.62 (6 by prompt lookup)]")
     assert cli.stats_line("t", RequestStats(**base, spec=SpecStats())).endswith("tokens/s, no verify step]")

@@ -169,29 +169,19 @@ class SpecStats:
     """One request's speculation counters.
 
     Attributes:
-        steps: speculative steps run (steps that verified proposed tokens, the draft's or a
-            retrieval proposer's, n-gram-only steps included: those the policy planned plain,
-            where the draft did not run).
-        drafted: proposed tokens verified (k per step, after the confidence gate).
-        accepted: drafted tokens kept and pushed into the output pipeline.
-        emitted: tokens pushed by speculative steps (accepted + one bonus per step; a step cut
-            short by EOS / stop / max_tokens counts only the tokens pushed before the cut).
+        proposers: per proposer whose tokens speculative steps verified (a name of ``PROPOSERS``:
+            the draft, prompt lookup ``"ngram"``, the suffix proposer ``"suffix"``), the counts of
+            those steps (``counts``); the totals (``steps``, ``drafted``, ``accepted``,
+            ``emitted``) are their sums.
         gated: plain steps the confidence gate made (the draft ran, nothing was verified).
-        proposers: the same counts per proposer whose tokens the steps verified (a name of
-            ``PROPOSERS``: the draft, prompt lookup ``"ngram"``, the suffix proposer
-            ``"suffix"``), of those that verified any (``counts``); they sum to the totals.
         switches_off: times the request's acceptance tracker turned speculation off, and
         al_estimate: its final AL estimate (None before a step): the policy's figures
             (``policy.AcceptanceTracker``, over the steps the draft ran: n-gram-only steps do
             not feed it), copied in when the request ends.
     """
 
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
-    gated: int = 0
     proposers: dict[str, ProposerCounts] = field(default_factory=dict)
+    gated: int = 0
     switches_off: int = 0
     al_estimate: float | None = None
 
@@ -199,10 +189,6 @@ class SpecStats:
         """A speculative step verified ``drafted`` tokens of ``proposer`` (a name of
         ``PROPOSERS``) and pushed ``emitted`` tokens, of which ``accepted`` were drafted ones."""
         assert proposer in PROPOSERS, f"unknown proposer {proposer!r}"
-        self.steps += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        self.emitted += emitted
         self.proposers.setdefault(proposer, ProposerCounts()).record(drafted, accepted, emitted)
 
     def record_plain(self, gated: bool) -> None:
@@ -219,9 +205,33 @@ class SpecStats:
         return dataclasses.replace(self, proposers={k: dataclasses.replace(v) for k, v in self.proposers.items()})
 
     @property
+    def steps(self) -> int:
+        """Speculative steps run: steps that verified proposed tokens, the draft's or a retrieval
+        proposer's (n-gram-only steps included: those the policy planned plain, where the draft
+        did not run)."""
+        return sum(c.steps for c in self.proposers.values())
+
+    @property
+    def drafted(self) -> int:
+        """Proposed tokens verified (k per step, after the confidence gate)."""
+        return sum(c.drafted for c in self.proposers.values())
+
+    @property
+    def accepted(self) -> int:
+        """Drafted tokens kept and pushed into the output pipeline."""
+        return sum(c.accepted for c in self.proposers.values())
+
+    @property
+    def emitted(self) -> int:
+        """Tokens pushed by speculative steps (accepted + one bonus per step; a step cut short by
+        EOS / stop / max_tokens counts only the tokens pushed before the cut)."""
+        return sum(c.emitted for c in self.proposers.values())
+
+    @property
     def acceptance_length(self) -> float:
         """AL: tokens per speculative step INCLUDING the bonus token; 0.0 before a step."""
-        return self.emitted / self.steps if self.steps else 0.0
+        steps = self.steps
+        return self.emitted / steps if steps else 0.0
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,7 @@ def test_stream(fake_engine):
 
 SPEC_STATS = RequestStats(prompt_tokens=9, completion_tokens=12, generated_tokens=13, queue_s=0.0, ttft_s=0.1,
                           decode_s=1.2, total_s=1.3,
-                          spec=SpecStats(steps=4, drafted=28, accepted=9, emitted=13, proposers={
+                          spec=SpecStats(proposers={
                               "draft": ProposerCounts(3, 21, 4, 7), "ngram": ProposerCounts(1, 7, 5, 6)}))
 
 
