@@ -114,19 +114,28 @@ def test_agreement_writes_the_accuracy_table(run_cli, tmp_path):
     assert "near-tie" in md and "litellm-flm agreement --tag smollm2:135m" in md
 
 
-def test_soak_through_litellm_counts_requests_tokens_and_verify_passes(run_cli, random_draft, tmp_path,
-                                                                       forget_dflash_engine):
-    status, out, _ = run_cli("soak", "--draft", random_draft, "--min-requests", 3, "--min-tokens", 1,
-                             "--long-tokens", 4, "--short-tokens", 2, "--out", tmp_path, "--quiet")
+def test_soak_through_litellm_runs_every_kind_and_leaves_nothing(run_cli, random_draft, tmp_path,
+                                                                 forget_dflash_engine):
+    """One cycle of the schedule: every kind of request, its exact token count, verify passes from a
+    random draft, the closed stream counted as cancelled by the engine (else the run fails)."""
+    status, out, _ = run_cli("soak", "--draft", random_draft, "--min-requests", 8, "--min-tokens", 1,
+                             "--long-tokens", 12, "--short-tokens", 3, "--document-tokens", 64, "--cancel-after", 2,
+                             "--stall-s", 300, "--out", tmp_path, "--quiet")  # first compiles: no stall here
     assert status == 0, out
     columns, rows = read_csv(tmp_path / "soak.csv")
     assert tuple(columns) == soak.COLUMNS
-    assert [(r["kind"], r["mode"], r["completion_tokens"]) for r in rows] == [
-        ("long", "greedy", "4"), ("short", "sampled", "2"), ("long", "sampled", "4")]
-    # Every token after the first comes from a verify pass of a random draft (AL 1): passes = tokens - 1.
-    assert all(r["error"] == "" and r["stalls"] == "0" and int(r["verify_passes"]) >= 1 for r in rows), rows
+    assert [(r["kind"], r["mode"], r["stream"], r["completion_tokens"], r["finish_reason"]) for r in rows] == [
+        ("long", "greedy", "True", "12", "length"), ("short", "sampled", "False", "3", "length"),
+        ("document", "greedy", "True", "3", "length"), ("structured", "sampled", "True", "3", "length"),
+        ("long", "sampled", "True", "12", "length"), ("cancelled", "sampled", "True", "0", "cancelled"),
+        ("structured", "greedy", "False", "3", "length"), ("short", "greedy", "True", "3", "length")]
+    assert int(rows[2]["prompt_tokens"]) > 64  # the excerpt, the instruction and the template
+    # A random draft's passes: every token after the first of a finished request comes from one.
+    assert all(r["error"] == "" and r["stalls"] == "0" and float(r["rss_mb"]) > 0 for r in rows), rows
+    assert all(int(r["verify_passes"]) >= 1 for r in rows if r["kind"] != "cancelled")
     md = (tmp_path / "soak.md").read_text()
-    assert "10 tokens over 3 back-to-back requests" in md and "Result: PASS" in md
+    assert "39 tokens over 8 back-to-back requests" in md and "1 streams closed after 2 chunks" in md
+    assert "Result: PASS" in md and "- left in the engine" not in md
 
 
 def test_soak_fails_when_the_minimum_is_not_reached(run_cli, tmp_path):
