@@ -281,8 +281,8 @@ def request_plan(i: int, args: argparse.Namespace, defaults, excerpt: Callable[[
     elif kind.name == "structured":
         text, params["response_format"] = STRUCTURED_PROMPTS[turn % len(STRUCTURED_PROMPTS)], RESPONSE_FORMAT
     else:  # cancelled
-        text, params["max_tokens"], cancel_after = LONG_PROMPTS[turn % len(LONG_PROMPTS)], args.long_tokens, args.cancel_after
-        params["ignore_eos"] = True
+        text, cancel_after = LONG_PROMPTS[turn % len(LONG_PROMPTS)], args.cancel_after
+        params |= {"max_tokens": args.long_tokens, "ignore_eos": True}
     if kind.mode == "greedy":
         params["temperature"] = 0.0
     else:
@@ -446,8 +446,9 @@ def summary(args: argparse.Namespace, results: list[Result], wall: float, left: 
           f"{max((r.max_gap_s for r in results), default=0):.2f} s",
           f"{sum(r.rss_mb for r in results[:quarter]) / quarter:,.0f} / "
           f"{sum(r.rss_mb for r in results[-quarter:]) / quarter:,.0f} MiB ({growth:+.1%})", f"{wall / 60:.1f} min"]])
-    per_kind = report.markdown_table(["Kind", "Mode", "Streamed", "Count", "Completion tokens", "Verify passes", "Errors"],
-                                     [[*k, *v] for k, v in kinds.items()])
+    per_kind = report.markdown_table(
+        ["Kind", "Mode", "Streamed", "Count", "Completion tokens", "Verify passes", "Errors"],
+        [[*k, *v] for k, v in kinds.items()])
     notes = [f"Result: {'PASS' if ok else 'FAIL'} (zero errors and stalls, nothing left in the engine, resident "
              f"memory at most {args.max_rss_growth:.0%} above the first quarter's, at least {args.min_requests} "
              f"requests and {args.min_tokens:,} tokens).", "Draft: " + (args.draft or "the model's own") + "."]

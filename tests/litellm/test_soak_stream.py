@@ -194,5 +194,6 @@ def test_document_excerpts_are_distinct_windows_of_the_shipped_documents(smollm2
 def test_rss_growth_compares_the_first_and_last_quarters():
     results = [Result(i, "short", "greedy", True, 1, rss_mb=mb) for i, mb in enumerate([100, 300, 200, 200, 102, 106])]
     assert soak.rss_growth(results) == pytest.approx(0.06)  # quarters of one request: 100 -> 106
-    results = [Result(i, "short", "greedy", True, 1, rss_mb=mb) for i, mb in enumerate([100, 110, 0, 0, 0, 0, 105, 105])]
+    readings = [100, 110, 0, 0, 0, 0, 105, 105]
+    results = [Result(i, "short", "greedy", True, 1, rss_mb=mb) for i, mb in enumerate(readings)]
     assert soak.rss_growth(results) == pytest.approx(0.0)  # quarters of two: 105 -> 105
