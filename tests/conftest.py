@@ -19,6 +19,9 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 # exact golden values of its tests were recorded on; the quantized kernels are tested against it
 # in tests/backends/test_qgemm.py and tests/models/test_quantized.py.
 os.environ.setdefault("FLM_WEIGHTS", "f32")
+# DFlash engines keep the shipped policy table's verify costs, whatever host runs the suite: tests
+# that count steps must not depend on it; tests/engine/test_host_costs.py turns the measurement on.
+os.environ.setdefault("FLM_HOST_COSTS", "0")
 
 DEFAULT_TAG = "smollm2:135m"
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -14,7 +14,10 @@ handler, the CLI, tests): the engines and loaded models live in a ``Runtime``, a
 A DFlash tag (``X-dflash:size``) gets its own engine that decodes speculatively with the draft of
 ``registry.locate_draft(tag)``, over the *same* target object as the base tag's engine: a target is
 loaded once per process whichever of the two tags comes first. Its speculation policy (when a
-speculative step pays, by context; ``flm_runtime.speculation.policy``) is ``load_policy``'s table.
+speculative step pays, by context; ``flm_runtime.speculation.policy``) is ``load_policy``'s table;
+on the cpu backend the shipped table takes this host's verify costs, measured the first time such
+an engine is built on the host (``flm_runtime.speculation.costs``; ``$FLM_HOST_COSTS=0`` keeps the
+table's).
 
 Settings (``flm_runtime.settings``): a ``Runtime`` given a ``Settings`` uses those; without, it
 reads the environment's at each ``get_engine`` (so the process's runtime sees a variable a test or
@@ -36,7 +39,9 @@ deployment's. A proxy sets them in its config's ``environment_variables``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +56,8 @@ from flm_runtime.models.dflash import DFlashDraft
 from flm_runtime.models.causal_lm import LlamaModel
 from flm_runtime.scheduling.engine import Engine
 from flm_runtime.settings import Settings, requested_backend
+from flm_runtime.speculation import costs
+from flm_runtime.speculation.costs import HostCosts
 from flm_runtime.speculation.policy import ALWAYS_SPECULATE, PolicyTable, SpeculationPolicy
 from flm_runtime.speculation.policy import FILE_NAME as POLICY_FILE
 from flm_runtime.speculation.speculative import SpeculativeDecoder
@@ -142,20 +149,28 @@ def load_npu_model(tag: str, cpu_model: LlamaModel):
     return NpuModel(cpu_model, manifest, check.build)
 
 
-def load_policy(tag: str, backend: str, models: registry.Registry | None = None) -> SpeculationPolicy:
+def load_policy(tag: str, backend: str, models: registry.Registry | None = None, *,
+                host_costs: Callable[[], HostCosts] | None = None) -> SpeculationPolicy:
     """The speculation policy table of DFlash ``tag`` on ``backend``: the user's calibration
     (``paths.policy_file``) if there is one, else the table shipped in the draft directory
     (``policy-<backend>.json``; ``models``, default ``registry.current()``, says where that is),
-    else ``ALWAYS_SPECULATE`` (the null policy: whole blocks, always).
+    with this host's verify costs (``host_costs()``, ``speculation.costs``) when given, else
+    ``ALWAYS_SPECULATE`` (the null policy: whole blocks, always).
 
     Raises:
         ValueError: a table file exists but is not a valid table (naming the file).
     """
-    draft_dir = (models or registry.current()).locate_draft(tag)
-    for path in (paths.policy_file(tag, backend), draft_dir / POLICY_FILE.format(backend=backend)):
-        if path.is_file():
-            return PolicyTable.load(path)
-    return ALWAYS_SPECULATE
+    user = paths.policy_file(tag, backend)
+    if user.is_file():
+        return PolicyTable.load(user)  # calibrated on this host: its costs are the host's already
+    shipped = (models or registry.current()).locate_draft(tag) / POLICY_FILE.format(backend=backend)
+    if not shipped.is_file():
+        return ALWAYS_SPECULATE
+    table = PolicyTable.load(shipped)
+    if host_costs is None:
+        return table
+    costs = host_costs()
+    return table.on_host(costs.verify_ratio, costs.context)
 
 
 class Runtime:
@@ -210,8 +225,15 @@ class Runtime:
                     pull.locate(tag, models=models)  # the draft's and the base's files, pulling the base if need be
                     loaded = self._target(base, name, models)
                     cap = settings.suffix_cache_cap()
-                    speculative = SpeculativeDecoder(loaded.model, load_draft(tag, loaded.model, models),
-                                                     policy=load_policy(tag, name, models),
+                    draft = load_draft(tag, loaded.model, models)
+                    measure = None
+                    if name == "cpu" and settings.host_costs_on():  # an NPU's table is the device's own
+                        measure = functools.partial(
+                            costs.host_costs, paths.host_costs_file(tag, name), loaded.model,
+                            tuple(draft.config.target_layer_ids), int(draft.config.block_size) - 1,
+                            model=tag, backend=name)
+                    speculative = SpeculativeDecoder(loaded.model, draft,
+                                                     policy=load_policy(tag, name, models, host_costs=measure),
                                                      suffix=SuffixIndex(cap) if cap else None)
                 else:
                     loaded, speculative = self._target(base, name, models), None

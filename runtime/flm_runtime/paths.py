@@ -72,3 +72,9 @@ def policy_file(tag: str, backend: str) -> Path:
     family, _, size = tag.partition(":")
     assert family and size, tag
     return config_dir() / "policy" / family / f"{size}-{backend}.json"
+
+
+def host_costs_file(tag: str, backend: str) -> Path:
+    """Where the verify cost curve of a DFlash ``tag``'s target on this host is kept
+    (``flm_runtime.speculation.costs``): ``<config dir>/policy/<family>/<size>-<backend>-host.json``."""
+    return policy_file(tag, backend).with_name(f"{tag.partition(':')[2]}-{backend}-host.json")

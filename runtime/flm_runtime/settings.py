@@ -25,6 +25,9 @@ Variables (name: default; meaning):
     FLM_SUFFIX_CACHE_TOKENS: ``SUFFIX_CACHE_TOKENS`` (16384); tokens of finished requests each
         DFlash engine keeps for its suffix proposer (``flm_runtime.speculation.suffix``); ``0``
         turns the suffix proposer off.
+    FLM_HOST_COSTS: ``1``; ``0`` (``false``, ``off``) keeps the shipped speculation policy table's
+        verify costs instead of measuring this host's the first time a DFlash engine is built
+        (``flm_runtime.speculation.costs``).
     FLM_THREADS: the CPUs the process may run on (and at most that); the threads of the kernel team
         that runs every compiled model step of the process (``flm_runtime.kernels.team``).
     FLM_LOG_LEVEL: unset (no handler); the level of ``flm_runtime`` and ``litellm_flm`` records sent
@@ -55,7 +58,7 @@ class Settings:
 
     Attributes (each named after its variable, ``FLM_`` and upper case dropped): ``backend``,
     ``weights``, ``kv_budget``, ``max_queue``, ``model_path``, ``models_file``, ``xclbin_path``,
-    ``prefix_cache``, ``suffix_cache_tokens``, ``threads``, ``log_level``.
+    ``prefix_cache``, ``suffix_cache_tokens``, ``host_costs``, ``threads``, ``log_level``.
     """
 
     backend: str | None = None
@@ -67,6 +70,7 @@ class Settings:
     xclbin_path: str | None = None
     prefix_cache: str | None = None
     suffix_cache_tokens: str | None = None
+    host_costs: str | None = None
     threads: str | None = None
     log_level: str | None = None
 
@@ -88,16 +92,24 @@ class Settings:
         return {key: self.positive(key) for key in ("kv_budget", "max_queue") if getattr(self, key) is not None}
 
     def prefix_cache_on(self) -> bool:
-        """``FLM_PREFIX_CACHE``: on unless ``0``, ``false`` or ``off``.
+        """``FLM_PREFIX_CACHE``: on unless ``0``, ``false`` or ``off`` (``switch``)."""
+        return self.switch("prefix_cache")
+
+    def host_costs_on(self) -> bool:
+        """``FLM_HOST_COSTS``: on unless ``0``, ``false`` or ``off`` (``switch``)."""
+        return self.switch("host_costs")
+
+    def switch(self, key: str) -> bool:
+        """The on/off field ``key``: on when unset or ``1``, ``true``, ``on``; off for ``0``,
+        ``false``, ``off`` (any case).
 
         Raises:
-            InvalidRequestError: another value than those and ``1``, ``true``, ``on``.
+            InvalidRequestError: another value (``param`` names the variable).
         """
-        raw = (self.prefix_cache or "1").lower()
+        raw = (getattr(self, key) or "1").lower()
         if raw not in ("0", "false", "off", "1", "true", "on"):
-            raise InvalidRequestError(f"{variable('prefix_cache')} must be 1, true, on, 0, false or off, got "
-                                      f"{self.prefix_cache!r}",
-                                      param=variable("prefix_cache"))
+            raise InvalidRequestError(f"{variable(key)} must be 1, true, on, 0, false or off, "
+                                      f"got {getattr(self, key)!r}", param=variable(key))
         return raw in ("1", "true", "on")
 
     def suffix_cache_cap(self) -> int:

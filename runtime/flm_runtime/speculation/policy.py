@@ -275,6 +275,25 @@ class PolicyTable(BaseModel):
                 return b
         return self.buckets[-1]
 
+    def on_host(self, verify_ratio: list[float], context: int) -> PolicyTable:
+        """This table with another host's verify costs (``speculation.costs``): each bucket's
+        ``verify_ratio`` times the host's curve measured at ``context`` tokens over this table's
+        own at that context, value by value; the table keeps its profile across contexts
+        (attention's share grows with them on any host) and takes the host's level. The draft's
+        K, gate and ``cost_ratio`` stay the table's: choosing them takes the draft's acceptance
+        records, which ``litellm-flm calibrate`` measures on the host (a table of its own).
+        A table without ``verify_ratio`` at ``context``, or of another length, is returned as it is.
+        """
+        own = self.bucket(context).verify_ratio
+        if own is None or len(own) != len(verify_ratio):
+            return self
+        scale = [host / mine for host, mine in zip(verify_ratio, own)]
+        buckets = [b if b.verify_ratio is None else
+                   b.model_copy(update={"verify_ratio": [round(v * s, 4) for v, s in zip(b.verify_ratio, scale)]})
+                   for b in self.buckets]
+        return self.model_copy(update={"buckets": buckets, "measured": {
+            **self.measured, "host_verify_ratio": {"context": context, "verify_ratio": list(verify_ratio)}}})
+
     def plan(self, context: int, tracker: AcceptanceTracker, most: int) -> Plan:
         """``SpeculationPolicy.plan``: the bucket's K as the request's tracker allows it, and the
         bucket's gate."""

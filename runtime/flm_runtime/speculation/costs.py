@@ -1,0 +1,150 @@
+"""What a verify pass costs on the machine that serves, in decode steps.
+
+A step that verifies ``n`` proposed tokens runs one target pass over ``n + 1`` rows; its cost in
+decode steps, ``verify_ratio[n-1] = t_verify(n+1) / t_decode``, sets how many tokens a step should
+verify (``policy.paying_step``: the most expected tokens per unit of cost). The curve depends on
+the host: where the one-row pass is bound by memory bandwidth and the kernels have compute to
+spare per weight read, eight rows cost little more than one; where compute binds sooner they cost
+three decodes (the shipped table's host: 2.98 at 256 tokens). A policy table calibrated on one host
+therefore drafts too short or too long on another.
+
+So the first time a DFlash engine is built on a host, its target's curve is measured there
+(``measure_verify_ratio``: interleaved rounds of a one-row pass and passes of 2 .. K + 1 rows at
+``CONTEXT`` tokens, medians; about ``(ROUNDS + 1) * (K + 1)`` passes, under a second for the
+embedded model) and kept (``HostCosts``, JSON, ``paths.host_costs_file``) for the later processes
+of the same host, keyed by ``host_id``; ``PolicyTable.on_host`` applies it to the shipped table. A
+table the user calibrated (``litellm-flm calibrate``, ``paths.policy_file``) was measured on their
+host already and is used as it is. ``FLM_HOST_COSTS=0`` turns the measurement off.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
+
+from flm_runtime.backends import TargetModel, forward
+from flm_runtime.kernels.cpu_features import host_features
+
+log = logging.getLogger(__name__)
+
+CONTEXT = 256   # tokens in the cache when the passes are timed: the shipped table's first bucket edge
+ROUNDS = 5      # timed rounds after one warm-up round; each pass's median is kept
+# The features that change which kernels run, and so the curve (``kernels.qgemm``, ``attention``).
+KERNEL_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vnni", "avxvnni")
+
+
+class HostCosts(BaseModel):
+    """A target's verify cost curve on one host (the JSON file ``host_costs`` keeps).
+
+    Attributes:
+        host: ``host_id()`` of the machine that measured it.
+        model: the DFlash tag whose target was timed.
+        backend: ``"cpu"`` or ``"npu"``.
+        context: tokens in the KV cache during the timed passes.
+        verify_ratio: ``t_verify(n+1) / t_decode`` for ``n = 1 .. K`` (K = block size - 1).
+        date: when it was measured (ISO date).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str
+    model: str
+    backend: str
+    context: int = Field(gt=0)
+    verify_ratio: list[PositiveFloat] = Field(min_length=1)
+    date: str
+
+
+def host_id() -> str:
+    """What the curve depends on, as one string: the CPU model, the kernel-relevant features it
+    has, and the CPUs the process may run on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    features = ",".join(f for f in KERNEL_FEATURES if f in host_features())
+    return f"{cpu} | {features} | {len(os.sched_getaffinity(0))} CPUs"
+
+
+def measure_verify_ratio(target: TargetModel, taps: tuple[int, ...], drafted: int, *, context: int = CONTEXT,
+                         rounds: int = ROUNDS, seed: int = 0) -> list[float]:
+    """``t_verify(n+1) / t_decode`` for ``n = 1 .. drafted``, timed on ``target`` here.
+
+    Each round times a one-row pass (a decode step: last-row logits) and passes of ``n + 1`` rows
+    as a verify runs them (every row's logits, the draft's ``taps``), one after the other, each
+    rolled back from a cache holding ``context`` random tokens; the first round warms up and is
+    dropped, each pass keeps its median (the ratio of medians).
+
+    Raises:
+        ValueError: ``context + drafted + 1`` is beyond the target's context length.
+    """
+    limit = target.config.max_position_embeddings
+    if context + drafted + 1 > limit:
+        raise ValueError(f"a context of {context} and {drafted + 1} rows do not fit {limit} positions")
+    rng = np.random.default_rng(seed)
+    vocab = target.config.vocab_size
+    cache = target.new_cache(context + drafted + 1)
+    forward(target, rng.integers(0, vocab, context), cache)
+    block = rng.integers(0, vocab, drafted + 1)
+    times: list[list[float]] = [[] for _ in range(drafted + 1)]  # [rows - 1][round]
+    for _ in range(rounds + 1):
+        for rows in range(1, drafted + 2):
+            t0 = time.perf_counter()
+            if rows == 1:
+                forward(target, block[:1], cache)
+            else:
+                forward(target, block[:rows], cache, all_logits=True, taps=taps)
+            times[rows - 1].append(time.perf_counter() - t0)
+            cache.trim(context)
+    decode, *verify = (statistics.median(t[1:]) for t in times)
+    return [round(t / decode, 4) for t in verify]
+
+
+def load(path: Path, host: str, model: str, backend: str, drafted: int) -> HostCosts | None:
+    """The curve kept at ``path`` if it is this host's, model's and backend's, with ``drafted``
+    values; None otherwise (no file, another host, a file that does not parse: it is measured
+    again and replaced)."""
+    try:
+        costs = HostCosts.model_validate(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError) as e:
+        if path.exists():
+            log.warning("ignoring %s, it will be measured again: %s", path, e)
+        return None
+    if (costs.host, costs.model, costs.backend, len(costs.verify_ratio)) != (host, model, backend, drafted):
+        return None
+    return costs
+
+
+def host_costs(path: Path, target: TargetModel, taps: tuple[int, ...], drafted: int, *, model: str,
+               backend: str) -> HostCosts:
+    """This host's curve for ``model``'s target: the one kept at ``path``, else measured now
+    (``measure_verify_ratio``) and written there (a temporary name, then renamed)."""
+    host = host_id()
+    costs = load(path, host, model, backend, drafted)
+    if costs is not None:
+        return costs
+    context = min(CONTEXT, target.config.max_position_embeddings - drafted - 1)
+    t0 = time.perf_counter()
+    costs = HostCosts(host=host, model=model, backend=backend, context=context,
+                      verify_ratio=measure_verify_ratio(target, taps, drafted, context=context),
+                      date=datetime.date.today().isoformat())
+    log.info("measured %s's verify costs on this host in %.1f s: %s (kept in %s)", model,
+             time.perf_counter() - t0, costs.verify_ratio, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(costs.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return costs
