@@ -76,6 +76,8 @@ _SOURCES = {
     "EngineOverloadedError": "flm_runtime.errors",
     "RequestTimeoutError": "flm_runtime.errors",
     "BackendUnavailableError": "flm_runtime.errors",
+    "EngineDrainingError": "flm_runtime.errors",
+    "EngineFaultError": "flm_runtime.errors",
     "RequestCancelledError": "flm_runtime.scheduling.handle",
 }
 
