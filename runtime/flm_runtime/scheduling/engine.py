@@ -291,7 +291,8 @@ class Engine:
           ``kv.budget``. All 0 but the pool's size when nothing runs;
         - ``kv_cached_bytes``: the unreferenced blocks kept for their tokens (``prefix_cache``);
         - ``finished`` (ended with a finish reason), ``failed``, ``cancelled``, ``timed_out``:
-          requests so far; ``preempted``: sequences preempted so far (each resumed later).
+          requests so far; ``preempted``: sequences preempted so far (each resumed later);
+        - ``draining``: ``drain`` was called (``submit`` refuses).
         """
         with self._cv:
             return {"name": self.name, "active": len(self._active),
@@ -300,7 +301,8 @@ class Engine:
                     "kv_blocks": self.pool.n_blocks, "kv_blocks_used": self.pool.used,
                     "kv_bytes": self.pool.used * self.block_bytes, "kv_budget_bytes": self.kv.budget,
                     "kv_cached_bytes": self.pool.cached * self.block_bytes,
-                    **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out", "preempted")}}
+                    **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out", "preempted")},
+                    "draining": self._draining is not None}
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
