@@ -128,8 +128,8 @@ class Engine:
             ``new_pool(positions)`` (a ``kv_cache.BlockPool``), ``new_cache(pool=) -> cache``
             (a ``kv_cache.BlockTable`` into the pool; ``cache.length``: tokens held),
             ``prefill_chunk`` (most rows of one sequence per pass) and ``forward_batch(rows,
-            caches, taps=, logit_rows=)`` (``backends.TargetModel``; it leaves the caches as
-            they were when it raises).
+            caches, taps=, logit_rows=)`` (``backends.TargetModel``; when it raises, every
+            cache's length is as it was, whatever it wrote past it: ``_pass``).
         tokenizer: implements ``token_bytes(id) -> bytes``, ``stop_token_ids`` and
             ``special_token_ids``.
         name: the model's name (thread name, stats, messages).
