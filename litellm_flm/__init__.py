@@ -11,6 +11,9 @@ which registers the models' context windows and zero costs as a side effect)::
     litellm_settings:
       custom_provider_map: [{provider: flm, custom_handler: litellm_flm.handler}]
 
+In a proxy's process, the import also makes SIGTERM drain the engines before the server's own
+handler runs (``litellm_flm.shutdown``): new requests get a 503, the running ones finish.
+
 Registration on import is deliberate: LiteLLM has no entry-point discovery, and the proxy only
 ever imports the handler, so an explicit ``register()`` call would have no place to live there.
 It is cheap (no model is loaded) and idempotent.
@@ -35,6 +38,7 @@ from litellm.text_completions.streaming_iterator import TextCompletionStreamWrap
 from flm_runtime import FlmError, Settings
 
 from .llm import FlmLLM
+from .shutdown import drain_on_sigterm
 
 __all__ = ["FlmLLM", "handler", "register", "configure_logging", "PROVIDER"]
 
@@ -165,3 +169,4 @@ def configure_logging(level: str | None) -> None:
 
 configure_logging(Settings.from_env().log_level)
 register()
+drain_on_sigterm()

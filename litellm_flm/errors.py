@@ -5,10 +5,13 @@ The choice of class decides what LiteLLM does next (docs/design.md, "LiteLLM fac
 - ``ContextWindowExceededError`` (over the context, or over the engine's whole KV memory budget)
   fires the Router's ``context_window_fallbacks``;
 - ``RateLimitError`` (429) and ``ServiceUnavailableError`` (503) are retried and put the deployment
-  in cooldown, so a full queue or a backend that is down sends traffic elsewhere for a while;
+  in cooldown, so a full queue, a backend that is down or an engine that is shutting down
+  (``EngineDrainingError``, a ``BackendUnavailableError``) sends traffic elsewhere for a while;
 - ``BadRequestError`` / ``NotFoundError`` are the caller's to fix: no retry helps (a model file
   that cannot be read, ``ModelFormatError``, is a ``BadRequestError`` with ``param`` ``model``:
-  the user's files are to fix, not the server).
+  the user's files are to fix, not the server);
+- ``InternalServerError`` (500): the engine failed on this request (``EngineFaultError``: a kernel
+  error or a bug, chained), or any other runtime error.
 
 LiteLLM passes its own exception types through unchanged (``exception_type`` returns them as they
 are), so what we raise here is what the caller catches.
@@ -71,7 +74,7 @@ def to_litellm(error: FlmError, model: str) -> Exception:
         # Not installed, and not pulled on use: a retry cannot help, so not a 503. The message already
         # says how to install it (`litellm-flm pull`, or where to put files that have no download).
         return litellm.NotFoundError(**kw)
-    # Anything else: our side is broken, and retrying will not mend it.
+    # Anything else (EngineFaultError among them): our side is broken, and retrying will not mend it.
     return litellm.InternalServerError(**kw)
 
 

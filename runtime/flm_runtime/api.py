@@ -34,6 +34,10 @@ Engine limits (``flm_runtime.scheduling.admission``): ``$FLM_KV_BUDGET`` (KV byt
 per LiteLLM deployment: every deployment of a tag shares its one engine (one copy of the weights,
 one batch), so a per-deployment value would have to either split that engine or contradict another
 deployment's. A proxy sets them in its config's ``environment_variables``.
+
+Shutdown: ``drain`` (``Runtime.drain``) stops every engine admitting, lets what runs finish within
+``$FLM_DRAIN_TIMEOUT_S`` and closes the engines; a LiteLLM proxy calls it on SIGTERM
+(``litellm_flm.shutdown``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import ctypes
 import functools
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +54,7 @@ import numpy as np
 from flm_runtime import paths, pull, registry
 from flm_runtime.backends import TargetModel
 from flm_runtime.backends.select import log_once, select_backend
-from flm_runtime.errors import BackendUnavailableError
+from flm_runtime.errors import BackendUnavailableError, EngineDrainingError
 from flm_runtime.loading import Tokenizer, load_model_files
 from flm_runtime.loading.chat_template import thinking_format
 from flm_runtime.models.dflash import DFlashDraft
@@ -192,6 +197,7 @@ class Runtime:
         self._targets: dict[tuple[str, str], LoadedModel] = {}  # (canonical plain tag, backend) -> its model
         self._choices: dict[tuple[str, str], str] = {}  # (plain tag, requested backend) -> backend that runs it
         self._keys: dict[tuple[str, str], str] = {}  # (tag as asked, requested backend) -> engine name
+        self._draining = False
 
     def get_engine(self, tag: str, backend: str | None = None) -> Engine:
         """The engine serving ``tag`` on ``backend``, loading the model on first use; one registry
@@ -206,11 +212,15 @@ class Runtime:
                 ``$FLM_KV_BUDGET`` / ``$FLM_MAX_QUEUE`` (the new engine's limits, see
                 ``flm_runtime.scheduling.admission``) is not a positive integer.
             BackendUnavailableError: ``npu`` was asked for and cannot run (says what is missing).
+            EngineDrainingError: the runtime is shutting down (``drain``).
             the errors of ``load_model`` (and of ``load_draft`` for a DFlash tag).
         """
         settings = self.settings
         requested = requested_backend(backend, settings)
         with self._lock:
+            if self._draining:
+                raise EngineDrainingError(f"this process is shutting down and serves no new request for {tag!r}; "
+                                          "retry on another deployment")
             key = self._keys.get((tag, requested))
             engine = self._engines.get(key) if key is not None else None
             if engine is None:
@@ -264,6 +274,33 @@ class Runtime:
             engine.close()
         return len(engines)
 
+    def drain(self, timeout: float | None = None) -> bool:
+        """Shut the engines down gracefully, all at once (``Engine.drain``): they refuse new
+        requests from now on, as ``get_engine`` does (``EngineDrainingError``), the requests they
+        hold finish within ``timeout`` seconds and those left end with ``EngineDrainingError``;
+        then the engines are closed, their KV pools free, and dropped. Loaded targets stay.
+
+        Args:
+            timeout: seconds; None: ``$FLM_DRAIN_TIMEOUT_S`` (``Settings.drain_timeout``).
+
+        Returns:
+            True when every request finished within ``timeout``.
+
+        Raises:
+            InvalidRequestError: ``$FLM_DRAIN_TIMEOUT_S`` is not a non-negative number (nothing
+                was drained).
+        """
+        timeout = self.settings.drain_timeout() if timeout is None else timeout
+        with self._lock:
+            self._draining = True
+            engines = list(self._engines.values())
+            self._engines.clear()
+            self._keys.clear()
+        if not engines:
+            return True
+        with ThreadPoolExecutor(len(engines), thread_name_prefix="flm-drain") as pool:  # one bound for all
+            return all(pool.map(lambda engine: engine.drain(timeout), engines))
+
     def close(self) -> None:
         """Close every engine and drop every engine, target and backend choice."""
         with self._lock:
@@ -314,3 +351,8 @@ default_runtime = Runtime()  # the process's: the one the LiteLLM handler, the C
 def get_engine(tag: str, backend: str | None = None) -> Engine:
     """``default_runtime.get_engine(tag, backend)``: the process-wide engine of ``tag``."""
     return default_runtime.get_engine(tag, backend)
+
+
+def drain(timeout: float | None = None) -> bool:
+    """``default_runtime.drain(timeout)``: shut the process's engines down gracefully."""
+    return default_runtime.drain(timeout)

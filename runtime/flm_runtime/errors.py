@@ -111,3 +111,13 @@ class RequestTimeoutError(FlmError, TimeoutError):
 
 class BackendUnavailableError(FlmError):
     """The chosen backend cannot run (no device, failed kernel load, engine stopped)."""
+
+
+class EngineDrainingError(BackendUnavailableError):
+    """The engine is shutting down (``Engine.drain``): it takes no new request, and a request it
+    could not finish within the drain's bound ends with this error; retry on another deployment."""
+
+
+class EngineFaultError(FlmError):
+    """The engine's step raised for this request (a kernel error, a bug) and the engine failed it
+    alone; the engine and the other requests go on. Its ``__cause__`` is what was raised."""

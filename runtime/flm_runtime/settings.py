@@ -30,6 +30,10 @@ Variables (name: default; meaning):
         (``flm_runtime.speculation.costs``).
     FLM_THREADS: the CPUs the process may run on (and at most that); the threads of the kernel team
         that runs every compiled model step of the process (``flm_runtime.kernels.team``).
+    FLM_DRAIN_TIMEOUT_S: ``DRAIN_TIMEOUT_S`` (25); seconds a shutting-down process lets its running
+        requests finish (``Runtime.drain``: a LiteLLM proxy's SIGTERM, ``litellm_flm.shutdown``);
+        keep it below the server's own bound (LiteLLM's ``GRACEFUL_SHUTDOWN_TIMEOUT``, 30 s by
+        default), after which the server cancels what is left.
     FLM_LOG_LEVEL: unset (no handler); the level of ``flm_runtime`` and ``litellm_flm`` records sent
         to stderr (``litellm_flm.configure_logging``).
 
@@ -50,6 +54,9 @@ BACKENDS = ("auto", "cpu", "npu")
 # The suffix index's default cap in tokens: at most about 3 kB a token (``speculation.suffix``: 16
 # trie nodes of at most about 190 bytes), so at most about 50 MB per DFlash engine.
 SUFFIX_CACHE_TOKENS = 16384
+# The drain's default bound in seconds: below LiteLLM's GRACEFUL_SHUTDOWN_TIMEOUT default (30 s),
+# so that the requests it cuts end with an error of ours before uvicorn cancels them.
+DRAIN_TIMEOUT_S = 25.0
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,8 @@ class Settings:
 
     Attributes (each named after its variable, ``FLM_`` and upper case dropped): ``backend``,
     ``weights``, ``kv_budget``, ``max_queue``, ``model_path``, ``models_file``, ``xclbin_path``,
-    ``prefix_cache``, ``suffix_cache_tokens``, ``host_costs``, ``threads``, ``log_level``.
+    ``prefix_cache``, ``suffix_cache_tokens``, ``host_costs``, ``threads``, ``drain_timeout_s``,
+    ``log_level``.
     """
 
     backend: str | None = None
@@ -72,6 +80,7 @@ class Settings:
     suffix_cache_tokens: str | None = None
     host_costs: str | None = None
     threads: str | None = None
+    drain_timeout_s: str | None = None
     log_level: str | None = None
 
     @classmethod
@@ -127,6 +136,25 @@ class Settings:
             raise InvalidRequestError(f"{variable('suffix_cache_tokens')} must be a non-negative integer, got {raw!r}",
                                       param=variable("suffix_cache_tokens"))
         return int(raw)
+
+    def drain_timeout(self) -> float:
+        """``FLM_DRAIN_TIMEOUT_S``: seconds, ``DRAIN_TIMEOUT_S`` when unset.
+
+        Raises:
+            InvalidRequestError: a value that is not a non-negative number of seconds (``param``
+                names the variable).
+        """
+        raw = self.drain_timeout_s
+        if raw is None:
+            return DRAIN_TIMEOUT_S
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = -1.0
+        if not 0 <= seconds < float("inf"):
+            raise InvalidRequestError(f"{variable('drain_timeout_s')} must be a non-negative number of seconds, "
+                                      f"got {raw!r}", param=variable("drain_timeout_s"))
+        return seconds
 
     def positive(self, key: str) -> int | None:
         """The field ``key`` as a positive integer, or None when unset.

@@ -8,6 +8,10 @@ Models: ``HashModel`` gives logits that are a fixed pseudo-random function of (l
 position); ``ScriptModel`` emits a given list of tokens after any prompt (the prompt ends where the
 engine first asks a cache's logits). Both own a real-looking cache (``length``, ``capacity``) and
 keep weak references to the caches they made, so tests can see a cache being freed.
+
+``FaultyModel`` wraps any model (a fake or a real one) to inject a kernel error into the passes of
+chosen sequences (``FaultAt``: one prompt's, from a position on): the engine's model is the
+injection point, no kernel is patched.
 """
 
 from __future__ import annotations
@@ -190,3 +194,50 @@ class ScriptModel(FakeModelBase):
         out = np.zeros(self.config.vocab_size, dtype=np.float32)
         out[self.script[i] if i < len(self.script) else EOS] = 10.0
         return out
+
+
+class KernelFault(RuntimeError):
+    """The error ``FaultyModel`` injects."""
+
+
+class FaultyModel:
+    """``model`` (its attributes, through ``__getattr__``) whose ``forward_batch`` fails as a kernel
+    that faults late would: when ``fail_when(ids, cache)`` holds for a sequence of the pass (its rows
+    ``[T]`` int64 and its cache before the pass), the whole pass runs, writing every row's keys and
+    values, then each cache is trimmed back to its length before the pass (the new positions hold
+    what was written, past the length) and ``KernelFault`` is raised. ``faults`` counts them."""
+
+    def __init__(self, model, fail_when):
+        self._model = model
+        self.fail_when = fail_when
+        self.faults = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def forward_batch(self, token_rows, caches, **kw) -> ForwardOutput:
+        if not any(self.fail_when(np.asarray(ids), cache) for ids, cache in zip(token_rows, caches)):
+            return self._model.forward_batch(token_rows, caches, **kw)
+        lengths = [cache.length for cache in caches]
+        self._model.forward_batch(token_rows, caches, **kw)
+        for cache, length in zip(caches, lengths):
+            cache.trim(length)
+        self.faults += 1
+        raise KernelFault("injected kernel fault")
+
+
+class FaultAt:
+    """``FaultyModel``'s ``fail_when``: the passes of the sequence whose prompt is ``prompt`` (``[P]``
+    ints) from the one that starts at position ``at`` on (0: its first prefill chunk; ``P + k``: the
+    decoding step that feeds its generated token ``k``). A sequence is known by its cache, whose
+    first pass is a chunk of its prompt at its place."""
+
+    def __init__(self, prompt, at: int):
+        self.prompt, self.at = np.asarray(prompt, dtype=np.int64), at
+        self.bad = weakref.WeakKeyDictionary()  # cache -> whether its first pass was a chunk of ``prompt``
+
+    def __call__(self, ids: np.ndarray, cache) -> bool:
+        start = cache.length
+        if cache not in self.bad:
+            self.bad[cache] = np.array_equal(ids, self.prompt[start : start + len(ids)])
+        return self.bad[cache] and start >= self.at

@@ -179,7 +179,7 @@ def test_each_request_end_logs_the_engine_stats(make_engine, tok, caplog):
     assert json.loads(stats) == engine.stats() == {
         "name": "fake", "active": 0, "queued": 0, "kv_tokens": 0, "kv_block_tokens": 16, "kv_blocks": 512,
         "kv_blocks_used": 0, "kv_bytes": 0, "kv_budget_bytes": 4 * 2048 * BYTES_PER_TOKEN, "kv_cached_bytes": 0,
-        "finished": 1, "failed": 0, "cancelled": 0, "timed_out": 0, "preempted": 0}
+        "finished": 1, "failed": 0, "cancelled": 0, "timed_out": 0, "preempted": 0, "draining": False}
 
 
 @pytest.mark.parametrize("environ, limits", [

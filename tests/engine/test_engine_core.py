@@ -9,7 +9,7 @@ import time
 import pytest
 from engine_fakes import BOT, EOS, FakeTokenizer, HashModel, ScriptModel
 
-from flm_runtime.errors import (BackendUnavailableError, ContextLengthError, EngineOverloadedError,
+from flm_runtime.errors import (BackendUnavailableError, ContextLengthError, EngineFaultError, EngineOverloadedError,
                                 InvalidRequestError, RequestTimeoutError)
 from flm_runtime.request import SamplingParams
 from flm_runtime.scheduling.handle import RequestCancelledError
@@ -225,8 +225,9 @@ def test_failing_sequence_fails_only_its_request(make_engine, tok):
     engine = make_engine(model, tok)
     bad = engine.submit([7, 1], SamplingParams(max_tokens=10))
     good = [engine.submit([8, i], SamplingParams(max_tokens=10)) for i in range(3)]
-    with pytest.raises(RuntimeError, match="injected"):
+    with pytest.raises(EngineFaultError, match="RuntimeError: injected model failure") as info:
         list(bad)
+    assert isinstance(info.value.__cause__, RuntimeError)
     assert all(h.result().completion_tokens == 10 for h in good)
     assert engine.submit([9], SamplingParams(max_tokens=3)).result().completion_tokens == 3
     assert engine.stats()["failed"] == 1 and engine.stats()["finished"] == 4
@@ -238,8 +239,9 @@ def test_a_bug_while_finishing_fails_the_request_not_the_engine(make_engine, tok
     engine = make_engine(HashModel(), tok)
     with monkeypatch.context() as m:
         m.setattr(engine_module.Sequence, "completion", lambda self: 1 / 0)
-        with pytest.raises(ZeroDivisionError):
+        with pytest.raises(EngineFaultError) as info:
             engine.submit([1], SamplingParams(max_tokens=3)).result(timeout=10)
+        assert isinstance(info.value.__cause__, ZeroDivisionError)
     assert engine.submit([1], SamplingParams(max_tokens=3)).result(timeout=10).completion_tokens == 3
     assert engine.stats()["failed"] == 1 and idle(engine)
 

@@ -16,10 +16,13 @@ CASES = [
     (rt.RequestTimeoutError("deadline of 3.0 s passed"), litellm.Timeout, 408),
     (rt.EngineOverloadedError("queue full (64 requests)"), litellm.RateLimitError, 429),
     (rt.BackendUnavailableError("npu: no device"), litellm.ServiceUnavailableError, 503),
+    (rt.EngineDrainingError("engine 'smollm2:135m' is shutting down"), litellm.ServiceUnavailableError, 503),
     (rt.ModelDownloadError("sha256 mismatch"), litellm.ServiceUnavailableError, 503),
     (rt.UnknownModelError("no model 'nope:1b'"), litellm.NotFoundError, 404),
     (rt.ModelFilesMissingError("missing model.gguf"), litellm.NotFoundError, 404),
     (rt.ModelFormatError("unsupported quant Q2_K"), litellm.BadRequestError, 400),
+    (rt.EngineFaultError("engine 'smollm2:135m' failed on this request (KernelFault: injected)"),
+     litellm.InternalServerError, 500),
     (rt.FlmError("something else"), litellm.InternalServerError, 500),
 ]
 

@@ -35,6 +35,14 @@ engine. ``stats()`` counts what is running, waiting and held.
 Prefix caching (``prefix_cache.py``): full blocks are registered under the digest of their tokens
 and reused by any later request whose prompt starts with them.
 
+Faults: a request whose step raises (a kernel error, a bug) fails alone, with an
+``EngineFaultError`` chained to what was raised, and the engine goes on: a batched forward pass
+that raises runs again one sequence at a time (``_pass``, which says why the survivors' caches are
+intact), a stepper's ``prepare`` likewise, and each sequence completes its step apart. A fault of
+no single request (every part of a pass raises alone, or the step's own code raises) fails every
+request. Shutdown: ``drain`` stops admitting (``EngineDrainingError``), lets the submitted
+requests finish within a bound, then closes with the KV pool free.
+
 Speculative decoding: an engine given a ``Stepper`` (``step.py``; ``api`` passes the
 ``SpeculativeDecoder`` of ``flm_runtime.speculation`` for a DFlash tag, which this package never
 imports) runs every sequence's decoding through it, a step as prepare -> one batched target pass ->
@@ -60,8 +68,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flm_runtime.errors import (BackendUnavailableError, EngineOverloadedError, InvalidRequestError,
-                                RequestTimeoutError)
+from flm_runtime.errors import (BackendUnavailableError, EngineDrainingError, EngineFaultError, EngineOverloadedError,
+                                FlmError, InvalidRequestError, RequestTimeoutError)
 from flm_runtime.kv_cache import KVPool, KVPoolExhausted
 from flm_runtime.request import SamplingParams
 from flm_runtime.sampling import sampler
@@ -120,8 +128,8 @@ class Engine:
             ``new_pool(positions)`` (a ``kv_cache.BlockPool``), ``new_cache(pool=) -> cache``
             (a ``kv_cache.BlockTable`` into the pool; ``cache.length``: tokens held),
             ``prefill_chunk`` (most rows of one sequence per pass) and ``forward_batch(rows,
-            caches, taps=, logit_rows=)`` (``backends.TargetModel``; it leaves the caches as
-            they were when it raises).
+            caches, taps=, logit_rows=)`` (``backends.TargetModel``; when it raises, every
+            cache's length is as it was, whatever it wrote past it: ``_pass``).
         tokenizer: implements ``token_bytes(id) -> bytes``, ``stop_token_ids`` and
             ``special_token_ids``.
         name: the model's name (thread name, stats, messages).
@@ -180,6 +188,7 @@ class Engine:
         self._active: list[Sequence] = []
         self._counts = collections.Counter()
         self._closed = False
+        self._draining: float | None = None   # the drain's bound (s) once ``drain`` was called
         self._thread = threading.Thread(target=self._run, name=f"flm-engine-{name}", daemon=True)
         self._thread.start()
 
@@ -226,6 +235,7 @@ class Engine:
             ContextLengthError: prompt tokens + ``max_tokens`` over the context length.
             KVBudgetError: the ``n`` sequences' KV caches could outgrow ``kv_budget`` even alone.
             EngineOverloadedError: ``max_queue`` requests are already waiting.
+            EngineDrainingError: the engine is draining (``drain``).
             BackendUnavailableError: the engine is closed.
         """
         prompt = self._check_prompt(prompt_ids)
@@ -252,6 +262,9 @@ class Engine:
         with self._cv:
             if self._closed:
                 raise BackendUnavailableError(f"engine {self.name!r} is closed")
+            if self._draining is not None:
+                raise EngineDrainingError(f"engine {self.name!r} is shutting down and takes no new request; "
+                                          "retry on another deployment")
             # Only requests that must wait count: those the engine thread would admit at its next
             # step (free slots and KV blocks) fill no queue place, so a burst uses every free slot.
             backlog = len(self._waiting) - self._admittable()
@@ -278,7 +291,8 @@ class Engine:
           ``kv.budget``. All 0 but the pool's size when nothing runs;
         - ``kv_cached_bytes``: the unreferenced blocks kept for their tokens (``prefix_cache``);
         - ``finished`` (ended with a finish reason), ``failed``, ``cancelled``, ``timed_out``:
-          requests so far; ``preempted``: sequences preempted so far (each resumed later).
+          requests so far; ``preempted``: sequences preempted so far (each resumed later);
+        - ``draining``: ``drain`` was called (``submit`` refuses).
         """
         with self._cv:
             return {"name": self.name, "active": len(self._active),
@@ -287,7 +301,8 @@ class Engine:
                     "kv_blocks": self.pool.n_blocks, "kv_blocks_used": self.pool.used,
                     "kv_bytes": self.pool.used * self.block_bytes, "kv_budget_bytes": self.kv.budget,
                     "kv_cached_bytes": self.pool.cached * self.block_bytes,
-                    **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out", "preempted")}}
+                    **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out", "preempted")},
+                    "draining": self._draining is not None}
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -296,9 +311,32 @@ class Engine:
         with self._cv:
             yield
 
+    def drain(self, timeout: float) -> bool:
+        """Shut down gracefully: from now on ``submit`` refuses (``EngineDrainingError``); the
+        requests already submitted, running or queued, go on for up to ``timeout`` seconds; then
+        the engine closes (``close``): those left end with ``EngineDrainingError``, and every block
+        of the KV pool is free, the prefix cache's too. Called again, it waits again.
+
+        Returns:
+            True when every request finished within ``timeout``.
+        """
+        with self._cv:
+            if self._draining is None:
+                self._draining = timeout
+            running, queued = len(self._active), sum(len(s.group) for s in self._waiting)
+            log.info("engine %r draining: %d sequences running, %d queued; up to %s s", self.name, running, queued,
+                     timeout)
+            finished = self._cv.wait_for(lambda: not (self._waiting or self._active), timeout)
+        self.close()
+        log.info("engine %r drained: %s; engine stats %s", self.name,
+                 "every request finished" if finished else f"the bound of {timeout} s cut the requests left",
+                 json.dumps(self.stats()))
+        return finished
+
     def close(self, timeout: float | None = 10.0) -> None:
         """Stop the thread (waits up to ``timeout`` s for the current step); requests still
-        waiting or running fail with ``BackendUnavailableError``."""
+        waiting or running fail with ``BackendUnavailableError`` (``EngineDrainingError`` after
+        ``drain``), and the KV pool's blocks are all free."""
         with self._cv:
             self._closed = True
             self._cv.notify()
@@ -328,8 +366,14 @@ class Engine:
             try:
                 self._step()
             except Exception as e:               # noqa: BLE001 - an engine bug: fail, don't hang
-                self._fail_all(e)
-        self._fail_all(BackendUnavailableError(f"engine {self.name!r} was closed"))
+                self._fail_all(self._fault(e, every=True))
+        if self._draining is None:
+            self._fail_all(BackendUnavailableError(f"engine {self.name!r} was closed"))
+        else:
+            self._fail_all(EngineDrainingError(f"engine {self.name!r} shut down before the request finished: "
+                                               f"it drained for {self._draining} s"))
+        with self._cv:
+            self.pool.clear_cached()  # every block is free: nothing will take a cached prefix again
 
     def _drop_waiting(self) -> None:
         """Queued requests (each choice of them) cancelled or past their deadline leave the queue."""
@@ -374,7 +418,7 @@ class Engine:
                         self._allocate(seq)
             except Exception as e:       # noqa: BLE001 - one request's failure, not the engine's
                 for seq in reversed(group):  # followers first: nothing is handed over
-                    self._end(seq, error=e)
+                    self._end(seq, error=self._fault(e))
 
     def _allocate(self, seq: Sequence) -> None:
         """A new sequence's cache (and draft state) with the blocks of its whole prompt (so that
@@ -480,7 +524,7 @@ class Engine:
     def _decode_parts(self, decoding: list[Sequence]) -> list[_Part]:
         """Each decoding sequence's rows, from its ``StepRecord``: with a stepper, from its
         ``prepare`` for all of them (if it raises, sequence by sequence, so that only the culprit
-        fails); without, ``PLAIN``."""
+        fails, with ``_fault``'s error); without, ``PLAIN``."""
         spec = self.speculative
         if spec is None or not decoding:
             records = [PLAIN] * len(decoding)
@@ -489,26 +533,53 @@ class Engine:
                 records = spec.prepare([s.lane() for s in decoding])
             except Exception as e:          # noqa: BLE001 - maybe one sequence's fault: isolate it
                 if len(decoding) == 1:
-                    self._end(decoding[0], error=e)
+                    self._end(decoding[0], error=self._fault(e))
                     return []
                 return [p for s in decoding for p in self._decode_parts([s])]
         return [_Part(s, r.rows(s.last_token), len(r.ids) + 1, r) for s, r in zip(decoding, records)]
 
     def _pass(self, parts: list[_Part]) -> list[tuple[_Part, np.ndarray, np.ndarray | None]]:
         """One batched forward pass of ``parts``: each part with its logits ``[n_logits, V]`` and
-        taps ``[T, n*E]`` (None without a decoder). If the pass raises, no cache has changed: the
-        parts run again one by one, so only the culprit fails (and is left out)."""
-        spec = self.speculative
-        taps = spec.taps if spec is not None else ()
+        taps ``[T, n*E]`` (None without a decoder).
+
+        Fault isolation: if the pass raises, the parts run again one at a time; a part that raises
+        alone fails its sequence (``_fault``'s error; ``_end`` gives its blocks back and drops its
+        draft state and processors), and the others go on with their rows' outputs alone, so each
+        emits what it emits alone. If every part raises alone, the fault is not one request's: it
+        propagates, and ``_run`` fails every request.
+
+        What a pass that raised leaves behind: no cache's length has changed (``forward_batch``'s
+        contract: the model commits the new positions last), so no later pass reads what it wrote;
+        it may have written keys and values at positions past a cache's length, in the blocks
+        reserved for them. Those blocks are the cache's own: a block shared between caches (a
+        prefix-cache block, a forked choice's prompt) is full, every position of it below the
+        length. The retry writes the same positions again, and a failed sequence's blocks go back
+        to the pool unregistered, so nothing a raised pass wrote is ever read.
+        """
         try:
-            out = self.model.forward_batch([p.ids for p in parts], [p.seq.cache for p in parts], taps=taps,
-                                           logit_rows=[p.n_logits for p in parts])
+            return self._forward(parts)
         except Exception as e:          # noqa: BLE001 - maybe one sequence's fault: isolate it
             if len(parts) == 1:
-                self._end(parts[0].seq, error=e)
+                self._end(parts[0].seq, error=self._fault(e))
                 return []
-            return [output for p in parts for output in self._pass([p])]
-        logits, tapped = out  # [sum n_logits, V], [R, n*E] or None
+            outputs, failed = [], []
+            for part in parts:
+                try:
+                    outputs += self._forward([part])
+                except Exception as alone:  # noqa: BLE001 - this sequence's fault
+                    failed.append((part, alone))
+            if len(failed) == len(parts):
+                raise
+            for part, alone in failed:
+                self._end(part.seq, error=self._fault(alone))
+            return outputs
+
+    def _forward(self, parts: list[_Part]) -> list[tuple[_Part, np.ndarray, np.ndarray | None]]:
+        """The model's pass over ``parts``, its outputs split by part (``_pass``)."""
+        spec = self.speculative
+        taps = spec.taps if spec is not None else ()
+        logits, tapped = self.model.forward_batch([p.ids for p in parts], [p.seq.cache for p in parts], taps=taps,
+                                                  logit_rows=[p.n_logits for p in parts])  # [sum n_logits, V], [R, n*E]
         logit_end, row_end = np.cumsum([p.n_logits for p in parts]), np.cumsum([len(p.ids) for p in parts])
         return [(p, logits[le - p.n_logits : le], tapped[re - len(p.ids) : re] if taps else None)
                 for p, le, re in zip(parts, logit_end, row_end)]
@@ -538,13 +609,14 @@ class Engine:
             seq.lane().decode_plain(logits[0])
 
     def _advance(self, seq: Sequence, step) -> None:
-        """Run ``step()`` for ``seq``; retire it when it finished, fail it alone when it raised."""
+        """Run ``step()`` for ``seq``; retire it when it finished, fail it alone when it raised
+        (``_fault``'s error)."""
         try:
             step()
             if seq.final is not None:
                 self._end(seq)
         except Exception as e:           # noqa: BLE001 - fail this request, keep serving others
-            self._end(seq, error=e)
+            self._end(seq, error=self._fault(e))
 
     def _abort_if_needed(self, seq: Sequence, now: float) -> bool:
         """End ``seq`` if its caller cancelled it or its deadline passed; True if it ended."""
@@ -592,11 +664,25 @@ class Engine:
                 seq.handle.end(None, None, error)
                 self._counts[count] += 1
             seq.spec = None
+            self._cv.notify_all()  # ``drain`` waits for the last one
             if log.isEnabledFor(logging.INFO):
                 log.info("request %s; engine stats %s", "finished" if error is None else count,
                          json.dumps(self.stats()))
         if error is None and self.speculative is not None:  # after the caller was told: it need not wait
             self.speculative.finish(seq.prompt_ids, np.asarray(seq.generated_ids, dtype=np.int64))
+
+    def _fault(self, error: Exception, every: bool = False) -> FlmError:
+        """The error a request the engine failed on ends with: a typed one as it is; anything else
+        (a kernel's error, a bug) as an ``EngineFaultError`` naming it, chained to it. ``every``:
+        the fault was not one request's (``_pass``), so every request ends with it."""
+        if isinstance(error, FlmError):
+            return error
+        what = f"{type(error).__name__}: {error}"
+        fault = EngineFaultError(
+            f"engine {self.name!r} failed in a step, on no single request of it, and ends every request ({what})"
+            if every else f"engine {self.name!r} failed on this request ({what}); it goes on serving the others")
+        fault.__cause__ = error
+        return fault
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:
