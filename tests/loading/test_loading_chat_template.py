@@ -85,7 +85,7 @@ NAMED_ESCAPES = {
     "{{ messages.__class__ }}": "__class__",
     "{{ cycler.__init__.__globals__.os }}": "__globals__",
     "{{ self._TemplateReference__context }}": "_TemplateReference__context",
-    "{{ range.__subclasses__() }}": "__subclasses__",
+    "{{ dict.__subclasses__() }}": "__subclasses__",
     "{{ joiner['__init__'] }}": "__init__",
     "{{ namespace | attr('__init__') }}": "__init__",
     "{% for m in messages %}{{ m.content }}{% endfor %}\n{{ lipsum.__globals__['os'].popen('id').read() }}": "__globals__",
