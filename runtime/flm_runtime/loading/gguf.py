@@ -286,7 +286,7 @@ def _parse(buf: mmap.mmap) -> GGUFFile:
         if name in names:
             raise ValueError(f"tensor {name!r} appears twice")
         names.add(name)
-        if offset % alignment:
+        if offset % alignment:  # gguf.md: "Must be a multiple of ALIGNMENT"
             raise ValueError(f"tensor {name!r}: its data offset {offset} is not a multiple of the alignment {alignment}")
         tensors.append(GGUFTensor(name, qtype, shape, _tensor_data(buf, start + offset, qtype, shape, name)))
     return GGUFFile(metadata, tensors)
@@ -402,7 +402,7 @@ def _converted_parts(tensors: dict[str, GGUFTensor], order: list[str], config: L
         data = tensors[name].data
         tensor = _in_hf_order(name, tensors[name], config, family, True)  # q/k: the whole tensor read once, reordered
         rows = data.shape[0]
-        step = rows if source.ndim != 2 else max(quant.TILE, _SLICE_WEIGHTS // tensor.shape[0] // quant.TILE
+        step = rows if data.ndim != 2 else max(quant.TILE, _SLICE_WEIGHTS // tensor.shape[0] // quant.TILE
                                                   * quant.TILE)
         for first in range(0, rows, step):
             yield name, first, _converted(_rows(tensor, first, first + step), kind, source)
