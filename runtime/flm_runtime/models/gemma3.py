@@ -103,8 +103,11 @@ class Gemma3(Llama):
         values = super().gguf_values(meta)
         n, window = values["num_hidden_layers"], meta.count("attention.sliding_window", 0, least=0)
         pattern = meta.key("attention.sliding_window_pattern", _PATTERN)
-        sliding = (list(map(bool, pattern)) if isinstance(pattern, list)
-                   else [(i + 1) % meta.count("attention.sliding_window_pattern", _PATTERN) != 0 for i in range(n)])
+        if isinstance(pattern, list):
+            sliding = list(map(bool, pattern))
+        else:
+            period = meta.count("attention.sliding_window_pattern", _PATTERN)
+            sliding = [(i + 1) % period != 0 for i in range(n)]
         if len(sliding) != n:
             raise ModelFormatError(f"{meta.source}: gemma3.attention.sliding_window_pattern has {len(sliding)} "
                                    f"layers, the model {n}")
