@@ -1,12 +1,14 @@
-"""Chat template rendering: HF-compatible environment, content parts, errors, no template."""
+"""Chat template rendering: HF-compatible environment, content parts, errors, no template, the sandbox."""
 
 from __future__ import annotations
 
 import datetime
 
 import pytest
+from tiny_llama_files import random_hf_weights, tiny_config, write_tiny_gguf, write_tiny_hf_dir
 
 from flm_runtime.errors import InvalidRequestError, ModelFormatError, NoChatTemplateError
+from flm_runtime.loading import load_model_files
 from flm_runtime.loading.chat_template import check_chat_template, render_chat_template
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -124,3 +126,14 @@ def test_single_underscore_keys_of_a_mapping_are_the_templates_to_read():
     template = "{{ messages[0]['_note'] }}|{% set ns = namespace(n=1) %}{{ ns.n }}"
     check_chat_template(template, "m.gguf")
     assert render_chat_template(template, [{"role": "user", "content": "", "_note": "kept"}]) == "kept|1"
+
+
+def test_a_model_whose_template_names_an_escape_is_refused_at_load_from_either_format(tmp_path):
+    config, template = tiny_config(), "{{ cycler.__init__.__globals__.os.popen('id').read() }}"
+    weights = random_hf_weights(config)
+    for path in (write_tiny_gguf(tmp_path / "t.gguf", config, weights, chat_template=template),
+                 write_tiny_hf_dir(tmp_path / "hf", config, weights, chat_template=template)):
+        with pytest.raises(ModelFormatError) as info:
+            load_model_files(path)
+        assert str(info.value) == (f"{path}: the chat template reads attribute '__globals__' (line 1), "
+                                   "which its sandbox refuses")
