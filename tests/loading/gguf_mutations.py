@@ -197,7 +197,6 @@ def _bad_utf8(data: bytes, span: Span) -> Iterator[tuple[str, bytes]]:
 
 def _kv_cases(data: bytes, lay: Layout) -> Iterator[Case]:
     kvs = lay.kvs
-    arch = kvs["general.architecture"]
     for key in ("general.architecture", "tokenizer.ggml.model", "tokenizer.chat_template", "llama.block_count"):
         kv = kvs[key]
         for n in (2**40, _U64_MAX):
@@ -208,10 +207,10 @@ def _kv_cases(data: bytes, lay: Layout) -> Iterator[Case]:
             yield Case(f"value-type-{t}:{key}", patched(data, kv.type, _u(kv.type, t)))
     for key in ("general.architecture", "tokenizer.ggml.model", "tokenizer.chat_template"):
         kv = kvs[key]
-        s = kv.str_len
-        for n in (s and int.from_bytes(data[s.start:s.end], "little") + 1, len(data), 2**63, _U64_MAX):
-            yield Case(f"string-length-{n}:{key}", patched(data, s, _u(s, n)))
-        for name, bad in _bad_utf8(data, Span(s.end, kv.value.end)):
+        length = kv.str_len
+        for n in (int.from_bytes(data[length.start:length.end], "little") + 1, len(data), 2**63, _U64_MAX):
+            yield Case(f"string-length-{n}:{key}", patched(data, length, _u(length, n)))
+        for name, bad in _bad_utf8(data, Span(length.end, kv.value.end)):
             yield Case(f"string-utf8-{name}:{key}", bad)
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
         kv = kvs[key]
@@ -234,7 +233,7 @@ def _kv_cases(data: bytes, lay: Layout) -> Iterator[Case]:
     keys = list(kvs)
     for first, later in [(a, b) for i, a in enumerate(keys) for b in keys[i + 1:] if len(a) == len(b)][:3]:
         yield Case(f"key-duplicate:{later}->{first}", patched(data, kvs[later].key_bytes, first.encode()))
-    block_count = kvs[f"{arch_name(data, arch)}.block_count"]
+    block_count = kvs["llama.block_count"]
     assert len("general.alignment") == len(block_count.key)
     as_alignment = patched(data, block_count.key_bytes, b"general.alignment")
     for a in (0, 3, 48, 2**31):
@@ -248,18 +247,13 @@ def _kv_cases(data: bytes, lay: Layout) -> Iterator[Case]:
         kv = kvs[key]
         for v in values:
             yield Case(f"value-{v}:{key}", patched(data, kv.value, _u(kv.value, v)))
-        for t in (GGUFValueType.FLOAT32, GGUFValueType.INT32):
-            as_int32 = patched(data, kv.value, struct.pack("<i", -1)) if t == GGUFValueType.INT32 else data
-            yield Case(f"value-type-{t.name}:{key}", patched(as_int32, kv.type, _u(kv.type, t)))
+        yield Case(f"value-type-FLOAT32:{key}", patched(data, kv.type, _u(kv.type, GGUFValueType.FLOAT32)))
+        negative = patched(data, kv.value, struct.pack("<i", -1))
+        yield Case(f"value-int32-negative:{key}", patched(negative, kv.type, _u(kv.type, GGUFValueType.INT32)))
     for key, zero in (("llama.rope.freq_base", True), ("llama.attention.layer_norm_rms_epsilon", False)):
         kv = kvs[key]
         for name, v in (("nan", math.nan), ("inf", math.inf), ("negative", -1.0), *([("zero", 0.0)] if zero else [])):
             yield Case(f"value-{name}:{key}", patched(data, kv.value, struct.pack("<f", v)))
-
-
-def arch_name(data: bytes, arch: KV) -> str:
-    """The value of the ``general.architecture`` key/value ``arch``."""
-    return data[arch.str_len.end:arch.value.end].decode()
 
 
 # Tensor types no GGUF defines (4 and 5 were Q4_2 and Q4_3, long removed).
@@ -291,9 +285,8 @@ def _tensor_cases(data: bytes, lay: Layout) -> Iterator[Case]:
         for name, n in (("misaligned", offset + 1), ("file-size", len(data)), ("past-end", len(data) - lay.data_start),
                         ("2**63", 2**63), ("u64-max", _U64_MAX)):
             yield Case(f"offset-{name}:{t.name}", patched(data, t.offset, _u(t.offset, n)))
-    if len(embd.shape) == 2:  # fewer embedding rows than the vocabulary has tokens
-        for rows in (embd.shape[1] - 1, embd.shape[1] // 2):
-            yield Case(f"vocab-{embd.shape[1]}-embedding-rows-{rows}", patched(data, embd.dims[1], _u(embd.dims[1], rows)))
+    for rows in (embd.shape[1] - 1, embd.shape[1] // 2):  # fewer embedding rows than the vocabulary has tokens
+        yield Case(f"vocab-{embd.shape[1]}-embedding-rows-{rows}", patched(data, embd.dims[1], _u(embd.dims[1], rows)))
     for first in ("blk.0.attn_q.weight", "blk.0.ffn_norm.weight"):  # renamed from blk.1's
         later = lay.tensors[first.replace("blk.0", "blk.1")]
         yield Case(f"tensor-duplicate:{first}", patched(data, later.name_bytes, first.encode()))
