@@ -105,9 +105,11 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f3
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ModelFormatError: not a GGUF file, an architecture we do not run, a feature of it we do
-            not (mixture of experts, partial rotary, a RoPE scaling type), an unsupported
-            quantization type or tensor, or shapes inconsistent with the metadata; each named.
+        ModelFormatError: not a readable GGUF file (``open_gguf``), an architecture we do not
+            run, a feature of it we do not (mixture of experts, partial rotary, a RoPE scaling
+            type), a config value of the wrong type or out of range, an unsupported quantization
+            type or tensor, shapes inconsistent with the metadata (checked before any tensor is
+            converted), or a weight that is not finite; each named.
     """
     # Deferred: the registry imports this package (chat templates), and importing the provider
     # must load no kernel, which the families' layer types would (tests/test_public_api.py).
