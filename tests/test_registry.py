@@ -294,6 +294,18 @@ def test_a_dflash_entry_with_an_unknown_base_fails_when_resolved(isolated):
      "got ThinkingFormat(switch='enable_thinking', start='<t>', end='<t>')"),
     ("smollm2:135m: {path: /x.gguf, weights: q3}\n", "smollm2:135m",
      "weights: Input should be 'auto', 'q4', 'q8' or 'f32'"),
+    # values of the wrong type
+    ("x:1b: {path: 42}\n", "x:1b", "path: expected a path (a string), got int 42"),
+    ("x:1b: {path: [/a, /b]}\n", "x:1b", "path: expected a path (a string), got list ['/a', '/b']"),
+    ("x-dflash:1b: {base: x:1b, draft: {dir: /d}}\n", "x-dflash:1b",
+     "draft_dir: expected a path (a string), got dict {'dir': '/d'}"),
+    ("x:1b: {path: /x.gguf, context_length: eight}\n", "x:1b",
+     "context_length: Input should be a valid integer, unable to parse string as an integer"),
+    ("x:1b: {path: /x.gguf, description: [a]}\n", "x:1b", "description: Input should be a valid string"),
+    ("x:1b: {path: /x.gguf, thinking: <think>}\n", "x:1b",
+     "thinking: Input should be a dictionary or an instance of ThinkingFormat"),
+    ("x:1b: {path: /x.gguf, size: many}\n", "x:1b", "files.0.size: Input should be a valid integer, unable to parse "
+     "string as an integer"),
 ])
 def test_an_invalid_user_entry_is_logged_and_skipped_and_its_tag_names_the_key(isolated, caplog, text, tag, why):
     """One bad entry leaves every other tag served; the bad tag (a built-in one included: the

@@ -334,7 +334,14 @@ def builtin_entries() -> list[ModelEntry]:
 
 # --- user specs (models file, entry points) -> entries ----------------------------------------
 
-def _abs(p: Any, base_dir: Path) -> Path:
+def _abs(p: Any, base_dir: Path, key: str) -> Path:
+    """The path ``p`` (the value of ``key``) made absolute from ``base_dir``.
+
+    Raises:
+        ValueError: ``p`` is not a path (a string), naming ``key``.
+    """
+    if not isinstance(p, (str, os.PathLike)):
+        raise ValueError(f"{key}: expected a path (a string), got {type(p).__name__} {p!r}")
     path = Path(os.fspath(p)).expanduser()
     return path if path.is_absolute() else (base_dir / path).resolve()
 
@@ -358,11 +365,11 @@ def entry_from_spec(tag: str, spec: Any, *, origin: str, base_dir: Path) -> Mode
     if "draft" in fields:
         fields["draft_dir"] = fields.pop("draft")
     if fields.get("draft_dir") is not None:
-        fields["draft_dir"] = _abs(fields["draft_dir"], base_dir)
+        fields["draft_dir"] = _abs(fields["draft_dir"], base_dir, "draft_dir")
         fields.setdefault("draft_files", [{"name": n} for n in DRAFT_FILES])
     sha256, size = fields.pop("sha256", None), fields.pop("size", None)
     if fields.get("path") is not None:
-        path = fields["path"] = _abs(fields["path"], base_dir)
+        path = fields["path"] = _abs(fields["path"], base_dir, "path")
         fmt = fields["format"] = fields.get("format") or _guess_format(path)
         if "files" in fields and (sha256 is not None or size is not None):
             raise ValueError("give sha256/size inside files, or files not at all")

@@ -1,13 +1,15 @@
-"""Chat template rendering: HF-compatible environment, content parts, errors, no template."""
+"""Chat template rendering: HF-compatible environment, content parts, errors, no template, the sandbox."""
 
 from __future__ import annotations
 
 import datetime
 
 import pytest
+from tiny_llama_files import random_hf_weights, tiny_config, write_tiny_gguf, write_tiny_hf_dir
 
-from flm_runtime.errors import InvalidRequestError, NoChatTemplateError
-from flm_runtime.loading.chat_template import render_chat_template
+from flm_runtime.errors import InvalidRequestError, ModelFormatError, NoChatTemplateError
+from flm_runtime.loading import load_model_files
+from flm_runtime.loading.chat_template import check_chat_template, render_chat_template
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 CHATML = ("{% for message in messages %}"
@@ -78,6 +80,60 @@ def test_syntax_error_and_type_error_become_invalid_request():
         render_chat_template("{{ messages[0].content + 1 }}", MESSAGES)
 
 
-def test_sandbox_blocks_attribute_escapes():
-    with pytest.raises(InvalidRequestError):
-        render_chat_template("{{ messages.__class__.__mro__[1].__subclasses__() }}", MESSAGES)
+# Templates that name an attribute outside the sandbox outright: refused at load (the attribute
+# named), and at render too.
+NAMED_ESCAPES = {
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}": "__subclasses__",  # the outermost first
+    "{{ messages.__class__ }}": "__class__",
+    "{{ cycler.__init__.__globals__.os }}": "__globals__",
+    "{{ self._TemplateReference__context }}": "_TemplateReference__context",
+    "{{ dict.__subclasses__() }}": "__subclasses__",
+    "{{ joiner['__init__'] }}": "__init__",
+    "{{ namespace | attr('__init__') }}": "__init__",
+    "{% for m in messages %}{{ m.content }}{% endfor %}\n{{ lipsum.__globals__['os'].popen('id').read() }}": "__globals__",
+}
+
+
+@pytest.mark.parametrize("template, attribute", NAMED_ESCAPES.items())
+def test_a_template_naming_an_attribute_outside_the_sandbox_is_refused_at_load_and_at_render(template, attribute):
+    with pytest.raises(ModelFormatError) as info:
+        check_chat_template(template, "m.gguf")
+    line = template.count("\n") + 1
+    assert str(info.value) == f"m.gguf: the chat template reads attribute {attribute!r} (line {line}), which its sandbox refuses"
+    with pytest.raises(ModelFormatError, match="^m.gguf: the chat template reached outside its sandbox: "):
+        render_chat_template(template, MESSAGES, template_source="m.gguf")
+
+
+# Templates that reach outside the sandbox only when they run: a computed name, str.format, a
+# method that modifies its object. Jinja alone renders the first two as empty strings.
+RUNTIME_ESCAPES = {
+    "{{ messages | attr('_' ~ '_class__') }}": "access to attribute '__class__' of 'list' object is unsafe",
+    "{% set name = '__cla' ~ 'ss__' %}{{ messages[name] }}": "access to attribute '__class__' of 'list' object is unsafe",
+    "{{ '{0.__class__}'.format(messages) }}": "access to attribute '__class__' of 'list' object is unsafe",
+    "{{ messages.append(1) }}": "access to attribute 'append' of 'list' object is unsafe",
+}
+
+
+@pytest.mark.parametrize("template, why", RUNTIME_ESCAPES.items())
+def test_a_template_reaching_outside_the_sandbox_at_render_is_refused(template, why):
+    check_chat_template(template, "m.gguf")  # nothing named outright
+    with pytest.raises(ModelFormatError) as info:
+        render_chat_template(template, MESSAGES, template_source="m.gguf")
+    assert str(info.value) == f"m.gguf: the chat template reached outside its sandbox: {why}"
+
+
+def test_single_underscore_keys_of_a_mapping_are_the_templates_to_read():
+    template = "{{ messages[0]['_note'] }}|{% set ns = namespace(n=1) %}{{ ns.n }}"
+    check_chat_template(template, "m.gguf")
+    assert render_chat_template(template, [{"role": "user", "content": "", "_note": "kept"}]) == "kept|1"
+
+
+def test_a_model_whose_template_names_an_escape_is_refused_at_load_from_either_format(tmp_path):
+    config, template = tiny_config(), "{{ cycler.__init__.__globals__.os.popen('id').read() }}"
+    weights = random_hf_weights(config)
+    for path in (write_tiny_gguf(tmp_path / "t.gguf", config, weights, chat_template=template),
+                 write_tiny_hf_dir(tmp_path / "hf", config, weights, chat_template=template)):
+        with pytest.raises(ModelFormatError) as info:
+            load_model_files(path)
+        assert str(info.value) == (f"{path}: the chat template reads attribute '__globals__' (line 1), "
+                                   "which its sandbox refuses")

@@ -92,7 +92,10 @@ def write_tiny_gguf(path: Path, config: LlamaConfig, weights: dict[str, np.ndarr
     """
     writer = llama_gguf_writer(path, config, arch=arch, pre=pre, chat_template=chat_template)
     for key, value in (extra_kv or {}).items():
-        writer.add_key_value(key, value[0], value[1])
+        if key == gguf.Keys.General.ALIGNMENT:  # the writer aligns the tensors' offsets to it too
+            writer.add_custom_alignment(value[0])
+        else:
+            writer.add_key_value(key, value[0], value[1])
     for name, w in weights.items():
         if name.endswith("q_proj.weight"):
             w = hand_permute(w, config.num_attention_heads)

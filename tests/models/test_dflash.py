@@ -16,7 +16,7 @@ from test_quantized import TINY_Q
 from flm_runtime.backends import forward
 from flm_runtime.kernels import quant
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
+from flm_runtime.models.dflash import DFlashConfig, DFlashDraft, read_config
 from flm_runtime.models.causal_lm import LlamaModel
 
 
@@ -190,6 +190,25 @@ def test_config_ignores_unknown_keys_and_names_problems():
     del no_mask["mask_token_id"]
     with pytest.raises(ValueError, match="mask_token_id"):
         DFlashConfig.from_dict(no_mask)
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("block_size", "eight", "key 'block_size' is 'eight', expected an integer"),
+    ("block_size", 8.0, "key 'block_size' is 8.0, expected an integer"),
+    ("num_hidden_layers", True, "key 'num_hidden_layers' is True, expected an integer"),
+    ("target_layer_ids", 3, "key 'target_layer_ids' is 3, expected a list of integers"),
+    ("target_layer_ids", ["1", 2], "key 'target_layer_ids' is ['1', 2], expected a list of integers"),
+    ("rope_theta", "1e4", "key 'rope_theta' is '1e4', expected a number"),
+    ("hidden_size", {"value": 64}, "key 'hidden_size' is {'value': 64}, expected an integer"),
+    ("architecture", ["dflash-llama"], "key 'architecture' is ['dflash-llama'], expected a string"),
+    ("training", "notes", "key 'training' is 'notes', expected an object"),
+])
+def test_a_config_value_of_the_wrong_type_is_a_format_error_naming_the_key(tmp_path, key, value, why):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(draft_config_dict(TINY, **{key: value})))
+    with pytest.raises(ModelFormatError) as info:
+        read_config(path)
+    assert str(info.value) == f"{path}: {why}"
 
 
 def test_an_8_bit_draft_is_batch_invariant_and_near_the_float32_draft(tmp_path):

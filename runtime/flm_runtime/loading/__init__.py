@@ -19,7 +19,7 @@ from pathlib import Path
 
 from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.loading.gguf import load_gguf
+from flm_runtime.loading.gguf import load_gguf, open_gguf
 from flm_runtime.loading.safetensors_loader import load_hf_dir
 from flm_runtime.loading.tokenizer import Tokenizer
 from flm_runtime.loading.weights import Weight, weight_kind
@@ -74,8 +74,9 @@ def load_model_files(path: str | Path, weights: str | None = None, keep: Path | 
 
 
 def _load_gguf(path: Path, kind: str, keep: Path | None) -> ModelBundle:
-    model = load_gguf(path, weights=kind, keep=keep)
-    tokenizer = Tokenizer.from_gguf(model.metadata, source=str(path))
+    header = open_gguf(path)
+    tokenizer = Tokenizer.from_gguf(header.metadata, source=str(path))  # refused before a weight is converted
+    model = load_gguf(path, weights=kind, keep=keep, gguf_file=header)
     _check_vocab(model.config, tokenizer, path)
     return ModelBundle(model.config, model.weights, tokenizer, path)
 

@@ -10,6 +10,14 @@ A model without a template is a base model (``gemma3:270m``): there is no prompt
 training taught it, so rendering raises ``NoChatTemplateError`` rather than guess one; such a model
 continues text (a text completion).
 
+The sandbox is Jinja's: a template reaches no attribute whose name starts with an underscore
+(``''.__class__.__mro__``, ``cycler.__init__.__globals__``, ``self._TemplateReference__context``),
+no function's or frame's internals and no method that modifies its object. A template that names
+such an attribute outright is refused when the model loads (``check_chat_template``); one that
+reaches one at render time (through the ``attr`` filter, ``str.format`` or a computed name) is
+refused then, where Jinja alone would render an empty string. Both are ``ModelFormatError``s: the
+model's files are at fault, not the request.
+
 A template that reads an ``enable_thinking`` variable (Qwen3's, Nemotron's) has a thinking switch:
 ``thinking_format`` says so, with the markers that enclose the model's thinking in its output
 (``ThinkingFormat``; a registry entry may declare other ones).
@@ -26,9 +34,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.meta
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from flm_runtime.errors import InvalidRequestError, NoChatTemplateError
+from flm_runtime.errors import InvalidRequestError, ModelFormatError, NoChatTemplateError
 
 # How the text parts of one OpenAI content list are joined (vLLM's "string" content format does
 # the same); a text-only model has no better place for part boundaries.
@@ -54,9 +63,17 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       separators=separators, sort_keys=sort_keys)
 
 
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, refusing an unsafe attribute where it is read: Jinja gives an
+    undefined value instead, which renders as an empty string until it is used."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+
 @functools.lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _StrictSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -92,6 +109,34 @@ def template_variables(source: str) -> frozenset[str]:
     except jinja2.TemplateSyntaxError as e:
         raise InvalidRequestError(f"the model's chat template is invalid: {e}",
                                   param="messages") from e
+
+
+def check_chat_template(template: str | None, source: str) -> None:
+    """Refuse a template that names an attribute outside the sandbox: ``x.__y``/``x._y``, or
+    ``x['__y']`` and ``x | attr('_y')``, which the sandbox never grants (module docstring). A template
+    that does not compile is left to rendering, which says why.
+
+    Raises:
+        ModelFormatError: naming ``source`` (the model's file), the attribute and its line.
+    """
+    if not template:
+        return
+    try:
+        tree = _environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return
+    for node in tree.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem, jinja2.nodes.Filter)):
+        if isinstance(node, jinja2.nodes.Getattr):
+            name = node.attr
+        elif isinstance(node, jinja2.nodes.Getitem):
+            name = node.arg.value if isinstance(node.arg, jinja2.nodes.Const) and isinstance(node.arg.value, str) else ""
+            name = name if name.startswith("__") else ""  # a mapping's own key may start with one underscore
+        else:
+            args = node.args[:1] if node.name == "attr" else []
+            name = args[0].value if args and isinstance(args[0], jinja2.nodes.Const) and isinstance(args[0].value, str) else ""
+        if name.startswith("_"):
+            raise ModelFormatError(f"{source}: the chat template reads attribute {name!r} (line {node.lineno}), "
+                                   "which its sandbox refuses")
 
 
 THINKING_SWITCH = "enable_thinking"
@@ -136,6 +181,7 @@ def render_chat_template(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    template_source: str = "the model",
     **extra: Any,
 ) -> str:
     """Render ``messages`` into the prompt text the model was trained on.
@@ -148,6 +194,7 @@ def render_chat_template(
             becomes ``""``; other keys (``name``, ``tool_calls`` ...) pass through unchanged.
         add_generation_prompt: end with the header of an assistant turn.
         bos_token, eos_token: the tokens' text, as templates expect them.
+        template_source: the model's file the template is from, for error messages.
         **extra: more template variables (``tools``, ``enable_thinking`` ...).
 
     Returns:
@@ -157,6 +204,7 @@ def render_chat_template(
         NoChatTemplateError: no ``template`` (a base model).
         InvalidRequestError: (``param="messages"``) malformed messages, a non-text content part,
             or the template rejected the conversation (its own message is kept).
+        ModelFormatError: the template reached outside its sandbox (naming ``template_source``).
     """
     if not template:
         raise NoChatTemplateError()
@@ -166,6 +214,8 @@ def render_chat_template(
                    bos_token=bos_token, eos_token=eos_token)
     try:
         return compiled.render(**context)
+    except SecurityError as e:
+        raise ModelFormatError(f"{template_source}: the chat template reached outside its sandbox: {e}") from e
     except (jinja2.TemplateError, TypeError) as e:
         # TypeError: the template did arithmetic on a missing or non-string field.
         raise InvalidRequestError(f"chat template error: {e}", param="messages") from e

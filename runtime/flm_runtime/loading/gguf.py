@@ -41,6 +41,7 @@ Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections.abc import Iterator
@@ -56,7 +57,7 @@ from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading import converted
-from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_weights
+from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_shapes, check_weights
 
 if TYPE_CHECKING:
     from flm_runtime.models.llama import Llama
@@ -81,7 +82,7 @@ class GGUFModel(NamedTuple):
 
 
 def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f32",
-              keep: Path | None = None) -> GGUFModel:
+              keep: Path | None = None, gguf_file: GGUFFile | None = None) -> GGUFModel:
     """Read a GGUF file of one of our families into Hugging Face weights, its config and its
     metadata.
 
@@ -94,6 +95,7 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f3
         keep: a directory where converted weights are kept (``flm_runtime.loading.converted``):
             the weights are mapped from there when kept for this file and kind, else converted
             and kept. Not for ``f32`` (four times the file's size) or raw Q/K rows.
+        gguf_file: ``open_gguf(path)`` when the caller has it already (it is not read again).
 
     Returns:
         ``GGUFModel(config, weights, metadata)``; the weights are copy-on-write maps of the kept
@@ -103,24 +105,29 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f3
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ModelFormatError: not a GGUF file, an architecture we do not run, a feature of it we do
-            not (mixture of experts, partial rotary, a RoPE scaling type), an unsupported
-            quantization type or tensor, or shapes inconsistent with the metadata; each named.
+        ModelFormatError: not a readable GGUF file (``open_gguf``), an architecture we do not
+            run, a feature of it we do not (mixture of experts, partial rotary, a RoPE scaling
+            type), a config value of the wrong type or out of range, an unsupported quantization
+            type or tensor, shapes inconsistent with the metadata (checked before any tensor is
+            converted), or a weight that is not finite; each named.
     """
     # Deferred: the registry imports this package (chat templates), and importing the provider
     # must load no kernel, which the families' layer types would (tests/test_public_api.py).
     from flm_runtime.models import families
 
-    gguf_file = open_gguf(path)
+    gguf_file = gguf_file or open_gguf(path)
     metadata = gguf_file.metadata
     family = families.for_gguf(metadata, str(path))
     config = config_from_gguf(gguf_file, family, source=str(path))
+    expected = family.checkpoint_shapes(config)
+    check_shapes(expected, {family.hf_name(t.name, str(path)): tuple(reversed(t.shape)) for t in gguf_file.tensors
+                            if t.name not in ROPE_TENSORS}, str(path))  # before converting anything
     path, keep = Path(path), keep if unpermute_qk and weights != "f32" else None
     tensors = converted.load(keep, path, weights) if keep is not None else None
     if tensors is None:
         tensors = load_gguf_weights(gguf_file, config, family, unpermute_qk=unpermute_qk, kind=weights,
                                     source=str(path), keep=None if keep is None else (keep, path))
-    check_weights(family.checkpoint_shapes(config), tensors, source=str(path))
+    check_weights(expected, tensors, source=str(path))
     return GGUFModel(config, tensors, metadata)
 
 
@@ -161,16 +168,24 @@ _ELEMENT_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F1
                    GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
                    GGMLQuantizationType.I64: np.int64}
 _SUPPORTED_VERSIONS = (2, 3)  # gguf-py's reader's; version 1 used 32-bit lengths
+_VALUE_TYPES = frozenset(t.value for t in GGUFValueType)
+_TENSOR_TYPES = frozenset(t.value for t in GGMLQuantizationType if t in GGML_QUANT_SIZES)
+_MAX_DIMS = 4  # GGML_MAX_DIMS: ggml's tensors have at most four dimensions
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
     """Memory-map a GGUF file (read-only) and parse its header: metadata and tensor table.
     Little-endian files only (llama.cpp's; a big-endian file is refused, not misread).
 
+    Every count and length is checked against the bytes left in the file before anything is read
+    or allocated for it, so a hostile header costs no more memory than the file's size.
+
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ModelFormatError: the file is not a readable GGUF (bad magic, version, byte order,
-            truncated, a duplicate tensor name, tensor data beyond the end of the file).
+        ModelFormatError: the file is not a readable GGUF (bad magic, version, byte order, a
+            count, length, value type, tensor type or dimension out of range, a string that is not
+            UTF-8, a duplicate key or tensor name, a tensor's data misaligned or beyond the end of
+            the file), naming the file and the key or tensor.
     """
     path = Path(path)
     if not path.is_file():
@@ -179,66 +194,93 @@ def open_gguf(path: str | Path) -> GGUFFile:
         with path.open("rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays mapped while a view lives
         return _parse(mapped)
-    except (ValueError, struct.error, UnicodeDecodeError, OverflowError, OSError) as e:
-        # an empty file (mmap), a short read (struct), a bad enum value or size (ValueError)
+    except (ValueError, OSError) as e:  # an empty file (mmap), or _parse's refusal
         raise ModelFormatError(f"{path}: not a readable GGUF file ({e})") from e
 
 
 class _Cursor:
-    """Reads GGUF's little-endian values from ``buf`` forward from ``pos``."""
+    """Reads GGUF's little-endian values from ``buf`` forward from ``pos``; each read is checked
+    against the bytes left first (ValueError naming ``what`` was read)."""
 
     def __init__(self, buf: mmap.mmap) -> None:
         self.buf, self.pos = buf, 0
 
-    def scalar(self, fmt: str) -> Any:
+    def need(self, n: int, what: str) -> None:
+        left = len(self.buf) - self.pos
+        if n > left:
+            raise ValueError(f"{what}: {n} bytes needed at offset {self.pos}, {left} left in the file")
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        size = struct.calcsize(fmt)
+        self.need(size, what)
         (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
+        self.pos += size
         return value
 
-    def string(self) -> str:
-        n = self.scalar("<Q")
-        end = self.pos + n
-        if end > len(self.buf):
-            raise ValueError(f"a string of {n} bytes runs past the end of the file")
-        text = self.buf[self.pos:end].decode("utf-8")
-        self.pos = end
+    def string(self, what: str) -> str:
+        n = self.scalar("<Q", f"{what}, its length")
+        self.need(n, what)
+        try:
+            text = self.buf[self.pos:self.pos + n].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{what} is not UTF-8 ({e.reason} at its byte {e.start})") from None
+        self.pos += n
         return text
 
-    def value(self, vtype: GGUFValueType) -> Any:
+    def value_type(self, what: str) -> GGUFValueType:
+        code = self.scalar("<I", what)
+        if code not in _VALUE_TYPES:
+            raise ValueError(f"{what}: {code} is not a GGUF value type")
+        return GGUFValueType(code)
+
+    def value(self, vtype: GGUFValueType, what: str) -> Any:
         if vtype == GGUFValueType.STRING:
-            return self.string()
-        if vtype == GGUFValueType.ARRAY:
-            item, count = GGUFValueType(self.scalar("<I")), self.scalar("<Q")
-            if item in _SCALARS:  # one numpy read, not one per item
-                dtype = np.dtype(_SCALARS[item])
-                values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
-                self.pos += count * dtype.itemsize
-                return values
-            return [self.value(item) for _ in range(count)]
-        return self.scalar(_SCALARS[vtype])
+            return self.string(what)
+        if vtype != GGUFValueType.ARRAY:
+            return self.scalar(_SCALARS[vtype], what)
+        item = self.value_type(f"{what}, its item type")
+        count = self.scalar("<Q", f"{what}, its item count")
+        if item == GGUFValueType.ARRAY:
+            raise ValueError(f"{what} is an array of arrays (not supported)")
+        if item == GGUFValueType.STRING:  # each at least its 8-byte length
+            self.need(count * 8, f"{what}, {count} strings")
+            return [self.string(f"{what}[{i}]") for i in range(count)]
+        dtype = np.dtype(_SCALARS[item])
+        self.need(count * dtype.itemsize, f"{what}, {count} items")
+        values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()  # one numpy read, not one per item
+        self.pos += count * dtype.itemsize
+        return values
+
+
+# The fewest bytes a key/value (an empty key's length, a value type, a one-byte value) and a
+# tensor entry (an empty name's length, one dimension, its type and offset) take in the header.
+_MIN_KV_BYTES, _MIN_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 8 + 4 + 8
 
 
 def _parse(buf: mmap.mmap) -> GGUFFile:
-    """``open_gguf``'s parser over the mapped file ``buf`` (gguf.md's layout)."""
+    """``open_gguf``'s parser over the mapped file ``buf`` (gguf.md's layout).
+
+    Raises:
+        ValueError: what ``open_gguf`` refuses, naming the key or tensor.
+    """
     c = _Cursor(buf)
-    if c.scalar("<I") != GGUF_MAGIC:
+    if c.scalar("<I", "the magic") != GGUF_MAGIC:
         raise ValueError("GGUF magic invalid")
-    version = c.scalar("<I")
+    version = c.scalar("<I", "the version")
     if version not in _SUPPORTED_VERSIONS:
         order = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
         raise ValueError(f"GGUF version {version} is not supported{order}")
-    n_tensors, n_kv = c.scalar("<Q"), c.scalar("<Q")
+    n_tensors, n_kv = c.scalar("<Q", "the tensor count"), c.scalar("<Q", "the key/value count")
+    c.need(n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_BYTES, f"{n_kv} key/values and {n_tensors} tensor entries")
     metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = c.string()
-        metadata[key] = c.value(GGUFValueType(c.scalar("<I")))
-    infos = []
-    for _ in range(n_tensors):
-        name = c.string()
-        shape = tuple(c.scalar("<Q") for _ in range(c.scalar("<I")))
-        infos.append((name, GGMLQuantizationType(c.scalar("<I")), shape, c.scalar("<Q")))
+    for i in range(n_kv):
+        key = c.string(f"key #{i}")
+        if key in metadata:
+            raise ValueError(f"key {key!r} appears twice")
+        metadata[key] = c.value(c.value_type(f"key {key!r}, its value type"), f"key {key!r}")
+    infos = [_tensor_info(c, i) for i in range(n_tensors)]
     alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"general.alignment {alignment!r} is not a power of two")
     start = -(-c.pos // alignment) * alignment
     tensors, names = [], set()
@@ -246,21 +288,40 @@ def _parse(buf: mmap.mmap) -> GGUFFile:
         if name in names:
             raise ValueError(f"tensor {name!r} appears twice")
         names.add(name)
-        tensors.append(GGUFTensor(name, qtype, shape, _tensor_data(buf, start + offset, qtype, shape)))
+        if offset % alignment:  # gguf.md: "Must be a multiple of ALIGNMENT"
+            raise ValueError(f"tensor {name!r}: its data offset {offset} is not a multiple of the alignment {alignment}")
+        tensors.append(GGUFTensor(name, qtype, shape, _tensor_data(buf, start + offset, qtype, shape, name)))
     return GGUFFile(metadata, tensors)
 
 
-def _tensor_data(buf: mmap.mmap, offset: int, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
-    """The view of a tensor's data (``GGUFTensor.data``)."""
+def _tensor_info(c: _Cursor, i: int) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int]:
+    """Entry ``i`` of the tensor table: name, type, shape (GGUF's order) and data offset."""
+    name = c.string(f"tensor #{i}, its name")
+    n_dims = c.scalar("<I", f"tensor {name!r}, its dimension count")
+    if not 1 <= n_dims <= _MAX_DIMS:
+        raise ValueError(f"tensor {name!r} has {n_dims} dimensions; GGUF's tensors have 1 to {_MAX_DIMS}")
+    shape = tuple(c.scalar("<Q", f"tensor {name!r}, its dimensions") for _ in range(n_dims))
+    code = c.scalar("<I", f"tensor {name!r}, its type")
+    if code not in _TENSOR_TYPES:
+        raise ValueError(f"tensor {name!r}: type {code} is not a GGML tensor type")
+    return name, GGMLQuantizationType(code), shape, c.scalar("<Q", f"tensor {name!r}, its data offset")
+
+
+def _tensor_data(buf: mmap.mmap, offset: int, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+                 name: str) -> np.ndarray:
+    """The view of a tensor's data (``GGUFTensor.data``), its size checked against the file first."""
     dims = tuple(reversed(shape))
-    n = int(np.prod(dims))
-    if qtype in _ELEMENT_DTYPES:
-        return np.frombuffer(buf, _ELEMENT_DTYPES[qtype], n, offset).reshape(dims)
+    n = math.prod(dims)  # Python's integers: dimensions whose product overflows 64 bits are refused below
     block, size = GGML_QUANT_SIZES[qtype]
     if dims[-1] % block:
-        raise ValueError(f"a row of {dims[-1]} is not a whole number of {qtype.name} blocks of {block}")
-    row_bytes = dims[-1] // block * size
-    return np.frombuffer(buf, np.uint8, n // block * size, offset).reshape(*dims[:-1], row_bytes)
+        raise ValueError(f"tensor {name!r}: a row of {dims[-1]} is not a whole number of {qtype.name} blocks of {block}")
+    nbytes = n // block * size
+    if offset + nbytes > len(buf):
+        raise ValueError(f"tensor {name!r} of shape {list(shape)} ({nbytes} bytes of {qtype.name} at offset {offset}) "
+                         f"runs past the end of the file ({len(buf)} bytes)")
+    if qtype in _ELEMENT_DTYPES:
+        return np.frombuffer(buf, _ELEMENT_DTYPES[qtype], n, offset).reshape(dims)
+    return np.frombuffer(buf, np.uint8, nbytes, offset).reshape(*dims[:-1], dims[-1] // block * size)
 
 
 def config_from_gguf(gguf_file: GGUFFile, family: Llama, *, source: str = "GGUF") -> LlamaConfig:
@@ -273,7 +334,7 @@ def config_from_gguf(gguf_file: GGUFFile, family: Llama, *, source: str = "GGUF"
     """
     from flm_runtime.models.family import GGUFMetadata  # deferred as in load_gguf
 
-    rope_tensors = {t.name: dequantize_tensor(t) for t in gguf_file.tensors if t.name in ROPE_TENSORS}
+    rope_tensors = {t.name: dequantize_tensor(t, source) for t in gguf_file.tensors if t.name in ROPE_TENSORS}
     meta = GGUFMetadata(gguf_file.metadata, gguf_file.metadata["general.architecture"],
                         [t.name for t in gguf_file.tensors], rope_tensors, source)
     return family.config_from_gguf(meta)
@@ -309,7 +370,7 @@ def load_gguf_weights(gguf_file: GGUFFile, config: LlamaConfig, family: Llama, *
     kept = None if keep is None else _converted_into(*keep, tensors, config, family, kind)
     if kept is not None:
         return kept
-    return {name: _converted(_in_hf_order(name, tensor, config, family, unpermute_qk), kind)
+    return {name: _converted(_in_hf_order(name, tensor, config, family, unpermute_qk), kind, source)
             for name, tensor in tensors.items()}
 
 
@@ -321,9 +382,10 @@ def _converted_into(directory: Path, source: Path, tensors: dict[str, GGUFTensor
     stacked = family.stacking_order(config)
     order = [n for n in stacked if n in tensors] + [n for n in tensors if n not in set(stacked)]
     # Each tensor's format is its first tile's: the same rules convert every row.
-    entries = {name: converted.Entry.like(_converted(_rows(tensors[name], 0, quant.TILE), kind),
+    entries = {name: converted.Entry.like(_converted(_rows(tensors[name], 0, quant.TILE), kind, str(source)),
                                           tensors[name].data.shape[0]) for name in order}
-    if not converted.save(directory, source, kind, entries, _converted_parts(tensors, order, config, family, kind)):
+    if not converted.save(directory, source, kind, entries,
+                          _converted_parts(tensors, order, config, family, kind, str(source))):
         return None
     return converted.load(directory, source, kind)
 
@@ -334,19 +396,19 @@ _SLICE_WEIGHTS = 1 << 22
 
 
 def _converted_parts(tensors: dict[str, GGUFTensor], order: list[str], config: LlamaConfig, family: Llama,
-                     kind: str) -> Iterator[tuple[str, int, Weight]]:
+                     kind: str, source: str) -> Iterator[tuple[str, int, Weight]]:
     """``converted.save``'s parts: the tensors in ``order``, converted slice by slice of rows
     (whole tiles; about ``_SLICE_WEIGHTS`` weights each), each slice's GGUF pages released once
     it is converted."""
     for name in order:
-        source = tensors[name].data
+        data = tensors[name].data
         tensor = _in_hf_order(name, tensors[name], config, family, True)  # q/k: the whole tensor read once, reordered
-        rows = source.shape[0]
-        step = rows if source.ndim != 2 else max(quant.TILE, _SLICE_WEIGHTS // tensor.shape[0] // quant.TILE
+        rows = data.shape[0]
+        step = rows if data.ndim != 2 else max(quant.TILE, _SLICE_WEIGHTS // tensor.shape[0] // quant.TILE
                                                   * quant.TILE)
         for first in range(0, rows, step):
-            yield name, first, _converted(_rows(tensor, first, first + step), kind)
-            release_pages(source[first:first + step])
+            yield name, first, _converted(_rows(tensor, first, first + step), kind, source)
+            release_pages(data[first:first + step])
 
 
 def _rows(tensor: GGUFTensor, first: int, stop: int) -> GGUFTensor:
@@ -366,10 +428,12 @@ def _in_hf_order(name: str, tensor: GGUFTensor, config: LlamaConfig, family: Lla
     return tensor._replace(data=unpermute_rope(tensor.data, heads)) if unpermute_qk and heads else tensor
 
 
-def _converted(tensor: GGUFTensor, kind: str) -> Weight:
+def _converted(tensor: GGUFTensor, kind: str, source: str) -> Weight:
     """One tensor (or rows of it) as ``kind`` holds it: float32 for ``f32`` and 1-D tensors,
     else ``quantized_tensor``."""
-    return dequantize_tensor(tensor) if kind == "f32" or len(tensor.shape) != 2 else quantized_tensor(tensor, kind)
+    if kind == "f32" or len(tensor.shape) != 2:
+        return dequantize_tensor(tensor, source)
+    return quantized_tensor(tensor, kind, source)
 
 
 def release_pages(view: np.ndarray) -> None:
@@ -389,17 +453,18 @@ _NATIVE_BLOCKS = {GGMLQuantizationType.Q4_0: (4, 18), GGMLQuantizationType.Q4_1:
                   GGMLQuantizationType.Q8_0: (8, 34)}
 
 
-def quantized_tensor(tensor: GGUFTensor, kind: str) -> Weight:
+def quantized_tensor(tensor: GGUFTensor, kind: str, source: str = "GGUF") -> Weight:
     """One GGUF matrix in the cpu backend's block format (the module docstring's rules), or as
     float32 when its input width is not a whole number of blocks of 32.
 
     Raises:
-        ModelFormatError: gguf-py cannot dequantize a type that must be converted.
+        ModelFormatError: gguf-py cannot dequantize a type that must be converted, or a weight (a
+            block's scale or min, read as it is) is not finite; naming ``source`` and the tensor.
     """
     qtype = tensor.tensor_type
     n, k = reversed(tensor.shape)
     if k % quant.BLOCK:
-        return dequantize_tensor(tensor)
+        return dequantize_tensor(tensor, source)
     native = _NATIVE_BLOCKS.get(qtype, (4, None) if qtype == GGMLQuantizationType.Q4_K else (8, None))[0]
     bits = native if kind == "auto" else int(kind[1:])
     if native == 4:  # read as it is; 8-bit blocks hold a 4-bit source exactly (quant.widen)
@@ -407,10 +472,13 @@ def quantized_tensor(tensor: GGUFTensor, kind: str) -> Weight:
             w = _read_q4_k(np.asarray(tensor.data).reshape(n, k // 256, -1), k)
         else:
             w = _read_blocks(np.asarray(tensor.data).reshape(n, k // quant.BLOCK, -1), qtype, k)
+        _check_finite(tensor, source, w.scales, w.mins)
         return w if bits == 4 else quant.widen(w)
     if bits == native and qtype in _NATIVE_BLOCKS:
-        return _read_blocks(np.asarray(tensor.data).reshape(n, k // quant.BLOCK, -1), qtype, k)
-    return quant.quantize(dequantize_tensor(tensor), bits)
+        w = _read_blocks(np.asarray(tensor.data).reshape(n, k // quant.BLOCK, -1), qtype, k)
+        _check_finite(tensor, source, w.scales, w.mins)
+        return w
+    return quant.quantize(dequantize_tensor(tensor, source), bits)
 
 
 def _read_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, k: int) -> QuantWeight:
@@ -439,23 +507,39 @@ def _read_q4_k(blocks: np.ndarray, k: int) -> QuantWeight:
     return quant.from_blocks(codes, scales, mins, 4, k)
 
 
-def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
+def dequantize_tensor(tensor: GGUFTensor, source: str = "GGUF") -> np.ndarray:
     """One GGUF tensor as a float32 numpy array in row-major order (GGUF shape reversed).
 
     Raises:
-        ModelFormatError: gguf-py cannot dequantize the tensor's type (names tensor and type).
+        ModelFormatError: gguf-py cannot dequantize the tensor's type, or a weight is not finite;
+            naming ``source`` and the tensor (and its type).
     """
     qtype = tensor.tensor_type
     try:
         w = dequantize(tensor.data, qtype)
     except NotImplementedError as e:
         raise ModelFormatError(
-            f"GGUF tensor {tensor.name!r}: quantization type {qtype.name} is not supported"
+            f"{source}: GGUF tensor {tensor.name!r}: quantization type {qtype.name} is not supported"
         ) from e
+    _check_finite(tensor, source, w)
     w = w.reshape(tuple(reversed(tensor.shape)))
     if np.may_share_memory(w, tensor.data):
         w = w.copy()  # F32 comes back as a view of the read-only memory map
     return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def _check_finite(tensor: GGUFTensor, source: str, *arrays: np.ndarray | None) -> None:
+    """Refuse ``tensor`` when one of ``arrays`` (its weights, or its blocks' scales and mins) holds a
+    NaN or an infinity, which would spread through every activation it meets. ``min`` and
+    ``max`` propagate NaN: two vectorized passes, no temporary.
+
+    Raises:
+        ModelFormatError: naming ``source`` and the tensor.
+    """
+    for a in arrays:
+        if a is not None and a.size and not (np.isfinite(a.min()) and np.isfinite(a.max())):
+            raise ModelFormatError(f"{source}: GGUF tensor {tensor.name!r} has weights that are not finite "
+                                   "(NaN or infinity)")
 
 
 def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:

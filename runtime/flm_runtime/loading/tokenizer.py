@@ -33,7 +33,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.loading.chat_template import ThinkingFormat, render_chat_template, thinking_format
+from flm_runtime.loading.chat_template import ThinkingFormat, check_chat_template, render_chat_template, thinking_format
 from flm_runtime.loading.hf_files import read_hf_tokenizer_files
 
 # GGUF tokenizer.ggml.token_type values (llama.cpp llama_token_type).
@@ -124,6 +124,7 @@ class Tokenizer:
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.add_bos = add_bos
         self.chat_template = chat_template or None
+        check_chat_template(self.chat_template, source)
         added = hf.get_added_tokens_decoder()  # id -> AddedToken
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._added_ids = {t.content: i for i, t in added.items()}
@@ -157,9 +158,13 @@ class Tokenizer:
 
         Raises:
             ModelFormatError: a tokenizer model other than byte-level BPE (``"gpt2"``) or
-                SentencePiece (``"llama"``), an unknown ``tokenizer.ggml.pre``, or missing tokens,
-                merges (``gpt2``) or scores (``llama``).
+                SentencePiece (``"llama"``), an unknown ``tokenizer.ggml.pre``, missing tokens,
+                merges (``gpt2``) or scores (``llama``), a ``tokenizer.*`` value of the wrong
+                type or a special token id outside the vocabulary (``check_gguf_tokenizer_keys``),
+                or a chat template that names an attribute outside its sandbox
+                (``check_chat_template``).
         """
+        check_gguf_tokenizer_keys(meta, source)
         kind = meta.get("tokenizer.ggml.model")
         tokens = meta.get("tokenizer.ggml.tokens")
         if kind == "gpt2":
@@ -189,7 +194,8 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: no ``tokenizer.json`` in ``path``.
-            ModelFormatError: not a byte-level BPE tokenizer, or unreadable JSON.
+            ModelFormatError: not a byte-level BPE tokenizer, unreadable JSON, or a chat template
+                that names an attribute outside its sandbox (``check_chat_template``).
         """
         files = read_hf_tokenizer_files(Path(path))
         hf = HFTokenizer.from_str(files.tokenizer_json)
@@ -269,11 +275,12 @@ class Tokenizer:
 
         Raises:
             InvalidRequestError: ``param="messages"``; the template or the messages are invalid.
+            ModelFormatError: the template reached outside its sandbox.
         """
         return render_chat_template(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),
-            eos_token=self._token_text(self.eos_token_id), **extra)
+            eos_token=self._token_text(self.eos_token_id), template_source=self.source, **extra)
 
     def _token_text(self, token_id: int | None) -> str:
         if token_id is None:
@@ -283,6 +290,41 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
                 f"eos={self.eos_token_id}, stop={sorted(self.stop_token_ids)})")
+
+
+def _is_list_of(*types: type) -> Callable[[Any], bool]:
+    return lambda v: type(v) is list and all(type(x) in types for x in v)
+
+
+# GGUF tokenizer key -> (test of its value, what it must be).
+_GGUF_TOKENIZER_TYPES = {
+    **dict.fromkeys(("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"),
+                    (lambda v: type(v) is str, "a string")),
+    **dict.fromkeys(("tokenizer.ggml.tokens", "tokenizer.ggml.merges"), (_is_list_of(str), "an array of strings")),
+    "tokenizer.ggml.token_type": (_is_list_of(int), "an array of integers"),
+    "tokenizer.ggml.scores": (_is_list_of(int, float), "an array of numbers"),
+    **dict.fromkeys(("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix"),
+                    (lambda v: type(v) in (bool, int), "a boolean")),
+}
+_GGUF_TOKEN_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                   "tokenizer.ggml.eom_token_id", "tokenizer.ggml.unknown_token_id")
+
+
+def check_gguf_tokenizer_keys(meta: dict[str, Any], source: str) -> None:
+    """Check the types of a GGUF file's ``tokenizer.*`` values, and that its special token ids
+    are ids of its vocabulary (``tokenizer.ggml.tokens``).
+
+    Raises:
+        ModelFormatError: naming ``source``, the key and what its value must be.
+    """
+    for key, (test, expected) in _GGUF_TOKENIZER_TYPES.items():
+        if meta.get(key) is not None and not test(meta[key]):
+            raise ModelFormatError(f"{source}: metadata key {key} is not {expected}")
+    n = len(meta.get("tokenizer.ggml.tokens") or [])
+    for key in _GGUF_TOKEN_IDS:
+        value = meta.get(key)
+        if value is not None and not (type(value) is int and 0 <= value < n):
+            raise ModelFormatError(f"{source}: metadata key {key} is {value!r}, not a token id (0 to {n - 1})")
 
 
 def _byte_level_bpe(meta: dict[str, Any], source: str) -> HFTokenizer:

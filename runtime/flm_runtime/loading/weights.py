@@ -49,19 +49,28 @@ def check_weights(expected: dict[str, tuple[int, ...]], weights: dict[str, Weigh
         source: file or directory the weights came from, for error messages.
 
     Raises:
-        ModelFormatError: a tensor is missing, unexpected (named: a tensor of a feature we do not
-            run), of the wrong shape or not float32.
+        ModelFormatError: as ``check_shapes``.
     """
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
+    check_shapes(expected, {name: tuple(w.shape) for name, w in weights.items()}, source)
+    for name, w in weights.items():
+        assert isinstance(w, QuantWeight) or w.dtype == np.float32, f"{name}: loaders must produce float32, got {w.dtype}"
+
+
+def check_shapes(expected: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    """Check that ``shapes`` (name -> shape, Hugging Face layout) names exactly the tensors
+    ``expected`` names, of those shapes: before a loader converts them, or after.
+
+    Raises:
+        ModelFormatError: a tensor is missing, unexpected (named: a tensor of a feature we do not
+            run) or of the wrong shape (the embedding's rows: the vocabulary's size), naming
+            ``source`` and the tensor.
+    """
+    missing = sorted(set(expected) - set(shapes))
+    extra = sorted(set(shapes) - set(expected))
     if missing:
         raise ModelFormatError(f"{source}: missing tensors {missing[:5]} ({len(missing)} in all)")
     if extra:
         raise ModelFormatError(f"{source}: unexpected tensors {extra[:5]} ({len(extra)} in all)")
     for name, shape in expected.items():
-        w = weights[name]
-        if tuple(w.shape) != shape:
-            raise ModelFormatError(
-                f"{source}: tensor {name} has shape {tuple(w.shape)}, the config implies {shape}"
-            )
-        assert isinstance(w, QuantWeight) or w.dtype == np.float32, f"{name}: loaders must produce float32, got {w.dtype}"
+        if shapes[name] != shape:
+            raise ModelFormatError(f"{source}: tensor {name} has shape {shapes[name]}, the config implies {shape}")

@@ -113,11 +113,16 @@ class DFlashConfig:
         """Build from a ``config.json`` mapping.
 
         Raises:
-            ValueError: a required key is missing or a value is out of range (naming it).
+            ValueError: a required key is missing, a value of the wrong JSON type (a string where
+                a number belongs ...) or out of range, naming the key.
         """
-        names = {f.name for f in fields(cls)}
+        values = {f.name: config[f.name] for f in fields(cls) if config.get(f.name) is not None}
+        wrong = [f"key {name!r} is {value!r}, expected {_JSON_TYPES[name][1]}" for name, value in values.items()
+                 if not _JSON_TYPES[name][0](value)]
+        if wrong:
+            raise ValueError("; ".join(wrong))
         try:
-            return cls(**{k: v for k, v in config.items() if k in names and v is not None})
+            return cls(**values)
         except TypeError as e:  # a missing required key
             raise ValueError(str(e).replace("__init__()", "config.json")) from e
 
@@ -406,6 +411,26 @@ def _draft_vocab(weights: dict[str, np.ndarray], config: DFlashConfig, vocab_siz
     if v[0] < 0 or v[-1] >= vocab_size or (v.size > 1 and not (np.diff(v) > 0).all()):
         raise ModelFormatError(f"tensor 'draft_vocab' must hold ascending distinct token ids in [0, {vocab_size})")
     return v
+
+
+def _integer(v: object) -> bool:
+    return type(v) is int  # JSON's true and false are no counts
+
+
+def _number(v: object) -> bool:
+    return type(v) in (int, float)
+
+
+# DFlashConfig field -> (test of its JSON value, what it must be).
+_JSON_TYPES = {
+    **dict.fromkeys(("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "mask_token_id", "block_size", "draft_vocab_size",
+                     "max_position_embeddings"), (_integer, "an integer")),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta"), (_number, "a number")),
+    **dict.fromkeys(("architecture", "target", "target_sha256"), (lambda v: type(v) is str, "a string")),
+    "target_layer_ids": (lambda v: type(v) in (list, tuple) and all(map(_integer, v)), "a list of integers"),
+    "training": (lambda v: type(v) is dict, "an object"),
+}
 
 
 def read_config(path: Path) -> DFlashConfig:

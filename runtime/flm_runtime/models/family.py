@@ -71,10 +71,34 @@ class GGUFMetadata(NamedTuple):
             raise ModelFormatError(f"{self.source}: metadata key {self.arch}.{name} is missing")
         return value
 
-    def decimal(self, name: str, default: float | None = None) -> float:
-        """The float32 value of ``{arch}.{name}`` as the shortest decimal that round-trips through
-        float32 (GGUF stores 1e-5 as 9.99999974738e-06; the config.json had 1e-5)."""
-        return float(str(np.float32(self.key(name, default))))
+    def count(self, name: str, default: int | None = None, *, least: int = 1) -> int:
+        """The value of ``{arch}.{name}`` (else ``default``), an integer of at least ``least``
+        (a size: layers, heads, widths).
+
+        Raises:
+            ModelFormatError: absent and no default, not an integer, or less than ``least``,
+                naming the key.
+        """
+        value = self.key(name, default)
+        if type(value) is not int or value < least:
+            raise ModelFormatError(f"{self.source}: metadata key {self.arch}.{name} is {value!r}, "
+                                   f"not an integer of at least {least}")
+        return value
+
+    def decimal(self, name: str, default: float | None = None, *, positive: bool = False) -> float:
+        """The float32 value of ``{arch}.{name}`` (else ``default``), a finite number not below
+        zero (above it if ``positive``: a RoPE base, a scaling factor), as the shortest decimal
+        that round-trips through float32 (GGUF stores 1e-5 as 9.99999974738e-06; the config.json
+        had 1e-5).
+
+        Raises:
+            ModelFormatError: absent and no default, or not such a number, naming the key.
+        """
+        value = self.key(name, default)
+        if type(value) not in (int, float) or not np.isfinite(value) or value < 0 or (positive and value == 0):
+            raise ModelFormatError(f"{self.source}: metadata key {self.arch}.{name} is {value!r}, not a finite "
+                                   f"number {'above' if positive else 'at least'} 0")
+        return float(str(np.float32(value)))
 
 
 class RopeTable(NamedTuple):

@@ -101,17 +101,20 @@ class Gemma3(Llama):
             raise ModelFormatError(f"{meta.source}: gemma3 with gemma3.attn_logit_softcapping is not supported "
                                    "(attention-logit soft-capping)")
         values = super().gguf_values(meta)
-        n, window = values["num_hidden_layers"], int(meta.key("attention.sliding_window", 0))
+        n, window = values["num_hidden_layers"], meta.count("attention.sliding_window", 0, least=0)
         pattern = meta.key("attention.sliding_window_pattern", _PATTERN)
-        sliding = (list(map(bool, pattern)) if isinstance(pattern, list)
-                   else [(i + 1) % int(pattern) != 0 for i in range(n)])
+        if isinstance(pattern, list):
+            sliding = list(map(bool, pattern))
+        else:
+            period = meta.count("attention.sliding_window_pattern", _PATTERN)
+            sliding = [(i + 1) % period != 0 for i in range(n)]
         if len(sliding) != n:
             raise ModelFormatError(f"{meta.source}: gemma3.attention.sliding_window_pattern has {len(sliding)} "
                                    f"layers, the model {n}")
         scalar = (values["hidden_size"] / values["num_attention_heads"] if n == _LAYERS_27B else values["head_dim"])
         return {**values, "layer_windows": tuple(window if s else 0 for s in sliding),
                 "query_pre_attn_scalar": float(scalar),
-                "rope_local_base_freq": meta.decimal("rope.freq_base_swa", _LOCAL_BASE),
+                "rope_local_base_freq": meta.decimal("rope.freq_base_swa", _LOCAL_BASE, positive=True),
                 "final_logit_softcapping": meta.decimal("final_logit_softcapping", 0.0)}
 
     def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:

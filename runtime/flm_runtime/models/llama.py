@@ -161,22 +161,30 @@ class Llama:
 
     def gguf_values(self, meta: GGUFMetadata) -> dict[str, Any]:
         """The config values of a GGUF file (``config_from_gguf``); a family extends them."""
-        if int(meta.key("expert_count", 0) or 0) > 0:
+        if meta.count("expert_count", 0, least=0) > 0:
             raise ModelFormatError(f"{meta.source}: {meta.arch} with {meta.arch}.expert_count="
                                    f"{meta.key('expert_count')} (mixture of experts) is not supported")
-        hidden, n_head = int(meta.key("embedding_length")), int(meta.key("attention.head_count"))
-        head_dim = int(meta.key("attention.key_length", meta.key("rope.dimension_count", hidden // n_head)))
-        rope_dim = int(meta.key("rope.dimension_count", head_dim))
+        hidden, n_head = meta.count("embedding_length"), meta.count("attention.head_count")
+        n_kv_head = meta.count("attention.head_count_kv", n_head)
+        if n_head % n_kv_head:
+            raise ModelFormatError(f"{meta.source}: {meta.arch}.attention.head_count={n_head} is not a multiple of "
+                                   f"{meta.arch}.attention.head_count_kv={n_kv_head}")
+        head_dim = meta.count("attention.key_length", meta.count("rope.dimension_count", max(hidden // n_head, 1)))
+        rope_dim = meta.count("rope.dimension_count", head_dim)
         if rope_dim != head_dim:
             raise ModelFormatError(f"{meta.source}: {meta.arch} with partial rotary embedding "
                                    f"({meta.arch}.rope.dimension_count={rope_dim} < head_dim={head_dim}) is not supported")
+        n_layers = meta.count("block_count")
+        if n_layers > len(meta.tensor_names):  # every layer has tensors of its own
+            raise ModelFormatError(f"{meta.source}: {meta.arch}.block_count={n_layers} layers, but the file has "
+                                   f"{len(meta.tensor_names)} tensors")
         tokens = meta.values.get("tokenizer.ggml.tokens") or []
-        context = int(meta.key("context_length"))
+        context = meta.count("context_length")
         return dict(
-            vocab_size=int(meta.key("vocab_size", len(tokens) or None)), hidden_size=hidden,
-            intermediate_size=int(meta.key("feed_forward_length")), num_hidden_layers=int(meta.key("block_count")),
-            num_attention_heads=n_head, num_key_value_heads=int(meta.key("attention.head_count_kv", n_head)),
-            max_position_embeddings=context, rope_theta=meta.decimal("rope.freq_base", 10000.0),
+            vocab_size=meta.count("vocab_size", len(tokens) or None), hidden_size=hidden,
+            intermediate_size=meta.count("feed_forward_length"), num_hidden_layers=n_layers,
+            num_attention_heads=n_head, num_key_value_heads=n_kv_head,
+            max_position_embeddings=context, rope_theta=meta.decimal("rope.freq_base", 10000.0, positive=True),
             rms_norm_eps=meta.decimal("attention.layer_norm_rms_epsilon", 1e-5),
             tie_word_embeddings="output.weight" not in meta.tensor_names, head_dim=head_dim,
             rope_scaling=self.gguf_rope_scaling(meta, context))
@@ -192,9 +200,9 @@ class Llama:
         kind = meta.key("rope.scaling.type", "none")
         factors = meta.rope_tensors
         if "rope_factors_long.weight" in factors:
-            original = int(meta.key("rope.scaling.original_context_length"))
+            original = meta.count("rope.scaling.original_context_length")
             return rope.RopeScaling("longrope", context / original, original,
-                                    attention_factor=float(meta.key("rope.scaling.attn_factor", 0.0)),
+                                    attention_factor=meta.decimal("rope.scaling.attn_factor", 0.0),
                                     short_factor=tuple(factors["rope_factors_short.weight"].tolist()),
                                     long_factor=tuple(factors["rope_factors_long.weight"].tolist()))
         if "rope_freqs.weight" in factors:
@@ -202,10 +210,10 @@ class Llama:
         if kind == "none":
             return None
         if kind == "linear":
-            return rope.RopeScaling("linear", meta.decimal("rope.scaling.factor"))
+            return rope.RopeScaling("linear", meta.decimal("rope.scaling.factor", positive=True))
         if kind == "yarn":
             return rope.RopeScaling(
-                "yarn", meta.decimal("rope.scaling.factor"), int(meta.key("rope.scaling.original_context_length")),
+                "yarn", meta.decimal("rope.scaling.factor", positive=True), meta.count("rope.scaling.original_context_length"),
                 beta_fast=meta.decimal("rope.scaling.yarn_beta_fast", 32.0),
                 beta_slow=meta.decimal("rope.scaling.yarn_beta_slow", 1.0),
                 attention_factor=meta.decimal("rope.scaling.attn_factor", 0.0))

@@ -38,7 +38,7 @@ class Mistral(Llama):
         return values
 
     def gguf_values(self, meta: GGUFMetadata) -> dict[str, Any]:
-        return {**super().gguf_values(meta), "sliding_window": int(meta.key("attention.sliding_window", 0))}
+        return {**super().gguf_values(meta), "sliding_window": meta.count("attention.sliding_window", 0, least=0)}
 
     def layer_spec(self, config: MistralConfig, layer: int) -> LayerSpec:
         return replace(super().layer_spec(config, layer), sliding_window=config.sliding_window)
