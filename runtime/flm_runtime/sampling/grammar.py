@@ -117,6 +117,52 @@ class GrammarProcessor:
         self._matcher.consume_token(int(token))
         self._check()
 
+    def speculate(self, proposal: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens a speculative step may verify after those accepted so far, given a
+        proposal: the proposal cut at the first token the grammar forbids, with the tokens the
+        grammar forces in their places.
+
+        Position by position from the next one: where the grammar forces tokens (llguidance's
+        fast-forward tokens, ``compute_ff_tokens``: a forced string's canonical tokens, the only
+        tokens the mask then allows), those; else the proposal's token at that position, while
+        the grammar allows it. The proposal is followed only while it agrees with the forced
+        tokens, since its later tokens continue a token the grammar forbids. It stops at ``most``
+        tokens, or where the grammar forbids the proposal's token (or it has none) and forces
+        nothing.
+
+        Args:
+            proposal: ``[k]`` int proposed tokens (``proposal[j]`` for the ``j``-th next position).
+            most: the most tokens to return.
+        Returns:
+            ``(ids, forced)``: ``[g]`` int64 tokens (``g <= most``), and ``[g]`` bool, True where
+            the grammar forced the token; where it did not, ``ids[j] == proposal[j]``.
+        Raises:
+            RuntimeError: the matcher failed (as ``accept``).
+
+        The matcher is advanced over the tokens and rolled back: it is left as it was.
+        """
+        matcher, tokens, flags = self._matcher, [], []
+        ids = proposal.tolist()
+        outside = [j for j, t in enumerate(ids) if not 0 <= t < self._vocab_size]  # llguidance fails on them
+        ids, follow = ids[: outside[0] if outside else len(ids)], 0  # follow: the proposal's next, or len(ids)
+        try:
+            while len(tokens) < most:
+                run = matcher.compute_ff_tokens()[: most - len(tokens)]
+                if run:
+                    follow = follow + len(run) if ids[follow : follow + len(run)] == run else len(ids)
+                    taken = run
+                elif follow < len(ids) and matcher.validate_tokens(ids[follow : follow + 1]):
+                    taken, follow = ids[follow : follow + 1], follow + 1
+                else:
+                    break
+                matcher.consume_tokens(taken)
+                tokens += taken
+                flags += [bool(run)] * len(taken)
+        finally:
+            matcher.rollback(len(tokens))
+        self._check()
+        return np.array(tokens, dtype=np.int64), np.array(flags, dtype=bool)
+
     def _check(self) -> None:
         if self._matcher.is_error():
             raise RuntimeError(f"constrained decoding failed: {self._matcher.get_error()}")
