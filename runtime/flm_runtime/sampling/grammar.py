@@ -125,10 +125,11 @@ class GrammarProcessor:
         Position by position from the next one: where the grammar forces tokens (llguidance's
         fast-forward tokens, ``compute_ff_tokens``: a forced string's canonical tokens, the only
         tokens the mask then allows), those; else the proposal's token at that position, while
-        the grammar allows it. The proposal is followed only while it agrees with the forced
-        tokens, since its later tokens continue a token the grammar forbids. It stops at ``most``
-        tokens, or where the grammar forbids the proposal's token (or it has none) and forces
-        nothing.
+        the grammar allows it; once the grammar is complete, a stop token of the proposal's ends
+        them (nothing after the output's end is worth a verify row). The proposal is followed
+        only while it agrees with the forced tokens, since its later tokens continue a token the
+        grammar forbids. It stops at ``most`` tokens, or where the grammar forbids the proposal's
+        token (or it has none) and forces nothing.
 
         Args:
             proposal: ``[k]`` int proposed tokens (``proposal[j]`` for the ``j``-th next position).
@@ -141,12 +142,17 @@ class GrammarProcessor:
 
         The matcher is advanced over the tokens and rolled back: it is left as it was.
         """
-        matcher, tokens, flags = self._matcher, [], []
+        matcher, tokens, flags, consumed = self._matcher, [], [], 0
         ids = proposal.tolist()
         outside = [j for j, t in enumerate(ids) if not 0 <= t < self._vocab_size]  # llguidance fails on them
         ids, follow = ids[: outside[0] if outside else len(ids)], 0  # follow: the proposal's next, or len(ids)
         try:
             while len(tokens) < most:
+                if matcher.is_stopped():  # complete: validate_tokens allows nothing, the mask the stop tokens
+                    if follow < len(ids) and self.allowed()[ids[follow]]:
+                        tokens.append(ids[follow])
+                        flags.append(False)
+                    break
                 run = matcher.compute_ff_tokens()[: most - len(tokens)]
                 if run:
                     follow = follow + len(run) if ids[follow : follow + len(run)] == run else len(ids)
@@ -156,10 +162,11 @@ class GrammarProcessor:
                 else:
                     break
                 matcher.consume_tokens(taken)
+                consumed += len(taken)
                 tokens += taken
                 flags += [bool(run)] * len(taken)
         finally:
-            matcher.rollback(len(tokens))
+            matcher.rollback(consumed)
         self._check()
         return np.array(tokens, dtype=np.int64), np.array(flags, dtype=bool)
 
