@@ -11,7 +11,10 @@ only the canonical tokenization of that string.
 sets the logits of the tokens the grammar forbids to ``-inf``, ``accept`` advances the matcher.
 The request's picker runs it on every position whose token it picks (plain decode, batched rows,
 each row of a speculative verify pass), so a drafted token the grammar forbids ends the accepted
-prefix and speculation stays lossless. Once the grammar is complete only the stop tokens (EOS,
+prefix and speculation stays lossless. Before the verify pass, ``speculate`` tells the
+speculative step which of a proposal's tokens the grammar allows and which it forces (advancing
+the matcher over them and rolling it back), so that a proposal is cut where it would be rejected
+and forced tokens cost no draft. Once the grammar is complete only the stop tokens (EOS,
 end-of-turn) are allowed, so a constrained request ends with ``finish_reason="stop"`` unless
 ``max_tokens`` cuts it first.
 
