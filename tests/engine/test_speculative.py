@@ -699,7 +699,8 @@ def submit_json(engine, params, schema=NAME_SCHEMA):
     return engine.submit([1, 2, 3], params, processors=[FAKE_GRAMMARS.processor(json_schema_grammar(schema))])
 
 
-def records_of(engine) -> list[StepRecord]:
+def records_of(engine) -> list:
+    """The engine's steps (its ``on_step`` reports), as they come."""
     steps = []
     engine.on_step = steps.append
     return steps
@@ -719,7 +720,7 @@ def test_forced_tokens_make_steps_where_the_table_speculates_nowhere(make_engine
     """The table speculates nowhere (verify ratios of 1): the prefill gives '{'; step 1 verifies
     the 7 forced tokens '"name":' (of '"name": "', 7 rows at most) and the target adds ' '; step 2
     the forced '"', bonus 'A'; 'd', 'a' and '"' are plain steps (nothing forced inside the string,
-    nor '"' after it, which could continue); step 4 the forced '}', bonus EOS. The draft never
+    nor '"' after it, which could continue); the last the forced '}', bonus EOS. The draft never
     runs; the tokens, and their logprobs (0.0 for a forced token: the mask leaves it alone), are
     those of an engine without speculation."""
     target = ScriptTarget(ADA, prompt_len=3)

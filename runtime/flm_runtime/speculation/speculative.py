@@ -316,10 +316,10 @@ class SpeculativeDecoder:
         A speculative step verifies ``record.ids`` (``verify``), rolls the cache back past what was
         kept, makes the kept positions' taps pending, records the step (policy, stats) and emits
         the kept tokens one by one through ``lane.emit``; an n-gram-only step is one too, but
-        the policy records it as a plain one, and a drafting step's forced tokens (``record.forced``)
-        are not credited to the draft in the policy's tracker. A plain step (``record.ids`` empty) makes its row's
-        taps pending, records it, and takes its token as an engine without a draft does (the
-        request's picker, then ``lane.emit``).
+        the policy records it as a plain one, and the policy's tracker does not credit the draft
+        with a drafting step's forced tokens (``record.forced``). A plain step (``record.ids``
+        empty) makes its row's taps pending, records it, and takes its token as an engine
+        without a draft does (the request's picker, then ``lane.emit``).
 
         Args:
             lane: the lane, as given to ``prepare``.
