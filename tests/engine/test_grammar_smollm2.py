@@ -90,7 +90,7 @@ def test_greedy_constrained_output_is_valid_and_speculation_changes_no_token(eng
         got = submit(spec, smollm2_tokenizer, question, schema, params).result()
         check_valid(want, schema)
         assert got.token_ids == want.token_ids and got.text == want.text
-        assert got.stats.spec.steps >= 1 and got.stats.spec.drafted >= 7
+        assert got.stats.spec.steps >= 1 and got.stats.spec.accepted >= 1
 
 
 def test_constrained_requests_batched_with_speculation_equal_each_alone(engines, smollm2_tokenizer):
@@ -107,11 +107,12 @@ def test_constrained_requests_batched_with_speculation_equal_each_alone(engines,
         check_valid(done, schema)
 
 
-def test_drafted_tokens_the_grammar_forbids_end_the_accepted_prefix(smollm2_quantized, smollm2_tokenizer, engines):
+def test_drafted_tokens_the_grammar_forbids_are_cut_from_the_proposals(smollm2_quantized, smollm2_tokenizer, engines):
     """A proposer that drafts the plain answer's own tokens, but ``<|im_start|>`` (which no grammar
     allows) at every third position, and a ``logit_bias`` of +100 that makes that token the
-    target's favourite everywhere: only the mask stands between it and acceptance. Blocks are
-    accepted up to it, the mask rejects it, and the answer is still exactly the plain one."""
+    target's favourite everywhere: only the mask stands between it and acceptance. Each proposal
+    is cut before it (the forced tokens in its place), so every verified token is kept, blocks
+    are long, and the answer is still exactly the plain one."""
     from flm_runtime.scheduling.engine import Engine
 
     plain, _ = engines
@@ -135,9 +136,7 @@ def test_drafted_tokens_the_grammar_forbids_end_the_accepted_prefix(smollm2_quan
         engine.close()
     assert got.token_ids == want.token_ids
     spec = got.stats.spec
-    assert spec.accepted >= spec.steps                     # blocks were kept up to the forbidden token ...
-    assert spec.drafted - spec.accepted >= spec.steps      # ... and from it on rejected, at every step
-    assert spec.acceptance_length > 2.0
+    assert spec.drafted == spec.accepted >= spec.steps and spec.acceptance_length > 2.0
 
 
 CUSTOMER = {"type": "object", "properties": {
