@@ -133,9 +133,10 @@ def _check(value, name: str, low: float, high: float, low_open: bool = False, hi
         raise InvalidRequestError(f"{name} must lie in {lo}{low}, {high}{hi}, got {value!r}", param=name)
 
 
-# The proposers a speculative step verifies the tokens of: the DFlash draft and the retrieval
-# proposers (prompt lookup, the suffix proposer), as ``StepRecord.proposer`` names them.
-PROPOSERS = ("draft", "ngram", "suffix")
+# The proposers a speculative step verifies the tokens of: the DFlash draft, the retrieval
+# proposers (prompt lookup, the suffix proposer) and a grammar's forced tokens alone, as
+# ``StepRecord.proposer`` names them.
+PROPOSERS = ("draft", "ngram", "suffix", "grammar")
 
 
 @dataclass
@@ -144,19 +145,26 @@ class ProposerCounts:
 
     Attributes:
         steps, drafted, accepted, emitted: as ``SpecStats``' totals, over these steps.
+        forced, forced_accepted: of the drafted and the accepted tokens, those a grammar forced
+            (all of them in the ``"grammar"`` proposer's steps).
     """
 
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
+    forced: int = 0
+    forced_accepted: int = 0
 
-    def record(self, drafted: int, accepted: int, emitted: int) -> None:
-        """One step of ``drafted`` verified tokens, ``accepted`` of them kept, ``emitted`` pushed."""
+    def record(self, drafted: int, accepted: int, emitted: int, forced: int = 0, forced_accepted: int = 0) -> None:
+        """One step of ``drafted`` verified tokens, ``accepted`` of them kept, ``emitted`` pushed;
+        ``forced`` of the drafted and ``forced_accepted`` of the accepted were forced by a grammar."""
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
         self.emitted += emitted
+        self.forced += forced
+        self.forced_accepted += forced_accepted
 
     @property
     def acceptance_length(self) -> float:
@@ -170,9 +178,10 @@ class SpecStats:
 
     Attributes:
         proposers: per proposer whose tokens speculative steps verified (a name of ``PROPOSERS``:
-            the draft, prompt lookup ``"ngram"``, the suffix proposer ``"suffix"``), the counts of
-            those steps (``counts``); the totals (``steps``, ``drafted``, ``accepted``,
-            ``emitted``) are their sums.
+            the draft, prompt lookup ``"ngram"``, the suffix proposer ``"suffix"``, a grammar's
+            forced tokens alone ``"grammar"``), the counts of those steps (``counts``); the totals
+            (``steps``, ``drafted``, ``accepted``, ``emitted``, ``forced``, ``forced_accepted``)
+            are their sums.
         gated: plain steps the confidence gate made (the draft ran, nothing was verified).
         switches_off: times the request's acceptance tracker turned speculation off, and
         al_estimate: its final AL estimate (None before a step): the policy's figures
@@ -185,11 +194,14 @@ class SpecStats:
     switches_off: int = 0
     al_estimate: float | None = None
 
-    def record_step(self, drafted: int, accepted: int, emitted: int, *, proposer: str = "draft") -> None:
+    def record_step(self, drafted: int, accepted: int, emitted: int, *, proposer: str = "draft", forced: int = 0,
+                    forced_accepted: int = 0) -> None:
         """A speculative step verified ``drafted`` tokens of ``proposer`` (a name of
-        ``PROPOSERS``) and pushed ``emitted`` tokens, of which ``accepted`` were drafted ones."""
+        ``PROPOSERS``) and pushed ``emitted`` tokens, of which ``accepted`` were drafted ones;
+        ``forced`` of the drafted and ``forced_accepted`` of the accepted were forced by a grammar."""
         assert proposer in PROPOSERS, f"unknown proposer {proposer!r}"
-        self.proposers.setdefault(proposer, ProposerCounts()).record(drafted, accepted, emitted)
+        self.proposers.setdefault(proposer, ProposerCounts()).record(drafted, accepted, emitted, forced,
+                                                                     forced_accepted)
 
     def record_plain(self, gated: bool) -> None:
         """A plain decode step; ``gated``: the confidence gate made it one."""
@@ -226,6 +238,16 @@ class SpecStats:
         """Tokens pushed by speculative steps (accepted + one bonus per step; a step cut short by
         EOS / stop / max_tokens counts only the tokens pushed before the cut)."""
         return sum(c.emitted for c in self.proposers.values())
+
+    @property
+    def forced(self) -> int:
+        """Verified tokens a grammar forced (no proposer had to guess them), in every proposer's steps."""
+        return sum(c.forced for c in self.proposers.values())
+
+    @property
+    def forced_accepted(self) -> int:
+        """Forced tokens kept and pushed into the output pipeline."""
+        return sum(c.forced_accepted for c in self.proposers.values())
 
     @property
     def acceptance_length(self) -> float:
@@ -271,8 +293,10 @@ class RequestStats:
         ``decode_tokens_per_s``, ``total_s``; with ``spec`` also ``spec_steps``,
         ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length`` (all proposers together,
         n-gram-only steps included), ``gated_steps``, ``spec_switches_off`` and ``al_estimate``
-        (the tracker's, ``SpecStats``), then ``draft_acceptance_length`` (the draft's steps) and
-        per retrieval proposer ``P`` (``ngram``: prompt lookup; ``suffix``) ``P_steps``,
+        (the tracker's, ``SpecStats``), ``forced_tokens`` and ``forced_accepted_tokens`` (the
+        drafted and accepted tokens a grammar forced, in any proposer's steps), then
+        ``draft_acceptance_length`` (the draft's steps) and per other proposer ``P`` (``ngram``:
+        prompt lookup; ``suffix``; ``grammar``: forced tokens alone) ``P_steps``,
         ``P_drafted_tokens``, ``P_accepted_tokens``, ``P_acceptance_length`` (its steps,
         n-gram-only ones included). An AL over no step is None (null): AL counts the bonus
         token, so a number is at least 1."""
@@ -286,6 +310,7 @@ class RequestStats:
             out |= {"spec_steps": s.steps, "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
                     "acceptance_length": s.acceptance_length if s.steps else None, "gated_steps": s.gated,
                     "spec_switches_off": s.switches_off, "al_estimate": s.al_estimate,
+                    "forced_tokens": s.forced, "forced_accepted_tokens": s.forced_accepted,
                     "draft_acceptance_length": draft.acceptance_length if draft.steps else None}
             for name in PROPOSERS[1:]:
                 c = s.counts(name)

@@ -44,6 +44,7 @@ class FakeTokenizer:
         self.stop_token_ids = frozenset({EOS, EOT})
         self.special_token_ids = frozenset(SPECIALS)
         self.bos_token_id, self.eos_token_id = None, EOS
+        self._longest_first = sorted(range(259, len(self.vocab)), key=lambda t: -len(self.vocab[t]))  # for encode
 
     @property
     def token_bytes_table(self) -> list[bytes]:
@@ -59,9 +60,8 @@ class FakeTokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Greedy longest match over the non-special vocabulary (there is no BOS)."""
         data, ids, i = text.encode(), [], 0
-        longest = sorted(range(259, len(self.vocab)), key=lambda t: -len(self.vocab[t]))
         while i < len(data):
-            t = next((t for t in longest if data.startswith(self.vocab[t], i)), data[i])
+            t = next((t for t in self._longest_first if data.startswith(self.vocab[t], i)), data[i])
             ids.append(t)
             i += len(self.vocab[t])
         return ids

@@ -138,3 +138,41 @@ def test_greedy_over_random_logits_on_the_smollm2_vocabulary_gives_valid_json(sm
 
 def test_one_compiler_per_tokenizer(smollm2_tokenizer):
     assert compiler_for(smollm2_tokenizer) is compiler_for(smollm2_tokenizer)
+
+
+NAME_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
+               "additionalProperties": False}
+
+
+def ids_of(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_speculate_cuts_a_proposal_at_the_first_forbidden_token_and_puts_in_the_forced_ones(fake_compiler):
+    """From the start the schema forces '{"name": "' (10 one-byte tokens): a proposal that agrees
+    with it is taken as forced, one that leaves it is dropped from there (its later tokens follow a
+    token the grammar forbids), and ``most`` cuts the forced run. Inside the string nothing is
+    forced: the proposal's tokens are taken while allowed, then the grammar forces '}' (which the
+    proposal agrees with), then EOS is allowed and nothing after it. The matcher is left as it was."""
+    proc = fake_compiler.processor(json_schema_grammar(NAME_SCHEMA))
+    opening = ids_of('{"name": "')
+
+    def check(proposal, most, want_ids, want_forced):
+        before = allowed_ids(proc)
+        ids, forced = proc.speculate(np.array(proposal, dtype=np.int64), most)
+        assert (ids.dtype, forced.dtype) == (np.int64, bool)
+        assert (ids.tolist(), forced.tolist()) == (want_ids, want_forced)
+        assert allowed_ids(proc) == before
+
+    check([], 7, opening[:7], [True] * 7)
+    check(opening[:3], 12, opening, [True] * 10)
+    check(ids_of('{"nXme": "A'), 12, opening, [True] * 10)
+    for token in opening:
+        proc.accept(token)
+    check(ids_of('Ada"}') + [EOS, ord("x")], 12, ids_of('Ada"}') + [EOS], [False] * 4 + [True, False])
+    check(ids_of('Ada"]') + [EOS], 12, ids_of('Ada"}'), [False] * 4 + [True])   # ']' forbidden: '}' forced
+    check(ids_of("A\x01da"), 12, ids_of("A"), [False])                           # a control byte: forbidden
+    check(ids_of("Ad") + [300, 5000], 12, ids_of("Ad"), [False, False])          # ids past the vocabulary too
+    check(ids_of('Ada"}'), 3, ids_of("Ada"), [False] * 3)
+    proc.accept(ord("A"))                                                        # it follows emitted tokens still
+    check(ids_of('da"}'), 12, ids_of('da"}'), [False] * 3 + [True])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import llguidance
 import numpy as np
 import pytest
 
@@ -89,7 +90,7 @@ def test_greedy_constrained_output_is_valid_and_speculation_changes_no_token(eng
         got = submit(spec, smollm2_tokenizer, question, schema, params).result()
         check_valid(want, schema)
         assert got.token_ids == want.token_ids and got.text == want.text
-        assert got.stats.spec.steps >= 1 and got.stats.spec.drafted >= 7
+        assert got.stats.spec.steps >= 1 and got.stats.spec.accepted >= 1
 
 
 def test_constrained_requests_batched_with_speculation_equal_each_alone(engines, smollm2_tokenizer):
@@ -106,11 +107,12 @@ def test_constrained_requests_batched_with_speculation_equal_each_alone(engines,
         check_valid(done, schema)
 
 
-def test_drafted_tokens_the_grammar_forbids_end_the_accepted_prefix(smollm2_quantized, smollm2_tokenizer, engines):
+def test_drafted_tokens_the_grammar_forbids_are_cut_from_the_proposals(smollm2_quantized, smollm2_tokenizer, engines):
     """A proposer that drafts the plain answer's own tokens, but ``<|im_start|>`` (which no grammar
     allows) at every third position, and a ``logit_bias`` of +100 that makes that token the
-    target's favourite everywhere: only the mask stands between it and acceptance. Blocks are
-    accepted up to it, the mask rejects it, and the answer is still exactly the plain one."""
+    target's favourite everywhere: only the mask stands between it and acceptance. Each proposal
+    is cut before it (the forced tokens in its place), so every verified token is kept, blocks
+    are long, and the answer is still exactly the plain one."""
     from flm_runtime.scheduling.engine import Engine
 
     plain, _ = engines
@@ -134,6 +136,67 @@ def test_drafted_tokens_the_grammar_forbids_end_the_accepted_prefix(smollm2_quan
         engine.close()
     assert got.token_ids == want.token_ids
     spec = got.stats.spec
-    assert spec.accepted >= spec.steps                     # blocks were kept up to the forbidden token ...
-    assert spec.drafted - spec.accepted >= spec.steps      # ... and from it on rejected, at every step
-    assert spec.acceptance_length > 2.0
+    assert spec.drafted == spec.accepted >= spec.steps and spec.acceptance_length > 2.0
+
+
+CUSTOMER = {"type": "object", "properties": {
+    "customer_full_name": {"type": "string", "maxLength": 20},
+    "preferred_contact_method": {"enum": ["email", "telephone"]},
+    "number_of_previous_orders": {"type": "integer", "minimum": 0, "maximum": 99},
+    "customer_is_a_returning_customer": {"type": "boolean"}},
+    "required": ["customer_full_name", "preferred_contact_method", "number_of_previous_orders",
+                 "customer_is_a_returning_customer"], "additionalProperties": False}
+CUSTOMER_QUESTION = "Describe a customer called Ada Lovelace as JSON."
+
+
+def forced_runs(tok, token_ids) -> list[int]:
+    """The steps of forced tokens alone that an engine taking no other speculative step runs on
+    this output (one per anchor whose next tokens the grammar forces: up to 7 of them, then the
+    target's own), replayed through a fresh llguidance matcher: the tokens each verifies."""
+    matcher = llguidance.LLMatcher(compiler_for(tok).llg_tokenizer, json_schema_grammar(CUSTOMER))
+    ids, runs, anchor = list(token_ids), [], 0  # the first token comes from the prompt's logits
+    matcher.consume_token(ids[0])
+    while anchor < len(ids) - 1:
+        run = matcher.compute_ff_tokens()[:7]
+        assert ids[anchor + 1 : anchor + 1 + len(run)] == run
+        runs += [len(run)] if run else []
+        step_end = min(anchor + len(run) + 1, len(ids) - 1)  # the bonus, or the last token before EOS
+        assert matcher.consume_tokens(ids[anchor + 1 : step_end + 1])
+        anchor = step_end
+    return runs
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=MAX_TOKENS),
+                                    SamplingParams(temperature=0.8, seed=5, max_tokens=MAX_TOKENS)],
+                         ids=["greedy", "sampled"])
+def test_forced_tokens_are_proposed_and_always_kept(engines, smollm2_quantized, smollm2_tokenizer, params):
+    """A schema of long keys, whose every key and separator the grammar forces: with the draft at
+    every step, and with no speculation but the forced tokens (a table that speculates nowhere at
+    verify ratios of 1, no prompt lookup), the tokens are plain decoding's (greedy and seeded). The
+    second engine's steps are exactly those a replay of the output through a fresh matcher finds,
+    each keeping every forced token; in the first, every step of forced tokens alone keeps them all."""
+    from flm_runtime.scheduling.engine import Engine
+    from flm_runtime.speculation.policy import Bucket, PolicyTable
+
+    plain, spec = engines
+    tok = smollm2_tokenizer
+    want = submit(plain, tok, CUSTOMER_QUESTION, CUSTOMER, params).result()
+    check_valid(want, CUSTOMER)
+    got = submit(spec, tok, CUSTOMER_QUESTION, CUSTOMER, params).result()
+    assert got.token_ids == want.token_ids
+    grammar = got.stats.spec.counts("grammar")
+    assert got.stats.spec.forced >= 20 and grammar.accepted == grammar.drafted == grammar.forced, got.stats.spec
+
+    table = PolicyTable(model="t", backend="cpu", block_size=8,
+                        buckets=[Bucket(max_context=4096, speculate=False, verify_ratio=[1.0] * 7)])
+    decoder = SpeculativeDecoder(smollm2_quantized, spec.speculative.draft, policy=table, ngram=False)
+    engine = Engine(smollm2_quantized, tok, name="grammar-forced", speculative=decoder)
+    try:
+        forced = submit(engine, tok, CUSTOMER_QUESTION, CUSTOMER, params).result()
+    finally:
+        engine.close()
+    assert forced.token_ids == want.token_ids
+    runs = forced_runs(tok, want.token_ids)
+    s = forced.stats.spec
+    assert (s.steps, s.drafted, s.accepted, s.forced, s.forced_accepted) == (len(runs), *[sum(runs)] * 4)
+    assert s.counts("grammar").steps == len(runs) >= 4

@@ -206,7 +206,8 @@ def test_stream(fake_engine):
 SPEC_STATS = RequestStats(prompt_tokens=9, completion_tokens=12, generated_tokens=13, queue_s=0.0, ttft_s=0.1,
                           decode_s=1.2, total_s=1.3,
                           spec=SpecStats(proposers={
-                              "draft": ProposerCounts(3, 21, 4, 7), "ngram": ProposerCounts(1, 7, 5, 6)}))
+                              "draft": ProposerCounts(3, 21, 4, 7, 2, 1), "ngram": ProposerCounts(1, 7, 5, 6),
+                              "grammar": ProposerCounts(1, 3, 3, 4, 3, 3)}))
 
 
 def test_flm_stats_keys():
@@ -214,12 +215,15 @@ def test_flm_stats_keys():
     plain = {"prompt_tokens": 9, "cached_tokens": 0, "completion_tokens": 12, "generated_tokens": 13, "queue_s": 0.0,
              "ttft_s": 0.1, "decode_tokens_per_s": 10.0, "total_s": 1.3}
     assert replace(SPEC_STATS, spec=None).as_dict() == plain
-    assert SPEC_STATS.as_dict() == {**plain, "spec_steps": 4, "drafted_tokens": 28, "accepted_tokens": 9,
-                                    "acceptance_length": 3.25, "gated_steps": 0, "spec_switches_off": 0,
-                                    "al_estimate": None, "draft_acceptance_length": 7 / 3, "ngram_steps": 1,
+    assert SPEC_STATS.as_dict() == {**plain, "spec_steps": 5, "drafted_tokens": 31, "accepted_tokens": 12,
+                                    "acceptance_length": 3.4, "gated_steps": 0, "spec_switches_off": 0,
+                                    "al_estimate": None, "forced_tokens": 5, "forced_accepted_tokens": 4,
+                                    "draft_acceptance_length": 7 / 3, "ngram_steps": 1,
                                     "ngram_drafted_tokens": 7, "ngram_accepted_tokens": 5,
                                     "ngram_acceptance_length": 6.0, "suffix_steps": 0, "suffix_drafted_tokens": 0,
-                                    "suffix_accepted_tokens": 0, "suffix_acceptance_length": None}
+                                    "suffix_accepted_tokens": 0, "suffix_acceptance_length": None,
+                                    "grammar_steps": 1, "grammar_drafted_tokens": 3, "grammar_accepted_tokens": 3,
+                                    "grammar_acceptance_length": 4.0}
 
 
 def test_cached_prompt_tokens_reach_the_usage():
@@ -241,13 +245,13 @@ def test_speculative_stats_reach_the_usage(fake_engine):
     r = litellm.completion(model=MODEL, messages=MESSAGES, max_tokens=12)
     assert r._hidden_params["flm_stats"] == SPEC_STATS.as_dict()
     details = r.usage.completion_tokens_details
-    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (9, 19)
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (12, 19)
     assert r.usage.completion_tokens == 12
     chunks = list(litellm.completion(model=MODEL, messages=MESSAGES, stream=True, max_tokens=12,
                                      stream_options={"include_usage": True}))
     usage = chunks[-1].usage
     assert usage.completion_tokens == 12
-    assert usage.completion_tokens_details.accepted_prediction_tokens == 9
+    assert usage.completion_tokens_details.accepted_prediction_tokens == 12
     assert usage.completion_tokens_details.rejected_prediction_tokens == 19
 
 

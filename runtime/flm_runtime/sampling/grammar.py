@@ -11,7 +11,10 @@ only the canonical tokenization of that string.
 sets the logits of the tokens the grammar forbids to ``-inf``, ``accept`` advances the matcher.
 The request's picker runs it on every position whose token it picks (plain decode, batched rows,
 each row of a speculative verify pass), so a drafted token the grammar forbids ends the accepted
-prefix and speculation stays lossless. Once the grammar is complete only the stop tokens (EOS,
+prefix and speculation stays lossless. Before the verify pass, ``speculate`` tells the
+speculative step which of a proposal's tokens the grammar allows and which it forces (advancing
+the matcher over them and rolling it back), so that a proposal is cut where it would be rejected
+and forced tokens cost no draft. Once the grammar is complete only the stop tokens (EOS,
 end-of-turn) are allowed, so a constrained request ends with ``finish_reason="stop"`` unless
 ``max_tokens`` cuts it first.
 
@@ -116,6 +119,59 @@ class GrammarProcessor:
         """``token`` was emitted: the matcher moves past it."""
         self._matcher.consume_token(int(token))
         self._check()
+
+    def speculate(self, proposal: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens a speculative step may verify after those accepted so far, given a
+        proposal: the proposal cut at the first token the grammar forbids, with the tokens the
+        grammar forces in their places.
+
+        Position by position from the next one: where the grammar forces tokens (llguidance's
+        fast-forward tokens, ``compute_ff_tokens``: a forced string's canonical tokens, the only
+        tokens the mask then allows), those; else the proposal's token at that position, while
+        the grammar allows it; once the grammar is complete, a stop token of the proposal's ends
+        them (nothing after the output's end is worth a verify row). The proposal is followed
+        only while it agrees with the forced tokens, since its later tokens continue a token the
+        grammar forbids. It stops at ``most`` tokens, or where the grammar forbids the proposal's
+        token (or it has none) and forces nothing.
+
+        Args:
+            proposal: ``[k]`` int proposed tokens (``proposal[j]`` for the ``j``-th next position).
+            most: the most tokens to return.
+        Returns:
+            ``(ids, forced)``: ``[g]`` int64 tokens (``g <= most``), and ``[g]`` bool, True where
+            the grammar forced the token; where it did not, ``ids[j] == proposal[j]``.
+        Raises:
+            RuntimeError: the matcher failed (as ``accept``).
+
+        The matcher is advanced over the tokens and rolled back: it is left as it was.
+        """
+        matcher, tokens, flags, consumed = self._matcher, [], [], 0
+        ids = proposal.tolist()
+        outside = [j for j, t in enumerate(ids) if not 0 <= t < self._vocab_size]  # llguidance fails on them
+        ids, follow = ids[: outside[0] if outside else len(ids)], 0  # follow: the proposal's next, or len(ids)
+        try:
+            while len(tokens) < most:
+                if matcher.is_stopped():  # complete: validate_tokens allows nothing, the mask the stop tokens
+                    if follow < len(ids) and self.allowed()[ids[follow]]:
+                        tokens.append(ids[follow])
+                        flags.append(False)
+                    break
+                run = matcher.compute_ff_tokens()[: most - len(tokens)]
+                if run:
+                    follow = follow + len(run) if ids[follow : follow + len(run)] == run else len(ids)
+                    taken = run
+                elif follow < len(ids) and matcher.validate_tokens(ids[follow : follow + 1]):
+                    taken, follow = ids[follow : follow + 1], follow + 1
+                else:
+                    break
+                matcher.consume_tokens(taken)
+                consumed += len(taken)
+                tokens += taken
+                flags += [bool(run)] * len(taken)
+        finally:
+            matcher.rollback(consumed)
+        self._check()
+        return np.array(tokens, dtype=np.int64), np.array(flags, dtype=bool)
 
     def _check(self) -> None:
         if self._matcher.is_error():

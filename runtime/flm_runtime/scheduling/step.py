@@ -22,6 +22,7 @@ from flm_runtime.request import SpecStats
 from flm_runtime.sampling.picker import Picker
 
 NO_CONFIDENCE = np.zeros(0, dtype=np.float32)  # [0]: the draft did not run
+NO_FORCED = np.zeros(0, dtype=bool)  # [0]: no token of the step was forced by a grammar
 
 
 @dataclass(frozen=True, eq=False)  # arrays: compared by identity
@@ -31,7 +32,8 @@ class StepRecord:
 
     Attributes:
         ids: ``[k]`` int64 drafted tokens to verify after the anchor, after the confidence gate
-            (k = 0: a plain decode step): the draft's, or ``proposer``'s.
+            (k = 0: a plain decode step): the draft's, or ``proposer``'s, with the tokens a
+            grammar forces in their places (``forced``).
         planned: K, the tokens the speculation policy planned to draft (0: the draft did not run:
             a plain step, or with ``proposer`` an n-gram-only step).
         confidence: ``[K]`` float32, the draft's confidence in each of its K tokens, before the
@@ -41,7 +43,10 @@ class StepRecord:
             were none.
         proposer: the name of the retrieval proposer whose tokens ``ids`` are
             (``lookups[proposer].ids``, or their first ones on an n-gram-only step): ``"ngram"``,
-            ``"suffix"``; None: the draft's, or a plain step.
+            ``"suffix"``; ``"grammar"``: a grammar forced them all; None: the draft's, or a plain
+            step.
+        forced: ``[k]`` bool, True where the request's grammar forced the token (llguidance's
+            fast-forward tokens: no proposer guessed it); ``[0]``: none was.
     """
 
     ids: np.ndarray
@@ -49,6 +54,7 @@ class StepRecord:
     confidence: np.ndarray = field(default_factory=lambda: NO_CONFIDENCE)
     lookups: Mapping[str, Any] = field(default_factory=dict)
     proposer: str | None = None
+    forced: np.ndarray = field(default_factory=lambda: NO_FORCED)
 
     @property
     def gated(self) -> bool:

@@ -107,10 +107,10 @@ class SpeculationPolicy(Protocol):
         tokens, the bonus included."""
 
     def lookup_step(self, context: int, confidence: np.ndarray) -> LookupStep | None:
-        """Where ``plan`` is plain: the leading tokens of a retrieval proposal with these
-        per-token confidences (``[g]``) that an n-gram-only step at ``context`` verifies, and its
-        expected speed-up (``PLAIN_STEP``: none pays, the step decodes plainly); None:
-        n-gram-only steps are off at this context."""
+        """Where ``plan`` is plain: the leading tokens of a retrieval proposal (or of a grammar's
+        forced tokens) with these per-token confidences (``[g]``) that an n-gram-only step at
+        ``context`` verifies, and its expected speed-up (``PLAIN_STEP``: none pays, the step
+        decodes plainly); None: n-gram-only steps are off at this context."""
 
     def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
         """A step planned plain (K = 0) generated ``emitted`` tokens: a plain decode step one, an

@@ -38,6 +38,18 @@ Its tokens are verified as the draft's (the verifier only compares tokens), and 
 positions' taps join the pending ones as after a plain step, so the draft resumes from them.
 Every proposal, verified or not, is scored against the kept tokens by its proposer.
 
+Grammar-aware proposals: under a grammar (``response_format``, tools: the request's
+``GrammarProcessor`` among its picker's processors) every proposal is first made what the grammar
+lets the step verify (``constrain``): cut at the first token the grammar forbids (the verifier
+would reject it and all after it, so its rows would be spent for nothing), with the tokens the
+grammar forces (llguidance's fast-forward tokens: a property key, the separators after a value)
+in their places and after its end, up to ``block_size - 1`` tokens. A forced token costs a verify
+row but no draft, and its confidence is 1: it is the only token the mask leaves the target, so
+the verifier keeps it whatever the logits, greedy or sampled (one draw of probability 1, as plain
+decoding draws there). A step whose tokens are all forced is the ``"grammar"`` proposer's; where
+the plan is plain the forced tokens alone make an n-gram-only step when the policy prices it to
+pay. The verifier itself is unchanged, so exactness never rests on what was forced.
+
 Glossary (after vLLM's rejection sampler, ``vllm/v1/sample/rejection_sampler.py``):
 
 - **drafted** tokens: the K tokens the proposer offers each step;
@@ -77,8 +89,9 @@ from flm_runtime.backends import prefill_chunks
 from flm_runtime.core import Proposal
 from flm_runtime.kv_cache import KVCache
 from flm_runtime.request import SpecStats
+from flm_runtime.sampling.grammar import GrammarProcessor
 from flm_runtime.sampling.picker import Picker
-from flm_runtime.scheduling.step import NO_CONFIDENCE, PLAIN, Lane, StepRecord
+from flm_runtime.scheduling.step import NO_CONFIDENCE, NO_FORCED, PLAIN, Lane, StepRecord
 from flm_runtime.speculation.ngram import PromptLookup
 from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, AcceptanceTracker, Plan, SpeculationPolicy,
                                             confident_length, expected_accepted)
@@ -93,6 +106,9 @@ PENDING_FLUSH = 64
 # proposer(draft_cache, anchor_id, start) -> [K] int64 drafted ids: a stand-in for the draft's
 # proposals (tests replay known tokens to force long acceptances).
 Proposer = Callable[[KVCache, int, int], np.ndarray]
+
+DRAFT = "draft"      # the draft's proposal among a step's candidates (``StepRecord.proposer`` None)
+GRAMMAR = "grammar"  # ``StepRecord.proposer`` of a step whose tokens a grammar forced, all of them
 
 
 def verify(draft_ids: np.ndarray, target_logits: np.ndarray, picker: Picker) -> tuple[int, int]:
@@ -259,8 +275,9 @@ class SpeculativeDecoder:
         fit) and the gate; with ``K > 0`` the draft catches up on the pending taps and proposes
         ``d1 .. dK``, of which the lane keeps the first ``k = confident_length(confidence,
         min_confidence)`` (k = 0 makes the step a gated plain step), or a retrieval proposer's
-        proposal when ``choose`` prefers it; with ``K = 0``, a plain step or an n-gram-only one
-        (``_lookup_only``). The caller runs
+        proposal when ``choose`` prefers it, under a grammar each as it lets the step verify it
+        (``constrain``: up to ``block_size - 1`` tokens with the forced ones); with ``K = 0``, a
+        plain step or an n-gram-only one (``_lookup_only``). The caller runs
         ``record.rows(lane.anchor_id)`` of every lane through the target (with ``taps=self.taps``)
         and ``complete``s each lane.
 
@@ -271,6 +288,7 @@ class SpeculativeDecoder:
         """
         for lane in lanes:
             self._check(lane.cache, lane.state)
+        grammars = [_grammar(lane.picker) for lane in lanes]
         plans = [self._plan(lane) for lane in lanes]
         drafting = [lane for lane, plan in zip(lanes, plans) if plan.draft_length]
         for lane in drafting:
@@ -282,16 +300,14 @@ class SpeculativeDecoder:
                                     max(plan.draft_length for plan in plans)) if drafting else None  # [S, max K]
         rows = iter(range(len(drafting)))  # the proposal's row of each drafting lane, in order
         records = []
-        for lane, (k, min_confidence) in zip(lanes, plans):
+        for lane, grammar, (k, min_confidence) in zip(lanes, grammars, plans):
             if not k:
-                records.append(self._lookup_only(lane))
+                records.append(self._lookup_only(lane, grammar))
                 continue
             row = next(rows)
-            confidence = proposal.confidence[row, :k]
-            record = StepRecord(proposal.ids[row, : confident_length(confidence, min_confidence)], k, confidence)
-            proposers = lane.state.proposers
-            records.append(choose(record, {p.name: p.find(lane.anchor_id, k, min_confidence) for p in proposers})
-                           if proposers else record)
+            draft = StepRecord(proposal.ids[row, :k], k, proposal.confidence[row, :k])
+            lookups = {p.name: p.find(lane.anchor_id, k, min_confidence) for p in lane.state.proposers}
+            records.append(choose(draft, lookups, grammar, min_confidence, self.block_size - 1))
         return records
 
     def complete(self, lane: Lane, record: StepRecord, logits: np.ndarray, taps: np.ndarray) -> LaneStep:
@@ -300,9 +316,10 @@ class SpeculativeDecoder:
         A speculative step verifies ``record.ids`` (``verify``), rolls the cache back past what was
         kept, makes the kept positions' taps pending, records the step (policy, stats) and emits
         the kept tokens one by one through ``lane.emit``; an n-gram-only step is one too, but
-        the policy records it as a plain one. A plain step (``record.ids`` empty) makes its row's
-        taps pending, records it, and takes its token as an engine without a draft does (the
-        request's picker, then ``lane.emit``).
+        the policy records it as a plain one, and the policy's tracker does not credit the draft
+        with a drafting step's forced tokens (``record.forced``). A plain step (``record.ids``
+        empty) makes its row's taps pending, records it, and takes its token as an engine
+        without a draft does (the request's picker, then ``lane.emit``).
 
         Args:
             lane: the lane, as given to ``prepare``.
@@ -326,8 +343,9 @@ class SpeculativeDecoder:
         for p in state.proposers:
             p.extend(fed)
             p.observe(record.lookups.get(p.name), kept)
-        if record.planned:
-            self.policy.record_step(start, state.tracker, n_accepted + 1)
+        if record.planned:  # the tracker judges the draft's pass: forced tokens come without it
+            forced = int(np.count_nonzero(record.forced[:n_accepted]))
+            self.policy.record_step(start, state.tracker, n_accepted + 1 - forced)
         else:  # n-gram-only: the tracker's AL asks whether the draft's pass pays, which this step did not run
             self.policy.record_plain(state.tracker, n_accepted + 1)
         self._check(cache, state)
@@ -336,7 +354,10 @@ class SpeculativeDecoder:
             emitted += 1
             if finished := lane.emit(int(token)):
                 break
-        state.stats.record_step(len(record.ids), min(emitted, n_accepted), emitted, proposer=record.proposer or "draft")
+        accepted = min(emitted, n_accepted)
+        state.stats.record_step(len(record.ids), accepted, emitted, proposer=record.proposer or DRAFT,
+                                forced=int(np.count_nonzero(record.forced)),
+                                forced_accepted=int(np.count_nonzero(record.forced[:accepted])))
         return LaneStep(record, n_accepted, finished)
 
     def _plan(self, lane: Lane) -> Plan:
@@ -346,24 +367,30 @@ class SpeculativeDecoder:
             return Plan(0, 0.0)
         return self.policy.plan(cache.length, lane.state.tracker, self.block_size - 1)
 
-    def _lookup_only(self, lane: Lane) -> StepRecord:
+    def _lookup_only(self, lane: Lane, grammar: GrammarProcessor | None) -> StepRecord:
         """A lane planned plain: an n-gram-only step of the first ``n`` tokens of a retrieval
-        proposal (at most ``block_size - 1``, and the rows must fit in the context), ``n`` from
-        ``policy.lookup_step``, of the proposal with the best expected speed-up (the earlier
-        proposer on a tie); else a plain step, which carries the proposals for ``complete`` to
-        score, unless no proposer matched or n-gram-only steps are off at this context
-        (``PLAIN``, as without retrieval proposers). The draft does not run."""
+        proposal, or of the tokens the request's ``grammar`` forces (each as the grammar lets the
+        step verify it, ``constrain``; at most ``block_size - 1``, and the rows must fit in the
+        context), ``n`` from ``policy.lookup_step``, of the proposal with the best expected
+        speed-up (the earlier proposer on a tie, the grammar's last); else a plain step, which
+        carries the proposals for ``complete`` to score, unless there were none or n-gram-only
+        steps are off at this context (``PLAIN``, as without retrieval proposers and grammar).
+        The draft does not run."""
         proposers, cache = lane.state.proposers, lane.cache
-        if not proposers:
+        if not proposers and grammar is None:
             return PLAIN
-        room = cache.max_length - cache.length - 1  # positions after the anchor's
-        lookups = {p.name: p.find(lane.anchor_id, min(self.block_size - 1, room), 0.0) for p in proposers}
-        steps = {name: self.policy.lookup_step(cache.length, lookup.confidence) for name, lookup in lookups.items()}
-        if None in steps.values() or not any(lookup.match for lookup in lookups.values()):
+        most = min(self.block_size - 1, cache.max_length - cache.length - 1)  # positions after the anchor's
+        lookups = {p.name: p.find(lane.anchor_id, most, 0.0) for p in proposers}
+        candidates = {name: constrain(Candidate(lookup.ids, lookup.confidence), grammar, most)
+                      for name, lookup in lookups.items()}
+        if grammar is not None:
+            candidates[GRAMMAR] = constrain(NO_CANDIDATE, grammar, most)
+        steps = {name: self.policy.lookup_step(cache.length, c.confidence) for name, c in candidates.items()}
+        proposed = any(lookup.match for lookup in lookups.values()) or any(len(c.ids) for c in candidates.values())
+        if None in steps.values() or not proposed:
             return PLAIN
         best = max(steps, key=lambda name: steps[name].speedup)  # the first of equal ones
-        n = steps[best].length
-        return StepRecord(lookups[best].ids[:n], 0, NO_CONFIDENCE, lookups=lookups, proposer=best if n else None)
+        return _proposed(dataclasses.replace(PLAIN, lookups=lookups), best, candidates[best].cut(steps[best].length))
 
     def _complete_plain(self, lane: Lane, record: StepRecord, start: int, taps: np.ndarray, token: int) -> None:
         """A plain step's row (at position ``start``), which gave ``token``: its taps become
@@ -414,13 +441,76 @@ class SpeculativeDecoder:
             assert len(p) == cache.length, f"{p.name} proposer {len(p)} != anchor position {cache.length}"
 
 
-def choose(record: StepRecord, lookups: dict[str, Lookup]) -> StepRecord:
-    """The step's proposal: the retrieval proposal of the most expected accepted tokens
-    (``Lookup.expected``; the earlier in ``lookups`` on a tie) when they are more than the gated
-    draft's (``expected_accepted`` of the confidences of ``record.ids``); else the draft's (a tie
-    keeps the record). Either way the ``StepRecord`` carries ``lookups`` (proposer name ->
-    proposal), so that ``complete`` scores them."""
-    best = max(lookups, key=lambda name: lookups[name].expected, default=None)
-    if best is not None and lookups[best].expected > expected_accepted(record.confidence[: len(record.ids)]):
-        return dataclasses.replace(record, ids=lookups[best].ids, lookups=lookups, proposer=best)
-    return dataclasses.replace(record, lookups=lookups)
+class Candidate(NamedTuple):
+    """One proposal a step may verify, as ``choose`` and ``_lookup_only`` compare them.
+
+    Attributes:
+        ids: ``[g]`` int64 tokens after the anchor.
+        confidence: ``[g]`` float32, the chance that each is accepted once those before it were
+            (a forced token's: 1.0).
+        forced: ``[g]`` bool, True where the request's grammar forced the token; ``[0]``: none was.
+    """
+
+    ids: np.ndarray
+    confidence: np.ndarray
+    forced: np.ndarray = NO_FORCED
+
+    @property
+    def expected(self) -> float:
+        """Its expected accepted tokens (``policy.expected_accepted``)."""
+        return expected_accepted(self.confidence)
+
+    def cut(self, n: int) -> Candidate:
+        """Its first ``n`` tokens (itself when that is all of them)."""
+        return self if n == len(self.ids) else Candidate(self.ids[:n], self.confidence[:n], self.forced[:n])
+
+
+NO_CANDIDATE = Candidate(PLAIN.ids, NO_CONFIDENCE)
+
+
+def constrain(candidate: Candidate, grammar: GrammarProcessor | None, most: int) -> Candidate:
+    """``candidate`` as the request's ``grammar`` lets a step verify it
+    (``GrammarProcessor.speculate``: cut at the first token the grammar forbids, the tokens it
+    forces in their places, at most ``most``), a forced token's confidence 1.0: it is the only
+    token the mask leaves the target there, so the verifier keeps it whatever the logits (a
+    draw of probability 1 when sampled). Without a grammar, ``candidate`` itself."""
+    if grammar is None:
+        return candidate
+    ids, forced = grammar.speculate(candidate.ids, most)
+    confidence = np.ones(len(ids), dtype=np.float32)
+    own = np.flatnonzero(~forced)  # the candidate's own tokens, at their own positions
+    confidence[own] = candidate.confidence[own]
+    return Candidate(ids, confidence, forced)
+
+
+def choose(record: StepRecord, lookups: dict[str, Lookup], grammar: GrammarProcessor | None = None,
+           min_confidence: float = 0.0, most: int = 0) -> StepRecord:
+    """The step's proposal among the draft's (``record.ids``, with the first ``len(record.ids)``
+    of ``record.confidence``) and the retrieval proposals ``lookups``, each as the request's
+    ``grammar`` lets the step verify it (``constrain``, at most ``most`` tokens; as it is without
+    one) and cut by the confidence gate (``confident_length(confidence, min_confidence)``): the
+    one of the most expected accepted tokens (``Candidate.expected``), the draft's on a tie, then
+    the earlier in ``lookups``. Either way the ``StepRecord`` carries ``lookups`` (proposer name
+    -> proposal, as proposed), so that ``complete`` scores them."""
+    proposals = {DRAFT: Candidate(record.ids, record.confidence[: len(record.ids)]),
+                 **{name: Candidate(lookup.ids, lookup.confidence) for name, lookup in lookups.items()}}
+    candidates = {}
+    for name, proposal in proposals.items():
+        c = constrain(proposal, grammar, most)
+        candidates[name] = c.cut(confident_length(c.confidence, min_confidence))
+    best = max(candidates, key=lambda name: candidates[name].expected)  # the first of equal ones
+    return _proposed(dataclasses.replace(record, lookups=lookups), best, candidates[best])
+
+
+def _proposed(record: StepRecord, name: str, candidate: Candidate) -> StepRecord:
+    """``record`` verifying ``candidate``, ``name``'s proposal: its ``proposer`` is ``name``
+    (None for the draft's, or without tokens), or ``GRAMMAR`` where a grammar forced them all."""
+    forced = np.count_nonzero(candidate.forced)
+    proposer = None if name == DRAFT or not len(candidate.ids) else name
+    return dataclasses.replace(record, ids=candidate.ids, forced=candidate.forced,
+                               proposer=GRAMMAR if forced and forced == len(candidate.ids) else proposer)
+
+
+def _grammar(picker: Picker) -> GrammarProcessor | None:
+    """The request's grammar among its picker's processors; None without one."""
+    return next((p for p in picker.processors if isinstance(p, GrammarProcessor)), None)
