@@ -113,39 +113,44 @@ def _ask(http: httpx.Client, url: str, key: str, outcome: Outcome) -> None:
             "messages": [{"role": "user", "content": f"[req {outcome.index}] Write one sentence about "
                                                      f"{TOPICS[outcome.index % len(TOPICS)]}."}]}
     headers = {"Authorization": f"Bearer {key}"}
-    if not outcome.stream:
-        r = http.post(url, json=body, headers=headers)
-        if r.status_code != 200:
-            outcome.sends.append(f"HTTP {r.status_code}")
-            return
-        answer = r.json()
-        outcome.finish_reason = answer["choices"][0]["finish_reason"]
-        outcome.completion_tokens = answer["usage"]["completion_tokens"]
-        outcome.sends.append("answered")
-        return
-    body.update(stream=True, stream_options={"include_usage": True})
-    finish, usage, done = None, None, False
     try:
-        with http.stream("POST", url, json=body, headers=headers) as r:
-            if r.status_code != 200:
-                outcome.sends.append(f"HTTP {r.status_code}")
-                return
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    outcome.sends.append("error chunk")
-                    outcome.errors.append(str(chunk["error"].get("message"))[:200])
-                    return
-                finish = next((c["finish_reason"] for c in chunk.get("choices", []) if c.get("finish_reason")), finish)
-                usage = chunk.get("usage") or usage
+        if outcome.stream:
+            _ask_streamed(http, url, dict(body, stream=True, stream_options={"include_usage": True}), headers,
+                          outcome)
+            return
+        r = http.post(url, json=body, headers=headers)
     except httpx.TransportError:
         outcome.sends.append("broken")
         return
+    if r.status_code != 200:
+        outcome.sends.append(f"HTTP {r.status_code}")
+        return
+    answer = r.json()
+    outcome.finish_reason = answer["choices"][0]["finish_reason"]
+    outcome.completion_tokens = answer["usage"]["completion_tokens"]
+    outcome.sends.append("answered")
+
+
+def _ask_streamed(http: httpx.Client, url: str, body: dict, headers: dict, outcome: Outcome) -> None:
+    """``_ask`` for a stream: answered only with a finish reason, the usage chunk and ``[DONE]``."""
+    finish, usage, done = None, None, False
+    with http.stream("POST", url, json=body, headers=headers) as r:
+        if r.status_code != 200:
+            outcome.sends.append(f"HTTP {r.status_code}")
+            return
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                outcome.sends.append("error chunk")
+                outcome.errors.append(str(chunk["error"].get("message"))[:200])
+                return
+            finish = next((c["finish_reason"] for c in chunk.get("choices", []) if c.get("finish_reason")), finish)
+            usage = chunk.get("usage") or usage
     if not (done and finish and usage):  # ended as if complete, but short: the failure the test exists for
         outcome.sends.append("short")
         return
@@ -220,17 +225,19 @@ def test_a_host_killed_mid_burst_costs_no_request(smollm2_gguf, redis_port, tmp_
                 concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
             t_burst = time.monotonic()
             futures = [pool.submit(run, o, http) for o in outcomes]
-            for _ in range(KILL_AFTER):
-                assert answered.acquire(timeout=REQUEST_S), "the burst stalled before the kill"
-            procs["A"].send_signal(signal.SIGKILL)
-            procs["A"].wait()
-            t_kill = time.time()
-            restarted = start_host("A", 2)
-            proxy_process.wait_ready(restarted, ports["A"], tmp_path / "host-A2.log")
-            t_listening = time.time()
-            load_model("A")
-            time.sleep(interval + 1)  # the front's next probe finds it healthy
-            rejoined.set()
+            try:
+                for _ in range(KILL_AFTER):
+                    assert answered.acquire(timeout=REQUEST_S), "the burst stalled before the kill"
+                procs["A"].send_signal(signal.SIGKILL)
+                procs["A"].wait()
+                t_kill = time.time()
+                restarted = start_host("A", 2)
+                proxy_process.wait_ready(restarted, ports["A"], tmp_path / "host-A2.log")
+                t_listening = time.time()
+                load_model("A")
+                time.sleep(interval + 1)  # the front's next probe finds it healthy
+            finally:
+                rejoined.set()  # a failure above lets the held requests go, so the pool ends
             for f in futures:
                 f.result()
             t_end = time.monotonic()
