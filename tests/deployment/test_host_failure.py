@@ -169,8 +169,9 @@ def test_a_host_killed_mid_burst_costs_no_request(smollm2_gguf, redis_port, tmp_
     host_config = _config_with_callback(EXAMPLES / "host.yaml", tmp_path / "host.yaml")
     front_config_path = _config_with_callback(EXAMPLES / "front.yaml", tmp_path / "front.yaml")
     hosts_key, front_key = f"sk-{secrets.token_hex(16)}", f"sk-{secrets.token_hex(16)}"
+    here = str(Path(__file__).parent)  # served_log.py, for the proxies' callbacks
     base_env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True",
-                    PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
+                    PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
     # Three hosts share this machine's CPUs: one kernel thread each; the default weights, as a host runs.
     host_env = dict(base_env, LITELLM_MASTER_KEY=hosts_key, FLM_WEIGHTS="auto", FLM_THREADS="1")
     ports = {name: proxy_process.free_port() for name in HOSTS}
@@ -254,9 +255,9 @@ def test_a_host_killed_mid_burst_costs_no_request(smollm2_gguf, redis_port, tmp_
     q = statistics.quantiles(latencies, n=100, method="inclusive")
     # ---- what the proxies logged ----
     front_calls = _served(tmp_path / "served-front.jsonl")
-    host_ok = {f"{name}{life}": collections.Counter(e["marker"] for e in _served(tmp_path / f"served-{name}{life}.jsonl")
-                                                    if e["event"] == "ok" and e["marker"] is not None)
-               for name, life in [("A", 1), ("A", 2), ("B", 1), ("C", 1)]}
+    host_ok = {process: collections.Counter(e["marker"] for e in _served(tmp_path / f"served-{process}.jsonl")
+                                            if e["event"] == "ok" and e["marker"] is not None)
+               for process in ("A1", "A2", "B1", "C1")}
     # A request host A finished as it died: its answer, or the answer's end, died with it.
     lost = host_ok["A1"].keys() & (host_ok["A2"] + host_ok["B1"] + host_ok["C1"]).keys()
     routed = [e for e in front_calls if e["marker"] is not None]  # not the health probes
@@ -269,14 +270,15 @@ def test_a_host_killed_mid_burst_costs_no_request(smollm2_gguf, redis_port, tmp_
     print(f"\nstartup (4 proxies in parallel, models loaded) {t_ready - t_start:.1f} s; burst {t_end - t_burst:.1f} s; "
           f"host A down {t_listening - t_kill:.1f} s until its new process listened")
     print(f"requests {REQUESTS} ({REQUESTS // 2} streamed), clients {CLIENTS}: answered "
-          f"{sum(o.sends[-1] == 'answered' for o in outcomes)}, unanswered {len(unanswered)}; sends ended: {dict(ends)}")
-    print(f"sent again by the client after a cut stream: {len(cut)}; answers the front delivered: "
+          f"{sum(o.sends[-1] == 'answered' for o in outcomes)}, unanswered {len(unanswered)}; sends: {dict(ends)}")
+    print(f"sent again by the client (a cut stream, a failed send): {len(cut)}; answers the front delivered: "
           f"{sum(delivered.values())} for {len(delivered)} requests; finished by host A as it died, the answer "
           f"lost with it: {len(lost)}")
     print(f"latency s (first send to answer): p50 {q[49]:.2f}, p99 {q[98]:.2f}, max {latencies[-1]:.2f}")
     print(f"the cut streams' error chunks: {[m for o in cut for m in o.errors]}")
+    last_start = max((e["start"] for e in to_dead), default=t_kill)
     print(f"front's failed calls (host, error): {dict(failed_attempts)}; its calls to host A while down: "
-          f"{len(to_dead)}, the last one started {max((e['start'] for e in to_dead), default=t_kill) - t_kill:.1f} s after the kill")
+          f"{len(to_dead)}, the last one started {last_start - t_kill:.1f} s after the kill")
     print("served by each host process: " + ", ".join(f"{k} {sum(v.values())}" for k, v in host_ok.items()))
 
     assert unanswered == []
