@@ -77,3 +77,14 @@ def test_every_cited_docs_section_exists():
             if page not in headings or not any(h.startswith(section) for h in headings[page]):
                 dangling.append(f"{f.relative_to(ROOT)}: {doc}, {section!r}")
     assert dangling == []
+
+
+INCLUDED = re.compile(r"^<!-- the file (\S+), as it is -->\n```\w*\n(.*?)^```$", re.M | re.S)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_a_page_shows_whole_is_shown_as_it_is(page):
+    """A code block under ``<!-- the file PATH, as it is -->`` is that file, byte for byte (the
+    deployment guide's configs are the ones its test runs)."""
+    stale = [path for path, shown in INCLUDED.findall(page.read_text()) if (ROOT / path).read_text() != shown]
+    assert stale == []

@@ -1,8 +1,8 @@
 """The LiteLLM proxy serving examples/proxy_config.yaml, called with the OpenAI SDK.
 
 Starts ``litellm --config examples/proxy_config.yaml`` as a subprocess on a free local port (the
-proxy loads the model itself, in its own process), waits for ``/health/liveliness``, and always
-terminates the proxy. Skipped when the proxy's own dependencies are not installed.
+proxy loads the model itself, in its own process; ``tests/proxy_process.py``), waits for
+``/health/liveliness``, and always terminates the proxy. Skipped when the proxy's own dependencies are not installed.
 
 The engine runs inside the proxy's process, so the tests read its stats from the proxy's output:
 with ``FLM_LOG_LEVEL=DEBUG`` the engine logs a line with its stats (JSON) whenever a request is
@@ -17,15 +17,12 @@ import json
 import os
 import re
 import secrets
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import litellm
 import numpy as np
+import proxy_process
 import pytest
 from forced_speculation import write_always_speculate_policy
 from stream_choices import joined_choices
@@ -35,38 +32,13 @@ openai = pytest.importorskip("openai")
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "proxy_config.yaml"
-STARTUP_S = 180  # importing the proxy takes tens of seconds on this machine
 REQUEST_S = 300  # the first request also loads the model in the proxy process
 IN_FLIGHT = 100  # the disconnect test's requests; the proxy's engine queues them all (FLM_MAX_QUEUE)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            out = log.read_text(errors="replace")
-            if "ModuleNotFoundError" in out:
-                pytest.skip(f"the LiteLLM proxy's dependencies are not installed: {out.strip().splitlines()[-1]}")
-            pytest.fail(f"the proxy exited with {proc.returncode}:\n{out[-4000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"the proxy was not ready within {STARTUP_S} s:\n{log.read_text(errors='replace')[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def proxy_url(smollm2_gguf, tmp_path_factory):
-    port = _free_port()
+    port = proxy_process.free_port()
     log = tmp_path_factory.mktemp("proxy") / "proxy.log"
     key = f"sk-{secrets.token_hex(32)}"
     # smollm2-dflash speculates at every step (its shipped cpu table speculates nowhere).
@@ -74,20 +46,12 @@ def proxy_url(smollm2_gguf, tmp_path_factory):
     env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", OPENAI_API_KEY="sk-dummy-not-used",
                LITELLM_MASTER_KEY=key, FLM_LOG_LEVEL="DEBUG", FLM_MAX_QUEUE=str(IN_FLIGHT), FLM_BACKEND="cpu",
                XDG_CONFIG_HOME=str(config_home))
-    litellm_cli = Path(sys.executable).with_name("litellm")
-    cmd = [str(litellm_cli), "--config", str(CONFIG), "--host", "127.0.0.1", "--port", str(port), "--telemetry", "False"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc = proxy_process.start(CONFIG, port, env, log)
     try:
-        _wait_ready(proc, f"http://127.0.0.1:{port}/health/liveliness", log)
+        proxy_process.wait_ready(proc, port, log)
         yield f"http://127.0.0.1:{port}/v1", key, log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proxy_process.stop(proc)
 
 
 @pytest.fixture(scope="module")

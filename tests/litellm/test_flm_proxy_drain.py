@@ -17,14 +17,13 @@ import re
 import secrets
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
+import proxy_process
 import pytest
-from test_flm_proxy import CONFIG, REPO, _free_port, _wait_ready
+from test_flm_proxy import CONFIG
 
 openai = pytest.importorskip("openai")
 
@@ -50,16 +49,13 @@ def refused(port: int) -> bool:
 
 
 def test_sigterm_drains_the_running_streams_and_refuses_new_requests(smollm2_gguf, tmp_path):
-    port, key, log = _free_port(), f"sk-{secrets.token_hex(32)}", tmp_path / "proxy.log"
+    port, key, log = proxy_process.free_port(), f"sk-{secrets.token_hex(32)}", tmp_path / "proxy.log"
     env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", OPENAI_API_KEY="sk-dummy-not-used",
                LITELLM_MASTER_KEY=key, FLM_LOG_LEVEL="INFO", FLM_BACKEND="cpu", FLM_DRAIN_TIMEOUT_S=str(DRAIN_S),
                GRACEFUL_SHUTDOWN_TIMEOUT=str(DRAIN_S + 60))
-    cmd = [str(Path(sys.executable).with_name("litellm")), "--config", str(CONFIG), "--host", "127.0.0.1",
-           "--port", str(port), "--telemetry", "False"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc = proxy_process.start(CONFIG, port, env, log)
     try:
-        _wait_ready(proc, f"http://127.0.0.1:{port}/health/liveliness", log)
+        proxy_process.wait_ready(proc, port, log)
         assert "SIGTERM drains the flm engines" in log.read_text()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, timeout=600, max_retries=0)
 
