@@ -331,10 +331,16 @@ def plot(pairs: list[Pair], contexts: list[Context], engines: Engines, path: Pat
 
 
 def run(args: argparse.Namespace) -> int:
-    """``litellm-flm bench``: this table, or with ``--quick`` the TTFT/prefill table (``quick``)."""
+    """``litellm-flm bench``: this table, with ``--quick`` the TTFT/prefill table (``quick``), with
+    ``--workloads`` the workload table (``workload_bench``)."""
+    if args.workloads:
+        from flm_bench import workload_bench  # imports LiteLLM, seconds that the other tables need not pay
+
+        return workload_bench.main(args)
     return (quick.main if args.quick else main)(args)
 
 
 # The subcommand ``litellm-flm bench`` (entry point of the group ``litellm_flm.commands``).
 COMMAND = Command("bench", "the decode-speed table: baseline tokens/s, DFlash speed-up and AL per prompt context "
-                  "(--quick: TTFT, prefill and decode tokens/s at 1k-8k)", run, bench_arguments)
+                  "(--quick: TTFT, prefill and decode tokens/s at 1k-8k; --workloads: chat, code, RAG, agent, "
+                  "extraction through LiteLLM)", run, bench_arguments)

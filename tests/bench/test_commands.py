@@ -3,7 +3,8 @@ exits 0 and writes its files with the right columns. Figures are not checked her
 is slower than plain decoding); only their shape and a few invariants (exact generated counts,
 AL of at least 1, the verify path agreeing with decoding).
 
-The soak goes through LiteLLM with the random draft behind the DFlash tag (``--draft``).
+The soak and ``bench --workloads`` go through LiteLLM with the random draft behind the DFlash tag
+(``--draft``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import pytest
 
 from flm_bench import agreement, quick, speed
-from flm_bench import soak
+from flm_bench import soak, workload_bench
 
 
 def read_csv(path):
@@ -99,6 +100,40 @@ def test_bench_quick_baseline_only_needs_no_draft(run_cli, tmp_path):
     assert status == 0
     _, rows = read_csv(tmp_path / "quick.csv")
     assert [r["tag"] for r in rows] == ["smollm2:135m"] and rows[0]["acceptance_length"] == ""
+
+
+def test_bench_workloads_through_litellm_one_task_each(run_cli, random_draft, tmp_path, forget_dflash_engine):
+    """One task per workload and mode, 4 tokens a request: every turn of a conversation is a row;
+    an agent's call cannot finish in 4 tokens, so its conversation ends after the first request.
+    The DFlash step is exact: every greedy answer is identical on both tags."""
+    status, out, _ = run_cli("bench", "--workloads", "--draft", random_draft, "--requests", 1, "--max-tokens", 4,
+                             "--out", tmp_path, "--quiet")
+    assert status == 0
+    columns, rows = read_csv(tmp_path / "workloads.csv")
+    assert tuple(columns) == workload_bench.COLUMNS
+    turns = {"multi-turn": 4}
+    assert [(r["workload"], r["mode"], r["turn"]) for r in rows] == [
+        (w, m, str(t)) for w in ("chat", "multi-turn", "code-edit", "rag", "agent", "extraction")
+        for m in ("greedy", "sampled") for t in range(1, turns.get(w, 1) + 1)]
+    assert [r["task"] for r in rows if r["workload"] == "code-edit"] == [
+        "linecache.getline rename", "getopt.short_has_arg type-hints"]
+    assert all(r["plain_tokens"] == r["dflash_tokens"] == "4" for r in rows)
+    assert {r["identical"] for r in rows if r["mode"] == "greedy"} == {"yes"}
+    # Every token after the first: a verify step's or a plain step's.
+    assert all(sum(int(r[f"{k}_pushed"]) for k in ("draft", "ngram", "suffix")) + int(r["plain_steps"]) == 3
+               for r in rows)
+    md = (tmp_path / "workloads.md").read_text()
+    assert "| Workload | Mode | Requests | smollm2:135m tokens/s | smollm2-dflash:135m tokens/s | Ratio |" in md
+    assert "| multi-turn | greedy | 4 |" in md and md.count("| 1 of 1 |") == 5 and "| 4 of 4 |" in md
+    assert "litellm-flm bench --workloads --tag smollm2:135m --draft" in md and "--requests 1" in md
+    assert (tmp_path / "workloads.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_workloads_takes_no_option_of_the_other_tables(run_cli, tmp_path):
+    status, _, err = run_cli("bench", "--workloads", "chat", "--quick", "--out", tmp_path / "x", "--quiet")
+    assert status == 1 and "--quick" in err and not (tmp_path / "x").exists()
+    status, _, err = run_cli("bench", "--workloads", "chat,poems", "--out", tmp_path / "x", "--quiet")
+    assert status == 1 and "poems" in err
 
 
 def test_agreement_writes_the_accuracy_table(run_cli, tmp_path):
