@@ -94,10 +94,9 @@ class Reply:
         return self.decoded / tps if tps > 0 else 0.0
 
     def steps(self) -> dict[str, tuple[int, int]]:
-        """{kind of ``STEP_KINDS``: (steps, tokens pushed)}; all zero for a plain tag's reply."""
+        """{kind of ``STEP_KINDS``: (steps, tokens pushed)} of a DFlash tag's reply (a plain step
+        pushes one token)."""
         s = self.stats
-        if "spec_steps" not in s:
-            return {k: (0, 0) for k in STEP_KINDS}
         out = {}
         for p in PROPOSERS[1:]:
             out[p] = (s[f"{p}_steps"], round((s[f"{p}_acceptance_length"] or 0) * s[f"{p}_steps"]))
@@ -124,12 +123,12 @@ class Pair:
 
     def row(self) -> dict:
         p, d = self.plain, self.dflash
-        steps = d.steps()
+        steps, ratio = d.steps(), Cell([self]).ratio
         return {"workload": self.task.workload, "task": self.task.name, "turn": self.turn, "mode": self.mode,
                 "plain_tokens": p.completion_tokens, "plain_decode_s": f"{p.decode_s:.4f}",
                 "plain_tokens_per_s": f"{_tps([p]):.3f}", "dflash_tokens": d.completion_tokens,
                 "dflash_decode_s": f"{d.decode_s:.4f}", "dflash_tokens_per_s": f"{_tps([d]):.3f}",
-                "ratio": _ratio([self]), **{f"{k}_steps": steps[k][0] for k in STEP_KINDS},
+                "ratio": "" if ratio is None else f"{ratio:.4f}", **{f"{k}_steps": steps[k][0] for k in STEP_KINDS},
                 **{f"{k}_pushed": steps[k][1] for k in PROPOSERS},
                 "identical": ("yes" if self.identical else "no") if self.mode == "greedy" else ""}
 
@@ -138,11 +137,6 @@ def _tps(replies: list[Reply]) -> float:
     """Total decoded tokens / total decode seconds (0.0 over none)."""
     seconds = sum(r.decode_s for r in replies)
     return sum(r.decoded for r in replies) / seconds if seconds > 0 else 0.0
-
-
-def _ratio(pairs: list[Pair]) -> str:
-    plain = _tps([p.plain for p in pairs])
-    return f"{_tps([p.dflash for p in pairs]) / plain:.4f}" if plain > 0 else ""
 
 
 def converse(task: Task, mode: str, tags: tuple[str, str], seed: int, k: int, *,
@@ -164,7 +158,8 @@ def converse(task: Task, mode: str, tags: tuple[str, str], seed: int, k: int, *,
         order = tags if (k + turn) % 2 else tags[::-1]
         replies = {}
         for tag in order:
-            response = litellm.completion(model=PROVIDER_PREFIX + tag, timeout=REQUEST_TIMEOUT_S, **requests[tag], **sampler)
+            response = litellm.completion(model=PROVIDER_PREFIX + tag, timeout=REQUEST_TIMEOUT_S, **requests[tag],
+                                          **sampler)
             replies[tag] = Reply.of(response)
             on_request()
         pairs.append(Pair(task, turn, mode, replies[tags[0]], replies[tags[1]]))
@@ -192,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
     tags = (base, registry.dflash_tag(base))
     with draft_models_file(tags[1], args.draft) if args.draft else contextlib.nullcontext():
         info = report.machine_info()
-        for tag in tags:  # loads the models and compiles the kernels before anything is timed
+        for tag in tags:  # first-call costs (loading, allocations) are not the model's speed
             litellm.completion(model=PROVIDER_PREFIX + tag, messages=[{"role": "user", "content": "Hello!"}],
                                max_tokens=8, temperature=0.0)
         pairs = measure(jobs, tags, seed=args.seed, quiet=args.quiet)

@@ -289,8 +289,8 @@ def _function_node(source: str) -> ast.FunctionDef:
 
 def _docstring_node(fn: ast.FunctionDef) -> ast.Expr | None:
     first = fn.body[0]
-    is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
-    return first if is_doc else None
+    is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    return first if is_doc and isinstance(first.value.value, str) else None
 
 
 def without_docstring(source: str) -> str:
@@ -352,8 +352,8 @@ def code_edit(n: int, max_tokens: int) -> list[Task]:
     tasks = []
     for i in range(n):
         fn, edit = CODE_FUNCTIONS[i % len(CODE_FUNCTIONS)], EDITS[(i + i // len(CODE_FUNCTIONS)) % len(EDITS)]
-        tasks.append(Task("code-edit", f"{fn} {edit}", {"messages": [{"role": "user", "content": code_edit_prompt(fn, edit)}],
-                                                        "max_tokens": max_tokens}))
+        messages = [{"role": "user", "content": code_edit_prompt(fn, edit)}]
+        tasks.append(Task("code-edit", f"{fn} {edit}", {"messages": messages, "max_tokens": max_tokens}))
     return tasks
 
 

@@ -103,30 +103,39 @@ def test_bench_quick_baseline_only_needs_no_draft(run_cli, tmp_path):
 
 
 def test_bench_workloads_through_litellm_one_task_each(run_cli, random_draft, tmp_path, forget_dflash_engine):
-    """One task per workload and mode, 4 tokens a request: every turn of a conversation is a row;
-    an agent's call cannot finish in 4 tokens, so its conversation ends after the first request.
+    """One task per workload, greedy, 3 tokens a request: every turn of a conversation is a row;
+    an agent's call cannot finish in 3 tokens, so its conversation ends after the first request.
     The DFlash step is exact: every greedy answer is identical on both tags."""
-    status, out, _ = run_cli("bench", "--workloads", "--draft", random_draft, "--requests", 1, "--max-tokens", 4,
-                             "--out", tmp_path, "--quiet")
+    status, out, _ = run_cli("bench", "--workloads", "--draft", random_draft, "--requests", 1, "--max-tokens", 3,
+                             "--modes", "greedy", "--out", tmp_path, "--quiet")
     assert status == 0
     columns, rows = read_csv(tmp_path / "workloads.csv")
     assert tuple(columns) == workload_bench.COLUMNS
-    turns = {"multi-turn": 4}
-    assert [(r["workload"], r["mode"], r["turn"]) for r in rows] == [
-        (w, m, str(t)) for w in ("chat", "multi-turn", "code-edit", "rag", "agent", "extraction")
-        for m in ("greedy", "sampled") for t in range(1, turns.get(w, 1) + 1)]
-    assert [r["task"] for r in rows if r["workload"] == "code-edit"] == [
-        "linecache.getline rename", "getopt.short_has_arg type-hints"]
-    assert all(r["plain_tokens"] == r["dflash_tokens"] == "4" for r in rows)
-    assert {r["identical"] for r in rows if r["mode"] == "greedy"} == {"yes"}
+    assert [(r["workload"], r["turn"]) for r in rows] == [
+        ("chat", "1"), *(("multi-turn", str(t)) for t in range(1, 5)), ("code-edit", "1"), ("rag", "1"), ("agent", "1"),
+        ("extraction", "1")]
+    assert {r["mode"] for r in rows} == {"greedy"} and rows[5]["task"] == "linecache.getline rename"
+    assert all(r["plain_tokens"] == r["dflash_tokens"] == "3" and r["identical"] == "yes" for r in rows)
     # Every token after the first: a verify step's or a plain step's.
-    assert all(sum(int(r[f"{k}_pushed"]) for k in ("draft", "ngram", "suffix")) + int(r["plain_steps"]) == 3
+    assert all(sum(int(r[f"{k}_pushed"]) for k in ("draft", "ngram", "suffix")) + int(r["plain_steps"]) == 2
                for r in rows)
     md = (tmp_path / "workloads.md").read_text()
     assert "| Workload | Mode | Requests | smollm2:135m tokens/s | smollm2-dflash:135m tokens/s | Ratio |" in md
     assert "| multi-turn | greedy | 4 |" in md and md.count("| 1 of 1 |") == 5 and "| 4 of 4 |" in md
     assert "litellm-flm bench --workloads --tag smollm2:135m --draft" in md and "--requests 1" in md
     assert (tmp_path / "workloads.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_workloads_sampled_mode(run_cli, tmp_path):
+    status, *_ = run_cli("bench", "--workloads", "chat", "--modes", "sampled", "--requests", 1, "--max-tokens", 3,
+                         "--seed", 7, "--out", tmp_path, "--quiet", "--no-plot")
+    assert status == 0
+    _, rows = read_csv(tmp_path / "workloads.csv")
+    assert [(r["workload"], r["task"], r["mode"], r["identical"]) for r in rows] == [("chat", "chat-1", "sampled", "")]
+    md = (tmp_path / "workloads.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| chat | sampled | 1 |"))
+    assert row.endswith("| — |") and "seeds from 7" in md  # no greedy equality in sampled mode
+    assert not (tmp_path / "workloads.png").exists()
 
 
 def test_bench_workloads_takes_no_option_of_the_other_tables(run_cli, tmp_path):

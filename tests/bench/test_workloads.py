@@ -97,7 +97,7 @@ def test_code_edit_sends_the_real_source_and_injects_one_inverted_comparison(fn)
 
 def test_inject_bug_and_docstring_removal_exactly():
     src = 'def f(a, b=None):\n    """Doc\n    string."""\n    if b is not None:\n        return a == 1\n'
-    assert workloads.inject_bug(src) == 'def f(a, b=None):\n    """Doc\n    string."""\n    if b is None:\n        return a == 1\n'
+    assert workloads.inject_bug(src) == src.replace("b is not None", "b is None")
     assert workloads.without_docstring(src) == "def f(a, b=None):\n    if b is not None:\n        return a == 1\n"
     assert workloads.inject_bug("def g(x):\n    return 1 <= x <= 3\n") == "def g(x):\n    return 1 > x <= 3\n"
     with pytest.raises(ValueError, match="no comparison"):
@@ -148,7 +148,8 @@ def test_agent_follow_up_sends_the_calls_and_their_results_then_lets_the_model_a
     assert second["messages"][2:] == [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1_0", "type": "function", "function": {"name": "get_weather", "arguments": calls[0][1]}},
-            {"id": "call_1_1", "type": "function", "function": {"name": "convert_currency", "arguments": calls[1][1]}}]},
+            {"id": "call_1_1", "type": "function",
+             "function": {"name": "convert_currency", "arguments": calls[1][1]}}]},
         {"role": "tool", "tool_call_id": "call_1_0", "content": workloads.tool_result(*calls[0])},
         {"role": "tool", "tool_call_id": "call_1_1", "content": workloads.tool_result(*calls[1])}]
     third = follow_up(task, second, Answer(None, calls[:1]), 2)
@@ -186,7 +187,8 @@ def test_extraction_schema_is_valid_and_compiles(docs):
     jsonschema.validate({"people": [{"name": "Holmes", "role": "detective"}], "places": ["London"],
                          "topic": "a royal scandal", "tone": "tense"}, workloads.EXTRACTION_SCHEMA)
     fmt = build("extraction", 1, docs)[0].request["response_format"]
-    assert fmt == {"type": "json_schema", "json_schema": {"name": "passage_facts", "schema": workloads.EXTRACTION_SCHEMA}}
+    assert fmt == {"type": "json_schema",
+                   "json_schema": {"name": "passage_facts", "schema": workloads.EXTRACTION_SCHEMA}}
     assert json_schema_grammar(fmt["json_schema"]["schema"], param="response_format")
 
 
