@@ -25,7 +25,7 @@ def positive_int(text: str) -> int:
 # Defaults that differ between the decode-speed table and ``--quick``.
 SPEED_CONTEXTS, SPEED_MAX_TOKENS = "short,1k,4k,max", 512
 QUICK_CONTEXTS, QUICK_MAX_TOKENS = "1k,2k,4k,8k", 32
-WORKLOAD_MAX_TOKENS, WORKLOAD_REQUESTS = 256, 3
+WORKLOAD_MAX_TOKENS, WORKLOAD_REQUESTS = 192, 2
 
 
 def _common(p: argparse.ArgumentParser, out: str) -> None:

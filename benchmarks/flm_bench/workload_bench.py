@@ -12,8 +12,8 @@ the other, in alternating order, so that machine noise hits both alike. A conver
 Measured per request from what LiteLLM returns (``_hidden_params["flm_stats"]``, the engine's own
 figures; responses are not streamed, since only a whole response carries them):
 
-- **decode tokens/s**: tokens after the first / seconds from the first token to the last. Decode
-  speed is what speculation changes; the prompt's prefill is the same work on both tags;
+- **decode tokens/s**: tokens after the first / seconds from the first token to the last (decode
+  speed is what speculation changes; the time to the first token is the prompt's prefill);
 - **steps per proposer**: the DFlash tag's verify steps of the draft's, prompt lookup's
   (``ngram``) and the suffix proposer's tokens, and its plain steps (one token each, where no
   proposal was verified: generated tokens - 1 - tokens pushed by verify steps); and each
@@ -310,7 +310,7 @@ def command(args: argparse.Namespace, max_tokens: int) -> str:
 
 def plot(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[str, str], path: Path) -> bool:
     """``workloads.png``: the DFlash / plain ratio per workload and mode, bars annotated with
-    the draft's AL.
+    the AL of all verify steps (every proposer's).
 
     Returns False (after saying why) when matplotlib is not installed.
     """
@@ -333,14 +333,16 @@ def plot(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[str,
         top = max(top, *ratios)
         ax.bar(xs, ratios, width, label=mode, color=f"C{j}")
         for x, n, r in zip(xs, names, ratios, strict=True):
-            steps = by[(n, mode)].steps()["draft"]
-            if steps[0]:
-                ax.annotate(f"AL {steps[1] / steps[0]:.2f}", (x, r), fontsize=7, ha="center",
-                            textcoords="offset points", xytext=(0, 3))
+            steps = by[(n, mode)].steps()
+            verified = sum(steps[p][0] for p in PROPOSERS)
+            if verified:
+                ax.annotate(f"AL {sum(steps[p][1] for p in PROPOSERS) / verified:.2f}", (x, r), fontsize=7,
+                            ha="center", textcoords="offset points", xytext=(0, 3))
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylim(0, 1.2 * top)
-    ax.set(ylabel=f"decode tokens/s, {tags[1]} / {tags[0]}", title="DFlash speed-up per workload (AL: the draft's)")
+    ax.set(ylabel="decode tokens/s, DFlash / plain",
+           title=f"{tags[1]} against {tags[0]} per workload (AL: all verify steps)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

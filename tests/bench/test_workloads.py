@@ -32,7 +32,7 @@ def build(name, n, docs, **kw):
 
 @pytest.mark.parametrize("name", workloads.WORKLOADS)
 def test_each_workload_is_deterministic_and_sends_no_prompt_twice(name, docs):
-    """The default run (3 tasks greedy, 3 more sampled) asks six different things per workload."""
+    """A run of 3 tasks greedy and 3 more sampled asks six different things per workload."""
     tasks = build(name, 6, docs)
     assert tasks == build(name, 6, docs) and len(tasks) == 6
     assert all(t.workload == name and t.request["max_tokens"] == 64 for t in tasks)
