@@ -1,4 +1,4 @@
-"""Command-line options of ``litellm-flm bench`` (and ``bench --quick``) and ``agreement``, and
+"""Command-line options of ``litellm-flm bench`` (and ``bench --quick``, ``bench --workloads``) and
 the argument types the benchmark commands and scripts share.
 
 Kept apart from the commands themselves (and free of heavy imports) so that building the
@@ -8,6 +8,8 @@ Kept apart from the commands themselves (and free of heavy imports) so that buil
 from __future__ import annotations
 
 import argparse
+
+from flm_runtime.errors import InvalidRequestError
 
 DEFAULT_TAG = "smollm2:135m"
 
@@ -21,6 +23,21 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+MODES = ("greedy", "sampled")
+
+
+def parse_modes(text: str) -> list[str]:
+    """``--modes``: comma-separated ``greedy`` and/or ``sampled``.
+
+    Raises:
+        InvalidRequestError: another word, or none.
+    """
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise InvalidRequestError(f"--modes takes greedy and/or sampled, got {text!r}", param="--modes")
+    return modes
+
 
 # Defaults that differ between the decode-speed table and ``--quick``.
 SPEED_CONTEXTS, SPEED_MAX_TOKENS = "short,1k,4k,max", 512

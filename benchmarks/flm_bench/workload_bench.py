@@ -4,7 +4,7 @@ workloads of ``workloads.py`` (chat, multi-turn chat, code edits, RAG, an agent 
 Each workload runs ``--requests`` tasks greedy (temperature 0) and the next ``--requests`` tasks
 sampled (the model's default sampler, seeds ``--seed`` and up, the same on both tags): no prompt
 is sent twice, since the DFlash tag's suffix proposer indexes earlier answers and would copy the
-answer to a repeated question, as a user's engine rarely can. Each request is sent with
+answer to a repeated question (which a benchmark asks and a user rarely does). Each request is sent with
 ``litellm.completion(model="flm/<tag>")`` on the plain tag and on the DFlash tag one right after
 the other, in alternating order, so that machine noise hits both alike. A conversation
 (``multi-turn``, ``agent``) goes on on each tag with that tag's own answers (``workloads.follow_up``).
@@ -45,14 +45,13 @@ from tqdm import tqdm
 
 from flm_bench import report, workloads
 from flm_bench.documents import load_documents
-from flm_bench.options import WORKLOAD_MAX_TOKENS
+from flm_bench.options import WORKLOAD_MAX_TOKENS, parse_modes
 from flm_bench.soak import PROVIDER_PREFIX, draft_models_file
 from flm_bench.workloads import Answer, Task
 from flm_runtime import InvalidRequestError, registry
 from flm_runtime.request import PROPOSERS
 
 PROG_NAME = "litellm-flm bench --workloads"
-MODES = ("greedy", "sampled")
 REQUEST_TIMEOUT_S = 3600.0
 STEP_KINDS = (*PROPOSERS, "plain")  # the decode steps of a DFlash request, by what they verified
 COLUMNS = ("workload", "task", "turn", "mode", "plain_tokens", "plain_decode_s", "plain_tokens_per_s",
@@ -172,9 +171,7 @@ def main(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--workloads runs both tags through LiteLLM and takes none of --quick, "
                                   "--baseline-only, --no-ngram, --contexts, --stop-at-eos", param="--workloads")
     names = workloads.parse_workloads(args.workloads)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes):
-        raise InvalidRequestError(f"--modes takes greedy and/or sampled, got {args.modes!r}", param="--modes")
+    modes = parse_modes(args.modes)
     max_tokens = args.max_tokens or WORKLOAD_MAX_TOKENS
     docs = load_documents(args.documents)
     n = args.requests
