@@ -5,13 +5,16 @@ this package; ``flm_runtime.cli`` loads each command through the entry-point gro
 - ``speed``: ``litellm-flm bench``, decode tokens/s of the plain tag, the DFlash tag's speed-up and
   AL, per prompt context (short, 1k, 4k, the largest the model allows), greedy and sampled;
 - ``quick``: ``litellm-flm bench --quick``, TTFT, prefill and decode tokens/s at 1k-8k context;
+- ``workload_bench``: ``litellm-flm bench --workloads``, both tags through LiteLLM on the
+  requests of ``workloads`` (chat, multi-turn, code edits, RAG, an agent loop, extraction);
 - ``agreement``: ``litellm-flm agreement``, the 8-token verify path against token-by-token
   decoding, teacher-forced on real text;
 - ``calibrate``: ``litellm-flm calibrate``, the speculation policy table the engine reads;
 - ``soak``: ``litellm-flm soak``, back-to-back requests through LiteLLM (stability);
 - ``documents``: the prompts and the long public-domain documents (``texts/``) they use;
+- ``workloads``: the requests of ``bench --workloads``, built at run time;
 - ``engines``, ``report``, ``options``: the engines compared, report files, command-line options.
 
-Each command writes Markdown and CSV files (and a PNG plot for ``bench``, with matplotlib) into
-``--out``. Speeds are quoted as ratios measured in the same run, never as bare numbers alone.
+Each command writes Markdown and CSV files (and a PNG plot for ``bench`` and ``bench --workloads``,
+with matplotlib) into ``--out``. Speeds are quoted as ratios measured in the same run, never as bare numbers alone.
 """

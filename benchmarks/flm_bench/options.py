@@ -1,4 +1,4 @@
-"""Command-line options of ``litellm-flm bench`` (and ``bench --quick``) and ``agreement``, and
+"""Command-line options of ``litellm-flm bench`` (and ``bench --quick``, ``bench --workloads``) and
 the argument types the benchmark commands and scripts share.
 
 Kept apart from the commands themselves (and free of heavy imports) so that building the
@@ -8,6 +8,8 @@ Kept apart from the commands themselves (and free of heavy imports) so that buil
 from __future__ import annotations
 
 import argparse
+
+from flm_runtime.errors import InvalidRequestError
 
 DEFAULT_TAG = "smollm2:135m"
 
@@ -22,9 +24,25 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
+MODES = ("greedy", "sampled")
+
+
+def parse_modes(text: str) -> list[str]:
+    """``--modes``: comma-separated ``greedy`` and/or ``sampled``.
+
+    Raises:
+        InvalidRequestError: another word, or none.
+    """
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise InvalidRequestError(f"--modes takes greedy and/or sampled, got {text!r}", param="--modes")
+    return modes
+
+
 # Defaults that differ between the decode-speed table and ``--quick``.
 SPEED_CONTEXTS, SPEED_MAX_TOKENS = "short,1k,4k,max", 512
 QUICK_CONTEXTS, QUICK_MAX_TOKENS = "1k,2k,4k,8k", 32
+WORKLOAD_MAX_TOKENS, WORKLOAD_REQUESTS = 192, 2
 
 
 def _common(p: argparse.ArgumentParser, out: str) -> None:
@@ -41,6 +59,11 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="the short table instead: TTFT, prefill and decode tokens/s per context length, "
                         "about 30 decoded tokens, mean ± std over --iterations")
+    p.add_argument("--workloads", nargs="?", const="all", metavar="NAMES",
+                   help="the workload table instead, through LiteLLM: all (the default) or some of chat, multi-turn, "
+                        "code-edit, rag, agent, extraction, comma-separated")
+    p.add_argument("--requests", type=positive_int, default=WORKLOAD_REQUESTS,
+                   help=f"--workloads: tasks (requests or conversations) per workload (default {WORKLOAD_REQUESTS})")
     p.add_argument("--draft", metavar="DIR", help="decode the DFlash side with this draft directory "
                                                   "(default: the DFlash tag's own draft)")
     p.add_argument("--baseline-only", action="store_true",
@@ -51,7 +74,8 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", help=f"comma-separated prompt lengths: short (~30 tokens), N, Nk (N x 1024) "
                                       f"or max (default {SPEED_CONTEXTS}; --quick: {QUICK_CONTEXTS})")
     p.add_argument("--max-tokens", type=int,
-                   help=f"generated tokens per request (default {SPEED_MAX_TOKENS}; --quick: {QUICK_MAX_TOKENS})")
+                   help=f"generated tokens per request (default {SPEED_MAX_TOKENS}; --quick: {QUICK_MAX_TOKENS}; "
+                        f"--workloads: {WORKLOAD_MAX_TOKENS}, at most)")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="stop at the end-of-turn token (default: generate exactly --max-tokens, as the reference benchmark's runs)")
     p.add_argument("--prompts-per-context", type=int, default=3, help="prompts per context length (default 3)")
@@ -63,7 +87,8 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thinking", choices=("both", "on", "off"), default="both",
                    help="thinking on/off, for models whose chat template has the switch (default both)")
     p.add_argument("--prompts", metavar="FILE",
-                   help="short prompts: the first turns of an MT-Bench style question.jsonl (default: our own three)")
+                   help="short prompts (--workloads: the chat workload's): the first turns of an MT-Bench style "
+                        "question.jsonl (default: our own)")
     p.add_argument("--iterations", type=int, default=3, help="--quick: requests per context and tag (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first sampled request (default 0)")
     p.add_argument("--no-plot", action="store_true", help="no PNG plot")

@@ -33,14 +33,12 @@ from flm_bench.documents import (Document, Prompt, chat_ids, load_documents, lon
                                          summary_prompt, supports_thinking)
 from flm_bench.engines import (Context, Engines, Run, load_engines, parse_contexts, run_request, sampling,
                                        warm_up)
-from flm_bench.options import SPEED_CONTEXTS, SPEED_MAX_TOKENS, bench_arguments
-from flm_runtime import InvalidRequestError
+from flm_bench.options import SPEED_CONTEXTS, SPEED_MAX_TOKENS, bench_arguments, parse_modes
 from flm_runtime.cli import Command
 
 COLUMNS = ("context", "prompt", "prompt_tokens", "mode", "thinking", "baseline_tokens", "baseline_decode_s",
            "baseline_tokens_per_s", "dflash_tokens", "dflash_decode_s", "dflash_tokens_per_s", "speedup",
            "acceptance_length", "verify_steps", "ngram_steps", "ngram_acceptance_length")
-MODES = ("greedy", "sampled")
 PROG_NAME = "litellm-flm bench"
 
 
@@ -113,9 +111,7 @@ def main(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens or SPEED_MAX_TOKENS
     engines = load_engines(args.tag, draft=args.draft, baseline_only=args.baseline_only, ngram=not args.no_ngram)
     tok = engines.baseline.tokenizer
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes):
-        raise InvalidRequestError(f"--modes takes greedy and/or sampled, got {args.modes!r}", param="--modes")
+    modes = parse_modes(args.modes)
     sampler = _sampler(args)
     engines.baseline.sampling_params(**sampler)  # a value out of range fails here, before any request
     thinking = _thinking_settings(tok, args.thinking)
@@ -331,10 +327,16 @@ def plot(pairs: list[Pair], contexts: list[Context], engines: Engines, path: Pat
 
 
 def run(args: argparse.Namespace) -> int:
-    """``litellm-flm bench``: this table, or with ``--quick`` the TTFT/prefill table (``quick``)."""
+    """``litellm-flm bench``: this table, with ``--quick`` the TTFT/prefill table (``quick``), with
+    ``--workloads`` the workload table (``workload_bench``)."""
+    if args.workloads:
+        from flm_bench import workload_bench  # imports LiteLLM, seconds that the other tables need not pay
+
+        return workload_bench.main(args)
     return (quick.main if args.quick else main)(args)
 
 
 # The subcommand ``litellm-flm bench`` (entry point of the group ``litellm_flm.commands``).
 COMMAND = Command("bench", "the decode-speed table: baseline tokens/s, DFlash speed-up and AL per prompt context "
-                  "(--quick: TTFT, prefill and decode tokens/s at 1k-8k)", run, bench_arguments)
+                  "(--quick: TTFT, prefill and decode tokens/s at 1k-8k; --workloads: chat, code, RAG, agent, "
+                  "extraction through LiteLLM)", run, bench_arguments)

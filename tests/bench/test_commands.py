@@ -3,7 +3,8 @@ exits 0 and writes its files with the right columns. Figures are not checked her
 is slower than plain decoding); only their shape and a few invariants (exact generated counts,
 AL of at least 1, the verify path agreeing with decoding).
 
-The soak goes through LiteLLM with the random draft behind the DFlash tag (``--draft``).
+The soak and ``bench --workloads`` go through LiteLLM with the random draft behind the DFlash tag
+(``--draft``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import pytest
 
 from flm_bench import agreement, quick, speed
-from flm_bench import soak
+from flm_bench import soak, workload_bench
 
 
 def read_csv(path):
@@ -99,6 +100,49 @@ def test_bench_quick_baseline_only_needs_no_draft(run_cli, tmp_path):
     assert status == 0
     _, rows = read_csv(tmp_path / "quick.csv")
     assert [r["tag"] for r in rows] == ["smollm2:135m"] and rows[0]["acceptance_length"] == ""
+
+
+def test_bench_workloads_through_litellm_one_task_each(run_cli, random_draft, tmp_path, forget_dflash_engine):
+    """One task per workload, greedy, 3 tokens a request: every turn of a conversation is a row;
+    an agent's call cannot finish in 3 tokens, so its conversation ends after the first request.
+    The DFlash step is exact: every greedy answer is identical on both tags."""
+    status, out, _ = run_cli("bench", "--workloads", "--draft", random_draft, "--requests", 1, "--max-tokens", 3,
+                             "--modes", "greedy", "--out", tmp_path, "--quiet")
+    assert status == 0
+    columns, rows = read_csv(tmp_path / "workloads.csv")
+    assert tuple(columns) == workload_bench.COLUMNS
+    assert [(r["workload"], r["turn"]) for r in rows] == [
+        ("chat", "1"), *(("multi-turn", str(t)) for t in range(1, 5)), ("code-edit", "1"), ("rag", "1"), ("agent", "1"),
+        ("extraction", "1")]
+    assert {r["mode"] for r in rows} == {"greedy"} and rows[5]["task"] == "linecache.getline rename"
+    assert all(r["plain_tokens"] == r["dflash_tokens"] == "3" and r["identical"] == "yes" for r in rows)
+    # Every token after the first: a verify step's or a plain step's.
+    assert all(sum(int(r[f"{k}_pushed"]) for k in ("draft", "ngram", "suffix")) + int(r["plain_steps"]) == 2
+               for r in rows)
+    md = (tmp_path / "workloads.md").read_text()
+    assert "| Workload | Mode | Requests | smollm2:135m tokens/s | smollm2-dflash:135m tokens/s | Ratio |" in md
+    assert "| multi-turn | greedy | 4 |" in md and md.count("| 1 of 1 |") == 5 and "| 4 of 4 |" in md
+    assert "litellm-flm bench --workloads --tag smollm2:135m --draft" in md and "--requests 1" in md
+    assert (tmp_path / "workloads.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_workloads_sampled_mode(run_cli, tmp_path):
+    status, *_ = run_cli("bench", "--workloads", "chat", "--modes", "sampled", "--requests", 1, "--max-tokens", 3,
+                         "--seed", 7, "--out", tmp_path, "--quiet", "--no-plot")
+    assert status == 0
+    _, rows = read_csv(tmp_path / "workloads.csv")
+    assert [(r["workload"], r["task"], r["mode"], r["identical"]) for r in rows] == [("chat", "chat-1", "sampled", "")]
+    md = (tmp_path / "workloads.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| chat | sampled | 1 |"))
+    assert row.endswith("| — |") and "seeds from 7" in md  # no greedy equality in sampled mode
+    assert not (tmp_path / "workloads.png").exists()
+
+
+def test_bench_workloads_takes_no_option_of_the_other_tables(run_cli, tmp_path):
+    status, _, err = run_cli("bench", "--workloads", "chat", "--quick", "--out", tmp_path / "x", "--quiet")
+    assert status == 1 and "--quick" in err and not (tmp_path / "x").exists()
+    status, _, err = run_cli("bench", "--workloads", "chat,poems", "--out", tmp_path / "x", "--quiet")
+    assert status == 1 and "poems" in err
 
 
 def test_agreement_writes_the_accuracy_table(run_cli, tmp_path):

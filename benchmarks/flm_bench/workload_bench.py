@@ -1,0 +1,347 @@
+"""``litellm-flm bench --workloads``: the plain tag against its DFlash tag, through LiteLLM, on the
+workloads of ``workloads.py`` (chat, multi-turn chat, code edits, RAG, an agent loop, extraction).
+
+Each workload runs ``--requests`` tasks greedy (temperature 0) and the next ``--requests`` tasks
+sampled (the model's default sampler, seeds ``--seed`` and up, the same on both tags): no prompt
+is sent twice, since the DFlash tag's suffix proposer indexes earlier answers and would copy the
+answer to a repeated question (which a benchmark asks and a user rarely does). Each request is sent with
+``litellm.completion(model="flm/<tag>")`` on the plain tag and on the DFlash tag one right after
+the other, in alternating order, so that machine noise hits both alike. A conversation
+(``multi-turn``, ``agent``) goes on on each tag with that tag's own answers (``workloads.follow_up``).
+
+Measured per request from what LiteLLM returns (``_hidden_params["flm_stats"]``, the engine's own
+figures; responses are not streamed, since only a whole response carries them):
+
+- **decode tokens/s**: tokens after the first / seconds from the first token to the last (decode
+  speed is what speculation changes; the time to the first token is the prompt's prefill);
+- **steps per proposer**: the DFlash tag's verify steps of the draft's, prompt lookup's
+  (``ngram``) and the suffix proposer's tokens, and its plain steps (one token each, where no
+  proposal was verified: generated tokens - 1 - tokens pushed by verify steps); and each
+  proposer's tokens pushed (accepted + the bonus token);
+- **greedy identical**: the two tags' greedy answers have the same text, the same tool calls
+  (names and arguments) and the same number of completion tokens. LiteLLM returns no token
+  ids; equal text of an equal token count is what a user can check.
+
+Per workload and mode: tokens/s = total tokens / total seconds over its requests (turns of a
+conversation each count), the ratio DFlash / plain of those, AL per proposer (its tokens pushed
+/ its steps), the share of all decode steps each proposer's (and plain steps) took, and
+identical greedy answers of all compared. Files in ``--out``: ``workloads.md`` (the table, the
+command, the machine), ``workloads.csv`` (one row per request pair) and ``workloads.png``
+(needs matplotlib: the ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import litellm
+import litellm_flm  # noqa: F401 - registers the flm/ provider with LiteLLM
+from tqdm import tqdm
+
+from flm_bench import report, workloads
+from flm_bench.documents import load_documents
+from flm_bench.options import WORKLOAD_MAX_TOKENS, parse_modes
+from flm_bench.soak import PROVIDER_PREFIX, draft_models_file
+from flm_bench.workloads import Answer, Task
+from flm_runtime import InvalidRequestError, registry
+from flm_runtime.request import PROPOSERS
+
+PROG_NAME = "litellm-flm bench --workloads"
+REQUEST_TIMEOUT_S = 3600.0
+STEP_KINDS = (*PROPOSERS, "plain")  # the decode steps of a DFlash request, by what they verified
+COLUMNS = ("workload", "task", "turn", "mode", "plain_tokens", "plain_decode_s", "plain_tokens_per_s",
+           "dflash_tokens", "dflash_decode_s", "dflash_tokens_per_s", "ratio",
+           *(f"{k}_steps" for k in STEP_KINDS), *(f"{p}_pushed" for p in PROPOSERS), "identical")
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One tag's answer to one request.
+
+    Attributes:
+        answer: its text and tool calls.
+        completion_tokens: ``usage.completion_tokens``.
+        stats: ``_hidden_params["flm_stats"]`` (``RequestStats.as_dict``).
+    """
+
+    answer: Answer
+    completion_tokens: int
+    stats: dict
+
+    @classmethod
+    def of(cls, response) -> Reply:
+        """From a LiteLLM ``ModelResponse`` of one choice."""
+        message = response.choices[0].message
+        calls = tuple((c.function.name, c.function.arguments) for c in message.tool_calls or ())
+        return cls(Answer(message.content, calls), response.usage.completion_tokens,
+                   response._hidden_params["flm_stats"])
+
+    @property
+    def decoded(self) -> int:
+        """Tokens after the first."""
+        return max(self.stats["generated_tokens"] - 1, 0)
+
+    @property
+    def decode_s(self) -> float:
+        """Seconds from the first token to the last."""
+        tps = self.stats["decode_tokens_per_s"]
+        return self.decoded / tps if tps > 0 else 0.0
+
+    def steps(self) -> dict[str, tuple[int, int]]:
+        """{kind of ``STEP_KINDS``: (steps, tokens pushed)} of a DFlash tag's reply (a plain step
+        pushes one token)."""
+        s = self.stats
+        out = {}
+        for p in PROPOSERS[1:]:
+            out[p] = (s[f"{p}_steps"], round((s[f"{p}_acceptance_length"] or 0) * s[f"{p}_steps"]))
+        draft_steps = s["spec_steps"] - sum(n for n, _ in out.values())
+        out["draft"] = (draft_steps, round((s["draft_acceptance_length"] or 0) * draft_steps))
+        plain = self.decoded - sum(pushed for _, pushed in out.values())
+        return {k: out[k] for k in PROPOSERS} | {"plain": (plain, plain)}
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One request on both tags (``turn`` counts from 1 within its conversation)."""
+
+    task: Task
+    turn: int
+    mode: str
+    plain: Reply
+    dflash: Reply
+
+    @property
+    def identical(self) -> bool:
+        return (self.plain.answer == self.dflash.answer
+                and self.plain.completion_tokens == self.dflash.completion_tokens)
+
+    def row(self) -> dict:
+        p, d = self.plain, self.dflash
+        steps, ratio = d.steps(), Cell([self]).ratio
+        return {"workload": self.task.workload, "task": self.task.name, "turn": self.turn, "mode": self.mode,
+                "plain_tokens": p.completion_tokens, "plain_decode_s": f"{p.decode_s:.4f}",
+                "plain_tokens_per_s": f"{_tps([p]):.3f}", "dflash_tokens": d.completion_tokens,
+                "dflash_decode_s": f"{d.decode_s:.4f}", "dflash_tokens_per_s": f"{_tps([d]):.3f}",
+                "ratio": "" if ratio is None else f"{ratio:.4f}", **{f"{k}_steps": steps[k][0] for k in STEP_KINDS},
+                **{f"{k}_pushed": steps[k][1] for k in PROPOSERS},
+                "identical": ("yes" if self.identical else "no") if self.mode == "greedy" else ""}
+
+
+def _tps(replies: list[Reply]) -> float:
+    """Total decoded tokens / total decode seconds (0.0 over none)."""
+    seconds = sum(r.decode_s for r in replies)
+    return sum(r.decoded for r in replies) / seconds if seconds > 0 else 0.0
+
+
+def converse(task: Task, mode: str, tags: tuple[str, str], seed: int, k: int, *,
+             on_request=lambda: None) -> list[Pair]:
+    """Run ``task``'s conversation in ``mode`` on the plain and the DFlash tag (``tags``), each
+    request on both, the order alternating with ``k`` + the turn; each tag's conversation goes on
+    with its own answers while ``follow_up`` gives a next request on both.
+
+    Args:
+        seed: the sampled mode's seed of the first turn (the next turns add one each).
+        on_request: called after each request (progress).
+    """
+    requests = dict.fromkeys(tags, task.request)
+    pairs = []
+    turn = 0
+    while all(requests.values()):
+        turn += 1
+        sampler = {"temperature": 0.0} if mode == "greedy" else {"seed": seed + turn - 1}
+        order = tags if (k + turn) % 2 else tags[::-1]
+        replies = {}
+        for tag in order:
+            response = litellm.completion(model=PROVIDER_PREFIX + tag, timeout=REQUEST_TIMEOUT_S, **requests[tag],
+                                          **sampler)
+            replies[tag] = Reply.of(response)
+            on_request()
+        pairs.append(Pair(task, turn, mode, replies[tags[0]], replies[tags[1]]))
+        requests = {tag: workloads.follow_up(task, requests[tag], replies[tag].answer, turn) for tag in tags}
+    return pairs
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick or args.baseline_only or args.no_ngram or args.contexts or args.stop_at_eos:
+        raise InvalidRequestError("--workloads runs both tags through LiteLLM and takes none of --quick, "
+                                  "--baseline-only, --no-ngram, --contexts, --stop-at-eos", param="--workloads")
+    names = workloads.parse_workloads(args.workloads)
+    modes = parse_modes(args.modes)
+    max_tokens = args.max_tokens or WORKLOAD_MAX_TOKENS
+    docs = load_documents(args.documents)
+    n = args.requests
+    jobs = []
+    for name in names:
+        tasks = workloads.build(name, n * len(modes), max_tokens=max_tokens, documents=docs, chat_prompts=args.prompts)
+        jobs += [(task, mode) for j, mode in enumerate(modes) for task in tasks[j * n:(j + 1) * n]]
+    entry = registry.resolve(args.tag)
+    base = entry.base or entry.tag
+    tags = (base, registry.dflash_tag(base))
+    with draft_models_file(tags[1], args.draft) if args.draft else contextlib.nullcontext():
+        info = report.machine_info()
+        for tag in tags:  # first-call costs (loading, allocations) are not the model's speed
+            litellm.completion(model=PROVIDER_PREFIX + tag, messages=[{"role": "user", "content": "Hello!"}],
+                               max_tokens=8, temperature=0.0)
+        pairs = measure(jobs, tags, seed=args.seed, quiet=args.quiet)
+    out = report.output_dir(args.out)
+    report.write_csv(out / "workloads.csv", COLUMNS, (p.row() for p in pairs))
+    sections = tables(pairs, names, modes, tags, max_tokens, args)
+    report.write_report(out / "workloads.md", "Workloads", command(args, max_tokens), sections, info)
+    written = ["workloads.md", "workloads.csv"]
+    if not args.no_plot and plot(pairs, names, modes, tags, out / "workloads.png"):
+        written.append("workloads.png")
+    print(sections[1])
+    print(f"{PROG_NAME}: wrote {', '.join(str(out / f) for f in written)}")
+    return 0
+
+
+def measure(jobs: list[tuple[Task, str]], tags: tuple[str, str], *, seed: int, quiet: bool) -> list[Pair]:
+    """Each (task, mode) of ``jobs`` on both tags (``converse``); conversation ``k`` starts at
+    seed ``seed`` + 100 ``k`` (no two requests share a seed while a conversation has under 100
+    turns)."""
+    total = sum(t.max_requests for t, _ in jobs) * len(tags)
+    bar = tqdm(total=total, desc="bench --workloads", unit="req", disable=quiet, file=sys.stderr)
+    pairs = []
+    for k, (task, mode) in enumerate(jobs):
+        bar.set_postfix_str(f"{task.workload} {task.name} {mode}")
+        done = converse(task, mode, tags, seed + 100 * k, k, on_request=bar.update)
+        bar.update(len(tags) * (task.max_requests - len(done)))  # a conversation that ended early
+        pairs += done
+    bar.close()
+    return pairs
+
+
+@dataclass(frozen=True)
+class Cell:
+    """The aggregate of one workload in one mode."""
+
+    pairs: list[Pair]
+
+    @property
+    def plain_tps(self) -> float:
+        return _tps([p.plain for p in self.pairs])
+
+    @property
+    def dflash_tps(self) -> float:
+        return _tps([p.dflash for p in self.pairs])
+
+    @property
+    def ratio(self) -> float | None:
+        return self.dflash_tps / self.plain_tps if self.plain_tps > 0 else None
+
+    def steps(self) -> dict[str, tuple[int, int]]:
+        """{kind of ``STEP_KINDS``: (steps, tokens pushed)} over the DFlash replies."""
+        total = {k: (0, 0) for k in STEP_KINDS}
+        for p in self.pairs:
+            for k, (n, pushed) in p.dflash.steps().items():
+                total[k] = (total[k][0] + n, total[k][1] + pushed)
+        return total
+
+    def al(self) -> str:
+        """``"draft 1.72, ngram 2.10, suffix —"``: tokens pushed per step of each proposer."""
+        s = self.steps()
+        return ", ".join(f"{p} {s[p][1] / s[p][0]:.2f}" if s[p][0] else f"{p} —" for p in PROPOSERS)
+
+    def shares(self) -> str:
+        """``"draft 61%, ngram 9%, suffix 0%, plain 30%"``: of all decode steps."""
+        s = self.steps()
+        steps = sum(n for n, _ in s.values())
+        return ", ".join(f"{k} {100 * s[k][0] / steps:.0f}%" for k in STEP_KINDS) if steps else "no decode step"
+
+    def identical(self) -> str:
+        """``"12 of 12"`` greedy pairs with identical answers; ``"—"`` in sampled mode."""
+        if any(p.mode != "greedy" for p in self.pairs):
+            return "—"
+        return f"{sum(p.identical for p in self.pairs)} of {len(self.pairs)}"
+
+
+def cells(pairs: list[Pair]) -> dict[tuple[str, str], Cell]:
+    """{(workload, mode): Cell}."""
+    groups = defaultdict(list)
+    for p in pairs:
+        groups[(p.task.workload, p.mode)].append(p)
+    return {key: Cell(group) for key, group in groups.items()}
+
+
+def tables(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[str, str], max_tokens: int,
+           args: argparse.Namespace) -> list[str]:
+    """The Markdown sections: the header, the table and the notes."""
+    by = cells(pairs)
+    rows = []
+    for name in names:
+        for mode in modes:
+            c = by[(name, mode)]
+            rows.append([name, mode, len(c.pairs), f"{c.plain_tps:.1f}", f"{c.dflash_tps:.1f}",
+                         "—" if c.ratio is None else f"{c.ratio:.2f}x", c.al(), c.shares(), c.identical()])
+    table = report.markdown_table(
+        ["Workload", "Mode", "Requests", f"{tags[0]} tokens/s", f"{tags[1]} tokens/s", "Ratio", "AL by proposer",
+         "Share of decode steps", "Greedy identical"], rows)
+    header = (f"## Workloads through LiteLLM: `flm/{tags[1]}` against `flm/{tags[0]}`\n\n"
+              f"{args.requests} tasks per workload and mode (the sampled ones other than the greedy ones: no prompt "
+              f"is sent twice), at most {max_tokens} completion tokens a request, stopping at the end of the answer; "
+              "a conversation's turns each count as a request. Decode tokens/s (tokens after "
+              "the first / seconds after the first, the engine's own timing) over all requests of a row; the "
+              "ratio is DFlash / plain.")
+    notes = ["AL by proposer: tokens pushed (accepted + the bonus token) per verify step of the draft's, prompt "
+             "lookup's (ngram) and the suffix proposer's proposals; share of decode steps: those verify steps and "
+             "the plain steps (one token, no proposal verified), of all decode steps of the DFlash tag.",
+             "Greedy identical: both tags gave the same text, tool calls and completion-token count (LiteLLM "
+             "returns no token ids).",
+             f"Sampled: the model's default sampler, seeds from {args.seed}, the same on both tags.",
+             "Draft: " + (args.draft or f"{tags[1]}'s own") + "; chat prompts: "
+             + (args.prompts or "flm_bench/texts/chat_prompts.jsonl") + "."]
+    return [header, table, "\n".join(f"- {n}" for n in notes)]
+
+
+def command(args: argparse.Namespace, max_tokens: int) -> str:
+    return report.command_text("bench --workloads", [
+        ("--tag", args.tag), ("--draft", args.draft), ("--requests", args.requests),
+        ("--max-tokens", max_tokens), ("--modes", args.modes), ("--prompts", args.prompts),
+        ("--documents", args.documents), ("--seed", args.seed), ("--out", args.out)])
+
+
+def plot(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[str, str], path: Path) -> bool:
+    """``workloads.png``: the DFlash / plain ratio per workload and mode, bars annotated with
+    the AL of all verify steps (every proposer's).
+
+    Returns False (after saying why) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"{PROG_NAME}: matplotlib is not installed, so no plot "
+              "(pip install 'litellm-flm[bench]' adds it)", file=sys.stderr)
+        return False
+    by = cells(pairs)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(modes)
+    top = 1.0
+    for j, mode in enumerate(modes):
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(names))]
+        ratios = [by[(n, mode)].ratio or 0.0 for n in names]
+        top = max(top, *ratios)
+        ax.bar(xs, ratios, width, label=mode, color=f"C{j}")
+        for x, n, r in zip(xs, names, ratios, strict=True):
+            steps = by[(n, mode)].steps()
+            verified = sum(steps[p][0] for p in PROPOSERS)
+            if verified:
+                ax.annotate(f"AL {sum(steps[p][1] for p in PROPOSERS) / verified:.2f}", (x, r), fontsize=7,
+                            ha="center", textcoords="offset points", xytext=(0, 3))
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylim(0, 1.2 * top)
+    ax.set(ylabel="decode tokens/s, DFlash / plain",
+           title=f"{tags[1]} against {tags[0]} per workload (AL: all verify steps)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
