@@ -16,6 +16,7 @@ import os
 import platform
 import shlex
 import statistics
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -148,3 +149,18 @@ def write_report(path: Path, title: str, command: str, sections: Iterable[str], 
     parts = [f"# {title}", f"```\n{command}\n```", *sections, machine_markdown(info)]
     path.write_text("\n\n".join(parts) + "\n", encoding="utf-8")
     return path
+
+
+def pyplot(prog: str):
+    """``matplotlib.pyplot`` on the Agg backend (files, no screen), or None after telling ``prog``'s
+    user on stderr that the plot is skipped: matplotlib is the optional ``bench`` extra."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"{prog}: matplotlib is not installed, so no plot (pip install 'litellm-flm[bench]' adds it)",
+              file=sys.stderr)
+        return None
+    return plt

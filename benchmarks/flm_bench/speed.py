@@ -275,14 +275,8 @@ def plot(pairs: list[Pair], contexts: list[Context], engines: Engines, path: Pat
 
     Returns False (after saying why) when matplotlib is not installed.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"{PROG_NAME}: matplotlib is not installed, so no plot "
-              "(pip install 'litellm-flm[bench]' adds it)", file=sys.stderr)
+    plt = report.pyplot(PROG_NAME)
+    if plt is None:
         return False
     labels = [c.label for c in contexts]
     groups = defaultdict(list)

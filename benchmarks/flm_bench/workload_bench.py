@@ -15,9 +15,9 @@ figures; responses are not streamed, since only a whole response carries them):
 - **decode tokens/s**: tokens after the first / seconds from the first token to the last (decode
   speed is what speculation changes; the time to the first token is the prompt's prefill);
 - **steps per proposer**: the DFlash tag's verify steps of the draft's, prompt lookup's
-  (``ngram``) and the suffix proposer's tokens, and its plain steps (one token each, where no
-  proposal was verified: generated tokens - 1 - tokens pushed by verify steps); and each
-  proposer's tokens pushed (accepted + the bonus token);
+  (``ngram``), the suffix proposer's and a grammar's forced tokens (``grammar``), and its plain
+  steps (one token each, where no proposal was verified: generated tokens - 1 - tokens pushed by
+  verify steps); and each proposer's tokens pushed (accepted + the bonus token);
 - **greedy identical**: the two tags' greedy answers have the same text, the same tool calls
   (names and arguments) and the same number of completion tokens. LiteLLM returns no token
   ids; equal text of an equal token count is what a user can check.
@@ -287,9 +287,10 @@ def tables(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[st
               "a conversation's turns each count as a request. Decode tokens/s (tokens after "
               "the first / seconds after the first, the engine's own timing) over all requests of a row; the "
               "ratio is DFlash / plain.")
-    notes = ["AL by proposer: tokens pushed (accepted + the bonus token) per verify step of the draft's, prompt "
-             "lookup's (ngram) and the suffix proposer's proposals; share of decode steps: those verify steps and "
-             "the plain steps (one token, no proposal verified), of all decode steps of the DFlash tag.",
+    notes = ["AL by proposer: tokens pushed (accepted + the bonus token) per verify step of the draft's, "
+             "prompt lookup's (ngram), the suffix proposer's and a grammar's forced tokens (grammar); share of "
+             "decode steps: those verify steps and the plain steps (one token, no proposal verified), of all decode "
+             "steps of the DFlash tag.",
              "Greedy identical: both tags gave the same text, tool calls and completion-token count (LiteLLM "
              "returns no token ids).",
              f"Sampled: the model's default sampler, seeds from {args.seed}, the same on both tags.",
@@ -311,14 +312,8 @@ def plot(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[str,
 
     Returns False (after saying why) when matplotlib is not installed.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"{PROG_NAME}: matplotlib is not installed, so no plot "
-              "(pip install 'litellm-flm[bench]' adds it)", file=sys.stderr)
+    plt = report.pyplot(PROG_NAME)
+    if plt is None:
         return False
     by = cells(pairs)
     fig, ax = plt.subplots(figsize=(9, 4))

@@ -16,6 +16,7 @@ import pytest
 
 from flm_bench import agreement, quick, speed
 from flm_bench import soak, workload_bench
+from flm_runtime.request import PROPOSERS
 
 
 def read_csv(path):
@@ -117,7 +118,7 @@ def test_bench_workloads_through_litellm_one_task_each(run_cli, random_draft, tm
     assert {r["mode"] for r in rows} == {"greedy"} and rows[5]["task"] == "linecache.getline rename"
     assert all(r["plain_tokens"] == r["dflash_tokens"] == "3" and r["identical"] == "yes" for r in rows)
     # Every token after the first: a verify step's or a plain step's.
-    assert all(sum(int(r[f"{k}_pushed"]) for k in ("draft", "ngram", "suffix")) + int(r["plain_steps"]) == 2
+    assert all(sum(int(r[f"{k}_pushed"]) for k in PROPOSERS) + int(r["plain_steps"]) == 2
                for r in rows)
     md = (tmp_path / "workloads.md").read_text()
     assert "| Workload | Mode | Requests | smollm2:135m tokens/s | smollm2-dflash:135m tokens/s | Ratio |" in md
