@@ -118,7 +118,7 @@ async def test_cancelling_50_of_100_streams_leaves_nothing_behind(engine, monkey
         "name": engine.name, "active": 0, "queued": 0, "kv_tokens": 0, "kv_block_tokens": engine.pool.block_tokens,
         "kv_blocks": engine.pool.n_blocks, "kv_blocks_used": 0, "kv_bytes": 0, "kv_budget_bytes": engine.kv.budget,
         "finished": len(QUESTIONS) + N_REQUESTS // 2, "failed": 0, "cancelled": N_REQUESTS // 2, "timed_out": 0,
-        "preempted": 0}
+        "preempted": 0, "draining": False}
 
 
 # ---- a stream the caller stops reading ----------------------------------------------------------
