@@ -5,16 +5,18 @@ decode steps, ``verify_ratio[n-1] = t_verify(n+1) / t_decode``, sets how many to
 verify (``policy.paying_step``: the most expected tokens per unit of cost). The curve depends on
 the host: where the one-row pass is bound by memory bandwidth and the kernels have compute to
 spare per weight read, eight rows cost little more than one; where compute binds sooner they cost
-three decodes (the shipped table's host: 2.98 at 256 tokens). A policy table calibrated on one host
-therefore drafts too short or too long on another.
+several decodes (docs/benchmarks.md, "skinny kernel" and "litellm-flm calibrate"). A policy table
+calibrated on one host therefore drafts too short or too long on another.
 
 So the first time a DFlash engine is built on a host, its target's curve is measured there
 (``measure_verify_ratio``: interleaved rounds of a one-row pass and passes of 2 .. K + 1 rows at
-``CONTEXT`` tokens, medians; about ``(ROUNDS + 1) * (K + 1)`` passes, under a second for the
-embedded model) and kept (``HostCosts``, JSON, ``paths.host_costs_file``) for the later processes
+``CONTEXT`` tokens, medians: a prefill of ``CONTEXT`` tokens and ``(ROUNDS + 1) * (K + 1)``
+passes) and kept (``HostCosts``, JSON, ``paths.host_costs_file``) for the later processes
 of the same host, keyed by ``host_id``; ``PolicyTable.on_host`` applies it to the shipped table. A
 table the user calibrated (``litellm-flm calibrate``, ``paths.policy_file``) was measured on their
-host already and is used as it is. ``FLM_HOST_COSTS=0`` turns the measurement off.
+host already and is used as it is. ``FLM_HOST_COSTS=0`` turns the measurement off. A curve timed
+while other work loaded the machine is off (a busy machine slows the one-row pass more than the
+longer ones): deleting the file measures it again at the next start.
 """
 
 from __future__ import annotations
