@@ -5,7 +5,7 @@ decode steps, ``verify_ratio[n-1] = t_verify(n+1) / t_decode``, sets how many to
 verify (``policy.paying_step``: the most expected tokens per unit of cost). The curve depends on
 the host: where the one-row pass is bound by memory bandwidth and the kernels have compute to
 spare per weight read, eight rows cost little more than one; where compute binds sooner they cost
-several decodes (docs/benchmarks.md, "skinny kernel" and "litellm-flm calibrate"). A policy table
+several decodes (docs/benchmarks.md, "`benchmarks/skinny_gemm.py`"). A policy table
 calibrated on one host therefore drafts too short or too long on another.
 
 So the first time a DFlash engine is built on a host, its target's curve is measured there
