@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from flm_runtime.kernels.cpu_features import cpu_model
+
 PROG = "litellm-flm"
 OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS")
 
@@ -31,7 +33,7 @@ def machine_info() -> dict[str, str]:
     blas = (np.show_config(mode="dicts") or {}).get("Build Dependencies", {}).get("blas", {})
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "logical CPUs": str(os.cpu_count()),
         "memory": _memory(),
         "os": f"{platform.system()} {platform.release()}",
@@ -52,16 +54,6 @@ def run_conditions() -> str:
     unset = [v for v in OPENBLAS_VARS[:2] if v not in os.environ]
     return (f"OPENBLAS_CORETYPE/L2_SIZE unset in this run: {', '.join(unset) or 'neither'}; "
             f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def _memory() -> str:

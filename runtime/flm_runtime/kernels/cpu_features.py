@@ -5,6 +5,8 @@ for): the kernels choose their instruction sets (``qgemm``) and their register b
 from __future__ import annotations
 
 import functools
+import platform
+from pathlib import Path
 
 import llvmlite.binding as llvm
 
@@ -25,3 +27,16 @@ def vector_registers() -> int:
     AVX-512, else 16 (AVX2's, of 8 lanes). Kernels that keep accumulators in registers size
     their blocks by it; spilling them to the stack costs several times their arithmetic."""
     return 32 if has("avx512f") else 16
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The host CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere; "?" when
+    neither says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"

@@ -25,7 +25,6 @@ import datetime
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
 from flm_runtime.backends import TargetModel, forward
-from flm_runtime.kernels.cpu_features import host_features
+from flm_runtime.kernels.cpu_features import cpu_model, host_features
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +68,8 @@ class HostCosts(BaseModel):
 def host_id() -> str:
     """What the curve depends on, as one string: the CPU model, the kernel-relevant features it
     has, and the CPUs the process may run on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     features = ",".join(f for f in KERNEL_FEATURES if f in host_features())
-    return f"{cpu} | {features} | {len(os.sched_getaffinity(0))} CPUs"
+    return f"{cpu_model()} | {features} | {len(os.sched_getaffinity(0))} CPUs"
 
 
 def measure_verify_ratio(target: TargetModel, taps: tuple[int, ...], drafted: int, *, context: int = CONTEXT,
