@@ -131,8 +131,9 @@ class DFlashConfig:
             problems.append(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
             problems.append("num_attention_heads must be a multiple of num_key_value_heads")
-        try:
-            self.scaling  # noqa: B018  (parsed here so that a config with a scaling we lack is refused at once)
+        try:  # parsed once, so that a config with a scaling we lack is refused here
+            object.__setattr__(self, "_scaling", rope.scaling_from_hf(self.rope_scaling, self.max_position_embeddings,
+                                                                      source="key 'rope_scaling'"))
         except ModelFormatError as e:
             problems.append(str(e))
         if problems:
@@ -166,12 +167,8 @@ class DFlashConfig:
 
     @property
     def scaling(self) -> rope.RopeScaling | None:
-        """``rope_scaling`` parsed (``models.rope.scaling_from_hf``).
-
-        Raises:
-            ModelFormatError: a scaling kind we lack or a key it needs missing, naming it.
-        """
-        return rope.scaling_from_hf(self.rope_scaling, self.max_position_embeddings, source="key 'rope_scaling'")
+        """``rope_scaling`` parsed (``models.rope.scaling_from_hf``), or None."""
+        return self._scaling
 
     @property
     def n_draft(self) -> int:
