@@ -11,7 +11,8 @@ from tiny_llama_files import random_hf_weights, tiny_config, write_tiny_gguf, wr
 
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading import ModelBundle, load_model_files
-from flm_runtime.loading.safetensors_loader import load_hf_dir, read_safetensors
+from flm_runtime.loading.safetensors_loader import load_hf_dir
+from flm_runtime.safetensors_file import read_safetensors
 
 
 def _bf16(w: np.ndarray) -> np.ndarray:

@@ -47,6 +47,7 @@ import numpy as np
 from flm_runtime import LoadedModel, SamplingParams, load_model
 from flm_runtime.kv_cache import KVCache
 from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.models.dflash import build_target_layer_ids
 from flm_runtime.sampling import sampler
 from tqdm import tqdm
 
@@ -56,8 +57,9 @@ GREEDY = SamplingParams()  # temperature 0: argmax, lowest id on ties
 
 
 def default_tap_layers(num_layers: int, n_taps: int = 5) -> list[int]:
-    """The target layers tapped for the draft's context (docs/dflash.md): ``round(1 + i*(L-4)/(n-1))``."""
-    return [round(1 + i * (num_layers - 4) / (n_taps - 1)) for i in range(n_taps)]
+    """The target layers tapped for the draft's context (docs/dflash.md): ``round(1 + i*(L-4)/(n-1))``,
+    the dflash package's taps (``build_target_layer_ids``)."""
+    return build_target_layer_ids(num_layers, n_taps)
 
 
 def load_target(tag: str) -> tuple[LoadedModel, list[int]]:

@@ -15,6 +15,12 @@ The draft has no embedding or LM head of its own: it reads the target's arrays (
 not copies). Its per-sequence cache (``DraftCache``) holds the projected context K/V of every
 committed token, one position per target position; the block's own K/V are written past
 ``length`` as scratch and never committed, so the next ``add_context`` overwrites them.
+
+Two file formats load into the same draft (docs/dflash.md, "Files: a draft directory" and
+"Published drafts"): ours (``architecture`` "dflash-llama") and the public DFlash format of the
+``dflash`` package (a Hugging Face Qwen3 ``config.json`` with ``architectures``
+``["DFlashDraftModel"]``, bfloat16 weights, QK-norm, the mask row taken from the target's
+embedding), which ``public_config`` maps onto a ``DFlashConfig``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,15 +37,18 @@ from flm_runtime.core import LlamaConfig, Proposal
 from flm_runtime.kv_cache import KVCache
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu, quant
-from flm_runtime.layers.decoder import DecoderLayer, RowSpan, stack_arithmetic
+from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan, stack_arithmetic
 from flm_runtime.layers.ops import REFERENCE
 from flm_runtime.layers.spec import LayerSpec
+from flm_runtime.models import rope
 from flm_runtime.models.family import WeightTaker
 from flm_runtime.models.llama import KV_PROJ, fuse_layer, layer_weight_shapes, take_fused
+from flm_runtime.safetensors_file import read_safetensors
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "dflash-llama"
+PUBLIC_ARCHITECTURE = "DFlashDraftModel"  # the dflash package's draft class, a public config's ``architectures``
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
@@ -63,7 +72,17 @@ class DFlashConfig:
             0 means the target's whole vocabulary (docs/dflash.md, "Draft vocabulary").
         max_position_embeddings: positions the training's RoPE tables span (the target's context
             length); serving sizes its tables from the target instead.
-        architecture: must be ``"dflash-llama"``.
+        qk_norm: an RMSNorm over each query and key head before RoPE (``layers.{i}.self_attn.q_norm``
+            / ``k_norm`` ``[D]``), on the block's keys and the context's alike (public drafts).
+        rope_scaling: a Hugging Face ``rope_scaling`` mapping (``models.rope``), or None.
+        input_embedding_scale: multiplies the block's input rows (anchor and masks).
+        output_multiplier: multiplies the logits; final_logit_softcapping: ``c tanh(z / c)``
+            after it (0: none).
+        vocab_size, num_target_layers: the target's vocabulary and layers the draft states it
+            was built for (0: not stated); checked against the target when stated.
+        architecture: ``"dflash-llama"`` (our format), or ``"DFlashDraftModel"`` for a public
+            draft mapped by ``public_config``: its heads, FFN width, RoPE and eps are its own,
+            not copied from the target (``check_target``).
         target: registry tag of the target it was trained for (e.g. ``"smollm2:135m"``).
         target_sha256: sha256 of the target's weight file, or None.
         training: free-form provenance.
@@ -85,6 +104,13 @@ class DFlashConfig:
     block_size: int = 8
     draft_vocab_size: int = 0
     max_position_embeddings: int = 8192
+    qk_norm: bool = False
+    rope_scaling: dict | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
+    vocab_size: int = 0
+    num_target_layers: int = 0
     architecture: str = ARCHITECTURE
     target: str = field(default="", compare=False)
     target_sha256: str | None = field(default=None, compare=False)
@@ -93,7 +119,7 @@ class DFlashConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         problems = []
-        if self.architecture != ARCHITECTURE:
+        if self.architecture not in (ARCHITECTURE, PUBLIC_ARCHITECTURE):
             problems.append(f"architecture is {self.architecture!r}, expected {ARCHITECTURE!r}")
         if not self.target_layer_ids:
             problems.append("target_layer_ids is empty")
@@ -105,6 +131,11 @@ class DFlashConfig:
             problems.append(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
             problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        try:  # parsed once, so that a config with a scaling we lack is refused here
+            object.__setattr__(self, "_scaling", rope.scaling_from_hf(self.rope_scaling, self.max_position_embeddings,
+                                                                      source="key 'rope_scaling'"))
+        except ModelFormatError as e:
+            problems.append(str(e))
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -135,6 +166,11 @@ class DFlashConfig:
         return len(self.target_layer_ids)
 
     @property
+    def scaling(self) -> rope.RopeScaling | None:
+        """``rope_scaling`` parsed (``models.rope.scaling_from_hf``), or None."""
+        return self._scaling
+
+    @property
     def n_draft(self) -> int:
         """K: tokens drafted per step (``block_size - 1``)."""
         return self.block_size - 1
@@ -144,21 +180,27 @@ def check_target(config: DFlashConfig, target: LlamaConfig, *, target_sha256: st
                  source: str = "draft") -> None:
     """Refuse a draft that does not fit ``target``.
 
-    Geometry (hidden size, heads, KV heads, head dim, FFN width, RoPE base, RMSNorm eps, tapped
-    layers and mask id in range) is always checked. ``target_sha256`` (the target weight file's
+    What crosses between the two is always checked: the hidden size (the draft reads the target's
+    embedding and LM head), tapped layers and mask id in range, and the vocabulary and layer count
+    the draft states it was built for. Our format's drafts copy the rest of their geometry from
+    the target (heads, KV heads, head dim, FFN width, RoPE base, RMSNorm eps), which is checked
+    too; a public draft's layers are its own. ``target_sha256`` (the target weight file's
     hash, when the caller knows it cheaply) is compared with the draft's ``target_sha256`` when both
     are known; otherwise only the geometry is checked, and that is logged.
 
     Raises:
         ModelFormatError: a mismatch, naming the key and both values.
     """
+    copied = config.architecture == ARCHITECTURE
+    equal = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
     problems = [f"{k} is {getattr(config, k)} but the target's is {getattr(target, k)}"
-                for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                          "head_dim")
-                if getattr(config, k) != getattr(target, k)]
-    for k in ("rope_theta", "rms_norm_eps"):
+                for k in (equal if copied else equal[:1]) if getattr(config, k) != getattr(target, k)]
+    for k in ("rope_theta", "rms_norm_eps") if copied else ():
         if not math.isclose(getattr(config, k), getattr(target, k), rel_tol=1e-6):
             problems.append(f"{k} is {getattr(config, k)} but the target's is {getattr(target, k)}")
+    for k, target_k in (("vocab_size", "vocab_size"), ("num_target_layers", "num_hidden_layers")):
+        if getattr(config, k) and getattr(config, k) != getattr(target, target_k):
+            problems.append(f"{k} is {getattr(config, k)} but the target's {target_k} is {getattr(target, target_k)}")
     if not all(0 <= i < target.num_hidden_layers for i in config.target_layer_ids):
         problems.append(f"target_layer_ids {list(config.target_layer_ids)} fall outside the target's "
                         f"{target.num_hidden_layers} layers")
@@ -231,16 +273,20 @@ class DFlashDraft:
         self.hidden_norm = take("hidden_norm.weight", (e,))
         self.mask_embedding = take("mask_embedding", (e,))
         self.norm = take("norm.weight", (e,))
-        self.layers = [fuse_layer(take, c, f"layers.{i}.") for i in range(c.num_hidden_layers)]
-        self.decoders = [DecoderLayer(w, LayerSpec.of(c, causal=False)) for w in self.layers]
+        self.layers = [_layer_weights(take, c, f"layers.{i}.") for i in range(c.num_hidden_layers)]
+        spec = replace(LayerSpec.of(c, causal=False), qk_norm=c.qk_norm)
+        self.decoders = [DecoderLayer(w, spec) for w in self.layers]
         self.quantized, self.kv_dtype, self._final_norm = stack_arithmetic(self.decoders)
         # add_context's projection, each layer's Wk and Wv alone: a product of all wqkv's rows rounds differently
         self.context_kv = [take_fused(take, c, f"layers.{i}.", KV_PROJ) for i in range(c.num_hidden_layers)]  # [2*Hkv*D, E]
-        self.rope_cos, self.rope_sin = cpu.rope_tables(d, max_positions, c.rope_theta)  # [P, D/2]
+        self.rope_cos, self.rope_sin = rope.rope_tables(d, max_positions, c.rope_theta, c.scaling)  # [P, D/2]
 
     @classmethod
     def load(cls, path: str | Path, target, *, target_sha256: str | None = None) -> DFlashDraft:
-        """Load a draft directory (``config.json`` + ``model.safetensors``) for ``target``.
+        """Load a draft directory (``config.json`` + ``model.safetensors``) for ``target``, in our
+        format or the public one (``read_config`` tells them apart). A public draft's tensors may
+        be bfloat16; its mask row is the target's embedding of ``mask_token_id`` times
+        ``input_embedding_scale``, as the ``dflash`` package builds its block.
 
         Args:
             path: the draft directory.
@@ -257,7 +303,12 @@ class DFlashDraft:
         path = Path(path)
         config = read_config(path / CONFIG_FILE)
         check_target(config, target.config, target_sha256=target_sha256, source=f"draft {path}")
-        weights = read_weights(path / WEIGHTS_FILE)
+        if config.architecture == ARCHITECTURE:
+            weights = read_weights(path / WEIGHTS_FILE)
+        else:
+            weights = read_safetensors(path / WEIGHTS_FILE)
+            mask_row = cpu.embedding(target.embed, np.array([config.mask_token_id]))[0]  # [E]
+            weights["mask_embedding"] = mask_row * np.float32(config.input_embedding_scale)
         try:
             return cls(config, weights, embed=target.embed, lm_head=target.lm_head,
                        max_positions=target.config.max_position_embeddings,
@@ -296,6 +347,8 @@ class DFlashDraft:
             hkv, d = c.num_key_value_heads, c.head_dim
             for i, wkv in enumerate(self.context_kv):
                 kv = cpu.linear(ctx, wkv)  # [T, 2*Hkv*D]
+                if c.qk_norm:  # the key heads' norm, as the block's keys get it in the layer
+                    kv = cpu.qk_norm(kv, self.layers[i].k_norm, self.layers[i].k_norm, 0, hkv, d, c.rms_norm_eps)
                 k = REFERENCE.rope(kv, cos, sin, 0, hkv, d)  # [T, Hkv, D]
                 cache.write(i, k.transpose(1, 0, 2), kv[:, hkv * d:].reshape(t, hkv, d).transpose(1, 0, 2))
             cache.commit(t)
@@ -339,7 +392,7 @@ class DFlashDraft:
         assert all(st + b <= self.max_positions for st in starts), "a block runs past the context"
         n_seq = len(caches)
         x = np.empty((n_seq, b, c.hidden_size), dtype=np.float32)  # [S, B, E]
-        x[:, 0] = cpu.embedding(self.embed, np.asarray(anchor_ids, dtype=np.int64))
+        x[:, 0] = cpu.embedding(self.embed, np.asarray(anchor_ids, dtype=np.int64)) * np.float32(c.input_embedding_scale)
         x[:, 1:] = self.mask_embedding
         x = x.reshape(n_seq * b, c.hidden_size)  # [S*B, E]
         positions = (np.asarray(starts)[:, None] + np.arange(b)).reshape(-1)  # [S*B]
@@ -353,7 +406,10 @@ class DFlashDraft:
                 x = decoder(i, x, spans, cos, sin)  # [S*B, E]
             hidden = x.reshape(n_seq, b, -1)[:, 1:].reshape(n_seq * k_out, -1)  # rows 1..K of each block
             h_out = self._final_norm(hidden, self.norm, c.rms_norm_eps)  # [S*K, E]
-            return np.ascontiguousarray(cpu.linear(h_out, self.head)).reshape(n_seq, k_out, -1)  # [S, K, Vd]
+            logits = cpu.linear(h_out, self.head) * np.float32(c.output_multiplier)  # [S*K, Vd]
+            if softcap := np.float32(c.final_logit_softcapping):
+                logits = np.tanh(logits / softcap) * softcap
+            return np.ascontiguousarray(logits).reshape(n_seq, k_out, -1)  # [S, K, Vd]
 
     def draft_block(self, cache: DraftCache, anchor_id: int, start: int) -> np.ndarray:
         """Greedy draft: ``d1 .. dK`` = argmax of block rows ``1 .. K`` (see ``draft_logits``),
@@ -388,9 +444,25 @@ def draft_weight_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
               "norm.weight": (e,)}
     if config.draft_vocab_size:
         shapes["draft_vocab"] = (config.draft_vocab_size,)
+    layer = layer_weight_shapes(config)
+    if config.qk_norm:
+        layer |= dict.fromkeys(QK_NORMS, (config.head_dim,))
     for i in range(config.num_hidden_layers):
-        shapes |= {f"layers.{i}.{name}": shape for name, shape in layer_weight_shapes(config).items()}
+        shapes |= {f"layers.{i}.{name}": shape for name, shape in layer.items()}
     return shapes
+
+
+QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # a layer's QK-norm weights, below its prefix
+
+
+def _layer_weights(take: WeightTaker, config: DFlashConfig, prefix: str) -> LayerWeights:
+    """One draft layer's ``LayerWeights``: a Llama layer, with QK-norm when the config has it (as the
+    Qwen3 family's)."""
+    weights = fuse_layer(take, config, prefix)
+    if not config.qk_norm:
+        return weights
+    q_norm, k_norm = (take(prefix + name, (config.head_dim,)) for name in QK_NORMS)
+    return replace(weights, q_norm=q_norm, k_norm=k_norm)
 
 
 def _draft_vocab(weights: dict[str, np.ndarray], config: DFlashConfig, vocab_size: int) -> np.ndarray | None:
@@ -425,20 +497,96 @@ def _number(v: object) -> bool:
 _JSON_TYPES = {
     **dict.fromkeys(("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "mask_token_id", "block_size", "draft_vocab_size",
-                     "max_position_embeddings"), (_integer, "an integer")),
-    **dict.fromkeys(("rms_norm_eps", "rope_theta"), (_number, "a number")),
+                     "max_position_embeddings", "vocab_size", "num_target_layers"), (_integer, "an integer")),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "input_embedding_scale", "output_multiplier",
+                     "final_logit_softcapping"), (_number, "a number")),
+    "qk_norm": (lambda v: type(v) is bool, "true or false"),
+    "rope_scaling": (lambda v: type(v) is dict, "an object"),
     **dict.fromkeys(("architecture", "target", "target_sha256"), (lambda v: type(v) is str, "a string")),
     "target_layer_ids": (lambda v: type(v) in (list, tuple) and all(map(_integer, v)), "a list of integers"),
     "training": (lambda v: type(v) is dict, "an object"),
 }
 
 
+# The dflash package's DFlash 2 drafts (dynamic convolutions around each layer's attention and
+# FFN, a candidate selector over the top logits): their class and config keys.
+DFLASH2_ARCHITECTURES = ("DFlash2DraftModel",)
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The taps of a public draft whose config names none: the ``dflash`` package's
+    ``build_target_layer_ids`` (one draft layer: the middle target layer; else ``round(1 + i *
+    (L - 4) / (n - 1))`` for ``i < n``, n the draft layers, with Python's ``round``)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def public_config(data: dict) -> DFlashConfig:
+    """The ``DFlashConfig`` of a public DFlash draft's ``config.json``: a Hugging Face Qwen3 config
+    (the ``dflash`` package's ``DFlashDraftModel``) whose DFlash keys (``target_layer_ids``,
+    ``mask_token_id``, ``block_size``, ``input_embedding_scale``, ``output_multiplier``,
+    ``final_logit_softcapping``) are read from its ``dflash_config`` object first, then from the
+    top level, as the package's ``_draft_value`` reads them. Missing values take transformers'
+    ``Qwen3Config`` defaults (KV heads = heads, head dim 128, eps 1e-6, RoPE base 10000, context
+    32768), a block of 16, and taps from ``build_target_layer_ids`` (``num_target_layers``
+    then needed); the RoPE base and scaling may come as transformers 5's ``rope_parameters``.
+
+    Raises:
+        ValueError: a DFlash 2 draft, sliding-window or causal draft layers, attention biases
+            (features this runtime does not run), or a missing, mistyped or out-of-range key,
+            each naming its key.
+    """
+    dflash = data.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise ValueError(f"key 'dflash_config' is {dflash!r}, expected an object")
+
+    def value(key: str, default=None):
+        return dflash.get(key, data.get(key, default))
+
+    if dflash2 := sorted(set(DFLASH2_ARCHITECTURES) & set(data.get("architectures") or ())):
+        raise ValueError(f"architectures {dflash2}: DFlash 2 drafts are not supported yet")
+    if dflash2 := [key for key in DFLASH2_KEYS if value(key) is not None]:
+        raise ValueError(f"key {dflash2[0]!r}: DFlash 2 drafts (convolutions, candidate selector) are not supported yet")
+    if "sliding_attention" in (data.get("layer_types") or ()) or data.get("use_sliding_window"):
+        key = "use_sliding_window" if data.get("use_sliding_window") else "layer_types"
+        raise ValueError(f"key {key!r}: sliding-window draft layers are not supported yet")
+    if data.get("is_causal"):
+        raise ValueError("key 'is_causal': causal draft layers are not supported (the block attends both ways)")
+    if data.get("attention_bias"):
+        raise ValueError("key 'attention_bias': attention biases are not supported (no bias of o_proj runs here)")
+    rope_parameters = data.get("rope_parameters") or {}
+    rope_scaling = data.get("rope_scaling") or (rope_parameters if rope_parameters.get("rope_type", "default")
+                                                != "default" else None)
+    layers, taps = data.get("num_hidden_layers"), value("target_layer_ids")
+    if taps is None:
+        if not (_integer(data.get("num_target_layers")) and _integer(layers)):
+            raise ValueError("key 'target_layer_ids' is missing, and 'num_target_layers' and 'num_hidden_layers' "
+                             "do not give it")
+        taps = build_target_layer_ids(data["num_target_layers"], layers)
+    heads = data.get("num_attention_heads")
+    return DFlashConfig.from_dict({
+        "target_layer_ids": taps, "num_hidden_layers": layers, "hidden_size": data.get("hidden_size"),
+        "intermediate_size": data.get("intermediate_size"), "num_attention_heads": heads,
+        "num_key_value_heads": data.get("num_key_value_heads", heads), "head_dim": data.get("head_dim", 128),
+        "rms_norm_eps": data.get("rms_norm_eps", 1e-6),
+        "rope_theta": data.get("rope_theta", rope_parameters.get("rope_theta", 10000.0)),
+        "rope_scaling": rope_scaling, "max_position_embeddings": data.get("max_position_embeddings", 32768),
+        "mask_token_id": value("mask_token_id"), "block_size": value("block_size", 16), "qk_norm": True,
+        "input_embedding_scale": value("input_embedding_scale"), "output_multiplier": value("output_multiplier"),
+        "final_logit_softcapping": value("final_logit_softcapping"), "vocab_size": data.get("vocab_size"),
+        "num_target_layers": data.get("num_target_layers"), "architecture": PUBLIC_ARCHITECTURE})
+
+
 def read_config(path: Path) -> DFlashConfig:
-    """Parse a draft's ``config.json``.
+    """Parse a draft's ``config.json``: ours, or a public DFlash draft's (``public_config``), told
+    apart by ``architectures`` naming a dflash package class or a ``dflash_config`` object.
 
     Raises:
         FileNotFoundError: no such file.
-        ModelFormatError: not JSON, or not a valid DFlash config (naming the problem).
+        ModelFormatError: not JSON, or not a valid DFlash config, or a public draft with a
+            feature not run here (naming the key and the file).
     """
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -446,8 +594,10 @@ def read_config(path: Path) -> DFlashConfig:
         raise ModelFormatError(f"{path}: not a JSON file: {e}") from e
     if not isinstance(data, dict):
         raise ModelFormatError(f"{path}: expected a JSON object")
+    public = bool({PUBLIC_ARCHITECTURE, *DFLASH2_ARCHITECTURES} & set(data.get("architectures") or ())
+                  or "dflash_config" in data)
     try:
-        return DFlashConfig.from_dict(data)
+        return public_config(data) if public else DFlashConfig.from_dict(data)
     except ValueError as e:
         raise ModelFormatError(f"{path}: {e}") from e
 
