@@ -126,7 +126,7 @@ def test_verify_sampled_emits_the_target_distribution():
 def test_verify_sampled_emits_the_target_distribution_deep_in_a_block_of_16():
     """Lossless at the end of a block of 16: with d1 .. d14 surely accepted, the 15th emitted token ~
     warp(row 14) and, when d15 was accepted, the bonus ~ warp(row 15), with d15 right about a
-    quarter of the time. Pearson chi-square over 6,000 seeded trials, p > 0.001."""
+    quarter of the time. Pearson chi-square over 4,000 seeded trials, p > 0.001."""
     logits = (np.random.default_rng(4).standard_normal((16, 12)) * 0.5).astype(np.float32)
     params = SamplingParams(temperature=0.8, top_k=5)  # 5 tokens keep mass: df = 4
     draft = np.arange(15) % 12
@@ -136,13 +136,13 @@ def test_verify_sampled_emits_the_target_distribution_deep_in_a_block_of_16():
     draft[14] = np.argsort(-p14)[1]
     picker = Picker(params, sampler.new_rng(99))
     fifteenth, bonus = np.zeros(12, int), np.zeros(12, int)
-    for _ in range(6_000):
+    for _ in range(4_000):
         n, token = verify(draft, logits, picker)
         assert n >= 14
         fifteenth[draft[14] if n == 15 else token] += 1
         if n == 15:
             bonus[token] += 1
-    assert 0.15 < fifteenth[draft[14]] / fifteenth.sum() < 0.5 and bonus.sum() > 900  # both branches
+    assert 0.15 < fifteenth[draft[14]] / fifteenth.sum() < 0.5 and bonus.sum() > 600  # both branches
     assert chi_square_p_value(fifteenth, p14) > 0.001
     assert chi_square_p_value(bonus, p15) > 0.001
 
