@@ -3,8 +3,8 @@
 A step that verifies ``n`` proposed tokens runs one target pass over ``n + 1`` rows; its cost in
 decode steps, ``verify_ratio[n-1] = t_verify(n+1) / t_decode``, sets how many tokens a step should
 verify (``policy.paying_step``: the most expected tokens per unit of cost); a step that drafts
-them first adds the draft's pass, ``propose_ratio[n-1] = t_propose(n) / t_decode``. The curve depends on
-the host: where the one-row pass is bound by memory bandwidth and the kernels have compute to
+them first adds the draft's pass, ``propose_ratio[n-1] = t_propose(n) / t_decode``. The curve
+depends on the host: where the one-row pass is bound by memory bandwidth and the kernels have compute to
 spare per weight read, eight rows cost little more than one; where compute binds sooner they cost
 several decodes (docs/benchmarks.md, "`benchmarks/skinny_gemm.py`"). A policy table
 calibrated on one host therefore drafts too short or too long on another.

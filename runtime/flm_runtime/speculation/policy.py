@@ -260,11 +260,16 @@ class PolicyTable(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _verify_ratio_per_drafted_token(self) -> PolicyTable:
+    def _draft_length_within_the_block(self) -> PolicyTable:
         for b in self.buckets:
             if self.block_size is not None and b.draft_length is not None and b.draft_length > self.block_size - 1:
                 raise ValueError(f"bucket up to {b.max_context}: draft_length {b.draft_length} is beyond "
                                  f"block_size - 1 = {self.block_size - 1}")
+        return self
+
+    @model_validator(mode="after")
+    def _verify_ratio_per_drafted_token(self) -> PolicyTable:
+        for b in self.buckets:
             if b.verify_ratio is None:
                 continue
             if self.block_size is None:
