@@ -5,7 +5,7 @@ Two measurements, then one decision per context bucket (``flm_runtime.speculatio
 1. **Acceptance records** per context, greedy: from every speculative step with the whole block,
    the number ``a`` of drafted tokens accepted and the draft's confidence in each drafted token.
    Greedy acceptance of the first ``j`` drafted tokens hardly depends on how many were drafted
-   (a block of K < 7 drafts runs cut to K + 1 rows, which keeps about 1% fewer tokens:
+   (a block of K < block_size - 1 drafts runs cut to K + 1 rows, which keeps about 1% fewer tokens:
    docs/dflash.md), so with draft length ``K`` and a confidence gate that verifies ``k' <= K`` of them a step
    yields ``min(a, k') + 1`` tokens (the bonus included); ``E_K = 1 + sum_{j=1..K} P(a >= j)``
    is the AL at ``K`` without a gate. Below ``LONG_CONTEXT`` the prompts are
@@ -17,7 +17,7 @@ Two measurements, then one decision per context bucket (``flm_runtime.speculatio
    caches), in interleaved rounds, medians: ``t_decode`` (the 1-token layer), ``t_propose(K)`` (the
    draft catching up one position and drafting a block of K + 1 rows, each time right after a
    target pass, as in serving) and
-   ``t_verify(K+1)``, for K = 1..7. With ``--spells N`` all of it is measured N times,
+   ``t_verify(K+1)``, for K = 1 .. block_size - 1 (7 or 15). With ``--spells N`` all of it is measured N times,
    ``--spell-gap`` seconds apart: on a shared machine the one-row decode pass, which streams the
    weights, speeds up and slows down over minutes more than the verify pass does, and that alone
    can flip the decision (docs/benchmarks.md).
@@ -35,7 +35,7 @@ in context: attention adds about as much to both passes, so the ratio falls as t
 and a bucket timed at its upper edge only underestimates its lower part. Each request's own
 acceptance then moves its decision online.
 
-Per bucket also ``verify_ratio``: ``t_verify(n+1) / t_decode`` for n = 1..7, each the largest at
+Per bucket also ``verify_ratio``: ``t_verify(n+1) / t_decode`` for n = 1 .. block_size - 1, each the largest at
 the bucket's edges over all spells (as the cost ratio), the cost of an n-gram-only step of n
 tokens where the bucket plans plain decoding (``policy.lookup_step``); the table records
 ``--min-speedup`` as the margin such a step must exceed too.
@@ -156,7 +156,7 @@ def acceptance_records(decoder: SpeculativeDecoder, tokenizer, prompts: list[lis
 
 
 def step_costs(decoder: SpeculativeDecoder, context: int, rounds: int, rng: np.random.Generator) -> dict:
-    """Median seconds of ``decode``, and of ``propose`` and ``verify`` (lists, K = 1..7), at
+    """Median seconds of ``decode``, and of ``propose`` and ``verify`` (lists, K = 1 .. block_size - 1), at
     ``context`` tokens, measured in ``rounds`` interleaved rounds on a random-token prompt."""
     target, draft, k = decoder.target, decoder.draft, decoder.block_size - 1
     vocab = target.config.vocab_size

@@ -16,8 +16,9 @@ A DFlash tag (``X-dflash:size``) gets its own engine that decodes speculatively 
 loaded once per process whichever of the two tags comes first. Its speculation policy (when a
 speculative step pays, by context; ``flm_runtime.speculation.policy``) is ``load_policy``'s table;
 on the cpu backend the shipped table takes this host's verify costs, measured the first time such
-an engine is built on the host (``flm_runtime.speculation.costs``; ``$FLM_HOST_COSTS=0`` keeps the
-table's).
+an engine is built on the host (``flm_runtime.speculation.costs``), and a tag without a table
+starts from the estimate those costs give (``flm_runtime.speculation.estimate``);
+``$FLM_HOST_COSTS=0`` keeps the table's costs, and whole blocks for a tag without one.
 
 Settings (``flm_runtime.settings``): a ``Runtime`` given a ``Settings`` uses those; without, it
 reads the environment's at each ``get_engine`` (so the process's runtime sees a variable a test or
@@ -63,6 +64,7 @@ from flm_runtime.scheduling.engine import Engine
 from flm_runtime.settings import Settings, requested_backend
 from flm_runtime.speculation import costs
 from flm_runtime.speculation.costs import HostCosts
+from flm_runtime.speculation.estimate import first_run_table
 from flm_runtime.speculation.policy import ALWAYS_SPECULATE, PolicyTable, SpeculationPolicy
 from flm_runtime.speculation.policy import FILE_NAME as POLICY_FILE
 from flm_runtime.speculation.speculative import SpeculativeDecoder
@@ -159,7 +161,8 @@ def load_policy(tag: str, backend: str, models: registry.Registry | None = None,
     """The speculation policy table of DFlash ``tag`` on ``backend``: the user's calibration
     (``paths.policy_file``) if there is one, else the table shipped in the draft directory
     (``policy-<backend>.json``; ``models``, default ``registry.current()``, says where that is),
-    with this host's verify costs (``host_costs()``, ``speculation.costs``) when given, else
+    with this host's verify costs (``host_costs()``, ``speculation.costs``) when given; without a
+    table, the estimate from this host's costs when given (``estimate.first_run_table``), else
     ``ALWAYS_SPECULATE`` (the null policy: whole blocks, always).
 
     Raises:
@@ -170,7 +173,7 @@ def load_policy(tag: str, backend: str, models: registry.Registry | None = None,
         return PolicyTable.load(user)  # calibrated on this host: its costs are the host's already
     shipped = (models or registry.current()).locate_draft(tag) / POLICY_FILE.format(backend=backend)
     if not shipped.is_file():
-        return ALWAYS_SPECULATE
+        return ALWAYS_SPECULATE if host_costs is None else first_run_table(tag, backend, host_costs())
     table = PolicyTable.load(shipped)
     if host_costs is None:
         return table
@@ -238,10 +241,8 @@ class Runtime:
                     draft = load_draft(tag, loaded.model, models)
                     measure = None
                     if name == "cpu" and settings.host_costs_on():  # an NPU's table is the device's own
-                        measure = functools.partial(
-                            costs.host_costs, paths.host_costs_file(tag, name), loaded.model,
-                            tuple(draft.config.target_layer_ids), int(draft.config.block_size) - 1,
-                            model=tag, backend=name)
+                        measure = functools.partial(costs.host_costs, paths.host_costs_file(tag, name),
+                                                    loaded.model, draft, model=tag, backend=name)
                     speculative = SpeculativeDecoder(loaded.model, draft,
                                                      policy=load_policy(tag, name, models, host_costs=measure),
                                                      suffix=SuffixIndex(cap) if cap else None)

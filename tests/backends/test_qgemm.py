@@ -46,7 +46,7 @@ def x():
 @pytest.mark.parametrize("isa", qgemm.host_isas())
 def test_every_path_gives_the_portable_bits(weights, x, fmt, isa):
     w = weights[fmt]
-    for rows in (1, 3, 8, 13):
+    for rows in (1, 3, 8, 13, 16):  # up to a verify pass of a block of 16
         assert np.array_equal(qgemm.qlinear(x[:rows], w, isa), qgemm.qlinear(x[:rows], w, "portable")), (isa, rows)
 
 

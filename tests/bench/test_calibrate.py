@@ -11,6 +11,8 @@ import json
 import numpy as np
 import pytest
 
+from dflash_files import draft_config_dict, random_draft_weights, write_draft_dir  # tests/models, on sys.path
+
 from flm_runtime import api, paths, registry
 from flm_bench import calibrate
 from flm_runtime.models.dflash import DFlashDraft
@@ -24,6 +26,14 @@ PROMPT = ("Explain in simple terms why the sky looks blue during the day.",)
 @pytest.fixture(scope="module")
 def draft(random_draft, smollm2_model):
     return DFlashDraft.load(random_draft, smollm2_model)
+
+
+@pytest.fixture(scope="module")
+def draft16(tmp_path_factory, smollm2_model):
+    """A 1-layer random draft of block size 16 (the public DFlash drafts'): K up to 15."""
+    cfg = draft_config_dict(smollm2_model.config, layers=1, mask_token_id=0, target_tag="smollm2:135m", block_size=16)
+    return DFlashDraft.load(write_draft_dir(tmp_path_factory.mktemp("draft16"), cfg,
+                                            random_draft_weights(cfg, seed=5, scale=0.05)), smollm2_model)
 
 
 def test_a_replayed_greedy_output_is_always_accepted(smollm2_model, smollm2_tokenizer, smollm2_engine, draft):
@@ -79,6 +89,40 @@ def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smol
     with pytest.raises(ValueError, match="contexts must ascend"):
         calibrate.calibrate(SpeculativeDecoder(smollm2_model, draft), smollm2_tokenizer, tag="t", backend="cpu",
                             contexts=[64, 16], rounds=1, max_new=16, prompts=PROMPT)
+
+
+def test_calibrate_handles_a_draft_of_block_size_16(smollm2_model, smollm2_tokenizer, smollm2_engine, draft16,
+                                                    monkeypatch):
+    """Whole steps of 15 drafted tokens: a replayed greedy output keeps all 15 (and the bonus) in
+    each; the table's grid of K runs to 15, its step costs and verify ratios have 15 values, and
+    each bucket is choose()'s decision on them."""
+    tok = smollm2_tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT[0]}]))
+    want = smollm2_engine.submit(ids, SamplingParams(max_tokens=40, ignore_eos=True)).result().token_ids
+    truth = dict(enumerate(want, start=len(ids)))
+
+    def replay(draft_cache, anchor_id, start):
+        return np.array([truth.get(p, 0) for p in range(start + 1, start + 16)])
+
+    perfect = calibrate.acceptance_records(SpeculativeDecoder(smollm2_model, draft16, proposer=replay), tok, [ids], 40)
+    # 1 token from prefill, then whole steps of 16 while 40 tokens are not reached: 2 (the 3rd is cut).
+    assert perfect.accepted.tolist() == [15, 15] and perfect.confidence.shape == (2, 15)
+    np.testing.assert_array_equal(perfect.at_least(), np.ones(15))
+    recorded = []
+    records = calibrate.acceptance_records
+    monkeypatch.setattr(calibrate, "acceptance_records", lambda *a: recorded.append(records(*a)) or recorded[-1])
+    table = calibrate.calibrate(SpeculativeDecoder(smollm2_model, draft16), tok, tag="t-dflash:1", backend="cpu",
+                                contexts=[16], rounds=1, max_new=16, prompts=PROMPT)
+    (bucket,) = table.buckets
+    (measured,) = table.measured["by_context"]["16"]["step_costs"]
+    assert table.block_size == 16 and len(measured["propose_ms"]) == len(measured["verify_ms"]) == 15
+    assert len(bucket.verify_ratio) == 15 and 1 <= bucket.draft_length <= 15
+    costs = {"decode": measured["decode_ms"], "propose": measured["propose_ms"], "verify": measured["verify_ms"]}
+    (acceptance,) = recorded
+    assert acceptance.confidence.shape[1] == 15
+    want_bucket = calibrate.choose([costs], acceptance, bucket.max_context)
+    assert (bucket.draft_length, bucket.min_confidence, bucket.expected_al) == (
+        want_bucket.draft_length, want_bucket.min_confidence, want_bucket.expected_al)
 
 
 def records(accepted: list[int], confidence: list[list[float]] | None = None) -> calibrate.Acceptance:

@@ -104,19 +104,20 @@ def family_model(directory: Path, case: str) -> LlamaModel:
     return LlamaModel(loaded.config, loaded.weights)
 
 
-def random_draft(target, *, taps: list[int], layers: int = 1, seed: int = 0) -> DFlashDraft:
+def random_draft(target, *, taps: list[int], layers: int = 1, seed: int = 0, block_size: int = 8) -> DFlashDraft:
     """A random-weight draft for ``target`` (shares its embedding and LM head)."""
-    cfg = draft_config_dict(target.config, layers=layers, taps=taps, mask_token_id=1)
+    cfg = draft_config_dict(target.config, layers=layers, taps=taps, mask_token_id=1, block_size=block_size)
     return DFlashDraft(DFlashConfig.from_dict(cfg), random_draft_weights(cfg, seed=seed), embed=target.embed,
                        lm_head=target.lm_head, max_positions=target.config.max_position_embeddings)
 
 
-def replay_proposer(truth, vocab: int, corrupt=lambda pos: False):
-    """A proposer that drafts ``truth(pos)`` for positions ``start+1 .. start+7`` (a token another
-    run produced there), replaced by ``(token + 1) % vocab`` where ``corrupt(pos)``."""
+def replay_proposer(truth, vocab: int, corrupt=lambda pos: False, drafted: int = 7):
+    """A proposer that drafts ``truth(pos)`` for positions ``start+1 .. start+drafted`` (a token
+    another run produced there; ``drafted``: the draft's block size - 1), replaced by
+    ``(token + 1) % vocab`` where ``corrupt(pos)``."""
     def propose(draft_cache, anchor_id: int, start: int) -> np.ndarray:
-        out = [truth(p) for p in range(start + 1, start + 8)]
-        return np.array([(t + 1) % vocab if corrupt(p) else t for p, t in zip(range(start + 1, start + 8), out)])
+        positions = range(start + 1, start + 1 + drafted)
+        return np.array([(truth(p) + 1) % vocab if corrupt(p) else truth(p) for p in positions])
     return propose
 
 
@@ -134,7 +135,7 @@ def spec_generate(decoder: SpeculativeDecoder, prompt, n: int, params, seed: int
     """Speculative generation of ``n`` tokens by hand (no engine). ``on_step(out, cache, state)``
     runs after every step that did not finish. Returns (tokens, cache, state)."""
     picker = Picker(params, sampler.new_rng(seed))
-    cache = decoder.target.new_cache(len(prompt) + n + 8)
+    cache = decoder.target.new_cache(len(prompt) + n + decoder.block_size)
     state = decoder.new_state()
     out = [picker.pick_and_accept(decoder.prefill(np.asarray(prompt, dtype=np.int64), cache, state))]
 

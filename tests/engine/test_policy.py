@@ -228,3 +228,15 @@ def test_a_draft_unsure_of_its_first_token_leaves_every_step_plain(make_engine):
     assert done.token_ids == tuple(LETTERS[:20])
     s = done.stats
     assert (s.spec.steps, s.spec.drafted, s.spec.gated, s.spec.switches_off) == (0, 0, 19, 0)
+
+
+def test_a_bucket_without_a_draft_length_drafts_the_whole_block_and_one_beyond_it_is_refused():
+    """``draft_length`` None: K = ``most`` (block_size - 1, 15 for a block of 16); a table's bucket
+    may not draft more than its ``block_size`` allows."""
+    whole = PolicyTable(model="m", backend="cpu", block_size=16,
+                        buckets=[Bucket(max_context=256, speculate=True, cost_ratio=1.5, expected_al=3.0)])
+    assert whole.plan(100, AcceptanceTracker(), 15) == (15, 0.0)
+    assert whole.plan(100, AcceptanceTracker(), 7) == (7, 0.0)  # near the context end: what fits
+    with pytest.raises(ValidationError, match="bucket up to 256: draft_length 15 is beyond block_size - 1 = 7"):
+        PolicyTable(model="m", backend="cpu", block_size=8,
+                    buckets=[Bucket(max_context=256, speculate=True, draft_length=15)])

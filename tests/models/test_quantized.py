@@ -20,13 +20,14 @@ from flm_runtime.kernels import quant
 from flm_runtime.models.causal_lm import LlamaModel
 
 
-def _rows_alone_in_a_pass_and_in_a_batch(model, ids):
-    """Logits of 8 positions (after a 40-token prefix): decoded one at a time, as one 8-row
-    verify pass, and as 8 of the 16 rows of a batched step beside another sequence."""
-    prefix, block, other = ids[:40], ids[40:48], ids[:25]
+def _rows_alone_in_a_pass_and_in_a_batch(model, ids, rows=8):
+    """Logits of ``rows`` positions (after a 40-token prefix): decoded one at a time, as one verify
+    pass of ``rows`` rows (a block of 8 or 16), and as the last ``rows`` of a batched step beside 8
+    rows of another sequence."""
+    prefix, block, other = ids[:40], ids[40:40 + rows], ids[:25]
     cache = model.new_cache()
     forward(model, prefix, cache)
-    alone = np.stack([forward(model, ids[40 + j:41 + j], cache).logits[0] for j in range(8)])
+    alone = np.stack([forward(model, ids[40 + j:41 + j], cache).logits[0] for j in range(rows)])
     cache.trim(40)
     verify = forward(model, block, cache, all_logits=True).logits
     cache.trim(40)
@@ -36,9 +37,10 @@ def _rows_alone_in_a_pass_and_in_a_batch(model, ids):
     return alone, verify, batched
 
 
-def test_smollm2_rows_are_batch_invariant(smollm2_quantized, smollm2_tokenizer):
+@pytest.mark.parametrize("rows", [8, 16])
+def test_smollm2_rows_are_batch_invariant(smollm2_quantized, smollm2_tokenizer, rows):
     ids = np.array(smollm2_tokenizer.encode(PASSAGE.read_text()))
-    alone, verify, batched = _rows_alone_in_a_pass_and_in_a_batch(smollm2_quantized, ids)
+    alone, verify, batched = _rows_alone_in_a_pass_and_in_a_batch(smollm2_quantized, ids, rows)
     assert np.array_equal(alone, verify) and np.array_equal(alone, batched)
 
 
@@ -47,15 +49,20 @@ TINY_Q = dataclasses.replace(TINY, hidden_size=64, intermediate_size=96, num_att
                              head_dim=16)
 
 
-def test_tiny_model_is_batch_invariant_and_near_float32():
+@pytest.mark.parametrize("rows", [8, 16])
+def test_tiny_model_is_batch_invariant_and_near_float32(rows):
     weights = tiny_weights(TINY_Q)
     f32 = LlamaModel(TINY_Q, weights)
     q8 = LlamaModel(TINY_Q, {k: quant.quantize(v, 8) if v.ndim == 2 and v.shape[1] % 32 == 0 else v
                              for k, v in weights.items()})
     assert q8.quantized and all(d.ops.compiled for d in q8.decoders)
     ids = np.random.default_rng(1).integers(0, TINY_Q.vocab_size, 60)
-    alone, verify, batched = _rows_alone_in_a_pass_and_in_a_batch(q8, ids)
+    alone, verify, batched = _rows_alone_in_a_pass_and_in_a_batch(q8, ids, rows)
     assert np.array_equal(alone, verify) and np.array_equal(alone, batched)
+    # float32: the skinny kernel (8 rows) or BLAS (16) against 1-row passes, to float32 rounding
+    f32_alone, *f32_passes = _rows_alone_in_a_pass_and_in_a_batch(f32, ids, rows)
+    for got in f32_passes:
+        np.testing.assert_allclose(got, f32_alone, rtol=0, atol=1e-5)
     want = forward(f32, ids, f32.new_cache(), all_logits=True).logits
     got = forward(q8, ids, q8.new_cache(), all_logits=True).logits
     cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)

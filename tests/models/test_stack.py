@@ -11,13 +11,14 @@ from flm_runtime.kernels.team import Team
 from flm_runtime.layers.stack import Stack
 
 
-def _steps(model):
-    """A prefill of two sequences beside a third, then a step of one decode row beside a 3-row
-    verify pass: each step's output and both caches' keys and values."""
+def _steps(model, verify_rows=3):
+    """A prefill of two sequences beside a third, then a step of one decode row beside a verify
+    pass of ``verify_rows`` rows: each step's output and both caches' keys and values."""
     ids = np.arange(1, 41)
     a, b, c = model.new_cache(), model.new_cache(), model.new_cache()
     first = model.forward_batch([ids[:7], ids, ids[3:20]], [a, b, c], logit_rows=[1, 5, 0], taps=(1, 5))
-    second = model.forward_batch([np.array([7]), np.array([3, 4, 5])], [a, b], logit_rows=[1, 3])
+    second = model.forward_batch([np.array([7]), np.arange(3, 3 + verify_rows)], [a, b],
+                                 logit_rows=[1, verify_rows])
     return first, second, [(x.keys(), x.values()) for x in (a, b)]
 
 
@@ -29,12 +30,13 @@ def _assert_same(got, want):
         assert np.array_equal(gk, wk) and np.array_equal(gv, wv)
 
 
-def test_the_stack_gives_the_per_layer_compositions_bits(smollm2_quantized, monkeypatch):
+@pytest.mark.parametrize("verify_rows", [3, 16])
+def test_the_stack_gives_the_per_layer_compositions_bits(smollm2_quantized, monkeypatch, verify_rows):
     model = smollm2_quantized
     assert model.stack is not None
-    stacked = _steps(model)
+    stacked = _steps(model, verify_rows)
     monkeypatch.setattr(model, "stack", None)  # the per-layer composition (layers/decoder.py)
-    _assert_same(stacked, _steps(model))
+    _assert_same(stacked, _steps(model, verify_rows))
 
 
 def test_a_sequence_alone_gets_the_bits_it_gets_in_a_batch(smollm2_quantized):

@@ -1,13 +1,13 @@
 """The cpu backend's float32 product for a few rows: ``x @ w.T`` with ``x`` ``[M, K]``, ``M <= MAX_ROWS``.
 
-Decode (M = 1), a DFlash verify pass (M = K + 1 <= 8) and a small batched decode step are
-"skinny" products: the weight matrix is read once and each of its rows meets only M activation
-rows. On a 2-core machine OpenBLAS runs them below what the memory allows (M = 1 as a GEMV;
-M = 2..8 as a GEMM that packs both operands). This kernel streams each weight row once,
-prefetching a few rows ahead, and takes its dot products with up to 8 activation rows at a time,
-the rows held in cache, the output columns split over the cores, so that a verify pass of 2-4
-positions costs little more than one decode (figures: docs/benchmarks.md,
-"`benchmarks/skinny_gemm.py`").
+Decode (M = 1), a DFlash verify pass of up to 8 rows (a block of 16's longer passes run BLAS:
+``MAX_ROWS``) and a small batched decode step are "skinny" products: the weight matrix is read
+once and each of its rows meets only M activation rows. On a 2-core machine OpenBLAS runs them
+below what the memory allows (M = 1 as a GEMV; M = 2..8 as a GEMM that packs both operands). This
+kernel streams each weight row once, prefetching a few rows ahead, and takes its dot products with
+up to 8 activation rows at a time, the rows held in cache, the output columns split over the
+cores, so that a verify pass of 2-4 positions costs little more than one decode (figures:
+docs/benchmarks.md, "`benchmarks/skinny_gemm.py`").
 It serves the float32 reference path; quantized weights run ``qgemm``.
 
 The kernel is compiled by numba and cached on disk; a float32 model's load runs it once

@@ -47,7 +47,7 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         return _one_hot(np.argmax(logits, axis=-1), logits.shape[-1])
     rows = logits.reshape(-1, logits.shape[-1])                     # [R, V]
     out = np.zeros(rows.shape, dtype=np.float64)
-    for r in range(rows.shape[0]):                                  # R is small (1, or T <= 8)
+    for r in range(rows.shape[0]):                                  # R is small (1, or a verify pass's T <= 16)
         ids, probs = _warp_sparse(rows[r], params)
         out[r, ids] = probs
     return out.reshape(logits.shape)

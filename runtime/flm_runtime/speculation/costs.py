@@ -1,18 +1,22 @@
-"""What a verify pass costs on the machine that serves, in decode steps.
+"""What a verify pass and a draft's proposal cost on the machine that serves, in decode steps.
 
 A step that verifies ``n`` proposed tokens runs one target pass over ``n + 1`` rows; its cost in
 decode steps, ``verify_ratio[n-1] = t_verify(n+1) / t_decode``, sets how many tokens a step should
-verify (``policy.paying_step``: the most expected tokens per unit of cost). The curve depends on
-the host: where the one-row pass is bound by memory bandwidth and the kernels have compute to
+verify (``policy.paying_step``: the most expected tokens per unit of cost); a step that drafts
+them first adds the draft's pass, ``propose_ratio[n-1] = t_propose(n) / t_decode``. The curve
+depends on the host: where the one-row pass is bound by memory bandwidth and the kernels have compute to
 spare per weight read, eight rows cost little more than one; where compute binds sooner they cost
 several decodes (docs/benchmarks.md, "`benchmarks/skinny_gemm.py`"). A policy table
 calibrated on one host therefore drafts too short or too long on another.
 
-So the first time a DFlash engine is built on a host, its target's curve is measured there
-(``measure_verify_ratio``: interleaved rounds of a one-row pass and passes of 2 .. K + 1 rows at
-``CONTEXT`` tokens, medians: a prefill of ``CONTEXT`` tokens and ``(ROUNDS + 1) * (K + 1)``
-passes) and kept (``HostCosts``, JSON, ``paths.host_costs_file``) for the later processes
-of the same host, keyed by ``host_id``; ``PolicyTable.on_host`` applies it to the shipped table. A
+So the first time a DFlash engine is built on a host, its curves are measured there, K = block
+size - 1 (7 or 15): the target's (``measure_verify_ratio``: interleaved rounds of a one-row pass
+and passes of 2 .. K + 1 rows at ``CONTEXT`` tokens, medians: a prefill of ``CONTEXT`` tokens and
+``(ROUNDS + 1) * (K + 1)`` passes) and the draft's (``measure_propose_ratio``: proposals of 1 .. K
+tokens, each after a one-row target pass, the draft's own passes a fraction of the target's), and
+kept (``HostCosts``, JSON, ``paths.host_costs_file``) for the later processes of the same host,
+keyed by ``host_id``. ``PolicyTable.on_host`` applies the verify curve to the shipped table; a tag
+without a table starts from the estimate both curves give (``speculation.estimate``). A
 table the user calibrated (``litellm-flm calibrate``, ``paths.policy_file``) was measured on their
 host already and is used as it is. ``FLM_HOST_COSTS=0`` turns the measurement off. A curve timed
 while other work loaded the machine is off (a busy machine slows the one-row pass more than the
@@ -34,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
 from flm_runtime.backends import TargetModel, forward
 from flm_runtime.kernels.cpu_features import cpu_model, host_features
+from flm_runtime.models.dflash import DFlashDraft
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,9 @@ class HostCosts(BaseModel):
         backend: ``"cpu"`` or ``"npu"``.
         context: tokens in the KV cache during the timed passes.
         verify_ratio: ``t_verify(n+1) / t_decode`` for ``n = 1 .. K`` (K = block size - 1).
+        propose_ratio: ``t_propose(n) / t_decode`` for ``n = 1 .. K``: the draft catching up one
+            position and drafting ``n`` tokens. A file without it (written before it was measured)
+            is measured again.
         date: when it was measured (ISO date).
     """
 
@@ -62,6 +70,7 @@ class HostCosts(BaseModel):
     backend: str
     context: int = Field(gt=0)
     verify_ratio: list[PositiveFloat] = Field(min_length=1)
+    propose_ratio: list[PositiveFloat] = Field(min_length=1)
     date: str
 
 
@@ -106,36 +115,85 @@ def measure_verify_ratio(target: TargetModel, taps: tuple[int, ...], drafted: in
     return [round(t / decode, 4) for t in verify]
 
 
+def measure_propose_ratio(target: TargetModel, draft: DFlashDraft, drafted: int, *, context: int = CONTEXT,
+                          rounds: int = ROUNDS, seed: int = 0) -> list[float]:
+    """``t_propose(n) / t_decode`` for ``n = 1 .. drafted``, timed on ``draft`` and ``target`` here.
+
+    A proposal as a step runs it: the draft takes one position's taps into its cache and drafts
+    ``n`` tokens (``draft_blocks``, a block of ``n + 1`` rows). Each round times a one-row target
+    pass, then each proposal right after an untimed one-row pass (back to back, the draft's
+    weights would stay in cache and time low, as ``litellm-flm calibrate`` finds), each rolled
+    back from caches holding ``context`` random tokens (the draft's from random taps); the first
+    round warms up and is dropped, each keeps its median (the ratio of medians).
+
+    Raises:
+        ValueError: ``context + drafted + 1`` is beyond the target's context length.
+    """
+    limit = target.config.max_position_embeddings
+    if context + drafted + 1 > limit:
+        raise ValueError(f"a context of {context} and {drafted + 1} rows do not fit {limit} positions")
+    rng = np.random.default_rng(seed)
+    cache = target.new_cache(context + 1)
+    forward(target, rng.integers(0, target.config.vocab_size, context), cache)
+    width = len(draft.config.target_layer_ids) * target.config.hidden_size
+    draft_cache = draft.new_cache(context + drafted + 2)
+    draft.add_context(draft_cache, rng.standard_normal((context, width)).astype(np.float32), 0)
+    one_tap = rng.standard_normal((1, width)).astype(np.float32)
+    anchor = rng.integers(0, target.config.vocab_size, 1)
+
+    def decode() -> None:
+        forward(target, anchor, cache)
+        cache.trim(context)
+
+    times: list[list[float]] = [[] for _ in range(drafted + 1)]  # [0]: the one-row pass, [n]: a proposal of n
+    for _ in range(rounds + 1):
+        t0 = time.perf_counter()
+        decode()
+        times[0].append(time.perf_counter() - t0)
+        for n in range(1, drafted + 1):
+            decode()
+            t0 = time.perf_counter()
+            draft.add_context(draft_cache, one_tap, context)
+            draft.draft_blocks([draft_cache], [int(anchor[0])], n)
+            times[n].append(time.perf_counter() - t0)
+            draft_cache.trim(context)
+    decode_time, *propose = (statistics.median(t[1:]) for t in times)
+    return [round(t / decode_time, 4) for t in propose]
+
+
 def load(path: Path, host: str, model: str, backend: str, drafted: int) -> HostCosts | None:
-    """The curve kept at ``path`` if it is this host's, model's and backend's, with ``drafted``
-    values; None otherwise (no file, another host, a file that does not parse: it is measured
-    again and replaced)."""
+    """The curves kept at ``path`` if they are this host's, model's and backend's, with ``drafted``
+    values each; None otherwise (no file, another host, a file that does not parse: they are
+    measured again and replaced)."""
     try:
         costs = HostCosts.model_validate(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError) as e:
         if path.exists():
             log.warning("ignoring %s, it will be measured again: %s", path, e)
         return None
-    if (costs.host, costs.model, costs.backend, len(costs.verify_ratio)) != (host, model, backend, drafted):
+    if (costs.host, costs.model, costs.backend, len(costs.verify_ratio), len(costs.propose_ratio)) != (
+            host, model, backend, drafted, drafted):
         return None
     return costs
 
 
-def host_costs(path: Path, target: TargetModel, taps: tuple[int, ...], drafted: int, *, model: str,
-               backend: str) -> HostCosts:
-    """This host's curve for ``model``'s target: the one kept at ``path``, else measured now
-    (``measure_verify_ratio``) and written there (a temporary name, then renamed)."""
-    host = host_id()
+def host_costs(path: Path, target: TargetModel, draft: DFlashDraft, *, model: str, backend: str) -> HostCosts:
+    """This host's curves for ``model``'s target and ``draft`` (``drafted`` = its block size - 1
+    values each): those kept at ``path``, else measured now (``measure_verify_ratio``,
+    ``measure_propose_ratio``) and written there (a temporary name, then renamed)."""
+    host, drafted = host_id(), int(draft.config.block_size) - 1
     costs = load(path, host, model, backend, drafted)
     if costs is not None:
         return costs
     context = min(CONTEXT, target.config.max_position_embeddings - drafted - 1)
     t0 = time.perf_counter()
     costs = HostCosts(host=host, model=model, backend=backend, context=context,
-                      verify_ratio=measure_verify_ratio(target, taps, drafted, context=context),
+                      verify_ratio=measure_verify_ratio(target, tuple(draft.config.target_layer_ids), drafted,
+                                                        context=context),
+                      propose_ratio=measure_propose_ratio(target, draft, drafted, context=context),
                       date=datetime.date.today().isoformat())
-    log.info("measured %s's verify costs on this host in %.1f s: %s (kept in %s)", model,
-             time.perf_counter() - t0, costs.verify_ratio, path)
+    log.info("measured %s's verify and propose costs on this host in %.1f s: %s, %s (kept in %s)", model,
+             time.perf_counter() - t0, costs.verify_ratio, costs.propose_ratio, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(costs.model_dump_json(indent=2) + "\n", encoding="utf-8")

@@ -35,8 +35,9 @@ decoder verifies the one of the best speed-up: the most tokens per unit of cost.
 The policy is an object with one interface (``SpeculationPolicy``: ``plan`` a step, or
 ``lookup_step`` an n-gram-only one where the plan is plain, then ``record_step`` or
 ``record_plain`` what it did): a ``PolicyTable`` with the request's tracker, or
-``ALWAYS_SPECULATE``, the null policy of a tag without a table (whole blocks, no gate, no
-switch-off, no n-gram-only step).
+``ALWAYS_SPECULATE``, the null policy (whole blocks, no gate, no switch-off, no n-gram-only step)
+of a tag without a table where this host's costs are not measured; where they are, such a tag
+starts from an estimated table (``estimate.py``).
 
 Then, per request, an ``AcceptanceTracker`` follows that request's own AL (the mean of its last
 16 speculative steps, the window starting full of the table's AL). When ``AL_estimate /
@@ -144,7 +145,7 @@ class Bucket(BaseModel):
         max_context: the bucket covers contexts ``<= max_context`` tokens (above the previous bucket's).
         speculate: whether speculative steps run at all here.
         draft_length: K, tokens drafted per step (1 .. block_size - 1), of which the step verifies
-            ``confident_length(confidence, min_confidence)``.
+            ``confident_length(confidence, min_confidence)``; None: the whole block (block_size - 1).
         min_confidence: the confidence gate (module docstring), 0 to 1; 0 verifies all K.
         cost_ratio: a step's cost in decode steps, ``(t_propose(K) + t_verify(k+1)) / t_decode``
             (k the verified length; a gated step, k = 0, costs ``(t_propose(K) + t_decode) /
@@ -162,7 +163,7 @@ class Bucket(BaseModel):
 
     max_context: int = Field(gt=0)
     speculate: bool
-    draft_length: int = Field(default=7, ge=1)
+    draft_length: int | None = Field(default=None, ge=1)
     min_confidence: float = Field(default=0.0, ge=0.0, le=1.0)
     cost_ratio: float = Field(default=1.0, gt=0)
     expected_al: float = Field(default=1.0, ge=1.0)
@@ -230,14 +231,16 @@ class PolicyTable(BaseModel):
         buckets: ascending ``max_context``; a context above the last bucket uses the last one.
         block_size: the draft's block size the table was calibrated with (the anchor and up to
             ``block_size - 1`` drafted tokens); required where a bucket has ``verify_ratio``,
-            which then holds ``block_size - 1`` values; None in tables without them.
+            which then holds ``block_size - 1`` values, and no bucket's ``draft_length`` may exceed
+            ``block_size - 1``; None in tables without them.
         min_speedup: the expected speed-up an n-gram-only step must exceed (``lookup_step``);
             ``calibrate`` writes its ``--min-speedup``.
         measured: provenance (command, machine, per-bucket timings, acceptance profile); free-form.
 
     Raises:
-        pydantic.ValidationError: buckets not ascending, a bucket out of range, or a
-            ``verify_ratio`` whose length is not ``block_size - 1`` (naming it).
+        pydantic.ValidationError: buckets not ascending, a bucket out of range, a
+            ``verify_ratio`` whose length is not ``block_size - 1`` or a ``draft_length`` above it
+            (naming the bucket).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -254,6 +257,14 @@ class PolicyTable(BaseModel):
         edges = [b.max_context for b in self.buckets]
         if edges != sorted(set(edges)):
             raise ValueError(f"buckets must have strictly ascending max_context, got {edges}")
+        return self
+
+    @model_validator(mode="after")
+    def _draft_length_within_the_block(self) -> PolicyTable:
+        for b in self.buckets:
+            if self.block_size is not None and b.draft_length is not None and b.draft_length > self.block_size - 1:
+                raise ValueError(f"bucket up to {b.max_context}: draft_length {b.draft_length} is beyond "
+                                 f"block_size - 1 = {self.block_size - 1}")
         return self
 
     @model_validator(mode="after")
@@ -295,10 +306,11 @@ class PolicyTable(BaseModel):
             **self.measured, "host_verify_ratio": {"context": context, "verify_ratio": list(verify_ratio)}}})
 
     def plan(self, context: int, tracker: AcceptanceTracker, most: int) -> Plan:
-        """``SpeculationPolicy.plan``: the bucket's K as the request's tracker allows it, and the
-        bucket's gate."""
+        """``SpeculationPolicy.plan``: the bucket's K as the request's tracker allows it (at most
+        ``most``), and the bucket's gate."""
         bucket = self.bucket(context)
-        return Plan(min(tracker.draft_length(bucket), most), bucket.min_confidence)
+        k = tracker.draft_length(bucket)
+        return Plan(most if k is None else min(k, most), bucket.min_confidence)
 
     def record_step(self, context: int, tracker: AcceptanceTracker, emitted: int) -> None:
         """``SpeculationPolicy.record_step``: into the request's tracker, against the bucket."""
@@ -386,8 +398,8 @@ class AcceptanceTracker:
         self.probe_after = self.first_probe_after
         self._recent = deque(maxlen=self.window)
 
-    def draft_length(self, bucket: Bucket) -> int:
-        """K for the next step in ``bucket``: 0 means a plain decode step."""
+    def draft_length(self, bucket: Bucket) -> int | None:
+        """K for the next step in ``bucket``: 0 means a plain decode step, None the whole block."""
         if not bucket.speculate or self.tokens < self.plain_until:
             return 0
         if not self._recent:  # (re)starting: the prior fills the window

@@ -3,7 +3,7 @@
 DFlash: Jian Chen, Yesheng Liang, Zhijian Liu, "DFlash: Block Diffusion for Flash Speculative
 Decoding", arXiv:2602.06036 (2026); the draft model is ``flm_runtime.models.dflash``.
 
-One step (docs/dflash.md, "One speculative step"): the proposer drafts ``d1 .. dK`` (K = 7) from
+One step (docs/dflash.md, "One speculative step"): the proposer drafts ``d1 .. dK`` (K = block_size - 1: 7 or 15) from
 the anchor; the target runs ``[anchor, d1 .. dK]`` at positions ``start .. start+K`` in one pass
 (logits ``[K+1, V]`` and taps); the verifier keeps a prefix of the draft and adds one token of the
 target's own; the target KV cache is rolled back (``trim``) past what was kept, and the verify
