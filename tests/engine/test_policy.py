@@ -13,7 +13,7 @@ from spec_fakes import ScriptTarget, random_draft, replay_proposer
 
 from flm_runtime.request import SamplingParams
 from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, MIN_SPEEDUP, PLAIN_STEP, AcceptanceTracker, Bucket,
-                                            PolicyTable, confident_length, paying_step)
+                                            LookupTracker, PolicyTable, confident_length, paying_step)
 from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 PAYS_AT_2 = Bucket(max_context=1 << 20, speculate=True, draft_length=7, cost_ratio=2.0, expected_al=3.0)
@@ -129,6 +129,64 @@ def test_an_ngram_only_step_verifies_the_length_with_the_best_expected_speedup(c
     got = paying_step(np.full(most, confidence, dtype=np.float32), VERIFY_RATIO, MIN_SPEEDUP)
     assert (got.length, got.speedup) == (want[0], pytest.approx(want[1]))
     assert paying_step(np.zeros(0, dtype=np.float32), VERIFY_RATIO, MIN_SPEEDUP) is PLAIN_STEP
+
+
+def decline_count(t: LookupTracker) -> int:
+    """Chances the tracker declines from now on, until it takes one (which it counts)."""
+    n = 0
+    while not t.take():
+        n += 1
+    return n
+
+
+def test_lookup_tracker_backs_off_n_gram_only_steps_that_do_not_pay_and_doubles_the_wait():
+    t = LookupTracker()
+    # 1-token steps at 1.25 decodes: 7 steps judge nothing; the 8th fills the window with 11 tokens
+    # for 10 decodes, 1.1, no more than the margin: back off for 16 chances.
+    for emitted in (2, 1, 1, 2, 1, 1, 2):
+        t.record(emitted, 1.25, 1.1)
+        assert (t.take(), t.backoffs) == (True, 0)
+    t.record(1, 1.25, 1.1)
+    assert (t.backoffs, t.declining, t.speedup) == (1, 16, None) and decline_count(t) == 16
+    # the window after it realises 1.0 again: the wait doubles
+    for _ in range(8):
+        t.record(1, 1.0, 1.1)
+    assert (t.backoffs, decline_count(t)) == (2, 32)
+    # one that pays (a 3-token step at 1.75 and seven 2-token ones at 1.25: 17 tokens for 10.5
+    # decodes, 1.62) resets the wait, and the next back-off waits 16 again
+    t.record(3, 1.75, 1.1)
+    for _ in range(7):
+        t.record(2, 1.25, 1.1)
+    assert (t.backoffs, t.after_backoff, t.wait, t.speedup) == (2, False, 16, 17 / 10.5) and t.take()
+    for _ in range(8):
+        t.record(1, 1.25, 1.1)
+    assert (t.backoffs, decline_count(t)) == (3, 16)
+
+
+def test_lookup_tracker_keeps_steps_that_pay_and_caps_the_wait():
+    t = LookupTracker()
+    for emitted in (2, 2, 1, 2, 1, 1, 2, 1, 2, 2):  # the window slides: 12 tokens for 10 decodes, three times
+        t.record(emitted, 1.25, 1.1)
+    assert (t.backoffs, t.speedup, t.take()) == (0, 12 / 10, True)
+    t = LookupTracker(first_wait=200, max_wait=256)
+    for k in range(2):
+        for _ in range(8):
+            t.record(1, 1.25, 1.1)
+        assert decline_count(t) == (200, 256)[k]
+
+
+def test_a_table_judges_an_n_gram_only_step_at_its_buckets_verify_ratio():
+    table = PolicyTable(model="t", backend="cpu", block_size=4, min_speedup=1.2, buckets=[
+        Bucket(max_context=64, speculate=False, verify_ratio=[1.5, 2.0, 2.5]),
+        Bucket(max_context=128, speculate=False, verify_ratio=[1.0, 1.0, 1.0])])
+    t = LookupTracker(window=3)
+    table.record_lookup(64, t, 3, 3)    # 3 tokens for 2.5 decodes
+    table.record_lookup(100, t, 2, 1)   # 1 token for 1 decode
+    assert (t.speedup, t.backoffs, t.take()) == (4 / 3.5, 0, True)
+    table.record_lookup(10, t, 1, 1)    # 1 token for 1.5 decodes: the window's 5 for 5, below 1.2
+    assert (t.speedup, t.backoffs, t.declining) == (None, 1, 16)
+    ALWAYS_SPECULATE.record_lookup(64, t, 3, 1)  # the null policy takes no n-gram-only step, judges none
+    assert (t.speedup, t.backoffs) == (None, 1)
 
 
 def test_a_plain_step_of_several_tokens_counts_them_towards_the_probe():

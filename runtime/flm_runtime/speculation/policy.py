@@ -30,7 +30,9 @@ tokens of the first n, ``expected_accepted``). ``lookup_step`` takes the n with 
 ``(1 + E(n)) / verify_ratio[n-1]``, and only where that speed-up exceeds the table's
 ``min_speedup`` (``calibrate``'s margin, ``MIN_SPEEDUP``); a bucket without ``verify_ratio`` (a
 table calibrated before they were recorded) takes none. With several retrieval proposals the
-decoder verifies the one of the best speed-up: the most tokens per unit of cost.
+decoder verifies the one of the best speed-up: the most tokens per unit of cost. Per request, a
+``LookupTracker`` judges what those steps kept against what they cost: a request whose n-gram-only
+steps do not realise ``min_speedup`` declines the next ones for a while (``record_lookup``).
 
 The policy is an object with one interface (``SpeculationPolicy``: ``plan`` a step, or
 ``lookup_step`` an n-gram-only one where the plan is plain, then ``record_step`` or
@@ -116,6 +118,10 @@ class SpeculationPolicy(Protocol):
         """A step planned plain (K = 0) generated ``emitted`` tokens: a plain decode step one, an
         n-gram-only step its kept tokens."""
 
+    def record_lookup(self, context: int, lookups: LookupTracker, verified: int, emitted: int) -> None:
+        """An n-gram-only step of a retrieval proposal at ``context`` verified ``verified`` tokens
+        and kept ``emitted`` (the bonus included): into the request's ``LookupTracker``."""
+
 
 class AlwaysSpeculate:
     """The null policy: whole blocks at every context, every drafted token verified, never
@@ -131,6 +137,9 @@ class AlwaysSpeculate:
         return None
 
     def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
+        pass
+
+    def record_lookup(self, context: int, lookups: LookupTracker, verified: int, emitted: int) -> None:
         pass
 
 
@@ -206,6 +215,77 @@ def paying_step(confidence: np.ndarray, verify_ratio: list[float], min_speedup: 
     speedup = tokens / np.asarray(verify_ratio[:n], dtype=np.float64)
     best = int(np.argmax(speedup))
     return LookupStep(best + 1, float(speedup[best])) if speedup[best] > min_speedup else PLAIN_STEP
+
+
+@dataclass
+class LookupTracker:
+    """One request's realised payoff of its n-gram-only steps of retrieval proposals, and its
+    back-off from them.
+
+    ``lookup_step`` prices a step by the proposal's confidence, which its proposer learns token by
+    token (``retrieval.AcceptanceRecord``); this checks the priced steps against what they kept.
+    An n-gram-only step of n tokens costs ``verify_ratio[n-1]`` decode steps and keeps
+    ``emitted`` tokens (the bonus included); the realised speed-up of the request's last
+    ``window`` such steps is ``sum(emitted) / sum(cost)``. Once a full window realises no more than
+    the table's ``min_speedup`` (what the pricing asked of each step), the request declines its
+    next ``wait`` chances of one (steps planned plain where a retrieval proposal priced to pay),
+    then takes them again with an empty window; a window after a back-off that does not pay either
+    doubles the wait (up to ``max_wait``), one that pays resets it. The steps of a grammar's forced
+    tokens alone are exact (confidence 1) and neither judged nor declined.
+
+    Attributes:
+        window: n-gram-only steps judged together: one step keeps 1 .. n+1 tokens, so one says
+            little. These three are our own choices (a declined chance costs at most the step's
+            gain), not tuned values.
+        first_wait, max_wait: chances declined after a first back-off, and the cap of the doubling.
+        wait: chances declined at the next back-off.
+        declining: chances still to decline (0: taking them).
+        after_backoff: the window follows a back-off and has not yet paid.
+        backoffs: times the request backed off.
+    """
+
+    window: int = 8
+    first_wait: int = 16
+    max_wait: int = 256
+    wait: int = 16
+    declining: int = 0
+    after_backoff: bool = False
+    backoffs: int = 0
+    _steps: deque = field(init=False, repr=False)  # (emitted, cost) of the last steps
+
+    def __post_init__(self) -> None:
+        self.wait = self.first_wait
+        self._steps = deque(maxlen=self.window)
+
+    @property
+    def speedup(self) -> float | None:
+        """The realised speed-up of the steps in the window; None without one."""
+        if not self._steps:
+            return None
+        return sum(e for e, _ in self._steps) / sum(c for _, c in self._steps)
+
+    def take(self) -> bool:
+        """A chance of an n-gram-only step (a retrieval proposal priced to pay): True to take it;
+        False while backing off, which counts the chance declined."""
+        if self.declining:
+            self.declining -= 1
+            return False
+        return True
+
+    def record(self, emitted: int, cost: float, min_speedup: float) -> None:
+        """An n-gram-only step that cost ``cost`` decode steps kept ``emitted`` tokens; a full
+        window that realises ``min_speedup`` or less backs off."""
+        self._steps.append((emitted, cost))
+        if len(self._steps) < self.window:
+            return
+        if self.speedup <= min_speedup:
+            if self.after_backoff:
+                self.wait = min(2 * self.wait, self.max_wait)
+            self.declining, self.after_backoff = self.wait, True
+            self.backoffs += 1
+            self._steps.clear()
+        elif self.after_backoff:  # a window after a back-off that paid
+            self.after_backoff, self.wait = False, self.first_wait
 
 
 def expected_accepted(confidence: np.ndarray) -> float:
@@ -313,6 +393,11 @@ class PolicyTable(BaseModel):
     def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
         """``SpeculationPolicy.record_plain``: into the request's tracker."""
         tracker.record_plain(emitted)
+
+    def record_lookup(self, context: int, lookups: LookupTracker, verified: int, emitted: int) -> None:
+        """``SpeculationPolicy.record_lookup``: the step cost the bucket's ``verify_ratio[verified-1]``
+        decode steps; its payoff is judged against the table's ``min_speedup``."""
+        lookups.record(emitted, self.bucket(context).verify_ratio[verified - 1], self.min_speedup)
 
     @classmethod
     def load(cls, path: Path) -> PolicyTable:
