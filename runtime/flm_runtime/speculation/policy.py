@@ -32,7 +32,8 @@ tokens of the first n, ``expected_accepted``). ``lookup_step`` takes the n with 
 table calibrated before they were recorded) takes none. With several retrieval proposals the
 decoder verifies the one of the best speed-up: the most tokens per unit of cost. Per request, a
 ``LookupTracker`` judges what those steps kept against what they cost: a request whose n-gram-only
-steps do not realise ``min_speedup`` declines the next ones for a while (``record_lookup``).
+steps do not realise ``min_speedup`` raises the price the next ones must clear for a while
+(``record_lookup``).
 
 The policy is an object with one interface (``SpeculationPolicy``: ``plan`` a step, or
 ``lookup_step`` an n-gram-only one where the plan is plain, then ``record_step`` or
@@ -219,29 +220,33 @@ def paying_step(confidence: np.ndarray, verify_ratio: list[float], min_speedup: 
 
 @dataclass
 class LookupTracker:
-    """One request's realised payoff of its n-gram-only steps of retrieval proposals, and its
-    back-off from them.
+    """One request's realised payoff of its n-gram-only steps of retrieval proposals, and the bar
+    it raises for them when they fall short.
 
     ``lookup_step`` prices a step by the proposal's confidence, which its proposer learns token by
     token (``retrieval.AcceptanceRecord``); this checks the priced steps against what they kept.
-    An n-gram-only step of n tokens costs ``verify_ratio[n-1]`` decode steps and keeps
-    ``emitted`` tokens (the bonus included); the realised speed-up of the request's last
-    ``window`` such steps is ``sum(emitted) / sum(cost)``. Once a full window realises no more than
-    the table's ``min_speedup`` (what the pricing asked of each step), the request declines its
-    next ``wait`` chances of one (steps planned plain where a retrieval proposal priced to pay),
-    then takes them again with an empty window; a window after a back-off that does not pay either
+    An n-gram-only step of n tokens costs ``verify_ratio[n-1]`` decode steps, was priced at a
+    speed-up ``s`` (``LookupStep.speedup``: ``s * cost`` tokens expected) and keeps ``emitted``
+    tokens (the bonus included). Over the request's last ``window`` such steps the realised
+    speed-up is ``sum(emitted) / sum(cost)``. Once a full window realises no more than the table's
+    ``min_speedup`` (what the price asked of each step), the request backs off for its next
+    ``wait`` chances (steps planned plain where a retrieval proposal priced to pay): a step must
+    then be priced above ``bar = min_speedup * expected / kept`` (the window's tokens expected over
+    kept), so the steps priced like those that fell short are declined and a proposal priced far
+    above them (a long copy) is still taken. A window after a back-off that does not pay either
     doubles the wait (up to ``max_wait``), one that pays resets it. The steps of a grammar's forced
     tokens alone are exact (confidence 1) and neither judged nor declined.
 
     Attributes:
-        window: n-gram-only steps judged together: one step keeps 1 .. n+1 tokens, so one says
-            little. These three are our own choices (a declined chance costs at most the step's
-            gain), not tuned values.
-        first_wait, max_wait: chances declined after a first back-off, and the cap of the doubling.
-        wait: chances declined at the next back-off.
-        declining: chances still to decline (0: taking them).
+        window: n-gram-only steps judged together (one step keeps 1 .. n+1 tokens: one says
+            little). These three are our own choices, not tuned values.
+        first_wait, max_wait: chances of a first back-off, and the cap of the doubling.
+        wait: chances of the next back-off.
+        declining: chances of the back-off still to come (0: none).
+        bar: the priced speed-up a step must exceed while backing off.
         after_backoff: the window follows a back-off and has not yet paid.
         backoffs: times the request backed off.
+        priced: the priced speed-up of the step taken, until ``record`` judges it.
     """
 
     window: int = 8
@@ -249,9 +254,11 @@ class LookupTracker:
     max_wait: int = 256
     wait: int = 16
     declining: int = 0
+    bar: float = 0.0
     after_backoff: bool = False
     backoffs: int = 0
-    _steps: deque = field(init=False, repr=False)  # (emitted, cost) of the last steps
+    priced: float = 0.0
+    _steps: deque = field(init=False, repr=False)  # (emitted, cost, expected tokens) of the last steps
 
     def __post_init__(self) -> None:
         self.wait = self.first_wait
@@ -262,26 +269,31 @@ class LookupTracker:
         """The realised speed-up of the steps in the window; None without one."""
         if not self._steps:
             return None
-        return sum(e for e, _ in self._steps) / sum(c for _, c in self._steps)
+        return sum(e for e, _, _ in self._steps) / sum(c for _, c, _ in self._steps)
 
-    def take(self) -> bool:
-        """A chance of an n-gram-only step (a retrieval proposal priced to pay): True to take it;
-        False while backing off, which counts the chance declined."""
-        if self.declining:
-            self.declining -= 1
-            return False
-        return True
+    def chance(self) -> float:
+        """A chance of an n-gram-only step: the priced speed-up a step must exceed now, besides
+        the table's ``min_speedup`` (0.0, or ``bar`` while backing off, which counts the chance)."""
+        if not self.declining:
+            return 0.0
+        self.declining -= 1
+        return self.bar
+
+    def take(self, speedup: float) -> None:
+        """The request takes an n-gram-only step priced at ``speedup``."""
+        self.priced = speedup
 
     def record(self, emitted: int, cost: float, min_speedup: float) -> None:
-        """An n-gram-only step that cost ``cost`` decode steps kept ``emitted`` tokens; a full
+        """The step taken last, which cost ``cost`` decode steps, kept ``emitted`` tokens; a full
         window that realises ``min_speedup`` or less backs off."""
-        self._steps.append((emitted, cost))
+        self._steps.append((emitted, cost, self.priced * cost))
         if len(self._steps) < self.window:
             return
         if self.speedup <= min_speedup:
             if self.after_backoff:
                 self.wait = min(2 * self.wait, self.max_wait)
-            self.declining, self.after_backoff = self.wait, True
+            kept, expected = sum(e for e, _, _ in self._steps), sum(x for _, _, x in self._steps)
+            self.declining, self.bar, self.after_backoff = self.wait, min_speedup * expected / kept, True
             self.backoffs += 1
             self._steps.clear()
         elif self.after_backoff:  # a window after a back-off that paid

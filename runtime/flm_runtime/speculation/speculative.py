@@ -376,8 +376,8 @@ class SpeculativeDecoder:
         proposal, or of the tokens the request's ``grammar`` forces (each as the grammar lets the
         step verify it, ``constrain``; at most ``block_size - 1``, and the rows must fit in the
         context), ``n`` from ``policy.lookup_step``, of the proposal with the best expected
-        speed-up (the earlier proposer on a tie, the grammar's last), the retrieval proposals only
-        while the request's ``LookupTracker`` takes them; else a plain step, which carries the
+        speed-up (the earlier proposer on a tie, the grammar's last), a retrieval proposal only
+        above the bar of the request's ``LookupTracker``; else a plain step, which carries the
         proposals for ``complete`` to score, unless there were none or n-gram-only steps are off at
         this context (``PLAIN``, as without retrieval proposers and grammar). The draft does not
         run."""
@@ -395,9 +395,12 @@ class SpeculativeDecoder:
         if None in steps.values() or not proposed:
             return PLAIN
         paying = [name for name, step in steps.items() if step.length and name != GRAMMAR]
-        if paying and not lane.state.lookups.take():  # the request backs off its retrieval proposals
-            steps |= dict.fromkeys(paying, PLAIN_STEP)
+        if paying:  # while the request backs off, a retrieval proposal must clear its bar
+            bar = lane.state.lookups.chance()
+            steps |= {name: PLAIN_STEP for name in paying if steps[name].speedup <= bar}
         best = max(steps, key=lambda name: steps[name].speedup)  # the first of equal ones
+        if best != GRAMMAR and steps[best].length:
+            lane.state.lookups.take(steps[best].speedup)
         return _proposed(dataclasses.replace(PLAIN, lookups=lookups), best, candidates[best].cut(steps[best].length))
 
     def _complete_plain(self, lane: Lane, record: StepRecord, start: int, taps: np.ndarray, token: int) -> None:
