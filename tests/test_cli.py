@@ -240,7 +240,7 @@ def test_the_console_script_runs_in_a_fresh_process(isolated):
         assert bad.stderr.startswith("litellm-flm: error: unknown model tag")
 
 
-def test_run_prints_the_verify_steps_and_al_of_a_dflash_tag():
+def test_run_prints_the_verify_steps_and_al_of_a_dflash_tag_per_proposer_and_the_forced_tokens():
     base = dict(prompt_tokens=40, completion_tokens=30, generated_tokens=30, queue_s=0.0, ttft_s=0.25,
                 decode_s=0.5, total_s=0.8)
     plain = "[smollm2:135m: 40 prompt tokens, 30 completion tokens, TTFT 0.25 s, decode 58.0 tokens/s]"
@@ -249,7 +249,13 @@ def test_run_prints_the_verify_steps_and_al_of_a_dflash_tag():
         "draft": ProposerCounts(steps=2, drafted=14, accepted=2, emitted=4),
         "ngram": ProposerCounts(steps=6, drafted=42, accepted=19, emitted=25)})
     assert cli.stats_line("t", RequestStats(**base, spec=spec)).endswith(
-        "tokens/s, 8 verify steps, AL 3.62 (6 by prompt lookup)]")
+        "tokens/s, 8 verify steps, AL 3.62: draft 2 (AL 2.00), ngram 6 (AL 4.17); 0 forced tokens, 0 kept]")
+    spec.proposers |= {"draft": ProposerCounts(steps=2, drafted=14, accepted=2, emitted=4, forced=3, forced_accepted=1),
+                       "grammar": ProposerCounts(steps=3, drafted=9, accepted=8, emitted=11, forced=9,
+                                                 forced_accepted=8)}
+    assert cli.stats_line("t", RequestStats(**base, spec=spec)).endswith(
+        "tokens/s, 11 verify steps, AL 3.64: draft 2 (AL 2.00), ngram 6 (AL 4.17), grammar 3 (AL 3.67); "
+        "12 forced tokens, 9 kept]")
     assert cli.stats_line("t", RequestStats(**base, spec=SpecStats())).endswith("tokens/s, no verify step]")
 
 

@@ -9,7 +9,7 @@ does for the two tags).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flm_runtime import Completion, Engine, InvalidRequestError, SamplingParams, SpeculativeDecoder, get_engine
@@ -157,8 +157,9 @@ class Run:
         spec_steps: speculative (verify) steps, n-gram-only ones included; 0 for plain decoding.
         acceptance_length: tokens kept per step, bonus included (0.0 without speculation).
         spec_switches_off: times the request's acceptance tracker turned speculation off.
-        ngram_steps, ngram_acceptance_length: the steps that verified the n-gram proposer's
-            tokens (prompt lookup), and their AL (0.0 without one).
+        figures: the per-proposer figures (``SpecStats.figures``, keys ``SPEC_FIGURE_KEYS``:
+            the forced tokens, each proposer's steps and AL, None over no step); empty without
+            speculation.
     """
 
     prompt_tokens: int
@@ -168,8 +169,7 @@ class Run:
     spec_steps: int = 0
     acceptance_length: float = 0.0
     spec_switches_off: int = 0
-    ngram_steps: int = 0
-    ngram_acceptance_length: float = 0.0
+    figures: dict = field(default_factory=dict)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -185,7 +185,7 @@ class Run:
         if spec is None:
             return cls(s.prompt_tokens, s.generated_tokens, s.ttft_s, s.decode_s)
         return cls(s.prompt_tokens, s.generated_tokens, s.ttft_s, s.decode_s, spec.steps, spec.acceptance_length,
-                   spec.switches_off, spec.counts("ngram").steps, spec.counts("ngram").acceptance_length)
+                   spec.switches_off, spec.figures())
 
 
 def run_request(engine: Engine, prompt_ids, params: SamplingParams, timeout: float = 3600.0) -> Run:

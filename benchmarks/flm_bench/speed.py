@@ -35,10 +35,11 @@ from flm_bench.engines import (Context, Engines, Run, load_engines, parse_contex
                                        warm_up)
 from flm_bench.options import SPEED_CONTEXTS, SPEED_MAX_TOKENS, bench_arguments, parse_modes
 from flm_runtime.cli import Command
+from flm_runtime.request import PROPOSERS, SPEC_FIGURE_KEYS
 
 COLUMNS = ("context", "prompt", "prompt_tokens", "mode", "thinking", "baseline_tokens", "baseline_decode_s",
            "baseline_tokens_per_s", "dflash_tokens", "dflash_decode_s", "dflash_tokens_per_s", "speedup",
-           "acceptance_length", "verify_steps", "ngram_steps", "ngram_acceptance_length")
+           "acceptance_length", "verify_steps", *SPEC_FIGURE_KEYS)
 PROG_NAME = "litellm-flm bench"
 
 
@@ -69,8 +70,8 @@ class Pair:
                       "dflash_tokens_per_s": f"{d.decode_tokens_per_s:.3f}",
                       "speedup": f"{d.decode_tokens_per_s / b.decode_tokens_per_s:.4f}",
                       "acceptance_length": f"{d.acceptance_length:.4f}" if d.spec_steps else "",
-                      "verify_steps": d.spec_steps, "ngram_steps": d.ngram_steps,
-                      "ngram_acceptance_length": f"{d.ngram_acceptance_length:.4f}" if d.ngram_steps else ""}
+                      "verify_steps": d.spec_steps,
+                      **{k: _figure(d.figures.get(k)) for k in SPEC_FIGURE_KEYS}}
 
 
 @dataclass(frozen=True)
@@ -199,13 +200,26 @@ def measure(engines: Engines, plan, modes: list[str], *, max_tokens: int, seed: 
     return pairs
 
 
-def _ngram_share(ctx: Context, pairs: list[Pair]) -> str:
-    """``"4k: 12 of 80 (AL 5.10)"``: the n-gram proposer's verify steps at ``ctx``, over all
-    modes, and their AL."""
+def _figure(value: int | float | None) -> str | int:
+    """A ``SpecStats.figures`` value in speed.csv: an AL to 4 decimals, a count as it is, None
+    (an AL over no step, or no speculation) empty."""
+    return "" if value is None else f"{value:.4f}" if isinstance(value, float) else value
+
+
+def _proposer_share(ctx: Context, pairs: list[Pair]) -> str:
+    """``"4k: 80 steps, ngram 12 (AL 5.10), suffix 0, grammar 0, 0 forced tokens, 0 kept"``: the
+    verify steps at ``ctx``, over all modes, of them each retrieval proposer's and the grammar's
+    with their AL, and the tokens a grammar forced, verified and kept."""
     runs = [p.dflash for p in pairs if p.context == ctx]
-    steps, ngram = sum(r.spec_steps for r in runs), sum(r.ngram_steps for r in runs)
-    al = sum(r.ngram_acceptance_length * r.ngram_steps for r in runs) / ngram if ngram else 0.0
-    return f"{ctx.label}: {ngram} of {steps}" + (f" (AL {al:.2f})" if ngram else "")
+    shares = []
+    for name in PROPOSERS[1:]:
+        steps = sum(r.figures.get(f"{name}_steps", 0) for r in runs)
+        pushed = sum((r.figures.get(f"{name}_acceptance_length") or 0.0) * r.figures.get(f"{name}_steps", 0)
+                     for r in runs)
+        shares.append(f"{name} {steps}" + (f" (AL {pushed / steps:.2f})" if steps else ""))
+    forced = [sum(r.figures.get(k, 0) for r in runs) for k in ("forced_tokens", "forced_accepted_tokens")]
+    return (f"{ctx.label}: {sum(r.spec_steps for r in runs)} steps, " + ", ".join(shares)
+            + f", {forced[0]} forced tokens, {forced[1]} kept")
 
 
 def _column_name(mode: str, thinking: bool | None) -> str:
@@ -244,8 +258,9 @@ def tables(engines: Engines, pairs: list[Pair], contexts: list[Context], modes: 
     if any(p.dflash for p in pairs):
         speedups = [p.dflash.decode_tokens_per_s / p.baseline.decode_tokens_per_s for p in pairs]
         lines.append(f"Per prompt the speed-up ranges from {min(speedups):.2f}x to {max(speedups):.2f}x.")
-        lines.append("Steps that verified the n-gram proposer's tokens (prompt lookup), of all verify steps, "
-                     "and their AL: " + "; ".join(_ngram_share(ctx, pairs) for ctx in contexts) + ".")
+        lines.append("Verify steps, and of them those that verified prompt lookup's (ngram), the suffix "
+                     "proposer's and a grammar's forced tokens alone, with their AL, and the forced tokens: "
+                     + "; ".join(_proposer_share(ctx, pairs) for ctx in contexts) + ".")
     s = engines.baseline.sampling_params(**_sampler(args))
     whose = "the model's default" if s == engines.baseline.sampling_params() else "the given"
     lines.append(f"\"Sampled\" is {whose} sampler (temperature {s.temperature}, top_k {s.top_k}, top_p {s.top_p}, "

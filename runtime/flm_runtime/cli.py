@@ -226,13 +226,20 @@ def _collector_paused() -> Iterator[None]:
 
 def stats_line(tag: str, stats: RequestStats) -> str:
     """``run``'s summary of a ``RequestStats``: tokens, TTFT, decode tokens/s and, for a DFlash
-    tag, its verify steps and AL (bonus token included)."""
+    tag, its verify steps and AL (bonus token included), then each proposer's steps and AL (those
+    with a step, in ``PROPOSERS``' order) and the tokens a grammar forced, verified and kept."""
+    from flm_runtime.request import PROPOSERS  # loaded already: ``stats`` is one of its classes
     line = (f"[{tag}: {stats.prompt_tokens} prompt tokens, {stats.completion_tokens} completion tokens, "
             f"TTFT {stats.ttft_s:.2f} s, decode {stats.decode_tokens_per_s:.1f} tokens/s")
     if stats.spec is not None:
         s = stats.spec
-        line += (f", {s.steps} verify steps, AL {s.acceptance_length:.2f} ({s.counts('ngram').steps} by prompt lookup)"
-                 if s.steps else ", no verify step")
+        if s.steps:
+            by = ", ".join(f"{name} {c.steps} (AL {c.acceptance_length:.2f})"
+                           for name in PROPOSERS if (c := s.counts(name)).steps)
+            line += (f", {s.steps} verify steps, AL {s.acceptance_length:.2f}: {by}; "
+                     f"{s.forced} forced tokens, {s.forced_accepted} kept")
+        else:
+            line += ", no verify step"
     return line + "]"
 
 

@@ -255,6 +255,29 @@ class SpecStats:
         steps = self.steps
         return self.emitted / steps if steps else 0.0
 
+    def figures(self) -> dict[str, int | float | None]:
+        """The per-proposer figures, keys ``SPEC_FIGURE_KEYS`` in order: ``forced_tokens`` and
+        ``forced_accepted_tokens`` (the drafted and accepted tokens a grammar forced, in any
+        proposer's steps), ``draft_acceptance_length`` (the draft's steps), then per other
+        proposer ``P`` (``ngram``: prompt lookup; ``suffix``; ``grammar``: forced tokens alone)
+        ``P_steps``, ``P_drafted_tokens``, ``P_accepted_tokens``, ``P_acceptance_length`` (its
+        steps, n-gram-only ones included). An AL over no step is None: AL counts the bonus token,
+        so a number is at least 1."""
+        draft = self.counts("draft")
+        out = {"forced_tokens": self.forced, "forced_accepted_tokens": self.forced_accepted,
+               "draft_acceptance_length": draft.acceptance_length if draft.steps else None}
+        for name in PROPOSERS[1:]:
+            c = self.counts(name)
+            out |= {f"{name}_steps": c.steps, f"{name}_drafted_tokens": c.drafted,
+                    f"{name}_accepted_tokens": c.accepted,
+                    f"{name}_acceptance_length": c.acceptance_length if c.steps else None}
+        return out
+
+
+# The keys of ``SpecStats.figures``, in order: the one list of per-proposer figures that every
+# report of them follows (``RequestStats.as_dict``, the bench's speed.csv).
+SPEC_FIGURE_KEYS = tuple(SpecStats().figures())
+
 
 @dataclass(frozen=True)
 class RequestStats:
@@ -292,31 +315,18 @@ class RequestStats:
         ``cached_tokens``, ``completion_tokens``, ``generated_tokens``, ``queue_s``, ``ttft_s``,
         ``decode_tokens_per_s``, ``total_s``; with ``spec`` also ``spec_steps``,
         ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length`` (all proposers together,
-        n-gram-only steps included), ``gated_steps``, ``spec_switches_off`` and ``al_estimate``
-        (the tracker's, ``SpecStats``), ``forced_tokens`` and ``forced_accepted_tokens`` (the
-        drafted and accepted tokens a grammar forced, in any proposer's steps), then
-        ``draft_acceptance_length`` (the draft's steps) and per other proposer ``P`` (``ngram``:
-        prompt lookup; ``suffix``; ``grammar``: forced tokens alone) ``P_steps``,
-        ``P_drafted_tokens``, ``P_accepted_tokens``, ``P_acceptance_length`` (its steps,
-        n-gram-only ones included). An AL over no step is None (null): AL counts the bonus
-        token, so a number is at least 1."""
+        n-gram-only steps included; None over no step), ``gated_steps``, ``spec_switches_off``
+        and ``al_estimate`` (the tracker's, ``SpecStats``), then ``SpecStats.figures`` (the forced
+        tokens and each proposer's figures)."""
         out = {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                "completion_tokens": self.completion_tokens,
                "generated_tokens": self.generated_tokens, "queue_s": self.queue_s, "ttft_s": self.ttft_s,
                "decode_tokens_per_s": self.decode_tokens_per_s, "total_s": self.total_s}
         if self.spec is not None:
             s = self.spec
-            draft = s.counts("draft")
             out |= {"spec_steps": s.steps, "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
                     "acceptance_length": s.acceptance_length if s.steps else None, "gated_steps": s.gated,
-                    "spec_switches_off": s.switches_off, "al_estimate": s.al_estimate,
-                    "forced_tokens": s.forced, "forced_accepted_tokens": s.forced_accepted,
-                    "draft_acceptance_length": draft.acceptance_length if draft.steps else None}
-            for name in PROPOSERS[1:]:
-                c = s.counts(name)
-                out |= {f"{name}_steps": c.steps, f"{name}_drafted_tokens": c.drafted,
-                        f"{name}_accepted_tokens": c.accepted,
-                        f"{name}_acceptance_length": c.acceptance_length if c.steps else None}
+                    "spec_switches_off": s.switches_off, "al_estimate": s.al_estimate, **s.figures()}
         return out
 
 

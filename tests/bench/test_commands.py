@@ -16,7 +16,9 @@ import pytest
 
 from flm_bench import agreement, quick, speed
 from flm_bench import soak, workload_bench
-from flm_runtime.request import PROPOSERS
+from flm_bench.documents import Prompt
+from flm_bench.engines import Context, Run
+from flm_runtime.request import PROPOSERS, ProposerCounts, SpecStats
 
 
 def read_csv(path):
@@ -49,9 +51,10 @@ def test_bench_no_ngram_runs_the_draft_alone(run_cli, random_draft, tmp_path):
                          "--prompts-per-context", 1, "--modes", "greedy", "--out", tmp_path, "--quiet", "--no-plot")
     assert status == 0
     _, rows = read_csv(tmp_path / "speed.csv")
-    assert [(r["ngram_steps"], r["ngram_acceptance_length"]) for r in rows] == [("0", "")]  # no AL over no step
+    assert [(r["ngram_steps"], r["ngram_acceptance_length"], r["grammar_steps"], r["forced_tokens"])
+            for r in rows] == [("0", "", "0", "0")]  # no AL over no step
     md = (tmp_path / "speed.md").read_text()
-    assert "--no-ngram" in md and "without prompt lookup" in md and "and their AL: 48: 0 of " in md
+    assert "--no-ngram" in md and "without prompt lookup" in md and "ngram 0, suffix 0, grammar 0, 0 forced tokens, 0 kept." in md
 
 
 def test_bench_sampled_mode_takes_the_given_sampler(run_cli, random_draft, tmp_path):
@@ -72,6 +75,27 @@ def test_bench_sampled_mode_takes_the_given_sampler(run_cli, random_draft, tmp_p
 def test_a_speed_cell_without_verify_steps_says_so_rather_than_an_al_of_zero():
     assert speed.Cell(100.0, 98.0, None).label() == "0.98x (no verify step)"
     assert speed.Cell(100.0, 124.0, 3.854).label() == "1.24x (AL 3.85)"
+
+
+def test_a_speed_row_and_note_show_every_proposers_steps_and_al_and_the_forced_tokens():
+    spec = SpecStats(proposers={"draft": ProposerCounts(steps=2, drafted=14, accepted=2, emitted=4, forced=3,
+                                                        forced_accepted=1),
+                                "ngram": ProposerCounts(steps=6, drafted=42, accepted=19, emitted=25),
+                                "grammar": ProposerCounts(steps=3, drafted=9, accepted=8, emitted=11, forced=9,
+                                                          forced_accepted=8)})
+    ctx = Context("48", 48)
+    run = Run(48, 41, 0.1, 0.5, spec.steps, spec.acceptance_length, 0, spec.figures())
+    pair = speed.Pair(ctx, Prompt("p", (1,)), "greedy", None, Run(48, 41, 0.1, 0.8), run)
+    assert tuple(pair.row()) == speed.COLUMNS
+    assert {k: pair.row()[k] for k in speed.COLUMNS[12:]} == {
+        "acceptance_length": "3.6364", "verify_steps": 11, "forced_tokens": 12, "forced_accepted_tokens": 9,
+        "draft_acceptance_length": "2.0000", "ngram_steps": 6, "ngram_drafted_tokens": 42,
+        "ngram_accepted_tokens": 19, "ngram_acceptance_length": "4.1667", "suffix_steps": 0,
+        "suffix_drafted_tokens": 0, "suffix_accepted_tokens": 0, "suffix_acceptance_length": "",
+        "grammar_steps": 3, "grammar_drafted_tokens": 9, "grammar_accepted_tokens": 8,
+        "grammar_acceptance_length": "3.6667"}
+    assert speed._proposer_share(ctx, [pair, pair]) == (
+        "48: 22 steps, ngram 12 (AL 4.17), suffix 0, grammar 6 (AL 3.67), 24 forced tokens, 18 kept")
 
 
 def test_bench_plot_with_matplotlib(run_cli, random_draft, tmp_path):

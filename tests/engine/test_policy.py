@@ -13,7 +13,7 @@ from spec_fakes import ScriptTarget, random_draft, replay_proposer
 
 from flm_runtime.request import SamplingParams
 from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, MIN_SPEEDUP, PLAIN_STEP, AcceptanceTracker, Bucket,
-                                            PolicyTable, confident_length, paying_step)
+                                            LookupTracker, PolicyTable, confident_length, paying_step)
 from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 PAYS_AT_2 = Bucket(max_context=1 << 20, speculate=True, draft_length=7, cost_ratio=2.0, expected_al=3.0)
@@ -129,6 +129,76 @@ def test_an_ngram_only_step_verifies_the_length_with_the_best_expected_speedup(c
     got = paying_step(np.full(most, confidence, dtype=np.float32), VERIFY_RATIO, MIN_SPEEDUP)
     assert (got.length, got.speedup) == (want[0], pytest.approx(want[1]))
     assert paying_step(np.zeros(0, dtype=np.float32), VERIFY_RATIO, MIN_SPEEDUP) is PLAIN_STEP
+
+
+def step(t: LookupTracker, priced: float, emitted: int, cost: float) -> None:
+    """An n-gram-only step priced at ``priced``, which kept ``emitted`` tokens for ``cost``
+    decodes, judged against a margin of 1.1."""
+    t.take(priced)
+    t.record(emitted, cost, 1.1)
+
+
+def backoff_chances(t: LookupTracker) -> int:
+    """Chances of the back-off still to come (each gives the raised bar), counted through."""
+    n = 0
+    while t.chance():
+        n += 1
+    return n
+
+
+def test_lookup_tracker_raises_the_bar_after_steps_that_do_not_pay_and_doubles_the_wait():
+    t = LookupTracker()
+    # 1-token steps priced 1.2 at 1.25 decodes: 7 judge nothing; the 8th fills the window with 11
+    # tokens kept (12 expected) for 10 decodes, 1.1, no more than the margin: for 16 chances a step
+    # must be priced above 1.1 * 12 / 11 = 1.2, so those priced like these are declined.
+    for emitted in (2, 1, 1, 2, 1, 1, 2):
+        step(t, 1.2, emitted, 1.25)
+        assert (t.chance(), t.backoffs) == (0.0, 0)
+    step(t, 1.2, 1, 1.25)
+    assert (t.backoffs, t.declining, t.bar, t.speedup) == (1, 16, pytest.approx(1.1 * 12 / 11), None)
+    assert backoff_chances(t) == 16 and t.chance() == 0.0
+    # the window after it (steps priced 1.25 at 1 decode) keeps 8 of 10 expected: the wait doubles
+    for _ in range(8):
+        step(t, 1.25, 1, 1.0)
+    assert (t.backoffs, t.bar, backoff_chances(t)) == (2, 1.1 * 10 / 8, 32)
+    # one that pays (a 3-token step at 1.75 and seven 2-token ones at 1.25: 17 tokens for 10.5
+    # decodes, 1.62) resets the wait; the window slides: the fifth 1-token step after it leaves
+    # 11 tokens for 10 decodes, and the back-off waits 16 again
+    step(t, 2.0, 3, 1.75)
+    for _ in range(7):
+        step(t, 1.6, 2, 1.25)
+    assert (t.backoffs, t.after_backoff, t.wait, t.speedup) == (2, False, 16, 17 / 10.5)
+    for _ in range(5):
+        step(t, 1.2, 1, 1.25)
+    assert (t.backoffs, backoff_chances(t)) == (3, 16)
+
+
+def test_lookup_tracker_keeps_steps_that_pay_and_caps_the_wait():
+    t = LookupTracker()
+    for emitted in (2, 2, 1, 2, 1, 1, 2, 1, 2, 2):  # the window slides: 12 tokens for 10 decodes, three times
+        step(t, 1.2, emitted, 1.25)
+    assert (t.backoffs, t.speedup, t.chance()) == (0, 12 / 10, 0.0)
+    t = LookupTracker(first_wait=200, max_wait=256)
+    for k in range(2):
+        for _ in range(8):
+            step(t, 1.2, 1, 1.25)
+        assert backoff_chances(t) == (200, 256)[k]
+
+
+def test_a_table_judges_an_n_gram_only_step_at_its_buckets_verify_ratio():
+    table = PolicyTable(model="t", backend="cpu", block_size=4, min_speedup=1.2, buckets=[
+        Bucket(max_context=64, speculate=False, verify_ratio=[1.5, 2.0, 2.5]),
+        Bucket(max_context=128, speculate=False, verify_ratio=[1.0, 1.0, 1.0])])
+    t = LookupTracker(window=3)
+    for context, verified, emitted in ((64, 3, 3), (100, 2, 1)):  # 3 tokens for 2.5 decodes, 1 for 1
+        t.take(1.6)
+        table.record_lookup(context, t, verified, emitted)
+    assert (t.speedup, t.backoffs, t.chance()) == (4 / 3.5, 0, 0.0)
+    t.take(1.6)
+    table.record_lookup(10, t, 1, 1)    # 1 token for 1.5 decodes: the window's 5 for 5, below 1.2
+    assert (t.speedup, t.backoffs, t.declining, t.bar) == (None, 1, 16, pytest.approx(1.2 * 1.6))
+    ALWAYS_SPECULATE.record_lookup(64, t, 3, 1)  # the null policy takes no n-gram-only step, judges none
+    assert (t.speedup, t.backoffs) == (None, 1)
 
 
 def test_a_plain_step_of_several_tokens_counts_them_towards_the_probe():

@@ -568,6 +568,33 @@ def test_ngram_only_steps_keep_the_draft_in_step(tiny):
     assert ngram_only >= 1 and state.stats.counts("ngram").steps >= ngram_only, (ngram_only, state.stats)
 
 
+# A verify cost curve of the shape measured on CPUs: 1.25 decodes for a 1-token step, 2.75 for 7.
+SLOPED = [1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75]
+# Text of two tokens in no order: every 2-, 3- and 4-gram recurs, followed by either token.
+NOISE_PROMPT = [1, 2, *(10 + int(c) for c in "10101101011000111111")]
+NOISE = [10 + int(c) for c in "011100110010010011001111100100001000101001000001110101101001010001010111001110000111011"
+                              "001111111001101111011000001111100"]
+
+
+@pytest.mark.parametrize("prompt, script, want", [
+    # n-gram-only steps of 1 token keep 1.35 a step here (73 tokens in 54 steps without the tracker),
+    # 1.08 decodes' worth at 1.25 each: two windows of 8 that do not pay raise the bar (16 chances,
+    # then 32), which the proposals priced like them do not clear
+    (NOISE_PROMPT, NOISE, (21, 27, 2)),
+    # a copy: whole 7-token proposals accepted, never backed off
+    ([1, 2, *LETTERS[:20]], LETTERS[:20] * 3, (10, 58, 0)),
+])
+def test_a_request_backs_off_n_gram_only_steps_that_do_not_pay(prompt, script, want):
+    """Plain everywhere with ``SLOPED`` costs: the n-gram-only steps (their count, tokens kept)
+    and the request's back-offs (``LookupTracker``); the output is the script (plain decoding's)."""
+    target = ScriptTarget(script, prompt_len=len(prompt))
+    decoder = SpeculativeDecoder(target, random_draft(target, taps=[0, 1]), policy=plain_table(SLOPED))
+    out, _, state = spec_generate(decoder, prompt, len(script), GREEDY)
+    ngram = state.stats.counts("ngram")
+    assert out == script and (ngram.steps, ngram.emitted, state.lookups.backoffs) == want
+    assert state.stats.steps == ngram.steps  # the draft never ran
+
+
 def test_an_ngram_only_step_fits_its_rows_in_the_context():
     """A context of 20 tokens and a 14-token prompt: step 2's proposal (after (a, b)) is cut to the
     4 rows left after the anchor's, c .. f, all accepted with the bonus g at the last position."""

@@ -30,7 +30,10 @@ tokens of the first n, ``expected_accepted``). ``lookup_step`` takes the n with 
 ``(1 + E(n)) / verify_ratio[n-1]``, and only where that speed-up exceeds the table's
 ``min_speedup`` (``calibrate``'s margin, ``MIN_SPEEDUP``); a bucket without ``verify_ratio`` (a
 table calibrated before they were recorded) takes none. With several retrieval proposals the
-decoder verifies the one of the best speed-up: the most tokens per unit of cost.
+decoder verifies the one of the best speed-up: the most tokens per unit of cost. Per request, a
+``LookupTracker`` judges what those steps kept against what they cost: a request whose n-gram-only
+steps do not realise ``min_speedup`` raises the price the next ones must clear for a while
+(``record_lookup``).
 
 The policy is an object with one interface (``SpeculationPolicy``: ``plan`` a step, or
 ``lookup_step`` an n-gram-only one where the plan is plain, then ``record_step`` or
@@ -117,6 +120,10 @@ class SpeculationPolicy(Protocol):
         """A step planned plain (K = 0) generated ``emitted`` tokens: a plain decode step one, an
         n-gram-only step its kept tokens."""
 
+    def record_lookup(self, context: int, lookups: LookupTracker, verified: int, emitted: int) -> None:
+        """An n-gram-only step of a retrieval proposal at ``context`` verified ``verified`` tokens
+        and kept ``emitted`` (the bonus included): into the request's ``LookupTracker``."""
+
 
 class AlwaysSpeculate:
     """The null policy: whole blocks at every context, every drafted token verified, never
@@ -132,6 +139,9 @@ class AlwaysSpeculate:
         return None
 
     def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
+        pass
+
+    def record_lookup(self, context: int, lookups: LookupTracker, verified: int, emitted: int) -> None:
         pass
 
 
@@ -207,6 +217,88 @@ def paying_step(confidence: np.ndarray, verify_ratio: list[float], min_speedup: 
     speedup = tokens / np.asarray(verify_ratio[:n], dtype=np.float64)
     best = int(np.argmax(speedup))
     return LookupStep(best + 1, float(speedup[best])) if speedup[best] > min_speedup else PLAIN_STEP
+
+
+@dataclass
+class LookupTracker:
+    """One request's realised payoff of its n-gram-only steps of retrieval proposals, and the bar
+    it raises for them when they fall short.
+
+    ``lookup_step`` prices a step by the proposal's confidence, which its proposer learns token by
+    token (``retrieval.AcceptanceRecord``); this checks the priced steps against what they kept.
+    An n-gram-only step of n tokens costs ``verify_ratio[n-1]`` decode steps, was priced at a
+    speed-up ``s`` (``LookupStep.speedup``: ``s * cost`` tokens expected) and keeps ``emitted``
+    tokens (the bonus included). Over the request's last ``window`` such steps the realised
+    speed-up is ``sum(emitted) / sum(cost)``. Once a full window realises no more than the table's
+    ``min_speedup`` (what the price asked of each step), the request backs off for its next
+    ``wait`` chances (steps planned plain where a retrieval proposal priced to pay): a step must
+    then be priced above ``bar = min_speedup * expected / kept`` (the window's tokens expected over
+    kept), so the steps priced like those that fell short are declined and a proposal priced far
+    above them (a long copy) is still taken. A window after a back-off that does not pay either
+    doubles the wait (up to ``max_wait``), one that pays resets it. The steps of a grammar's forced
+    tokens alone are exact (confidence 1) and neither judged nor declined.
+
+    Attributes:
+        window: n-gram-only steps judged together (one step keeps 1 .. n+1 tokens: one says
+            little). These three are our own choices, not tuned values.
+        first_wait, max_wait: chances of a first back-off, and the cap of the doubling.
+        wait: chances of the next back-off.
+        declining: chances of the back-off still to come (0: none).
+        bar: the priced speed-up a step must exceed while backing off.
+        after_backoff: the window follows a back-off and has not yet paid.
+        backoffs: times the request backed off.
+        priced: the priced speed-up of the step taken, until ``record`` judges it.
+    """
+
+    window: int = 8
+    first_wait: int = 16
+    max_wait: int = 256
+    wait: int = 16
+    declining: int = 0
+    bar: float = 0.0
+    after_backoff: bool = False
+    backoffs: int = 0
+    priced: float = 0.0
+    _steps: deque = field(init=False, repr=False)  # (emitted, cost, expected tokens) of the last steps
+
+    def __post_init__(self) -> None:
+        self.wait = self.first_wait
+        self._steps = deque(maxlen=self.window)
+
+    @property
+    def speedup(self) -> float | None:
+        """The realised speed-up of the steps in the window; None without one."""
+        if not self._steps:
+            return None
+        return sum(e for e, _, _ in self._steps) / sum(c for _, c, _ in self._steps)
+
+    def chance(self) -> float:
+        """A chance of an n-gram-only step: the priced speed-up a step must exceed now, besides
+        the table's ``min_speedup`` (0.0, or ``bar`` while backing off, which counts the chance)."""
+        if not self.declining:
+            return 0.0
+        self.declining -= 1
+        return self.bar
+
+    def take(self, speedup: float) -> None:
+        """The request takes an n-gram-only step priced at ``speedup``."""
+        self.priced = speedup
+
+    def record(self, emitted: int, cost: float, min_speedup: float) -> None:
+        """The step taken last, which cost ``cost`` decode steps, kept ``emitted`` tokens; a full
+        window that realises ``min_speedup`` or less backs off."""
+        self._steps.append((emitted, cost, self.priced * cost))
+        if len(self._steps) < self.window:
+            return
+        if self.speedup <= min_speedup:
+            if self.after_backoff:
+                self.wait = min(2 * self.wait, self.max_wait)
+            kept, expected = sum(e for e, _, _ in self._steps), sum(x for _, _, x in self._steps)
+            self.declining, self.bar, self.after_backoff = self.wait, min_speedup * expected / kept, True
+            self.backoffs += 1
+            self._steps.clear()
+        elif self.after_backoff:  # a window after a back-off that paid
+            self.after_backoff, self.wait = False, self.first_wait
 
 
 def expected_accepted(confidence: np.ndarray) -> float:
@@ -325,6 +417,11 @@ class PolicyTable(BaseModel):
     def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
         """``SpeculationPolicy.record_plain``: into the request's tracker."""
         tracker.record_plain(emitted)
+
+    def record_lookup(self, context: int, lookups: LookupTracker, verified: int, emitted: int) -> None:
+        """``SpeculationPolicy.record_lookup``: the step cost the bucket's ``verify_ratio[verified-1]``
+        decode steps; its payoff is judged against the table's ``min_speedup``."""
+        lookups.record(emitted, self.bucket(context).verify_ratio[verified - 1], self.min_speedup)
 
     @classmethod
     def load(cls, path: Path) -> PolicyTable:

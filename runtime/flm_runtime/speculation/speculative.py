@@ -93,8 +93,8 @@ from flm_runtime.sampling.grammar import GrammarProcessor
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.step import NO_CONFIDENCE, NO_FORCED, PLAIN, Lane, StepRecord
 from flm_runtime.speculation.ngram import PromptLookup
-from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, AcceptanceTracker, Plan, SpeculationPolicy,
-                                            confident_length, expected_accepted)
+from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, PLAIN_STEP, AcceptanceTracker, LookupTracker, Plan,
+                                            SpeculationPolicy, confident_length, expected_accepted)
 from flm_runtime.speculation.retrieval import Lookup, Retrieval
 from flm_runtime.speculation.suffix import SuffixIndex, SuffixProposer
 
@@ -154,6 +154,7 @@ class SpecState:
         stats: the request's speculation counters.
         proposers: the retrieval proposers over the tokens of the target cache, in the order
             that breaks ties between their proposals (the earlier wins); empty: the draft alone.
+        lookups: the request's payoff of its n-gram-only steps of retrieval proposals (policy.py).
     """
 
     draft_cache: KVCache
@@ -161,13 +162,14 @@ class SpecState:
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     stats: SpecStats = field(default_factory=SpecStats)
     proposers: tuple[Retrieval, ...] = ()
+    lookups: LookupTracker = field(default_factory=LookupTracker)
 
     def copy(self) -> SpecState:
-        """An independent state with the same draft context, pending taps, tracker, counters and
+        """An independent state with the same draft context, pending taps, trackers, counters and
         proposers (the engine's ``n`` > 1: each choice continues from a copy of the prompt's
         state)."""
         return SpecState(self.draft_cache.copy(), self.pending.copy(), copy.deepcopy(self.tracker),
-                         self.stats.copy(), tuple(p.copy() for p in self.proposers))
+                         self.stats.copy(), tuple(p.copy() for p in self.proposers), copy.deepcopy(self.lookups))
 
     def report(self) -> SpecStats:
         """The counters with the tracker's figures (``switches_off``, ``al_estimate``), a copy."""
@@ -348,6 +350,8 @@ class SpeculativeDecoder:
             self.policy.record_step(start, state.tracker, n_accepted + 1 - forced)
         else:  # n-gram-only: the tracker's AL asks whether the draft's pass pays, which this step did not run
             self.policy.record_plain(state.tracker, n_accepted + 1)
+            if record.proposer != GRAMMAR:  # forced tokens alone are exact: nothing to judge
+                self.policy.record_lookup(start, state.lookups, len(record.ids), n_accepted + 1)
         self._check(cache, state)
         emitted, finished = 0, False
         for token in kept:
@@ -372,10 +376,11 @@ class SpeculativeDecoder:
         proposal, or of the tokens the request's ``grammar`` forces (each as the grammar lets the
         step verify it, ``constrain``; at most ``block_size - 1``, and the rows must fit in the
         context), ``n`` from ``policy.lookup_step``, of the proposal with the best expected
-        speed-up (the earlier proposer on a tie, the grammar's last); else a plain step, which
-        carries the proposals for ``complete`` to score, unless there were none or n-gram-only
-        steps are off at this context (``PLAIN``, as without retrieval proposers and grammar).
-        The draft does not run."""
+        speed-up (the earlier proposer on a tie, the grammar's last), a retrieval proposal only
+        above the bar of the request's ``LookupTracker``; else a plain step, which carries the
+        proposals for ``complete`` to score, unless there were none or n-gram-only steps are off at
+        this context (``PLAIN``, as without retrieval proposers and grammar). The draft does not
+        run."""
         proposers, cache = lane.state.proposers, lane.cache
         if not proposers and grammar is None:
             return PLAIN
@@ -389,7 +394,13 @@ class SpeculativeDecoder:
         proposed = any(lookup.match for lookup in lookups.values()) or any(len(c.ids) for c in candidates.values())
         if None in steps.values() or not proposed:
             return PLAIN
+        paying = [name for name, step in steps.items() if step.length and name != GRAMMAR]
+        if paying:  # while the request backs off, a retrieval proposal must clear its bar
+            bar = lane.state.lookups.chance()
+            steps |= {name: PLAIN_STEP for name in paying if steps[name].speedup <= bar}
         best = max(steps, key=lambda name: steps[name].speedup)  # the first of equal ones
+        if best != GRAMMAR and steps[best].length:
+            lane.state.lookups.take(steps[best].speedup)
         return _proposed(dataclasses.replace(PLAIN, lookups=lookups), best, candidates[best].cut(steps[best].length))
 
     def _complete_plain(self, lane: Lane, record: StepRecord, start: int, taps: np.ndarray, token: int) -> None:
