@@ -349,7 +349,9 @@ def _f16(typingctx, bits):  # pragma: no cover - compiled
     return types.float32(types.uint16), codegen
 
 
-@numba.njit(inline="always")
+# A call, not inlined: each of the 15 rows of a tile's four group sizes would inline its own copy
+# (the compile time of the portable product, many times over); a call costs nothing beside its loops.
+@numba.njit(nogil=True)
 def _portable_tile(codes, scales, mins, t, xq, step, sx, s, r, out, bits, has_mins):  # pragma: no cover
     """The module's arithmetic for one tile and one activation row, lane by lane."""
     nb = scales.shape[1] // TILE
