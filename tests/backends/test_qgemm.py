@@ -41,9 +41,10 @@ def x():
     return x
 
 
-# Every path on the two formats SmolLM2 serves with (each path and format compiles its own kernel).
+# Every path on the two formats SmolLM2 serves with (each path and format compiles its own kernel),
+# against the portable one (which is the reference, so not compared with itself).
 @pytest.mark.parametrize("fmt", ["q4 with mins", "q8 symmetric"])
-@pytest.mark.parametrize("isa", qgemm.host_isas())
+@pytest.mark.parametrize("isa", [isa for isa in qgemm.host_isas() if isa != "portable"])
 def test_every_path_gives_the_portable_bits(weights, x, fmt, isa):
     w = weights[fmt]
     for rows in (1, 3, 8, 13, 16):  # up to a verify pass of a block of 16

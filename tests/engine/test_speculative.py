@@ -568,6 +568,24 @@ def test_ngram_only_steps_keep_the_draft_in_step(tiny):
     assert ngram_only >= 1 and state.stats.counts("ngram").steps >= ngram_only, (ngram_only, state.stats)
 
 
+def test_a_decoder_whose_policy_never_drafts_keeps_no_draft_context(tiny, monkeypatch):
+    """A table that speculates nowhere: the decoder asks the target for no taps and the draft's
+    context stays empty (a draft that never runs needs none), n-gram-only steps still run and the
+    tokens are plain decoding's; the same table speculating above 80 tokens asks for the taps."""
+    asked = []
+    forward_batch = tiny.forward_batch
+    monkeypatch.setattr(tiny, "forward_batch", lambda *a, taps=(), **k: asked.append(taps) or forward_batch(
+        *a, taps=taps, **k))
+    decoder = SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]), policy=plain_table(CHEAP))
+    out, _, state = spec_generate(decoder, REPEATS, 60, GREEDY)
+    assert out == plain_generate(tiny, REPEATS, 60, GREEDY)
+    assert decoder.taps == () and set(asked) == {()} and len(asked) > 1
+    assert state.draft_cache.length == 0 and state.pending.shape == (0, 2 * tiny.config.hidden_size)
+    assert state.stats.counts("ngram").steps >= 1
+    assert SpeculativeDecoder(tiny, random_draft(tiny, taps=[0, 2]),
+                              policy=plain_table(CHEAP, speculate_from=80)).taps == (0, 2)
+
+
 # A verify cost curve of the shape measured on CPUs: 1.25 decodes for a 1-token step, 2.75 for 7.
 SLOPED = [1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75]
 # Text of two tokens in no order: every 2-, 3- and 4-gram recurs, followed by either token.

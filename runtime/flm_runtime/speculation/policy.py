@@ -103,6 +103,11 @@ class SpeculationPolicy(Protocol):
     one step can draft (``block_size - 1``).
     """
 
+    @property
+    def drafts(self) -> bool:
+        """Whether the plan of some context may run the draft; False: no step ever drafts, so a
+        decoder keeps no draft context (no taps, no ``add_context``)."""
+
     def plan(self, context: int, tracker: AcceptanceTracker, most: int) -> Plan:
         """The plan of a step at ``context`` (K at most ``most``)."""
 
@@ -128,6 +133,8 @@ class SpeculationPolicy(Protocol):
 class AlwaysSpeculate:
     """The null policy: whole blocks at every context, every drafted token verified, never
     switched off, no n-gram-only step; it records nothing."""
+
+    drafts = True
 
     def plan(self, context: int, tracker: AcceptanceTracker, most: int) -> Plan:
         return Plan(most, 0.0)
@@ -396,6 +403,11 @@ class PolicyTable(BaseModel):
                    for b in self.buckets]
         return self.model_copy(update={"buckets": buckets, "measured": {
             **self.measured, "host_verify_ratio": {"context": context, "verify_ratio": list(verify_ratio)}}})
+
+    @property
+    def drafts(self) -> bool:
+        """``SpeculationPolicy.drafts``: some bucket speculates."""
+        return any(b.speculate for b in self.buckets)
 
     def plan(self, context: int, tracker: AcceptanceTracker, most: int) -> Plan:
         """``SpeculationPolicy.plan``: the bucket's K as the request's tracker allows it (at most

@@ -144,8 +144,9 @@ class SpecState:
     """One sequence's speculative state.
 
     Invariant (docs/dflash.md): ``draft_cache.length + len(pending) == start``, the anchor's
-    position (= the target cache's length between steps), and ``len(proposer) == start`` for each
-    retrieval proposer.
+    position (= the target cache's length between steps), where the policy may draft (both stay
+    empty where it never does: ``SpeculativeDecoder.taps``), and ``len(proposer) == start`` for
+    each retrieval proposer.
 
     Attributes:
         draft_cache: the draft's context K/V.
@@ -209,19 +210,24 @@ class SpeculativeDecoder:
         suffix: the engine's index of its finished requests (``suffix.py``), which this decoder
             keeps (``finish``) and each sequence's suffix proposer reads; None: no suffix
             proposer. With neither, the draft's proposals alone.
+
+    Attributes:
+        taps: the target layers whose taps its passes return (``forward_batch(taps=)``); empty
+            where ``policy.drafts`` is False: a decoder whose draft never runs keeps no draft
+            context, so its plain and n-gram-only steps cost what they cost without a draft.
     """
 
     def __init__(self, target, draft, *, policy: SpeculationPolicy = ALWAYS_SPECULATE,
                  proposer: Proposer | None = None, ngram: bool = True, suffix: SuffixIndex | None = None):
         self.target = target
         self.draft = draft
-        self.taps = tuple(draft.config.target_layer_ids)
+        self.taps = tuple(draft.config.target_layer_ids) if policy.drafts else ()
         self.block_size = int(draft.config.block_size)
         self.policy = policy
         self.proposer = proposer
         self.ngram = ngram
         self.suffix = suffix
-        self._tap_width = len(self.taps) * int(target.config.hidden_size)
+        self._tap_width = len(draft.config.target_layer_ids) * int(target.config.hidden_size)
 
     def new_state(self, capacity: int = 0) -> SpecState:
         """Fresh state for one sequence (``capacity``: a hint in tokens)."""
@@ -247,16 +253,19 @@ class SpeculativeDecoder:
             ``[V]`` float32 logits of the last prompt position.
         """
         assert cache.length == state.draft_cache.length == 0 and len(state.pending) == 0
+        start = 0
         for out in prefill_chunks(self.target, prompt_ids, cache, taps=self.taps):
-            self.add_prompt(cache, state, prompt_ids[cache.length - len(out.taps) : cache.length], out.taps)
+            self.add_prompt(cache, state, prompt_ids[start : cache.length], out.taps)
+            start = cache.length
         return out.logits[0]
 
-    def add_prompt(self, cache: KVCache, state: SpecState, ids: np.ndarray, taps: np.ndarray) -> None:
+    def add_prompt(self, cache: KVCache, state: SpecState, ids: np.ndarray, taps: np.ndarray | None) -> None:
         """A prompt chunk the target ``cache`` now holds: its ids ``[T]`` go into the retrieval
-        proposers and its taps ``[T, n*E]`` into the draft cache (its context K/V), which
-        restores the invariant."""
+        proposers and its taps ``[T, n*E]`` (None without ``self.taps``) into the draft cache
+        (its context K/V), which restores the invariant."""
         assert len(state.pending) == 0, "a prompt chunk after decoding started"
-        self.draft.add_context(state.draft_cache, taps, state.draft_cache.length)
+        if self.taps:
+            self.draft.add_context(state.draft_cache, taps, state.draft_cache.length)
         for p in state.proposers:
             p.extend(ids)
         self._check(cache, state)
@@ -327,7 +336,7 @@ class SpeculativeDecoder:
             lane: the lane, as given to ``prepare``.
             record: its ``StepRecord`` from ``prepare``.
             logits: ``[k+1, V]`` float32 target logits of ``record.rows``.
-            taps: ``[k+1, n*E]`` float32 taps of the same rows.
+            taps: ``[k+1, n*E]`` float32 taps of the same rows (None without ``self.taps``).
         Returns:
             the lane's ``LaneStep`` (``finished``: ``emit`` finished the sequence).
         """
@@ -339,7 +348,7 @@ class SpeculativeDecoder:
             return LaneStep(record, 0, lane.emit(token))
         n_accepted, bonus = verify(record.ids, logits, lane.picker)
         cache.trim(start + n_accepted + 1)  # roll back the rejected positions
-        self._add_pending(state, taps[: n_accepted + 1])
+        self._add_pending(state, taps if taps is None else taps[: n_accepted + 1])
         kept = [*record.ids[:n_accepted].tolist(), bonus]
         fed = record.rows(lane.anchor_id)[: n_accepted + 1]  # the anchor and the accepted tokens
         for p in state.proposers:
@@ -419,10 +428,12 @@ class SpeculativeDecoder:
         state.stats.record_plain(record.gated)
         self._check(lane.cache, state)
 
-    def _add_pending(self, state: SpecState, taps: np.ndarray) -> None:
+    def _add_pending(self, state: SpecState, taps: np.ndarray | None) -> None:
         """The taps ``[T, n*E]`` of committed positions join the pending ones, which are folded
         into the draft cache once ``PENDING_FLUSH`` accumulate (the draft catches up on the rest
-        before it next drafts)."""
+        before it next drafts); nothing without ``self.taps`` (None)."""
+        if not self.taps:
+            return
         state.pending = np.concatenate([state.pending, taps])
         if len(state.pending) >= PENDING_FLUSH:  # bounded: no copy that grows with the output
             self.draft.add_context(state.draft_cache, state.pending, state.draft_cache.length)
@@ -444,10 +455,10 @@ class SpeculativeDecoder:
     def _no_taps(self) -> np.ndarray:
         return np.zeros((0, self._tap_width), dtype=np.float32)  # [0, n*E]
 
-    @staticmethod
-    def _check(cache: KVCache, state: SpecState) -> None:
-        assert state.draft_cache.length + len(state.pending) == cache.length, (
-            f"draft cache {state.draft_cache.length} + pending {len(state.pending)} != anchor position {cache.length}")
+    def _check(self, cache: KVCache, state: SpecState) -> None:
+        drafted_over = cache.length if self.taps else 0  # the context the draft holds or will
+        assert state.draft_cache.length + len(state.pending) == drafted_over, (
+            f"draft cache {state.draft_cache.length} + pending {len(state.pending)} != {drafted_over}")
         for p in state.proposers:
             assert len(p) == cache.length, f"{p.name} proposer {len(p)} != anchor position {cache.length}"
 
