@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
-from flm_runtime.backends import TargetModel, forward
+from flm_runtime.backends import KVCacheLike, TargetModel, forward
 from flm_runtime.kernels.cpu_features import cpu_model, host_features
 from flm_runtime.models.dflash import DFlashDraft
 
@@ -93,14 +93,9 @@ def measure_verify_ratio(target: TargetModel, taps: tuple[int, ...], drafted: in
     Raises:
         ValueError: ``context + drafted + 1`` is beyond the target's context length.
     """
-    limit = target.config.max_position_embeddings
-    if context + drafted + 1 > limit:
-        raise ValueError(f"a context of {context} and {drafted + 1} rows do not fit {limit} positions")
     rng = np.random.default_rng(seed)
-    vocab = target.config.vocab_size
-    cache = target.new_cache(context + drafted + 1)
-    forward(target, rng.integers(0, vocab, context), cache)
-    block = rng.integers(0, vocab, drafted + 1)
+    cache = _filled_cache(target, context, drafted, rng)
+    block = rng.integers(0, target.config.vocab_size, drafted + 1)
     times: list[list[float]] = [[] for _ in range(drafted + 1)]  # [rows - 1][round]
     for _ in range(rounds + 1):
         for rows in range(1, drafted + 2):
@@ -113,6 +108,20 @@ def measure_verify_ratio(target: TargetModel, taps: tuple[int, ...], drafted: in
             cache.trim(context)
     decode, *verify = (statistics.median(t[1:]) for t in times)
     return [round(t / decode, 4) for t in verify]
+
+
+def _filled_cache(target: TargetModel, context: int, drafted: int, rng: np.random.Generator) -> KVCacheLike:
+    """A target cache holding ``context`` random tokens, with room for ``drafted + 1`` rows more.
+
+    Raises:
+        ValueError: ``context + drafted + 1`` is beyond the target's context length.
+    """
+    limit = target.config.max_position_embeddings
+    if context + drafted + 1 > limit:
+        raise ValueError(f"a context of {context} and {drafted + 1} rows do not fit {limit} positions")
+    cache = target.new_cache(context + drafted + 1)
+    forward(target, rng.integers(0, target.config.vocab_size, context), cache)
+    return cache
 
 
 def measure_propose_ratio(target: TargetModel, draft: DFlashDraft, drafted: int, *, context: int = CONTEXT,
@@ -129,12 +138,8 @@ def measure_propose_ratio(target: TargetModel, draft: DFlashDraft, drafted: int,
     Raises:
         ValueError: ``context + drafted + 1`` is beyond the target's context length.
     """
-    limit = target.config.max_position_embeddings
-    if context + drafted + 1 > limit:
-        raise ValueError(f"a context of {context} and {drafted + 1} rows do not fit {limit} positions")
     rng = np.random.default_rng(seed)
-    cache = target.new_cache(context + 1)
-    forward(target, rng.integers(0, target.config.vocab_size, context), cache)
+    cache = _filled_cache(target, context, drafted, rng)
     width = len(draft.config.target_layer_ids) * target.config.hidden_size
     draft_cache = draft.new_cache(context + drafted + 2)
     draft.add_context(draft_cache, rng.standard_normal((context, width)).astype(np.float32), 0)
