@@ -113,6 +113,16 @@ def proposer_after(index: SuffixIndex, tokens: list[int]) -> SuffixProposer:
     return out
 
 
+def test_a_proposal_leaves_half_the_depth_to_its_pattern():
+    """A block of 16 may take 15 tokens, but the proposer asks the index for depth // 2 = 8, so
+    the pattern may still be 8 tokens long: after (1 .. 8) the continuation of that context
+    (100 ..), not of the last token alone (8 was last followed by 200 ..)."""
+    first = list(range(1, 9)) + list(range(100, 120))
+    index = index_of(first, [8] + list(range(200, 220)), [8] + list(range(200, 220)))
+    got = proposer_after(index, list(range(1, 8))).find(8, 15, 0.0)
+    assert (got.ids.tolist(), got.match) == (list(range(100, 108)), 8)
+
+
 def test_the_proposer_matches_its_last_tokens_and_the_anchor():
     """Its tokens (7, 1) and the anchor 2: the index's proposal after (1, 2), each token's
     confidence the smaller of its probability (1, 0.5, 1) and the prior rate 0.5, cut by the

@@ -45,7 +45,8 @@ from flm_runtime.speculation.policy import confident_length
 from flm_runtime.speculation.retrieval import NO_LOOKUP, AcceptanceRecord, Lookup
 
 # Tokens on a trie path: the longest pattern matched plus the tokens proposed after it (a pattern
-# of up to depth - most tokens, so that a K = 7 proposal follows a pattern of up to 9).
+# of up to depth - most tokens, so that a K = 7 proposal follows a pattern of up to 9; a request
+# proposes at most depth // 2, so that a block of 16 still matches patterns of 8).
 DEPTH = 16
 ROOT = 0
 NONE = -1  # no node (an empty child list, no best child)
@@ -261,7 +262,9 @@ class SuffixProposer:
 
     def find(self, anchor_id: int, most: int, min_confidence: float) -> Lookup:
         """The index's proposal after the sequence's last tokens and ``anchor_id``
-        (``SuffixIndex.propose``, at most ``depth - 1`` tokens), each token's confidence the
+        (``SuffixIndex.propose``, at most ``depth // 2`` tokens: the rest of a trie path is left to
+        the pattern, which a longer proposal would shorten to a token or two and so match
+        anywhere), each token's confidence the
         smaller of its probability and the record's rate, cut by ``confident_length(confidence,
         min_confidence)``.
 
@@ -271,7 +274,7 @@ class SuffixProposer:
         """
         if most <= 0:
             return NO_LOOKUP
-        ids, match, probability = self.index.propose([*self._tail, anchor_id], min(most, self.index.depth - 1))
+        ids, match, probability = self.index.propose([*self._tail, anchor_id], min(most, self.index.depth // 2))
         confidence = np.minimum(probability, np.float32(self._record.rate))
         kept = confident_length(confidence, min_confidence)
         if not kept:
