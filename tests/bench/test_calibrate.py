@@ -18,7 +18,7 @@ from flm_bench import calibrate
 from flm_runtime.models.dflash import DFlashDraft
 from flm_runtime.request import SamplingParams
 from flm_runtime.speculation.policy import PolicyTable
-from flm_runtime.speculation.speculative import SpeculativeDecoder
+from flm_runtime.speculation.speculative import Proposer, SpeculativeDecoder
 
 PROMPT = ("Explain in simple terms why the sky looks blue during the day.",)
 
@@ -36,15 +36,22 @@ def draft16(tmp_path_factory, smollm2_model):
                                             random_draft_weights(cfg, seed=5, scale=0.05)), smollm2_model)
 
 
-def test_a_replayed_greedy_output_is_always_accepted(smollm2_model, smollm2_tokenizer, smollm2_engine, draft):
-    tok = smollm2_tokenizer
+def replayed_greedy_output(engine, tok, drafted: int) -> tuple[list[int], Proposer]:
+    """``PROMPT[0]``'s ids, and a stand-in proposer that drafts the next ``drafted`` tokens of the
+    engine's greedy answer to it (40 tokens; 0 past them): every drafted token is accepted."""
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT[0]}]))
-    want = smollm2_engine.submit(ids, SamplingParams(max_tokens=40, ignore_eos=True)).result().token_ids
+    want = engine.submit(ids, SamplingParams(max_tokens=40, ignore_eos=True)).result().token_ids
     truth = dict(enumerate(want, start=len(ids)))
 
     def replay(draft_cache, anchor_id, start):
-        return np.array([truth.get(p, 0) for p in range(start + 1, start + 8)])
+        return np.array([truth.get(p, 0) for p in range(start + 1, start + 1 + drafted)])
 
+    return ids, replay
+
+
+def test_a_replayed_greedy_output_is_always_accepted(smollm2_model, smollm2_tokenizer, smollm2_engine, draft):
+    tok = smollm2_tokenizer
+    ids, replay = replayed_greedy_output(smollm2_engine, tok, 7)
     perfect = calibrate.acceptance_records(SpeculativeDecoder(smollm2_model, draft, proposer=replay), tok, [ids], 32)
     # 1 token from prefill, then whole steps of 8 while 32 tokens are not reached: 3 (the 4th is cut).
     assert perfect.accepted.tolist() == [7, 7, 7] and (perfect.confidence == 1.0).all()
@@ -97,13 +104,7 @@ def test_calibrate_handles_a_draft_of_block_size_16(smollm2_model, smollm2_token
     each; the table's grid of K runs to 15, its step costs and verify ratios have 15 values, and
     each bucket is choose()'s decision on them."""
     tok = smollm2_tokenizer
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT[0]}]))
-    want = smollm2_engine.submit(ids, SamplingParams(max_tokens=40, ignore_eos=True)).result().token_ids
-    truth = dict(enumerate(want, start=len(ids)))
-
-    def replay(draft_cache, anchor_id, start):
-        return np.array([truth.get(p, 0) for p in range(start + 1, start + 16)])
-
+    ids, replay = replayed_greedy_output(smollm2_engine, tok, 15)
     perfect = calibrate.acceptance_records(SpeculativeDecoder(smollm2_model, draft16, proposer=replay), tok, [ids], 40)
     # 1 token from prefill, then whole steps of 16 while 40 tokens are not reached: 2 (the 3rd is cut).
     assert perfect.accepted.tolist() == [15, 15] and perfect.confidence.shape == (2, 15)

@@ -230,11 +230,13 @@ class SpeculativeDecoder:
         self._tap_width = len(draft.config.target_layer_ids) * int(target.config.hidden_size)
 
     def new_state(self, capacity: int = 0) -> SpecState:
-        """Fresh state for one sequence (``capacity``: a hint in tokens)."""
+        """Fresh state for one sequence (``capacity``: a hint in tokens; no room is reserved in a
+        draft cache that stays empty, without ``self.taps``)."""
         proposers = [PromptLookup()] if self.ngram else []
         if self.suffix is not None:
             proposers.append(SuffixProposer(self.suffix))
-        return SpecState(self.draft.new_cache(capacity), self._no_taps(), proposers=tuple(proposers))
+        draft_cache = self.draft.new_cache(capacity if self.taps else 0)
+        return SpecState(draft_cache, self._no_taps(), proposers=tuple(proposers))
 
     def finish(self, prompt_ids: np.ndarray, generated_ids: np.ndarray) -> None:
         """A finished request's generated tokens ``[G]``, after the last ``depth - 1`` of its
