@@ -35,7 +35,7 @@ from flm_runtime import (Completion, InvalidRequestError, StreamEvent, TokenLogp
 
 from .errors import litellm_errors
 from .params import (backend_of, choices_of, embedding_inputs, encoding_format, merge_extra_body, normalize_messages,
-                     raw_prompts, request_fields, requested_thinking)
+                     raw_prompts, request_fields, requested_thinking, returns_token_ids)
 from .reasoning import Reasoning, template_switch
 from .structured import OutputFormat, output_format
 
@@ -78,12 +78,15 @@ class Started(NamedTuple):
         reasoning: how to split a chat's output into reasoning and content (None: all content).
         token_bytes: the model's ``id -> bytes`` of a token (for logprobs).
         output: what the output is held to, and whether its answers hold tool calls.
+        prompt_ids: with ``return_token_ids``, the chat's prompt as the engine got it (token
+            ids); else None.
     """
 
     groups: list[list]
     reasoning: Reasoning | None
     token_bytes: Callable[[int], bytes]
     output: OutputFormat
+    prompt_ids: list[int] | None = None
 
 
 def _start(model: str, messages: list, optional_params: dict, timeout: Any,
@@ -92,6 +95,9 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
 
     ``logging_obj``: LiteLLM's, whose ``messages`` are the chat's as the caller sent them
     (``_as_sent``).
+
+    ``return_token_ids`` (vLLM's switch): ``Started.prompt_ids`` holds the prompt's token ids, for
+    the response to carry them and each choice's (``build_response``, ``StreamChunks``).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
     (``request_fields``), and a thinking switch the model does not have (``template_switch``).
@@ -117,6 +123,10 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
             raise InvalidRequestError("logprobs are not supported on text completions yet; a chat completion "
                                       "returns them", param="logprobs")
         optional_params = {k: v for k, v in optional_params.items() if k not in ("logprobs", "top_logprobs")}
+    token_ids = returns_token_ids(optional_params)
+    if raw and token_ids:
+        raise InvalidRequestError("return_token_ids is not supported on text completions; a chat completion "
+                                  "returns them", param="return_token_ids")
     fields = request_fields(optional_params, drop)  # before loading: fail fast
     thinking = requested_thinking(optional_params)
     output = output_format(merge_extra_body(optional_params))
@@ -135,14 +145,15 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
         return [compiler.processor(output.grammar, param=output.param)] if compiler else []
 
     groups: list[list] = []
+    prompt_ids = [engine.tokenizer.encode(text) for text in texts]
     try:
-        for text in texts:
-            groups.append(engine.submit_choices(engine.tokenizer.encode(text), params, n,
-                                                timeout=_timeout_seconds(timeout), processors=grammar))
+        for ids in prompt_ids:
+            groups.append(engine.submit_choices(ids, params, n, timeout=_timeout_seconds(timeout), processors=grammar))
     except BaseException:  # one prompt refused (too long, queue full, a grammar that fails): none of them runs
         _cancel(groups)
         raise
-    return Started(groups, reasoning, engine.tokenizer.token_bytes, output)
+    return Started(groups, reasoning, engine.tokenizer.token_bytes, output,
+                   list(prompt_ids[0]) if token_ids else None)
 
 
 def _as_sent(messages: list, logging_obj: Any) -> list:
@@ -166,14 +177,15 @@ def _cancel(groups: list[list]) -> None:
 
 
 def build_response(model_response: ModelResponse, model: str, groups: list[list[Completion]],
-                   reasoning: Reasoning | None = None,
-                   token_bytes: Callable[[int], bytes] | None = None, reads_tool_calls: bool = False) -> ModelResponse:
+                   started: Started) -> ModelResponse:
     """Fill LiteLLM's pre-made ``ModelResponse`` from finished requests: per prompt its ``n``
     choices, numbered in that order (OpenAI's for a list of prompts), each with its thinking in
-    ``reasoning_content`` where ``reasoning`` says how to find it and its own ``logprobs`` when
-    asked for (``choice_logprobs``: ``token_bytes`` is then needed); ``usage`` (``usage_fields``).
-    With ``reads_tool_calls`` an answer's calls become the message's ``tool_calls`` (``content``
-    None) and its ``finish_reason`` ``tool_calls``.
+    ``reasoning_content`` where ``started.reasoning`` says how to find it and its own ``logprobs``
+    when asked for (``choice_logprobs``); ``usage`` (``usage_fields``). When the output reads tool
+    calls (``started.output``) an answer's calls become the message's ``tool_calls`` (``content``
+    None) and its ``finish_reason`` ``tool_calls``. With ``return_token_ids``
+    (``started.prompt_ids`` set) the response's ``prompt_token_ids`` and each choice's
+    ``token_ids`` (every completion token, its special ones included), as vLLM's server returns them.
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
@@ -182,11 +194,15 @@ def build_response(model_response: ModelResponse, model: str, groups: list[list[
     """
     dones = [done for group in groups for done in group]
     model_response.choices = []
+    ids = started.prompt_ids is not None
     for i, done in enumerate(dones):
-        message = _message(done.text, reasoning, reads_tool_calls)
+        message = _message(done.text, started.reasoning, started.output.reads_tool_calls)
+        extra = {"token_ids": list(done.token_ids)} if ids else {}
         model_response.choices.append(Choices(
             index=i, finish_reason=_finish_reason(done.finish_reason, bool(message.tool_calls)), message=message,
-            logprobs=None if done.logprobs is None else choice_logprobs(done.logprobs, token_bytes)))
+            logprobs=None if done.logprobs is None else choice_logprobs(done.logprobs, started.token_bytes), **extra))
+    if ids:
+        setattr(model_response, "prompt_token_ids", started.prompt_ids)  # not a declared field, as usage
     model_response.model = model
     model_response.created = int(time.time())
     setattr(model_response, "usage", Usage(**usage_fields(groups)))  # not a declared field of ModelResponse
@@ -351,6 +367,10 @@ class StreamChunks:
     ``delta.tool_calls`` holds it whole (index, id, name, arguments: OpenAI's tool-call delta);
     the finish_reason is ``tool_calls`` when the answer made calls and ended on its own.
 
+    With ``prompt_ids`` (``return_token_ids``) the stream's first chunk carries
+    ``prompt_token_ids``, and each choice's token ids ride as ``token_ids`` on its chunks the way
+    logprobs do: joined in order, a choice's chunks give all its completion tokens.
+
     Args:
         model: the tag as LiteLLM passed it.
         reasoning: how to split the output (``_start``); None: all content.
@@ -358,13 +378,15 @@ class StreamChunks:
         total: choices in all (prompts times ``n``).
         token_bytes: the model's ``id -> bytes`` of a token; needed for logprobs.
         reads_tool_calls: read calls out of the answers.
+        prompt_ids: the prompt's token ids, to be returned with the choices'; None: no token ids.
 
     Attributes:
         finished: every choice has finished.
     """
 
     def __init__(self, model: str, reasoning: Reasoning | None, n: int = 1, total: int = 1,
-                 token_bytes: Callable[[int], bytes] | None = None, reads_tool_calls: bool = False):
+                 token_bytes: Callable[[int], bytes] | None = None, reads_tool_calls: bool = False,
+                 prompt_ids: list[int] | None = None):
         self._id = f"chatcmpl-{uuid.uuid4()}"
         self._created = int(time.time())
         self._model = model
@@ -377,6 +399,8 @@ class StreamChunks:
         self._logprobs: list[list[TokenLogprob]] = [[] for _ in range(total)]  # per choice: tokens not sent yet
         self._calls = [ToolCallStream() if reads_tool_calls else None for _ in range(total)]
         self._n_calls = [0] * total  # per choice: calls sent
+        self._prompt_ids = prompt_ids  # sent on the first chunk, then None
+        self._ids: list[list[int]] | None = None if prompt_ids is None else [[] for _ in range(total)]  # not sent yet
 
     @property
     def finished(self) -> bool:
@@ -406,15 +430,21 @@ class StreamChunks:
             self._roles[index], self._n_calls[index] = None, self._n_calls[index] + 1
         pending = self._logprobs[index]
         pending.extend(event.logprobs or ())
-        if thought or text or (pending and (finished or not event.text)):
+        ids = self._ids[index] if self._ids is not None else None
+        if ids is not None:
+            ids.extend(event.token_ids)
+        if thought or text or ((pending or ids) and (finished or not event.text)):
             chunks.append(self._chunk(index, Delta(content=text or None, reasoning_content=thought or None,
                                                    role=self._roles[index])))
             self._roles[index] = None
             if pending:
                 chunks[-1].choices[0].logprobs = choice_logprobs(pending, self._token_bytes)
                 self._logprobs[index] = []
+            if ids:
+                setattr(chunks[-1].choices[0], "token_ids", list(ids))
+                ids.clear()
         if not finished:
-            return chunks
+            return self._first(chunks)
         self._finals[index] = event
         if index:
             chunks.append(sibling_finish(index, self._finish_reason(index)))
@@ -424,6 +454,13 @@ class StreamChunks:
             groups = [[self._finals[i] for i in range(p, p + self._n)] for p in range(0, self._total, self._n)]
             chunks[-1].usage = Usage(**usage_fields(groups))
             chunks.append(self._chunk(0, Delta(), finish_reason=self._finish_reason(0)))
+        return self._first(chunks)
+
+    def _first(self, chunks: list) -> list:
+        """``chunks``, the stream's first of them given ``prompt_token_ids`` when still unsent."""
+        if self._prompt_ids is not None and chunks and isinstance(chunks[0], ModelResponseStream):
+            setattr(chunks[0], "prompt_token_ids", self._prompt_ids)
+            self._prompt_ids = None
         return chunks
 
     def _finish_reason(self, index: int) -> str:
@@ -459,28 +496,28 @@ class FlmLLM(CustomLLM):
         litellm_params: dict | None = None, logging_obj: Any = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            groups, reasoning, token_bytes, output = _start(model, messages, optional_params, timeout, litellm_params,
-                                                            logging_obj)
+            started = _start(model, messages, optional_params, timeout, litellm_params, logging_obj)
             try:
-                dones = [[handle.result() for handle in handles] for handles in groups]
+                dones = [[handle.result() for handle in handles] for handles in started.groups]
             except BaseException:  # KeyboardInterrupt, or an engine error: free the sequences
-                _cancel(groups)
+                _cancel(started.groups)
                 raise
-        return build_response(model_response, model, dones, reasoning, token_bytes, output.reads_tool_calls)
+        return build_response(model_response, model, dones, started)
 
     async def acompletion(
         self, model: str, messages: list, model_response: ModelResponse, optional_params: dict, timeout=None,
         litellm_params: dict | None = None, logging_obj: Any = None, **_: Any
     ) -> ModelResponse:
         with litellm_errors(model):
-            groups, reasoning, token_bytes, output = await asyncio.to_thread(
-                _start, model, messages, optional_params, timeout, litellm_params, logging_obj)
+            started = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params,
+                                              logging_obj)
             try:
-                dones = [list(await asyncio.gather(*(handle.aresult() for handle in handles))) for handles in groups]
+                dones = [list(await asyncio.gather(*(handle.aresult() for handle in handles)))
+                         for handles in started.groups]
             except BaseException:  # CancelledError: the client went away
-                _cancel(groups)
+                _cancel(started.groups)
                 raise
-        return build_response(model_response, model, dones, reasoning, token_bytes, output.reads_tool_calls)
+        return build_response(model_response, model, dones, started)
 
     def streaming(
         self, model: str, messages: list, optional_params: dict, timeout=None,
@@ -501,7 +538,7 @@ class FlmLLM(CustomLLM):
         groups = started.groups
         handles = [handle for group in groups for handle in group]
         chunks = StreamChunks(model, started.reasoning, len(groups[0]), len(handles), started.token_bytes,
-                              started.output.reads_tool_calls)
+                              started.output.reads_tool_calls, started.prompt_ids)
         try:
             with litellm_errors(model):
                 for index, event in interleave([iter(handle) for handle in handles]):
@@ -519,11 +556,12 @@ class FlmLLM(CustomLLM):
         groups, chunks = [], None
         try:
             with litellm_errors(model):
-                groups, reasoning, token_bytes, output = await asyncio.to_thread(
-                    _start, model, messages, optional_params, timeout, litellm_params, logging_obj)
+                started = await asyncio.to_thread(_start, model, messages, optional_params, timeout, litellm_params,
+                                                  logging_obj)
+                groups = started.groups
                 handles = [handle for group in groups for handle in group]
-                chunks = StreamChunks(model, reasoning, len(groups[0]), len(handles), token_bytes,
-                                      output.reads_tool_calls)
+                chunks = StreamChunks(model, started.reasoning, len(groups[0]), len(handles), started.token_bytes,
+                                      started.output.reads_tool_calls, started.prompt_ids)
                 async for index, event in ainterleave([handle.aiter() for handle in handles]):
                     for chunk in chunks(index, event):
                         yield chunk

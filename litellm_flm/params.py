@@ -14,7 +14,7 @@ response format and tools, read by ``litellm_flm.structured``), *ignored* (``IGN
 at its neutral value* (``NEUTRAL_ONLY``), a *deployment* key that chooses where the model runs
 rather than how it samples (``DEPLOYMENT_KEYS``: ``backend``, read by ``backend_of``), a switch of a reasoning
 model's thinking (``REASONING_PARAMS``, read by ``requested_thinking``), ``n`` (the choices per
-prompt, read by ``choices_of``), or rejected. Anything rejected raises
+prompt, read by ``choices_of``), ``return_token_ids`` (read by ``returns_token_ids``), or rejected. Anything rejected raises
 ``InvalidRequestError`` naming the parameter, which ``litellm_flm.errors`` turns into
 ``litellm.BadRequestError``. Range checks live in ``SamplingParams`` itself and the default sampler
 in the runtime (``SamplingDefaults``, per model): one place each.
@@ -93,6 +93,10 @@ REASONING_EFFORTS: dict[str, bool | None] = {
 # The number of choices per prompt: a request-level key, not a SamplingParams field (choices_of).
 CHOICES_KEY = "n"
 
+# vLLM's switch (not OpenAI's) for the response to carry the prompt's and each choice's token ids
+# (returns_token_ids); it changes what is returned, not what is generated.
+TOKEN_IDS_KEY = "return_token_ids"
+
 # The keys of OPENAI_TO_RUNTIME that are not OpenAI parameters (vLLM / Ollama spellings).
 NON_OPENAI: frozenset[str] = frozenset({"top_k", "min_p", "ignore_eos", "repetition_penalty"})
 
@@ -170,7 +174,7 @@ def request_fields(optional_params: Mapping[str, Any], drop_unsupported: bool = 
     """
     flat = {k: v for k, v in merge_extra_body(optional_params).items()
             if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS and k not in REASONING_PARAMS
-            and k not in OUTPUT_KEYS and k != CHOICES_KEY}
+            and k not in OUTPUT_KEYS and k not in (CHOICES_KEY, TOKEN_IDS_KEY)}
     mapped: dict[str, Any] = {}
     for key, value in flat.items():
         if key in OPENAI_TO_RUNTIME:
@@ -266,6 +270,21 @@ def choices_of(optional_params: Mapping[str, Any]) -> int:
         return 1
     if type(value) is not int or value < 1:
         raise InvalidRequestError(f"n must be an integer >= 1, got {value!r}", param=CHOICES_KEY)
+    return value
+
+
+def returns_token_ids(optional_params: Mapping[str, Any]) -> bool:
+    """vLLM's ``return_token_ids`` (via ``extra_body``; False when unset): the response carries
+    ``prompt_token_ids`` and each choice its ``token_ids`` (``litellm_flm.llm``).
+
+    Raises:
+        InvalidRequestError: not a boolean (``param`` is ``return_token_ids``).
+    """
+    value = merge_extra_body(optional_params).get(TOKEN_IDS_KEY)
+    if value is None:
+        return False
+    if type(value) is not bool:
+        raise InvalidRequestError(f"return_token_ids must be true or false, got {value!r}", param=TOKEN_IDS_KEY)
     return value
 
 

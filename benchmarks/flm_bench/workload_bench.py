@@ -18,14 +18,18 @@ figures; responses are not streamed, since only a whole response carries them):
   (``ngram``), the suffix proposer's and a grammar's forced tokens (``grammar``), and its plain
   steps (one token each, where no proposal was verified: generated tokens - 1 - tokens pushed by
   verify steps); and each proposer's tokens pushed (accepted + the bonus token);
-- **greedy identical**: the two tags' greedy answers have the same text, the same tool calls
-  (names and arguments) and the same number of completion tokens. LiteLLM returns no token
-  ids; equal text of an equal token count is what a user can check.
+- **greedy identical**: the two tags' greedy answers are the same tokens (every request asks for
+  them with vLLM's ``return_token_ids``, which the provider honours);
+- **copy ceiling**: decode tokens/s an oracle copy proposer would give over the plain tag on the
+  DFlash tag's answers, on this host's verify curve (``flm_bench.ceiling``): what prompt lookup and
+  the suffix proposer could reach at best. Its text to copy from: the request's prompt, its output
+  so far, and the earlier answers of the DFlash tag in the run (what the suffix proposer indexes).
 
 Per workload and mode: tokens/s = total tokens / total seconds over its requests (turns of a
-conversation each count), the ratio DFlash / plain of those, AL per proposer (its tokens pushed
-/ its steps), the share of all decode steps each proposer's (and plain steps) took, and
-identical greedy answers of all compared. Files in ``--out``: ``workloads.md`` (the table, the
+conversation each count), the ratio DFlash / plain of those, the copy ceiling (decode positions /
+their least cost over the requests), AL per proposer (its tokens pushed / its steps), the share of
+all decode steps each proposer's (and plain steps) took, and identical greedy answers of all
+compared. Files in ``--out``: ``workloads.md`` (the table, the
 command, the machine), ``workloads.csv`` (one row per request pair) and ``workloads.png``
 (needs matplotlib: the ``bench`` extra).
 """
@@ -34,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -43,20 +49,23 @@ import litellm
 import litellm_flm  # noqa: F401 - registers the flm/ provider with LiteLLM
 from tqdm import tqdm
 
-from flm_bench import report, workloads
+from flm_bench import ceiling, report, workloads
 from flm_bench.documents import load_documents
 from flm_bench.options import WORKLOAD_MAX_TOKENS, parse_modes
 from flm_bench.soak import PROVIDER_PREFIX, draft_models_file
 from flm_bench.workloads import Answer, Task
-from flm_runtime import InvalidRequestError, registry
+from flm_runtime import InvalidRequestError, paths, registry
 from flm_runtime.request import PROPOSERS
+from flm_runtime.speculation.costs import HostCosts, host_id
 
 PROG_NAME = "litellm-flm bench --workloads"
 REQUEST_TIMEOUT_S = 3600.0
+TOKEN_IDS = {"extra_body": {"return_token_ids": True}}
 STEP_KINDS = (*PROPOSERS, "plain")  # the decode steps of a DFlash request, by what they verified
 COLUMNS = ("workload", "task", "turn", "mode", "plain_tokens", "plain_decode_s", "plain_tokens_per_s",
            "dflash_tokens", "dflash_decode_s", "dflash_tokens_per_s", "ratio",
-           *(f"{k}_steps" for k in STEP_KINDS), *(f"{p}_pushed" for p in PROPOSERS), "identical")
+           *(f"{k}_steps" for k in STEP_KINDS), *(f"{p}_pushed" for p in PROPOSERS), "copy_positions", "copy_cost",
+           "identical")
 
 
 @dataclass(frozen=True)
@@ -67,19 +76,23 @@ class Reply:
         answer: its text and tool calls.
         completion_tokens: ``usage.completion_tokens``.
         stats: ``_hidden_params["flm_stats"]`` (``RequestStats.as_dict``).
+        prompt_ids: the prompt's token ids (``prompt_token_ids``).
+        token_ids: the answer's (``choices[0].token_ids``).
     """
 
     answer: Answer
     completion_tokens: int
     stats: dict
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
 
     @classmethod
     def of(cls, response) -> Reply:
-        """From a LiteLLM ``ModelResponse`` of one choice."""
-        message = response.choices[0].message
-        calls = tuple((c.function.name, c.function.arguments) for c in message.tool_calls or ())
-        return cls(Answer(message.content, calls), response.usage.completion_tokens,
-                   response._hidden_params["flm_stats"])
+        """From a LiteLLM ``ModelResponse`` of one choice asked with ``return_token_ids``."""
+        choice = response.choices[0]
+        calls = tuple((c.function.name, c.function.arguments) for c in choice.message.tool_calls or ())
+        return cls(Answer(choice.message.content, calls), response.usage.completion_tokens,
+                   response._hidden_params["flm_stats"], tuple(response.prompt_token_ids), tuple(choice.token_ids))
 
     @property
     def decoded(self) -> int:
@@ -107,18 +120,22 @@ class Reply:
 
 @dataclass(frozen=True)
 class Pair:
-    """One request on both tags (``turn`` counts from 1 within its conversation)."""
+    """One request on both tags (``turn`` counts from 1 within its conversation).
+
+    ``copy``: the copy ceiling's decode positions of the DFlash answer and their least cost in
+    decode steps (``copy_ceilings``); None until computed, or without a verify curve.
+    """
 
     task: Task
     turn: int
     mode: str
     plain: Reply
     dflash: Reply
+    copy: tuple[int, float] | None = None
 
     @property
     def identical(self) -> bool:
-        return (self.plain.answer == self.dflash.answer
-                and self.plain.completion_tokens == self.dflash.completion_tokens)
+        return self.plain.token_ids == self.dflash.token_ids and self.plain.answer == self.dflash.answer
 
     def row(self) -> dict:
         p, d = self.plain, self.dflash
@@ -129,6 +146,8 @@ class Pair:
                 "dflash_decode_s": f"{d.decode_s:.4f}", "dflash_tokens_per_s": f"{_tps([d]):.3f}",
                 "ratio": "" if ratio is None else f"{ratio:.4f}", **{f"{k}_steps": steps[k][0] for k in STEP_KINDS},
                 **{f"{k}_pushed": steps[k][1] for k in PROPOSERS},
+                "copy_positions": "" if self.copy is None else self.copy[0],
+                "copy_cost": "" if self.copy is None else f"{self.copy[1]:.4f}",
                 "identical": ("yes" if self.identical else "no") if self.mode == "greedy" else ""}
 
 
@@ -158,7 +177,7 @@ def converse(task: Task, mode: str, tags: tuple[str, str], seed: int, k: int, *,
         replies = {}
         for tag in order:
             response = litellm.completion(model=PROVIDER_PREFIX + tag, timeout=REQUEST_TIMEOUT_S, **requests[tag],
-                                          **sampler)
+                                          **sampler, **TOKEN_IDS)
             replies[tag] = Reply.of(response)
             on_request()
         pairs.append(Pair(task, turn, mode, replies[tags[0]], replies[tags[1]]))
@@ -188,6 +207,9 @@ def main(args: argparse.Namespace) -> int:
             litellm.completion(model=PROVIDER_PREFIX + tag, messages=[{"role": "user", "content": "Hello!"}],
                                max_tokens=8, temperature=0.0)
         pairs = measure(jobs, tags, seed=args.seed, quiet=args.quiet)
+        curve = verify_curve(tags[1])
+    if curve is not None:
+        pairs = copy_ceilings(pairs, curve)
     out = report.output_dir(args.out)
     report.write_csv(out / "workloads.csv", COLUMNS, (p.row() for p in pairs))
     sections = tables(pairs, names, modes, tags, max_tokens, args)
@@ -216,6 +238,31 @@ def measure(jobs: list[tuple[Task, str]], tags: tuple[str, str], *, seed: int, q
     return pairs
 
 
+def verify_curve(tag: str) -> list[float] | None:
+    """The verify curve this host measured for DFlash ``tag``'s target on the cpu backend when its
+    engine started (``speculation.costs``): ``verify_ratio``, K values; None when none is kept for
+    this host (``FLM_HOST_COSTS=0``, or a calibrated table in use)."""
+    try:
+        costs = HostCosts.model_validate(json.loads(paths.host_costs_file(tag, "cpu").read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return None
+    return costs.verify_ratio if (costs.host, costs.model) == (host_id(), tag) else None
+
+
+def copy_ceilings(pairs: list[Pair], verify_ratio: list[float]) -> list[Pair]:
+    """``pairs`` (in the order they ran) with their ``copy`` set: each DFlash answer's copy
+    lengths (``ceiling.copy_lengths``, runs of up to K = len(``verify_ratio``) tokens) from its
+    prompt, its output so far and the DFlash answers before it, and their least cost."""
+    earlier = ceiling.SubstringIndex()
+    out = []
+    for pair in pairs:
+        reply = pair.dflash
+        lengths = ceiling.copy_lengths(reply.prompt_ids, reply.token_ids, earlier, len(verify_ratio))
+        out.append(dataclasses.replace(pair, copy=(len(lengths), ceiling.cheapest_cost(lengths, verify_ratio))))
+        earlier.add_sequence(reply.token_ids)
+    return out
+
+
 @dataclass(frozen=True)
 class Cell:
     """The aggregate of one workload in one mode."""
@@ -233,6 +280,13 @@ class Cell:
     @property
     def ratio(self) -> float | None:
         return self.dflash_tps / self.plain_tps if self.plain_tps > 0 else None
+
+    @property
+    def ceiling(self) -> float | None:
+        """The copy ceiling: decode positions / their least cost, over the pairs; None without."""
+        copies = [p.copy for p in self.pairs if p.copy is not None]
+        cost = sum(c for _, c in copies)
+        return sum(n for n, _ in copies) / cost if copies and cost > 0 else None
 
     def steps(self) -> dict[str, tuple[int, int]]:
         """{kind of ``STEP_KINDS``: (steps, tokens pushed)} over the DFlash replies."""
@@ -277,10 +331,11 @@ def tables(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[st
         for mode in modes:
             c = by[(name, mode)]
             rows.append([name, mode, len(c.pairs), f"{c.plain_tps:.1f}", f"{c.dflash_tps:.1f}",
-                         "—" if c.ratio is None else f"{c.ratio:.2f}x", c.al(), c.shares(), c.identical()])
+                         "—" if c.ratio is None else f"{c.ratio:.2f}x",
+                         "—" if c.ceiling is None else f"{c.ceiling:.2f}x", c.al(), c.shares(), c.identical()])
     table = report.markdown_table(
-        ["Workload", "Mode", "Requests", f"{tags[0]} tokens/s", f"{tags[1]} tokens/s", "Ratio", "AL by proposer",
-         "Share of decode steps", "Greedy identical"], rows)
+        ["Workload", "Mode", "Requests", f"{tags[0]} tokens/s", f"{tags[1]} tokens/s", "Ratio", "Copy ceiling",
+         "AL by proposer", "Share of decode steps", "Greedy identical"], rows)
     header = (f"## Workloads through LiteLLM: `flm/{tags[1]}` against `flm/{tags[0]}`\n\n"
               f"{args.requests} tasks per workload and mode (the sampled ones other than the greedy ones: no prompt "
               f"is sent twice), at most {max_tokens} completion tokens a request, stopping at the end of the answer; "
@@ -291,8 +346,11 @@ def tables(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[st
              "prompt lookup's (ngram), the suffix proposer's and a grammar's forced tokens (grammar); share of "
              "decode steps: those verify steps and the plain steps (one token, no proposal verified), of all decode "
              "steps of the DFlash tag.",
-             "Greedy identical: both tags gave the same text, tool calls and completion-token count (LiteLLM "
-             "returns no token ids).",
+             "Copy ceiling: the ratio an oracle copy proposer would reach on the DFlash tag's answers (every "
+             "run of the answer found in its prompt, its output so far or the tag's earlier answers, verified in "
+             "the cheapest steps this host's verify curve allows, never wrong, at no proposing cost): the most "
+             "prompt lookup and the suffix proposer can give; — where this host kept no verify curve.",
+             "Greedy identical: both tags gave the same tokens (`return_token_ids`).",
              f"Sampled: the model's default sampler, seeds from {args.seed}, the same on both tags.",
              "Draft: " + (args.draft or f"{tags[1]}'s own") + "; chat prompts: "
              + (args.prompts or "flm_bench/texts/chat_prompts.jsonl") + "."]
@@ -308,7 +366,7 @@ def command(args: argparse.Namespace, max_tokens: int) -> str:
 
 def plot(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[str, str], path: Path) -> bool:
     """``workloads.png``: the DFlash / plain ratio per workload and mode, bars annotated with
-    the AL of all verify steps (every proposer's).
+    the AL of all verify steps (every proposer's), the copy ceiling a black line on each bar.
 
     Returns False (after saying why) when matplotlib is not installed.
     """
@@ -324,6 +382,11 @@ def plot(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[str,
         ratios = [by[(n, mode)].ratio or 0.0 for n in names]
         top = max(top, *ratios)
         ax.bar(xs, ratios, width, label=mode, color=f"C{j}")
+        ceilings = [(x, by[(n, mode)].ceiling) for x, n in zip(xs, names, strict=True) if by[(n, mode)].ceiling]
+        if ceilings:
+            top = max(top, *(c for _, c in ceilings))
+            ax.scatter(*zip(*ceilings, strict=True), marker="_", s=600 * width, color="black", zorder=3,
+                       label="copy ceiling" if j == 0 else None)
         for x, n, r in zip(xs, names, ratios, strict=True):
             steps = by[(n, mode)].steps()
             verified = sum(steps[p][0] for p in PROPOSERS)

@@ -1,0 +1,96 @@
+"""vLLM's ``return_token_ids`` through ``litellm.completion`` on the embedded SmolLM2-135M: the
+prompt's ids are the engine's encoding of the rendered chat, each choice's ids are the tokens the
+engine generated (special ones included), streamed or not, with ``n`` choices and with tool calls;
+an invalid value or a text completion is refused by name."""
+
+from __future__ import annotations
+
+import litellm
+import pytest
+
+from flm_runtime import SamplingParams, StreamEvent
+from litellm_flm.llm import StreamChunks
+
+MODEL = "flm/smollm2:135m"
+QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
+IDS = {"extra_body": {"return_token_ids": True}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def streamed_ids(chunks) -> tuple[list[int] | None, dict[int, list[int]]]:
+    """The first chunk's ``prompt_token_ids`` and each choice's ``token_ids`` joined in order."""
+    chunks = list(chunks)
+    joined: dict[int, list[int]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            joined.setdefault(choice.index, []).extend(getattr(choice, "token_ids", None) or [])
+    return getattr(chunks[0], "prompt_token_ids", None), joined
+
+
+def test_token_ids_are_the_engines_own_streamed_or_not(smollm2_engine):
+    tok = smollm2_engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(QUESTION, add_generation_prompt=True))
+    alone = smollm2_engine.submit(prompt, SamplingParams(temperature=0, max_tokens=16)).result()
+    r = litellm.completion(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16, **IDS)
+    assert r.prompt_token_ids == prompt
+    assert r.choices[0].token_ids == list(alone.token_ids) and len(alone.token_ids) == 16
+    assert tok.decode(r.choices[0].token_ids) == r.choices[0].message.content
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 16
+    first, joined = streamed_ids(litellm.completion(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16,
+                                                    stream=True, **IDS))
+    assert (first, joined) == (prompt, {0: list(alone.token_ids)})
+
+
+def test_each_of_n_sampled_choices_returns_its_own_tokens(smollm2_engine):
+    ask = {"model": MODEL, "messages": QUESTION, "n": 2, "temperature": 0.9, "seed": 7, "max_tokens": 12, **IDS}
+    r = litellm.completion(**ask)
+    ids = [c.token_ids for c in r.choices]
+    assert ids[0] != ids[1] and all(len(i) == 12 for i in ids)
+    assert [smollm2_engine.tokenizer.decode(i) for i in ids] == [c.message.content for c in r.choices]
+    _, joined = streamed_ids(litellm.completion(stream=True, **ask))
+    assert joined == {0: ids[0], 1: ids[1]}
+
+
+def test_a_tool_calls_tokens_are_returned_though_its_text_is_not_content(smollm2_engine):
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+           "tools": [WEATHER], "tool_choice": "required", "temperature": 0, "max_tokens": 60, **IDS}
+    r = litellm.completion(**ask)
+    [call] = r.choices[0].message.tool_calls
+    text = smollm2_engine.tokenizer.decode(r.choices[0].token_ids)
+    assert call.function.name == "get_weather" and call.function.arguments in text
+    assert r.usage.completion_tokens == len(r.choices[0].token_ids)
+    first, joined = streamed_ids(litellm.completion(stream=True, **ask))
+    assert (first, joined) == (r.prompt_token_ids, {0: r.choices[0].token_ids})
+
+
+def test_without_the_switch_no_ids_are_returned(smollm2_engine):
+    r = litellm.completion(model=MODEL, messages=QUESTION, temperature=0, max_tokens=4)
+    assert getattr(r, "prompt_token_ids", None) is None and getattr(r.choices[0], "token_ids", None) is None
+
+
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_a_value_that_is_not_a_boolean_is_refused_by_name(fake_engine, value):
+    with pytest.raises(litellm.BadRequestError) as info:
+        litellm.completion(model=MODEL, messages=QUESTION, extra_body={"return_token_ids": value})
+    assert info.value.body["param"] == "return_token_ids" and fake_engine.submitted == []
+
+
+def test_a_text_completion_refuses_token_ids(fake_engine):
+    with pytest.raises(litellm.BadRequestError, match="return_token_ids is not supported on text completions"):
+        litellm.text_completion(model=MODEL, prompt="Once upon a time", max_tokens=4, **IDS)
+    assert fake_engine.submitted == []
+
+
+def test_stream_chunks_carry_token_ids_with_their_text_and_the_prompt_on_the_first():
+    """A token with no text (a special token) rides a chunk of its own; ids held with text that is
+    held back go with that text; the prompt's ids are on the first chunk only."""
+    chunks = StreamChunks("smollm2:135m", None, prompt_ids=[1, 2, 3])
+    [first] = chunks(0, StreamEvent("Pa", (80, 97), None, 3, 2))
+    assert (first.prompt_token_ids, first.choices[0].token_ids) == ([1, 2, 3], [80, 97])
+    [special] = chunks(0, StreamEvent("", (258,), None, 3, 3))
+    assert (special.choices[0].delta.content, special.choices[0].token_ids) == (None, [258])
+    assert getattr(special, "prompt_token_ids", None) is None
+    last, finish = chunks(0, StreamEvent("", (), "stop", 3, 3))
+    assert getattr(last.choices[0], "token_ids", None) is None and getattr(finish.choices[0], "token_ids", None) is None
