@@ -24,6 +24,19 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
+
+def cost_curve(text: str) -> list[float]:
+    """An ``argparse`` type: comma-separated verify costs in decode steps, each at least 1 and none
+    below the one before (``1.16,1.27,1.38``: passes of 2, 3, 4 rows)."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text!r}") from None
+    if any(v < 1.0 for v in values) or values != sorted(values):
+        raise argparse.ArgumentTypeError(f"each cost must be at least 1 and none below the one before, got {text!r}")
+    return values
+
+
 MODES = ("greedy", "sampled")
 
 
@@ -64,6 +77,11 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
                         "code-edit, rag, agent, extraction, comma-separated")
     p.add_argument("--requests", type=positive_int, default=WORKLOAD_REQUESTS,
                    help=f"--workloads: tasks (requests or conversations) per workload (default {WORKLOAD_REQUESTS})")
+    p.add_argument("--ceiling-curve", type=cost_curve, metavar="R2,R3,...",
+                   help="--workloads: price the copy ceiling on these verify costs (passes of 2, 3, ... rows, in "
+                        "decode steps; another host's) instead of this host's measured curve")
+    p.add_argument("--ceiling-min-run", type=positive_int, default=1, metavar="N",
+                   help="--workloads: the copy ceiling copies runs of at least N tokens only (default 1)")
     p.add_argument("--draft", metavar="DIR", help="decode the DFlash side with this draft directory "
                                                   "(default: the DFlash tag's own draft)")
     p.add_argument("--baseline-only", action="store_true",

@@ -207,9 +207,9 @@ def main(args: argparse.Namespace) -> int:
             litellm.completion(model=PROVIDER_PREFIX + tag, messages=[{"role": "user", "content": "Hello!"}],
                                max_tokens=8, temperature=0.0)
         pairs = measure(jobs, tags, seed=args.seed, quiet=args.quiet)
-        curve = verify_curve(tags[1])
+        curve = args.ceiling_curve or verify_curve(tags[1])
     if curve is not None:
-        pairs = copy_ceilings(pairs, curve)
+        pairs = copy_ceilings(pairs, curve, args.ceiling_min_run)
     out = report.output_dir(args.out)
     report.write_csv(out / "workloads.csv", COLUMNS, (p.row() for p in pairs))
     sections = tables(pairs, names, modes, tags, max_tokens, args)
@@ -249,15 +249,17 @@ def verify_curve(tag: str) -> list[float] | None:
     return costs.verify_ratio if (costs.host, costs.model) == (host_id(), tag) else None
 
 
-def copy_ceilings(pairs: list[Pair], verify_ratio: list[float]) -> list[Pair]:
+def copy_ceilings(pairs: list[Pair], verify_ratio: list[float], min_run: int = 1) -> list[Pair]:
     """``pairs`` (in the order they ran) with their ``copy`` set: each DFlash answer's copy
     lengths (``ceiling.copy_lengths``, runs of up to K = len(``verify_ratio``) tokens) from its
-    prompt, its output so far and the DFlash answers before it, and their least cost."""
+    prompt, its output so far and the DFlash answers before it, runs shorter than ``min_run``
+    left out, and their least cost."""
     earlier = ceiling.SubstringIndex()
     out = []
     for pair in pairs:
         reply = pair.dflash
-        lengths = ceiling.copy_lengths(reply.prompt_ids, reply.token_ids, earlier, len(verify_ratio))
+        lengths = [m if m >= min_run else 0
+                   for m in ceiling.copy_lengths(reply.prompt_ids, reply.token_ids, earlier, len(verify_ratio))]
         out.append(dataclasses.replace(pair, copy=(len(lengths), ceiling.cheapest_cost(lengths, verify_ratio))))
         earlier.add_sequence(reply.token_ids)
     return out
@@ -349,7 +351,10 @@ def tables(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[st
              "Copy ceiling: the ratio an oracle copy proposer would reach on the DFlash tag's answers (every "
              "run of the answer found in its prompt, its output so far or the tag's earlier answers, verified in "
              "the cheapest steps this host's verify curve allows, never wrong, at no proposing cost): the most "
-             "prompt lookup and the suffix proposer can give; — where this host kept no verify curve.",
+             "prompt lookup and the suffix proposer can give; — where this host kept no verify curve. Priced "
+             + (f"on the verify costs given ({', '.join(map(str, args.ceiling_curve))} decode steps for 2, 3, ... "
+                "rows)" if args.ceiling_curve else "on this host's verify curve")
+             + (f", runs of at least {args.ceiling_min_run} tokens only." if args.ceiling_min_run > 1 else "."),
              "Greedy identical: both tags gave the same tokens (`return_token_ids`).",
              f"Sampled: the model's default sampler, seeds from {args.seed}, the same on both tags.",
              "Draft: " + (args.draft or f"{tags[1]}'s own") + "; chat prompts: "
@@ -361,6 +366,8 @@ def command(args: argparse.Namespace, max_tokens: int) -> str:
     return report.command_text("bench --workloads", [
         ("--tag", args.tag), ("--draft", args.draft), ("--requests", args.requests),
         ("--max-tokens", max_tokens), ("--modes", args.modes), ("--prompts", args.prompts),
+        ("--ceiling-curve", ",".join(map(str, args.ceiling_curve)) if args.ceiling_curve else None),
+        ("--ceiling-min-run", args.ceiling_min_run if args.ceiling_min_run > 1 else None),
         ("--documents", args.documents), ("--seed", args.seed), ("--out", args.out)])
 
 

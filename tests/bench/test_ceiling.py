@@ -4,12 +4,14 @@ to an exhaustive search over every schedule of steps."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import numpy as np
 import pytest
 
 from flm_bench.ceiling import SubstringIndex, cheapest_cost, copy_lengths
+from flm_bench.options import cost_curve
 from flm_bench.workload_bench import Cell, Pair, Reply, copy_ceilings
 from flm_bench.workloads import Answer, Task
 
@@ -84,3 +86,12 @@ def test_copy_ceilings_let_an_answer_copy_the_earlier_answers_of_the_run():
     # first: one step verifying 2 of them (K = 2, cost 2.0) pushes all three positions.
     assert (first.copy, second.copy) == ((3, 3.0), (3, 2.0))
     assert Cell([first, second]).ceiling == pytest.approx(6 / 5.0)
+    # Runs of at least 4 tokens only: the second answer's run of 3 no longer counts.
+    assert [p.copy for p in copy_ceilings([first, second], [1.5, 2.0], min_run=4)] == [(3, 3.0), (3, 3.0)]
+
+
+def test_a_cost_curve_option_is_numbers_of_at_least_one_that_never_fall():
+    assert cost_curve("1.16,1.27,1.27,1.5") == [1.16, 1.27, 1.27, 1.5]
+    for bad in ("1.2,x", "0.9,1.2", "1.5,1.2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cost_curve(bad)
