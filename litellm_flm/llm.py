@@ -185,7 +185,8 @@ def build_response(model_response: ModelResponse, model: str, groups: list[list[
     calls (``started.output``) an answer's calls become the message's ``tool_calls`` (``content``
     None) and its ``finish_reason`` ``tool_calls``. With ``return_token_ids``
     (``started.prompt_ids`` set) the response's ``prompt_token_ids`` and each choice's
-    ``token_ids`` (every completion token, its special ones included), as vLLM's server returns them.
+    ``token_ids`` (the tokens delivered, ``usage.completion_tokens`` of them: the end-of-turn token
+    that ended the answer, which vLLM's server includes, is not), as vLLM's server names them.
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
