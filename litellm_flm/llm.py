@@ -100,7 +100,8 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     the response to carry them and each choice's (``build_response``, ``StreamChunks``).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
-    (``request_fields``), and a thinking switch the model does not have (``template_switch``).
+    (``request_fields``), a thinking switch the model does not have (``template_switch``), and
+    ``logprobs`` or ``return_token_ids`` on a text completion (else refused, naming it).
     A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
     message) continues each prompt's raw text, with no chat template: one engine request per
     prompt, all submitted before any is awaited, so the engine batches them. ``n`` > 1: each
@@ -125,8 +126,10 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
         optional_params = {k: v for k, v in optional_params.items() if k not in ("logprobs", "top_logprobs")}
     token_ids = returns_token_ids(optional_params)
     if raw and token_ids:
-        raise InvalidRequestError("return_token_ids is not supported on text completions; a chat completion "
-                                  "returns them", param="return_token_ids")
+        if not drop:
+            raise InvalidRequestError("return_token_ids is not supported on text completions; a chat completion "
+                                      "returns them", param="return_token_ids")
+        token_ids = False
     fields = request_fields(optional_params, drop)  # before loading: fail fast
     thinking = requested_thinking(optional_params)
     output = output_format(merge_extra_body(optional_params))

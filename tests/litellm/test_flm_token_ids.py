@@ -131,10 +131,12 @@ def test_a_value_that_is_not_a_boolean_is_refused_by_name(fake_engine, value):
     assert info.value.body["param"] == "return_token_ids" and fake_engine.submitted == []
 
 
-def test_a_text_completion_refuses_token_ids(fake_engine):
+def test_a_text_completion_refuses_token_ids_unless_unsupported_ones_are_dropped(fake_engine):
     with pytest.raises(litellm.BadRequestError, match="return_token_ids is not supported on text completions"):
         litellm.text_completion(model=MODEL, prompt="Once upon a time", max_tokens=4, **IDS)
     assert fake_engine.submitted == []
+    r = litellm.text_completion(model=MODEL, prompt="Once upon a time", max_tokens=4, drop_params=True, **IDS)
+    assert r.choices[0].text == "Pari" and getattr(r, "prompt_token_ids", None) is None
 
 
 def test_stream_chunks_carry_token_ids_with_their_text_and_the_prompt_on_the_first():
