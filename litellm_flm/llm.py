@@ -448,7 +448,7 @@ class StreamChunks:
                 setattr(chunks[-1].choices[0], "token_ids", list(ids))
                 ids.clear()
         if not finished:
-            return self._first(chunks)
+            return self._first(index, chunks)
         self._finals[index] = event
         if index:
             chunks.append(sibling_finish(index, self._finish_reason(index)))
@@ -458,13 +458,19 @@ class StreamChunks:
             groups = [[self._finals[i] for i in range(p, p + self._n)] for p in range(0, self._total, self._n)]
             chunks[-1].usage = Usage(**usage_fields(groups))
             chunks.append(self._chunk(0, Delta(), finish_reason=self._finish_reason(0)))
-        return self._first(chunks)
+        return self._first(index, chunks)
 
-    def _first(self, chunks: list) -> list:
-        """``chunks``, the stream's first of them given ``prompt_token_ids`` when still unsent."""
-        if self._prompt_ids is not None and chunks and isinstance(chunks[0], ModelResponseStream):
-            setattr(chunks[0], "prompt_token_ids", self._prompt_ids)
-            self._prompt_ids = None
+    def _first(self, index: int, chunks: list) -> list:
+        """``chunks`` (of choice ``index``), the stream's first of them given ``prompt_token_ids``
+        when still unsent; a sibling's finish cannot carry them (LiteLLM reads only its own keys),
+        so a choice that ends before any chunk was sent opens the stream with its role first."""
+        if self._prompt_ids is None or not chunks:
+            return chunks
+        if not isinstance(chunks[0], ModelResponseStream):
+            chunks.insert(0, self._chunk(index, Delta(role=self._roles[index])))
+            self._roles[index] = None
+        setattr(chunks[0], "prompt_token_ids", self._prompt_ids)
+        self._prompt_ids = None
         return chunks
 
     def _finish_reason(self, index: int) -> str:

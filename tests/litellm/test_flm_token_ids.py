@@ -12,6 +12,7 @@ import litellm
 import pytest
 
 from flm_runtime import SamplingParams, StreamEvent
+from flm_runtime.sampling.sampler import choice_seed
 from litellm_flm.llm import StreamChunks
 
 from flm_fake_engine import TemplateTokenizer
@@ -25,6 +26,7 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] 
                      "{% if add_generation_prompt %}<|assistant|>"
                      "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
                      "{% endif %}")
+THOUGHT = "<think>\nIt is Paris.\n</think>\n\nParis."
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -105,8 +107,8 @@ def test_the_thinking_tokens_and_markers_held_back_are_returned(fake_engine):
     """The reasoning splitter holds the markers' text back; their tokens still ride, in order, so a
     thinking answer's ids (one character per token) join to the whole reply, streamed or not."""
     fake_engine.tokenizer = TemplateTokenizer(THINKING_TEMPLATE)
-    fake_engine.reply = "<think>\nIt is Paris.\n</think>\n\nParis."
-    every = [ord(c) for c in fake_engine.reply]
+    fake_engine.reply = THOUGHT
+    every = [ord(c) for c in THOUGHT]
     ask = {"model": MODEL, "messages": QUESTION, "n": 2, **IDS}
     r = litellm.completion(**ask)
     assert [(c.message.reasoning_content, c.message.content, c.token_ids) for c in r.choices] == [
@@ -117,6 +119,19 @@ def test_the_thinking_tokens_and_markers_held_back_are_returned(fake_engine):
         return [chunk async for chunk in await litellm.acompletion(stream=True, **ask)]
 
     assert streamed_ids(asyncio.run(astream())) == (r.prompt_token_ids, {0: every, 1: every})
+
+
+def test_the_prompt_ids_open_the_stream_when_a_choice_ends_before_any_text(fake_engine):
+    """Choice 0 holds its start marker back while choice 1 ends at once with no token: a sibling's
+    finish cannot carry the prompt's ids, so choice 1's role opens the stream with them."""
+    fake_engine.tokenizer = TemplateTokenizer(THINKING_TEMPLATE)
+    fake_engine.seeded_replies = {7: THOUGHT, choice_seed(7, 1): ""}
+    ask = {"model": MODEL, "messages": QUESTION, "n": 2, "seed": 7, **IDS}
+    prompt = litellm.completion(**ask).prompt_token_ids
+    chunks = list(litellm.completion(stream=True, **ask))
+    assert (chunks[0].choices[0].index, chunks[0].choices[0].delta.role) == (1, "assistant")
+    assert streamed_ids(chunks) == (prompt, {0: [ord(c) for c in THOUGHT], 1: []})
+    assert [c for c in chunks if getattr(c, "prompt_token_ids", None) is not None] == [chunks[0]]
 
 
 def test_without_the_switch_no_ids_are_returned(smollm2_engine):
