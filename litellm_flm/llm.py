@@ -100,7 +100,8 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     the response to carry them and each choice's (``build_response``, ``StreamChunks``).
 
     ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
-    (``request_fields``), and a thinking switch the model does not have (``template_switch``).
+    (``request_fields``), a thinking switch the model does not have (``template_switch``), and
+    ``logprobs`` or ``return_token_ids`` on a text completion (else refused, naming it).
     A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
     message) continues each prompt's raw text, with no chat template: one engine request per
     prompt, all submitted before any is awaited, so the engine batches them. ``n`` > 1: each
@@ -125,8 +126,10 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
         optional_params = {k: v for k, v in optional_params.items() if k not in ("logprobs", "top_logprobs")}
     token_ids = returns_token_ids(optional_params)
     if raw and token_ids:
-        raise InvalidRequestError("return_token_ids is not supported on text completions; a chat completion "
-                                  "returns them", param="return_token_ids")
+        if not drop:
+            raise InvalidRequestError("return_token_ids is not supported on text completions; a chat completion "
+                                      "returns them", param="return_token_ids")
+        token_ids = False
     fields = request_fields(optional_params, drop)  # before loading: fail fast
     thinking = requested_thinking(optional_params)
     output = output_format(merge_extra_body(optional_params))
@@ -185,8 +188,8 @@ def build_response(model_response: ModelResponse, model: str, groups: list[list[
     calls (``started.output``) an answer's calls become the message's ``tool_calls`` (``content``
     None) and its ``finish_reason`` ``tool_calls``. With ``return_token_ids``
     (``started.prompt_ids`` set) the response's ``prompt_token_ids`` and each choice's
-    ``token_ids`` (the tokens ``usage.completion_tokens`` counts, special ones included; an end of
-    turn that stopped the answer is not one), as vLLM's server returns them.
+    ``token_ids`` (the tokens delivered, ``usage.completion_tokens`` of them: the end-of-turn token
+    that ended the answer, which vLLM's server includes, is not), as vLLM's server names them.
 
     LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
     LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
@@ -445,7 +448,7 @@ class StreamChunks:
                 setattr(chunks[-1].choices[0], "token_ids", list(ids))
                 ids.clear()
         if not finished:
-            return self._first(chunks)
+            return self._first(index, chunks)
         self._finals[index] = event
         if index:
             chunks.append(sibling_finish(index, self._finish_reason(index)))
@@ -455,13 +458,19 @@ class StreamChunks:
             groups = [[self._finals[i] for i in range(p, p + self._n)] for p in range(0, self._total, self._n)]
             chunks[-1].usage = Usage(**usage_fields(groups))
             chunks.append(self._chunk(0, Delta(), finish_reason=self._finish_reason(0)))
-        return self._first(chunks)
+        return self._first(index, chunks)
 
-    def _first(self, chunks: list) -> list:
-        """``chunks``, the stream's first of them given ``prompt_token_ids`` when still unsent."""
-        if self._prompt_ids is not None and chunks and isinstance(chunks[0], ModelResponseStream):
-            setattr(chunks[0], "prompt_token_ids", self._prompt_ids)
-            self._prompt_ids = None
+    def _first(self, index: int, chunks: list) -> list:
+        """``chunks`` (of choice ``index``), the stream's first of them given ``prompt_token_ids``
+        when still unsent; a sibling's finish cannot carry them (LiteLLM reads only its own keys),
+        so a choice that ends before any chunk was sent opens the stream with its role first."""
+        if self._prompt_ids is None or not chunks:
+            return chunks
+        if not isinstance(chunks[0], ModelResponseStream):
+            chunks.insert(0, self._chunk(index, Delta(role=self._roles[index])))
+            self._roles[index] = None
+        setattr(chunks[0], "prompt_token_ids", self._prompt_ids)
+        self._prompt_ids = None
         return chunks
 
     def _finish_reason(self, index: int) -> str:

@@ -86,6 +86,21 @@ def test_stream_through_the_proxy(client):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
 
 
+def test_token_ids_through_the_proxy(client):
+    """vLLM's ``return_token_ids`` reaches the handler in ``extra_body`` and the ids (fields the
+    proxy does not declare) come back, streamed or not; the DFlash deployment's greedy ids equal
+    the plain one's."""
+    ask = {"messages": [{"role": "user", "content": "Say hi."}], "temperature": 0, "max_tokens": 8,
+           "extra_body": {"return_token_ids": True}}
+    r = client.chat.completions.create(model="smollm2", **ask).model_dump()
+    prompt, ids = r["prompt_token_ids"], r["choices"][0]["token_ids"]
+    assert (len(prompt), len(ids)) == (r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]) and len(ids) == 8
+    for model in DEPLOYMENTS:
+        chunks = [c.model_dump() for c in client.chat.completions.create(model=model, stream=True, **ask)]
+        assert chunks[0]["prompt_token_ids"] == prompt
+        assert [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []] == ids
+
+
 def test_bad_param_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
