@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numba
 import numpy as np
 import pytest
 from dflash_files import draft_config_dict, random_draft_weights, tap_layers, write_draft_dir
@@ -224,14 +225,14 @@ def test_an_8_bit_draft_is_batch_invariant_and_near_the_float32_draft(tmp_path):
                       max_positions=TINY_Q.max_position_embeddings)
     assert q8.quantized and q8.kv_dtype == np.float16 and q8.new_cache().pool.dtype == np.float16
     assert not f32.quantized and f32.new_cache().pool.dtype == np.float32
-    rng = np.random.default_rng(5)
-    blocks = {}
+    blocks, taps = {}, {}
     for name, draft in (("q8", q8), ("f32", f32)):
         caches, anchors = [], []
         for n in (30, 12):
             ids = np.random.default_rng(n).integers(0, TINY_Q.vocab_size, n + 1)
             cache = draft.new_cache()
-            draft.add_context(cache, forward(target, ids[:n], target.new_cache(), taps=(1, 0)).taps, 0)
+            taps[n] = forward(target, ids[:n], target.new_cache(), taps=(1, 0)).taps
+            draft.add_context(cache, taps[n], 0)
             caches.append(cache)
             anchors.append(int(ids[n]))
         batched = draft.draft_logits_batch(caches, anchors)  # [2, 7, V]
@@ -242,6 +243,18 @@ def test_an_8_bit_draft_is_batch_invariant_and_near_the_float32_draft(tmp_path):
     cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
     assert cos.mean() > 0.998 and cos.min() > 0.99, (cos.mean(), cos.min())
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 12 / 14
+
+    # The 8-bit draft's passes run their compiled regions on the calling thread alone
+    # (team.on_calling_thread), and the caller's thread count comes back after each.
+    threads, seen = numba.get_num_threads(), []
+    cache, layer = q8.new_cache(), q8.decoders[0]
+    write = cache.write
+    cache.write = lambda *a: (seen.append(("context", numba.get_num_threads())), write(*a))[1]
+    q8.decoders[0] = lambda *a: (seen.append(("block", numba.get_num_threads())), layer(*a))[1]
+    q8.add_context(cache, taps[12], 0)
+    assert numba.get_num_threads() == threads
+    q8.draft_blocks([cache], [3])
+    assert seen == [("context", 1), ("context", 1), ("block", 1)] and numba.get_num_threads() == threads
 
 
 def test_load_float16_dir_shares_the_target_arrays(tiny_target, tmp_path):

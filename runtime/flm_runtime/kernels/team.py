@@ -23,11 +23,13 @@ returns at once and ``run`` raises, so a failed step never leaves the caller spi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import platform
 import threading
+from collections.abc import Iterator
 
 import numba
 import numpy as np
@@ -221,6 +223,25 @@ def default_team() -> Team:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=default_team.cache_clear)
+
+
+@contextlib.contextmanager
+def on_calling_thread() -> Iterator[None]:
+    """Run the numba ``parallel=True`` regions launched inside on the calling thread alone
+    (``numba.set_num_threads(1)``, a per-thread setting, restored after).
+
+    For compiled code that runs between the team's steps (a DFlash draft's layers): numba's
+    OpenMP workers spin after each region instead of sleeping, and on a 2-core host they take a
+    core from the team's next step, which then waits at every barrier for the thread that has
+    none; a target pass right after a draft pass of the 2 OpenMP threads took about a decode
+    longer (docs/dflash.md, "Serving: batched steps and the speculation policy").
+    """
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
 
 
 class StepError(RuntimeError):

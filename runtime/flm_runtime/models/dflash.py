@@ -25,6 +25,7 @@ embedding), which ``public_config`` maps onto a ``DFlashConfig``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -36,7 +37,7 @@ import numpy as np
 from flm_runtime.core import LlamaConfig, Proposal
 from flm_runtime.kv_cache import KVCache
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.kernels import cpu, quant
+from flm_runtime.kernels import cpu, quant, team
 from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan, stack_arithmetic
 from flm_runtime.layers.ops import REFERENCE
 from flm_runtime.layers.spec import LayerSpec
@@ -316,6 +317,12 @@ class DFlashDraft:
         except ModelFormatError as e:
             raise ModelFormatError(f"{path / WEIGHTS_FILE}: {e}") from e
 
+    def _threads(self):
+        """Where a pass's compiled regions run: an 8-bit draft's on the calling thread alone
+        (``team.on_calling_thread``: the target's team keeps the cores), the float32 draft's numpy
+        as it comes."""
+        return team.on_calling_thread() if self.quantized else contextlib.nullcontext()
+
     def new_cache(self, capacity: int = 0) -> DraftCache:
         """An empty context K/V cache for one sequence (``capacity`` in tokens is a hint)."""
         c = self.config
@@ -339,7 +346,7 @@ class DFlashDraft:
         assert cache.length == start_position, f"draft cache holds {cache.length}, taps start at {start_position}"
         if t == 0:
             return
-        with cpu.forward_pass(t):
+        with cpu.forward_pass(t), self._threads():
             ctx = cpu.rms_norm(cpu.linear(taps, self.fc), self.hidden_norm, c.rms_norm_eps)  # [T, E]
             cos = self.rope_cos[start_position : start_position + t]  # [T, D/2]
             sin = self.rope_sin[start_position : start_position + t]
@@ -399,7 +406,7 @@ class DFlashDraft:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [S*B, D/2]
         # the LM head runs on the rows ``hidden`` picks below, not on a span's last rows: n_logits 0
         spans = [RowSpan(cache, st, slice(s * b, (s + 1) * b), 0) for s, (cache, st) in enumerate(zip(caches, starts))]
-        with cpu.forward_pass(n_seq * b):
+        with cpu.forward_pass(n_seq * b), self._threads():
             for cache in caches:
                 cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
             for i, decoder in enumerate(self.decoders):
