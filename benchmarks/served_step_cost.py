@@ -39,6 +39,7 @@ from flm_bench.engines import load_engines, run_request
 from flm_runtime.request import SamplingParams
 from flm_runtime.scheduling.engine import StepTiming
 from flm_runtime.speculation.policy import Bucket, PolicyTable
+from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 
 class StepRecorder:
@@ -98,8 +99,12 @@ def main() -> int:
 
     engines = load_engines(a.tag)
     base, spec = engines.baseline, engines.dflash
-    decoder = spec.speculative
-    decoder.policy = forced_policy(a.k) if a.policy is None else PolicyTable.load(a.policy)
+    # A decoder of its own for the policy: it asks the target for the draft's taps only where the
+    # policy drafts, which is fixed when it is built (the shipped table never drafts).
+    served = spec.speculative
+    decoder = spec.speculative = SpeculativeDecoder(
+        served.target, served.draft, policy=forced_policy(a.k) if a.policy is None else PolicyTable.load(a.policy),
+        ngram=served.ngram, suffix=served.suffix)
     prompts = [chat_ids(base.tokenizer, text) for _, text in short_prompts(n=a.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     for engine in (base, spec):  # warm-up: compiled kernels, first allocations

@@ -234,7 +234,7 @@ def on_calling_thread() -> Iterator[None]:
     OpenMP workers spin after each region instead of sleeping, and on a 2-core host they take a
     core from the team's next step, which then waits at every barrier for the thread that has
     none; a target pass right after a draft pass of the 2 OpenMP threads took about a decode
-    longer (docs/dflash.md, "Serving: batched steps and the speculation policy").
+    longer (docs/dflash.md, "Cost on the cpu backend").
     """
     before = numba.get_num_threads()
     numba.set_num_threads(1)
