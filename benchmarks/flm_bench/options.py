@@ -8,6 +8,7 @@ Kept apart from the commands themselves (and free of heavy imports) so that buil
 from __future__ import annotations
 
 import argparse
+import math
 
 from flm_runtime.errors import InvalidRequestError
 
@@ -26,14 +27,15 @@ def positive_int(text: str) -> int:
 
 
 def cost_curve(text: str) -> list[float]:
-    """An ``argparse`` type: comma-separated verify costs in decode steps, each at least 1 and none
-    below the one before (``1.16,1.27,1.38``: passes of 2, 3, 4 rows)."""
+    """An ``argparse`` type: comma-separated verify costs in decode steps, each finite, at least 1 and
+    none below the one before (``1.16,1.27,1.38``: passes of 2, 3, 4 rows)."""
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text!r}") from None
-    if any(v < 1.0 for v in values) or values != sorted(values):
-        raise argparse.ArgumentTypeError(f"each cost must be at least 1 and none below the one before, got {text!r}")
+    if not all(math.isfinite(v) and v >= 1.0 for v in values) or values != sorted(values):
+        raise argparse.ArgumentTypeError(f"each cost must be a finite number of at least 1 and none below the one "
+                                         f"before, got {text!r}")
     return values
 
 

@@ -55,6 +55,7 @@ from flm_bench.options import WORKLOAD_MAX_TOKENS, parse_modes
 from flm_bench.soak import PROVIDER_PREFIX, draft_models_file
 from flm_bench.workloads import Answer, Task
 from flm_runtime import InvalidRequestError, paths, registry
+from flm_runtime.models.dflash import CONFIG_FILE, read_config
 from flm_runtime.request import PROPOSERS
 from flm_runtime.speculation.costs import HostCosts, host_id
 
@@ -206,13 +207,15 @@ def main(args: argparse.Namespace) -> int:
         for tag in tags:  # first-call costs (loading, allocations) are not the model's speed
             litellm.completion(model=PROVIDER_PREFIX + tag, messages=[{"role": "user", "content": "Hello!"}],
                                max_tokens=8, temperature=0.0)
+        if args.ceiling_curve:
+            check_curve(args.ceiling_curve, tags[1])
         pairs = measure(jobs, tags, seed=args.seed, quiet=args.quiet)
         curve = args.ceiling_curve or verify_curve(tags[1])
     if curve is not None:
         pairs = copy_ceilings(pairs, curve, args.ceiling_min_run)
     out = report.output_dir(args.out)
     report.write_csv(out / "workloads.csv", COLUMNS, (p.row() for p in pairs))
-    sections = tables(pairs, names, modes, tags, max_tokens, args)
+    sections = tables(pairs, names, modes, tags, max_tokens, args, curve)
     report.write_report(out / "workloads.md", "Workloads", command(args, max_tokens), sections, info)
     written = ["workloads.md", "workloads.csv"]
     if not args.no_plot and plot(pairs, names, modes, tags, out / "workloads.png"):
@@ -238,10 +241,25 @@ def measure(jobs: list[tuple[Task, str]], tags: tuple[str, str], *, seed: int, q
     return pairs
 
 
+def check_curve(curve: list[float], tag: str) -> None:
+    """``--ceiling-curve`` prices a step verifying 1 .. K tokens, K = DFlash ``tag``'s draft's block
+    size - 1 (the most its proposers propose a step).
+
+    Raises:
+        InvalidRequestError: ``curve`` has not K costs: fewer would price a lower ceiling, more a
+            step the tag never runs.
+    """
+    drafted = read_config(registry.locate_draft(tag) / CONFIG_FILE).block_size - 1
+    if len(curve) != drafted:
+        raise InvalidRequestError(f"--ceiling-curve has {len(curve)} costs; {tag} verifies up to {drafted} tokens a "
+                                  f"step (passes of 2 .. {drafted + 1} rows): give {drafted}", param="--ceiling-curve")
+
+
 def verify_curve(tag: str) -> list[float] | None:
-    """The verify curve this host measured for DFlash ``tag``'s target on the cpu backend when its
-    engine started (``speculation.costs``): ``verify_ratio``, K values; None when none is kept for
-    this host (``FLM_HOST_COSTS=0``, or a calibrated table in use)."""
+    """The verify curve this host measured for DFlash ``tag``'s target on the cpu backend
+    (``speculation.costs``, kept when an engine of the tag first started on this host):
+    ``verify_ratio``, K values; None when none was ever kept for this host (every engine of the
+    tag started with ``FLM_HOST_COSTS=0`` or a calibrated table)."""
     try:
         costs = HostCosts.model_validate(json.loads(paths.host_costs_file(tag, "cpu").read_text(encoding="utf-8")))
     except (OSError, ValueError):
@@ -253,13 +271,15 @@ def copy_ceilings(pairs: list[Pair], verify_ratio: list[float], min_run: int = 1
     """``pairs`` (in the order they ran) with their ``copy`` set: each DFlash answer's copy
     lengths (``ceiling.copy_lengths``, runs of up to K = len(``verify_ratio``) tokens) from its
     prompt, its output so far and the DFlash answers before it, runs shorter than ``min_run``
-    left out, and their least cost."""
+    left out (a run is measured up to ``min_run`` long even where K is shorter), and their least
+    cost."""
     earlier = ceiling.SubstringIndex()
+    most = max(len(verify_ratio), min_run)  # cheapest_cost verifies at most K of a run
     out = []
     for pair in pairs:
         reply = pair.dflash
         lengths = [m if m >= min_run else 0
-                   for m in ceiling.copy_lengths(reply.prompt_ids, reply.token_ids, earlier, len(verify_ratio))]
+                   for m in ceiling.copy_lengths(reply.prompt_ids, reply.token_ids, earlier, most)]
         out.append(dataclasses.replace(pair, copy=(len(lengths), ceiling.cheapest_cost(lengths, verify_ratio))))
         earlier.add_sequence(reply.token_ids)
     return out
@@ -325,8 +345,9 @@ def cells(pairs: list[Pair]) -> dict[tuple[str, str], Cell]:
 
 
 def tables(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[str, str], max_tokens: int,
-           args: argparse.Namespace) -> list[str]:
-    """The Markdown sections: the header, the table and the notes."""
+           args: argparse.Namespace, curve: list[float] | None) -> list[str]:
+    """The Markdown sections: the header, the table and the notes (``curve``: the verify costs the
+    copy ceiling was priced on, None without)."""
     by = cells(pairs)
     rows = []
     for name in names:
@@ -344,6 +365,10 @@ def tables(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[st
               "a conversation's turns each count as a request. Decode tokens/s (tokens after "
               "the first / seconds after the first, the engine's own timing) over all requests of a row; the "
               "ratio is DFlash / plain.")
+    source = "the verify costs given" if args.ceiling_curve else "this host's verify curve"
+    priced = ("— here: this host kept no verify curve for the DFlash tag (`--ceiling-curve` gives one)." if curve is None
+              else f"Priced on {source} ({','.join(map(str, curve))} decode steps for passes of 2, 3, ... rows)"
+              + (f", runs of at least {args.ceiling_min_run} tokens only." if args.ceiling_min_run > 1 else "."))
     notes = ["AL by proposer: tokens pushed (accepted + the bonus token) per verify step of the draft's, "
              "prompt lookup's (ngram), the suffix proposer's and a grammar's forced tokens (grammar); share of "
              "decode steps: those verify steps and the plain steps (one token, no proposal verified), of all decode "
@@ -351,10 +376,7 @@ def tables(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[st
              "Copy ceiling: the ratio an oracle copy proposer would reach on the DFlash tag's answers (every "
              "run of the answer found in its prompt, its output so far or the tag's earlier answers, verified in "
              "the cheapest steps this host's verify curve allows, never wrong, at no proposing cost): the most "
-             "prompt lookup and the suffix proposer can give; — where this host kept no verify curve. Priced "
-             + (f"on the verify costs given ({', '.join(map(str, args.ceiling_curve))} decode steps for 2, 3, ... "
-                "rows)" if args.ceiling_curve else "on this host's verify curve")
-             + (f", runs of at least {args.ceiling_min_run} tokens only." if args.ceiling_min_run > 1 else "."),
+             "prompt lookup and the suffix proposer can give. " + priced,
              "Greedy identical: both tags gave the same tokens (`return_token_ids`).",
              f"Sampled: the model's default sampler, seeds from {args.seed}, the same on both tags.",
              "Draft: " + (args.draft or f"{tags[1]}'s own") + "; chat prompts: "
@@ -363,8 +385,8 @@ def tables(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[st
 
 
 def command(args: argparse.Namespace, max_tokens: int) -> str:
-    return report.command_text("bench --workloads", [
-        ("--tag", args.tag), ("--draft", args.draft), ("--requests", args.requests),
+    return report.command_text("bench", [
+        ("--workloads", args.workloads), ("--tag", args.tag), ("--draft", args.draft), ("--requests", args.requests),
         ("--max-tokens", max_tokens), ("--modes", args.modes), ("--prompts", args.prompts),
         ("--ceiling-curve", ",".join(map(str, args.ceiling_curve)) if args.ceiling_curve else None),
         ("--ceiling-min-run", args.ceiling_min_run if args.ceiling_min_run > 1 else None),

@@ -35,6 +35,31 @@ def test_longest_prefix_equals_a_brute_force_search_over_separate_sequences(seed
     assert index.longest_prefix(texts[0][-1:] + texts[1][:1]) == brute_longest(texts, texts[0][-1:] + texts[1][:1])
 
 
+def test_longest_prefix_of_long_texts_and_repeated_tokens_equals_a_brute_force_search():
+    rng = np.random.default_rng(7)
+    texts = [rng.integers(0, 3, size=400).tolist(), [5] * 60, rng.integers(0, 50, size=300).tolist()]
+    index = SubstringIndex()
+    for text in texts:
+        index.add_sequence(text)
+    patterns = [[5] * 61, [5] * 59 + [0], texts[2][100:140], texts[0][7:60] + [9]]
+    patterns += [rng.integers(0, 3, size=12).tolist() for _ in range(100)]
+    for pattern in patterns:
+        assert index.longest_prefix(pattern) == brute_longest(texts, pattern)
+    assert index.longest_prefix([5] * 61) == 60 and index.longest_prefix(texts[2][100:140]) == 40
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_copy_lengths_equal_a_brute_force_search(seed):
+    rng = np.random.default_rng(seed)
+    prompt, output = (rng.integers(0, 3, size=n).tolist() for n in (20, 40))
+    others = [rng.integers(0, 3, size=15).tolist() for _ in range(2)]
+    earlier = SubstringIndex()
+    for text in others:
+        earlier.add_sequence(text)
+    want = [brute_longest([prompt + output[:i], *others], output[i:i + 5]) for i in range(1, 40)]
+    assert copy_lengths(prompt, output, earlier, most=5) == want
+
+
 def test_copy_lengths_of_a_small_case():
     prompt = [5, 6, 7, 8]
     output = [1, 6, 7, 8, 9, 1, 6, 4]
@@ -88,10 +113,24 @@ def test_copy_ceilings_let_an_answer_copy_the_earlier_answers_of_the_run():
     assert Cell([first, second]).ceiling == pytest.approx(6 / 5.0)
     # Runs of at least 4 tokens only: the second answer's run of 3 no longer counts.
     assert [p.copy for p in copy_ceilings([first, second], [1.5, 2.0], min_run=4)] == [(3, 3.0), (3, 3.0)]
+    # A run of 4 counts with runs of at least 4 though K is 2: it verifies 2 of them a step.
+    first, second = copy_ceilings([pair([1], [7, 8, 9, 10, 11]), pair([3], [5, 8, 9, 10, 11])], [1.5, 2.0], min_run=4)
+    assert (first.copy, second.copy) == ((4, 4.0), (4, 3.0))
+
+
+def test_an_answer_that_copies_its_prompt_gets_the_ceiling_of_whole_blocks():
+    task = Task("chat", "chat-1", {"messages": []})
+    prompt = list(range(100, 130))
+    reply = Reply(Answer("-"), 22, {}, tuple(prompt), tuple(prompt[:22]))
+    (copied,) = copy_ceilings([Pair(task, 1, "greedy", reply, reply)], [1.2, 1.3, 1.4, 1.5, 1.6, 1.8, 2.0])
+    # 21 decode positions, each copyable to the end: three steps of 7 (1.8 each) or 8, 7 and 6
+    # positions (2.0 + 1.8 + 1.6) cost least.
+    assert copied.copy == (21, pytest.approx(5.4))
+    assert Cell([copied]).ceiling == pytest.approx(21 / 5.4)
 
 
 def test_a_cost_curve_option_is_numbers_of_at_least_one_that_never_fall():
     assert cost_curve("1.16,1.27,1.27,1.5") == [1.16, 1.27, 1.27, 1.5]
-    for bad in ("1.2,x", "0.9,1.2", "1.5,1.2"):
+    for bad in ("1.2,x", "0.9,1.2", "1.5,1.2", "1.2,nan", "1.2,inf", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             cost_curve(bad)
