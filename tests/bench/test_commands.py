@@ -147,20 +147,39 @@ def test_bench_workloads_through_litellm_one_task_each(run_cli, random_draft, tm
     md = (tmp_path / "workloads.md").read_text()
     assert "| Workload | Mode | Requests | smollm2:135m tokens/s | smollm2-dflash:135m tokens/s | Ratio |" in md
     assert "| multi-turn | greedy | 4 |" in md and md.count("| 1 of 1 |") == 5 and "| 4 of 4 |" in md
-    assert "litellm-flm bench --workloads --tag smollm2:135m --draft" in md and "--requests 1" in md
+    assert "litellm-flm bench --workloads all --tag smollm2:135m --draft" in md and "--requests 1" in md
     assert (tmp_path / "workloads.png").read_bytes()[:4] == b"\x89PNG"
+
+
+CURVE = "1.1,1.2,1.3,1.4,1.5,1.6,1.7"  # a verify cost per pass of 2 .. 8 rows: the tag's block of 8
 
 
 def test_bench_workloads_sampled_mode(run_cli, tmp_path):
     status, *_ = run_cli("bench", "--workloads", "chat", "--modes", "sampled", "--requests", 1, "--max-tokens", 3,
-                         "--seed", 7, "--out", tmp_path, "--quiet", "--no-plot")
+                         "--seed", 7, "--ceiling-curve", CURVE, "--ceiling-min-run", 2, "--out", tmp_path, "--quiet",
+                         "--no-plot")
     assert status == 0
     _, rows = read_csv(tmp_path / "workloads.csv")
     assert [(r["workload"], r["task"], r["mode"], r["identical"]) for r in rows] == [("chat", "chat-1", "sampled", "")]
+    # The copy ceiling's decode positions: the DFlash answer's tokens after the first.
+    assert rows[0]["copy_positions"] == str(int(rows[0]["dflash_tokens"]) - 1) and float(rows[0]["copy_cost"]) >= 1.0
     md = (tmp_path / "workloads.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| chat | sampled | 1 |"))
     assert row.endswith("| — |") and "seeds from 7" in md  # no greedy equality in sampled mode
+    assert f"Priced on the verify costs given ({CURVE} decode steps" in md and "runs of at least 2 tokens" in md
+    # The command line reproduces the run: its workloads and options.
+    assert (f"litellm-flm bench --workloads chat --tag smollm2:135m --requests 1 --max-tokens 3 --modes sampled "
+            f"--ceiling-curve {CURVE} --ceiling-min-run 2 --seed 7 --out {tmp_path}") in md
     assert not (tmp_path / "workloads.png").exists()
+
+
+def test_bench_workloads_ceiling_curve_must_price_every_length_the_tag_verifies(run_cli, tmp_path):
+    for curve in (CURVE + ",1.8", CURVE.rsplit(",", 1)[0]):
+        status, _, err = run_cli("bench", "--workloads", "chat", "--ceiling-curve", curve, "--out", tmp_path / "x",
+                                 "--quiet")
+        n = curve.count(",") + 1
+        assert status == 1 and f"--ceiling-curve has {n} costs; smollm2-dflash:135m verifies up to 7 tokens" in err
+        assert not (tmp_path / "x").exists()
 
 
 def test_bench_workloads_takes_no_option_of_the_other_tables(run_cli, tmp_path):
