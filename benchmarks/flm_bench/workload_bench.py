@@ -365,10 +365,12 @@ def tables(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[st
               "a conversation's turns each count as a request. Decode tokens/s (tokens after "
               "the first / seconds after the first, the engine's own timing) over all requests of a row; the "
               "ratio is DFlash / plain.")
-    source = "the verify costs given" if args.ceiling_curve else "this host's verify curve"
-    priced = ("— here: this host kept no verify curve for the DFlash tag (`--ceiling-curve` gives one)."
-              if curve is None else f"Priced on {source} ({','.join(map(str, curve))} decode steps for passes of 2, 3, ... rows)"
-              + (f", runs of at least {args.ceiling_min_run} tokens only." if args.ceiling_min_run > 1 else "."))
+    if curve is None:
+        priced = "— here: this host kept no verify curve for the DFlash tag (`--ceiling-curve` gives one)."
+    else:
+        source = "the verify costs given" if args.ceiling_curve else "this host's verify curve"
+        priced = (f"Priced on {source} ({','.join(map(str, curve))} decode steps for passes of 2, 3, ... rows)"
+                  + (f", runs of at least {args.ceiling_min_run} tokens only." if args.ceiling_min_run > 1 else "."))
     notes = ["AL by proposer: tokens pushed (accepted + the bonus token) per verify step of the draft's, "
              "prompt lookup's (ngram), the suffix proposer's and a grammar's forced tokens (grammar); share of "
              "decode steps: those verify steps and the plain steps (one token, no proposal verified), of all decode "
