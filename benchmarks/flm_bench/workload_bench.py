@@ -377,7 +377,7 @@ def tables(pairs: list[Pair], names: list[str], modes: list[str], tags: tuple[st
              "steps of the DFlash tag.",
              "Copy ceiling: the ratio an oracle copy proposer would reach on the DFlash tag's answers (every "
              "run of the answer found in its prompt, its output so far or the tag's earlier answers, verified in "
-             "the cheapest steps this host's verify curve allows, never wrong, at no proposing cost): the most "
+             "the cheapest steps the verify curve allows, never wrong, at no proposing cost): the most "
              "prompt lookup and the suffix proposer can give. " + priced,
              "Greedy identical: both tags gave the same tokens (`return_token_ids`).",
              f"Sampled: the model's default sampler, seeds from {args.seed}, the same on both tags.",
