@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -57,7 +56,7 @@ from flm_bench.workloads import Answer, Task
 from flm_runtime import InvalidRequestError, paths, registry
 from flm_runtime.models.dflash import CONFIG_FILE, read_config
 from flm_runtime.request import PROPOSERS
-from flm_runtime.speculation.costs import HostCosts, host_id
+from flm_runtime.speculation.costs import host_id, load as load_host_costs
 
 PROG_NAME = "litellm-flm bench --workloads"
 REQUEST_TIMEOUT_S = 3600.0
@@ -207,10 +206,11 @@ def main(args: argparse.Namespace) -> int:
         for tag in tags:  # first-call costs (loading, allocations) are not the model's speed
             litellm.completion(model=PROVIDER_PREFIX + tag, messages=[{"role": "user", "content": "Hello!"}],
                                max_tokens=8, temperature=0.0)
+        drafted = read_config(registry.locate_draft(tags[1]) / CONFIG_FILE).block_size - 1  # K
         if args.ceiling_curve:
-            check_curve(args.ceiling_curve, tags[1])
+            check_curve(args.ceiling_curve, tags[1], drafted)
         pairs = measure(jobs, tags, seed=args.seed, quiet=args.quiet)
-        curve = args.ceiling_curve or verify_curve(tags[1])
+        curve = args.ceiling_curve or verify_curve(tags[1], drafted)
     if curve is not None:
         pairs = copy_ceilings(pairs, curve, args.ceiling_min_run)
     out = report.output_dir(args.out)
@@ -241,30 +241,26 @@ def measure(jobs: list[tuple[Task, str]], tags: tuple[str, str], *, seed: int, q
     return pairs
 
 
-def check_curve(curve: list[float], tag: str) -> None:
-    """``--ceiling-curve`` prices a step verifying 1 .. K tokens, K = DFlash ``tag``'s draft's block
-    size - 1 (the most its proposers propose a step).
+def check_curve(curve: list[float], tag: str, drafted: int) -> None:
+    """``--ceiling-curve`` prices a step verifying 1 .. K tokens, K = ``drafted``, DFlash ``tag``'s
+    draft's block size - 1 (the most its proposers propose a step).
 
     Raises:
         InvalidRequestError: ``curve`` has not K costs: fewer would price a lower ceiling, more a
             step the tag never runs.
     """
-    drafted = read_config(registry.locate_draft(tag) / CONFIG_FILE).block_size - 1
     if len(curve) != drafted:
         raise InvalidRequestError(f"--ceiling-curve has {len(curve)} costs; {tag} verifies up to {drafted} tokens a "
                                   f"step (passes of 2 .. {drafted + 1} rows): give {drafted}", param="--ceiling-curve")
 
 
-def verify_curve(tag: str) -> list[float] | None:
+def verify_curve(tag: str, drafted: int) -> list[float] | None:
     """The verify curve this host measured for DFlash ``tag``'s target on the cpu backend
     (``speculation.costs``, kept when an engine of the tag first started on this host):
-    ``verify_ratio``, K values; None when none was ever kept for this host (every engine of the
-    tag started with ``FLM_HOST_COSTS=0`` or a calibrated table)."""
-    try:
-        costs = HostCosts.model_validate(json.loads(paths.host_costs_file(tag, "cpu").read_text(encoding="utf-8")))
-    except (OSError, ValueError):
-        return None
-    return costs.verify_ratio if (costs.host, costs.model) == (host_id(), tag) else None
+    ``verify_ratio``, ``drafted`` values; None when none was kept for this host and that many
+    (every engine of the tag started with ``FLM_HOST_COSTS=0`` or a calibrated table)."""
+    costs = load_host_costs(paths.host_costs_file(tag, "cpu"), host_id(), tag, "cpu", drafted)
+    return None if costs is None else costs.verify_ratio
 
 
 def copy_ceilings(pairs: list[Pair], verify_ratio: list[float], min_run: int = 1) -> list[Pair]:

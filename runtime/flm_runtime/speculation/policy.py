@@ -260,7 +260,7 @@ class LookupTracker:
     window: int = 8
     first_wait: int = 16
     max_wait: int = 256
-    wait: int = 16
+    wait: int = field(init=False)
     declining: int = 0
     bar: float = 0.0
     after_backoff: bool = False

@@ -223,11 +223,17 @@ class SpeculativeDecoder:
         self.draft = draft
         self.taps = tuple(draft.config.target_layer_ids) if policy.drafts else ()
         self.block_size = int(draft.config.block_size)
-        self.policy = policy
+        self._policy = policy
         self.proposer = proposer
         self.ngram = ngram
         self.suffix = suffix
         self._tap_width = len(draft.config.target_layer_ids) * int(target.config.hidden_size)
+
+    @property
+    def policy(self) -> SpeculationPolicy:
+        """The policy it was built with, fixed: ``taps`` and every sequence's draft context follow
+        from it (a decoder for another policy is a new ``SpeculativeDecoder``)."""
+        return self._policy
 
     def new_state(self, capacity: int = 0) -> SpecState:
         """Fresh state for one sequence (``capacity``: a hint in tokens; no room is reserved in a
