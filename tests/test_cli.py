@@ -73,7 +73,9 @@ def test_list_shows_every_tag_with_format_size_state_and_path(capsys):
     assert cli.main(["list"]) == 0
     rows = table(capsys.readouterr().out)
     assert set(rows) == {"smollm2:135m", "smollm2-dflash:135m", "gemma3:270m", "nemotron3.5-bolt:e4b",
-                         "nemotron3.5-bolt-dflash:e4b"}
+                         "nemotron3.5-bolt-dflash:e4b", "qwen2.5-coder:0.5b", "qwen2.5-coder:1.5b"}
+    coder = str(paths.model_dir() / "qwen2.5-coder" / "1.5b" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+    assert rows["qwen2.5-coder:1.5b"] == ["qwen2.5-coder:1.5b", "?", "gguf", "1.1", "GB", "no", coder]
     gemma3 = str(paths.model_dir() / "gemma3" / "270m" / "gemma-3-270m-q4_k_m.gguf")
     assert rows["gemma3:270m"] == ["gemma3:270m", "?", "gguf", "253.1", "MB", "no", gemma3]
     gguf = str(paths.model_dir() / "smollm2" / "135m" / "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -163,7 +165,8 @@ def test_an_invalid_models_file_entry_is_skipped_by_list_and_named_by_run(isolat
     error = f"models file {f}: tag 'x:1b': weights: Input should be 'auto', 'q4', 'q8' or 'f32'"
     assert cli.main(["list"]) == 0
     assert sorted(table(capsys.readouterr().out)) == ["gemma3:270m", "nemotron3.5-bolt-dflash:e4b",
-                                                      "nemotron3.5-bolt:e4b", "smollm2-dflash:135m", "smollm2:135m"]
+                                                      "nemotron3.5-bolt:e4b", "qwen2.5-coder:0.5b",
+                                                      "qwen2.5-coder:1.5b", "smollm2-dflash:135m", "smollm2:135m"]
     assert caplog.messages == [f"skipping an invalid entry: {error}"]
     assert cli.main(["run", "x:1b", "Hi"]) == 1
     assert capsys.readouterr().err == f"litellm-flm: error: {error}\n"

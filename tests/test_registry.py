@@ -14,7 +14,8 @@ from flm_runtime import paths, pull, registry
 from flm_runtime.errors import ModelFilesMissingError, ModelFormatError, UnknownModelError
 from flm_runtime.registry import ModelEntry, ModelFile
 
-BUILTIN_TAGS = ["gemma3:270m", "nemotron3.5-bolt-dflash:e4b", "nemotron3.5-bolt:e4b", "smollm2-dflash:135m", "smollm2:135m"]
+BUILTIN_TAGS = ["gemma3:270m", "nemotron3.5-bolt-dflash:e4b", "nemotron3.5-bolt:e4b", "qwen2.5-coder:0.5b",
+                "qwen2.5-coder:1.5b", "smollm2-dflash:135m", "smollm2:135m"]
 
 
 @pytest.fixture(autouse=True)

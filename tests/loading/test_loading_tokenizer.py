@@ -204,9 +204,12 @@ def test_tiny_hf_dir_tokenizer_matches_gguf_one(tmp_path, tiny_gguf_tokenizer):
 
 @pytest.mark.parametrize("pre,pieces", [
     ("smollm", ["1", "2", "3", "4", "5", "Ġapples"]),
-    ("gpt2", ["12345", "Ġapples"]),
-    ("default", ["12345", "Ġapples"]),
+    ("gpt-2", ["12345", "Ġapples"]),
+    ("default", ["123", "45", "Ġapples"]),
     ("llama-bpe", ["123", "45", "Ġapples"]),
+    ("qwen2", ["1", "2", "3", "4", "5", "Ġapples"]),
+    ("tekken", ["1", "2", "3", "4", "5", "Ġapples"]),
+    ("gpt-4o", ["123", "45", "Ġapples"]),
 ])
 def test_pre_tokenizers_split_numbers_like_their_models(pre, pieces):
     got = [p for p, _ in gguf_pre_tokenizer(pre).pre_tokenize_str("12345 apples")]
@@ -214,8 +217,8 @@ def test_pre_tokenizers_split_numbers_like_their_models(pre, pieces):
 
 
 def test_unknown_pre_tokenizer_and_tokenizer_models_are_rejected():
-    with pytest.raises(ModelFormatError, match="qwen2"):
-        gguf_pre_tokenizer("qwen2")
+    with pytest.raises(ModelFormatError, match="pre-tokenizer 'gpt2' is not supported .*qwen2"):
+        gguf_pre_tokenizer("gpt2")  # the tokenizer model's name, never a pre-tokenizer's in llama.cpp
     with pytest.raises(ModelFormatError, match="tokenizer model 'rwkv' is not supported"):
         Tokenizer.from_gguf({"tokenizer.ggml.model": "rwkv", "tokenizer.ggml.tokens": ["a"]})
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -49,11 +49,53 @@ END_OF_TURN_TOKENS = (
     "<|endoftext|>", "<|end_of_text|>", "<EOT>",
 )
 
-# Llama-3's split regex (tokenizer.json of meta-llama/Meta-Llama-3-8B; llama.cpp "llama-bpe").
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+# llama.cpp's split rules per ``tokenizer.ggml.pre`` name (``llama_vocab::impl::load`` and
+# ``llm_tokenizer_bpe`` in src/llama-vocab.cpp, the llama.cpp of llama-cpp-python 0.3.36): the
+# regexes run in turn, each splitting the pieces the one before left; text no regex matches stays a
+# piece of its own. Where llama.cpp rewrites a tokenizer.json regex for its own regex engine
+# (case-insensitive contractions, ``\p{Lu}``-style classes), the original is written here: the
+# ``tokenizers`` engine reads it, and the corpus tests hold the two equal on real vocabularies.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+class PreTokenizerRule(NamedTuple):
+    """How llama.cpp cuts text before byte-level BPE for one ``tokenizer.ggml.pre`` family."""
+
+    splits: tuple[str, ...]  # regexes, applied in turn
+    ignore_merges: bool = False  # a piece that is a whole vocabulary entry is taken as it is
+
+
+_RULES = {
+    "default": PreTokenizerRule((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", "[0-9][0-9][0-9]")),
+    "gpt2": PreTokenizerRule((_GPT2_SPLIT,)),
+    "smollm": PreTokenizerRule((r"\p{N}", _GPT2_SPLIT)),
+    "llama3": PreTokenizerRule((_LLAMA3_SPLIT,), ignore_merges=True),
+    "qwen2": PreTokenizerRule((_QWEN2_SPLIT,)),
+    "tekken": PreTokenizerRule((_TEKKEN_SPLIT,), ignore_merges=True),
+    "gpt4o": PreTokenizerRule((_GPT4O_SPLIT,)),
+}
+# The names llama.cpp's GGUF writer gives the families we load, and llama.cpp's aliases of them.
+PRE_TOKENIZERS = {
+    "default": _RULES["default"],
+    "gpt-2": _RULES["gpt2"],  # GPT-2 and Phi-2
+    "smollm": _RULES["smollm"],  # SmolLM, SmolLM2
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3"), _RULES["llama3"]),  # Llama 3.x
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _RULES["qwen2"]),  # Qwen 2, 2.5, 3
+    "tekken": _RULES["tekken"],  # Mistral Nemo, Mistral Small 3
+    **dict.fromkeys(("gpt-4o", "llama4"), _RULES["gpt4o"]),  # Phi-4-mini
+}
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -335,7 +377,7 @@ def _byte_level_bpe(meta: dict[str, Any], source: str) -> HFTokenizer:
     hf = HFTokenizer(models.BPE(
         vocab={t: i for i, t in enumerate(tokens)},
         merges=[tuple(m.split(" ", 1)) for m in merges],
-        ignore_merges=pre == "llama-bpe",  # Llama-3 looks whole words up first (as llama.cpp)
+        ignore_merges=_pre_tokenizer_rule(pre, source).ignore_merges,
     ))
     hf.pre_tokenizer = gguf_pre_tokenizer(pre, source)
     hf.decoder = decoders.ByteLevel()
@@ -392,29 +434,24 @@ def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[s
 
 
 def gguf_pre_tokenizer(pre: str, source: str = "GGUF") -> Any:
-    """The ``tokenizers`` pre-tokenizer matching llama.cpp's ``tokenizer.ggml.pre`` name.
-
-    - ``default``, ``gpt2``, ``gpt-2``: GPT-2's byte-level regex.
-    - ``smollm``: digits split one by one, then GPT-2's regex (SmolLM2's tokenizer.json).
-    - ``llama-bpe``: Llama-3's regex (numbers in groups of up to 3), then byte-level mapping.
+    """The ``tokenizers`` pre-tokenizer that cuts text as llama.cpp does for ``tokenizer.ggml.pre``
+    (``PRE_TOKENIZERS``), then maps bytes to GPT-2's characters.
 
     Raises:
-        ModelFormatError: any other name.
+        ModelFormatError: a name not in ``PRE_TOKENIZERS``, listing those that are.
     """
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("default", "gpt2", "gpt-2"):
-        return byte_level
-    if pre == "smollm":
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre == "llama-bpe":
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    raise ModelFormatError(
-        f"{source}: pre-tokenizer {pre!r} is not supported (supported: default, gpt2, smollm, "
-        f"llama-bpe)")
+    rule = _pre_tokenizer_rule(pre, source)
+    return pre_tokenizers.Sequence([
+        *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in rule.splits),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def _pre_tokenizer_rule(pre: str, source: str) -> PreTokenizerRule:
+    if (rule := PRE_TOKENIZERS.get(pre)) is None:
+        raise ModelFormatError(f"{source}: pre-tokenizer {pre!r} is not supported "
+                               f"(supported: {', '.join(PRE_TOKENIZERS)})")
+    return rule
 
 
 def _add_gguf_special_tokens(hf: HFTokenizer, tokens: list[str], token_types: list[int]) -> None:
