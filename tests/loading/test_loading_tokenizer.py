@@ -1,5 +1,5 @@
 """Tokenizer: the SmolLM2 vocabulary from its GGUF, tiny vocabularies written here (byte-level BPE and
-SentencePiece), and Gemma 3's SentencePiece vocabulary against llama.cpp's tokenizer."""
+SentencePiece), and every real vocabulary we ship (SmolLM2, Gemma 3, Qwen 2.5) against llama.cpp's tokenizer."""
 
 from __future__ import annotations
 
@@ -277,37 +277,91 @@ def test_sentencepiece_needs_its_scores():
         Tokenizer.from_gguf(meta)
 
 
-# Recorded once by `tests/reference/llama_cpp.py tokens` (the command is in the fixture).
-GEMMA3_LLAMA_CPP = json.loads((Path(__file__).resolve().parents[1] / "data" /
-                               "gemma3_270m_llama_cpp_tokens.json").read_text(encoding="utf-8"))
-PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
+DATA = Path(__file__).resolve().parents[1] / "data"
+PASSAGE = DATA / "wizard_of_oz_ch1.txt"
+
+
+def _fixture(name: str) -> dict:
+    # Recorded once by tests/reference/llama_cpp.py (the command is in the fixture).
+    return json.loads((DATA / name).read_text(encoding="utf-8"))
+
+
+# Each real vocabulary we ship and llama.cpp's ids of the corpus (tests/reference/llama_cpp.py TEXTS)
+# and of the perplexity passage, for its GGUF. Both Qwen2.5-Coder files hold the same vocabulary.
+LLAMA_CPP_TOKENS = {tag: _fixture(name) for tag, name in (
+    ("smollm2:135m", "smollm2_135m_llama_cpp_tokens.json"),
+    ("gemma3:270m", "gemma3_270m_llama_cpp_tokens.json"),
+    ("qwen2.5-coder:0.5b", "qwen2.5_coder_llama_cpp_tokens.json"),
+)}
+GEMMA3_LLAMA_CPP = LLAMA_CPP_TOKENS["gemma3:270m"]
+PRE_TOKENIZERS_LLAMA_CPP = _fixture("pre_tokenizers_llama_cpp_tokens.json")
+
+
+def _tokenizer_of(tag: str) -> Tokenizer:
+    from flm_runtime.pull import locate
+
+    gguf = locate(tag)
+    return Tokenizer.from_gguf(open_gguf(gguf).metadata, source=str(gguf))
 
 
 @pytest.fixture(scope="module")
-def gemma3_tokenizer(gemma3_gguf):
-    return Tokenizer.from_gguf(open_gguf(gemma3_gguf).metadata, source=str(gemma3_gguf))
+def real_tokenizers() -> dict[str, Tokenizer]:
+    return {tag: _tokenizer_of(tag) for tag in LLAMA_CPP_TOKENS}
 
 
-def test_gemma3_fixture_is_of_the_registered_file():
+@pytest.fixture(scope="module")
+def gemma3_tokenizer(real_tokenizers):
+    return real_tokenizers["gemma3:270m"]
+
+
+@pytest.mark.parametrize("tag", LLAMA_CPP_TOKENS)
+def test_llama_cpp_fixtures_are_of_the_registered_files(tag):
     from flm_runtime import registry
 
-    assert GEMMA3_LLAMA_CPP["model_sha256"] == registry.resolve("gemma3:270m").files[0].sha256
+    assert LLAMA_CPP_TOKENS[tag]["model_sha256"] == registry.resolve(tag).files[0].sha256
+    assert PRE_TOKENIZERS_LLAMA_CPP["model"] == LLAMA_CPP_TOKENS["qwen2.5-coder:0.5b"]["model"]
 
 
-@pytest.mark.parametrize("case", GEMMA3_LLAMA_CPP["cases"], ids=lambda c: c["text"][:24])
-def test_gemma3_ids_equal_llama_cpps(gemma3_tokenizer, case):
-    assert gemma3_tokenizer.encode(case["text"]) == case["ids"]
+@pytest.mark.parametrize("tag", LLAMA_CPP_TOKENS)
+def test_corpus_ids_equal_llama_cpps(real_tokenizers, tag):
+    tok = real_tokenizers[tag]
+    cases = LLAMA_CPP_TOKENS[tag]["cases"]
+    assert [tok.encode(c["text"]) for c in cases] == [c["ids"] for c in cases]
 
 
-def test_gemma3_passage_ids_equal_what_llama_perplexity_scores(gemma3_tokenizer):
+@pytest.mark.parametrize("tag", LLAMA_CPP_TOKENS)
+def test_passage_ids_equal_what_llama_perplexity_scores(real_tokenizers, tag):
     text = PASSAGE.read_text(encoding="utf-8").removesuffix("\n")  # llama-perplexity -f drops it
-    assert gemma3_tokenizer.encode(text) == GEMMA3_LLAMA_CPP["passage"]["ids"]
+    assert real_tokenizers[tag].encode(text) == LLAMA_CPP_TOKENS[tag]["passage"]["ids"]
+
+
+@pytest.mark.parametrize("pre", PRE_TOKENIZERS_LLAMA_CPP["ids"])
+def test_every_pre_tokenizer_cuts_text_as_llama_cpp(real_tokenizers, pre):
+    # Qwen 2.5's vocabulary read under each name: its 151k pieces and merges show every cut in the ids.
+    meta = dict(open_gguf(real_tokenizers["qwen2.5-coder:0.5b"].source).metadata)
+    tok = Tokenizer.from_gguf({**meta, "tokenizer.ggml.pre": pre})
+    assert [tok.encode(t) for t in PRE_TOKENIZERS_LLAMA_CPP["texts"]] == PRE_TOKENIZERS_LLAMA_CPP["ids"][pre]
+
+
+def test_every_pre_tokenizer_name_is_checked_against_llama_cpp():
+    from flm_runtime.loading.tokenizer import PRE_TOKENIZERS
+
+    assert set(PRE_TOKENIZERS_LLAMA_CPP["ids"]) == set(PRE_TOKENIZERS)
+
+
+def test_qwen_special_tokens_follow_llama_cpp(real_tokenizers):
+    tok = real_tokenizers["qwen2.5-coder:0.5b"]
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.add_bos) == (151936, 151643, 151645, False)
+    # <|endoftext|>, <|im_end|>, and "</s>": a normal token of the vocabulary that llama.cpp ends on.
+    assert tok.stop_token_ids == frozenset({151643, 151645, 128247})
+    assert tok.encode("x</s>y") == [87, 128247, 88]
+    assert {151657, 151658} & tok.special_token_ids == set()  # <tool_call>: user-defined, kept in text
 
 
 def test_gemma3_special_tokens(gemma3_tokenizer):
     tok = gemma3_tokenizer
     assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.add_bos) == (262144, 2, 1, True)
-    assert tok.stop_token_ids == frozenset({1, 106})  # <eos>, <end_of_turn>
+    assert tok.stop_token_ids == frozenset({1, 106, 212})  # <eos>, <end_of_turn>, "</s>" (as llama.cpp)
     assert tok.chat_template is None  # a base model
     assert tok.encode("<start_of_turn>user\nHi<end_of_turn>", add_bos=False)[:1] == [105]
     assert tok.token_bytes(138) == b"  " and tok.token_bytes(107) == b"\n"  # user-defined: raw text

@@ -7,6 +7,9 @@ with the command, the date and the llama.cpp commit in it:
 - ``tokens``: ``llama-tokenize`` ids of ``TEXTS`` and of the perplexity passage as
   ``llama-perplexity`` reads it (``-f`` drops the file's one trailing newline), BOS included where
   the model's ``add_bos_token`` asks for it;
+- ``pre-tokenizers``: ``llama-tokenize`` ids of ``TEXTS`` under every ``tokenizer.ggml.pre`` name
+  ``flm_runtime`` reads, each on a copy of one vocabulary (the GGUF's metadata alone, that name
+  written in);
 - ``perplexity``: ``llama-perplexity``'s final estimate over ``tests/data/wizard_of_oz_ch1.txt``
   with a context of ``N_CTX`` tokens.
 
@@ -27,6 +30,7 @@ activations to 8 bits for the quantized matrix products, ours (float32 reference
 
 Run (not part of CI; needs a llama.cpp build with the llama-tokenize and llama-perplexity targets):
     python tests/reference/llama_cpp.py tokens LLAMA_CPP_DIR GGUF tests/data/OUT.json
+    python tests/reference/llama_cpp.py pre-tokenizers LLAMA_CPP_DIR GGUF tests/data/OUT.json
     python tests/reference/llama_cpp.py perplexity LLAMA_CPP_DIR GGUF tests/data/OUT.json
 """
 
@@ -38,6 +42,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
@@ -45,7 +50,9 @@ N_CTX = 128  # tokens: the passage has ~330, and llama-perplexity needs at least
 THREADS = 2
 
 # Plain prose, unicode from several scripts, digits, runs of spaces, newlines and tabs, a character
-# no piece covers (U+F0000, private use: byte fallback), HTML tags (user-defined tokens in Gemma 3).
+# no piece covers (U+F0000, private use: byte fallback), HTML tags (user-defined tokens in Gemma 3),
+# code, numbers of every length, contractions in both cases, combining marks, emoji sequences, and
+# the spellings of the shipped vocabularies' special tokens (each vocabulary has some of them).
 TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
     "Café naïve résumé — 你好，世界！ こんにちは。 Привет, мир! Ελληνικά 😀🎉👍🏽",
@@ -55,6 +62,19 @@ TEXTS = [
     "line one\nline two\n\n\nafter three newlines\r\n\tand a tab\n",
     "private use \ue000 and \U000f0000 fall back to bytes",
     "<b>bold</b> and <td>cell</td>",
+    "def mean(xs: list[float]) -> float:\n    \"\"\"Average.\"\"\"\n    if not xs:\n        raise ValueError('empty')\n"
+    "    return sum(xs) / len(xs)  # O(n)\n\n\nclass A:\n\tdef f(self):\n\t\treturn {'k': [1, 2]}\n",
+    "for (int i = 0; i < n; ++i) {\n\tbuf[i] = x->y ?: 0x1F & ~mask; // C\n}\n#include <stdio.h>\n",
+    "1 12 123 1234 12345 123456 1234567 12345678 123456789 12345678901234567890 -0.5e-10 1_000_000 ٣٤ ½ x²",
+    "I'm sure you're right: it's WE'LL and They'VE, don't, can't, I'D, she'S.",
+    "e\u0301 a\u0308 n\u0303: combining marks; Ångström ﬁ ＡＢＣ１２３",
+    "한국어 텍스트와 日本語のテキスト、中文文本。ภาษาไทย العربية עברית हिन्दी",
+    "👨‍👩‍👧‍👦 family, 🇫🇷🇯🇵 flags, ❤️‍🔥, 1️⃣, 🏳️‍🌈",
+    "mixed: Hello世界مرحبا123abc_DEF-ghi.jkl/mno\\pqr",
+    "   \n\n  \n\t\t b   \n \r\n\r\n    ",
+    "https://example.com/a/b?c=d&e=f#g C:\\Users\\me ~/.cache/x.gguf !!!??? ... --- ===> <=>",
+    "<|im_start|>user\nHi<|im_end|>\n<|endoftext|><|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>",
+    "<tool_call>\n{\"name\": \"f\"}\n</tool_call><start_of_turn>model\n<end_of_turn><bos></s><eos>",
 ]
 
 
@@ -85,6 +105,44 @@ def record_tokens(bin_dir: Path, gguf: Path) -> dict:
     }
 
 
+def vocab_only_copy(gguf: Path, out: Path, pre: str) -> None:
+    """Write ``gguf``'s metadata, with ``tokenizer.ggml.pre`` set to ``pre``, and no tensors to ``out``
+    (what ``llama-tokenize`` reads: it loads the vocabulary only)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(gguf)
+    writer = GGUFWriter(out, arch=reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = pre if key == "tokenizer.ggml.pre" else field.contents()
+        kind = field.types[0]
+        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, kind, sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+
+def record_pre_tokenizers(bin_dir: Path, gguf: Path) -> dict:
+    """``llama-tokenize`` ids of ``TEXTS`` for each ``tokenizer.ggml.pre`` name we read, the vocabulary
+    and merges ``gguf``'s (a large byte-level BPE vocabulary: how it is cut shows in the ids)."""
+    from flm_runtime.loading.tokenizer import PRE_TOKENIZERS
+
+    cases = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for pre in PRE_TOKENIZERS:
+            copy = Path(tmp) / f"{pre}.gguf"
+            vocab_only_copy(gguf, copy, pre)
+            cases[pre] = [tokenize(bin_dir, copy, t) for t in TEXTS]
+    return {
+        "command": f"llama-tokenize -m VOCAB --stdin --ids --no-escape --log-disable < TEXT, VOCAB = {gguf.name}'s "
+                   "metadata with tokenizer.ggml.pre = NAME and no tensors",
+        "texts": TEXTS,
+        "ids": cases,
+    }
+
+
 def record_perplexity(bin_dir: Path, gguf: Path) -> dict:
     args = ["-f", str(PASSAGE), "-c", str(N_CTX), "-b", str(N_CTX), "-fa", "off", "-ctk", "f32", "-ctv", "f32",
             "-t", str(THREADS)]
@@ -111,10 +169,10 @@ def compact_json(obj: dict) -> str:
 
 def main(argv: list[str]) -> None:
     what, llama_dir, gguf, out = argv[0], Path(argv[1]), Path(argv[2]), Path(argv[3])
-    record = {"tokens": record_tokens, "perplexity": record_perplexity}[what]
+    record = {"tokens": record_tokens, "pre-tokenizers": record_pre_tokenizers, "perplexity": record_perplexity}[what]
     fixture = {**header(llama_dir, gguf, argv), **record(llama_dir / "build" / "bin", gguf)}
     out.write_text(compact_json(fixture), encoding="utf-8")
-    print(compact_json({k: v for k, v in fixture.items() if k not in ("cases", "passage")}))
+    print(compact_json({k: v for k, v in fixture.items() if k not in ("cases", "passage", "texts", "ids")}))
 
 
 if __name__ == "__main__":

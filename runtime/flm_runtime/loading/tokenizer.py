@@ -43,10 +43,13 @@ TOKEN_TYPE_USER_DEFINED = 4
 SPACE_PIECE = "\u2581"  # "▁": SentencePiece's space
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
 
-# Tokens that end a turn in some chat format; each that exists as an added token stops generation.
+# Tokens that end generation, by their text: llama.cpp's end-of-generation list (src/llama-vocab.cpp),
+# less the markers of formats we do not load. Each that is an added token stops generation; in a
+# GGUF, llama.cpp makes each a control token whatever its type says (Qwen 2.5's vocabulary holds
+# "</s>" as a normal token: llama.cpp reads "</s>" in a prompt as one token and stops at it).
 END_OF_TURN_TOKENS = (
-    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
-    "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>",
+    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
 )
 
 # llama.cpp's split rules per ``tokenizer.ggml.pre`` name (``llama_vocab::impl::load`` and
@@ -456,8 +459,9 @@ def _pre_tokenizer_rule(pre: str, source: str) -> PreTokenizerRule:
 
 def _add_gguf_special_tokens(hf: HFTokenizer, tokens: list[str], token_types: list[int]) -> None:
     # CONTROL tokens are special (skippable); USER_DEFINED are matched whole but kept in text.
-    control = [t for t, k in zip(tokens, token_types) if k == TOKEN_TYPE_CONTROL]
-    user = [t for t, k in zip(tokens, token_types) if k == TOKEN_TYPE_USER_DEFINED]
+    types = [*token_types, *[None] * (len(tokens) - len(token_types))]
+    control = [t for t, k in zip(tokens, types) if k == TOKEN_TYPE_CONTROL or t in END_OF_TURN_TOKENS]
+    user = [t for t, k in zip(tokens, types) if k == TOKEN_TYPE_USER_DEFINED and t not in END_OF_TURN_TOKENS]
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
