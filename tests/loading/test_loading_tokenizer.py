@@ -335,11 +335,15 @@ def test_passage_ids_equal_what_llama_perplexity_scores(real_tokenizers, tag):
     assert real_tokenizers[tag].encode(text) == LLAMA_CPP_TOKENS[tag]["passage"]["ids"]
 
 
+@pytest.fixture(scope="module")
+def qwen_metadata(real_tokenizers) -> dict:
+    return dict(open_gguf(real_tokenizers["qwen2.5-coder:0.5b"].source).metadata)
+
+
 @pytest.mark.parametrize("pre", PRE_TOKENIZERS_LLAMA_CPP["ids"])
-def test_every_pre_tokenizer_cuts_text_as_llama_cpp(real_tokenizers, pre):
+def test_every_pre_tokenizer_cuts_text_as_llama_cpp(qwen_metadata, pre):
     # Qwen 2.5's vocabulary read under each name: its 151k pieces and merges show every cut in the ids.
-    meta = dict(open_gguf(real_tokenizers["qwen2.5-coder:0.5b"].source).metadata)
-    tok = Tokenizer.from_gguf({**meta, "tokenizer.ggml.pre": pre})
+    tok = Tokenizer.from_gguf({**qwen_metadata, "tokenizer.ggml.pre": pre})
     assert [tok.encode(t) for t in PRE_TOKENIZERS_LLAMA_CPP["texts"]] == PRE_TOKENIZERS_LLAMA_CPP["ids"][pre]
 
 
