@@ -82,7 +82,7 @@ def test_smollm2_invariants_from_design(smollm2_tokenizer):
     assert len(tok.encode("2024")) == 4
     assert tok.vocab_size == 49152
     assert tok.eos_token_id == 2 and tok.bos_token_id == 1 and not tok.add_bos
-    assert tok.stop_token_ids == frozenset({0, 2})
+    assert tok.stop_token_ids == frozenset({0, 2, 4})  # and <reponame>, llama.cpp's FIM repo token (test_loading_fim)
     assert tok.special_token_ids == frozenset(range(17))
     assert tok.encode("hello") == tok.encode("hello", add_bos=False)
     assert tok.encode("hello", add_bos=True)[0] == 1
