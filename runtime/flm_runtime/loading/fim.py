@@ -4,10 +4,11 @@ A code model trained for FIM (Qwen2.5-Coder, StarCoder, CodeLlama, DeepSeek-Code
 ``<prefix token>{prefix}<suffix token>{suffix}<middle token>`` and writes the text that goes
 between the two (Bavarian et al. 2022, "PSM" order). llama.cpp (``llama_vocab::impl::load`` in
 src/llama-vocab.cpp, the llama.cpp of llama-cpp-python 0.3.36) takes each of the six FIM tokens
-from its GGUF key when the file has one, else from the first vocabulary entry whose text is one it
-knows (``FIM_TOKEN_TEXTS``). The pad, repository and file-separator tokens then end generation
-(they are in its end-of-generation set): a model that has filled the gap goes on with padding or
-with the next file of a repository.
+from its GGUF key when the file has one, else from a vocabulary entry whose text is one it knows
+(``FIM_TOKEN_TEXTS``; of several, whichever its hash map yields first: here the first in that
+table's order). The pad, repository and file-separator tokens then end generation (they are in
+its end-of-generation set): a model that has filled the gap goes on with padding or with the
+next file of a repository.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def gguf_fim_ids(meta: Mapping[str, Any]) -> dict[str, int]:
 
 def find_fim_tokens(token_to_id: Callable[[str], int | None], given: Mapping[str, int] | None = None) -> FimTokens:
     """The FIM tokens of a vocabulary: each one ``given`` by id (a GGUF key), else the first of its
-    ``FIM_TOKEN_TEXTS`` that ``token_to_id`` (the vocabulary's text -> id) finds."""
+    ``FIM_TOKEN_TEXTS`` that ``token_to_id`` (the vocabulary's text -> id) finds; None if none."""
     given = given or {}
     ids = {}
     for name, texts in FIM_TOKEN_TEXTS.items():

@@ -274,14 +274,11 @@ class Tokenizer:
             ids, each in ``0 .. vocab_size-1``.
         """
         with self._encode_lock:
-            if parse_special:
+            self._hf.encode_special_tokens = not parse_special
+            try:
                 ids = self._hf.encode(text, add_special_tokens=False).ids
-            else:
-                self._hf.encode_special_tokens = True
-                try:
-                    ids = self._hf.encode(text, add_special_tokens=False).ids
-                finally:
-                    self._hf.encode_special_tokens = False
+            finally:
+                self._hf.encode_special_tokens = False
         want_bos = self.add_bos if add_bos is None else add_bos
         if want_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
