@@ -34,8 +34,8 @@ from flm_runtime import (Completion, InvalidRequestError, StreamEvent, TokenLogp
                          compiler_for, parse_tool_calls, render_messages)
 
 from .errors import litellm_errors
-from .params import (backend_of, choices_of, embedding_inputs, encoding_format, merge_extra_body, normalize_messages,
-                     raw_prompts, request_fields, requested_thinking, returns_token_ids)
+from .params import (backend_of, choices_of, embedding_inputs, encoding_format, fim_suffix, merge_extra_body,
+                     normalize_messages, raw_prompts, request_fields, requested_thinking, returns_token_ids)
 from .reasoning import Reasoning, template_switch
 from .structured import OutputFormat, output_format
 
@@ -104,7 +104,9 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     ``logprobs`` or ``return_token_ids`` on a text completion (else refused, naming it).
     A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
     message) continues each prompt's raw text, with no chat template: one engine request per
-    prompt, all submitted before any is awaited, so the engine batches them. ``n`` > 1: each
+    prompt, all submitted before any is awaited, so the engine batches them; with a ``suffix`` each
+    prompt is the prefix of a fill-in-the-middle prompt (``Tokenizer.encode_fim``; a chat takes no
+    suffix, and a model without FIM tokens refuses it, naming ``suffix``). ``n`` > 1: each
     prompt's request has ``n`` choices (``Engine.submit_choices``: one prefill). A chat's tools
     and tool messages are rendered in the generic tool-call format (``flm_runtime.text.tool_format``);
     a response format or tool choice becomes a grammar, compiled for each choice
@@ -134,7 +136,11 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     thinking = requested_thinking(optional_params)
     output = output_format(merge_extra_body(optional_params))
     n = choices_of(optional_params)
-    prompts = raw_prompts(messages) if raw else None
+    suffix = fim_suffix(optional_params)
+    if suffix is not None and not raw:
+        raise InvalidRequestError("suffix (fill-in-the-middle) is a text completion parameter; a chat completion "
+                                  "takes none", param="suffix")
+    prompts = raw_prompts(messages, allow_empty=suffix is not None) if raw else None
     chat = None if raw else render_messages(normalize_messages(_as_sent(messages, logging_obj)), output.functions)
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
@@ -148,7 +154,8 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
         return [compiler.processor(output.grammar, param=output.param)] if compiler else []
 
     groups: list[list] = []
-    prompt_ids = [engine.tokenizer.encode(text) for text in texts]
+    prompt_ids = [engine.tokenizer.encode(text) if suffix is None else engine.tokenizer.encode_fim(text, suffix)
+                  for text in texts]
     try:
         for ids in prompt_ids:
             groups.append(engine.submit_choices(ids, params, n, timeout=_timeout_seconds(timeout), processors=grammar))

@@ -14,7 +14,8 @@ response format and tools, read by ``litellm_flm.structured``), *ignored* (``IGN
 at its neutral value* (``NEUTRAL_ONLY``), a *deployment* key that chooses where the model runs
 rather than how it samples (``DEPLOYMENT_KEYS``: ``backend``, read by ``backend_of``), a switch of a reasoning
 model's thinking (``REASONING_PARAMS``, read by ``requested_thinking``), ``n`` (the choices per
-prompt, read by ``choices_of``), ``return_token_ids`` (read by ``returns_token_ids``), or rejected. Anything rejected raises
+prompt, read by ``choices_of``), ``return_token_ids`` (read by ``returns_token_ids``), ``suffix`` (a text
+completion's fill-in-the-middle, read by ``fim_suffix``), or rejected. Anything rejected raises
 ``InvalidRequestError`` naming the parameter, which ``litellm_flm.errors`` turns into
 ``litellm.BadRequestError``. Range checks live in ``SamplingParams`` itself and the default sampler
 in the runtime (``SamplingDefaults``, per model): one place each.
@@ -97,6 +98,10 @@ CHOICES_KEY = "n"
 # (returns_token_ids); it changes what is returned, not what is generated.
 TOKEN_IDS_KEY = "return_token_ids"
 
+# A text completion's text after the gap to fill (OpenAI's legacy completions parameter): a
+# request-level key, read by fim_suffix. LiteLLM's text_completion puts it at the top level.
+SUFFIX_KEY = "suffix"
+
 # The keys of OPENAI_TO_RUNTIME that are not OpenAI parameters (vLLM / Ollama spellings).
 NON_OPENAI: frozenset[str] = frozenset({"top_k", "min_p", "ignore_eos", "repetition_penalty"})
 
@@ -174,7 +179,7 @@ def request_fields(optional_params: Mapping[str, Any], drop_unsupported: bool = 
     """
     flat = {k: v for k, v in merge_extra_body(optional_params).items()
             if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS and k not in REASONING_PARAMS
-            and k not in OUTPUT_KEYS and k not in (CHOICES_KEY, TOKEN_IDS_KEY)}
+            and k not in OUTPUT_KEYS and k not in (CHOICES_KEY, TOKEN_IDS_KEY, SUFFIX_KEY)}
     mapped: dict[str, Any] = {}
     for key, value in flat.items():
         if key in OPENAI_TO_RUNTIME:
@@ -288,6 +293,20 @@ def returns_token_ids(optional_params: Mapping[str, Any]) -> bool:
     return value
 
 
+def fim_suffix(optional_params: Mapping[str, Any]) -> str | None:
+    """A text completion's ``suffix`` (top level or ``extra_body``): the text that follows the
+    one to generate, for a fill-in-the-middle prompt; None when unset. An empty suffix is a gap at
+    the end of the text.
+
+    Raises:
+        InvalidRequestError: not a string (``param`` is ``suffix``).
+    """
+    value = merge_extra_body(optional_params).get(SUFFIX_KEY)
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequestError(f"suffix must be a string, got {value!r}", param=SUFFIX_KEY)
+    return value
+
+
 def backend_of(optional_params: Mapping[str, Any]) -> str | None:
     """The ``backend`` the deployment or request names (``auto``, ``cpu``, ``npu``), or None
     (then ``$FLM_BACKEND``, default ``auto``, decides).
@@ -387,14 +406,17 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def raw_prompts(messages: Any) -> list[str]:
+def raw_prompts(messages: Any, allow_empty: bool = False) -> list[str]:
     """The prompts of a text completion, as LiteLLM hands them to a custom provider: one
     ``{"role": "user", "content": prompt}`` message per prompt string (a prompt of token ids
     LiteLLM refuses itself).
 
+    Args:
+        allow_empty: accept an empty prompt (a fill-in-the-middle prefix: the gap opens the text).
+
     Raises:
         InvalidRequestError: ``param`` ``prompt`` (one prompt) or ``prompt[i]``: not a text prompt
-            or an empty prompt.
+            or, unless allowed, an empty prompt.
     """
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("prompt must be a string or a non-empty list of strings", param="prompt")
@@ -404,7 +426,7 @@ def raw_prompts(messages: Any) -> list[str]:
         content = msg.get("content") if isinstance(msg, Mapping) and msg.get("role") == "user" else None
         if not isinstance(content, str):
             raise InvalidRequestError(f"{where} must be a string", param=where)
-        if not content:
+        if not content and not allow_empty:
             raise InvalidRequestError(f"{where} is empty; give the text to continue", param=where)
         prompts.append(content)
     return prompts

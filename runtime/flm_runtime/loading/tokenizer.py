@@ -25,15 +25,17 @@ true; Gemma's GGUF says false). A tokenizer.json of this kind is not read yet.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from flm_runtime.errors import ModelFormatError
+from flm_runtime.errors import InvalidRequestError, ModelFormatError
 from flm_runtime.loading.chat_template import ThinkingFormat, check_chat_template, render_chat_template, thinking_format
+from flm_runtime.loading.fim import FIM_TOKEN_TEXTS, GGUF_FIM_KEYS, find_fim_tokens, gguf_fim_ids
 from flm_runtime.loading.hf_files import read_hf_tokenizer_files
 
 # GGUF tokenizer.ggml.token_type values (llama.cpp llama_token_type).
@@ -147,7 +149,9 @@ class Tokenizer:
         bos_token_id, eos_token_id: ``None`` when the model has none.
         add_bos: ``encode`` prepends BOS (the model's ``add_bos_token``).
         stop_token_ids: ids that end generation: EOS plus the end-of-turn tokens present
-            (``END_OF_TURN_TOKENS``, GGUF ``eot``/``eom`` ids, every generation_config EOS).
+            (``END_OF_TURN_TOKENS``, GGUF ``eot``/``eom`` ids, every generation_config EOS) and
+            the FIM tokens that end a fill-in (``fim.end_ids``).
+        fim: the vocabulary's fill-in-the-middle tokens (``flm_runtime.loading.fim``).
         special_token_ids: control tokens, dropped by ``decode(skip_special_tokens=True)`` and from
             generated text; never the thinking markers (``thinking``), which the reasoning split reads.
         missing_bytes: byte values no token stands for; ``encode`` drops them, as the model's
@@ -162,8 +166,9 @@ class Tokenizer:
 
     def __init__(self, hf: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: list[int],
                  add_bos: bool, chat_template: str | None, source: str,
-                 piece_bytes: Callable[[str], bytes] = byte_level_to_bytes):
+                 piece_bytes: Callable[[str], bytes] = byte_level_to_bytes, fim_ids: Mapping[str, int] | None = None):
         self._hf = hf
+        self._encode_lock = threading.Lock()  # literal encoding flips the shared tokenizer's encode_special_tokens
         self.source = source
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
@@ -178,7 +183,8 @@ class Tokenizer:
         self.vocab_size = len(self._token_bytes)
         self.missing_bytes = _missing_bytes(self._token_bytes, added)
         eot = {i for i, t in added.items() if t.content in END_OF_TURN_TOKENS}
-        self.stop_token_ids = frozenset({*eos_token_ids, *eot})
+        self.fim = find_fim_tokens(hf.token_to_id, fim_ids)
+        self.stop_token_ids = frozenset({*eos_token_ids, *eot, *self.fim.end_ids})
 
     @property
     def thinking(self) -> ThinkingFormat | None:
@@ -227,7 +233,7 @@ class Tokenizer:
                    eos_token_ids=list(dict.fromkeys(eos)),
                    add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                    chat_template=meta.get("tokenizer.chat_template"), source=source,
-                   piece_bytes=piece_bytes)
+                   piece_bytes=piece_bytes, fim_ids=gguf_fim_ids(meta))
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
@@ -257,22 +263,50 @@ class Tokenizer:
 
     # -- encoding / decoding -----------------------------------------------------------------
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens written in the text become their single id.
 
         Args:
             text: any Unicode string.
             add_bos: prepend BOS; ``None`` -> the model's own setting (``self.add_bos``). BOS is
                 never doubled: text that already starts with the BOS token keeps only that one.
+            parse_special: False: the text of a control token is encoded as the plain text it is
+                (user-defined tokens still match whole), as llama.cpp's ``parse_special=false``.
 
         Returns:
             ids, each in ``0 .. vocab_size-1``.
         """
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        with self._encode_lock:
+            self._hf.encode_special_tokens = not parse_special
+            try:
+                ids = self._hf.encode(text, add_special_tokens=False).ids
+            finally:
+                self._hf.encode_special_tokens = False
         want_bos = self.add_bos if add_bos is None else add_bos
         if want_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def encode_fim(self, prefix: str, suffix: str) -> list[int]:
+        """The fill-in-the-middle prompt of the gap between ``prefix`` and ``suffix``:
+        ``[BOS] <prefix token> prefix <suffix token> suffix <middle token>`` as token ids, the
+        model then writing the middle (BOS only where the model adds one).
+
+        The prefix and suffix are literal text (``parse_special=False``), as llama.cpp's
+        ``/infill`` encodes them: code that spells a control token cannot break the template.
+
+        Raises:
+            InvalidRequestError: ``param="suffix"``; the vocabulary lacks a FIM prefix, suffix or
+                middle token (``fim``).
+        """
+        if missing := self.fim.missing:
+            raise InvalidRequestError(
+                f"suffix (fill-in-the-middle) needs a model trained for it; this model's vocabulary has no FIM "
+                f"{'/'.join(missing)} token (Qwen2.5-Coder has {', '.join(FIM_TOKEN_TEXTS[m][0] for m in missing)})",
+                param="suffix")
+        ids = [self.fim.prefix, *self.encode(prefix, add_bos=False, parse_special=False), self.fim.suffix,
+               *self.encode(suffix, add_bos=False, parse_special=False), self.fim.middle]
+        return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; bytes that are not valid UTF-8 become U+FFFD.
@@ -352,7 +386,8 @@ _GGUF_TOKENIZER_TYPES = {
                     (lambda v: type(v) in (bool, int), "a boolean")),
 }
 _GGUF_TOKEN_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                   "tokenizer.ggml.eom_token_id", "tokenizer.ggml.unknown_token_id")
+                   "tokenizer.ggml.eom_token_id", "tokenizer.ggml.unknown_token_id",
+                   *(key for keys in GGUF_FIM_KEYS.values() for key in keys))
 
 
 def check_gguf_tokenizer_keys(meta: dict[str, Any], source: str) -> None:
