@@ -106,6 +106,17 @@ def require(value: Any, bound: Bound, field: str) -> Any:
     return value
 
 
+def require_flag(value: Any, field: str) -> bool:
+    """``value``, when it is true or false (a flag; no other value stands for one).
+
+    Raises:
+        ConfigValueError: it is not, naming ``field``.
+    """
+    if type(value) is not bool:
+        raise ConfigValueError(field, value, "true or false")
+    return value
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """The hyper-parameters every model family has, named as in a Hugging Face ``config.json``
@@ -160,8 +171,7 @@ class LlamaConfig:
         for name, bound in self.BOUNDS.items():
             if not (name == "head_dim" and self.head_dim is None):  # absent: derived below
                 require(getattr(self, name), bound, name)
-        if type(self.tie_word_embeddings) is not bool:
-            raise ConfigValueError("tie_word_embeddings", self.tie_word_embeddings, "true or false")
+        require_flag(self.tie_word_embeddings, "tie_word_embeddings")
         heads = self.num_attention_heads
         if heads % self.num_key_value_heads:
             raise ConfigValueError("num_attention_heads", heads, "a multiple of {}", "num_key_value_heads",

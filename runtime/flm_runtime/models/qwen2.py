@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from flm_runtime.core import SIZE, ConfigValueError, LlamaConfig, require
+from flm_runtime.core import SIZE, LlamaConfig, require, require_flag
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerSpec
 from flm_runtime.models.family import WeightTaker, layer_windows
@@ -35,10 +35,8 @@ def qwen_layer_windows(config: dict[str, Any], n_layers: int, source: str) -> tu
         ConfigValueError: ``use_sliding_window`` not a flag, or ``sliding_window`` or
             ``max_window_layers`` not an integer of at least 0.
     """
-    flag = config.get("use_sliding_window") or False
-    if type(flag) is not bool:
-        raise ConfigValueError("use_sliding_window", flag, "true or false")
-    use = bool(flag and config.get("sliding_window"))
+    use = require_flag(config.get("use_sliding_window") or False, "use_sliding_window")
+    use = use and bool(config.get("sliding_window"))
     first = require(config.get("max_window_layers", n_layers), SIZE, "max_window_layers")
     default = ["sliding_attention" if use and i >= first else "full_attention" for i in range(n_layers)]
     windows = layer_windows({**config, "sliding_window": config.get("sliding_window") if use else 0}, n_layers,

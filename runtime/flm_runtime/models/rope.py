@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from flm_runtime.core import COUNT, NON_NEGATIVE, POSITIVE, Bound, ConfigValueError, require
+from flm_runtime.core import COUNT, NON_NEGATIVE, POSITIVE, Bound, ConfigValueError, require, require_flag
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu
 
@@ -136,14 +136,13 @@ def scaling_from_hf(rope_scaling: dict[str, Any] | None, max_position_embeddings
                            high_freq_factor=high)
     if kind == "yarn":
         truncate = rope_scaling.get("truncate", True)  # null: false, as in Hugging Face
-        if truncate is not None and type(truncate) is not bool:
-            raise ConfigValueError("rope_scaling.truncate", truncate, "true or false")
+        truncate = truncate is not None and require_flag(truncate, "rope_scaling.truncate")
         return RopeScaling(kind, factor, optional("original_max_position_embeddings", max_position_embeddings, COUNT),
                            beta_fast=float(optional("beta_fast", 32.0, POSITIVE)),
                            beta_slow=float(optional("beta_slow", 1.0, POSITIVE)),
                            mscale=float(optional("mscale", 0.0, NON_NEGATIVE)),
                            mscale_all_dim=float(optional("mscale_all_dim", 0.0, NON_NEGATIVE)),
-                           truncate=bool(truncate),
+                           truncate=truncate,
                            attention_factor=float(optional("attention_factor", 0.0, NON_NEGATIVE)))
     return RopeScaling(kind, factor)
 
