@@ -145,7 +145,8 @@ class Llama:
             if config.get(key):
                 raise ModelFormatError(f"{source}: {self.name} with {key}=true is not supported (no bias of "
                                        "o_proj or of the FFN runs here)")
-        if require(config.get("partial_rotary_factor", 1.0), POSITIVE, "partial_rotary_factor") != 1.0:
+        rotary = config.get("partial_rotary_factor")  # null: all of each head
+        if rotary is not None and require(rotary, POSITIVE, "partial_rotary_factor") != 1.0:
             raise ModelFormatError(f"{source}: {self.name} with partial_rotary_factor="
                                    f"{config['partial_rotary_factor']} (partial rotary) is not supported")
         if config.get("num_local_experts") or config.get("num_experts"):

@@ -106,7 +106,7 @@ def scaling_from_hf(rope_scaling: dict[str, Any] | None, max_position_embeddings
     def need(key: str, bound: Bound) -> Any:
         return require(given(key), bound, f"rope_scaling.{key}")
 
-    def optional(key: str, default: float, bound: Bound) -> Any:  # null: the default
+    def optional(key: str, default: Any, bound: Bound) -> Any:  # null: the default
         value = rope_scaling.get(key)
         return default if value is None else require(value, bound, f"rope_scaling.{key}")
 
