@@ -168,3 +168,25 @@ def test_a_models_file_path_that_is_not_gguf_is_a_bad_request_naming_the_file(tm
     assert info.value.message == f"litellm.BadRequestError: {notes}: not a readable GGUF file (GGUF magic invalid)"
     assert (info.value.status_code, info.value.body["param"]) == (400, "model")
     assert isinstance(info.value.__cause__, rt.ModelFormatError)
+
+
+def test_a_hostile_config_json_is_a_bad_request_naming_the_file_the_key_and_the_value(tmp_path, monkeypatch):
+    """Not a 500 (``APIConnectionError``) with a traceback: the loader's typed refusal, mapped."""
+    import json
+
+    from loading.tiny_llama_files import random_hf_weights, tiny_config, write_tiny_hf_dir
+
+    from flm_runtime import registry
+
+    directory = write_tiny_hf_dir(tmp_path / "hostile", tiny_config(), random_hf_weights(tiny_config()))
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "2"}))
+    (tmp_path / "models.yaml").write_text(f"hostile:1m:\n  path: {directory}\n")
+    monkeypatch.setenv("FLM_MODELS_FILE", str(tmp_path / "models.yaml"))
+    registry.reload()
+    with pytest.raises(litellm.BadRequestError) as info:
+        litellm.completion(model="flm/hostile:1m", messages=[{"role": "user", "content": "Hi"}])
+    assert info.value.message == (f"litellm.BadRequestError: {directory / 'config.json'}: key num_hidden_layers is "
+                                  "'2', not an integer from 1 to 1024")
+    assert (info.value.status_code, info.value.body["param"]) == (400, "model")
+    assert isinstance(info.value.__cause__, rt.ModelFormatError)

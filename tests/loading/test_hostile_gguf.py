@@ -20,6 +20,10 @@ from flm_runtime.loading import load_model_files
 from flm_runtime.loading.gguf import open_gguf
 
 BASES = {"f32": gguf.GGMLQuantizationType.F32, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+# How far the interpreter's own caches move a traced peak between two loads of the same file (up to
+# about 900 bytes measured, depending on the tests run before): a refusal in the last tensors
+# reaches the intact load's peak (the tensors before it), so it is compared with that peak plus this.
+PEAK_NOISE = 4096
 
 
 def _base_files() -> dict[str, bytes]:
@@ -97,4 +101,4 @@ def test_a_hostile_gguf_is_refused_promptly_naming_the_file(case, tmp_path, inta
     assert str(path) in str(error)
     assert seconds < 1.0
     header, load = intact_peaks[case.id.split("-")[0]]
-    assert peak < (load if case.in_conversion else len(case.data) + header)
+    assert peak < (load + PEAK_NOISE if case.in_conversion else len(case.data) + header)

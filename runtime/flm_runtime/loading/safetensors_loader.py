@@ -53,14 +53,15 @@ def load_hf_dir(path: str | Path, *, weights: str = "f32") -> HFModel:
     Raises:
         FileNotFoundError: no config.json or no safetensors file.
         ModelFormatError: a model_type we do not run, a feature of it we do not (named with its
-            key), malformed files, tensors missing, unexpected (named) or of the wrong shape.
+            key), a config value of the wrong type or out of range (config.json, the key and the
+            value named), malformed files, tensors missing, unexpected (named) or of the wrong shape.
     """
     from flm_runtime.models import families  # deferred as in loading.gguf.load_gguf
 
     path = Path(path)
     config_dict = load_json(path / "config.json")
     family = families.for_model_type(config_dict.get("model_type"), str(path))
-    config = family.config_from_hf(config_dict, str(path))
+    config = family.config_from_hf(config_dict, str(path / "config.json"))
     assert weights in WEIGHT_KINDS, f"weight kind {weights!r} not in {WEIGHT_KINDS}"
     bits = None if weights == "f32" else 4 if weights == "q4" else 8
     tensors: dict[str, Weight] = {}

@@ -12,10 +12,13 @@ RoPE tables and its embedding scale. ``models.llama.Llama`` is the base the othe
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from flm_runtime.core import COUNT, NON_NEGATIVE, SIZE, Bound, ConfigValueError, require
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels.quant import QuantWeight, Weight
 from flm_runtime.models.rope import RopeScaling
@@ -71,34 +74,42 @@ class GGUFMetadata(NamedTuple):
             raise ModelFormatError(f"{self.source}: metadata key {self.arch}.{name} is missing")
         return value
 
-    def count(self, name: str, default: int | None = None, *, least: int = 1) -> int:
-        """The value of ``{arch}.{name}`` (else ``default``), an integer of at least ``least``
-        (a size: layers, heads, widths).
+    def has(self, name: str) -> bool:
+        """Whether the file has ``{arch}.{name}``."""
+        return f"{self.arch}.{name}" in self.values
+
+    def count(self, name: str, default: int | None = None, bound: Bound = COUNT) -> int:
+        """The value of ``{arch}.{name}`` (else ``default``), an integer in ``bound`` (a size:
+        layers, heads, widths).
 
         Raises:
-            ModelFormatError: absent and no default, not an integer, or less than ``least``,
-                naming the key.
+            ModelFormatError: absent and no default, naming the key.
+            ConfigValueError: not such an integer, naming the key (``config_refusals``).
         """
-        value = self.key(name, default)
-        if type(value) is not int or value < least:
-            raise ModelFormatError(f"{self.source}: metadata key {self.arch}.{name} is {value!r}, "
-                                   f"not an integer of at least {least}")
-        return value
+        return require(self.key(name, default), bound, f"{self.arch}.{name}")
 
-    def decimal(self, name: str, default: float | None = None, *, positive: bool = False) -> float:
-        """The float32 value of ``{arch}.{name}`` (else ``default``), a finite number not below
-        zero (above it if ``positive``: a RoPE base, a scaling factor), as the shortest decimal
-        that round-trips through float32 (GGUF stores 1e-5 as 9.99999974738e-06; the config.json
-        had 1e-5).
+    def decimal(self, name: str, default: float | None = None, bound: Bound = NON_NEGATIVE) -> float:
+        """The float32 value of ``{arch}.{name}`` (else ``default``), a number in ``bound`` (a
+        finite number not below zero unless it says otherwise: a RoPE base, a scaling factor), as
+        the shortest decimal that round-trips through float32 (GGUF stores 1e-5 as
+        9.99999974738e-06; the config.json had 1e-5).
 
         Raises:
-            ModelFormatError: absent and no default, or not such a number, naming the key.
+            ModelFormatError: absent and no default, naming the key.
+            ConfigValueError: not such a number, naming the key (``config_refusals``).
         """
-        value = self.key(name, default)
-        if type(value) not in (int, float) or not np.isfinite(value) or value < 0 or (positive and value == 0):
-            raise ModelFormatError(f"{self.source}: metadata key {self.arch}.{name} is {value!r}, not a finite "
-                                   f"number {'above' if positive else 'at least'} 0")
-        return float(str(np.float32(value)))
+        return float(str(np.float32(require(self.key(name, default), bound, f"{self.arch}.{name}"))))
+
+
+@contextmanager
+def config_refusals(source: str, what: str, key: Callable[[str], str]) -> Iterator[None]:
+    """Re-raise a ``ConfigValueError`` of the block (a family reading a file's config, the config
+    refusing a value) as a ``ModelFormatError`` naming ``source``, and each hyper-parameter as the
+    file spells it: ``what`` (``key``, ``metadata key``), then ``key(field)``."""
+    try:
+        yield
+    except ConfigValueError as e:
+        raise ModelFormatError(f"{source}: {what} {e.describe(key)}") from e
 
 
 class RopeTable(NamedTuple):
@@ -127,9 +138,11 @@ def layer_windows(config: dict[str, Any], n_layers: int, default_types: list[str
 
     Raises:
         ModelFormatError: ``layer_types`` of another length or with another type, naming it.
+        ConfigValueError: a ``sliding_window`` that is not an integer of at least 0.
     """
     types = config.get("layer_types") or default_types
-    if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+    if (not isinstance(types, list) or len(types) != n_layers
+            or not all(t in ("sliding_attention", "full_attention") for t in types)):
         raise ModelFormatError(f"{source}: layer_types {types} is not {n_layers} of sliding_attention / full_attention")
-    window = int(config.get("sliding_window") or 0)
+    window = require(config.get("sliding_window") or 0, SIZE, "sliding_window")
     return tuple(window if t == "sliding_attention" else 0 for t in types)

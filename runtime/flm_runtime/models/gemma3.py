@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
-from flm_runtime.core import LlamaConfig
+from flm_runtime.core import COUNT, NON_NEGATIVE, POSITIVE, ROPE_BASE, SIZE, Bound, LlamaConfig, require
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerSpec
@@ -62,6 +62,9 @@ class Gemma3Config(LlamaConfig):
     rope_local_base_freq: float = _LOCAL_BASE
     final_logit_softcapping: float = 0.0
 
+    BOUNDS: ClassVar[dict[str, Bound]] = {**LlamaConfig.BOUNDS, "query_pre_attn_scalar": POSITIVE,
+                                          "rope_local_base_freq": ROPE_BASE, "final_logit_softcapping": NON_NEGATIVE}
+
 
 class Gemma3(Llama):
     """The Gemma 3 family (module docstring)."""
@@ -76,6 +79,8 @@ class Gemma3(Llama):
                         "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
     gguf_permuted = False
     norm_offset = 1.0
+    gguf_keys = {**Llama.gguf_keys, "rope_local_base_freq": "rope.freq_base_swa",
+                 "final_logit_softcapping": "final_logit_softcapping"}
 
     def hf_values(self, config: dict[str, Any], source: str) -> dict[str, Any]:
         for key in ("use_bidirectional_attention",):
@@ -86,14 +91,14 @@ class Gemma3(Llama):
             raise ModelFormatError(f"{source}: gemma3_text with hidden_activation={act!r} is not supported "
                                    "(gelu_pytorch_tanh)")
         values = super().hf_values({"head_dim": 256, "rope_theta": 1_000_000.0, **config}, source)
-        n = int(values["num_hidden_layers"])
-        default = ["full_attention" if (i + 1) % config.get("sliding_window_pattern", _PATTERN) == 0
-                   else "sliding_attention" for i in range(n)]
+        n = values["num_hidden_layers"]
+        period = require(config.get("sliding_window_pattern", _PATTERN), COUNT, "sliding_window_pattern")
+        default = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
         values["layer_windows"] = layer_windows(config, n, default, source)
         if config.get("attn_logit_softcapping"):
             raise ModelFormatError(f"{source}: gemma3_text with attn_logit_softcapping="
                                    f"{config['attn_logit_softcapping']} is not supported (attention-logit soft-capping)")
-        values["final_logit_softcapping"] = float(config.get("final_logit_softcapping") or 0.0)
+        values["final_logit_softcapping"] = config.get("final_logit_softcapping") or 0.0  # null: none
         return values
 
     def gguf_values(self, meta: GGUFMetadata) -> dict[str, Any]:
@@ -101,7 +106,7 @@ class Gemma3(Llama):
             raise ModelFormatError(f"{meta.source}: gemma3 with gemma3.attn_logit_softcapping is not supported "
                                    "(attention-logit soft-capping)")
         values = super().gguf_values(meta)
-        n, window = values["num_hidden_layers"], meta.count("attention.sliding_window", 0, least=0)
+        n, window = values["num_hidden_layers"], meta.count("attention.sliding_window", 0, SIZE)
         pattern = meta.key("attention.sliding_window_pattern", _PATTERN)
         if isinstance(pattern, list):
             sliding = list(map(bool, pattern))
@@ -111,11 +116,14 @@ class Gemma3(Llama):
         if len(sliding) != n:
             raise ModelFormatError(f"{meta.source}: gemma3.attention.sliding_window_pattern has {len(sliding)} "
                                    f"layers, the model {n}")
-        scalar = (values["hidden_size"] / values["num_attention_heads"] if n == _LAYERS_27B else values["head_dim"])
+        hidden, heads = values["hidden_size"], values["num_attention_heads"]
+        # llama.cpp's score scale: its head width (key_length, else hidden / heads), or hidden / heads for the 27B
+        scalar = hidden / heads if n == _LAYERS_27B or values["head_dim"] is None else values["head_dim"]
+        key = self.gguf_keys
         return {**values, "layer_windows": tuple(window if s else 0 for s in sliding),
                 "query_pre_attn_scalar": float(scalar),
-                "rope_local_base_freq": meta.decimal("rope.freq_base_swa", _LOCAL_BASE, positive=True),
-                "final_logit_softcapping": meta.decimal("final_logit_softcapping", 0.0)}
+                "rope_local_base_freq": meta.decimal(key["rope_local_base_freq"], _LOCAL_BASE, ROPE_BASE),
+                "final_logit_softcapping": meta.decimal(key["final_logit_softcapping"], 0.0)}
 
     def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes = super().layer_shapes(config)

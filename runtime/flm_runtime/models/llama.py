@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from flm_runtime.core import LlamaConfig
+from flm_runtime.core import CONTEXT, HEAD_DIM, LAYERS, POSITIVE, ROPE_BASE, SIZE, LlamaConfig, require
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerConfig, LayerSpec
 from flm_runtime.models import rope
-from flm_runtime.models.family import GGUFMetadata, RopePlan, RopeTable, WeightTaker
+from flm_runtime.models.family import GGUFMetadata, RopePlan, RopeTable, WeightTaker, config_refusals
 
 KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
 QKV_PROJ = ("self_attn.q_proj.weight", *KV_PROJ)  # LayerWeights.wqkv's rows, in this order
@@ -99,6 +99,13 @@ class Llama:
         "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
         "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
         "ffn_down.weight": "mlp.down_proj.weight"}
+    # Config field -> its GGUF key below ``{arch}.``: read there, and named when the config refuses it.
+    gguf_keys: dict[str, str] = {
+        "vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+        "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
+        "num_key_value_heads": "attention.head_count_kv", "max_position_embeddings": "context_length",
+        "rope_theta": "rope.freq_base", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+        "head_dim": "attention.key_length"}
     gguf_permuted = True  # llama.cpp's converter permutes q_proj / k_proj rows (module docstring)
     norm_offset = 0.0  # a Hugging Face checkpoint's norms scale by ``norm_offset + w``
 
@@ -111,39 +118,53 @@ class Llama:
     def config_from_hf(self, values: dict[str, Any], source: str) -> LlamaConfig:
         """The config of a ``config.json`` mapping of this family.
 
+        Args:
+            source: the config.json file, for error messages.
+
         Raises:
-            ModelFormatError: a feature this runtime does not run (named with its key), or
-                missing keys.
+            ModelFormatError: a feature this runtime does not run (named with its key), missing
+                keys, or a value of the wrong type or out of range (``core.LlamaConfig``), naming
+                the key and the value.
         """
-        values = self.hf_values(values, source)
-        try:
-            return self.config_class.from_dict(values)
-        except TypeError as e:
-            raise ModelFormatError(f"{source}: incomplete {self.name} config ({e})") from e
+        with config_refusals(source, "key", str):
+            values = self.hf_values(values, source)
+            try:
+                return self.config_class.from_dict(values)
+            except TypeError as e:
+                raise ModelFormatError(f"{source}: incomplete {self.name} config ({e})") from e
 
     def hf_values(self, config: dict[str, Any], source: str) -> dict[str, Any]:
         """``config``'s values as this family's config class takes them (defaults filled,
-        ``rope_scaling`` parsed); a family extends it with its keys and refusals."""
+        ``rope_scaling`` parsed); a family extends it with its keys and refusals.
+
+        Raises:
+            ModelFormatError: a feature this runtime does not run, naming its key.
+            ConfigValueError: a value this reading computes with of the wrong type or out of range.
+        """
         for key in ("attention_bias", "mlp_bias"):
             if config.get(key):
                 raise ModelFormatError(f"{source}: {self.name} with {key}=true is not supported (no bias of "
                                        "o_proj or of the FFN runs here)")
-        if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
+        rotary = config.get("partial_rotary_factor")  # null: all of each head
+        if rotary is not None and require(rotary, POSITIVE, "partial_rotary_factor") != 1.0:
             raise ModelFormatError(f"{source}: {self.name} with partial_rotary_factor="
                                    f"{config['partial_rotary_factor']} (partial rotary) is not supported")
         if config.get("num_local_experts") or config.get("num_experts"):
             raise ModelFormatError(f"{source}: {self.name} with experts (mixture of experts) is not supported")
         values = dict(config)
         values.setdefault("num_key_value_heads", values.get("num_attention_heads"))
-        values.setdefault("max_position_embeddings", 2048)  # transformers' LlamaConfig default
-        if values.get("head_dim") is None and "hidden_size" in values and "num_attention_heads" in values:
-            values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
-        scaling = rope.scaling_from_hf(config.get("rope_scaling"), values["max_position_embeddings"],
-                                       original_max_position_embeddings=int(
-                                           config.get("original_max_position_embeddings") or 0),
+        # a family lists each layer's window from it: bounded before any list is made
+        values["num_hidden_layers"] = require(values.get("num_hidden_layers"), LAYERS, "num_hidden_layers")
+        # 2048: transformers' LlamaConfig default
+        positions = require(values.get("max_position_embeddings", 2048), CONTEXT, "max_position_embeddings")
+        scaling = rope.scaling_from_hf(config.get("rope_scaling"), positions,
+                                       original_max_position_embeddings=require(
+                                           config.get("original_max_position_embeddings") or 0, SIZE,
+                                           "original_max_position_embeddings"),
                                        source=source)
         values["rope_scaling"] = scaling
-        values["max_position_embeddings"] = rope.context_length(values["max_position_embeddings"], scaling)
+        values["max_position_embeddings"] = require(rope.context_length(positions, scaling), CONTEXT,
+                                                    "max_position_embeddings × rope_scaling.factor")
         return values
 
     def config_from_gguf(self, meta: GGUFMetadata) -> LlamaConfig:
@@ -154,39 +175,38 @@ class Llama:
         exactly when the file has no ``output.weight`` (llama.cpp then reuses the embedding).
 
         Raises:
-            ModelFormatError: a missing key, partial rotary embedding, mixture of experts or a
-                RoPE scaling we lack, naming the key.
+            ModelFormatError: a missing key, partial rotary embedding, mixture of experts, a
+                RoPE scaling we lack, or a value of the wrong type or out of range (``core.LlamaConfig``),
+                naming the key (and the value).
         """
-        return self.config_class(**self.gguf_values(meta))
+        def key(field: str) -> str:  # a config field's GGUF key; a GGUF key refused as read is named already
+            return f"{meta.arch}.{self.gguf_keys[field]}" if field in self.gguf_keys else field
+
+        with config_refusals(meta.source, "metadata key", key):
+            return self.config_class(**self.gguf_values(meta))
 
     def gguf_values(self, meta: GGUFMetadata) -> dict[str, Any]:
         """The config values of a GGUF file (``config_from_gguf``); a family extends them."""
-        if meta.count("expert_count", 0, least=0) > 0:
+        if meta.count("expert_count", 0, SIZE) > 0:
             raise ModelFormatError(f"{meta.source}: {meta.arch} with {meta.arch}.expert_count="
                                    f"{meta.key('expert_count')} (mixture of experts) is not supported")
-        hidden, n_head = meta.count("embedding_length"), meta.count("attention.head_count")
-        n_kv_head = meta.count("attention.head_count_kv", n_head)
-        if n_head % n_kv_head:
-            raise ModelFormatError(f"{meta.source}: {meta.arch}.attention.head_count={n_head} is not a multiple of "
-                                   f"{meta.arch}.attention.head_count_kv={n_kv_head}")
-        head_dim = meta.count("attention.key_length", meta.count("rope.dimension_count", max(hidden // n_head, 1)))
-        rope_dim = meta.count("rope.dimension_count", head_dim)
-        if rope_dim != head_dim:
-            raise ModelFormatError(f"{meta.source}: {meta.arch} with partial rotary embedding "
-                                   f"({meta.arch}.rope.dimension_count={rope_dim} < head_dim={head_dim}) is not supported")
-        n_layers = meta.count("block_count")
-        if n_layers > len(meta.tensor_names):  # every layer has tensors of its own
-            raise ModelFormatError(f"{meta.source}: {meta.arch}.block_count={n_layers} layers, but the file has "
-                                   f"{len(meta.tensor_names)} tensors")
+        key = self.gguf_keys
+        dims = [meta.count(name, bound=HEAD_DIM) for name in (key["head_dim"], "rope.dimension_count")
+                if meta.has(name)]
+        if len(set(dims)) > 1:
+            raise ModelFormatError(f"{meta.source}: {meta.arch} with partial rotary embedding ({meta.arch}.rope."
+                                   f"dimension_count={dims[1]} < head_dim={dims[0]}) is not supported")
         tokens = meta.values.get("tokenizer.ggml.tokens") or []
-        context = meta.count("context_length")
+        context = meta.count(key["max_position_embeddings"], bound=CONTEXT)
         return dict(
-            vocab_size=meta.count("vocab_size", len(tokens) or None), hidden_size=hidden,
-            intermediate_size=meta.count("feed_forward_length"), num_hidden_layers=n_layers,
-            num_attention_heads=n_head, num_key_value_heads=n_kv_head,
-            max_position_embeddings=context, rope_theta=meta.decimal("rope.freq_base", 10000.0, positive=True),
-            rms_norm_eps=meta.decimal("attention.layer_norm_rms_epsilon", 1e-5),
-            tie_word_embeddings="output.weight" not in meta.tensor_names, head_dim=head_dim,
+            vocab_size=meta.count(key["vocab_size"], len(tokens) or None), hidden_size=meta.count(key["hidden_size"]),
+            intermediate_size=meta.count(key["intermediate_size"]),
+            num_hidden_layers=meta.count(key["num_hidden_layers"], bound=LAYERS),
+            num_attention_heads=(heads := meta.count(key["num_attention_heads"])),
+            num_key_value_heads=meta.count(key["num_key_value_heads"], heads), max_position_embeddings=context,
+            rope_theta=meta.decimal(key["rope_theta"], 10000.0, ROPE_BASE),
+            rms_norm_eps=meta.decimal(key["rms_norm_eps"], 1e-5, POSITIVE),
+            tie_word_embeddings="output.weight" not in meta.tensor_names, head_dim=dims[0] if dims else None,
             rope_scaling=self.gguf_rope_scaling(meta, context))
 
     def gguf_rope_scaling(self, meta: GGUFMetadata, context: int) -> rope.RopeScaling | None:
@@ -195,10 +215,15 @@ class Llama:
         ``rope_factors_long/short.weight``: LongRoPE).
 
         Raises:
-            ModelFormatError: another scaling type, naming it and its key.
+            ModelFormatError: another scaling type, naming it and its key; a factor tensor with a
+                divisor not above 0, naming it.
+            ConfigValueError: a scaling key's value of the wrong type or out of range.
         """
         kind = meta.key("rope.scaling.type", "none")
         factors = meta.rope_tensors
+        for name, divisors in factors.items():
+            if divisors.size and not divisors.min() > 0:  # inv_freq / 0 is no frequency
+                raise ModelFormatError(f"{meta.source}: tensor {name} holds {divisors.min()}, not divisors above 0")
         if "rope_factors_long.weight" in factors:
             original = meta.count("rope.scaling.original_context_length")
             return rope.RopeScaling("longrope", context / original, original,
@@ -210,12 +235,13 @@ class Llama:
         if kind == "none":
             return None
         if kind == "linear":
-            return rope.RopeScaling("linear", meta.decimal("rope.scaling.factor", positive=True))
+            return rope.RopeScaling("linear", meta.decimal("rope.scaling.factor", bound=POSITIVE))
         if kind == "yarn":
             return rope.RopeScaling(
-                "yarn", meta.decimal("rope.scaling.factor", positive=True), meta.count("rope.scaling.original_context_length"),
-                beta_fast=meta.decimal("rope.scaling.yarn_beta_fast", 32.0),
-                beta_slow=meta.decimal("rope.scaling.yarn_beta_slow", 1.0),
+                "yarn", meta.decimal("rope.scaling.factor", bound=POSITIVE),
+                meta.count("rope.scaling.original_context_length"),
+                beta_fast=meta.decimal("rope.scaling.yarn_beta_fast", 32.0, POSITIVE),
+                beta_slow=meta.decimal("rope.scaling.yarn_beta_slow", 1.0, POSITIVE),
                 attention_factor=meta.decimal("rope.scaling.attn_factor", 0.0))
         raise ModelFormatError(f"{meta.source}: {meta.arch}.rope.scaling.type {kind!r} is not supported "
                                "(supported: none, linear, yarn, and llama.cpp's rope factor tensors)")

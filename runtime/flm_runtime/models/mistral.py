@@ -10,9 +10,9 @@ runs it). Tensors, names and the Q/K permutation are Llama's.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
-from flm_runtime.core import LlamaConfig
+from flm_runtime.core import SIZE, Bound, LlamaConfig
 from flm_runtime.layers.spec import LayerSpec
 from flm_runtime.models.family import GGUFMetadata
 from flm_runtime.models.llama import Llama
@@ -24,6 +24,8 @@ class MistralConfig(LlamaConfig):
 
     sliding_window: int = 0
 
+    BOUNDS: ClassVar[dict[str, Bound]] = {**LlamaConfig.BOUNDS, "sliding_window": SIZE}
+
 
 class Mistral(Llama):
     """The Mistral family (module docstring)."""
@@ -31,14 +33,15 @@ class Mistral(Llama):
     model_types = ("mistral",)
     gguf_architectures = ()  # llama.cpp writes Mistral as "llama" (models.families.for_gguf)
     config_class = MistralConfig
+    gguf_keys = {**Llama.gguf_keys, "sliding_window": "attention.sliding_window"}
 
     def hf_values(self, config: dict[str, Any], source: str) -> dict[str, Any]:
         values = super().hf_values(config, source)
-        values["sliding_window"] = int(config.get("sliding_window") or 0)
+        values["sliding_window"] = config.get("sliding_window") or 0  # null: full attention
         return values
 
     def gguf_values(self, meta: GGUFMetadata) -> dict[str, Any]:
-        return {**super().gguf_values(meta), "sliding_window": meta.count("attention.sliding_window", 0, least=0)}
+        return {**super().gguf_values(meta), "sliding_window": meta.count(self.gguf_keys["sliding_window"], 0, SIZE)}
 
     def layer_spec(self, config: MistralConfig, layer: int) -> LayerSpec:
         return replace(super().layer_spec(config, layer), sliding_window=config.sliding_window)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from flm_runtime.core import LlamaConfig
+from flm_runtime.core import SIZE, LlamaConfig, require, require_flag
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerSpec
 from flm_runtime.models.family import WeightTaker, layer_windows
@@ -28,9 +28,16 @@ QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.
 def qwen_layer_windows(config: dict[str, Any], n_layers: int, source: str) -> tuple[int, ...]:
     """Each layer's sliding window (0: full attention) by Qwen's rule: ``layer_types`` if the
     config has them, else a window on layers ``max_window_layers ..`` when ``use_sliding_window``
-    (``Qwen2Config.__init__``); empty when no layer has one (as a GGUF, which has no window)."""
-    use = bool(config.get("use_sliding_window") and config.get("sliding_window"))
-    first = int(config.get("max_window_layers", n_layers))
+    (``Qwen2Config.__init__``); empty when no layer has one (as a GGUF, which has no window).
+
+    Raises:
+        ModelFormatError: ``layer_types`` of another length or with another type, naming it.
+        ConfigValueError: ``use_sliding_window`` not a flag, or ``sliding_window`` or
+            ``max_window_layers`` not an integer of at least 0.
+    """
+    use = require_flag(config.get("use_sliding_window") or False, "use_sliding_window")
+    use = use and bool(config.get("sliding_window"))
+    first = require(config.get("max_window_layers", n_layers), SIZE, "max_window_layers")
     default = ["sliding_attention" if use and i >= first else "full_attention" for i in range(n_layers)]
     windows = layer_windows({**config, "sliding_window": config.get("sliding_window") if use else 0}, n_layers,
                             default, source)
@@ -63,7 +70,7 @@ class Qwen2(Llama):
     def hf_values(self, config: dict[str, Any], source: str) -> dict[str, Any]:
         # the q/k/v biases are the family's own, not Llama's attention_bias (which biases o_proj too)
         values = super().hf_values({k: v for k, v in config.items() if k != "attention_bias"}, source)
-        values["layer_windows"] = qwen_layer_windows(config, int(values["num_hidden_layers"]), source)
+        values["layer_windows"] = qwen_layer_windows(config, values["num_hidden_layers"], source)
         return values
 
     def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:

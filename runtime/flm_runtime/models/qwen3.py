@@ -40,7 +40,7 @@ class Qwen3(Llama):
 
     def hf_values(self, config: dict[str, Any], source: str) -> dict[str, Any]:
         values = super().hf_values({"head_dim": 128, **config}, source)
-        values["layer_windows"] = qwen_layer_windows(config, int(values["num_hidden_layers"]), source)
+        values["layer_windows"] = qwen_layer_windows(config, values["num_hidden_layers"], source)
         return values
 
     def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from flm_runtime.core import COUNT, NON_NEGATIVE, POSITIVE, Bound, ConfigValueError, require, require_flag
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu
 
@@ -75,51 +76,74 @@ def scaling_from_hf(rope_scaling: dict[str, Any] | None, max_position_embeddings
 
     Args:
         rope_scaling: the mapping (``rope_type`` or its older name ``type``, and the kind's keys).
-        max_position_embeddings: the config's.
+        max_position_embeddings: the config's, a positive integer.
         original_max_position_embeddings: a config-level value (Phi-3 keeps it beside
             ``rope_scaling``); 0 when the config has none.
 
     Raises:
         ModelFormatError: a kind not in ``ROPE_KINDS`` or a key the kind needs missing, naming it.
+        ConfigValueError: ``rope_scaling`` not a mapping, or a key's value of the wrong type or
+            out of range (a factor not above 0, llama3's high_freq_factor not above its
+            low_freq_factor ...), naming it (``rope_scaling.factor``).
     """
     if not rope_scaling:
         return None
+    if not isinstance(rope_scaling, dict):
+        raise ConfigValueError("rope_scaling", rope_scaling, "an object of RoPE scaling keys")
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-    kind = {"su": "longrope"}.get(kind, kind)
+    kind = "longrope" if kind == "su" else kind
     if kind == "default":
         return None
     if kind not in ROPE_KINDS[:-1]:
         raise ModelFormatError(f"{source}: rope_scaling type {kind!r} is not supported (supported: "
                                f"{', '.join(ROPE_KINDS[1:-1])})")
 
-    def need(key: str) -> Any:
+    def given(key: str) -> Any:
         if rope_scaling.get(key) is None:
             raise ModelFormatError(f"{source}: rope_scaling type {kind!r} needs the key {key!r}")
         return rope_scaling[key]
+
+    def need(key: str, bound: Bound) -> Any:
+        return require(given(key), bound, f"rope_scaling.{key}")
+
+    def optional(key: str, default: Any, bound: Bound) -> Any:  # null: the default
+        value = rope_scaling.get(key)
+        return default if value is None else require(value, bound, f"rope_scaling.{key}")
+
+    def factors(key: str) -> tuple[float, ...]:  # divisors of the frequencies
+        values = given(key)
+        if not isinstance(values, list) or not all(map(POSITIVE.holds, values)):
+            raise ConfigValueError(f"rope_scaling.{key}", values, "a list of finite numbers above 0")
+        return tuple(map(float, values))
 
     if kind == "longrope":
         # a config-level original context (Phi-3's) makes the extension max / original
         original = original_max_position_embeddings or max_position_embeddings
         factor = (max_position_embeddings / original if original_max_position_embeddings
-                  else float(rope_scaling.get("factor") or 1.0))
-        return RopeScaling(kind, factor, original, attention_factor=float(rope_scaling.get("attention_factor") or 0.0),
-                           short_factor=tuple(map(float, need("short_factor"))),
-                           long_factor=tuple(map(float, need("long_factor"))))
-    factor = float(need("factor"))
+                  else float(optional("factor", 1.0, POSITIVE)))
+        return RopeScaling(kind, factor, original,
+                           attention_factor=float(optional("attention_factor", 0.0, NON_NEGATIVE)),
+                           short_factor=factors("short_factor"), long_factor=factors("long_factor"))
+    factor = float(need("factor", POSITIVE))
     if kind == "dynamic":  # Hugging Face reads the config's max_position_embeddings as the original
         return RopeScaling(kind, factor, max_position_embeddings)
-    original = int(rope_scaling.get("original_max_position_embeddings") or max_position_embeddings)
     if kind == "llama3":
-        return RopeScaling(kind, factor, int(need("original_max_position_embeddings")),
-                           low_freq_factor=float(need("low_freq_factor")),
-                           high_freq_factor=float(need("high_freq_factor")))
+        low, high = float(need("low_freq_factor", POSITIVE)), float(need("high_freq_factor", POSITIVE))
+        if high <= low:  # the blend between the bands divides by their difference
+            raise ConfigValueError("rope_scaling.high_freq_factor", high, "above {}", "rope_scaling.low_freq_factor",
+                                   low)
+        return RopeScaling(kind, factor, need("original_max_position_embeddings", COUNT), low_freq_factor=low,
+                           high_freq_factor=high)
     if kind == "yarn":
-        return RopeScaling(kind, factor, original, beta_fast=float(rope_scaling.get("beta_fast") or 32),
-                           beta_slow=float(rope_scaling.get("beta_slow") or 1),
-                           mscale=float(rope_scaling.get("mscale") or 0.0),
-                           mscale_all_dim=float(rope_scaling.get("mscale_all_dim") or 0.0),
-                           truncate=bool(rope_scaling.get("truncate", True)),
-                           attention_factor=float(rope_scaling.get("attention_factor") or 0.0))
+        truncate = rope_scaling.get("truncate", True)  # null: false, as in Hugging Face
+        truncate = truncate is not None and require_flag(truncate, "rope_scaling.truncate")
+        return RopeScaling(kind, factor, optional("original_max_position_embeddings", max_position_embeddings, COUNT),
+                           beta_fast=float(optional("beta_fast", 32.0, POSITIVE)),
+                           beta_slow=float(optional("beta_slow", 1.0, POSITIVE)),
+                           mscale=float(optional("mscale", 0.0, NON_NEGATIVE)),
+                           mscale_all_dim=float(optional("mscale_all_dim", 0.0, NON_NEGATIVE)),
+                           truncate=truncate,
+                           attention_factor=float(optional("attention_factor", 0.0, NON_NEGATIVE)))
     return RopeScaling(kind, factor)
 
 
