@@ -17,7 +17,6 @@ import mmap
 import shutil
 import subprocess
 import sys
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,38 +77,11 @@ def write_blocks_gguf(path, config: LlamaConfig, qtype: Callable[[str], Q] = _q4
     return path
 
 
-# The load measured: what api.load_model does up to the model's first step, then every weight page
-# read once (a served model's resident set).
-_LOAD = textwrap.dedent("""
-    import json, sys
-    from pathlib import Path
-    import numpy as np
-    from flm_runtime.loading import load_model_files
-    from flm_runtime.models.causal_lm import LlamaModel
-    from flm_runtime.kernels.quant import QuantWeight
-
-    def status():
-        fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
-        return {k: int(fields[k].split()[0]) * 1024 for k in ("VmHWM", "VmRSS")}
-
-    def touch(a):
-        a = a.reshape(-1).view(np.uint8)
-        return int(a[::4096].sum())  # a byte of every page
-
-    bundle = load_model_files(sys.argv[1], weights="auto", keep=Path(sys.argv[2]))
-    model = LlamaModel(bundle.config, bundle.weights)
-    del bundle
-    for w in [model.embed, model.lm_head, model.norm, *(a for l in model.layers for a in vars(l).values())]:
-        for a in ((w.codes, w.scales, w.mins) if isinstance(w, QuantWeight) else (w,)):
-            if a is not None:
-                touch(a)
-    print(json.dumps({"peak": status()["VmHWM"], "steady": status()["VmRSS"]}))
-""")
-
-
 def _load_in_a_fresh_process(path, keep) -> dict:
-    done = subprocess.run([sys.executable, "-c", _LOAD, str(path), str(keep)], capture_output=True, text=True,
-                          timeout=300)
+    """What ``api.load_model`` does up to the model's first step, then every weight page read once
+    (``flm_bench.load_memory``): its peak and steady resident set at the end."""
+    done = subprocess.run([sys.executable, "-m", "flm_bench.load_memory", str(path), str(keep)], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
