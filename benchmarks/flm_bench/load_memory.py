@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("keep", type=Path, help="the directory of converted weights")
     parser.add_argument("--step", action="store_true", help="run one forward step after the model is built")
     args = parser.parse_args(argv)
+    # Imported here, so that the first stage's seconds count the imports.
     from flm_runtime.kv_cache import BLOCK_TOKENS
     from flm_runtime.loading import load_model_files
     from flm_runtime.models.causal_lm import LlamaModel

@@ -54,7 +54,7 @@ def _q4_k_m(name: str) -> Q:
     ``down_proj`` in half the layers (every other one here), whose Q, K and V fuse 4-bit and 8-bit
     blocks."""
     layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
-    if name.startswith("lm_head") or name.endswith(("v_proj.weight", "down_proj.weight")) and layer % 2 == 0:
+    if name.startswith("lm_head") or (name.endswith(("v_proj.weight", "down_proj.weight")) and layer % 2 == 0):
         return Q.Q6_K
     return Q.Q4_K
 

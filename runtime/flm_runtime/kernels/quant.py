@@ -118,7 +118,8 @@ def stack_rows(weights: list[QuantWeight]) -> QuantWeight:
     and k) are tiled again in it (``as_format``), every weight keeping its value exactly."""
     first = weights[0]
     assert all(w.in_features == first.in_features for w in weights)
-    parts = [as_format(w, *fused_format(weights)) for w in weights]
+    fused = fused_format(weights)
+    parts = [as_format(w, *fused) for w in weights]
     if all(w.out_features % TILE == 0 for w in parts[:-1]):
         # Whole tiles (a model's Q, K and V rows are): stacking rows is stacking tiles, the bytes
         # joined instead of untiled and tiled again (a tenth of a load's time), with no copy when
