@@ -104,6 +104,19 @@ def test_parts_of_different_widths_stack_in_the_widest_with_every_value_kept(min
     assert np.array_equal(got.dequantize(), np.concatenate([q.dequantize(), k.dequantize(), v.dequantize()]))
 
 
+def test_a_weight_held_in_a_fused_format_keeps_every_value():
+    # How a kept file holds a fused matrix's parts (loading.gguf): each in the fused format, so
+    # that stacking them joins their bytes; a part already so held is not copied.
+    rng = np.random.default_rng(10)
+    q4, q8 = (quant.quantize(rng.standard_normal((24, 64)).astype(np.float32), bits) for bits in (4, 8))
+    assert quant.fused_format([q4, q4]) == (4, False) and quant.fused_format([q4, q8]) == (8, True)
+    for w in (q4, q8):
+        held = quant.as_format(w, 8, True)
+        assert (held.bits, held.shape) == (8, (24, 64)) and held.mins is not None
+        assert np.array_equal(held.dequantize(), w.dequantize())
+        assert quant.as_format(held, 8, True) is held
+
+
 def test_arrays_lying_one_after_the_other_join_without_a_copy():
     # Adjacent views of one mapped buffer (kept weights) join as a view of it; apart, or from
     # different buffers, they are copied: the same values either way.

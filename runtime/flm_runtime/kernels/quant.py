@@ -113,26 +113,41 @@ Weight = np.ndarray | QuantWeight  # a matrix: float32 ``[out, in]``, or this mo
 
 
 def stack_rows(weights: list[QuantWeight]) -> QuantWeight:
-    """Weights of one input width stacked along the output rows (the fused QKV and gate/up). Parts
-    of different widths (a Q4_K_M file's 6-bit ``attn_v`` beside 4-bit q and k) are tiled again
-    in the widest: a 4-bit code is an 8-bit code of the same block scale and min, so every weight
-    keeps its value exactly."""
+    """Weights of one input width stacked along the output rows (the fused QKV and gate/up), in
+    ``fused_format``: parts of different formats (a Q4_K_M file's 6-bit ``attn_v`` beside 4-bit q
+    and k) are tiled again in it (``as_format``), every weight keeping its value exactly."""
     first = weights[0]
     assert all(w.in_features == first.in_features for w in weights)
-    with_mins = {w.mins is not None for w in weights}
-    if len({w.bits for w in weights}) > 1:  # their zero points differ: the mins are stored
-        return _retile(max(weights, key=lambda w: w.bits), [w.rows() for w in weights], keep_mins=True)
-    if len(with_mins) == 1 and all(w.out_features % TILE == 0 for w in weights[:-1]):
+    fused = fused_format(weights)
+    parts = [as_format(w, *fused) for w in weights]
+    if all(w.out_features % TILE == 0 for w in parts[:-1]):
         # Whole tiles (a model's Q, K and V rows are): stacking rows is stacking tiles, the bytes
         # joined instead of untiled and tiled again (a tenth of a load's time), with no copy when
         # they lie one after the other already (kept weights, laid out so).
         def stacked(arrays: list[np.ndarray]) -> np.ndarray:
             return joined(arrays).reshape(-1, arrays[0].shape[1])
 
-        mins = None if first.mins is None else stacked([w.mins for w in weights])
-        return QuantWeight(first.bits, stacked([w.codes for w in weights]), stacked([w.scales for w in weights]),
-                           mins, first.in_features, sum(w.out_features for w in weights[:-1]) + weights[-1].out_features)
-    return _retile(first, [w.rows() for w in weights], keep_mins=True in with_mins)
+        mins = None if parts[0].mins is None else stacked([w.mins for w in parts])
+        return QuantWeight(parts[0].bits, stacked([w.codes for w in parts]), stacked([w.scales for w in parts]), mins,
+                           first.in_features, sum(w.out_features for w in parts[:-1]) + parts[-1].out_features)
+    return _retile(parts[0], [w.rows() for w in parts])
+
+
+def fused_format(weights: list[QuantWeight]) -> tuple[int, bool]:
+    """``(bits, mins stored)`` of ``weights`` stacked by rows (``stack_rows``): the widest width,
+    with stored mins when one of them stores its own or the widths differ (their zero points do)."""
+    widths = {w.bits for w in weights}
+    return max(widths), len(widths) > 1 or any(w.mins is not None for w in weights)
+
+
+def as_format(w: QuantWeight, bits: int, mins: bool) -> QuantWeight:
+    """``w``'s weights as ``bits``-bit blocks with (``mins``) or without stored mins: ``w`` itself
+    when it is held so, else tiled again with its mins stored, every weight keeping its value
+    exactly (a code is a code of the same block scale and min at a wider width)."""
+    if (w.bits, w.mins is not None) == (bits, mins):
+        return w
+    assert mins and bits >= w.bits, f"{w.bits}-bit blocks are not held exactly as {bits}-bit ones without mins"
+    return _tiled(*w.rows(), bits, w.in_features)
 
 
 def joined(arrays: list[np.ndarray]) -> np.ndarray:
@@ -165,12 +180,10 @@ def tiled_shapes(bits: int, out_features: int, in_features: int) -> tuple[tuple[
     return (tiles, blocks * TILE * BLOCK * bits // 8), (tiles, blocks * TILE)
 
 
-def _retile(like: QuantWeight, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-            keep_mins: bool | None = None) -> QuantWeight:
+def _retile(like: QuantWeight, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> QuantWeight:
     """``QuantWeight.rows`` results stacked in order, tiled again in ``like``'s format."""
     codes, scales, mins = (np.concatenate(a) for a in zip(*parts))
-    keep = like.mins is not None if keep_mins is None else keep_mins
-    return _tiled(codes, scales, mins if keep else None, like.bits, like.in_features)
+    return _tiled(codes, scales, None if like.mins is None else mins, like.bits, like.in_features)
 
 
 def from_blocks(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits: int,

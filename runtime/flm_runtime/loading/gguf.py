@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -356,7 +356,10 @@ def load_gguf_weights(gguf_file: GGUFFile, config: LlamaConfig, family: Llama, *
         keep: ``(directory, source)``: convert into the kept file of ``source`` (this GGUF's path)
             as ``kind`` in ``directory`` (``converted.save``) tensor by tensor, in slices of rows,
             each slice's pages of the GGUF released once converted (``release_pages``), and return
-            that file's weights, mapped; converted in memory only when it cannot be written.
+            that file's weights, mapped; converted in memory only when it cannot be written. The
+            matrices a model fuses (``fused_matrices``) are kept in the fused matrix's format
+            (``quant.fused_format``): a Q4_K_M file's 4-bit Q and K beside a 6-bit V as 8-bit
+            blocks with stored mins, each weight's value unchanged.
 
     Returns:
         name -> C-contiguous float32 array or ``QuantWeight``, ``[out_features, in_features]``
@@ -377,15 +380,27 @@ def load_gguf_weights(gguf_file: GGUFFile, config: LlamaConfig, family: Llama, *
 def _converted_into(directory: Path, source: Path, tensors: dict[str, GGUFTensor], config: LlamaConfig,
                     family: Llama, kind: str) -> dict[str, Weight] | None:
     """``load_gguf_weights``'s ``keep``: ``tensors`` (by Hugging Face name) converted into the kept
-    file, laid out in the stacking order (the stacked model's arrays are then views of it), and
-    mapped from it; None when it cannot be written."""
+    file, laid out in the stacking order and each group of matrices the model fuses in the fused
+    matrix's format (the stacked model's arrays are then views of it, not copies), and mapped from
+    it; None when it cannot be written."""
     stacked = family.stacking_order(config)
     order = [n for n in stacked if n in tensors] + [n for n in tensors if n not in set(stacked)]
     # Each tensor's format is its first tile's: the same rules convert every row.
-    entries = {name: converted.Entry.like(_converted(_rows(tensors[name], 0, quant.TILE), kind, str(source)),
-                                          tensors[name].data.shape[0]) for name in order}
-    if not converted.save(directory, source, kind, entries,
-                          _converted_parts(tensors, order, config, family, kind, str(source))):
+    firsts = {name: _converted(_rows(tensors[name], 0, quant.TILE), kind, str(source)) for name in order}
+    formats = {}  # name -> (bits, mins) of the fused matrix it is a part of
+    for group in family.fused_matrices(config):
+        parts = [firsts[name] for name in group]
+        if all(isinstance(w, QuantWeight) for w in parts):
+            formats.update(dict.fromkeys(group, quant.fused_format(parts)))
+
+    def held(name: str, w: Weight) -> Weight:
+        return quant.as_format(w, *formats[name]) if name in formats else w
+
+    def convert(name: str, tensor: GGUFTensor) -> Weight:
+        return held(name, _converted(tensor, kind, str(source)))
+
+    entries = {name: converted.Entry.like(held(name, w), tensors[name].data.shape[0]) for name, w in firsts.items()}
+    if not converted.save(directory, source, kind, entries, _converted_parts(tensors, order, config, family, convert)):
         return None
     return converted.load(directory, source, kind)
 
@@ -396,10 +411,10 @@ _SLICE_WEIGHTS = 1 << 22
 
 
 def _converted_parts(tensors: dict[str, GGUFTensor], order: list[str], config: LlamaConfig, family: Llama,
-                     kind: str, source: str) -> Iterator[tuple[str, int, Weight]]:
-    """``converted.save``'s parts: the tensors in ``order``, converted slice by slice of rows
-    (whole tiles; about ``_SLICE_WEIGHTS`` weights each), each slice's GGUF pages released once
-    it is converted."""
+                     convert: Callable[[str, GGUFTensor], Weight]) -> Iterator[tuple[str, int, Weight]]:
+    """``converted.save``'s parts: the tensors in ``order``, converted (``convert(name, rows)``)
+    slice by slice of rows (whole tiles; about ``_SLICE_WEIGHTS`` weights each), each slice's GGUF
+    pages released once it is converted."""
     for name in order:
         data = tensors[name].data
         tensor = _in_hf_order(name, tensors[name], config, family, True)  # q/k: the whole tensor read once, reordered
@@ -407,7 +422,7 @@ def _converted_parts(tensors: dict[str, GGUFTensor], order: list[str], config: L
         step = rows if data.ndim != 2 else max(quant.TILE, _SLICE_WEIGHTS // tensor.shape[0] // quant.TILE
                                                   * quant.TILE)
         for first in range(0, rows, step):
-            yield name, first, _converted(_rows(tensor, first, first + step), kind, source)
+            yield name, first, convert(name, _rows(tensor, first, first + step))
             release_pages(data[first:first + step])
 
 

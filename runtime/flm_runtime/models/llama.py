@@ -274,6 +274,15 @@ class Llama:
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         return [f"model.layers.{i}.{name}" for i in range(config.num_hidden_layers) for name in matrices] + [head]
 
+    def fused_matrices(self, config: LlamaConfig) -> list[tuple[str, ...]]:
+        """The checkpoint's matrices a model holds stacked by rows into one (``take_fused``), one
+        tuple each, by full name: each layer's Q, K and V and its gate and up (none where the
+        checkpoint has them fused already). Kept in one format, their kept weights are the fused
+        matrix already (``loading.gguf``)."""
+        shapes = self.layer_shapes(config)
+        return [tuple(f"model.layers.{i}.{name}" for name in group) for i in range(config.num_hidden_layers)
+                for group in (QKV_PROJ, GATE_UP_PROJ) if all(name in shapes for name in group)]
+
     def hf_name(self, gguf_name: str, source: str) -> str:
         """The Hugging Face name of a GGUF tensor of this family (``blk.3.attn_q.weight`` ->
         ``model.layers.3.self_attn.q_proj.weight``).
