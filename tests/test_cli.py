@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -242,6 +243,20 @@ def test_the_console_script_runs_in_a_fresh_process(isolated):
         assert bad.returncode == 1 and "Traceback" not in bad.stderr
         assert bad.stderr.startswith("litellm-flm: error: unknown model tag")
 
+
+
+@pytest.mark.parametrize("args", [["list", "--json"], ["list"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly_with_141(isolated, args):
+    """``litellm-flm list --json | head -1``: stdout is a pipe whose reader has gone, so the
+    first write fails; no message, and the status a shell gives ``cat`` ended the same way."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, "-m", "flm_runtime.cli", *args], stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (out.returncode, out.stderr) == (cli.EXIT_BROKEN_PIPE, "") == (141, "")
 
 def test_run_prints_the_verify_steps_and_al_of_a_dflash_tag_per_proposer_and_the_forced_tokens():
     base = dict(prompt_tokens=40, completion_tokens=30, generated_tokens=30, queue_s=0.0, ttft_s=0.25,

@@ -4,6 +4,7 @@
 Each subcommand is one function ``cmd_<name>(args) -> int`` (the exit status) registered with
 ``@command(name, help, configure)``, where ``configure(parser)`` adds its arguments. Errors the
 runtime raises on purpose (``FlmError``) print one line and exit 1; ``--debug`` shows tracebacks.
+A reader of stdout that goes away (``| head -1``) ends the command quietly (``EXIT_BROKEN_PIPE``).
 
 Other packages add subcommands through the entry-point group ``litellm_flm.commands`` (name: the
 subcommand; object: a ``Command``), so that the runtime never imports them: the benchmark
@@ -18,6 +19,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +35,10 @@ if TYPE_CHECKING:  # the engine's modules load only when a command needs them
 
 PROG = "litellm-flm"
 COMMAND_GROUP = "litellm_flm.commands"
+# The status of a command whose stdout's reader went away (``litellm-flm list | head -1``): 128 +
+# SIGPIPE (13), what a shell reports for ``cat`` or ``git log`` ended the same way, so that a
+# caller (``set -o pipefail``) can tell that not all the output was read.
+EXIT_BROKEN_PIPE = 141
 
 
 @dataclass(frozen=True)
@@ -335,7 +341,11 @@ def _main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format=f"{PROG}: %(levelname)s: %(message)s")
     try:
-        return args._run(args)
+        status = args._run(args)
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's last flush
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
     except (FlmError, OSError) as e:
         if args.debug:
             raise
@@ -346,6 +356,16 @@ def _main(argv: list[str]) -> int:
             raise
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+
+
+def _stdout_closed() -> int:
+    """Quietly end a command whose stdout's reader went away: what is left unwritten goes to
+    devnull (else the interpreter's last flush raises again, with a traceback), no message;
+    ``EXIT_BROKEN_PIPE``."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":
