@@ -30,14 +30,16 @@ request with the engine's stats (``flm_runtime.scheduling.engine.Engine._end``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import litellm
+from litellm.litellm_core_utils.streaming_handler import CustomStreamWrapper
 from litellm.text_completions.streaming_iterator import TextCompletionStreamWrapper
 
 from flm_runtime import FlmError, Settings
 
-from .llm import FlmLLM
+from .llm import FlmLLM, served_name
 from .shutdown import drain_on_sigterm
 
 __all__ = ["FlmLLM", "handler", "register", "configure_logging", "PROVIDER"]
@@ -113,6 +115,7 @@ def register() -> None:
     litellm.custom_provider_map = [*others, {"provider": PROVIDER, "custom_handler": handler}]
     litellm.utils.custom_llm_setup()
     _stream_text_as_strings()
+    _streams_named_as_served()
     contexts = _context_lengths(_registry_entries())
     if contexts:
         litellm.register_model({f"{PROVIDER}/{tag}": model_info(n) for tag, n in contexts.items()})
@@ -141,6 +144,31 @@ def _stream_text_as_strings() -> None:
 
     convert_to_text_completion_object._flm_text_as_strings = True
     TextCompletionStreamWrapper.convert_to_text_completion_object = convert_to_text_completion_object
+
+
+def _streams_named_as_served() -> None:
+    """Make LiteLLM's stream wrapper of an ``flm`` model name it ``flm/<tag>`` (``served_name``),
+    as the handler's own chunks and responses do. Idempotent.
+
+    LiteLLM 1.110.2 gives a custom provider's ``CustomStreamWrapper`` the tag without its prefix
+    and puts that on the chunks it builds itself (the finish_reason's, the usage's), so a stream
+    would name two models and ``stream_chunk_builder`` would rebuild it under the bare tag, which
+    LiteLLM cannot place (its "Provider List" banner, once per lookup). The wrapper's constructor
+    is wrapped instead, for this provider only.
+    """
+    init = CustomStreamWrapper.__init__
+    if getattr(init, "_flm_served_name", False):
+        return
+    signature = inspect.signature(init)
+
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        if bound.arguments.get("custom_llm_provider") == PROVIDER and isinstance(bound.arguments["model"], str):
+            bound.arguments["model"] = served_name(bound.arguments["model"])
+        init(*bound.args, **bound.kwargs)
+
+    __init__._flm_served_name = True
+    CustomStreamWrapper.__init__ = __init__
 
 
 _stderr = logging.StreamHandler()  # sys.stderr
