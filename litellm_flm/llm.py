@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import httpx
@@ -99,6 +101,34 @@ class Started(NamedTuple):
 
 def _start(model: str, messages: list, optional_params: dict, timeout: Any,
            litellm_params: dict | None, logging_obj: Any = None) -> Started:
+    """``_submit``, its ``InvalidRequestError`` naming ``max_completion_tokens`` where the caller
+    sent that and LiteLLM renamed it ``max_tokens`` (``logging_obj``'s call details keep the
+    caller's keys)."""
+    sent = getattr(logging_obj, "model_call_details", None) or {}
+    renamed = (sent.get("max_completion_tokens") is not None and sent.get("max_tokens") is None
+               and "max_completion_tokens" not in merge_extra_body(optional_params))
+    with _named_as_sent({"max_tokens": "max_completion_tokens"} if renamed else {}):
+        return _submit(model, messages, optional_params, timeout, litellm_params, logging_obj)
+
+
+@contextmanager
+def _named_as_sent(names: Mapping[str, str]) -> Iterator[None]:
+    """Re-raise an ``InvalidRequestError`` of the block with each parameter the runtime names
+    otherwise than the caller sent it (``names``: the runtime's name -> the caller's) named as
+    sent, in its ``param`` and its message."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        message = str(e)
+        for ours, theirs in names.items():
+            e.param = theirs if e.param == ours else e.param
+            message = re.sub(rf"\b{re.escape(ours)}\b", theirs, message)
+        e.args = (message,)
+        raise
+
+
+def _submit(model: str, messages: list, optional_params: dict, timeout: Any,
+            litellm_params: dict | None, logging_obj: Any = None) -> Started:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
 
     ``logging_obj``: LiteLLM's, whose ``messages`` are the chat's as the caller sent them
@@ -158,8 +188,11 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     groups: list[list] = []
     prompt_ids = [engine.tokenizer.encode(text) for text in texts]
     try:
-        for ids in prompt_ids:
-            groups.append(engine.submit_choices(ids, params, n, timeout=_timeout_seconds(timeout), processors=grammar))
+        for i, ids in enumerate(prompt_ids):
+            # The engine names a prompt "messages": a text completion's is "prompt", or "prompt[i]" of several.
+            with _named_as_sent({"messages": "prompt" if len(prompt_ids) == 1 else f"prompt[{i}]"} if raw else {}):
+                groups.append(engine.submit_choices(ids, params, n, timeout=_timeout_seconds(timeout),
+                                                    processors=grammar))
     except BaseException:  # one prompt refused (too long, queue full, a grammar that fails): none of them runs
         _cancel(groups)
         raise
