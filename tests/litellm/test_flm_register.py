@@ -12,16 +12,19 @@ import pytest
 import litellm_flm
 
 ENTRIES = [
-    SimpleNamespace(tag="smollm2:135m", context_length=8192, base=None),
-    SimpleNamespace(tag="tiny-test:1m", context_length=512, base=None),
+    SimpleNamespace(tag="smollm2:135m", context_length=8192, base=None, chat=True),
+    SimpleNamespace(tag="tiny-test:1m", context_length=512, base=None, chat=True),
 ]
-DFLASH = SimpleNamespace(tag="smollm2-dflash:135m", context_length=None, base="smollm2:135m")
-UNKNOWN_CONTEXT = SimpleNamespace(tag="byo:7b", context_length=None, base=None)
+DFLASH = SimpleNamespace(tag="smollm2-dflash:135m", context_length=None, base="smollm2:135m", chat=True)
+UNKNOWN_CONTEXT = SimpleNamespace(tag="byo:7b", context_length=None, base=None, chat=True)
+BASE = SimpleNamespace(tag="base:1m", context_length=1024, base=None, chat=False)
+BASE_DFLASH = SimpleNamespace(tag="base-dflash:1m", context_length=None, base="base:1m", chat=True)
 
 
 @pytest.fixture
 def fake_registry(monkeypatch):
-    monkeypatch.setattr(litellm_flm, "_registry_entries", lambda: [*ENTRIES, DFLASH, UNKNOWN_CONTEXT])
+    monkeypatch.setattr(litellm_flm, "_registry_entries",
+                        lambda: [*ENTRIES, DFLASH, UNKNOWN_CONTEXT, BASE, BASE_DFLASH])
 
 
 def test_register_is_idempotent(fake_registry, monkeypatch):
@@ -42,6 +45,14 @@ def test_registered_models_are_free_chat_models_with_their_context(fake_registry
         assert info["max_output_tokens"] == entry.context_length
         assert info["input_cost_per_token"] == 0.0 and info["output_cost_per_token"] == 0.0
         assert info["litellm_provider"] == "flm" and info["mode"] == "chat"
+
+
+def test_a_base_model_and_its_dflash_tag_are_completion_models(fake_registry):
+    """A tag without a chat template (``chat`` False) refuses chats: LiteLLM's mode says so."""
+    litellm_flm.register()
+    for tag in (BASE.tag, BASE_DFLASH.tag):
+        info = litellm.get_model_info(f"flm/{tag}")
+        assert (info["mode"], info["max_input_tokens"]) == ("completion", 1024)
 
 
 def test_dflash_tags_get_their_base_context_and_unknown_contexts_stay_unset(fake_registry):
@@ -66,6 +77,8 @@ def test_a_broken_models_file_does_not_break_registration(monkeypatch):
 def test_the_real_registry_is_registered():
     litellm_flm.register()
     assert litellm.get_model_info("flm/smollm2:135m")["max_input_tokens"] == 8192
+    assert litellm.get_model_info("flm/smollm2:135m")["mode"] == "chat"
+    assert litellm.get_model_info("flm/gemma3:270m")["mode"] == "completion"  # a base model
 
 
 def test_completion_cost_is_zero(fake_registry, fake_engine):
