@@ -57,7 +57,7 @@ _log = logging.getLogger(__name__)
 
 
 def _registry_entries() -> list:
-    """Every registered model (``.tag``, ``.context_length``, ``.base``, ``.chat``).
+    """Every registered model (``registry.ModelEntry``s).
 
     A broken user models file must not break ``import litellm_flm`` (nor the proxy's startup): it
     is logged here, and each request for a tag then raises the runtime's own error naming the file.
@@ -77,13 +77,14 @@ def _registry_entries() -> list:
 
 
 def _model_infos(entries: list) -> dict[str, dict]:
-    """``flm/<tag>`` -> its ``model_info``: the entry's context length (None when not recorded)
-    and whether it chats; a DFlash entry has its base's (its own context length first)."""
+    """``flm/<tag>`` -> its ``model_info``: the context length its engine serves
+    (``known_context_length``: the entry's, else its GGUF file's; None when not known before it
+    loads) and whether it chats; a DFlash entry has its base's (its own context length first)."""
     by_tag = {e.tag: e for e in entries}
     infos = {}
     for e in entries:
         plain = by_tag.get(e.base) if e.base else e
-        context = e.context_length or (plain.context_length if plain is not None else None)
+        context = e.known_context_length() or (plain.known_context_length() if plain is not None else None)
         infos[f"{PROVIDER}/{e.tag}"] = model_info(context, plain is None or plain.chat)
     return infos
 
@@ -91,8 +92,7 @@ def _model_infos(entries: list) -> dict[str, dict]:
 def model_info(context_length: int | None, chat: bool) -> dict:
     """LiteLLM's model-cost entry of a local model: free, mode ``chat`` or, for a base model (no
     chat template: ``chat`` False), ``completion``, the context shared by prompt and output (left
-    out when the registry does not record it: it is read from the model files), no tools and
-    structured output but no images (``FEATURES``)."""
+    out when unknown), tools and structured output but no images (``FEATURES``)."""
     window = {}
     if context_length:
         window = {"max_tokens": context_length, "max_input_tokens": context_length, "max_output_tokens": context_length}

@@ -344,7 +344,7 @@ def _embed(model: str, input: Any, optional_params: dict, litellm_params: dict |
     texts = embedding_inputs(input)
     engine = _get_engine(model, backend_of(optional_params))
     token_lists = [engine.tokenizer.encode(t) if isinstance(t, str) else t for t in texts]
-    return embed(engine.model, token_lists), sum(len(ids) for ids in token_lists), fmt
+    return embed(engine.model, token_lists, engine.context_length), sum(len(ids) for ids in token_lists), fmt
 
 
 def build_embedding_response(model_response: EmbeddingResponse, model: str, vectors, prompt_tokens: int,

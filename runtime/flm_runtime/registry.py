@@ -68,6 +68,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from flm_runtime import paths
 from flm_runtime.errors import ModelFilesMissingError, ModelFormatError, UnknownModelError
 from flm_runtime.loading.chat_template import ThinkingFormat
+from flm_runtime.loading.gguf import gguf_context_length
 from flm_runtime.sampling.sampler import SamplingDefaults
 
 log = logging.getLogger(__name__)
@@ -241,6 +242,19 @@ class ModelEntry(BaseModel):
         """The directory that ``files`` are relative to."""
         loc = self.location()
         return loc.parent if self.format == "gguf" else loc
+
+    def known_context_length(self) -> int | None:
+        """The context (tokens) this entry's engine serves, as known before the model loads:
+        ``context_length``, the engine's cap; else, for a GGUF file that is present, the file's
+        own (``gguf_context_length``: its header read up to that key, cheap); else None (an HF
+        directory's is read when it loads; a DFlash entry's is its base's). A file that cannot be
+        read gives None: loading it raises the error that names it."""
+        if self.context_length is not None or self.format != "gguf":
+            return self.context_length
+        try:
+            return gguf_context_length(self.location())
+        except (OSError, ModelFormatError):
+            return None
 
     def total_size(self) -> int | None:
         """Bytes of all files with a recorded size; None when any size is unknown."""

@@ -11,14 +11,18 @@ import pytest
 
 import litellm_flm
 
-ENTRIES = [
-    SimpleNamespace(tag="smollm2:135m", context_length=8192, base=None, chat=True),
-    SimpleNamespace(tag="tiny-test:1m", context_length=512, base=None, chat=True),
-]
-DFLASH = SimpleNamespace(tag="smollm2-dflash:135m", context_length=None, base="smollm2:135m", chat=True)
-UNKNOWN_CONTEXT = SimpleNamespace(tag="byo:7b", context_length=None, base=None, chat=True)
-BASE = SimpleNamespace(tag="base:1m", context_length=1024, base=None, chat=False)
-BASE_DFLASH = SimpleNamespace(tag="base-dflash:1m", context_length=None, base="base:1m", chat=True)
+
+def entry(tag: str, context_length: int | None = None, base: str | None = None, chat: bool = True):
+    """A registry entry as ``_model_infos`` reads it (``ModelEntry``'s attributes)."""
+    return SimpleNamespace(tag=tag, context_length=context_length, base=base, chat=chat,
+                           known_context_length=lambda: context_length)
+
+
+ENTRIES = [entry("smollm2:135m", 8192), entry("tiny-test:1m", 512)]
+DFLASH = entry("smollm2-dflash:135m", base="smollm2:135m")
+UNKNOWN_CONTEXT = entry("byo:7b")
+BASE = entry("base:1m", 1024, chat=False)
+BASE_DFLASH = entry("base-dflash:1m", base="base:1m")
 
 
 @pytest.fixture
