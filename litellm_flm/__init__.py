@@ -40,6 +40,7 @@ from litellm.text_completions.streaming_iterator import TextCompletionStreamWrap
 from flm_runtime import FlmError, Settings
 
 from .llm import FlmLLM, served_name
+from .params import SUPPORTED_OPENAI_PARAMS
 from .shutdown import drain_on_sigterm
 
 __all__ = ["FlmLLM", "handler", "register", "configure_logging", "PROVIDER"]
@@ -116,13 +117,15 @@ def register() -> None:
     Adds ``{"provider": "flm", "custom_handler": handler}`` to ``litellm.custom_provider_map``
     (replacing any other ``flm`` entry, so there is never more than one), adds the provider to
     LiteLLM's provider lists, and registers every registry tag as ``flm/<tag>`` with zero costs
-    its context length and its mode (chat, or completion for a base model).
+    its context length, its mode (chat, or completion for a base model) and, in its model info,
+    the OpenAI parameters the handler supports.
     """
     others = [item for item in litellm.custom_provider_map if item.get("provider") != PROVIDER]
     litellm.custom_provider_map = [*others, {"provider": PROVIDER, "custom_handler": handler}]
     litellm.utils.custom_llm_setup()
     _stream_text_as_strings()
     _streams_named_as_served()
+    _model_info_lists_the_supported_params()
     infos = _model_infos(_registry_entries())
     if infos:
         litellm.register_model(infos)
@@ -176,6 +179,31 @@ def _streams_named_as_served() -> None:
 
     __init__._flm_served_name = True
     CustomStreamWrapper.__init__ = __init__
+
+
+def _model_info_lists_the_supported_params() -> None:
+    """Make LiteLLM's model info of an ``flm`` model (``litellm.get_model_info``, the proxy's
+    ``/v1/model/info``) list the OpenAI parameters the handler supports
+    (``params.SUPPORTED_OPENAI_PARAMS``). Idempotent.
+
+    LiteLLM 1.110.2 gives every custom provider one OpenAI-compatible list (``OpenAILikeChatConfig``:
+    ``functions``, ``audio``, ``prediction`` and more), which a model-cost entry cannot override.
+    That list also decides what LiteLLM forwards to the handler, which refuses the rest naming them
+    or drops them with ``drop_params`` (``params``), so only the model info's copy is replaced.
+    """
+    build = litellm.utils._build_model_info
+    if getattr(build, "_flm_supported_params", False):
+        return
+
+    def _build_model_info(*args, **kwargs):
+        info = build(*args, **kwargs)
+        if info.get("litellm_provider") == PROVIDER:
+            info["supported_openai_params"] = list(SUPPORTED_OPENAI_PARAMS)
+        return info
+
+    _build_model_info._flm_supported_params = True
+    litellm.utils._build_model_info = _build_model_info
+    litellm.get_model_info.cache_clear()  # an answer built before this one must not be kept
 
 
 _stderr = logging.StreamHandler()  # sys.stderr
