@@ -196,6 +196,7 @@ class FakeEntryPoint:
 
     def __init__(self, name: str, command: cli.Command):
         self.name, self.module_name, self.command, self.loads = name, f"plugin_{name}", command, 0
+        self.object_name = "COMMAND"
 
     def load(self) -> cli.Command:
         self.loads += 1
@@ -224,10 +225,18 @@ def test_soak_is_the_litellm_flm_plugin():
     from flm_bench import soak
 
     assert commands["soak"] is soak.COMMAND
-    code = ("import sys, flm_runtime.cli as c; c.build_parser(); c.plugin_commands(None); "
-            "print('litellm' in sys.modules)")
+    code = ("import sys, flm_runtime.cli as c; c.build_parser(); h = c.plugin_commands(None)['soak'].help; "
+            "print('litellm' in sys.modules, 'flm_bench.soak' in sys.modules); print(h)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "False", out.stderr
+    assert out.stdout.splitlines() == ["False False", soak.COMMAND.help], out.stderr
+
+
+def test_help_lists_each_plugin_command_with_its_own_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    listed = " ".join(capsys.readouterr().out.split())
+    for name in ("bench", "agreement", "calibrate", "soak"):
+        assert " ".join(cli.plugin_commands(name)[name].help.split()) in listed
 
 
 def test_the_console_script_runs_in_a_fresh_process(isolated):
