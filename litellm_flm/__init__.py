@@ -30,14 +30,17 @@ request with the engine's stats (``flm_runtime.scheduling.engine.Engine._end``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import litellm
+from litellm.litellm_core_utils.streaming_handler import CustomStreamWrapper
 from litellm.text_completions.streaming_iterator import TextCompletionStreamWrapper
 
 from flm_runtime import FlmError, Settings
 
-from .llm import FlmLLM
+from .llm import FlmLLM, served_name
+from .params import SUPPORTED_OPENAI_PARAMS
 from .shutdown import drain_on_sigterm
 
 __all__ = ["FlmLLM", "handler", "register", "configure_logging", "PROVIDER"]
@@ -55,7 +58,7 @@ _log = logging.getLogger(__name__)
 
 
 def _registry_entries() -> list:
-    """Every registered model (``.tag``, ``.context_length``, ``.base``).
+    """Every registered model (``registry.ModelEntry``s).
 
     A broken user models file must not break ``import litellm_flm`` (nor the proxy's startup): it
     is logged here, and each request for a tag then raises the runtime's own error naming the file.
@@ -74,16 +77,23 @@ def _registry_entries() -> list:
         return []
 
 
-def _context_lengths(entries: list) -> dict[str, int | None]:
-    """tag -> context length (tokens); a DFlash entry has its base's; None when not recorded."""
-    own = {e.tag: e.context_length for e in entries}
-    return {e.tag: own[e.tag] or own.get(getattr(e, "base", None) or "") for e in entries}
+def _model_infos(entries: list) -> dict[str, dict]:
+    """``flm/<tag>`` -> its ``model_info``: the context length its engine serves
+    (``known_context_length``: the entry's, else its GGUF file's; None when not known before it
+    loads) and whether it chats; a DFlash entry has its base's (its own context length first)."""
+    by_tag = {e.tag: e for e in entries}
+    infos = {}
+    for e in entries:
+        plain = by_tag.get(e.base) if e.base else e
+        context = e.known_context_length() or (plain.known_context_length() if plain is not None else None)
+        infos[f"{PROVIDER}/{e.tag}"] = model_info(context, plain is None or plain.chat)
+    return infos
 
 
-def model_info(context_length: int | None) -> dict:
-    """LiteLLM's model-cost entry of a local model: free, chat, the context shared by prompt and
-    output (left out when the registry does not record it: it is read from the model files), no
-    tools and structured output but no images (``FEATURES``)."""
+def model_info(context_length: int | None, chat: bool) -> dict:
+    """LiteLLM's model-cost entry of a local model: free, mode ``chat`` or, for a base model (no
+    chat template: ``chat`` False), ``completion``, the context shared by prompt and output (left
+    out when unknown), tools and structured output but no images (``FEATURES``)."""
     window = {}
     if context_length:
         window = {"max_tokens": context_length, "max_input_tokens": context_length, "max_output_tokens": context_length}
@@ -95,7 +105,7 @@ def model_info(context_length: int | None) -> dict:
         "cache_creation_input_token_cost": 0.0,
         "cache_read_input_token_cost": 0.0,
         "litellm_provider": PROVIDER,
-        "mode": "chat",
+        "mode": "chat" if chat else "completion",
         # What litellm.supports_function_calling / supports_response_schema / ... answer.
         **{f"supports_{feature}": value for feature, value in FEATURES.items()},
     }
@@ -107,15 +117,18 @@ def register() -> None:
     Adds ``{"provider": "flm", "custom_handler": handler}`` to ``litellm.custom_provider_map``
     (replacing any other ``flm`` entry, so there is never more than one), adds the provider to
     LiteLLM's provider lists, and registers every registry tag as ``flm/<tag>`` with zero costs
-    and its context length.
+    its context length, its mode (chat, or completion for a base model) and, in its model info,
+    the OpenAI parameters the handler supports.
     """
     others = [item for item in litellm.custom_provider_map if item.get("provider") != PROVIDER]
     litellm.custom_provider_map = [*others, {"provider": PROVIDER, "custom_handler": handler}]
     litellm.utils.custom_llm_setup()
     _stream_text_as_strings()
-    contexts = _context_lengths(_registry_entries())
-    if contexts:
-        litellm.register_model({f"{PROVIDER}/{tag}": model_info(n) for tag, n in contexts.items()})
+    _streams_named_as_served()
+    _model_info_lists_the_supported_params()
+    infos = _model_infos(_registry_entries())
+    if infos:
+        litellm.register_model(infos)
 
 
 def _stream_text_as_strings() -> None:
@@ -141,6 +154,56 @@ def _stream_text_as_strings() -> None:
 
     convert_to_text_completion_object._flm_text_as_strings = True
     TextCompletionStreamWrapper.convert_to_text_completion_object = convert_to_text_completion_object
+
+
+def _streams_named_as_served() -> None:
+    """Make LiteLLM's stream wrapper of an ``flm`` model name it ``flm/<tag>`` (``served_name``),
+    as the handler's own chunks and responses do. Idempotent.
+
+    LiteLLM 1.110.2 gives a custom provider's ``CustomStreamWrapper`` the tag without its prefix
+    and puts that on the chunks it builds itself (the finish_reason's, the usage's), so a stream
+    would name two models and ``stream_chunk_builder`` would rebuild it under the bare tag, which
+    LiteLLM cannot place (its "Provider List" banner, once per lookup). The wrapper's constructor
+    is wrapped instead, for this provider only.
+    """
+    init = CustomStreamWrapper.__init__
+    if getattr(init, "_flm_served_name", False):
+        return
+    signature = inspect.signature(init)
+
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        if bound.arguments.get("custom_llm_provider") == PROVIDER and isinstance(bound.arguments["model"], str):
+            bound.arguments["model"] = served_name(bound.arguments["model"])
+        init(*bound.args, **bound.kwargs)
+
+    __init__._flm_served_name = True
+    CustomStreamWrapper.__init__ = __init__
+
+
+def _model_info_lists_the_supported_params() -> None:
+    """Make LiteLLM's model info of an ``flm`` model (``litellm.get_model_info``, the proxy's
+    ``/v1/model/info``) list the OpenAI parameters the handler supports
+    (``params.SUPPORTED_OPENAI_PARAMS``). Idempotent.
+
+    LiteLLM 1.110.2 gives every custom provider one OpenAI-compatible list (``OpenAILikeChatConfig``:
+    ``functions``, ``audio``, ``prediction`` and more), which a model-cost entry cannot override.
+    That list also decides what LiteLLM forwards to the handler, which refuses the rest naming them
+    or drops them with ``drop_params`` (``params``), so only the model info's copy is replaced.
+    """
+    build = litellm.utils._build_model_info
+    if getattr(build, "_flm_supported_params", False):
+        return
+
+    def _build_model_info(*args, **kwargs):
+        info = build(*args, **kwargs)
+        if info.get("litellm_provider") == PROVIDER:
+            info["supported_openai_params"] = list(SUPPORTED_OPENAI_PARAMS)
+        return info
+
+    _build_model_info._flm_supported_params = True
+    litellm.utils._build_model_info = _build_model_info
+    litellm.get_model_info.cache_clear()  # an answer built before this one must not be kept
 
 
 _stderr = logging.StreamHandler()  # sys.stderr

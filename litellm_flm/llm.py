@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import httpx
@@ -33,7 +35,7 @@ from litellm.types.utils import (ChatCompletionMessageToolCall, ChatCompletionTo
 from flm_runtime import (Completion, InvalidRequestError, StreamEvent, TokenLogprob, ToolCall, ToolCallStream,
                          compiler_for, parse_tool_calls, render_messages)
 
-from .errors import litellm_errors
+from .errors import PROVIDER, litellm_errors
 from .params import (backend_of, choices_of, embedding_inputs, encoding_format, fim_suffix, merge_extra_body,
                      normalize_messages, raw_prompts, request_fields, requested_thinking, returns_token_ids)
 from .reasoning import Reasoning, template_switch
@@ -50,6 +52,14 @@ def _get_engine(tag: str, backend: str | None = None):
     from flm_runtime import get_engine
 
     return get_engine(tag, backend)
+
+
+def served_name(tag: str) -> str:
+    """The ``model`` a response and each of its chunks name: ``flm/<tag>``, as the caller named it
+    and as LiteLLM's own local providers do (``ollama/<model>``). LiteLLM finds a response's provider
+    and price by this name (``stream_chunk_builder``, ``completion_cost``): the bare tag is no
+    provider's, and LiteLLM prints its "Provider List" banner for it."""
+    return f"{PROVIDER}/{tag}"
 
 
 def _timeout_seconds(timeout: float | httpx.Timeout | None) -> float | None:
@@ -91,6 +101,34 @@ class Started(NamedTuple):
 
 def _start(model: str, messages: list, optional_params: dict, timeout: Any,
            litellm_params: dict | None, logging_obj: Any = None) -> Started:
+    """``_submit``, its ``InvalidRequestError`` naming ``max_completion_tokens`` where the caller
+    sent that and LiteLLM renamed it ``max_tokens`` (``logging_obj``'s call details keep the
+    caller's keys)."""
+    sent = getattr(logging_obj, "model_call_details", None) or {}
+    renamed = (sent.get("max_completion_tokens") is not None and sent.get("max_tokens") is None
+               and "max_completion_tokens" not in merge_extra_body(optional_params))
+    with _named_as_sent({"max_tokens": "max_completion_tokens"} if renamed else {}):
+        return _submit(model, messages, optional_params, timeout, litellm_params, logging_obj)
+
+
+@contextmanager
+def _named_as_sent(names: Mapping[str, str]) -> Iterator[None]:
+    """Re-raise an ``InvalidRequestError`` of the block with each parameter the runtime names
+    otherwise than the caller sent it (``names``: the runtime's name -> the caller's) named as
+    sent, in its ``param`` and its message."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        message = str(e)
+        for ours, theirs in names.items():
+            e.param = theirs if e.param == ours else e.param
+            message = re.sub(rf"\b{re.escape(ours)}\b", theirs, message)
+        e.args = (message,)
+        raise
+
+
+def _submit(model: str, messages: list, optional_params: dict, timeout: Any,
+            litellm_params: dict | None, logging_obj: Any = None) -> Started:
     """Validate, render, tokenize and submit a request (blocking: may load the model).
 
     ``logging_obj``: LiteLLM's, whose ``messages`` are the chat's as the caller sent them
@@ -157,8 +195,11 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     prompt_ids = [engine.tokenizer.encode(text) if suffix is None else engine.tokenizer.encode_fim(text, suffix)
                   for text in texts]
     try:
-        for ids in prompt_ids:
-            groups.append(engine.submit_choices(ids, params, n, timeout=_timeout_seconds(timeout), processors=grammar))
+        for i, ids in enumerate(prompt_ids):
+            # The engine names a prompt "messages": a text completion's is "prompt", or "prompt[i]" of several.
+            with _named_as_sent({"messages": "prompt" if len(prompt_ids) == 1 else f"prompt[{i}]"} if raw else {}):
+                groups.append(engine.submit_choices(ids, params, n, timeout=_timeout_seconds(timeout),
+                                                    processors=grammar))
     except BaseException:  # one prompt refused (too long, queue full, a grammar that fails): none of them runs
         _cancel(groups)
         raise
@@ -198,8 +239,8 @@ def build_response(model_response: ModelResponse, model: str, groups: list[list[
     ``token_ids`` (the tokens delivered, ``usage.completion_tokens`` of them: the end-of-turn token
     that ended the answer, which vLLM's server includes, is not), as vLLM's server names them.
 
-    LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is the tag as
-    LiteLLM passed it, the same name its stream wrapper puts on streamed chunks.
+    LiteLLM leaves usage at zero and ``model`` unset for custom handlers; ``model`` is
+    ``served_name`` of the tag LiteLLM passed, the name streamed chunks carry too.
     ``_hidden_params["flm_stats"]`` is the request's stats (``RequestStats.as_dict``), or with
     several choices a list of them in choice order.
     """
@@ -214,7 +255,7 @@ def build_response(model_response: ModelResponse, model: str, groups: list[list[
             logprobs=None if done.logprobs is None else choice_logprobs(done.logprobs, started.token_bytes), **extra))
     if ids:
         setattr(model_response, "prompt_token_ids", started.prompt_ids)  # not a declared field, as usage
-    model_response.model = model
+    model_response.model = served_name(model)
     model_response.created = int(time.time())
     setattr(model_response, "usage", Usage(**usage_fields(groups)))  # not a declared field of ModelResponse
     stats = [done.stats.as_dict() for done in dones]
@@ -310,7 +351,7 @@ def _embed(model: str, input: Any, optional_params: dict, litellm_params: dict |
     texts = embedding_inputs(input)
     engine = _get_engine(model, backend_of(optional_params))
     token_lists = [engine.tokenizer.encode(t) if isinstance(t, str) else t for t in texts]
-    return embed(engine.model, token_lists), sum(len(ids) for ids in token_lists), fmt
+    return embed(engine.model, token_lists, engine.context_length), sum(len(ids) for ids in token_lists), fmt
 
 
 def build_embedding_response(model_response: EmbeddingResponse, model: str, vectors, prompt_tokens: int,
@@ -321,7 +362,7 @@ def build_embedding_response(model_response: EmbeddingResponse, model: str, vect
         return base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") if fmt == "base64" else v.tolist()
 
     model_response.data = [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)]
-    model_response.model = model
+    model_response.model = served_name(model)
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
     setattr(model_response, "usage", usage)  # as on a ModelResponse
     return model_response
@@ -361,7 +402,7 @@ class StreamChunks:
     Content goes in ``ModelResponseStream`` chunks rather than GenericStreamingChunks because
     only their delta carries ``reasoning_content`` (docs/design.md, "LiteLLM facts"). LiteLLM
     passes a custom provider's ModelResponseStream on as it is, so each chunk has the stream's one
-    id, ``model``, its choice's index and the role on the choice's first. The first chunk with a
+    id, ``model`` (``served_name``), its choice's index and the role on the choice's first. The first chunk with a
     finish_reason ends the stream for LiteLLM (it drops that chunk if it has no content or tool
     calls, and sends the finish_reason, as choice 0's, on a chunk of its own); another choice
     finishes with a GenericStreamingChunk's ``sibling_finish_reason`` (and its ``choice_index``:
@@ -400,7 +441,7 @@ class StreamChunks:
                  prompt_ids: list[int] | None = None):
         self._id = f"chatcmpl-{uuid.uuid4()}"
         self._created = int(time.time())
-        self._model = model
+        self._model = served_name(model)
         self._n = n
         self._total = total
         self._splitters = [reasoning.splitter() if reasoning is not None else None for _ in range(total)]

@@ -59,3 +59,13 @@ def test_text_completion_continues_and_a_chat_is_refused(base_engine):
     msg = str(info.value)
     assert "base model without a chat template" in msg and "text_completion" in msg
     assert info.value.status_code == 400
+
+
+def test_the_registry_says_which_built_in_files_carry_a_chat_template(gemma3_gguf, smollm2_gguf):
+    """``ModelEntry.chat`` is declared (LiteLLM's mode is registered before any file is read):
+    it must say what the files say."""
+    from flm_runtime.loading.gguf import open_gguf
+
+    for tag, path in (("gemma3:270m", gemma3_gguf), ("smollm2:135m", smollm2_gguf)):
+        assert registry.resolve(tag).chat is ("tokenizer.chat_template" in open_gguf(path).metadata)
+    assert registry.resolve("gemma3:270m").chat is False

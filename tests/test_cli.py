@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -195,6 +196,7 @@ class FakeEntryPoint:
 
     def __init__(self, name: str, command: cli.Command):
         self.name, self.module_name, self.command, self.loads = name, f"plugin_{name}", command, 0
+        self.object_name = "COMMAND"
 
     def load(self) -> cli.Command:
         self.loads += 1
@@ -223,10 +225,18 @@ def test_soak_is_the_litellm_flm_plugin():
     from flm_bench import soak
 
     assert commands["soak"] is soak.COMMAND
-    code = ("import sys, flm_runtime.cli as c; c.build_parser(); c.plugin_commands(None); "
-            "print('litellm' in sys.modules)")
+    code = ("import sys, flm_runtime.cli as c; c.build_parser(); h = c.plugin_commands(None)['soak'].help; "
+            "print('litellm' in sys.modules, 'flm_bench.soak' in sys.modules); print(h)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "False", out.stderr
+    assert out.stdout.splitlines() == ["False False", soak.COMMAND.help], out.stderr
+
+
+def test_help_lists_each_plugin_command_with_its_own_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    listed = " ".join(capsys.readouterr().out.split())
+    for name in ("bench", "agreement", "calibrate", "soak"):
+        assert " ".join(cli.plugin_commands(name)[name].help.split()) in listed
 
 
 def test_the_console_script_runs_in_a_fresh_process(isolated):
@@ -242,6 +252,20 @@ def test_the_console_script_runs_in_a_fresh_process(isolated):
         assert bad.returncode == 1 and "Traceback" not in bad.stderr
         assert bad.stderr.startswith("litellm-flm: error: unknown model tag")
 
+
+
+@pytest.mark.parametrize("args", [["list", "--json"], ["list"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly_with_141(isolated, args):
+    """``litellm-flm list --json | head -1``: stdout is a pipe whose reader has gone, so the
+    first write fails; no message, and the status a shell gives ``cat`` ended the same way."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, "-m", "flm_runtime.cli", *args], stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (out.returncode, out.stderr) == (cli.EXIT_BROKEN_PIPE, "") == (141, "")
 
 def test_run_prints_the_verify_steps_and_al_of_a_dflash_tag_per_proposer_and_the_forced_tokens():
     base = dict(prompt_tokens=40, completion_tokens=30, generated_tokens=30, queue_s=0.0, ttft_s=0.25,

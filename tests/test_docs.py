@@ -88,3 +88,12 @@ def test_every_file_a_page_shows_whole_is_shown_as_it_is(page):
     deployment guide's configs are the ones its test runs)."""
     stale = [path for path, shown in INCLUDED.findall(page.read_text()) if (ROOT / path).read_text() != shown]
     assert stale == []
+
+
+def test_the_readme_starts_the_example_proxy_as_the_configs_header_does():
+    """The same key length and bind address in both places a user copies the commands from."""
+    def flags(text: str) -> tuple[list[str], list[str]]:
+        return re.findall(r"openssl rand -hex (\d+)", text), re.findall(r"--config \S+ --host (\S+)", text)
+
+    readme = (ROOT / "README.md").read_text().split("### In a LiteLLM proxy", 1)[1].split("\n### ", 1)[0]
+    assert flags(readme) == flags((ROOT / "examples" / "proxy_config.yaml").read_text()) == (["32"], ["127.0.0.1"])

@@ -101,6 +101,9 @@ def test_progress_bar_counts_bytes(isolated, capsys):
     err = capsys.readouterr().err
     assert "downloading fake-flm-weights==1.0" in err
     assert "tiny.gguf:" in err and "3.15M" in err  # bytes, in units of 1000
+    # the finished bar ends its line: what is printed next (run's answer) starts one of its own
+    last = err.split("\r")[-1]
+    assert last.startswith("tiny.gguf: 100%") and last.endswith("\n") and last.count("\n") == 1
 
 
 def test_a_wrong_hash_leaves_nothing(isolated):

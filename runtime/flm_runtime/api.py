@@ -55,7 +55,7 @@ import numpy as np
 from flm_runtime import paths, pull, registry
 from flm_runtime.backends import TargetModel
 from flm_runtime.backends.select import log_once, select_backend
-from flm_runtime.errors import BackendUnavailableError, EngineDrainingError
+from flm_runtime.errors import BackendUnavailableError, EngineDrainingError, InvalidRequestError, ModelFormatError
 from flm_runtime.loading import Tokenizer, load_model_files
 from flm_runtime.loading.chat_template import thinking_format
 from flm_runtime.models.dflash import DFlashDraft
@@ -204,7 +204,8 @@ class Runtime:
 
     def get_engine(self, tag: str, backend: str | None = None) -> Engine:
         """The engine serving ``tag`` on ``backend``, loading the model on first use; one registry
-        (``registry.current()``) answers every lookup of the call.
+        (``registry.current()``) answers every lookup of the call. The engine's context is the
+        tag's ``context_length`` (a DFlash tag without one: its base's), else the model's own.
 
         Args:
             tag: a registry tag.
@@ -216,6 +217,8 @@ class Runtime:
                 ``flm_runtime.scheduling.admission``) is not a positive integer.
             BackendUnavailableError: ``npu`` was asked for and cannot run (says what is missing).
             EngineDrainingError: the runtime is shutting down (``drain``).
+            ModelFormatError: the ``context_length`` the engine takes is more than the model's
+                own, naming the tag that gives it and where it is defined.
             the errors of ``load_model`` (and of ``load_draft`` for a DFlash tag).
         """
         settings = self.settings
@@ -248,10 +251,16 @@ class Runtime:
                                                      suffix=SuffixIndex(cap) if cap else None)
                 else:
                     loaded, speculative = self._target(base, name, models), None
-                sampling = models.resolve(base).sampling  # a draft keeps its target's
-                engine = Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
-                                default_sampling=sampling, prefix_cache=settings.prefix_cache_on(),
-                                **settings.engine_limits())
+                plain = models.resolve(base)  # a draft keeps its target's sampler
+                capped = entry if entry.context_length else plain  # a DFlash tag's context, else its base's
+                try:
+                    engine = Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
+                                    default_sampling=plain.sampling, prefix_cache=settings.prefix_cache_on(),
+                                    context_length=capped.context_length, **settings.engine_limits())
+                except InvalidRequestError as e:
+                    if e.param != "context_length":
+                        raise
+                    raise ModelFormatError(f"{capped.tag} ({capped.origin}): {e}") from e
                 self._engines[key] = engine
             return engine
 

@@ -4,6 +4,7 @@
 Each subcommand is one function ``cmd_<name>(args) -> int`` (the exit status) registered with
 ``@command(name, help, configure)``, where ``configure(parser)`` adds its arguments. Errors the
 runtime raises on purpose (``FlmError``) print one line and exit 1; ``--debug`` shows tracebacks.
+A reader of stdout that goes away (``| head -1``) ends the command quietly (``EXIT_BROKEN_PIPE``).
 
 Other packages add subcommands through the entry-point group ``litellm_flm.commands`` (name: the
 subcommand; object: a ``Command``), so that the runtime never imports them: the benchmark
@@ -14,13 +15,17 @@ subcommand runs: importing LiteLLM takes seconds that ``litellm-flm list`` shoul
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import gc
+import importlib.util
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import entrypoints
@@ -33,6 +38,10 @@ if TYPE_CHECKING:  # the engine's modules load only when a command needs them
 
 PROG = "litellm-flm"
 COMMAND_GROUP = "litellm_flm.commands"
+# The status of a command whose stdout's reader went away (``litellm-flm list | head -1``): 128 +
+# SIGPIPE (13), what a shell reports for ``cat`` or ``git log`` ended the same way, so that a
+# caller (``set -o pipefail``) can tell that not all the output was read.
+EXIT_BROKEN_PIPE = 141
 
 
 @dataclass(frozen=True)
@@ -266,8 +275,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def plugin_commands(chosen: str | None) -> dict[str, Command]:
     """The subcommands of the group ``litellm_flm.commands``: ``chosen`` loaded (its ``Command``),
-    the others as stand-ins that only list it in ``--help``. One named like a built-in command is
-    skipped, as is the whole group when an ``entry_points.txt`` on the path is malformed (logged).
+    the others as stand-ins that only list it in ``--help``, with their help read from their
+    source (``_help_in_source``). One named like a built-in command is skipped, as is the whole
+    group when an ``entry_points.txt`` on the path is malformed (logged).
     """
     try:
         eps = entrypoints.get_group_all(COMMAND_GROUP)
@@ -282,9 +292,29 @@ def plugin_commands(chosen: str | None) -> dict[str, Command]:
             cmd = ep.load()
             assert isinstance(cmd, Command) and cmd.name == ep.name, f"entry point {ep} is not Command {ep.name!r}"
         else:
-            cmd = Command(ep.name, f"(from {ep.module_name}; `{PROG} {ep.name} --help` for more)", _not_chosen)
+            help = (_help_in_source(ep.module_name, ep.object_name)
+                    or f"(from {ep.module_name}; `{PROG} {ep.name} --help` for more)")
+            cmd = Command(ep.name, help, _not_chosen)
         found[ep.name] = cmd
     return found
+
+
+def _help_in_source(module: str, name: str) -> str | None:
+    """The help of the ``Command`` that module ``module`` assigns to ``name``, read from its
+    source without importing it (a benchmark command's module imports LiteLLM: seconds): the
+    second argument of ``name = Command(...)`` when it is a string literal; None when the source
+    cannot be found or says it another way."""
+    try:
+        spec = importlib.util.find_spec(module)
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8") if spec and spec.origin else "")
+    except (ImportError, OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]
+                and isinstance(node.value, ast.Call) and len(node.value.args) > 1
+                and isinstance(help := node.value.args[1], ast.Constant) and isinstance(help.value, str)):
+            return help.value
+    return None
 
 
 def _not_chosen(args: argparse.Namespace) -> int:
@@ -335,7 +365,11 @@ def _main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format=f"{PROG}: %(levelname)s: %(message)s")
     try:
-        return args._run(args)
+        status = args._run(args)
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's last flush
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
     except (FlmError, OSError) as e:
         if args.debug:
             raise
@@ -346,6 +380,16 @@ def _main(argv: list[str]) -> int:
             raise
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+
+
+def _stdout_closed() -> int:
+    """Quietly end a command whose stdout's reader went away: what is left unwritten goes to
+    devnull (else the interpreter's last flush raises again, with a traceback), no message;
+    ``EXIT_BROKEN_PIPE``."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ the call.
     from flm_runtime import embed, get_engine
 
     engine = get_engine("smollm2:135m")
-    vectors = embed(engine.model, [engine.tokenizer.encode(t) for t in ["a cat", "a dog"]])  # [2, E]
+    vectors = embed(engine.model, [engine.tokenizer.encode(t) for t in ["a cat", "a dog"]], engine.context_length)
 
 Texts run as one batch (each its own cache, ``model.prefill_chunk`` positions of each per step),
 in consecutive groups of at most one context of positions in all, so a call's KV memory is at
@@ -28,12 +28,14 @@ from flm_runtime.kernels import cpu
 from flm_runtime.errors import ContextLengthError, InvalidRequestError
 
 
-def embed(model: TargetModel, token_lists: Sequence[Sequence[int]]) -> np.ndarray:
+def embed(model: TargetModel, token_lists: Sequence[Sequence[int]], context_length: int | None = None) -> np.ndarray:
     """The embeddings of ``B`` tokenized texts.
 
     Args:
         model: the target (any backend).
-        token_lists: ``B`` >= 1 non-empty lists of token ids, each within the model's context.
+        token_lists: ``B`` >= 1 non-empty lists of token ids, each within the context.
+        context_length: the context (tokens), at most the model's ``max_position_embeddings``
+            (None: that): its engine's (``Engine.context_length``, a tag's ``context_length``).
 
     Returns:
         ``[B, E]`` float32, each row of unit L2 norm.
@@ -46,7 +48,7 @@ def embed(model: TargetModel, token_lists: Sequence[Sequence[int]]) -> np.ndarra
     rows = [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in token_lists]
     if not rows:
         raise InvalidRequestError("input must hold at least one text", param="input")
-    context, vocab = model.config.max_position_embeddings, model.config.vocab_size
+    context, vocab = context_length or model.config.max_position_embeddings, model.config.vocab_size
     for i, ids in enumerate(rows):
         if ids.size == 0:
             raise InvalidRequestError(f"input[{i}] has no tokens", param=f"input[{i}]")

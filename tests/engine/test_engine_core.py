@@ -104,6 +104,20 @@ def test_context_limits(make_engine, tok):
     assert (done.finish_reason, done.completion_tokens) == ("length", 8)
 
 
+
+def test_a_context_length_below_the_models_caps_every_request(make_engine, tok):
+    """A tag's ``context_length`` (llama-server's ``-c``): 64 of the model's 128 positions."""
+    engine = make_engine(HashModel(context=128), tok, context_length=64)
+    assert engine.context_length == 64
+    with pytest.raises(ContextLengthError) as e:
+        engine.submit([1] * 40, SamplingParams(max_tokens=25))
+    assert (e.value.max_tokens, e.value.context_length) == (25, 64)
+    done = engine.submit([1] * 40, SamplingParams()).result()  # unset: up to the 64
+    assert (done.finish_reason, done.completion_tokens) == ("length", 24)
+    with pytest.raises(InvalidRequestError, match=r"context_length=129 is more than the model's 128 positions") as e:
+        make_engine(HashModel(context=128), tok, context_length=129)
+    assert e.value.param == "context_length"
+
 @pytest.mark.parametrize("call, param", [
     (lambda e: e.submit([], SamplingParams()), "messages"),
     (lambda e: e.submit([1, 300], SamplingParams()), "messages"),

@@ -140,7 +140,7 @@ def draft_of(block_size: int) -> SimpleNamespace:
     return SimpleNamespace(config=SimpleNamespace(target_layer_ids=[1], block_size=block_size))
 
 
-def test_the_curve_is_measured_once_per_host_and_kept(tmp_path, monkeypatch):
+def test_the_curve_is_measured_once_per_host_and_kept(tmp_path, monkeypatch, capsys):
     measured = []
     monkeypatch.setattr(costs, "measure_verify_ratio",
                         lambda target, taps, drafted, context: measured.append(context) or CHEAP[:drafted])
@@ -153,8 +153,11 @@ def test_the_curve_is_measured_once_per_host_and_kept(tmp_path, monkeypatch):
     first = curve()
     assert (first.verify_ratio, first.propose_ratio, first.context, first.host, measured) == (
         CHEAP, PROPOSE[:7], 256, costs.host_id(), [256])
+    # seconds in the first request's time: said as it starts, and not when the curve is kept
+    assert capsys.readouterr().err == (f"litellm-flm: timing this host's verify and draft passes for {DFLASH_TAG} "
+                                       f"once, seconds (kept in {path}; FLM_HOST_COSTS=0 skips it)\n")
     assert json.loads(path.read_text())["verify_ratio"] == CHEAP and list(path.parent.iterdir()) == [path]
-    assert curve() == first and measured == [256]  # kept: not measured again
+    assert curve() == first and measured == [256] and capsys.readouterr().err == ""  # kept: not measured again
     path.write_text(first.model_copy(update={"host": "another machine"}).model_dump_json())
     assert curve().host == costs.host_id() and measured == [256, 256]  # another host's: measured here
     path.write_text("{not json")

@@ -48,7 +48,7 @@ def test_one_unit_vector_of_the_hidden_size_per_text_and_real_usage(batch, smoll
     assert np.array_equal(v.astype(np.float32), v)  # float32 values
     n_tokens = sum(len(smollm2_tokenizer.encode(t)) for t in TEXTS)
     assert (batch.usage.prompt_tokens, batch.usage.total_tokens) == (n_tokens, n_tokens)
-    assert batch.model == TAG
+    assert batch.model == MODEL
 
 
 def test_paraphrases_are_closer_than_unrelated_texts(batch):

@@ -73,6 +73,31 @@ def test_a_prompt_over_the_context_with_max_tokens_unset_names_both_lengths(fake
                                "no room for a completion")
 
 
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_completion_tokens_is_named_as_sent_though_litellm_renames_it(fake_engine, stream):
+    """LiteLLM hands the handler ``max_tokens``; the errors name what the caller sent."""
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(litellm.BadRequestError) as info:
+        litellm.completion(model="flm/smollm2:135m", messages=messages, max_completion_tokens=0, stream=stream)
+    assert info.value.body["param"] == "max_completion_tokens"
+    assert str(info.value) == "litellm.BadRequestError: max_completion_tokens must be an integer >= 1, got 0"
+    with pytest.raises(litellm.ContextWindowExceededError) as info:
+        litellm.completion(model="flm/smollm2:135m", messages=messages, max_completion_tokens=300, stream=stream)
+    assert str(info.value).endswith("the prompt has 22 tokens and max_completion_tokens asks for 300 more (322 in all)")
+    with pytest.raises(litellm.BadRequestError) as info:
+        litellm.completion(model="flm/smollm2:135m", messages=messages, max_tokens=0, stream=stream)
+    assert info.value.body["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("prompt, name", [("x" * 300, "prompt"), (["a", "x" * 300], "prompt[1]")])
+def test_a_text_prompt_over_the_context_is_named_as_the_prompt(fake_engine, prompt, name):
+    with pytest.raises(litellm.ContextWindowExceededError) as info:
+        litellm.text_completion(model="flm/smollm2:135m", prompt=prompt, max_tokens=5)
+    assert info.value.body["param"] == name
+    assert str(info.value) == ("litellm.ContextWindowExceededError: this model's context length is 256 tokens; "
+                               "the prompt has 300 tokens and max_tokens asks for 5 more (305 in all)")
+
 def test_context_window_error_is_a_bad_request_with_the_counts():
     exc = to_litellm(rt.ContextLengthError(prompt_tokens=9000, max_tokens=10, context_length=8192), "m")
     assert isinstance(exc, litellm.BadRequestError)

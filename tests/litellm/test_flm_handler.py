@@ -41,7 +41,7 @@ def test_completion(fake_engine):
     assert r.usage.prompt_tokens == len(prompt_ids)
     assert r.usage.completion_tokens == len(fake_engine.reply)
     assert r.usage.total_tokens == len(prompt_ids) + len(fake_engine.reply)
-    assert r.model == "smollm2:135m"
+    assert r.model == MODEL  # as LiteLLM's own local providers name it (ollama/<model>)
     assert params.temperature == 0.0 and params.max_tokens == 100
 
 
@@ -127,7 +127,7 @@ def test_stream_chunks():
     [first] = chunks(0, StreamEvent("Pa", (1, 2), None, 10, 2))
     assert (first.choices[0].delta.role, first.choices[0].delta.content, first.choices[0].finish_reason) == (
         "assistant", "Pa", None)
-    assert first.model == "smollm2:135m"
+    assert first.model == MODEL
     [mid] = chunks(0, StreamEvent("ri", (3,), None, 10, 3))
     assert (mid.choices[0].delta.role, mid.choices[0].delta.content, mid.id) == (None, "ri", first.id)
     # The last event: its delta with the usage (none here), then the finish_reason alone.
@@ -202,6 +202,22 @@ def test_stream(fake_engine):
     usage = chunks[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(fake_engine.submitted[0][0]), 12)
 
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_stream_chunk_builder_rebuilds_the_non_streamed_response_quietly(fake_engine, capsys, n):
+    """Every chunk names the model as the response does, ``flm/<tag>`` (LiteLLM's own final
+    chunks included), so ``stream_chunk_builder`` finds its provider and price without printing
+    LiteLLM's "Provider List" banner."""
+    full = litellm.completion(model=MODEL, messages=MESSAGES, max_tokens=12, n=n)
+    chunks = list(litellm.completion(model=MODEL, messages=MESSAGES, max_tokens=12, n=n, stream=True))
+    capsys.readouterr()
+    built = litellm.stream_chunk_builder(chunks, messages=MESSAGES)
+    assert capsys.readouterr().out == ""
+    assert {c.model for c in chunks} == {built.model} == {full.model} == {MODEL}
+    assert [c.message.content for c in built.choices] == [c.message.content for c in full.choices] == \
+        [fake_engine.reply[:12]] * n
+    assert built._hidden_params["response_cost"] == 0.0
 
 SPEC_STATS = RequestStats(prompt_tokens=9, completion_tokens=12, generated_tokens=13, queue_s=0.0, ttft_s=0.1,
                           decode_s=1.2, total_s=1.3,

@@ -73,6 +73,20 @@ def test_chat_completion_through_the_proxy(client):
     assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 24
 
 
+
+def test_model_info_through_the_proxy_states_the_window_mode_and_supported_params(proxy_url):
+    """``/v1/model/info``: what ``import litellm_flm`` registered, the parameters the handler supports included."""
+    import httpx
+
+    from litellm_flm.params import SUPPORTED_OPENAI_PARAMS
+
+    url, key, _ = proxy_url
+    r = httpx.get(f"{url}/model/info", headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    info = {m["model_name"]: m["model_info"] for m in r.json()["data"]}
+    assert (info["smollm2"]["max_input_tokens"], info["smollm2"]["mode"]) == (8192, "chat")
+    assert info["smollm2"]["supported_openai_params"] == list(SUPPORTED_OPENAI_PARAMS)
+    assert "functions" in info["gpt-4o-mini"]["supported_openai_params"]  # another provider's stays its own
+
 def test_stream_through_the_proxy(client):
     stream = client.chat.completions.create(
         model="smollm2",

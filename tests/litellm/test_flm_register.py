@@ -11,17 +11,24 @@ import pytest
 
 import litellm_flm
 
-ENTRIES = [
-    SimpleNamespace(tag="smollm2:135m", context_length=8192, base=None),
-    SimpleNamespace(tag="tiny-test:1m", context_length=512, base=None),
-]
-DFLASH = SimpleNamespace(tag="smollm2-dflash:135m", context_length=None, base="smollm2:135m")
-UNKNOWN_CONTEXT = SimpleNamespace(tag="byo:7b", context_length=None, base=None)
+
+def entry(tag: str, context_length: int | None = None, base: str | None = None, chat: bool = True):
+    """A registry entry as ``_model_infos`` reads it (``ModelEntry``'s attributes)."""
+    return SimpleNamespace(tag=tag, context_length=context_length, base=base, chat=chat,
+                           known_context_length=lambda: context_length)
+
+
+ENTRIES = [entry("smollm2:135m", 8192), entry("tiny-test:1m", 512)]
+DFLASH = entry("smollm2-dflash:135m", base="smollm2:135m")
+UNKNOWN_CONTEXT = entry("byo:7b")
+BASE = entry("base:1m", 1024, chat=False)
+BASE_DFLASH = entry("base-dflash:1m", base="base:1m")
 
 
 @pytest.fixture
 def fake_registry(monkeypatch):
-    monkeypatch.setattr(litellm_flm, "_registry_entries", lambda: [*ENTRIES, DFLASH, UNKNOWN_CONTEXT])
+    monkeypatch.setattr(litellm_flm, "_registry_entries",
+                        lambda: [*ENTRIES, DFLASH, UNKNOWN_CONTEXT, BASE, BASE_DFLASH])
 
 
 def test_register_is_idempotent(fake_registry, monkeypatch):
@@ -42,6 +49,14 @@ def test_registered_models_are_free_chat_models_with_their_context(fake_registry
         assert info["max_output_tokens"] == entry.context_length
         assert info["input_cost_per_token"] == 0.0 and info["output_cost_per_token"] == 0.0
         assert info["litellm_provider"] == "flm" and info["mode"] == "chat"
+
+
+def test_a_base_model_and_its_dflash_tag_are_completion_models(fake_registry):
+    """A tag without a chat template (``chat`` False) refuses chats: LiteLLM's mode says so."""
+    litellm_flm.register()
+    for tag in (BASE.tag, BASE_DFLASH.tag):
+        info = litellm.get_model_info(f"flm/{tag}")
+        assert (info["mode"], info["max_input_tokens"]) == ("completion", 1024)
 
 
 def test_dflash_tags_get_their_base_context_and_unknown_contexts_stay_unset(fake_registry):
@@ -66,6 +81,17 @@ def test_a_broken_models_file_does_not_break_registration(monkeypatch):
 def test_the_real_registry_is_registered():
     litellm_flm.register()
     assert litellm.get_model_info("flm/smollm2:135m")["max_input_tokens"] == 8192
+    assert litellm.get_model_info("flm/smollm2:135m")["mode"] == "chat"
+    assert litellm.get_model_info("flm/gemma3:270m")["mode"] == "completion"  # a base model
+
+
+def test_model_info_lists_the_parameters_the_handler_supports():
+    """Not LiteLLM's one list for every custom provider, which holds ``functions``, ``audio``, ..."""
+    from litellm_flm.params import NEUTRAL_ONLY, SUPPORTED_OPENAI_PARAMS
+
+    litellm_flm.register()
+    assert litellm.get_model_info("flm/smollm2:135m")["supported_openai_params"] == list(SUPPORTED_OPENAI_PARAMS)
+    assert set(NEUTRAL_ONLY) <= set(litellm.get_model_info("openai/gpt-4o-mini")["supported_openai_params"])
 
 
 def test_completion_cost_is_zero(fake_registry, fake_engine):

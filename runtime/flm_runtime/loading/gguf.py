@@ -233,6 +233,22 @@ class _Cursor:
             raise ValueError(f"{what}: {code} is not a GGUF value type")
         return GGUFValueType(code)
 
+    def skip(self, vtype: GGUFValueType, what: str) -> None:
+        """Move past a value of ``vtype`` without building it (an array's strings: their lengths only)."""
+        if vtype == GGUFValueType.ARRAY:
+            item = self.value_type(f"{what}, its item type")
+            count = self.scalar("<Q", f"{what}, its item count")
+            if item in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+                for i in range(count):
+                    self.skip(item, f"{what}[{i}]")
+                return
+            n = count * struct.calcsize(_SCALARS[item])
+        else:
+            n = self.scalar("<Q", f"{what}, its length") if vtype == GGUFValueType.STRING else struct.calcsize(
+                _SCALARS[vtype])
+        self.need(n, what)
+        self.pos += n
+
     def value(self, vtype: GGUFValueType, what: str) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string(what)
@@ -292,6 +308,46 @@ def _parse(buf: mmap.mmap) -> GGUFFile:
             raise ValueError(f"tensor {name!r}: its data offset {offset} is not a multiple of the alignment {alignment}")
         tensors.append(GGUFTensor(name, qtype, shape, _tensor_data(buf, start + offset, qtype, shape, name)))
     return GGUFFile(metadata, tensors)
+
+
+def gguf_context_length(path: str | Path) -> int | None:
+    """A GGUF file's ``{general.architecture}.context_length`` (what ``config_from_gguf`` makes
+    ``max_position_embeddings``), its header read only as far as that key, values before it
+    skipped, not built: milliseconds where ``open_gguf`` takes most of a second on a large
+    vocabulary (llama.cpp writes the architecture's keys before the tokenizer's). None when the
+    file has no such key.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ModelFormatError: the header is not a readable GGUF header, as ``open_gguf`` says.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(2, "GGUF model file not found", str(path))
+    try:
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            c = _Cursor(buf)
+            if c.scalar("<I", "the magic") != GGUF_MAGIC or c.scalar("<I", "the version") not in _SUPPORTED_VERSIONS:
+                raise ValueError("GGUF magic or version invalid")
+            c.scalar("<Q", "the tensor count")
+            lengths: dict[str, Any] = {}  # key -> value of every *.context_length key read
+            arch = None
+            for i in range(c.scalar("<Q", "the key/value count")):
+                key = c.string(f"key #{i}")
+                vtype = c.value_type(f"key {key!r}, its value type")
+                if key == "general.architecture" or key.endswith(".context_length"):
+                    lengths[key] = c.value(vtype, f"key {key!r}")
+                    arch = lengths.get("general.architecture")
+                    if f"{arch}.context_length" in lengths:
+                        break
+                else:
+                    c.skip(vtype, f"key {key!r}")
+    except (ValueError, OSError) as e:
+        raise ModelFormatError(f"{path}: not a readable GGUF file ({e})") from e
+    length = lengths.get(f"{arch}.context_length")
+    if length is not None and (type(length) is not int or length < 1):
+        raise ModelFormatError(f"{path}: {arch}.context_length is {length!r}, not a positive integer")
+    return length
 
 
 def _tensor_info(c: _Cursor, i: int) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int]:

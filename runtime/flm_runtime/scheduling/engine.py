@@ -148,20 +148,24 @@ class Engine:
             prefill; vLLM calls its analogue ``max_num_batched_tokens``): it bounds how long a
             step, so the gap between two tokens of a decoding stream, grows while prompts
             arrive. None: the model's ``prefill_chunk``.
+        context_length: positions a sequence may take (prompt and completion), at most the model's
+            ``max_position_embeddings`` (its RoPE tables end there); None: that. ``Runtime.get_engine``
+            gives the tag's ``context_length``, as llama-server's ``-c``.
         prefix_cache: keep full blocks for later prompts with the same prefix (``prefix_cache``).
             Only where it changes no bit: plain decoding, on a model whose rows are
             ``batch_invariant`` (a cached prefix was computed with other rows beside it than a
             cold one) and whose pool stores the KV (a ``kv_cache.KVPool``).
 
     Raises:
-        InvalidRequestError: ``max_queue``, ``max_active``, ``kv_budget`` or ``prefill_tokens`` not
-            a positive integer.
+        InvalidRequestError: ``max_queue``, ``max_active``, ``kv_budget``, ``prefill_tokens`` or
+            ``context_length`` not a positive integer, or ``context_length`` over the model's.
     """
 
     def __init__(self, model, tokenizer, *, name: str, default_sampling: sampler.SamplingDefaults | None = None,
                  max_queue: int = 64, max_active: int = 64, kv_budget: int | None = None,
                  speculative: Stepper | None = None, prefill_tokens: int | None = None,
-                 on_step: Callable[[StepTiming], None] | None = None, prefix_cache: bool = True):
+                 on_step: Callable[[StepTiming], None] | None = None, prefix_cache: bool = True,
+                 context_length: int | None = None):
         assert speculative is None or speculative.target is model, "the decoder's target must be the model"
         self.model = model
         self.speculative = speculative
@@ -173,7 +177,11 @@ class Engine:
         self.max_active = admission.positive_int(max_active, "max_active")
         self.prefill_tokens = admission.positive_int(
             model.prefill_chunk if prefill_tokens is None else prefill_tokens, "prefill_tokens")
-        self.context_length = int(model.config.max_position_embeddings)
+        own = int(model.config.max_position_embeddings)
+        self.context_length = own if context_length is None else admission.positive_int(context_length, "context_length")
+        if self.context_length > own:
+            raise InvalidRequestError(f"context_length={context_length} is more than the model's {own} positions",
+                                      param="context_length")
         draft_config = speculative.draft.config if speculative is not None else None
         self.kv = admission.KVBudget(name, self.context_length,
                                      admission.kv_bytes_per_token(model.config, draft_config,

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -185,12 +186,16 @@ def load(path: Path, host: str, model: str, backend: str, drafted: int) -> HostC
 def host_costs(path: Path, target: TargetModel, draft: DFlashDraft, *, model: str, backend: str) -> HostCosts:
     """This host's curves for ``model``'s target and ``draft`` (``drafted`` = its block size - 1
     values each): those kept at ``path``, else measured now (``measure_verify_ratio``,
-    ``measure_propose_ratio``) and written there (a temporary name, then renamed)."""
+    ``measure_propose_ratio``) and written there (a temporary name, then renamed). A measurement
+    takes seconds (20 s for ``smollm2-dflash:135m`` on a busy 2-core host), in the first request's
+    time: it is said on stderr as it starts."""
     host, drafted = host_id(), int(draft.config.block_size) - 1
     costs = load(path, host, model, backend, drafted)
     if costs is not None:
         return costs
     context = min(CONTEXT, target.config.max_position_embeddings - drafted - 1)
+    print(f"litellm-flm: timing this host's verify and draft passes for {model} once, seconds (kept in {path}; "
+          "FLM_HOST_COSTS=0 skips it)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     costs = HostCosts(host=host, model=model, backend=backend, context=context,
                       verify_ratio=measure_verify_ratio(target, tuple(draft.config.target_layer_ids), drafted,
