@@ -31,7 +31,7 @@ from litellm.types.utils import (ChatCompletionMessageToolCall, ChatCompletionTo
                                  ModelResponseStream, StreamingChoices, TopLogprob, Usage)
 
 from flm_runtime import (Completion, InvalidRequestError, StreamEvent, TokenLogprob, ToolCall, ToolCallStream,
-                         compiler_for, parse_tool_calls, render_messages)
+                         chat_messages, compiler_for, parse_tool_calls)
 
 from .errors import litellm_errors
 from .params import (backend_of, choices_of, embedding_inputs, encoding_format, merge_extra_body, normalize_messages,
@@ -105,8 +105,9 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
     message) continues each prompt's raw text, with no chat template: one engine request per
     prompt, all submitted before any is awaited, so the engine batches them. ``n`` > 1: each
-    prompt's request has ``n`` choices (``Engine.submit_choices``: one prefill). A chat's tools
-    and tool messages are rendered in the generic tool-call format (``flm_runtime.text.tool_format``);
+    prompt's request has ``n`` choices (``Engine.submit_choices``: one prefill). A chat's tools,
+    calls and tool results are rendered by the model's template where it writes Hermes tool calls
+    itself (Qwen2.5's), else in the generic tool-call format (``flm_runtime.text.tool_format.chat_messages``);
     a response format or tool choice becomes a grammar, compiled for each choice
     (``flm_runtime.sampling.grammar``).
 
@@ -135,12 +136,16 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     output = output_format(merge_extra_body(optional_params))
     n = choices_of(optional_params)
     prompts = raw_prompts(messages) if raw else None
-    chat = None if raw else render_messages(normalize_messages(_as_sent(messages, logging_obj)), output.functions)
+    chat = None if raw else normalize_messages(_as_sent(messages, logging_obj))
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
     fmt = None if raw else engine.tokenizer.thinking
     switch = template_switch(fmt, thinking, drop=drop)
-    texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **switch)]
+    if raw:
+        texts = prompts
+    else:  # how the tools reach the prompt depends on the model's template
+        chat, tools = chat_messages(chat, output.functions, engine.tokenizer.chat_template)
+        texts = [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **tools, **switch)]
     reasoning = None if raw else Reasoning.of_prompt(fmt, texts[0])
     compiler = compiler_for(engine.tokenizer) if output.grammar is not None else None
 

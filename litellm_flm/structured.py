@@ -5,7 +5,7 @@ output is held to (a grammar for ``flm_runtime.sampling.grammar``) and how its a
   object: OpenAI's JSON mode) or ``{"type": "json_schema", "json_schema": {"name", "schema",
   "strict"?}}`` (JSON that validates against ``schema``; LiteLLM turns a pydantic class into
   this form). The output is held to it by constrained decoding, whatever ``strict`` says.
-- ``tools`` (functions only), ``tool_choice`` and ``parallel_tool_calls``: the generic tool-call
+- ``tools`` (functions only), ``tool_choice`` and ``parallel_tool_calls``: the Hermes tool-call
   format of ``flm_runtime.text.tool_format``; the answer's calls come back as OpenAI ``tool_calls``.
 
 A request may not combine tools (other than ``tool_choice="none"``) with a JSON
@@ -28,7 +28,7 @@ class OutputFormat:
     Attributes:
         grammar: the llguidance grammar to compile against the model's tokenizer, or None.
         param: the parameter a grammar that does not compile is blamed on.
-        functions: the tools to describe in the prompt (``flm_runtime.render_messages``), or None.
+        functions: the tools to describe in the prompt (``flm_runtime.chat_messages``), or None.
         reads_tool_calls: the answer may hold calls: read them into ``tool_calls``.
     """
 

@@ -53,6 +53,7 @@ _SOURCES = {
     "lark_grammar": "flm_runtime.sampling.grammar",
     "ToolCall": "flm_runtime.text.tool_format",
     "ToolCallStream": "flm_runtime.text.tool_format",
+    "chat_messages": "flm_runtime.text.tool_format",
     "check_tools": "flm_runtime.text.tool_format",
     "chosen_functions": "flm_runtime.text.tool_format",
     "parse_tool_calls": "flm_runtime.text.tool_format",

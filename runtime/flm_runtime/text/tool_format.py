@@ -1,28 +1,36 @@
-"""The generic tool-call format: tools in the prompt, calls in the output, for any chat template.
+"""The Hermes tool-call format: tools in the prompt, calls in the output, for any chat template.
 
-SmolLM2's chat template (and most small models') has no tool syntax, so every model gets the
-*Hermes* convention, the one NousResearch's Hermes 2 Pro and Qwen2.5's templates use:
+Every model's calls are in the *Hermes* convention, the one NousResearch's Hermes 2 Pro and
+Qwen2.5's templates use: a call is ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``,
+several calls one after another, separated by a newline (``CALL_OPEN`` / ``CALL_CLOSE``).
 
-- the tools' OpenAI definitions, one JSON object a line, between ``<tools>`` and ``</tools>`` in
-  the system message, with an instruction to answer with calls in the form below
-  (``TOOLS_PREAMBLE``; appended to the caller's own system message, or a system message of its
-  own first);
-- a call is ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, several calls one
-  after another, separated by a newline (``CALL_OPEN`` / ``CALL_CLOSE``);
-- an earlier assistant turn's ``tool_calls`` are written back into its content in that form, and
-  each ``tool`` message's content becomes ``<tool_response>\\n...\\n</tool_response>`` in a user turn
-  (consecutive tool messages share one turn), as Qwen2.5's template renders them.
+How the tools and the conversation reach the prompt (``chat_messages``):
+
+- a template that writes this format itself (Qwen2.5's: ``template_tool_arguments`` finds it by
+  rendering a probe conversation) is given the tools (``tools``), the earlier calls and the tool
+  results, and renders them as its model was trained;
+- any other (SmolLM2's, and most small models', has no tool syntax) gets the generic rendering
+  (``render_messages``): the tools' OpenAI definitions, one JSON object a line, between
+  ``<tools>`` and ``</tools>`` in the system message, with an instruction to answer with calls in
+  the form above (``TOOLS_PREAMBLE``; appended to the caller's own system message, or a system
+  message of its own first); an earlier assistant turn's ``tool_calls`` written back into its
+  content in that form, and each ``tool`` message's content as
+  ``<tool_response>\n...\n</tool_response>`` in a user turn (consecutive tool messages share one
+  turn), as Qwen2.5's template renders them.
 
 ``tool_grammar`` holds the output to that form (a Lark grammar for ``grammar.lark_grammar``, the
 arguments held to each tool's ``parameters`` schema with ``%json``): ``required`` makes the whole
 output calls (one, or with ``parallel_tool_calls`` one or more), a named function exactly one call
 of it; ``auto`` allows either calls or text that never writes ``<tool_call>``; ``none`` adds no
-grammar. ``parse_tool_calls`` and ``ToolCallStream`` read the
-calls back, whole or as the text streams.
+grammar. ``parse_tool_calls`` and ``ToolCallStream`` read the calls back, whole or as the text
+streams. In a vocabulary where ``<tool_call>`` is a token of its own (Qwen2.5's: a user-defined
+one) the grammar's literal matches that token like any other spelling of its text, and the
+tokenizer never drops it from the output (``Tokenizer.special_token_ids``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -31,10 +39,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from flm_runtime.errors import InvalidRequestError
-from flm_runtime.loading.chat_template import normalize_messages
+from flm_runtime.loading.chat_template import TOOL_CALL_MARKERS, normalize_messages, render_chat_template
 
-CALL_OPEN = "<tool_call>\n"
-CALL_CLOSE = "\n</tool_call>"
+CALL_OPEN = TOOL_CALL_MARKERS[0] + "\n"
+CALL_CLOSE = "\n" + TOOL_CALL_MARKERS[1]
 CALL_SEPARATOR = "\n"
 TOOLS_PREAMBLE = (
     "# Tools\n\n"
@@ -172,7 +180,7 @@ def _call_schema(function: dict) -> dict:
 
 def tools_system_text(functions: list[dict]) -> str:
     """``TOOLS_PREAMBLE`` listing ``functions`` as OpenAI tool objects."""
-    lines = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in functions)
+    lines = "\n".join(json.dumps(_tool_object(f), ensure_ascii=False) for f in functions)
     return TOOLS_PREAMBLE.format(tools=lines)
 
 
@@ -206,7 +214,8 @@ def render_messages(messages: list[dict], functions: list[dict] | None) -> list[
                 out.append({"role": "user", "content": block})
             continue
         if role == "assistant" and message.get("tool_calls"):
-            calls = [_call_text(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(message["tool_calls"])]
+            calls = [_call_text(*_history_call(call, f"messages[{i}].tool_calls[{j}]"))
+                     for j, call in enumerate(message["tool_calls"])]
             content = "\n".join(([content] if content else []) + calls)
         out.append({"role": role, "content": content})
     if functions:
@@ -218,7 +227,13 @@ def render_messages(messages: list[dict], functions: list[dict] | None) -> list[
     return out
 
 
-def _call_text(call: Any, where: str) -> str:
+def _history_call(call: Any, where: str) -> tuple[str, dict]:
+    """An earlier assistant turn's tool call -> its function's name and its arguments as an object.
+
+    Raises:
+        InvalidRequestError: ``param=where``: no function name, or arguments that are not a JSON
+            object (or its JSON text).
+    """
     function = call.get("function") if isinstance(call, Mapping) else None
     name = function.get("name") if isinstance(function, Mapping) else None
     if not isinstance(name, str):
@@ -230,7 +245,87 @@ def _call_text(call: Any, where: str) -> str:
         raise InvalidRequestError(f"{where}.function.arguments is not JSON: {e}", param=where) from e
     if not isinstance(parsed, Mapping):
         raise InvalidRequestError(f"{where}.function.arguments must be a JSON object", param=where)
-    return CALL_OPEN + json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False) + CALL_CLOSE
+    return name, dict(parsed)
+
+
+def _call_text(name: str, arguments: dict) -> str:
+    return CALL_OPEN + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + CALL_CLOSE
+
+
+# The probe conversation of ``template_tool_arguments``: names no real tool or request would use.
+_PROBE_TOOL = {"name": "flm_probe", "description": "flm_probe_description",
+               "parameters": {"type": "object", "properties": {"flm_key": {"type": "string"}}}}
+_PROBE_ARGUMENTS = {"flm_key": "flm_value"}
+_PROBE_RESULT = "flm_probe_result"
+
+
+@functools.lru_cache(maxsize=16)
+def template_tool_arguments(template: str | None) -> str | None:
+    """Whether ``template`` (a chat template's source) writes tools in this format itself, and how
+    it wants a call's arguments; found by rendering a probe conversation, as llama.cpp finds a
+    template's capabilities (``caps_get`` in ``common/jinja/caps.cpp``): a user turn, an assistant
+    turn calling a probe tool, the tool's result, with the probe tool in ``tools``.
+
+    Returns:
+        ``"object"`` (Qwen2.5's template) or ``"string"``: with the call's arguments given as a
+        JSON object, or else as their JSON text (OpenAI's form), the template lists the tool it is
+        given, writes the call exactly as ``_call_text`` does (``CALL_OPEN``, the call object,
+        ``CALL_CLOSE``) and writes the result. None: it does not (it ignores ``tools``, as
+        SmolLM2's; it writes calls in another format; it refuses the conversation), or there is no
+        template.
+    """
+    if not template:
+        return None
+    for form in ("object", "string"):
+        arguments = _PROBE_ARGUMENTS if form == "object" else json.dumps(_PROBE_ARGUMENTS)
+        messages = [{"role": "user", "content": "flm_probe_question"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_flm_probe", "type": "function",
+                         "function": {"name": _PROBE_TOOL["name"], "arguments": arguments}}]},
+                    {"role": "tool", "tool_call_id": "call_flm_probe", "content": _PROBE_RESULT}]
+        try:
+            text = render_chat_template(template, messages, tools=[_tool_object(_PROBE_TOOL)])
+        except InvalidRequestError:
+            return None
+        if (_PROBE_TOOL["description"] in text and _PROBE_RESULT in text
+                and _call_text(_PROBE_TOOL["name"], _PROBE_ARGUMENTS) in text):
+            return form
+    return None
+
+
+def chat_messages(messages: list[dict], functions: list[dict] | None,
+                  template: str | None) -> tuple[list[dict], dict[str, Any]]:
+    """OpenAI messages with tools -> the messages and the extra variables to render ``template``
+    with.
+
+    A template that writes tools in this format itself (``template_tool_arguments``: Qwen2.5's)
+    renders them as its model was trained: the messages keep their tool calls (each checked, its
+    arguments in the form the template wants) and tool results, and ``tools`` lists ``functions``
+    as OpenAI tool objects (no ``tools`` when ``functions`` is None), as transformers' and
+    llama.cpp's ``apply_chat_template`` pass them. Any other template gets the generic format
+    (``render_messages``) and no variables.
+
+    Raises:
+        InvalidRequestError: as ``render_messages``.
+    """
+    form = template_tool_arguments(template)
+    if form is None:
+        return render_messages(messages, functions), {}
+    out = []
+    for i, message in enumerate(normalize_messages(messages)):
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            calls = []
+            for j, call in enumerate(message["tool_calls"]):
+                name, arguments = _history_call(call, f"messages[{i}].tool_calls[{j}]")
+                calls.append({"id": call.get("id"), "type": "function", "function": {
+                    "name": name, "arguments": arguments if form == "object" else json.dumps(arguments)}})
+            message = dict(message, tool_calls=calls)
+        out.append(message)
+    return out, ({"tools": [_tool_object(f) for f in functions]} if functions else {})
+
+
+def _tool_object(function: dict) -> dict:
+    return {"type": "function", "function": function}
 
 
 def _new_call_id() -> str:
