@@ -147,10 +147,11 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
         chat, tools = chat_messages(chat, output.functions, engine.tokenizer.chat_template)
         texts = [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **tools, **switch)]
     reasoning = None if raw else Reasoning.of_prompt(fmt, texts[0])
-    compiler = compiler_for(engine.tokenizer) if output.grammar is not None else None
+    grammar_text = output.grammar_for(engine.tokenizer)
+    compiler = compiler_for(engine.tokenizer) if grammar_text is not None else None
 
     def grammar() -> list:  # each choice's own matcher: its state follows that choice's tokens
-        return [compiler.processor(output.grammar, param=output.param)] if compiler else []
+        return [compiler.processor(grammar_text, param=output.param)] if compiler else []
 
     groups: list[list] = []
     prompt_ids = [engine.tokenizer.encode(text) for text in texts]

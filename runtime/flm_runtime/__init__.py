@@ -56,6 +56,7 @@ _SOURCES = {
     "chat_messages": "flm_runtime.text.tool_format",
     "check_tools": "flm_runtime.text.tool_format",
     "chosen_functions": "flm_runtime.text.tool_format",
+    "marker_token_ids": "flm_runtime.text.tool_format",
     "parse_tool_calls": "flm_runtime.text.tool_format",
     "render_messages": "flm_runtime.text.tool_format",
     "tool_grammar": "flm_runtime.text.tool_format",

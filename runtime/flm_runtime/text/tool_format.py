@@ -141,7 +141,8 @@ def chosen_functions(functions: list[dict], tool_choice: Any) -> tuple[str, list
     return "named", named
 
 
-def tool_grammar(functions: list[dict], mode: str, parallel: bool) -> str | None:
+def tool_grammar(functions: list[dict], mode: str, parallel: bool,
+                 marker_ids: tuple[int | None, int | None] = (None, None)) -> str | None:
     """The Lark grammar (llguidance's dialect) of an answer under ``mode``.
 
     Args:
@@ -150,14 +151,19 @@ def tool_grammar(functions: list[dict], mode: str, parallel: bool) -> str | None
             ``auto``: the calls of ``required``, or text that never writes ``<tool_call>``;
             ``none``: no grammar.
         parallel: OpenAI's ``parallel_tool_calls`` (true by default).
+        marker_ids: the token of ``<tool_call>`` and of ``</tool_call>`` in the vocabulary the
+            grammar is for (``marker_token_ids``), or None: a marker with a token is that token
+            alone, the one spelling the model saw in training (its tokenizer never splits it);
+            one without is its text, in any tokens.
 
     Returns:
         the grammar text, or None for ``none``.
     """
     if mode == "none":
         return None
-    rules = [f"call_{i}: {json.dumps(CALL_OPEN)} %json {json.dumps(_call_schema(f))} {json.dumps(CALL_CLOSE)}"
-             for i, f in enumerate(functions)]
+    call_open, call_close = (_lark_text(text, marker, token_id)
+                             for text, marker, token_id in zip((CALL_OPEN, CALL_CLOSE), TOOL_CALL_MARKERS, marker_ids))
+    rules = [f"call_{i}: {call_open} %json {json.dumps(_call_schema(f))} {call_close}" for i, f in enumerate(functions)]
     lines = [
         "start: " + ("calls | TEXT" if mode == "auto" else "calls"),
         "calls: call" + (f" ({json.dumps(CALL_SEPARATOR)} call)*" if parallel and mode != "named" else ""),
@@ -168,6 +174,20 @@ def tool_grammar(functions: list[dict], mode: str, parallel: bool) -> str | None
         # Any text, as long as it never opens a call: a call is made only through the grammar.
         lines.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*){re.escape(CALL_OPEN.strip())}(?s:.*)/")
     return "\n".join(lines)
+
+
+def marker_token_ids(tokenizer) -> tuple[int | None, int | None]:
+    """The ids of ``<tool_call>`` and ``</tool_call>`` (``TOOL_CALL_MARKERS``) where ``tokenizer``
+    encodes each as one token (Qwen2.5's added tokens), None where it takes several (SmolLM2's)."""
+    return tuple(ids[0] if len(ids := tokenizer.encode(m, add_bos=False)) == 1 else None for m in TOOL_CALL_MARKERS)
+
+
+def _lark_text(text: str, marker: str, token_id: int | None) -> str:
+    """Lark for ``text``, which holds ``marker`` once: that part the token ``token_id`` where given."""
+    if token_id is None:
+        return json.dumps(text)
+    before, after = text.split(marker)
+    return " ".join([json.dumps(before)] * bool(before) + [f"<[{token_id}]>"] + [json.dumps(after)] * bool(after))
 
 
 def _call_schema(function: dict) -> dict:
