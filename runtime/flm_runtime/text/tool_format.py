@@ -1,7 +1,7 @@
 """The Hermes tool-call format: tools in the prompt, calls in the output, for any chat template.
 
 Every model's calls are in the *Hermes* convention, the one NousResearch's Hermes 2 Pro and
-Qwen2.5's templates use: a call is ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``,
+Qwen2.5's templates use: a call is ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
 several calls one after another, separated by a newline (``CALL_OPEN`` / ``CALL_CLOSE``).
 
 How the tools and the conversation reach the prompt (``chat_messages``):
@@ -15,7 +15,7 @@ How the tools and the conversation reach the prompt (``chat_messages``):
   the form above (``TOOLS_PREAMBLE``; appended to the caller's own system message, or a system
   message of its own first); an earlier assistant turn's ``tool_calls`` written back into its
   content in that form, and each ``tool`` message's content as
-  ``<tool_response>\n...\n</tool_response>`` in a user turn (consecutive tool messages share one
+  ``<tool_response>\\n...\\n</tool_response>`` in a user turn (consecutive tool messages share one
   turn), as Qwen2.5's template renders them.
 
 ``tool_grammar`` holds the output to that form (a Lark grammar for ``grammar.lark_grammar``, the
@@ -23,9 +23,9 @@ arguments held to each tool's ``parameters`` schema with ``%json``): ``required`
 output calls (one, or with ``parallel_tool_calls`` one or more), a named function exactly one call
 of it; ``auto`` allows either calls or text that never writes ``<tool_call>``; ``none`` adds no
 grammar. ``parse_tool_calls`` and ``ToolCallStream`` read the calls back, whole or as the text
-streams. In a vocabulary where ``<tool_call>`` is a token of its own (Qwen2.5's: a user-defined
-one) the grammar's literal matches that token like any other spelling of its text, and the
-tokenizer never drops it from the output (``Tokenizer.special_token_ids``).
+streams. Where the vocabulary has a marker as a token of its own (Qwen2.5's ``<tool_call>`` and
+``</tool_call>``: user-defined tokens) the grammar writes it as that token (``marker_token_ids``),
+and the tokenizer never drops it from the output (``Tokenizer.special_token_ids``).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def _lark_text(text: str, marker: str, token_id: int | None) -> str:
     if token_id is None:
         return json.dumps(text)
     before, after = text.split(marker)
-    return " ".join([json.dumps(before)] * bool(before) + [f"<[{token_id}]>"] + [json.dumps(after)] * bool(after))
+    return " ".join(part for part in (json.dumps(before), f"<[{token_id}]>", json.dumps(after)) if part != '""')
 
 
 def _call_schema(function: dict) -> dict:
