@@ -33,7 +33,7 @@ from litellm.types.utils import (ChatCompletionMessageToolCall, ChatCompletionTo
                                  ModelResponseStream, StreamingChoices, TopLogprob, Usage)
 
 from flm_runtime import (Completion, InvalidRequestError, StreamEvent, TokenLogprob, ToolCall, ToolCallStream,
-                         compiler_for, parse_tool_calls, render_messages)
+                         chat_messages, compiler_for, parse_tool_calls)
 
 from .errors import PROVIDER, litellm_errors
 from .params import (backend_of, choices_of, embedding_inputs, encoding_format, fim_suffix, merge_extra_body,
@@ -145,8 +145,9 @@ def _submit(model: str, messages: list, optional_params: dict, timeout: Any,
     prompt, all submitted before any is awaited, so the engine batches them; with a ``suffix`` each
     prompt is the prefix of a fill-in-the-middle prompt (``Tokenizer.encode_fim``; a chat takes no
     suffix, and a model without FIM tokens refuses it, naming ``suffix``). ``n`` > 1: each
-    prompt's request has ``n`` choices (``Engine.submit_choices``: one prefill). A chat's tools
-    and tool messages are rendered in the generic tool-call format (``flm_runtime.text.tool_format``);
+    prompt's request has ``n`` choices (``Engine.submit_choices``: one prefill). A chat's tools,
+    calls and tool results are rendered by the model's template where it writes Hermes tool calls
+    itself (Qwen2.5's), else in the generic tool-call format (``flm_runtime.text.tool_format.chat_messages``);
     a response format or tool choice becomes a grammar, compiled for each choice
     (``flm_runtime.sampling.grammar``).
 
@@ -179,17 +180,22 @@ def _submit(model: str, messages: list, optional_params: dict, timeout: Any,
         raise InvalidRequestError("suffix (fill-in-the-middle) is a text completion parameter; a chat completion "
                                   "takes none", param="suffix")
     prompts = raw_prompts(messages, allow_empty=suffix is not None) if raw else None
-    chat = None if raw else render_messages(normalize_messages(_as_sent(messages, logging_obj)), output.functions)
+    chat = None if raw else normalize_messages(_as_sent(messages, logging_obj))
     engine = _get_engine(model, backend_of(optional_params))
     params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
     fmt = None if raw else engine.tokenizer.thinking
     switch = template_switch(fmt, thinking, drop=drop)
-    texts = prompts if raw else [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **switch)]
+    if raw:
+        texts = prompts
+    else:  # how the tools reach the prompt depends on the model's template
+        chat, tools = chat_messages(chat, output.functions, engine.tokenizer.chat_template)
+        texts = [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **tools, **switch)]
     reasoning = None if raw else Reasoning.of_prompt(fmt, texts[0])
-    compiler = compiler_for(engine.tokenizer) if output.grammar is not None else None
+    grammar_text = output.grammar_for(engine.tokenizer)
+    compiler = compiler_for(engine.tokenizer) if grammar_text is not None else None
 
     def grammar() -> list:  # each choice's own matcher: its state follows that choice's tokens
-        return [compiler.processor(output.grammar, param=output.param)] if compiler else []
+        return [compiler.processor(grammar_text, param=output.param)] if compiler else []
 
     groups: list[list] = []
     prompt_ids = [engine.tokenizer.encode(text) if suffix is None else engine.tokenizer.encode_fim(text, suffix)

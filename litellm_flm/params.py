@@ -365,7 +365,7 @@ ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assi
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """OpenAI chat messages -> ``[{"role", "content"}]`` (and an assistant's ``tool_calls``) for
-    ``flm_runtime.text.tool_format.render_messages`` and the model's chat template.
+    ``flm_runtime.text.tool_format.chat_messages`` and the model's chat template.
 
     ``developer`` is OpenAI's newer name for ``system``. ``tool`` messages (the results of calls)
     and an assistant's ``tool_calls`` are kept; the deprecated ``function`` messages and

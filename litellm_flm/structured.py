@@ -5,7 +5,7 @@ output is held to (a grammar for ``flm_runtime.sampling.grammar``) and how its a
   object: OpenAI's JSON mode) or ``{"type": "json_schema", "json_schema": {"name", "schema",
   "strict"?}}`` (JSON that validates against ``schema``; LiteLLM turns a pydantic class into
   this form). The output is held to it by constrained decoding, whatever ``strict`` says.
-- ``tools`` (functions only), ``tool_choice`` and ``parallel_tool_calls``: the generic tool-call
+- ``tools`` (functions only), ``tool_choice`` and ``parallel_tool_calls``: the Hermes tool-call
   format of ``flm_runtime.text.tool_format``; the answer's calls come back as OpenAI ``tool_calls``.
 
 A request may not combine tools (other than ``tool_choice="none"``) with a JSON
@@ -19,23 +19,35 @@ from dataclasses import dataclass
 from typing import Any
 
 from flm_runtime import (InvalidRequestError, check_tools, chosen_functions, json_object_grammar, json_schema_grammar,
-                         lark_grammar, tool_grammar)
+                         lark_grammar, marker_token_ids, tool_grammar)
 
 @dataclass(frozen=True)
 class OutputFormat:
     """What a request's output is held to.
 
     Attributes:
-        grammar: the llguidance grammar to compile against the model's tokenizer, or None.
+        grammar: the response format's llguidance grammar, or None (``grammar_for`` gives the
+            request's, tool calls' included).
         param: the parameter a grammar that does not compile is blamed on.
-        functions: the tools to describe in the prompt (``flm_runtime.render_messages``), or None.
+        functions: the tools to describe in the prompt (``flm_runtime.chat_messages``), or None.
         reads_tool_calls: the answer may hold calls: read them into ``tool_calls``.
+        calls: the calls' grammar arguments (``flm_runtime.tool_grammar``: the functions a call
+            may name, the mode, parallel calls or not), or None.
     """
 
     grammar: str | None = None
     param: str = "response_format"
     functions: list[dict] | None = None
     reads_tool_calls: bool = False
+    calls: tuple[list[dict], str, bool] | None = None
+
+    def grammar_for(self, tokenizer) -> str | None:
+        """The llguidance grammar to compile against ``tokenizer``: the calls' (each marker the
+        vocabulary has as one token written as that token, ``flm_runtime.marker_token_ids``) or
+        the response format's; None: the output is free."""
+        if self.calls is None:
+            return self.grammar
+        return lark_grammar(tool_grammar(*self.calls, marker_token_ids(tokenizer)))
 
 
 def output_format(optional_params: Mapping[str, Any]) -> OutputFormat:
@@ -64,8 +76,7 @@ def output_format(optional_params: Mapping[str, Any]) -> OutputFormat:
         raise InvalidRequestError("response_format json_object / json_schema cannot be combined with tools "
                                   "(tool_choice other than 'none'): both constrain the whole output",
                                   param="response_format")
-    return OutputFormat(grammar=lark_grammar(tool_grammar(chosen, mode, parallel)), param="tools",
-                        functions=functions, reads_tool_calls=True)
+    return OutputFormat(param="tools", functions=functions, reads_tool_calls=True, calls=(chosen, mode, parallel))
 
 
 def _response_format_grammar(response_format: Any) -> str | None:

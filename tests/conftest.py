@@ -64,6 +64,22 @@ def qwen_coder_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen_coder_metadata(qwen_coder_gguf) -> dict:
+    """All metadata of ``qwen2.5-coder:0.5b``'s GGUF (its tokenizer and chat template)."""
+    from flm_runtime.loading.gguf import open_gguf
+
+    return open_gguf(qwen_coder_gguf).metadata
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_tokenizer(qwen_coder_gguf, qwen_coder_metadata):
+    """``qwen2.5-coder:0.5b``'s tokenizer, built from its GGUF alone (no weights loaded)."""
+    from flm_runtime.loading.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(qwen_coder_metadata, source=str(qwen_coder_gguf))
+
+
+@pytest.fixture(scope="session")
 def smollm2_engine(smollm2_gguf):
     """The process-wide engine serving ``smollm2:135m`` (the same one LiteLLM calls use)."""
     from flm_runtime.api import get_engine

@@ -20,6 +20,7 @@ from flm_runtime.sampling.sampler import FALLBACK_SAMPLING, choice_seed
 
 class FakeTokenizer:
     thinking = None  # no thinking switch (Tokenizer.thinking)
+    chat_template = None  # renders as below, tools in the generic format
 
     def __init__(self) -> None:
         self.encode_threads: list[int] = []

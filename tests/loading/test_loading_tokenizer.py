@@ -1,8 +1,10 @@
 """Tokenizer: the SmolLM2 vocabulary from its GGUF, tiny vocabularies written here (byte-level BPE and
-SentencePiece), and every real vocabulary we ship (SmolLM2, Gemma 3, Qwen 2.5) against llama.cpp's tokenizer."""
+SentencePiece), every real vocabulary we ship (SmolLM2, Gemma 3, Qwen 2.5) against llama.cpp's tokenizer,
+and the output text of every token of Gemma 3's and Qwen2.5-Coder's vocabularies against llama.cpp's."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -12,6 +14,7 @@ import pytest
 from tiny_llama_files import random_hf_weights, tiny_config, write_tiny_gguf, write_tiny_hf_dir
 from tokenizers import pre_tokenizers
 
+from flm_runtime import registry
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.gguf import open_gguf
 from flm_runtime.loading.tokenizer import Tokenizer, gguf_pre_tokenizer, sentencepiece_merges
@@ -386,3 +389,47 @@ def test_gemma3_token_bytes_agree_with_tokenizers_decode(gemma3_tokenizer):
     ids = [i for i in range(tok.vocab_size) if not re.fullmatch(r"<0x[0-9A-F]{2}>", tok.id_to_token(i))]
     decoded = tok.hf_tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
     assert [tok.token_bytes(i).decode("utf-8", "replace") for i in ids] == decoded
+
+
+# The text of every token id in llama.cpp's output, recorded by `tests/reference/llama_cpp.py pieces`.
+def _llama_cpp_pieces(name: str) -> dict:
+    return json.loads((Path(__file__).resolve().parents[1] / "data" / name).read_text(encoding="utf-8"))
+
+
+def _pieces_digest(pieces: list[bytes]) -> str:
+    """As ``pieces_digest`` of tests/reference/llama_cpp.py: each piece after its length."""
+    h = hashlib.sha256()
+    for piece in pieces:
+        h.update(len(piece).to_bytes(4, "little") + piece)
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("fixture, tokenizer", [("gemma3_270m_llama_cpp_pieces.json", "gemma3_tokenizer"),
+                                                ("qwen2.5_coder_0.5b_llama_cpp_pieces.json", "qwen_coder_tokenizer")])
+def test_the_output_text_of_every_token_is_llama_cpps(request, fixture, tokenizer):
+    """What a generated token adds to the user's text (nothing for ``special_token_ids``, else its
+    bytes) is what llama.cpp sends, for every id: CONTROL, UNKNOWN and UNUSED tokens add nothing,
+    USER_DEFINED ones their text. The one difference: llama.cpp takes a token spelled ``</s>`` for
+    an end of generation by its text, whatever its type (Gemma 3's is the HTML closing tag, Qwen's
+    an ordinary piece); we keep its type's rule."""
+    ref, tok = _llama_cpp_pieces(fixture), request.getfixturevalue(tokenizer)
+    assert ref["model_sha256"] in {f.sha256 for e in registry.list_entries() for f in e.files}
+    assert ref["vocab_size"] == tok.vocab_size
+    shown = [b"" if i in tok.special_token_ids else tok.token_bytes(i) for i in range(tok.vocab_size)]
+    textless = {i for i, piece in enumerate(shown) if not piece}
+    llama_textless = {i for first, last in ref["textless"] for i in range(first, last + 1)}
+    end_tag = tok.token_to_id("</s>")
+    assert llama_textless - textless == {end_tag} and not textless - llama_textless
+    shown[end_tag] = b""
+    assert _pieces_digest(shown) == ref["pieces_sha256"]
+
+
+def test_gemma3_user_defined_tokens_are_text_as_in_llama_cpp(gemma3_tokenizer):
+    """``<start_of_image>`` and the HTML tags are USER_DEFINED in Gemma 3's GGUF, which llama.cpp
+    writes out (``llama-server`` with this file sends ``<start_of_image>`` for token 255999 and
+    ``<iframe>`` for 225); the CONTROL tokens (<bos>, <unused0>, <unk>, <end_of_turn>) add nothing."""
+    tok = gemma3_tokenizer
+    ids = [2, 255999, 225, 6, 3, 184, 106]
+    assert [tok.id_to_token(i) for i in ids] == ["<bos>", "<start_of_image>", "<iframe>", "<unused0>", "<unk>",
+                                                 "<h1>", "<end_of_turn>"]
+    assert tok.decode(ids, skip_special_tokens=True) == "<start_of_image><iframe><h1>"

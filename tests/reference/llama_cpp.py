@@ -1,4 +1,5 @@
-"""Record llama.cpp's reference values for a GGUF: token ids, and perplexity over the test passage.
+"""Record llama.cpp's reference values for a GGUF: token ids, perplexity over the test passage,
+the output text of every token, and a chat with tools rendered by the GGUF's chat template.
 
 llama.cpp shares nothing with ``flm_runtime`` but the GGUF file: its tokenizer (``llm_tokenizer_spm``,
 ``llm_tokenizer_bpe``) and its forward passes are its own. Each subcommand writes one JSON fixture,
@@ -16,6 +17,12 @@ with the command, the date and the llama.cpp commit in it:
   the vocabulary (its load log, ``print_info``), and the ids of ``FIM_TEXTS`` with and without
   ``--no-parse-special`` (a control token's text encoded as plain text, as ``/infill`` encodes a
   prefix and a suffix).
+- ``pieces``: the text each token id stands for in llama.cpp's output (``llama_token_to_piece``
+  without ``special``, what ``llama-server`` sends): the ids that render as nothing, as ranges,
+  and the SHA-256 of all the pieces (``pieces_digest``); ``token_pieces.c`` (here) prints them,
+  built with ``cc`` against the llama.cpp build;
+- ``chat-template``: ``CONVERSATION`` (messages and tools) as ``llama-server --jinja`` renders it
+  with the GGUF's own chat template (its ``/apply-template`` endpoint).
 
 What ``llama-perplexity`` computes (``tools/perplexity/perplexity.cpp``, ``perplexity()``): the text
 is tokenized (BOS first when the model adds one); it is cut into ``len(ids) // n_ctx`` chunks of
@@ -32,11 +39,14 @@ flash attention, 21.8490 with a float32 cache too; ours 21.69, and over the firs
 activations to 8 bits for the quantized matrix products, ours (float32 reference path) does not.
 ``tests/models/perplexity.py`` computes ours the same way.
 
-Run (not part of CI; needs a llama.cpp build with the llama-tokenize and llama-perplexity targets):
+Run (not part of CI; needs a llama.cpp build with the llama-tokenize, llama-perplexity and
+llama-server targets, its shared libraries beside them):
     python tests/reference/llama_cpp.py tokens LLAMA_CPP_DIR GGUF tests/data/OUT.json
     python tests/reference/llama_cpp.py pre-tokenizers LLAMA_CPP_DIR GGUF tests/data/OUT.json
     python tests/reference/llama_cpp.py perplexity LLAMA_CPP_DIR GGUF tests/data/OUT.json
     python tests/reference/llama_cpp.py fim LLAMA_CPP_DIR GGUF tests/data/OUT.json
+    python tests/reference/llama_cpp.py pieces LLAMA_CPP_DIR GGUF tests/data/OUT.json
+    python tests/reference/llama_cpp.py chat-template LLAMA_CPP_DIR GGUF tests/data/OUT.json
 """
 
 from __future__ import annotations
@@ -44,10 +54,14 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
@@ -93,6 +107,32 @@ _LOG_TOKEN = re.compile(r"print_info: (FIM PRE|FIM SUF|FIM MID|FIM PAD|FIM REP|F
                         r"= +(\d+) '")
 _FIM_NAMES = {"FIM PRE": "prefix", "FIM SUF": "suffix", "FIM MID": "middle", "FIM PAD": "pad", "FIM REP": "repo",
               "FIM SEP": "file_sep"}
+# A chat with tools: the system turn, parallel calls (arguments as OpenAI's JSON strings), two
+# results in one user turn, the answer, and a new question; non-ASCII text throughout.
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time of a city, «HH:MM»",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CONVERSATION = {
+    "messages": [
+        {"role": "system", "content": "You are a weather bot."},
+        {"role": "user", "content": "Weather in Paris and Zürich?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+        {"role": "tool", "tool_call_id": "call_2", "content": "18 degrees"},
+        {"role": "assistant", "content": "Paris: 21 °C; Zürich: 18 °C."},
+        {"role": "user", "content": "And what time is it in Zürich?"},
+    ],
+    "tools": [WEATHER, TIME],
+}
 
 
 def header(llama_dir: Path, gguf: Path, argv: list[str]) -> dict:
@@ -191,6 +231,68 @@ def record_fim(bin_dir: Path, gguf: Path) -> dict:
     }
 
 
+def record_pieces(bin_dir: Path, gguf: Path) -> dict:
+    llama_dir = bin_dir.parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "token_pieces"
+        subprocess.run(["cc", "-O1", str(Path(__file__).with_name("token_pieces.c")), f"-I{llama_dir / 'include'}",
+                        f"-I{llama_dir / 'ggml' / 'include'}", f"-L{bin_dir}", "-lllama", "-o", str(exe)], check=True)
+        out = subprocess.run([str(exe), str(gguf)], capture_output=True, text=True, check=True,
+                             env=dict(os.environ, LD_LIBRARY_PATH=str(bin_dir))).stdout
+    pieces = [bytes.fromhex(line.split(" ")[2]) for line in out.splitlines()]
+    return {
+        "command": f"token_pieces {gguf.name} (tests/reference/token_pieces.c: llama_token_to_piece, special false)",
+        "vocab_size": len(pieces),
+        "textless": id_ranges([i for i, piece in enumerate(pieces) if not piece]),
+        "pieces_sha256": pieces_digest(pieces),
+    }
+
+
+def id_ranges(ids: list[int]) -> list[list[int]]:
+    """Sorted ids as ``[first, last]`` runs of consecutive ids."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return runs
+
+
+def pieces_digest(pieces: list[bytes]) -> str:
+    """SHA-256 of every piece in id order, each after its length (4 bytes, little-endian)."""
+    h = hashlib.sha256()
+    for piece in pieces:
+        h.update(len(piece).to_bytes(4, "little") + piece)
+    return h.hexdigest()
+
+
+def record_chat_template(bin_dir: Path, gguf: Path) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(gguf), "--jinja", "--port", str(port),
+                               "-t", str(THREADS), "-c", "2048"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=dict(os.environ, LD_LIBRARY_PATH=str(bin_dir)))
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/apply-template", json.dumps(CONVERSATION).encode(),
+                                         {"Content-Type": "application/json"})
+        for _ in range(120):
+            try:
+                with urllib.request.urlopen(request) as r:
+                    prompt = json.load(r)["prompt"]
+                break
+            except OSError:  # still loading
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("llama-server did not answer within 60 s")
+    finally:
+        server.terminate()
+        server.wait()
+    return {"command": f"llama-server -m {gguf.name} --jinja; POST /apply-template CONVERSATION",
+            "conversation": CONVERSATION, "prompt": prompt}
+
+
 def compact_json(obj: dict) -> str:
     """JSON text with each list of numbers on one line."""
     text = json.dumps(obj, ensure_ascii=False, indent=1)
@@ -200,10 +302,11 @@ def compact_json(obj: dict) -> str:
 def main(argv: list[str]) -> None:
     what, llama_dir, gguf, out = argv[0], Path(argv[1]), Path(argv[2]), Path(argv[3])
     record = {"tokens": record_tokens, "pre-tokenizers": record_pre_tokenizers, "perplexity": record_perplexity,
-              "fim": record_fim}[what]
+              "fim": record_fim, "pieces": record_pieces, "chat-template": record_chat_template}[what]
     fixture = {**header(llama_dir, gguf, argv), **record(llama_dir / "build" / "bin", gguf)}
     out.write_text(compact_json(fixture), encoding="utf-8")
-    print(compact_json({k: v for k, v in fixture.items() if k not in ("cases", "passage", "texts", "ids")}))
+    print(compact_json({k: v for k, v in fixture.items()
+                        if k not in ("cases", "passage", "texts", "ids", "textless", "conversation")}))
 
 
 if __name__ == "__main__":

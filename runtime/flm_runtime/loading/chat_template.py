@@ -140,6 +140,9 @@ def check_chat_template(template: str | None, source: str) -> None:
 
 
 THINKING_SWITCH = "enable_thinking"
+# What opens and closes a tool call in the Hermes format (``flm_runtime.text.tool_format``; Qwen2.5's
+# template teaches it): output text a parser reads, never dropped as a control token would be.
+TOOL_CALL_MARKERS = ("<tool_call>", "</tool_call>")
 
 
 @dataclass(frozen=True)

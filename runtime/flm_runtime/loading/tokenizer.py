@@ -34,13 +34,16 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from flm_runtime.errors import InvalidRequestError, ModelFormatError
-from flm_runtime.loading.chat_template import ThinkingFormat, check_chat_template, render_chat_template, thinking_format
+from flm_runtime.loading.chat_template import (TOOL_CALL_MARKERS, ThinkingFormat, check_chat_template,
+                                               render_chat_template, thinking_format)
 from flm_runtime.loading.fim import FIM_TOKEN_TEXTS, GGUF_FIM_KEYS, find_fim_tokens, gguf_fim_ids
 from flm_runtime.loading.hf_files import read_hf_tokenizer_files
 
 # GGUF tokenizer.ggml.token_type values (llama.cpp llama_token_type).
+TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
 
 SPACE_PIECE = "\u2581"  # "▁": SentencePiece's space
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
@@ -142,7 +145,9 @@ class Tokenizer:
     """Text <-> token ids for one model, plus its special tokens and chat template.
 
     Built over a ``tokenizers.Tokenizer`` (``hf``); ``piece_bytes`` maps one of its vocabulary
-    pieces to the bytes it stands for (``byte_level_to_bytes`` or ``sentencepiece_to_bytes``).
+    pieces to the bytes it stands for (``byte_level_to_bytes`` or ``sentencepiece_to_bytes``);
+    ``textless_ids`` are vocabulary tokens that are no text although ``hf`` has them as pieces
+    (GGUF UNKNOWN and UNUSED: see ``special_token_ids``).
 
     Attributes:
         vocab_size: number of token ids (V); ids are ``0 .. V-1``.
@@ -152,8 +157,14 @@ class Tokenizer:
             (``END_OF_TURN_TOKENS``, GGUF ``eot``/``eom`` ids, every generation_config EOS) and
             the FIM tokens that end a fill-in (``fim.end_ids``).
         fim: the vocabulary's fill-in-the-middle tokens (``flm_runtime.loading.fim``).
-        special_token_ids: control tokens, dropped by ``decode(skip_special_tokens=True)`` and from
-            generated text; never the thinking markers (``thinking``), which the reasoning split reads.
+        special_token_ids: the tokens that stand for no text of the user's: dropped by
+            ``decode(skip_special_tokens=True)`` and from generated text, and special (never
+            spelled by text) to a grammar. llama.cpp's rule (``token_to_piece`` without
+            ``special``): GGUF CONTROL and UNKNOWN tokens, and UNUSED ones, which stand for no
+            bytes there; USER_DEFINED tokens are text (Gemma 3's ``<start_of_image>`` and HTML
+            tags). From a tokenizer.json: the added tokens marked ``special``. Never the markers a
+            parser reads from the output, which llama.cpp keeps as its ``preserved_tokens``: the
+            thinking markers (``thinking``) and the tool-call markers (``TOOL_CALL_MARKERS``).
         missing_bytes: byte values no token stands for; ``encode`` drops them, as the model's
             Hugging Face tokenizer does (SmolLM2 lacks 0x04, 0x06, 0x13, 0x14, 0x16, 0x1D and
             bytes never seen in UTF-8). Text without them round-trips exactly.
@@ -166,7 +177,8 @@ class Tokenizer:
 
     def __init__(self, hf: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: list[int],
                  add_bos: bool, chat_template: str | None, source: str,
-                 piece_bytes: Callable[[str], bytes] = byte_level_to_bytes, fim_ids: Mapping[str, int] | None = None):
+                 piece_bytes: Callable[[str], bytes] = byte_level_to_bytes, fim_ids: Mapping[str, int] | None = None,
+                 textless_ids: frozenset[int] = frozenset()):
         self._hf = hf
         self._encode_lock = threading.Lock()  # literal encoding flips the shared tokenizer's encode_special_tokens
         self.source = source
@@ -176,7 +188,7 @@ class Tokenizer:
         self.chat_template = chat_template or None
         check_chat_template(self.chat_template, source)
         added = hf.get_added_tokens_decoder()  # id -> AddedToken
-        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._special_ids = frozenset(i for i, t in added.items() if t.special) | textless_ids
         self._added_ids = {t.content: i for i, t in added.items()}
         self.thinking = thinking_format(self.chat_template)
         self._token_bytes = _token_bytes_table(hf, added, piece_bytes)
@@ -192,10 +204,10 @@ class Tokenizer:
 
     @thinking.setter
     def thinking(self, fmt: ThinkingFormat | None) -> None:
-        # A vocabulary may make the markers control tokens; the output must keep them to be split.
+        # A vocabulary may make the markers control tokens; the output must keep them to be parsed.
         self._thinking = fmt
-        markers = {self._added_ids.get(m) for m in (fmt.start, fmt.end)} if fmt is not None else set()
-        self.special_token_ids = self._special_ids - markers
+        markers = (fmt.start, fmt.end, *TOOL_CALL_MARKERS) if fmt is not None else TOOL_CALL_MARKERS
+        self.special_token_ids = self._special_ids - {self._added_ids.get(m) for m in markers}
 
     # -- construction ------------------------------------------------------------------------
 
@@ -226,14 +238,17 @@ class Tokenizer:
             raise ModelFormatError(
                 f"{source}: tokenizer model {kind!r} is not supported "
                 f"(byte-level BPE 'gpt2' and SentencePiece 'llama' are)")
-        _add_gguf_special_tokens(hf, tokens, meta.get("tokenizer.ggml.token_type") or [])
+        token_types = meta.get("tokenizer.ggml.token_type") or []
+        _add_gguf_special_tokens(hf, tokens, token_types)
         eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                  "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+        # llama.cpp renders an UNKNOWN token as a control one and an UNUSED one as no bytes at all.
+        textless = frozenset(i for i, k in enumerate(token_types) if k in (TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_UNUSED))
         return cls(hf, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
                    eos_token_ids=list(dict.fromkeys(eos)),
                    add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                    chat_template=meta.get("tokenizer.chat_template"), source=source,
-                   piece_bytes=piece_bytes, fim_ids=gguf_fim_ids(meta))
+                   piece_bytes=piece_bytes, fim_ids=gguf_fim_ids(meta), textless_ids=textless)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":

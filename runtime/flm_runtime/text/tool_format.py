@@ -1,28 +1,36 @@
-"""The generic tool-call format: tools in the prompt, calls in the output, for any chat template.
+"""The Hermes tool-call format: tools in the prompt, calls in the output, for any chat template.
 
-SmolLM2's chat template (and most small models') has no tool syntax, so every model gets the
-*Hermes* convention, the one NousResearch's Hermes 2 Pro and Qwen2.5's templates use:
+Every model's calls are in the *Hermes* convention, the one NousResearch's Hermes 2 Pro and
+Qwen2.5's templates use: a call is ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+several calls one after another, separated by a newline (``CALL_OPEN`` / ``CALL_CLOSE``).
 
-- the tools' OpenAI definitions, one JSON object a line, between ``<tools>`` and ``</tools>`` in
-  the system message, with an instruction to answer with calls in the form below
-  (``TOOLS_PREAMBLE``; appended to the caller's own system message, or a system message of its
-  own first);
-- a call is ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, several calls one
-  after another, separated by a newline (``CALL_OPEN`` / ``CALL_CLOSE``);
-- an earlier assistant turn's ``tool_calls`` are written back into its content in that form, and
-  each ``tool`` message's content becomes ``<tool_response>\\n...\\n</tool_response>`` in a user turn
-  (consecutive tool messages share one turn), as Qwen2.5's template renders them.
+How the tools and the conversation reach the prompt (``chat_messages``):
+
+- a template that writes this format itself (Qwen2.5's: ``template_tool_arguments`` finds it by
+  rendering a probe conversation) is given the tools (``tools``), the earlier calls and the tool
+  results, and renders them as its model was trained;
+- any other (SmolLM2's, and most small models', has no tool syntax) gets the generic rendering
+  (``render_messages``): the tools' OpenAI definitions, one JSON object a line, between
+  ``<tools>`` and ``</tools>`` in the system message, with an instruction to answer with calls in
+  the form above (``TOOLS_PREAMBLE``; appended to the caller's own system message, or a system
+  message of its own first); an earlier assistant turn's ``tool_calls`` written back into its
+  content in that form, and each ``tool`` message's content as
+  ``<tool_response>\\n...\\n</tool_response>`` in a user turn (consecutive tool messages share one
+  turn), as Qwen2.5's template renders them.
 
 ``tool_grammar`` holds the output to that form (a Lark grammar for ``grammar.lark_grammar``, the
 arguments held to each tool's ``parameters`` schema with ``%json``): ``required`` makes the whole
 output calls (one, or with ``parallel_tool_calls`` one or more), a named function exactly one call
 of it; ``auto`` allows either calls or text that never writes ``<tool_call>``; ``none`` adds no
-grammar. ``parse_tool_calls`` and ``ToolCallStream`` read the
-calls back, whole or as the text streams.
+grammar. ``parse_tool_calls`` and ``ToolCallStream`` read the calls back, whole or as the text
+streams. Where the vocabulary has a marker as a token of its own (Qwen2.5's ``<tool_call>`` and
+``</tool_call>``: user-defined tokens) the grammar writes it as that token (``marker_token_ids``),
+and the tokenizer never drops it from the output (``Tokenizer.special_token_ids``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -31,10 +39,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from flm_runtime.errors import InvalidRequestError
-from flm_runtime.loading.chat_template import normalize_messages
+from flm_runtime.loading.chat_template import TOOL_CALL_MARKERS, normalize_messages, render_chat_template
 
-CALL_OPEN = "<tool_call>\n"
-CALL_CLOSE = "\n</tool_call>"
+CALL_OPEN = TOOL_CALL_MARKERS[0] + "\n"
+CALL_CLOSE = "\n" + TOOL_CALL_MARKERS[1]
 CALL_SEPARATOR = "\n"
 TOOLS_PREAMBLE = (
     "# Tools\n\n"
@@ -133,7 +141,8 @@ def chosen_functions(functions: list[dict], tool_choice: Any) -> tuple[str, list
     return "named", named
 
 
-def tool_grammar(functions: list[dict], mode: str, parallel: bool) -> str | None:
+def tool_grammar(functions: list[dict], mode: str, parallel: bool,
+                 marker_ids: tuple[int | None, int | None] = (None, None)) -> str | None:
     """The Lark grammar (llguidance's dialect) of an answer under ``mode``.
 
     Args:
@@ -142,14 +151,19 @@ def tool_grammar(functions: list[dict], mode: str, parallel: bool) -> str | None
             ``auto``: the calls of ``required``, or text that never writes ``<tool_call>``;
             ``none``: no grammar.
         parallel: OpenAI's ``parallel_tool_calls`` (true by default).
+        marker_ids: the token of ``<tool_call>`` and of ``</tool_call>`` in the vocabulary the
+            grammar is for (``marker_token_ids``), or None: a marker with a token is that token
+            alone, the one spelling the model saw in training (its tokenizer never splits it);
+            one without is its text, in any tokens.
 
     Returns:
         the grammar text, or None for ``none``.
     """
     if mode == "none":
         return None
-    rules = [f"call_{i}: {json.dumps(CALL_OPEN)} %json {json.dumps(_call_schema(f))} {json.dumps(CALL_CLOSE)}"
-             for i, f in enumerate(functions)]
+    call_open, call_close = (_lark_text(text, marker, token_id)
+                             for text, marker, token_id in zip((CALL_OPEN, CALL_CLOSE), TOOL_CALL_MARKERS, marker_ids))
+    rules = [f"call_{i}: {call_open} %json {json.dumps(_call_schema(f))} {call_close}" for i, f in enumerate(functions)]
     lines = [
         "start: " + ("calls | TEXT" if mode == "auto" else "calls"),
         "calls: call" + (f" ({json.dumps(CALL_SEPARATOR)} call)*" if parallel and mode != "named" else ""),
@@ -162,6 +176,20 @@ def tool_grammar(functions: list[dict], mode: str, parallel: bool) -> str | None
     return "\n".join(lines)
 
 
+def marker_token_ids(tokenizer) -> tuple[int | None, int | None]:
+    """The ids of ``<tool_call>`` and ``</tool_call>`` (``TOOL_CALL_MARKERS``) where ``tokenizer``
+    encodes each as one token (Qwen2.5's added tokens), None where it takes several (SmolLM2's)."""
+    return tuple(ids[0] if len(ids := tokenizer.encode(m, add_bos=False)) == 1 else None for m in TOOL_CALL_MARKERS)
+
+
+def _lark_text(text: str, marker: str, token_id: int | None) -> str:
+    """Lark for ``text``, which holds ``marker`` once: that part the token ``token_id`` where given."""
+    if token_id is None:
+        return json.dumps(text)
+    before, after = text.split(marker)
+    return " ".join(part for part in (json.dumps(before), f"<[{token_id}]>", json.dumps(after)) if part != '""')
+
+
 def _call_schema(function: dict) -> dict:
     """The JSON schema of one call's object: the function's name, then its arguments."""
     return {"type": "object",
@@ -172,7 +200,7 @@ def _call_schema(function: dict) -> dict:
 
 def tools_system_text(functions: list[dict]) -> str:
     """``TOOLS_PREAMBLE`` listing ``functions`` as OpenAI tool objects."""
-    lines = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in functions)
+    lines = "\n".join(json.dumps(_tool_object(f), ensure_ascii=False) for f in functions)
     return TOOLS_PREAMBLE.format(tools=lines)
 
 
@@ -206,7 +234,8 @@ def render_messages(messages: list[dict], functions: list[dict] | None) -> list[
                 out.append({"role": "user", "content": block})
             continue
         if role == "assistant" and message.get("tool_calls"):
-            calls = [_call_text(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(message["tool_calls"])]
+            calls = [_call_text(*_history_call(call, f"messages[{i}].tool_calls[{j}]"))
+                     for j, call in enumerate(message["tool_calls"])]
             content = "\n".join(([content] if content else []) + calls)
         out.append({"role": role, "content": content})
     if functions:
@@ -218,7 +247,13 @@ def render_messages(messages: list[dict], functions: list[dict] | None) -> list[
     return out
 
 
-def _call_text(call: Any, where: str) -> str:
+def _history_call(call: Any, where: str) -> tuple[str, dict]:
+    """An earlier assistant turn's tool call -> its function's name and its arguments as an object.
+
+    Raises:
+        InvalidRequestError: ``param=where``: no function name, or arguments that are not a JSON
+            object (or its JSON text).
+    """
     function = call.get("function") if isinstance(call, Mapping) else None
     name = function.get("name") if isinstance(function, Mapping) else None
     if not isinstance(name, str):
@@ -230,7 +265,87 @@ def _call_text(call: Any, where: str) -> str:
         raise InvalidRequestError(f"{where}.function.arguments is not JSON: {e}", param=where) from e
     if not isinstance(parsed, Mapping):
         raise InvalidRequestError(f"{where}.function.arguments must be a JSON object", param=where)
-    return CALL_OPEN + json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False) + CALL_CLOSE
+    return name, dict(parsed)
+
+
+def _call_text(name: str, arguments: dict) -> str:
+    return CALL_OPEN + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + CALL_CLOSE
+
+
+# The probe conversation of ``template_tool_arguments``: names no real tool or request would use.
+_PROBE_TOOL = {"name": "flm_probe", "description": "flm_probe_description",
+               "parameters": {"type": "object", "properties": {"flm_key": {"type": "string"}}}}
+_PROBE_ARGUMENTS = {"flm_key": "flm_value"}
+_PROBE_RESULT = "flm_probe_result"
+
+
+@functools.lru_cache(maxsize=16)
+def template_tool_arguments(template: str | None) -> str | None:
+    """Whether ``template`` (a chat template's source) writes tools in this format itself, and how
+    it wants a call's arguments; found by rendering a probe conversation, as llama.cpp finds a
+    template's capabilities (``caps_get`` in ``common/jinja/caps.cpp``): a user turn, an assistant
+    turn calling a probe tool, the tool's result, with the probe tool in ``tools``.
+
+    Returns:
+        ``"object"`` (Qwen2.5's template) or ``"string"``: with the call's arguments given as a
+        JSON object, or else as their JSON text (OpenAI's form), the template lists the tool it is
+        given, writes the call exactly as ``_call_text`` does (``CALL_OPEN``, the call object,
+        ``CALL_CLOSE``) and writes the result. None: it does not (it ignores ``tools``, as
+        SmolLM2's; it writes calls in another format; it refuses the conversation), or there is no
+        template.
+    """
+    if not template:
+        return None
+    for form in ("object", "string"):
+        arguments = _PROBE_ARGUMENTS if form == "object" else json.dumps(_PROBE_ARGUMENTS)
+        messages = [{"role": "user", "content": "flm_probe_question"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_flm_probe", "type": "function",
+                         "function": {"name": _PROBE_TOOL["name"], "arguments": arguments}}]},
+                    {"role": "tool", "tool_call_id": "call_flm_probe", "content": _PROBE_RESULT}]
+        try:
+            text = render_chat_template(template, messages, tools=[_tool_object(_PROBE_TOOL)])
+        except InvalidRequestError:
+            return None
+        if (_PROBE_TOOL["description"] in text and _PROBE_RESULT in text
+                and _call_text(_PROBE_TOOL["name"], _PROBE_ARGUMENTS) in text):
+            return form
+    return None
+
+
+def chat_messages(messages: list[dict], functions: list[dict] | None,
+                  template: str | None) -> tuple[list[dict], dict[str, Any]]:
+    """OpenAI messages with tools -> the messages and the extra variables to render ``template``
+    with.
+
+    A template that writes tools in this format itself (``template_tool_arguments``: Qwen2.5's)
+    renders them as its model was trained: the messages keep their tool calls (each checked, its
+    arguments in the form the template wants) and tool results, and ``tools`` lists ``functions``
+    as OpenAI tool objects (no ``tools`` when ``functions`` is None), as transformers' and
+    llama.cpp's ``apply_chat_template`` pass them. Any other template gets the generic format
+    (``render_messages``) and no variables.
+
+    Raises:
+        InvalidRequestError: as ``render_messages``.
+    """
+    form = template_tool_arguments(template)
+    if form is None:
+        return render_messages(messages, functions), {}
+    out = []
+    for i, message in enumerate(normalize_messages(messages)):
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            calls = []
+            for j, call in enumerate(message["tool_calls"]):
+                name, arguments = _history_call(call, f"messages[{i}].tool_calls[{j}]")
+                calls.append({"id": call.get("id"), "type": "function", "function": {
+                    "name": name, "arguments": arguments if form == "object" else json.dumps(arguments)}})
+            message = dict(message, tool_calls=calls)
+        out.append(message)
+    return out, ({"tools": [_tool_object(f) for f in functions]} if functions else {})
+
+
+def _tool_object(function: dict) -> dict:
+    return {"type": "function", "function": function}
 
 
 def _new_call_id() -> str:
