@@ -408,8 +408,8 @@ class StreamChunks:
     Content goes in ``ModelResponseStream`` chunks rather than GenericStreamingChunks because
     only their delta carries ``reasoning_content`` (docs/design.md, "LiteLLM facts"). LiteLLM
     passes a custom provider's ModelResponseStream on as it is, so each chunk has the stream's one
-    id, ``model`` (``served_name``), its choice's index and the role on the choice's first. The first chunk with a
-    finish_reason ends the stream for LiteLLM (it drops that chunk if it has no content or tool
+    id, ``model`` (``served_name``), its choice's index and the role on the choice's first. The
+    first chunk with a finish_reason ends the stream for LiteLLM (it drops that chunk if it has no content or tool
     calls, and sends the finish_reason, as choice 0's, on a chunk of its own); another choice
     finishes with a GenericStreamingChunk's ``sibling_finish_reason`` (and its ``choice_index``:
     ``sibling_finish``). So choice 0 finishes last, once every other has: a chunk with the usage

@@ -312,8 +312,8 @@ def _help_in_source(module: str, name: str) -> str | None:
     for node in tree.body:
         if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]
                 and isinstance(node.value, ast.Call) and len(node.value.args) > 1
-                and isinstance(help := node.value.args[1], ast.Constant) and isinstance(help.value, str)):
-            return help.value
+                and isinstance(text := node.value.args[1], ast.Constant) and isinstance(text.value, str)):
+            return text.value
     return None
 
 

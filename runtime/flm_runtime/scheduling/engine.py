@@ -178,7 +178,8 @@ class Engine:
         self.prefill_tokens = admission.positive_int(
             model.prefill_chunk if prefill_tokens is None else prefill_tokens, "prefill_tokens")
         own = int(model.config.max_position_embeddings)
-        self.context_length = own if context_length is None else admission.positive_int(context_length, "context_length")
+        self.context_length = (own if context_length is None
+                               else admission.positive_int(context_length, "context_length"))
         if self.context_length > own:
             raise InvalidRequestError(f"context_length={context_length} is more than the model's {own} positions",
                                       param="context_length")
