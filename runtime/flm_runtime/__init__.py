@@ -58,7 +58,6 @@ _SOURCES = {
     "chosen_functions": "flm_runtime.text.tool_format",
     "marker_token_ids": "flm_runtime.text.tool_format",
     "parse_tool_calls": "flm_runtime.text.tool_format",
-    "render_messages": "flm_runtime.text.tool_format",
     "tool_grammar": "flm_runtime.text.tool_format",
     "ThinkingFormat": "flm_runtime.loading.chat_template",
     # models on disk
