@@ -21,11 +21,10 @@ import threading
 import time
 from pathlib import Path
 
+import openai
 import proxy_process
 import pytest
 from test_flm_proxy import CONFIG
-
-openai = pytest.importorskip("openai")
 
 DRAIN_S = 240  # FLM_DRAIN_TIMEOUT_S: ample for the streams on a busy machine
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?"]
