@@ -33,6 +33,7 @@ from litellm.types.utils import (ChatCompletionMessageToolCall, ChatCompletionTo
 from flm_runtime import (Completion, StreamEvent, TokenLogprob, ToolCall, ToolCallStream, chat_messages, compiler_for,
                          parse_tool_calls)
 
+from . import compat
 from .errors import PROVIDER, litellm_errors
 from .params import ChatRequest, named_as_sent, parse_embedding_request, parse_request
 from .reasoning import Reasoning, template_switch
@@ -204,7 +205,7 @@ def build_response(model_response: ModelResponse, model: str, groups: list[list[
     model_response.created = int(time.time())
     setattr(model_response, "usage", Usage(**usage_fields(groups)))  # not a declared field of ModelResponse
     stats = [done.stats.as_dict() for done in dones]
-    model_response._hidden_params["flm_stats"] = stats[0] if len(stats) == 1 else stats
+    compat.put_stats(model_response, stats[0] if len(stats) == 1 else stats)
     return model_response
 
 
@@ -350,7 +351,7 @@ class StreamChunks:
     first chunk with a finish_reason ends the stream for LiteLLM (it drops that chunk if it has no content or tool
     calls, and sends the finish_reason, as choice 0's, on a chunk of its own); another choice
     finishes with a GenericStreamingChunk's ``sibling_finish_reason`` (and its ``choice_index``:
-    ``sibling_finish``). So choice 0 finishes last, once every other has: a chunk with the usage
+    ``compat.sibling_finish``). So choice 0 finishes last, once every other has: a chunk with the usage
     of all (``usage_fields``), then its finish_reason alone.
 
     Logprobs, when asked for, ride on the chunk of their choice that sends their tokens' text
@@ -443,7 +444,7 @@ class StreamChunks:
             return self._first(index, chunks)
         self._finals[index] = event
         if index:
-            chunks.append(sibling_finish(index, self._finish_reason(index)))
+            chunks.append(compat.sibling_finish(index, self._finish_reason(index)))
         if self.finished:  # choice 0's last delta (its own, or an empty one) carries the usage
             if index or not chunks:
                 chunks.append(self._chunk(0, Delta(role=self._roles[0])))
@@ -471,17 +472,6 @@ class StreamChunks:
     def _chunk(self, index: int, delta: Delta, finish_reason: str | None = None) -> ModelResponseStream:
         return ModelResponseStream(id=self._id, created=self._created, model=self._model,
                                    choices=[StreamingChoices(index=index, delta=delta, finish_reason=finish_reason)])
-
-
-def sibling_finish(index: int, finish_reason: str) -> GenericStreamingChunk:
-    """The chunk that finishes choice ``index`` > 0 (``StreamChunks``): LiteLLM 1.110.2 ignores a
-    GenericStreamingChunk's ``index`` but numbers the chunk by its ``choice_index`` key, and
-    finishes that choice alone with its ``sibling_finish_reason`` (the keys its own OpenAI
-    text-completion stream sets), where ``is_finished`` would end the stream."""
-    chunk = GenericStreamingChunk(text="", is_finished=False, finish_reason="", index=index, tool_use=None, usage=None)
-    chunk["choice_index"] = index
-    chunk["sibling_finish_reason"] = finish_reason
-    return chunk
 
 
 class FlmLLM(CustomLLM):
