@@ -266,8 +266,8 @@ def parse_request(messages: Any, optional_params: Mapping[str, Any], litellm_par
 def _parse(messages: Any, flat: dict[str, Any], drop: bool, raw: bool, names: dict[str, str],
            logging_obj: Any) -> ChatRequest:
     """``parse_request`` of the merged keys ``flat``."""
-    # The legacy completions' logprobs (an integer, 0 included) are not built yet.
-    if raw and flat.get("logprobs") not in (None, False):
+    # The legacy completions' logprobs (an integer, 0 included: hence `is`, as 0 == False) are not built yet.
+    if raw and flat.get("logprobs") is not None and flat["logprobs"] is not False:
         if not drop:
             raise InvalidRequestError("logprobs are not supported on text completions yet; a chat completion "
                                       "returns them", param="logprobs")

@@ -225,3 +225,11 @@ def test_max_completion_tokens_is_named_as_sent_after_the_parse_too():
     with pytest.raises(InvalidRequestError) as info:
         parse({"max_tokens": 1, "max_completion_tokens": 2})
     assert (info.value.param, str(info.value)) == ("max_tokens", "give max_tokens or max_completion_tokens, not both")
+
+
+@pytest.mark.parametrize("logprobs", [True, 1, 0])
+def test_a_text_completion_refuses_logprobs_of_any_value_or_drops_them(logprobs):
+    with pytest.raises(InvalidRequestError) as info:
+        parse({"logprobs": logprobs}, text_completion=True)
+    assert info.value.param == "logprobs"
+    assert parse({"logprobs": logprobs, "top_logprobs": 2}, text_completion=True, drop_params=True).sampling == {}
