@@ -259,7 +259,7 @@ def verify_curve(tag: str, drafted: int) -> list[float] | None:
     (``speculation.costs``, kept when an engine of the tag first started on this host):
     ``verify_ratio``, ``drafted`` values; None when none was kept for this host and that many
     (every engine of the tag started with ``FLM_HOST_COSTS=0`` or a calibrated table)."""
-    costs = load_host_costs(paths.host_costs_file(tag, "cpu"), host_id(), tag, "cpu", drafted)
+    costs = load_host_costs(paths.host_costs_file(tag, "cpu"), host_id(), tag, "cpu", drafted, drafted)
     return None if costs is None else costs.verify_ratio
 
 

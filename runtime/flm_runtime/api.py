@@ -11,14 +11,11 @@ handler, the CLI, tests): the engines and loaded models live in a ``Runtime``, a
 ``get_engine`` asks ``default_runtime``. A test makes a ``Runtime`` of its own and closes it
 (or ``forget``s one tag's engines). Loading holds a lock so concurrent first calls load once.
 
-A DFlash tag (``X-dflash:size``) gets its own engine that decodes speculatively with the draft of
-``registry.locate_draft(tag)``, over the *same* target object as the base tag's engine: a target is
-loaded once per process whichever of the two tags comes first. Its speculation policy (when a
-speculative step pays, by context; ``flm_runtime.speculation.policy``) is ``load_policy``'s table;
-on the cpu backend the shipped table takes this host's verify costs, measured the first time such
-an engine is built on the host (``flm_runtime.speculation.costs``), and a tag without a table
-starts from the estimate those costs give (``flm_runtime.speculation.estimate``);
-``$FLM_HOST_COSTS=0`` keeps the table's costs, and whole blocks for a tag without one.
+Every engine decodes speculatively where it pays, with the decoder
+``flm_runtime.speculation.decoders`` builds for its tag: the proposers that need no draft for
+every tag, and a DFlash tag (``X-dflash:size``) adds the draft of ``registry.locate_draft(tag)``.
+A DFlash tag's engine runs over the *same* target object as the base tag's engine: a target is
+loaded once per process whichever of the two tags comes first.
 
 Settings (``flm_runtime.settings``): a ``Runtime`` given a ``Settings`` uses those; without, it
 reads the environment's at each ``get_engine`` (so the process's runtime sees a variable a test or
@@ -44,9 +41,7 @@ Shutdown: ``drain`` (``Runtime.drain``) stops every engine admitting, lets what 
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -58,17 +53,10 @@ from flm_runtime.backends.select import log_once, select_backend
 from flm_runtime.errors import BackendUnavailableError, EngineDrainingError, InvalidRequestError, ModelFormatError
 from flm_runtime.loading import Tokenizer, load_model_files
 from flm_runtime.loading.chat_template import thinking_format
-from flm_runtime.models.dflash import DFlashDraft
 from flm_runtime.models.causal_lm import LlamaModel
 from flm_runtime.scheduling.engine import Engine
 from flm_runtime.settings import Settings, requested_backend
-from flm_runtime.speculation import costs
-from flm_runtime.speculation.costs import HostCosts
-from flm_runtime.speculation.estimate import first_run_table
-from flm_runtime.speculation.policy import ALWAYS_SPECULATE, PolicyTable, SpeculationPolicy
-from flm_runtime.speculation.policy import FILE_NAME as POLICY_FILE
-from flm_runtime.speculation.speculative import SpeculativeDecoder
-from flm_runtime.speculation.suffix import SuffixIndex
+from flm_runtime.speculation.decoders import decoder_for
 
 
 @dataclass(frozen=True)
@@ -118,26 +106,6 @@ def _return_free_memory() -> None:
         pass
 
 
-def load_draft(tag: str, target: LlamaModel, models: registry.Registry | None = None) -> DFlashDraft:
-    """Load the DFlash draft of ``tag`` for ``target`` (the base tag's loaded model), as ``models``
-    (default ``registry.current()``) defines it.
-
-    The draft's ``target_sha256`` is compared with the base entry's recorded sha256 (which
-    ``pull.locate`` has verified on the file) when the base is one file with a recorded hash;
-    otherwise only the geometry is checked (an HF directory has no single recorded hash).
-
-    Raises:
-        ModelFilesMissingError: the draft's files are absent.
-        ModelFormatError: unreadable draft files, or a draft that does not fit ``target``.
-    """
-    models = models or registry.current()
-    entry = models.resolve(tag)
-    assert entry.base is not None, f"{tag} is not a DFlash tag"
-    base = models.resolve(entry.base)
-    sha = base.files[0].sha256 if len(base.files) == 1 else None
-    return DFlashDraft.load(models.locate_draft(tag), target, target_sha256=sha)
-
-
 def load_npu_model(tag: str, cpu_model: LlamaModel):
     """The ``NpuModel`` of plain ``tag`` over its loaded cpu model, from the kernel build that
     ``xclbins/flm_xclbins/manifest.json`` (or ``$FLM_XCLBIN_PATH``) has for it.
@@ -154,31 +122,6 @@ def load_npu_model(tag: str, cpu_model: LlamaModel):
     if not check.ok:
         raise BackendUnavailableError(f"no usable NPU kernel build for {tag}: {check.summary()}")
     return NpuModel(cpu_model, manifest, check.build)
-
-
-def load_policy(tag: str, backend: str, models: registry.Registry | None = None, *,
-                host_costs: Callable[[], HostCosts] | None = None) -> SpeculationPolicy:
-    """The speculation policy table of DFlash ``tag`` on ``backend``: the user's calibration
-    (``paths.policy_file``) if there is one, else the table shipped in the draft directory
-    (``policy-<backend>.json``; ``models``, default ``registry.current()``, says where that is),
-    with this host's verify costs (``host_costs()``, ``speculation.costs``) when given; without a
-    table, the estimate from this host's costs when given (``estimate.first_run_table``), else
-    ``ALWAYS_SPECULATE`` (the null policy: whole blocks, always).
-
-    Raises:
-        ValueError: a table file exists but is not a valid table (naming the file).
-    """
-    user = paths.policy_file(tag, backend)
-    if user.is_file():
-        return PolicyTable.load(user)  # calibrated on this host: its costs are the host's already
-    shipped = (models or registry.current()).locate_draft(tag) / POLICY_FILE.format(backend=backend)
-    if not shipped.is_file():
-        return ALWAYS_SPECULATE if host_costs is None else first_run_table(tag, backend, host_costs())
-    table = PolicyTable.load(shipped)
-    if host_costs is None:
-        return table
-    costs = host_costs()
-    return table.on_host(costs.verify_ratio, costs.context)
 
 
 class Runtime:
@@ -239,18 +182,8 @@ class Runtime:
             if engine is None:
                 if entry.is_dflash:
                     pull.locate(tag, models=models)  # the draft's and the base's files, pulling the base if need be
-                    loaded = self._target(base, name, models)
-                    cap = settings.suffix_cache_cap()
-                    draft = load_draft(tag, loaded.model, models)
-                    measure = None
-                    if name == "cpu" and settings.host_costs_on():  # an NPU's table is the device's own
-                        measure = functools.partial(costs.host_costs, paths.host_costs_file(tag, name),
-                                                    loaded.model, draft, model=tag, backend=name)
-                    speculative = SpeculativeDecoder(loaded.model, draft,
-                                                     policy=load_policy(tag, name, models, host_costs=measure),
-                                                     suffix=SuffixIndex(cap) if cap else None)
-                else:
-                    loaded, speculative = self._target(base, name, models), None
+                loaded = self._target(base, name, models)
+                speculative = decoder_for(tag, loaded.model, name, settings, models)
                 plain = models.resolve(base)  # a draft keeps its target's sampler
                 capped = entry if entry.context_length else plain  # a DFlash tag's context, else its base's
                 try:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from flm_runtime import api, paths
+from flm_runtime.speculation import decoders
 from flm_runtime.settings import Settings
 from flm_runtime.speculation import costs, estimate
 from flm_runtime.speculation.policy import Bucket, PolicyTable
@@ -174,7 +175,7 @@ def test_a_dflash_engine_takes_this_hosts_costs_unless_calibrated_here(tmp_path,
     monkeypatch.setattr(paths, "config_dir", lambda: tmp_path)
     monkeypatch.setattr(costs, "measure_verify_ratio", lambda target, taps, drafted, context: CHEAP[:drafted])
     monkeypatch.setattr(costs, "measure_propose_ratio", lambda target, draft, drafted, context: PROPOSE[:drafted])
-    shipped = api.load_policy(DFLASH_TAG, "cpu")
+    shipped = decoders.load_policy(DFLASH_TAG, "cpu")
     if calibrated:
         user = shipped.model_copy(update={"min_speedup": 1.5})
         user.save(paths.policy_file(DFLASH_TAG, "cpu"))

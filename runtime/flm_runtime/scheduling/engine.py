@@ -183,7 +183,8 @@ class Engine:
         if self.context_length > own:
             raise InvalidRequestError(f"context_length={context_length} is more than the model's {own} positions",
                                       param="context_length")
-        draft_config = speculative.draft.config if speculative is not None else None
+        draft = speculative.draft if speculative is not None else None
+        draft_config = draft.config if draft is not None else None
         self.kv = admission.KVBudget(name, self.context_length,
                                      admission.kv_bytes_per_token(model.config, draft_config,
                                                                   np.dtype(model.kv_dtype).itemsize),
@@ -191,7 +192,9 @@ class Engine:
         self.pool = model.new_pool(self.kv.positions)
         self.block_bytes = self.pool.block_tokens * self.kv.bytes_per_token
         exact = getattr(model, "batch_invariant", False)
-        self.prefix = prefix_cache and exact and speculative is None and isinstance(self.pool, KVPool)
+        # A cached prefix has no draft context: prefix caching only where no draft runs.
+        self.prefix = (prefix_cache and exact and (speculative is None or not speculative.taps)
+                       and isinstance(self.pool, KVPool))
         self._cv = threading.Condition()      # guards _waiting, _active, _counts, _closed, pool
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._active: list[Sequence] = []
@@ -441,7 +444,11 @@ class Engine:
                 seq.cached_tokens = cached
         seq.cache.reserve(len(seq.prefill_ids) - seq.cache.length)
         if self.speculative is not None:
-            seq.spec = self.speculative.new_state(len(seq.prefill_ids))
+            params = seq.params
+            seq.spec = self.speculative.new_state(len(seq.prefill_ids), speculate=params.speculation,
+                                                  prediction=params.prediction)
+            if seq.cache.length:  # the cached prefix's tokens, for the retrieval proposers
+                self.speculative.add_prompt(seq.cache, seq.spec, seq.prefill_ids[: seq.cache.length], None)
 
     def _step(self) -> None:
         """Advance every active sequence with ONE batched forward pass: prepare, the pass, then
