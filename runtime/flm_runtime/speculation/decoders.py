@@ -114,5 +114,5 @@ def decoder_for(tag: str, target: TargetModel, backend: str, settings: Settings,
         return None
     curve = costs.host_costs(paths.host_costs_file(tag, backend), target, None, model=tag, backend=backend,
                              block_size=LOOKUP_BLOCK)
-    return SpeculativeDecoder(target, None, policy=lookup_table(tag, backend, curve), suffix=suffix,
-                              block_size=LOOKUP_BLOCK)
+    policy = lookup_table(tag, backend, curve)
+    return SpeculativeDecoder(target, None, policy=policy, suffix=suffix, block_size=policy.block_size)

@@ -277,7 +277,8 @@ class SpeculativeDecoder:
         Returns:
             ``[V]`` float32 logits of the last prompt position.
         """
-        assert cache.length == state.draft_cache.length == 0 and len(state.pending) == 0
+        assert cache.length == 0 and (state.draft_cache is None or state.draft_cache.length == 0)
+        assert len(state.pending) == 0
         start = 0
         for out in prefill_chunks(self.target, prompt_ids, cache, taps=self.taps):
             self.add_prompt(cache, state, prompt_ids[start : cache.length], out.taps)
