@@ -44,11 +44,12 @@ request. Shutdown: ``drain`` stops admitting (``EngineDrainingError``), lets the
 requests finish within a bound, then closes with the KV pool free.
 
 Speculative decoding: an engine given a ``Stepper`` (``step.py``; ``api`` passes the
-``SpeculativeDecoder`` of ``flm_runtime.speculation`` for a DFlash tag, which this package never
-imports) runs every sequence's decoding through it, a step as prepare -> one batched target pass ->
-complete (draft K, verify K+1, greedy or
-sampled; or a plain step where its policy says a block does not pay, whose token is sampled as in
-an engine without a draft), and hands it each finished request's prompt and generated tokens
+``SpeculativeDecoder`` that ``flm_runtime.speculation.decoders`` builds for the tag, a package this
+one never imports) runs every sequence's decoding through it, a step as prepare -> one batched
+target pass -> complete (propose K, verify K+1, greedy or sampled; or a plain step where its
+policy says a proposal does not pay, whose token is sampled as in an engine without a stepper;
+every step plain for a request that asks for it), and hands it each finished request's prompt and
+generated tokens
 (``Stepper.finish``: the suffix proposer's index of earlier requests). ``on_step`` hands each
 step's ``StepTiming`` to benchmarks.
 """

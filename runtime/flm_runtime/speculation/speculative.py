@@ -38,6 +38,12 @@ Its tokens are verified as the draft's (the verifier only compares tokens), and 
 positions' taps join the pending ones as after a plain step, so the draft resumes from them.
 Every proposal, verified or not, is scored against the kept tokens by its proposer.
 
+Without a draft (a tag that has none, ``decoders.py``) every step is planned plain and is an
+n-gram-only step or a plain one; the retrieval proposers include the request's predicted output
+(``prediction.py``) where it gave one. A lane's n-gram-only step is priced against the pass the
+lanes before it planned (``policy.PassLoad``, ``policy.paying_step``): rows slow every lane of a
+batch.
+
 Grammar-aware proposals: under a grammar (``response_format``, tools: the request's
 ``GrammarProcessor`` among its picker's processors) every proposal is first made what the grammar
 lets the step verify (``constrain``): cut at the first token the grammar forbids (the verifier
