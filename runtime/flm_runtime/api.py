@@ -9,7 +9,8 @@
 One engine per tag per process, created on first use and shared by every caller (the LiteLLM
 handler, the CLI, tests): the engines and loaded models live in a ``Runtime``, and the module's
 ``get_engine`` asks ``default_runtime``. A test makes a ``Runtime`` of its own and closes it
-(or ``forget``s one tag's engines). Loading holds a lock so concurrent first calls load once.
+(or ``forget``s one tag's engines). Concurrent first calls load once, and a load never blocks an
+engine already served (``Runtime``).
 
 Every engine decodes speculatively where it pays, with the decoder
 ``flm_runtime.speculation.decoders`` builds for its tag: the proposers that need no draft for
@@ -131,6 +132,12 @@ class Runtime:
     and shared by its plain and DFlash engines, and each (tag, requested backend)'s backend
     choice, made once.
 
+    Loads never block what is already served: the runtime's lock guards its tables only, for
+    microseconds; building an engine (pull, load, warm-up, the host's costs) holds a lock of its
+    own (its name), and loading a target one of its own (tag, backend), so a
+    request for a loaded engine never waits on another tag's load, and concurrent first requests
+    for one tag build it once.
+
     Args:
         settings: the ``FLM_*`` settings its engines are made with; None reads the environment's
             at each ``get_engine``.
@@ -143,6 +150,7 @@ class Runtime:
         self._targets: dict[tuple[str, str], LoadedModel] = {}  # (canonical plain tag, backend) -> its model
         self._choices: dict[tuple[str, str], str] = {}  # (plain tag, requested backend) -> backend that runs it
         self._keys: dict[tuple[str, str], str] = {}  # (tag as asked, requested backend) -> engine name
+        self._building: dict[tuple, threading.Lock] = {}  # ("engine", name) | ("target", tag, backend) -> lock
         self._draining = False
 
     def get_engine(self, tag: str, backend: str | None = None) -> Engine:
@@ -166,36 +174,62 @@ class Runtime:
         """
         settings = self.settings
         requested = requested_backend(backend, settings)
+        engine = self._served(tag, requested)
+        if engine is not None:
+            return engine
+        models = registry.current()
+        entry = models.resolve(tag)
+        name = self._backend_for(entry.base or entry.tag, requested, models)
+        key = tag if name == "cpu" else f"{tag}[{name}]"
+        with self._build_lock("engine", key):  # one build of this engine; other tags go on
+            with self._lock:
+                engine = self._engines.get(key)  # built while this call waited
+            if engine is None:
+                engine = self._build(tag, key, name, settings, models)
+            with self._lock:
+                if self._draining:  # drained while it was built: it serves nothing
+                    engine.close()
+                    raise _draining(tag)
+                self._engines[key] = engine
+                self._keys[(tag, requested)] = key
+            return engine
+
+    def _served(self, tag: str, requested: str) -> Engine | None:
+        """The engine already built for ``tag`` on ``requested``, None if none.
+
+        Raises:
+            EngineDrainingError: the runtime is shutting down.
+        """
         with self._lock:
             if self._draining:
-                raise EngineDrainingError(f"this process is shutting down and serves no new request for {tag!r}; "
-                                          "retry on another deployment")
+                raise _draining(tag)
             key = self._keys.get((tag, requested))
-            engine = self._engines.get(key) if key is not None else None
-            if engine is None:
-                models = registry.current()
-                entry = models.resolve(tag)
-                base = entry.base or entry.tag
-                name = self._backend_for(base, requested, models)
-                key = self._keys[(tag, requested)] = tag if name == "cpu" else f"{tag}[{name}]"
-                engine = self._engines.get(key)
-            if engine is None:
-                if entry.is_dflash:
-                    pull.locate(tag, models=models)  # the draft's and the base's files, pulling the base if need be
-                loaded = self._target(base, name, models)
-                speculative = decoder_for(tag, loaded.model, name, settings, models)
-                plain = models.resolve(base)  # a draft keeps its target's sampler
-                capped = entry if entry.context_length else plain  # a DFlash tag's context, else its base's
-                try:
-                    engine = Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
-                                    default_sampling=plain.sampling, prefix_cache=settings.prefix_cache_on(),
-                                    context_length=capped.context_length, **settings.engine_limits())
-                except InvalidRequestError as e:
-                    if e.param != "context_length":
-                        raise
-                    raise ModelFormatError(f"{capped.tag} ({capped.origin}): {e}") from e
-                self._engines[key] = engine
-            return engine
+            return self._engines.get(key) if key is not None else None
+
+    def _build_lock(self, *what: str) -> threading.Lock:
+        """The lock that serializes building ``what`` (``("engine", engine name)`` or
+        ``("target", tag, backend)``), made on first use."""
+        with self._lock:
+            return self._building.setdefault(what, threading.Lock())
+
+    def _build(self, tag: str, key: str, backend: str, settings: Settings, models: registry.Registry) -> Engine:
+        """A new engine named ``key`` for ``tag`` on ``backend`` (``get_engine``'s contract)."""
+        entry = models.resolve(tag)
+        base = entry.base or entry.tag
+        if entry.is_dflash:
+            pull.locate(tag, models=models)  # the draft's and the base's files, pulling the base if need be
+        loaded = self._target(base, backend, models)
+        speculative = decoder_for(tag, loaded.model, backend, settings, models)
+        plain = models.resolve(base)  # a draft keeps its target's sampler
+        capped = entry if entry.context_length else plain  # a DFlash tag's context, else its base's
+        try:
+            return Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
+                          default_sampling=plain.sampling, prefix_cache=settings.prefix_cache_on(),
+                          context_length=capped.context_length, **settings.engine_limits())
+        except InvalidRequestError as e:
+            if e.param != "context_length":
+                raise
+            raise ModelFormatError(f"{capped.tag} ({capped.origin}): {e}") from e
 
     @property
     def settings(self) -> Settings:
@@ -255,12 +289,13 @@ class Runtime:
             self._keys.clear()
 
     def _backend_for(self, tag: str, requested: str, models: registry.Registry) -> str:
-        """The backend that runs plain ``tag`` for ``requested``, decided once (lock held).
+        """The backend that runs plain ``tag`` for ``requested``, decided once.
 
         ``auto`` that selects npu but whose npu model then fails to start falls back to cpu; ``npu``
         raises instead, and is not remembered (a later call tries again).
         """
-        name = self._choices.get((tag, requested))
+        with self._lock:
+            name = self._choices.get((tag, requested))
         if name is None:
             name = select_backend(requested, tag).name
             if name == "npu":
@@ -271,21 +306,30 @@ class Runtime:
                         raise
                     log_once(f"backend auto chose cpu for {tag}: the npu backend failed to start: {e}")
                     name = "cpu"
-            self._choices[(tag, requested)] = name
+            with self._lock:
+                self._choices[(tag, requested)] = name
         return name
 
     def _target(self, tag: str, backend: str, models: registry.Registry) -> LoadedModel:
-        """The loaded model of plain ``tag`` (canonical) on ``backend``, loaded once (lock held)."""
-        loaded = self._targets.get((tag, backend))
-        if loaded is None:
-            if backend == "cpu":
-                loaded = load_model(tag, models)
-            else:
-                assert backend == "npu", backend
-                cpu = self._target(tag, "cpu", models)
-                loaded = LoadedModel(tag, load_npu_model(tag, cpu.model), cpu.tokenizer)
-            self._targets[(tag, backend)] = loaded
-        return loaded
+        """The loaded model of plain ``tag`` (canonical) on ``backend``, loaded once."""
+        with self._build_lock("target", tag, backend):
+            with self._lock:
+                loaded = self._targets.get((tag, backend))
+            if loaded is None:
+                if backend == "cpu":
+                    loaded = load_model(tag, models)
+                else:
+                    assert backend == "npu", backend
+                    cpu = self._target(tag, "cpu", models)
+                    loaded = LoadedModel(tag, load_npu_model(tag, cpu.model), cpu.tokenizer)
+                with self._lock:
+                    self._targets[(tag, backend)] = loaded
+            return loaded
+
+
+def _draining(tag: str) -> EngineDrainingError:
+    return EngineDrainingError(f"this process is shutting down and serves no new request for {tag!r}; "
+                               "retry on another deployment")
 
 
 default_runtime = Runtime()  # the process's: the one the LiteLLM handler, the CLI and get_engine use
