@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_fakes import FakeTokenizer
+from engine_fakes import EOS, FakeTokenizer
 from spec_fakes import PROMPT, ScriptTarget, plain_generate, spec_generate
 from test_speculative import chi_square_p_value
 
@@ -185,3 +185,20 @@ def test_the_proposers_see_a_prefix_taken_from_the_cache(smollm2_quantized, smol
     assert first.stats.cached_tokens == 0 and second.stats.cached_tokens > len(prompt) // 2
     assert second.stats.spec.counts("ngram") == first.stats.spec.counts("ngram")
     assert first.stats.spec.counts("ngram").accepted > 0
+
+
+def test_a_request_that_ends_inside_a_step_leaves_what_it_output_to_the_prefix_cache(make_engine):
+    """A scripted target (made batch-invariant, so the prefix cache is on) that answers a b c EOS d
+    e, a prompt that holds that answer: step 2 verifies c EOS d e .. from the prompt and accepts
+    them, the output ends at EOS, and the cache, which holds d and e too, is trimmed to what the
+    request fed before the prefix cache keeps it; the same request again takes its prompt from the
+    cache and gets the same answer."""
+    answer = [*COPIED[:3], EOS, *COPIED[3:6]]
+    target = ScriptTarget(answer, prompt_len=40)
+    target.batch_invariant = True
+    engine = make_engine(target, FakeTokenizer(vocab_size=300), speculative=draftless(target))
+    prompt = [*range(1, 34), *answer]
+    first = engine.submit(prompt, SamplingParams(max_tokens=12)).result()
+    again = engine.submit(prompt, SamplingParams(max_tokens=12)).result()
+    assert first.token_ids == again.token_ids == tuple(COPIED[:3]) and first.finish_reason == "stop"
+    assert first.stats.spec.counts("ngram").accepted >= 2 and again.stats.cached_tokens > 0

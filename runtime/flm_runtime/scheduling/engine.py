@@ -664,8 +664,11 @@ class Engine:
                 self._active.remove(seq)
                 if heir is None and seq.cache is not None:
                     if self.prefix and (error is None or count in ("cancelled", "timed_out")):
-                        # a request that stopped between steps left a whole cache
-                        prefix_cache.keep(seq.cache, seq.context_ids())
+                        # a request that stopped between steps left a whole cache; a speculative
+                        # step that stopped inside its accepted tokens left the rest in it
+                        context = seq.context_ids()
+                        seq.cache.trim(len(context))
+                        prefix_cache.keep(seq.cache, context)
                     seq.cache.release()
             elif seq in self._waiting:
                 if heir is None:
