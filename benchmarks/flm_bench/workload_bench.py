@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import litellm
-import litellm_flm  # noqa: F401 - registers the flm/ provider with LiteLLM
+from litellm_flm import compat  # importing the package registers the flm/ provider with LiteLLM
 from tqdm import tqdm
 
 from flm_bench import ceiling, report, workloads
@@ -92,7 +92,7 @@ class Reply:
         choice = response.choices[0]
         calls = tuple((c.function.name, c.function.arguments) for c in choice.message.tool_calls or ())
         return cls(Answer(choice.message.content, calls), response.usage.completion_tokens,
-                   response._hidden_params["flm_stats"], tuple(response.prompt_token_ids), tuple(choice.token_ids))
+                   compat.request_stats(response), tuple(response.prompt_token_ids), tuple(choice.token_ids))
 
     @property
     def decoded(self) -> int:

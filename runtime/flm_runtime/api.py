@@ -36,7 +36,7 @@ deployment's. A proxy sets them in its config's ``environment_variables``.
 
 Shutdown: ``drain`` (``Runtime.drain``) stops every engine admitting, lets what runs finish within
 ``$FLM_DRAIN_TIMEOUT_S`` and closes the engines; a LiteLLM proxy calls it on SIGTERM
-(``litellm_flm.shutdown``).
+(``litellm_flm.compat.drain_on_sigterm``).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ Variables (name: default; meaning):
     FLM_THREADS: the CPUs the process may run on (and at most that); the threads of the kernel team
         that runs every compiled model step of the process (``flm_runtime.kernels.team``).
     FLM_DRAIN_TIMEOUT_S: ``DRAIN_TIMEOUT_S`` (25); seconds a shutting-down process lets its running
-        requests finish (``Runtime.drain``: a LiteLLM proxy's SIGTERM, ``litellm_flm.shutdown``);
+        requests finish (``Runtime.drain``: a LiteLLM proxy's SIGTERM, ``litellm_flm.compat.drain_on_sigterm``);
         keep it below the server's own bound (LiteLLM's ``GRACEFUL_SHUTDOWN_TIMEOUT``, 30 s by
         default), after which the server cancels what is left.
     FLM_LOG_LEVEL: unset (no handler); the level of ``flm_runtime`` and ``litellm_flm`` records sent
