@@ -191,8 +191,9 @@ class SpecStats:
 
     Attributes:
         proposers: per proposer whose tokens speculative steps verified (a name of ``PROPOSERS``:
-            the draft, prompt lookup ``"ngram"``, the suffix proposer ``"suffix"``, a grammar's
-            forced tokens alone ``"grammar"``), the counts of those steps (``counts``); the totals
+            the draft, a predicted output ``"prediction"`` (present from the start where the
+            request gave one), prompt lookup ``"ngram"``, the suffix proposer ``"suffix"``, a
+            grammar's forced tokens alone ``"grammar"``), the counts of those steps (``counts``); the totals
             (``steps``, ``drafted``, ``accepted``, ``emitted``, ``forced``, ``forced_accepted``)
             are their sums.
         gated: plain steps the confidence gate made (the draft ran, nothing was verified).
@@ -272,7 +273,8 @@ class SpecStats:
         """The per-proposer figures, keys ``SPEC_FIGURE_KEYS`` in order: ``forced_tokens`` and
         ``forced_accepted_tokens`` (the drafted and accepted tokens a grammar forced, in any
         proposer's steps), ``draft_acceptance_length`` (the draft's steps), then per other
-        proposer ``P`` (``ngram``: prompt lookup; ``suffix``; ``grammar``: forced tokens alone)
+        proposer ``P`` (``prediction``: a predicted output; ``ngram``: prompt lookup; ``suffix``;
+        ``grammar``: forced tokens alone)
         ``P_steps``, ``P_drafted_tokens``, ``P_accepted_tokens``, ``P_acceptance_length`` (its
         steps, n-gram-only ones included). An AL over no step is None: AL counts the bonus token,
         so a number is at least 1."""

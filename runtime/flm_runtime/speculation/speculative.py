@@ -94,7 +94,7 @@ import numpy as np
 from flm_runtime.backends import prefill_chunks
 from flm_runtime.core import Proposal
 from flm_runtime.kv_cache import KVCache
-from flm_runtime.request import SpecStats
+from flm_runtime.request import ProposerCounts, SpecStats
 from flm_runtime.sampling.grammar import GrammarProcessor
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.step import NO_CONFIDENCE, NO_FORCED, PLAIN, Lane, StepRecord
@@ -265,7 +265,10 @@ class SpeculativeDecoder:
         if self.suffix is not None:
             proposers.append(SuffixProposer(self.suffix))
         draft_cache = None if self.draft is None else self.draft.new_cache(capacity if self.taps else 0)
-        return SpecState(draft_cache, self._no_taps(), proposers=tuple(proposers), speculate=speculate)
+        state = SpecState(draft_cache, self._no_taps(), proposers=tuple(proposers), speculate=speculate)
+        if prediction:  # counted from the start: a prediction never verified reports its zeros
+            state.stats.proposers["prediction"] = ProposerCounts()
+        return state
 
     def finish(self, prompt_ids: np.ndarray, generated_ids: np.ndarray) -> None:
         """A finished request's generated tokens ``[G]``, after the last ``depth - 1`` of its
