@@ -79,6 +79,7 @@ _SOURCES = {
     "RequestTimeoutError": "flm_runtime.errors",
     "BackendUnavailableError": "flm_runtime.errors",
     "EngineDrainingError": "flm_runtime.errors",
+    "DiskSpaceError": "flm_runtime.errors",
     "EngineFaultError": "flm_runtime.errors",
     "RequestCancelledError": "flm_runtime.scheduling.handle",
 }
