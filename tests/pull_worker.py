@@ -61,7 +61,7 @@ def main(entry_json: str, links: str, sync: str, stop: str, *flags: str) -> None
 
         files._publish = stopped_publish
     if "--named" in flags:
-        del os.O_TMPFILE
+        files._O_TMPFILE = None
     if "--no-lock" in flags:
         pull_mod.fcntl = None
     path = pull_mod.pull(ModelEntry.model_validate_json(entry_json), progress=True, download=download)

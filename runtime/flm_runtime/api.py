@@ -82,6 +82,7 @@ def load_model(tag: str, models: registry.Registry | None = None) -> LoadedModel
         ModelFilesMissingError: its files are absent and cannot be pulled.
         ModelDownloadError: pulling failed.
         ModelFormatError: the files are unreadable or unsupported.
+        DiskSpaceError: no room for the download or for the kept conversion of its weights.
     """
     models = models or registry.current()
     entry = models.resolve(tag)

@@ -31,6 +31,7 @@ from typing import BinaryIO
 from flm_runtime.errors import DiskSpaceError
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+_O_TMPFILE = getattr(os, "O_TMPFILE", None)  # Linux only
 _STALE_AFTER_S = 24 * 3600  # a temp whose owner cannot be checked (not POSIX) is stale after this
 _TEMP_FILE_RE = re.compile(r"^\..+\.(\d+)\.[^.]+\.part$")  # ".<target>.<pid>.<random>.part"
 _SCRATCH_RE = re.compile(r"^\.pull-(\d+)-")  # scratch_dir's TemporaryDirectory(prefix=".pull-<pid>-")
@@ -77,10 +78,9 @@ def written_whole(target: Path, size: int) -> Iterator[BinaryIO]:
 def _unnamed_file(directory: Path, name: str) -> tuple[int, Path | None]:
     """A new file in ``directory``, open for reading and writing: unnamed (``O_TMPFILE``) where the
     system and the file system can, else named ``_temp_name``; (its descriptor, its name or None)."""
-    flag = getattr(os, "O_TMPFILE", None)
-    if flag is not None:
+    if _O_TMPFILE is not None:
         try:
-            return os.open(directory, flag | os.O_RDWR, 0o600), None
+            return os.open(directory, _O_TMPFILE | os.O_RDWR, 0o600), None
         except OSError as e:  # EOPNOTSUPP, EISDIR, EINVAL: this file system cannot
             if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                 raise
