@@ -1,17 +1,18 @@
 """Files written whole or not at all, and the scratch space of a download.
 
-``written_whole(target)`` gives a file to write ``target``'s bytes into; only when the block ends
-without an error is it fsynced and renamed to ``target`` (atomic on one file system), so a
+``written_whole(target, size)`` gives a file to write ``target``'s bytes into; only when the block
+ends without an error is it fsynced and renamed to ``target`` (atomic on one file system), so a
 reader finds the old file or the whole new one, never part of one. On Linux the file being
 written has no name at all (``O_TMPFILE``): a process killed while writing it, SIGKILL included,
 leaves nothing behind, and the kernel frees its blocks. Elsewhere (another system, or a file
-system without ``O_TMPFILE``) it is written under a temporary name, ``.<target>.<pid>.<random>.part``,
-never equal to a final name, which ``remove_stale`` deletes once its process is gone.
+system without ``O_TMPFILE``) it is written under a temporary name,
+``.<target>.<pid>.<random>.part``, never equal to a final name, which ``remove_stale`` deletes
+once its process is gone.
 
-The file's size, given in advance, is reserved before anything is written (``posix_fallocate``), so a disk
-without that much room fails at once with ``DiskSpaceError`` (the file, the bytes needed, the
-bytes free) rather than after minutes of work; a disk that fills while writing (a file system
-that cannot reserve) fails with the same error. Either way nothing is left.
+The file's size is reserved before anything is written (``posix_fallocate``), so a disk without
+that much room fails at once with ``DiskSpaceError`` (the file, the bytes needed, the bytes free)
+rather than after minutes of work; a disk that fills while writing (a file system that cannot
+reserve) fails with the same error. Either way nothing is left.
 """
 
 from __future__ import annotations
@@ -54,21 +55,21 @@ def written_whole(target: Path, size: int) -> Iterator[BinaryIO]:
         OSError: anything else the file system refused.
     """
     directory = target.parent
-    fd, named = _unnamed_file(directory, target.name)
+    named = None
     try:
+        fd, named = _unnamed_file(directory, target.name)
         with os.fdopen(fd, "w+b") as f:
-            try:
-                if size and hasattr(os, "posix_fallocate"):  # macOS and Windows have none
-                    os.posix_fallocate(f.fileno(), 0, size)
-                yield f
-                f.flush()
-                os.fsync(f.fileno())  # the data is on disk before a name makes it visible
-                os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600; the file is no secret
-                _publish(f.fileno(), named, target)
-            except OSError as e:
-                if e.errno not in _FULL:
-                    raise
-                raise DiskSpaceError(target, need_bytes=size, free_bytes=shutil.disk_usage(directory).free) from e
+            if size and hasattr(os, "posix_fallocate"):  # macOS and Windows have none
+                os.posix_fallocate(f.fileno(), 0, size)
+            yield f
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before a name makes it visible
+            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600; the file is no secret
+            _publish(f.fileno(), named, target)
+    except OSError as e:
+        if e.errno not in _FULL:
+            raise
+        raise DiskSpaceError(target, need_bytes=size, free_bytes=shutil.disk_usage(directory).free) from e
     finally:
         if named is not None:  # gone once renamed; else never left behind
             with contextlib.suppress(OSError):
