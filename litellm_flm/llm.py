@@ -156,14 +156,16 @@ def _submit(engine, request: ChatRequest, params, prompt_ids: list[list[int]], r
     def grammar() -> list:  # each choice's own matcher: its state follows that choice's tokens
         return [compiler.processor(grammar_text, param=output.param)] if compiler else []
 
+    from flm_runtime import with_output_limit  # deferred, as in _get_engine: it loads the engine's modules
+
     groups: list[list] = []
     raw = request.text_completion
     try:
         for i, ids in enumerate(prompt_ids):
             # The engine names a prompt "messages": a text completion's is "prompt", or "prompt[i]" of several.
             with named_as_sent({"messages": "prompt" if len(prompt_ids) == 1 else f"prompt[{i}]"} if raw else {}):
-                groups.append(engine.submit_choices(ids, params, request.n, timeout=_timeout_seconds(timeout),
-                                                    processors=grammar))
+                groups.append(engine.submit_choices(ids, with_output_limit(engine, params, len(ids), request.n),
+                                                    request.n, timeout=_timeout_seconds(timeout), processors=grammar))
     except BaseException:
         _cancel(groups)
         raise

@@ -128,8 +128,9 @@ class ChatRequest:
         prompts: a text completion's prompts (``raw_prompts``, one engine request each); None for a chat.
         sampling: the ``SamplingParams`` fields the request sets (runtime names, ``stop`` a tuple,
             ``logit_bias`` keyed by token id); the model's default sampler fills the rest
-            (``Engine.sampling_params``, field by field). ``max_tokens`` left unset means up to the
-            context: no hidden cap (docs/design.md, "Contract", 4).
+            (``Engine.sampling_params``, field by field). ``max_tokens`` left unset takes the
+            model's default output limit, cut to what the prompt leaves of the context
+            (``flm_runtime.with_output_limit``; docs/design.md, "Contract", 4).
         thinking: (on, the parameter that asked) or None: the template's default (``requested_thinking``).
         output: what the output is held to, and whether its answers hold tool calls.
         drop: the caller's ``drop_params``: what the request asks that the model cannot do is left

@@ -26,6 +26,7 @@ _SOURCES = {
     "Runtime": "flm_runtime.api",
     "default_runtime": "flm_runtime.api",
     "get_engine": "flm_runtime.api",
+    "with_output_limit": "flm_runtime.api",
     "drain": "flm_runtime.api",
     "load_model": "flm_runtime.api",
     "load_draft": "flm_runtime.speculation.decoders",
@@ -79,6 +80,7 @@ _SOURCES = {
     "RequestTimeoutError": "flm_runtime.errors",
     "BackendUnavailableError": "flm_runtime.errors",
     "EngineDrainingError": "flm_runtime.errors",
+    "DiskSpaceError": "flm_runtime.errors",
     "EngineFaultError": "flm_runtime.errors",
     "RequestCancelledError": "flm_runtime.scheduling.handle",
 }

@@ -42,6 +42,7 @@ Shutdown: ``drain`` (``Runtime.drain``) stops every engine admitting, lets what 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ from flm_runtime.errors import BackendUnavailableError, EngineDrainingError, Inv
 from flm_runtime.loading import Tokenizer, load_model_files
 from flm_runtime.loading.chat_template import thinking_format
 from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.request import SamplingParams
+from flm_runtime.sampling.sampler import default_sampling
 from flm_runtime.scheduling.engine import Engine
 from flm_runtime.settings import Settings, requested_backend
 from flm_runtime.speculation.decoders import decoder_for
@@ -82,6 +85,7 @@ def load_model(tag: str, models: registry.Registry | None = None) -> LoadedModel
         ModelFilesMissingError: its files are absent and cannot be pulled.
         ModelDownloadError: pulling failed.
         ModelFormatError: the files are unreadable or unsupported.
+        DiskSpaceError: no room for the download or for the kept conversion of its weights.
     """
     models = models or registry.current()
     entry = models.resolve(tag)
@@ -156,7 +160,9 @@ class Runtime:
     def get_engine(self, tag: str, backend: str | None = None) -> Engine:
         """The engine serving ``tag`` on ``backend``, loading the model on first use; one registry
         (``registry.current()``) answers every lookup of the call. The engine's context is the
-        tag's ``context_length`` (a DFlash tag without one: its base's), else the model's own.
+        tag's ``context_length`` (a DFlash tag without one: its base's), else the model's own; its
+        default sampler is the (base) tag's, with the default output limit ``$FLM_MAX_TOKENS``
+        (``Settings.output_limit``) where the tag sets none (``with_output_limit`` applies it).
 
         Args:
             tag: a registry tag.
@@ -165,7 +171,8 @@ class Runtime:
         Raises:
             InvalidRequestError: ``backend`` (or ``$FLM_BACKEND``) is not auto, cpu or npu; or
                 ``$FLM_KV_BUDGET`` / ``$FLM_MAX_QUEUE`` (the new engine's limits, see
-                ``flm_runtime.scheduling.admission``) is not a positive integer.
+                ``flm_runtime.scheduling.admission``) or ``$FLM_MAX_TOKENS`` is not a positive
+                integer.
             BackendUnavailableError: ``npu`` was asked for and cannot run (says what is missing).
             EngineDrainingError: the runtime is shutting down (``drain``).
             ModelFormatError: the ``context_length`` the engine takes is more than the model's
@@ -222,9 +229,12 @@ class Runtime:
         speculative = decoder_for(tag, loaded.model, backend, settings, models)
         plain = models.resolve(base)  # a draft keeps its target's sampler
         capped = entry if entry.context_length else plain  # a DFlash tag's context, else its base's
+        sampling = default_sampling(plain.sampling)
+        if sampling.max_tokens is None:
+            sampling = dataclasses.replace(sampling, max_tokens=settings.output_limit())
         try:
             return Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
-                          default_sampling=plain.sampling, prefix_cache=settings.prefix_cache_on(),
+                          default_sampling=sampling, prefix_cache=settings.prefix_cache_on(),
                           context_length=capped.context_length, **settings.engine_limits())
         except InvalidRequestError as e:
             if e.param != "context_length":
@@ -333,6 +343,26 @@ def _draining(tag: str) -> EngineDrainingError:
 
 
 default_runtime = Runtime()  # the process's: the one the LiteLLM handler, the CLI and get_engine use
+
+
+def with_output_limit(engine: Engine, params: SamplingParams, prompt_tokens: int, n: int = 1) -> SamplingParams:
+    """``params`` for a prompt of ``prompt_tokens`` tokens and ``n`` choices on ``engine``: an
+    unset ``max_tokens`` becomes the engine's default output limit
+    (``engine.default_sampling.max_tokens``: a ``Runtime``'s engines have one, ``get_engine``),
+    cut to what the context and the KV pool leave each choice (what the engine gives an unset
+    ``max_tokens``: ``KVBudget.generated_tokens``), so the limit ends an answer with
+    ``finish_reason`` ``length`` and never refuses a prompt. ``params`` as given when its
+    ``max_tokens`` is set (a request's own value is refused when the prompt leaves less) or the
+    engine has no default limit.
+
+    Raises:
+        ContextLengthError: the prompt leaves no room for a completion.
+    """
+    limit = engine.default_sampling.max_tokens
+    if params.max_tokens is not None or limit is None:
+        return params
+    room = engine.kv.generated_tokens(prompt_tokens, None, engine.pool.block_tokens, n)
+    return dataclasses.replace(params, max_tokens=min(limit, room))
 
 
 def get_engine(tag: str, backend: str | None = None) -> Engine:

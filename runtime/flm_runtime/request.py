@@ -32,7 +32,9 @@ class SamplingParams:
         top_p: nucleus mass to keep, (0, 1]; 1 disables.
         min_p: drop tokens whose probability is below ``min_p * p(top-1)``; [0, 1); 0 disables.
         seed: seed of the request's own RNG (numpy PCG64); None draws one from the OS.
-        max_tokens: completion tokens at most; None means up to the context length.
+        max_tokens: completion tokens at most; None means up to the context length (the engine's
+            own rule; served requests get the default output limit instead,
+            ``flm_runtime.api.with_output_limit``).
         stop: strings that end the output; the stop string itself is not delivered.
         ignore_eos: keep generating past EOS / end-of-turn tokens (benchmarks).
         presence_penalty: subtracted once from the logit of every token generated so far

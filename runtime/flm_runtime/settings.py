@@ -38,6 +38,10 @@ Variables (name: default; meaning):
         requests finish (``Runtime.drain``: a LiteLLM proxy's SIGTERM, ``litellm_flm.compat.drain_on_sigterm``);
         keep it below the server's own bound (LiteLLM's ``GRACEFUL_SHUTDOWN_TIMEOUT``, 30 s by
         default), after which the server cancels what is left.
+    FLM_MAX_TOKENS: ``MAX_TOKENS`` (4096); the default output limit: completion tokens at most for
+        a request that sets no ``max_tokens``, of a tag whose models-file entry sets none
+        (``sampling: max_tokens``); fewer where the prompt leaves less of the context
+        (``flm_runtime.api.with_output_limit``).
     FLM_LOG_LEVEL: unset (no handler); the level of ``flm_runtime`` and ``litellm_flm`` records sent
         to stderr (``litellm_flm.configure_logging``).
 
@@ -61,6 +65,11 @@ SUFFIX_CACHE_TOKENS = 16384
 # The drain's default bound in seconds: below LiteLLM's GRACEFUL_SHUTDOWN_TIMEOUT default (30 s),
 # so that the requests it cuts end with an error of ours before uvicorn cancels them.
 DRAIN_TIMEOUT_S = 25.0
+# The default output limit in tokens: LiteLLM's own (litellm.constants.DEFAULT_MAX_TOKENS, what it
+# sends a provider that requires one), so that a model that repeats itself ends with
+# finish_reason "length" in minutes rather than filling a long context (32,768 for Qwen2.5-Coder)
+# past a client's timeout.
+MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,7 @@ class Settings:
     Attributes (each named after its variable, ``FLM_`` and upper case dropped): ``backend``,
     ``weights``, ``kv_budget``, ``max_queue``, ``model_path``, ``models_file``, ``xclbin_path``,
     ``prefix_cache``, ``speculation``, ``suffix_cache_tokens``, ``host_costs``, ``threads``,
-    ``drain_timeout_s``, ``log_level``.
+    ``drain_timeout_s``, ``max_tokens``, ``log_level``.
     """
 
     backend: str | None = None
@@ -86,6 +95,7 @@ class Settings:
     host_costs: str | None = None
     threads: str | None = None
     drain_timeout_s: str | None = None
+    max_tokens: str | None = None
     log_level: str | None = None
 
     @classmethod
@@ -145,6 +155,15 @@ class Settings:
             raise InvalidRequestError(f"{variable('suffix_cache_tokens')} must be a non-negative integer, got {raw!r}",
                                       param=variable("suffix_cache_tokens"))
         return int(raw)
+
+    def output_limit(self) -> int:
+        """``FLM_MAX_TOKENS``: the default output limit in tokens, ``MAX_TOKENS`` when unset.
+
+        Raises:
+            InvalidRequestError: a value that is not a positive integer (``param`` names the
+                variable).
+        """
+        return self.positive("max_tokens") or MAX_TOKENS
 
     def drain_timeout(self) -> float:
         """``FLM_DRAIN_TIMEOUT_S``: seconds, ``DRAIN_TIMEOUT_S`` when unset.
