@@ -2,11 +2,13 @@
 tree's kernel against another version of ``qgemm.py``, interleaved in one process.
 
 Per shape and row count, rounds alternate the two kernels (the order flipped every round) on the
-same weights and activations; each reports the median over rounds of milliseconds per product
-(activation quantization included) and ``other / this``. The weights are random codes in the
+same weights and activations; each reports the median and the minimum over rounds of milliseconds
+per product (activation quantization included) and ``other / this`` of each (on a busy machine
+the fastest round is the least disturbed one). The weights are random codes in the
 format the model holds that matrix in (a Q4_K_M file: 4-bit with mins for Q4_K, 8-bit for Q6_K,
 8-bit with mins for the fused QKV whose V is Q6_K); the time does not depend on their values.
-Threads: numba's (``NUMBA_NUM_THREADS``, default one per CPU).
+Threads: numba's (``NUMBA_NUM_THREADS``, default one per CPU; on a machine busy with other
+work, 1 gives steadier figures: two threads wait on the slower one at every product).
 
     python benchmarks/qgemm_shapes.py --against OLD_QGEMM_PY [--rows 1,8] [--rounds 15]
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -37,6 +40,7 @@ def load_other(path: Path):
     """The ``qgemm.py`` at ``path`` as a module of its own."""
     spec = importlib.util.spec_from_file_location("qgemm_other", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # numba's on-disk cache imports a function's module by name
     spec.loader.exec_module(module)
     return module
 
@@ -57,7 +61,7 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
     print(f"path {qgemm.select_isa()}; other: {args.against}")
-    print("| matrix | out x in | bits | rows | this ms | other ms | other / this |")
+    print("| matrix | out x in | bits | rows | this ms (median / min) | other ms | other / this |")
     print("|---|---|---|---|---|---|---|")
     for name, n, k, bits, mins in SHAPES:
         w = random_weight(rng, n, k, bits, mins)
@@ -71,9 +75,10 @@ def main() -> None:
                     t0 = time.perf_counter()
                     kernels[label].qlinear(x, w)
                     times[label].append(time.perf_counter() - t0)
-            this, other = (statistics.median(times[label]) * 1e3 for label in ("this", "other"))
-            print(f"| {name} | {n}x{k} | {bits}{' + mins' if mins else ''} | {m} | {this:.2f} | {other:.2f} | "
-                  f"{other / this:.2f}x |", flush=True)
+            (this, other), (this_min, other_min) = ([agg(times[label]) * 1e3 for label in ("this", "other")]
+                                                    for agg in (statistics.median, min))
+            print(f"| {name} | {n}x{k} | {bits}{' + mins' if mins else ''} | {m} | {this:.2f} / {this_min:.2f} | "
+                  f"{other:.2f} / {other_min:.2f} | {other / this:.2f}x / {other_min / this_min:.2f}x |", flush=True)
     print(report.run_conditions())
 
 

@@ -19,6 +19,7 @@ def test_perplexity_is_within_1_percent_of_llama_cpps(gemma3_gguf, weights):
     bundle = load_model_files(gemma3_gguf, weights=weights, keep=paths.converted_dir())
     tok = bundle.tokenizer
     ids = tok.encode(passage_as_llama_perplexity_reads_it())  # BOS first: Gemma adds it
-    ppl, n_chunks = llama_perplexity(LlamaModel(bundle.config, bundle.weights), ids, LLAMA_CPP["n_ctx"], tok.bos_token_id)
+    model = LlamaModel(bundle.config, bundle.weights)
+    ppl, n_chunks = llama_perplexity(model, ids, LLAMA_CPP["n_ctx"], tok.bos_token_id)
     assert n_chunks == LLAMA_CPP["chunks"]
     assert abs(ppl / LLAMA_CPP["perplexity"] - 1) < 0.01, ppl

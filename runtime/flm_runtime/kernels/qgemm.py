@@ -282,8 +282,8 @@ def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
         for g, total in enumerate(totals):
             dx_g = broadcast(builder, load(builder, dxs[g], b, F32), width)
             if has_mins == centred:  # the zero point's integer out (symmetric), or 128 S_b in (centred)
-                zero_point = ZERO_POINT[bits].bit_length() - 1
-                s_g = builder.shl(broadcast(builder, load(builder, ss[g], b, I32), width), splat(I32, width, zero_point))
+                shift = splat(I32, width, ZERO_POINT[bits].bit_length() - 1)  # times the zero point
+                s_g = builder.shl(broadcast(builder, load(builder, ss[g], b, I32), width), shift)
                 total = builder.add(total, s_g) if centred else builder.sub(total, s_g)
             acc = builder.call(fma, [builder.sitofp(total, vf), builder.fmul(scale, dx_g), accs[g]])
             if has_mins:
