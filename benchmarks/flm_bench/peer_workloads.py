@@ -414,10 +414,12 @@ def tables(results: list[Result], names: list[str], modes: list[str], engines: l
     notes.append(f"Sampled: temperature {SAMPLED_TEMPERATURE}, seeds from {args.seed}, the same on every engine.")
     refusals = sorted({c.refused for (_, _, e), c in by.items() if e in (FLM, FLM_OFF) and c.refused})
     notes += [f"flm refused: {reason}" for reason in refusals]
-    accepted = [r.reply.prediction for r in results if r.engine == FLM and r.reply.prediction]
+    accepted = [r.reply.prediction for r in results
+                if r.engine == FLM and r.task.workload == "prediction" and r.reply.prediction]
     if accepted:
-        notes.append(f"flm's `completion_tokens_details`: {sum(a for a, _ in accepted)} accepted and "
-                     f"{sum(b for _, b in accepted)} rejected prediction tokens over {len(accepted)} requests.")
+        notes.append(f"prediction: flm's `usage.completion_tokens_details` counted {sum(a for a, _ in accepted)} "
+                     f"accepted and {sum(b for _, b in accepted)} rejected prediction tokens over {len(accepted)} "
+                     "requests.")
     return [intro, table, "\n".join(f"- {n}" for n in notes)]
 
 
