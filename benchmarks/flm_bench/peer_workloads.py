@@ -405,7 +405,8 @@ def tables(results: list[Result], names: list[str], modes: list[str], engines: l
     notes = [f"Engines, every request on each in rotating order: {', '.join(f'`{e}`' for e in engines)}."]
     for e in llamas:
         config = e.removeprefix(LLAMA).strip()
-        notes.append(f"`{e}`: `{' '.join(SPEC_CONFIGS[config]) or 'no speculation'}`.")
+        flags = " ".join(SPEC_CONFIGS[config])
+        notes.append(f"`{e}`: " + (f"`{flags}`." if flags else "no speculation."))
     if llamas:
         notes.append(f"llama-server {args.llama_server}: `-t {args.threads} -tb {args.threads} --parallel 1 "
                      f"--ctx-size {LLAMA_CTX} --cache-prompt`, `cache_prompt: true`; fim requests as the text of "

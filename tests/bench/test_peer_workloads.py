@@ -108,7 +108,7 @@ def test_spec_off_runs_our_tag_twice_and_reports_prediction_as_not_supported(run
     """Our tag in this process and with FLM_SPECULATION=0 in a worker: greedy answers identical;
     ``prediction`` reaches our provider, which refuses it today (another change adds it)."""
     status, out, _ = run_cli("bench", "--workloads", "chat,prediction", "--spec-off", "--requests", 1,
-                             "--max-tokens", 3, "--modes", "greedy", "--out", tmp_path, "--quiet", "--no-plot")
+                             "--max-tokens", 3, "--modes", "greedy", "--out", tmp_path, "--quiet")
     assert status == 0
     rows = read_csv(tmp_path / "peer_workloads.csv")
     assert [(r["workload"], r["engine"]) for r in rows] in (
@@ -122,6 +122,7 @@ def test_spec_off_runs_our_tag_twice_and_reports_prediction_as_not_supported(run
     md = (tmp_path / "peer_workloads.md").read_text()
     assert "| chat | greedy | 1 |" in md and "| 1 of 1 |" in md
     assert "litellm-flm bench --workloads chat,prediction --tag smollm2:135m --threads" in md and "--spec-off" in md
+    assert (tmp_path / "peer_workloads.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.skipif(not LLAMA_SERVER.exists(), reason=f"no llama-server at {LLAMA_SERVER} (FLM_TEST_LLAMA_SERVER)")
