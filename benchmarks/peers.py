@@ -21,8 +21,9 @@ precision class). llama.cpp: llama-cpp-python's C bindings (``llama_decode`` of 
 settings.
 
 Threads: ``--threads N`` (default 2) sets llama.cpp's ``n_threads`` and ``n_threads_batch`` and,
-for us, ``NUMBA_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS``. Those are read when numba and numpy
-load, so the script re-executes itself with them set (once, before it measures anything). It also UNSETS ``OPENBLAS_CORETYPE`` and
+for us, ``FLM_THREADS`` (the kernel team that runs our steps), ``NUMBA_NUM_THREADS`` and
+``OPENBLAS_NUM_THREADS``. Those are read when the runtime, numba and numpy load, so the script
+re-executes itself with them set (once, before it measures anything). It also UNSETS ``OPENBLAS_CORETYPE`` and
 ``OPENBLAS_L2_SIZE`` for its own process (older-CPU workarounds some machines set, which slow a
 current OpenBLAS) unless ``--keep-openblas-env`` is given; its output says which.
 
@@ -62,7 +63,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from flm_bench.options import positive_int
+from flm_bench.options import positive_int, thread_env
 from flm_bench.shaped_gguf import SHAPES, write_shaped_gguf
 from flm_runtime import paths, pull
 from flm_runtime.backends import forward, prefill
@@ -77,7 +78,6 @@ PASS_ROWS = 8  # positions of the verify-sized pass, appended at PASS_CONTEXT
 PASS_CONTEXT = 256
 PREFILL = 512  # prompt positions of the prefill figure
 DEFAULT_WEIGHTS = "auto,q8"
-OPENBLAS_WORKAROUNDS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 SETTLE_S = 0.3  # pause between engines: OpenBLAS's and OpenMP's idle workers spin for ~0.1 s
 LLAMA = "llama.cpp"
 MISSING = (
@@ -207,13 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _wanted_env(args: argparse.Namespace, environ) -> dict[str, str]:
-    """``environ`` with both libraries' thread counts set and, unless kept, the OpenBLAS
-    workarounds unset."""
-    env = dict(environ) | {"NUMBA_NUM_THREADS": str(args.threads), "OPENBLAS_NUM_THREADS": str(args.threads)}
-    if not args.keep_openblas_env:
-        for name in OPENBLAS_WORKAROUNDS:
-            env.pop(name, None)
-    return env
+    """``environ`` with our kernel team's, numba's and OpenBLAS's thread counts set to ``--threads``
+    (``flm_bench.options.thread_env``)."""
+    return thread_env(environ, args.threads, args.keep_openblas_env)
 
 
 def run(args: argparse.Namespace) -> int:

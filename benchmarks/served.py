@@ -99,11 +99,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flm_bench.llama_server import LLAMA_CPP_PYTHON, LlamaServer, build_llama_server
-from flm_bench.options import positive_int
+from flm_bench.options import positive_int, thread_env
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm must not fetch it
 
-OPENBLAS_WORKAROUNDS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 FLM, NOCACHE, LLAMA = "flm", "flm, prefix cache off", "llama-server"
 PROBE = "read-bandwidth probe"  # not an engine: the process's read bandwidth, per round
 LLAMA_CTX = 16384  # llama-server's unified KV buffer, shared by its slots
@@ -181,14 +180,9 @@ def gguf_bytes_per_token(gguf: Path) -> int:
 
 
 def wanted_env(args: argparse.Namespace, environ) -> dict[str, str]:
-    """``environ`` with flm's, numba's and OpenBLAS's thread counts set and, unless kept, the
-    OpenBLAS workarounds unset."""
-    env = dict(environ) | {name: str(args.threads) for name in ("FLM_THREADS", "NUMBA_NUM_THREADS",
-                                                                 "OPENBLAS_NUM_THREADS")}
-    if not args.keep_openblas_env:
-        for name in OPENBLAS_WORKAROUNDS:
-            env.pop(name, None)
-    return env
+    """``environ`` with flm's, numba's and OpenBLAS's thread counts set to ``--threads``
+    (``flm_bench.options.thread_env``)."""
+    return thread_env(environ, args.threads, args.keep_openblas_env)
 
 
 # --- One streamed request, and the three measurements built on it ---------------------------------

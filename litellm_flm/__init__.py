@@ -12,7 +12,8 @@ which registers the models' context windows and zero costs as a side effect)::
       custom_provider_map: [{provider: flm, custom_handler: litellm_flm.handler}]
 
 In a proxy's process, the import also makes SIGTERM drain the engines before the server's own
-handler runs (``litellm_flm.shutdown``): new requests get a 503, the running ones finish.
+handler runs (``litellm_flm.compat.drain_on_sigterm``): new requests get a 503, the running ones
+finish. Every use of LiteLLM's internals, these patches among them, is in ``litellm_flm.compat``.
 
 Registration on import is deliberate: LiteLLM has no entry-point discovery, and the proxy only
 ever imports the handler, so an explicit ``register()`` call would have no place to live there.
@@ -30,22 +31,19 @@ request with the engine's stats (``flm_runtime.scheduling.engine.Engine._end``).
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import litellm
-from litellm.litellm_core_utils.streaming_handler import CustomStreamWrapper
-from litellm.text_completions.streaming_iterator import TextCompletionStreamWrapper
 
 from flm_runtime import FlmError, Settings
 
+from . import compat
+from .errors import PROVIDER
 from .llm import FlmLLM, served_name
 from .params import SUPPORTED_OPENAI_PARAMS
-from .shutdown import drain_on_sigterm
 
 __all__ = ["FlmLLM", "handler", "register", "configure_logging", "PROVIDER"]
 
-PROVIDER = "flm"
 # LiteLLM's model-info capability flags (supports_<feature>) of every flm model: tools and
 # structured output by constrained decoding (litellm_flm.structured), no images.
 FEATURES = {"function_calling": True, "parallel_function_calling": True, "tool_choice": True, "response_schema": True,
@@ -115,95 +113,22 @@ def register() -> None:
     """Make ``flm/<tag>`` models callable in this process's LiteLLM. Idempotent.
 
     Adds ``{"provider": "flm", "custom_handler": handler}`` to ``litellm.custom_provider_map``
-    (replacing any other ``flm`` entry, so there is never more than one), adds the provider to
-    LiteLLM's provider lists, and registers every registry tag as ``flm/<tag>`` with zero costs
-    its context length, its mode (chat, or completion for a base model) and, in its model info,
-    the OpenAI parameters the handler supports.
+    (replacing any other ``flm`` entry, so there is never more than one) and has LiteLLM take it up,
+    applies the patches of ``compat`` (a warning first if LiteLLM is not the version they were
+    checked on), and registers every registry tag as ``flm/<tag>`` with zero costs, its context
+    length, its mode (chat, or completion for a base model) and, in its model info, the OpenAI
+    parameters the handler supports.
     """
     others = [item for item in litellm.custom_provider_map if item.get("provider") != PROVIDER]
     litellm.custom_provider_map = [*others, {"provider": PROVIDER, "custom_handler": handler}]
-    litellm.utils.custom_llm_setup()
-    _stream_text_as_strings()
-    _streams_named_as_served()
-    _model_info_lists_the_supported_params()
+    compat.check_version()
+    compat.setup_custom_providers()
+    compat.stream_text_as_strings()
+    compat.streams_named_as_served(served_name)
+    compat.model_info_lists_supported_params(SUPPORTED_OPENAI_PARAMS)
     infos = _model_infos(_registry_entries())
     if infos:
         litellm.register_model(infos)
-
-
-def _stream_text_as_strings() -> None:
-    """Make every streamed text-completion chunk of an ``flm`` model carry ``choices[i].text`` as a
-    string ("" on the final chunk, as OpenAI sends), never None. Idempotent.
-
-    LiteLLM 1.110.2 builds a custom provider's final chunk itself (``CustomStreamWrapper``'s
-    ``finish_reason_handler``, an empty ``Delta``) and ``TextCompletionStreamWrapper`` copies its
-    ``content`` None into ``text``, so no chunk the handler yields can set it: the conversion is
-    wrapped instead, for chunks LiteLLM marks as this provider's only.
-    """
-    convert = TextCompletionStreamWrapper.convert_to_text_completion_object
-    if getattr(convert, "_flm_text_as_strings", False):
-        return
-
-    def convert_to_text_completion_object(self, chunk):
-        response = convert(self, chunk)
-        ours = (getattr(chunk, "_hidden_params", None) or {}).get("custom_llm_provider") == PROVIDER
-        for choice in response.choices if ours or self.custom_llm_provider == PROVIDER else ():
-            if choice.text is None:
-                choice.text = ""
-        return response
-
-    convert_to_text_completion_object._flm_text_as_strings = True
-    TextCompletionStreamWrapper.convert_to_text_completion_object = convert_to_text_completion_object
-
-
-def _streams_named_as_served() -> None:
-    """Make LiteLLM's stream wrapper of an ``flm`` model name it ``flm/<tag>`` (``served_name``),
-    as the handler's own chunks and responses do. Idempotent.
-
-    LiteLLM 1.110.2 gives a custom provider's ``CustomStreamWrapper`` the tag without its prefix
-    and puts that on the chunks it builds itself (the finish_reason's, the usage's), so a stream
-    would name two models and ``stream_chunk_builder`` would rebuild it under the bare tag, which
-    LiteLLM cannot place (its "Provider List" banner, once per lookup). The wrapper's constructor
-    is wrapped instead, for this provider only.
-    """
-    init = CustomStreamWrapper.__init__
-    if getattr(init, "_flm_served_name", False):
-        return
-    signature = inspect.signature(init)
-
-    def __init__(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        if bound.arguments.get("custom_llm_provider") == PROVIDER and isinstance(bound.arguments["model"], str):
-            bound.arguments["model"] = served_name(bound.arguments["model"])
-        init(*bound.args, **bound.kwargs)
-
-    __init__._flm_served_name = True
-    CustomStreamWrapper.__init__ = __init__
-
-
-def _model_info_lists_the_supported_params() -> None:
-    """Make LiteLLM's model info of an ``flm`` model (``litellm.get_model_info``, the proxy's
-    ``/v1/model/info``) list the OpenAI parameters the handler supports
-    (``params.SUPPORTED_OPENAI_PARAMS``). Idempotent.
-
-    LiteLLM 1.110.2 gives every custom provider one OpenAI-compatible list (``OpenAILikeChatConfig``:
-    ``functions``, ``audio``, ``prediction`` and more), which a model-cost entry cannot override.
-    That list also decides what LiteLLM forwards to the handler, which refuses the rest naming them
-    or drops them with ``drop_params`` (``params``), so only the model info's copy is replaced.
-    """
-    build = litellm.utils._build_model_info
-    if getattr(build, "_flm_supported_params", False):
-        return
-
-    def _build_model_info(*args, **kwargs):
-        info = build(*args, **kwargs)
-        if info.get("litellm_provider") == PROVIDER:
-            info["supported_openai_params"] = list(SUPPORTED_OPENAI_PARAMS)
-        return info
-
-    _build_model_info._flm_supported_params = True
-    litellm.utils._build_model_info = _build_model_info
-    litellm.get_model_info.cache_clear()  # an answer built before this one must not be kept
 
 
 _stderr = logging.StreamHandler()  # sys.stderr
@@ -232,4 +157,4 @@ def configure_logging(level: str | None) -> None:
 
 configure_logging(Settings.from_env().log_level)
 register()
-drain_on_sigterm()
+compat.drain_on_sigterm()

@@ -1,13 +1,14 @@
 """``FlmLLM``: the LiteLLM ``CustomLLM`` that runs ``flm/<tag>`` models on ``flm_runtime``.
 
 A request travels (docs/design.md, "The way a request travels"): LiteLLM strips the ``flm/`` prefix
-and calls one of the four methods below with ``optional_params``; ``params`` validates them into
-``SamplingParams`` and the messages into template input; the engine of the tag renders the model's
-own chat template, counts the prompt tokens and queues the request (or raises ``ContextLengthError``
-/ ``KVBudgetError`` / ``EngineOverloadedError``); its events become a ``ModelResponse`` or
-``ModelResponseStream`` chunks here, a reasoning model's thinking split out into
-``reasoning_content`` (``reasoning``). Nothing deeper: sampling, stop strings, UTF-8-safe
-detokenizing and token counting are the engine's.
+and calls one of the methods below with ``optional_params``; the handler parses the call once
+(``params.parse_request``: a ``ChatRequest``), renders the prompt with the model's own chat
+template (``_render``), submits it to the tag's engine, which counts the prompt tokens and queues
+it (or raises ``ContextLengthError`` / ``KVBudgetError`` / ``EngineOverloadedError``;
+``_submit``), and responds: the engine's events become a ``ModelResponse`` or
+``ModelResponseStream`` chunks, a reasoning model's thinking split out into ``reasoning_content``
+(``reasoning``). Nothing deeper: sampling, stop strings, UTF-8-safe detokenizing and token
+counting are the engine's.
 
 Blocking work (loading a model, tokenizing, waiting for tokens) never runs on the event loop: the
 async methods hand it to a worker thread or to the engine's own async iterator.
@@ -17,29 +18,26 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import re
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, NamedTuple
 
 import httpx
-import litellm
 from litellm import CustomLLM
 from litellm.types.utils import (ChatCompletionMessageToolCall, ChatCompletionTokenLogprob, ChoiceLogprobs, Choices,
                                  Delta, EmbeddingResponse, Function, GenericStreamingChunk, Message, ModelResponse,
                                  ModelResponseStream, StreamingChoices, TopLogprob, Usage)
 
-from flm_runtime import (Completion, InvalidRequestError, StreamEvent, TokenLogprob, ToolCall, ToolCallStream,
-                         chat_messages, compiler_for, parse_tool_calls)
+from flm_runtime import (Completion, StreamEvent, TokenLogprob, ToolCall, ToolCallStream, chat_messages, compiler_for,
+                         parse_tool_calls)
 
+from . import compat
 from .errors import PROVIDER, litellm_errors
-from .params import (backend_of, choices_of, embedding_inputs, encoding_format, fim_suffix, merge_extra_body,
-                     normalize_messages, raw_prompts, request_fields, requested_thinking, returns_token_ids)
+from .params import ChatRequest, named_as_sent, parse_embedding_request, parse_request
 from .reasoning import Reasoning, template_switch
-from .structured import OutputFormat, output_format
+from .structured import OutputFormat
 
 
 def _get_engine(tag: str, backend: str | None = None):
@@ -73,13 +71,6 @@ def _timeout_seconds(timeout: float | httpx.Timeout | None) -> float | None:
     return None if timeout is None else float(timeout)
 
 
-def _drops_unsupported(litellm_params: dict | None) -> bool:
-    """Whether the caller asked for ``drop_params`` (``litellm.drop_params``, the proxy's
-    ``litellm_settings``, or the request's or deployment's ``drop_params``, which LiteLLM has
-    already turned into a bool in ``litellm_params``)."""
-    return litellm.drop_params is True or (litellm_params or {}).get("drop_params") is True
-
-
 class Started(NamedTuple):
     """A submitted request (``_start``).
 
@@ -101,96 +92,60 @@ class Started(NamedTuple):
 
 def _start(model: str, messages: list, optional_params: dict, timeout: Any,
            litellm_params: dict | None, logging_obj: Any = None) -> Started:
-    """``_submit``, its ``InvalidRequestError`` naming ``max_completion_tokens`` where the caller
-    sent that and LiteLLM renamed it ``max_tokens`` (``logging_obj``'s call details keep the
-    caller's keys)."""
-    sent = getattr(logging_obj, "model_call_details", None) or {}
-    renamed = (sent.get("max_completion_tokens") is not None and sent.get("max_tokens") is None
-               and "max_completion_tokens" not in merge_extra_body(optional_params))
-    with _named_as_sent({"max_tokens": "max_completion_tokens"} if renamed else {}):
-        return _submit(model, messages, optional_params, timeout, litellm_params, logging_obj)
+    """Parse, render and submit a request (blocking: may load the model); its errors name each
+    parameter as the caller sent it (``ChatRequest.names``).
 
-
-@contextmanager
-def _named_as_sent(names: Mapping[str, str]) -> Iterator[None]:
-    """Re-raise an ``InvalidRequestError`` of the block with each parameter the runtime names
-    otherwise than the caller sent it (``names``: the runtime's name -> the caller's) named as
-    sent, in its ``param`` and its message."""
-    try:
-        yield
-    except InvalidRequestError as e:
-        message = str(e)
-        for ours, theirs in names.items():
-            e.param = theirs if e.param == ours else e.param
-            message = re.sub(rf"\b{re.escape(ours)}\b", theirs, message)
-        e.args = (message,)
-        raise
-
-
-def _submit(model: str, messages: list, optional_params: dict, timeout: Any,
-            litellm_params: dict | None, logging_obj: Any = None) -> Started:
-    """Validate, render, tokenize and submit a request (blocking: may load the model).
-
-    ``logging_obj``: LiteLLM's, whose ``messages`` are the chat's as the caller sent them
-    (``_as_sent``).
-
-    ``return_token_ids`` (vLLM's switch): ``Started.prompt_ids`` holds the prompt's token ids, for
-    the response to carry them and each choice's (``build_response``, ``StreamChunks``).
-
-    ``litellm_params["drop_params"]``: leave out the OpenAI parameters we do not support
-    (``request_fields``), a thinking switch the model does not have (``template_switch``), and
-    ``logprobs`` or ``return_token_ids`` on a text completion (else refused, naming it).
-    A text completion (``litellm_params["text_completion"]``; LiteLLM makes each prompt a user
-    message) continues each prompt's raw text, with no chat template: one engine request per
-    prompt, all submitted before any is awaited, so the engine batches them; with a ``suffix`` each
-    prompt is the prefix of a fill-in-the-middle prompt (``Tokenizer.encode_fim``; a chat takes no
-    suffix, and a model without FIM tokens refuses it, naming ``suffix``). ``n`` > 1: each
-    prompt's request has ``n`` choices (``Engine.submit_choices``: one prefill). A chat's tools,
-    calls and tool results are rendered by the model's template where it writes Hermes tool calls
-    itself (Qwen2.5's), else in the generic tool-call format (``flm_runtime.text.tool_format.chat_messages``);
-    a response format or tool choice becomes a grammar, compiled for each choice
-    (``flm_runtime.sampling.grammar``).
-
-    Returns:
-        The handles, the reasoning split, the tokens' bytes and the output format (``Started``).
+    A chat's tools, calls and tool results are rendered by the model's template where it writes
+    Hermes tool calls itself (Qwen2.5's), else in the generic tool-call format
+    (``flm_runtime.text.tool_format.chat_messages``); a text completion continues each prompt's
+    raw text, with no chat template, or with a ``suffix`` fills the gap between each prompt and it
+    (``Tokenizer.encode_fim``; a model without FIM tokens refuses it, naming ``suffix``).
 
     Raises:
         flm_runtime.errors.FlmError: the caller maps it with ``litellm_errors``.
     """
-    drop = _drops_unsupported(litellm_params)
-    raw = (litellm_params or {}).get("text_completion") is True
-    # The legacy completions' logprobs (an integer, 0 included) are not built yet.
-    if raw and optional_params.get("logprobs") is not None and optional_params["logprobs"] is not False:
-        if not drop:
-            raise InvalidRequestError("logprobs are not supported on text completions yet; a chat completion "
-                                      "returns them", param="logprobs")
-        optional_params = {k: v for k, v in optional_params.items() if k not in ("logprobs", "top_logprobs")}
-    token_ids = returns_token_ids(optional_params)
-    if raw and token_ids:
-        if not drop:
-            raise InvalidRequestError("return_token_ids is not supported on text completions; a chat completion "
-                                      "returns them", param="return_token_ids")
-        token_ids = False
-    fields = request_fields(optional_params, drop)  # before loading: fail fast
-    thinking = requested_thinking(optional_params)
-    output = output_format(merge_extra_body(optional_params))
-    n = choices_of(optional_params)
-    suffix = fim_suffix(optional_params)
-    if suffix is not None and not raw:
-        raise InvalidRequestError("suffix (fill-in-the-middle) is a text completion parameter; a chat completion "
-                                  "takes none", param="suffix")
-    prompts = raw_prompts(messages, allow_empty=suffix is not None) if raw else None
-    chat = None if raw else normalize_messages(_as_sent(messages, logging_obj))
-    engine = _get_engine(model, backend_of(optional_params))
-    params = engine.sampling_params(**fields)  # the model's default sampler fills unset fields
-    fmt = None if raw else engine.tokenizer.thinking
-    switch = template_switch(fmt, thinking, drop=drop)
-    if raw:
-        texts = prompts
+    request = parse_request(messages, optional_params, litellm_params, logging_obj)  # before loading: fail fast
+    with named_as_sent(request.names):
+        engine = _get_engine(model, request.backend)
+        params = engine.sampling_params(**request.sampling)  # the model's default sampler fills unset fields
+        prompt_ids, reasoning = _render(engine, request)
+        return _submit(engine, request, params, prompt_ids, reasoning, timeout)
+
+
+def _render(engine, request: ChatRequest) -> tuple[list[list[int]], Reasoning | None]:
+    """The prompts' token ids (a chat's one prompt by the model's template, with the request's
+    thinking switch and tools; a text completion's as given), and how to split the output into
+    reasoning and content (None: all content).
+
+    Raises:
+        InvalidRequestError: thinking asked on for a model without a switch (``template_switch``),
+            a message the template cannot render, a ``suffix`` for a model without FIM tokens.
+    """
+    fmt = None if request.text_completion else engine.tokenizer.thinking
+    switch = template_switch(fmt, request.thinking, drop=request.drop)
+    if request.text_completion:
+        texts, reasoning = request.prompts, None
     else:  # how the tools reach the prompt depends on the model's template
-        chat, tools = chat_messages(chat, output.functions, engine.tokenizer.chat_template)
+        chat, tools = chat_messages(request.messages, request.output.functions, engine.tokenizer.chat_template)
         texts = [engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **tools, **switch)]
-    reasoning = None if raw else Reasoning.of_prompt(fmt, texts[0])
+        reasoning = Reasoning.of_prompt(fmt, texts[0])
+    suffix = request.suffix
+    prompt_ids = [engine.tokenizer.encode(text) if suffix is None else engine.tokenizer.encode_fim(text, suffix)
+                  for text in texts]
+    return prompt_ids, reasoning
+
+
+def _submit(engine, request: ChatRequest, params, prompt_ids: list[list[int]], reasoning: Reasoning | None,
+            timeout: Any) -> Started:
+    """Submit each prompt with ``request.n`` choices (``Engine.submit_choices``: one prefill), all
+    before any is awaited, so the engine batches them; a response format or tool choice becomes a
+    grammar compiled for each choice (``flm_runtime.sampling.grammar``). One prompt refused (too
+    long, queue full, a grammar that fails): none of them runs.
+
+    Returns:
+        The handles, the reasoning split, the tokens' bytes and the output format (``Started``).
+    """
+    output = request.output
     grammar_text = output.grammar_for(engine.tokenizer)
     compiler = compiler_for(engine.tokenizer) if grammar_text is not None else None
 
@@ -198,33 +153,18 @@ def _submit(model: str, messages: list, optional_params: dict, timeout: Any,
         return [compiler.processor(grammar_text, param=output.param)] if compiler else []
 
     groups: list[list] = []
-    prompt_ids = [engine.tokenizer.encode(text) if suffix is None else engine.tokenizer.encode_fim(text, suffix)
-                  for text in texts]
+    raw = request.text_completion
     try:
         for i, ids in enumerate(prompt_ids):
             # The engine names a prompt "messages": a text completion's is "prompt", or "prompt[i]" of several.
-            with _named_as_sent({"messages": "prompt" if len(prompt_ids) == 1 else f"prompt[{i}]"} if raw else {}):
-                groups.append(engine.submit_choices(ids, params, n, timeout=_timeout_seconds(timeout),
+            with named_as_sent({"messages": "prompt" if len(prompt_ids) == 1 else f"prompt[{i}]"} if raw else {}):
+                groups.append(engine.submit_choices(ids, params, request.n, timeout=_timeout_seconds(timeout),
                                                     processors=grammar))
-    except BaseException:  # one prompt refused (too long, queue full, a grammar that fails): none of them runs
+    except BaseException:
         _cancel(groups)
         raise
     return Started(groups, reasoning, engine.tokenizer.token_bytes, output,
-                   list(prompt_ids[0]) if token_ids else None)
-
-
-def _as_sent(messages: list, logging_obj: Any) -> list:
-    """``messages`` without the roles LiteLLM filled in: its ``completion`` gives a message the
-    caller sent without a role the role "assistant" before it calls the handler
-    (``validate_and_fix_openai_messages``, litellm 1.110.2), and its logging object keeps the
-    caller's messages (``Logging.messages``), so ``normalize_messages`` refuses such a message
-    instead of taking it for the assistant's."""
-    sent = getattr(logging_obj, "messages", None)
-    if not isinstance(sent, list) or len(sent) != len(messages):
-        return messages
-    return [{k: v for k, v in m.items() if k != "role"}
-            if isinstance(m, Mapping) and isinstance(s, Mapping) and not s.get("role") else m
-            for m, s in zip(messages, sent)]
+                   list(prompt_ids[0]) if request.return_token_ids else None)
 
 
 def _cancel(groups: list[list]) -> None:
@@ -265,7 +205,7 @@ def build_response(model_response: ModelResponse, model: str, groups: list[list[
     model_response.created = int(time.time())
     setattr(model_response, "usage", Usage(**usage_fields(groups)))  # not a declared field of ModelResponse
     stats = [done.stats.as_dict() for done in dones]
-    model_response._hidden_params["flm_stats"] = stats[0] if len(stats) == 1 else stats
+    compat.put_stats(model_response, stats[0] if len(stats) == 1 else stats)
     return model_response
 
 
@@ -352,12 +292,11 @@ def _embed(model: str, input: Any, optional_params: dict, litellm_params: dict |
     """
     from flm_runtime import embed  # imports the kernels: not at ``import litellm_flm``
 
-    request = (litellm_params or {}).get("proxy_server_request") or {}
-    fmt = encoding_format(optional_params, request.get("body") if isinstance(request, dict) else None)
-    texts = embedding_inputs(input)
-    engine = _get_engine(model, backend_of(optional_params))
-    token_lists = [engine.tokenizer.encode(t) if isinstance(t, str) else t for t in texts]
-    return embed(engine.model, token_lists, engine.context_length), sum(len(ids) for ids in token_lists), fmt
+    request = parse_embedding_request(input, optional_params, litellm_params)
+    engine = _get_engine(model, request.backend)
+    token_lists = [engine.tokenizer.encode(t) if isinstance(t, str) else t for t in request.inputs]
+    return (embed(engine.model, token_lists, engine.context_length), sum(len(ids) for ids in token_lists),
+            request.encoding_format)
 
 
 def build_embedding_response(model_response: EmbeddingResponse, model: str, vectors, prompt_tokens: int,
@@ -412,7 +351,7 @@ class StreamChunks:
     first chunk with a finish_reason ends the stream for LiteLLM (it drops that chunk if it has no content or tool
     calls, and sends the finish_reason, as choice 0's, on a chunk of its own); another choice
     finishes with a GenericStreamingChunk's ``sibling_finish_reason`` (and its ``choice_index``:
-    ``sibling_finish``). So choice 0 finishes last, once every other has: a chunk with the usage
+    ``compat.sibling_finish``). So choice 0 finishes last, once every other has: a chunk with the usage
     of all (``usage_fields``), then its finish_reason alone.
 
     Logprobs, when asked for, ride on the chunk of their choice that sends their tokens' text
@@ -505,7 +444,7 @@ class StreamChunks:
             return self._first(index, chunks)
         self._finals[index] = event
         if index:
-            chunks.append(sibling_finish(index, self._finish_reason(index)))
+            chunks.append(compat.sibling_finish(index, self._finish_reason(index)))
         if self.finished:  # choice 0's last delta (its own, or an empty one) carries the usage
             if index or not chunks:
                 chunks.append(self._chunk(0, Delta(role=self._roles[0])))
@@ -535,24 +474,13 @@ class StreamChunks:
                                    choices=[StreamingChoices(index=index, delta=delta, finish_reason=finish_reason)])
 
 
-def sibling_finish(index: int, finish_reason: str) -> GenericStreamingChunk:
-    """The chunk that finishes choice ``index`` > 0 (``StreamChunks``): LiteLLM 1.110.2 ignores a
-    GenericStreamingChunk's ``index`` but numbers the chunk by its ``choice_index`` key, and
-    finishes that choice alone with its ``sibling_finish_reason`` (the keys its own OpenAI
-    text-completion stream sets), where ``is_finished`` would end the stream."""
-    chunk = GenericStreamingChunk(text="", is_finished=False, finish_reason="", index=index, tool_use=None, usage=None)
-    chunk["choice_index"] = index
-    chunk["sibling_finish_reason"] = finish_reason
-    return chunk
-
-
 class FlmLLM(CustomLLM):
     """LiteLLM entry points. ``model`` is the tag with the ``flm/`` prefix already stripped.
 
     The signatures take what LiteLLM passes by keyword and ignore the rest (api_base, api_key,
     headers, client, ...: a local engine has no use for them); of ``litellm_params`` only
     ``drop_params``, ``text_completion`` and (for embeddings) ``proxy_server_request`` are read, and
-    of ``logging_obj`` the caller's ``messages`` (``_as_sent``).
+    of ``logging_obj`` the caller's parameters and messages (``compat.sent_params``, ``compat.sent_messages``).
     """
 
     def completion(

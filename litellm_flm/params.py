@@ -1,87 +1,199 @@
-"""OpenAI chat parameters -> the runtime's ``SamplingParams``, and chat messages -> template input.
+"""One parse of a LiteLLM call: ``parse_request`` reads every key of the request once, from one
+table (``KEYS``), into a ``ChatRequest``; the handler then renders, submits and responds
+(``litellm_flm.llm``).
 
 LiteLLM hands a custom provider the caller's parameters in ``optional_params``, already partly
 rewritten (checked on litellm 1.110.2):
 
-- ``max_completion_tokens`` arrives renamed to ``max_tokens``;
+- ``max_completion_tokens`` arrives renamed to ``max_tokens`` (``ChatRequest.names`` keeps the
+  caller's name for the errors);
 - non-OpenAI keys (``top_k``, ``min_p``) arrive at the top level, but keys sent through
-  ``extra_body`` (the OpenAI SDK's way, and the proxy's) arrive nested in ``extra_body``;
+  ``extra_body`` (the OpenAI SDK's way, and the proxy's) arrive nested in ``extra_body``, which is
+  merged once (``merge_extra_body``);
 - the Router adds ``stream`` and ``max_retries``; ``user`` and ``metadata`` go elsewhere, but may
   still show up from other callers.
 
-Every key is then one of: *mapped* (``OPENAI_TO_RUNTIME``), an *output* key (``OUTPUT_KEYS``:
-response format and tools, read by ``litellm_flm.structured``), *ignored* (``IGNORED``), *accepted only
-at its neutral value* (``NEUTRAL_ONLY``), a *deployment* key that chooses where the model runs
-rather than how it samples (``DEPLOYMENT_KEYS``: ``backend``, read by ``backend_of``), a switch of a reasoning
-model's thinking (``REASONING_PARAMS``, read by ``requested_thinking``), ``n`` (the choices per
-prompt, read by ``choices_of``), ``return_token_ids`` (read by ``returns_token_ids``), ``suffix`` (a text
-completion's fill-in-the-middle, read by ``fim_suffix``), or rejected. Anything rejected raises
-``InvalidRequestError`` naming the parameter, which ``litellm_flm.errors`` turns into
-``litellm.BadRequestError``. Range checks live in ``SamplingParams`` itself and the default sampler
-in the runtime (``SamplingDefaults``, per model): one place each.
+Every key is one row of ``KEYS``, of one kind: a ``SamplingParams`` field (``SAMPLING``, checked
+together by ``ChatParams``), an option (``OPTION``: a ``ChatRequest`` field of the key's name
+with its own reader, declared there with ``option``), a part of the thinking switch
+(``THINKING``, ``requested_thinking``) or of what the output is held to (``OUTPUT``,
+``litellm_flm.structured``), ``IGNORED``, or ``NEUTRAL_ONLY`` (a known OpenAI parameter accepted
+only at its "off" value). Any other key is refused. A refusal raises ``InvalidRequestError``
+naming the parameter as the caller sent it, which ``litellm_flm.errors`` turns into
+``litellm.BadRequestError``. Range checks live in ``SamplingParams`` itself and the default
+sampler in the runtime (``SamplingDefaults``, per model): one place each.
 
 ``drop_params``: LiteLLM decides what to drop from a provider's supported-parameter list, but for
 every custom provider it uses the same OpenAI-compatible list (litellm 1.110.2 has no hook for a
-``CustomLLM`` to give its own), which names everything in ``NEUTRAL_ONLY``. So LiteLLM passes those
-through, and ``request_fields(..., drop_unsupported=True)`` drops them here instead: the effect
-LiteLLM's ``drop_params`` has on a built-in provider whose list is ``SUPPORTED_OPENAI_PARAMS``.
+``CustomLLM`` to give its own), which names every ``NEUTRAL_ONLY`` key. So LiteLLM passes those
+through, and ``parse_request`` drops them when the caller asks: the effect LiteLLM's
+``drop_params`` has on a built-in provider whose list is ``SUPPORTED_OPENAI_PARAMS``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import re
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
 
+import litellm
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from flm_runtime import FALLBACK_SAMPLING, InvalidRequestError, SamplingDefaults, SamplingParams, requested_backend
+from flm_runtime import InvalidRequestError, requested_backend
 
-# OpenAI (or extra_body) name -> SamplingParams field. Everything the runtime acts on.
-OPENAI_TO_RUNTIME: dict[str, str] = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",  # not OpenAI; vLLM / Ollama spelling, via extra_body or litellm's passthrough
-    "min_p": "min_p",  # same
-    "seed": "seed",
-    "max_tokens": "max_tokens",
-    "max_completion_tokens": "max_tokens",  # litellm renames it, but other callers may not
-    "stop": "stop",
-    "ignore_eos": "ignore_eos",  # not OpenAI; for benchmarks (vLLM spelling)
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty",  # not OpenAI; vLLM / HF spelling, via extra_body
-    "logit_bias": "logit_bias",  # token id (a string of digits in JSON) -> [-100, 100]
-    "logprobs": "logprobs",
-    "top_logprobs": "top_logprobs",
+from . import compat
+from .structured import OutputFormat, output_format
+
+# The kinds of key (``Key.kind``).
+SAMPLING = "sampling"  # a SamplingParams field (Key.field), checked with the others by ChatParams
+OPTION = "option"  # a ChatRequest field of the key's name, read by its own reader (``option``)
+THINKING = "thinking"  # a reasoning model's thinking switch, read with the other by requested_thinking
+OUTPUT = "output"  # what the output is held to, read with the others by structured.output_format
+IGNORED = "ignored"  # no meaning for a local model, or LiteLLM / the Router handles it
+NEUTRAL_ONLY = "neutral_only"  # a known OpenAI parameter we do not implement: accepted only "off"
+
+
+class Key(NamedTuple):
+    """How ``parse_request`` reads one request key (at the top level or in ``extra_body``).
+
+    Attributes:
+        kind: ``SAMPLING``, ``OPTION``, ``THINKING``, ``OUTPUT``, ``IGNORED`` or ``NEUTRAL_ONLY``.
+        listed: an OpenAI chat parameter this provider honours at every valid value, listed in
+            ``SUPPORTED_OPENAI_PARAMS``.
+        field: ``SAMPLING``: the ``SamplingParams`` field.
+        read: ``OPTION``: ``read(key, value)`` checks a value (not None) and returns the field's.
+        neutral: ``NEUTRAL_ONLY``: the values that mean "off", the only ones accepted.
+        why: ``NEUTRAL_ONLY``: why another value is refused.
+    """
+
+    kind: str
+    listed: bool = False
+    field: str = ""
+    read: Callable[[str, Any], Any] | None = None
+    neutral: tuple[Any, ...] = ()
+    why: str = ""
+
+
+def positive_int(key: str, value: Any) -> int:
+    if type(value) is not int or value < 1:
+        raise InvalidRequestError(f"{key} must be an integer >= 1, got {value!r}", param=key)
+    return value
+
+
+def boolean(key: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise InvalidRequestError(f"{key} must be true or false, got {value!r}", param=key)
+    return value
+
+
+def string(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{key} must be a string, got {value!r}", param=key)
+    return value
+
+
+def backend_name(key: str, value: Any) -> str:
+    """``auto``, ``cpu`` or ``npu``, as ``FLM_BACKEND`` (``flm_runtime.requested_backend``)."""
+    return requested_backend(value)
+
+
+def option(default: Any, read: Callable[[str, Any], Any], *, listed: bool = False) -> Any:
+    """A ``ChatRequest`` field that is the request key of its name (``KEYS`` holds it as an
+    ``OPTION``): ``read(key, value)`` checks the value the request gives, ``default`` stands where
+    it gives none (or None); ``listed`` as ``Key.listed``."""
+    return field(default=default, metadata={"read": read, "listed": listed})
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat or text completion as ``parse_request`` read it: all the handler renders and submits.
+
+    Attributes:
+        messages: a chat's messages (``normalize_messages``); None for a text completion.
+        prompts: a text completion's prompts (``raw_prompts``, one engine request each); None for a chat.
+        sampling: the ``SamplingParams`` fields the request sets (runtime names, ``stop`` a tuple,
+            ``logit_bias`` keyed by token id); the model's default sampler fills the rest
+            (``Engine.sampling_params``, field by field). ``max_tokens`` left unset means up to the
+            context: no hidden cap (docs/design.md, "Contract", 4).
+        thinking: (on, the parameter that asked) or None: the template's default (``requested_thinking``).
+        output: what the output is held to, and whether its answers hold tool calls.
+        drop: the caller's ``drop_params``: what the request asks that the model cannot do is left
+            out (a thinking switch it lacks, ``litellm_flm.reasoning.template_switch``).
+        names: the runtime's name of a parameter -> the caller's, where the caller sent it under
+            another (``max_completion_tokens``): ``named_as_sent`` of the errors raised after the parse.
+        n: OpenAI's ``n``, the choices per prompt (the engine bounds it by ``max_active``).
+        return_token_ids: vLLM's switch: the response carries the prompt's and each choice's token ids.
+        suffix: a text completion's fill-in-the-middle suffix (empty: a gap at the end of the text).
+        backend: the backend the deployment or request names (a Router deployment's
+            ``litellm_params`` arrive at the top level); None: ``$FLM_BACKEND`` decides.
+    """
+
+    messages: list[dict[str, Any]] | None
+    prompts: list[str] | None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    thinking: tuple[bool, str] | None = None
+    output: OutputFormat = OutputFormat()
+    drop: bool = False
+    names: dict[str, str] = field(default_factory=dict)
+    # Options: each the request key of its name (``option``). A new key is one line here, and its use.
+    n: int = option(1, positive_int, listed=True)
+    return_token_ids: bool = option(False, boolean)
+    suffix: str | None = option(None, string)
+    backend: str | None = option(None, backend_name)
+
+    @property
+    def text_completion(self) -> bool:
+        return self.prompts is not None
+
+
+# Every key a request may set: what it is and who reads it. Not OpenAI: top_k, min_p (vLLM / Ollama
+# spellings), ignore_eos (vLLM's, for benchmarks), repetition_penalty (vLLM / HF), via extra_body or
+# LiteLLM's passthrough.
+KEYS: dict[str, Key] = {
+    "temperature": Key(SAMPLING, listed=True, field="temperature"),
+    "top_p": Key(SAMPLING, listed=True, field="top_p"),
+    "top_k": Key(SAMPLING, field="top_k"),
+    "min_p": Key(SAMPLING, field="min_p"),
+    "seed": Key(SAMPLING, listed=True, field="seed"),
+    "max_tokens": Key(SAMPLING, listed=True, field="max_tokens"),
+    "max_completion_tokens": Key(SAMPLING, listed=True, field="max_tokens"),  # LiteLLM renames it; others may not
+    "stop": Key(SAMPLING, listed=True, field="stop"),
+    "ignore_eos": Key(SAMPLING, field="ignore_eos"),
+    "presence_penalty": Key(SAMPLING, listed=True, field="presence_penalty"),
+    "frequency_penalty": Key(SAMPLING, listed=True, field="frequency_penalty"),
+    "repetition_penalty": Key(SAMPLING, field="repetition_penalty"),
+    "logit_bias": Key(SAMPLING, listed=True, field="logit_bias"),  # token id (digits in JSON) -> [-100, 100]
+    "logprobs": Key(SAMPLING, listed=True, field="logprobs"),
+    "top_logprobs": Key(SAMPLING, listed=True, field="top_logprobs"),
+    **{f.name: Key(OPTION, listed=f.metadata["listed"], read=f.metadata["read"])
+       for f in fields(ChatRequest) if "read" in f.metadata},
+    # LiteLLM refuses both itself for a custom provider (UnsupportedParamsError, or drops them with
+    # drop_params) unless allowed_openai_params lets them by, or they come in extra_body.
+    "reasoning_effort": Key(THINKING),
+    "thinking": Key(THINKING),
+    "response_format": Key(OUTPUT, listed=True),
+    "tools": Key(OUTPUT, listed=True),
+    "tool_choice": Key(OUTPUT, listed=True),
+    "parallel_tool_calls": Key(OUTPUT, listed=True),
+    # The Router adds max_retries to every call; stream is decided by which method LiteLLM calls;
+    # usage is always on the last chunk, whatever stream_options says.
+    **{k: Key(IGNORED, listed=True) for k in (
+        "stream", "stream_options", "max_retries", "user", "safety_identifier", "metadata", "store", "service_tier",
+        "prompt_cache_key", "prompt_cache_retention")},
+    # Anything but the "off" value is refused rather than ignored, or dropped with drop_params.
+    "functions": Key(NEUTRAL_ONLY, neutral=([],), why="functions (function calling) are not supported"),
+    "function_call": Key(NEUTRAL_ONLY, neutral=("none",), why="function_call is not supported (functions are not supported)"),
+    "modalities": Key(NEUTRAL_ONLY, neutral=(["text"],), why="only text output is supported (modalities=['text'])"),
+    "audio": Key(NEUTRAL_ONLY, why="audio output is not supported"),
+    "prediction": Key(NEUTRAL_ONLY, why="prediction (predicted outputs) is not supported"),
+    "web_search_options": Key(NEUTRAL_ONLY, why="web_search_options (web search) is not supported"),
 }
 
-# Keys that carry no meaning for a local model, or that LiteLLM / the Router handles itself
-# (the Router adds max_retries to every call; stream is decided by which method LiteLLM calls;
-# usage is always on the last chunk, whatever stream_options says).
-IGNORED: frozenset[str] = frozenset(
-    {
-        "stream", "stream_options", "max_retries", "user", "safety_identifier", "metadata", "store",
-        "service_tier", "prompt_cache_key", "prompt_cache_retention",
-    }
-)
-
-# Known OpenAI parameters we do not implement: accepted only at the value that means "off", so a
-# client that always sends the default still works; anything else is refused rather than ignored,
-# or dropped when the caller asks for drop_params.
-NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "functions": (([],), "functions (function calling) are not supported"),
-    "function_call": (("none",), "function_call is not supported (functions are not supported)"),
-    "modalities": ((["text"],), "only text output is supported (modalities=['text'])"),
-    "audio": ((), "audio output is not supported"),
-    "prediction": ((), "prediction (predicted outputs) is not supported"),
-    "web_search_options": ((), "web_search_options (web search) is not supported"),
-}
-
-# The switches of a reasoning model's thinking, read by ``requested_thinking``. LiteLLM refuses
-# both itself for a custom provider (UnsupportedParamsError, or drops them with drop_params)
-# unless the call or the deployment lets them by with allowed_openai_params, or they come in
-# extra_body.
-REASONING_PARAMS: tuple[str, ...] = ("reasoning_effort", "thinking")
+# What LiteLLM's get_supported_openai_params would answer for a built-in provider; the NEUTRAL_ONLY
+# keys are the "not yet supported" rest (README.md, "Parameters").
+SUPPORTED_OPENAI_PARAMS: tuple[str, ...] = tuple(sorted(k for k, key in KEYS.items() if key.listed))
 
 # reasoning_effort -> thinking on (True) or off (False); None leaves the template's default. A
 # template's switch has no levels: LiteLLM's own ollama_chat maps low/medium/high to on and none
@@ -91,37 +203,11 @@ REASONING_EFFORTS: dict[str, bool | None] = {
     "default": None,
 }
 
-# The number of choices per prompt: a request-level key, not a SamplingParams field (choices_of).
-CHOICES_KEY = "n"
-
-# vLLM's switch (not OpenAI's) for the response to carry the prompt's and each choice's token ids
-# (returns_token_ids); it changes what is returned, not what is generated.
-TOKEN_IDS_KEY = "return_token_ids"
-
-# A text completion's text after the gap to fill (OpenAI's legacy completions parameter): a
-# request-level key, read by fim_suffix. LiteLLM's text_completion puts it at the top level.
-SUFFIX_KEY = "suffix"
-
-# The keys of OPENAI_TO_RUNTIME that are not OpenAI parameters (vLLM / Ollama spellings).
-NON_OPENAI: frozenset[str] = frozenset({"top_k", "min_p", "ignore_eos", "repetition_penalty"})
-
-# The OpenAI chat parameters this provider honours at every valid value: what LiteLLM's
-# get_supported_openai_params would answer for a built-in provider. NEUTRAL_ONLY is the "not yet
-# supported" rest (README.md, "Parameters").
-OUTPUT_KEYS: frozenset[str] = frozenset({"response_format", "tools", "tool_choice", "parallel_tool_calls"})
-SUPPORTED_OPENAI_PARAMS: tuple[str, ...] = tuple(
-    sorted((set(OPENAI_TO_RUNTIME) | IGNORED | OUTPUT_KEYS | {CHOICES_KEY}) - NON_OPENAI)
-)
-
-# Keys that choose where the model runs: a Router deployment's litellm_params (they arrive at the
-# top level of optional_params) or a request's extra_body. backend: auto | cpu | npu, as FLM_BACKEND.
-DEPLOYMENT_KEYS: frozenset[str] = frozenset({"backend"})
-
 MAX_STOP_STRINGS = 4  # OpenAI's limit: a request valid here stays valid for a cloud fallback model
 
 
 class ChatParams(BaseModel):
-    """The mapped parameters, type-checked (strict: no "0.5" strings, no floats for integers)."""
+    """The ``SAMPLING`` keys, type-checked (strict: no "0.5" strings, no floats for integers)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -141,6 +227,76 @@ class ChatParams(BaseModel):
     top_logprobs: int | None = None
 
 
+def parse_request(messages: Any, optional_params: Mapping[str, Any], litellm_params: Mapping[str, Any] | None = None,
+                  logging_obj: Any = None) -> ChatRequest:
+    """A LiteLLM call, as a ``CustomLLM`` gets it -> the ``ChatRequest``; blocking-free, loads no model.
+
+    Args:
+        messages: the chat's messages, or a text completion's prompts as LiteLLM makes them (one
+            user message each).
+        optional_params: as LiteLLM passes them (``extra_body`` nested).
+        litellm_params: of these only ``drop_params`` (LiteLLM made it a bool; ``litellm.drop_params``
+            counts too) and ``text_completion`` are read.
+        logging_obj: LiteLLM's, which keeps the call as the caller made it (``compat.sent_params``,
+            ``compat.sent_messages``): errors name what the caller sent.
+
+    With ``drop_params`` the ``NEUTRAL_ONLY`` keys are left out at any value, and on a text
+    completion ``logprobs`` / ``top_logprobs`` and ``return_token_ids`` (else refused, naming
+    them); unknown keys are still refused, as LiteLLM's own ``drop_params`` drops only OpenAI
+    parameters. A key whose value is None is unset.
+
+    Raises:
+        InvalidRequestError: an unknown, unsupported or mistyped parameter, or malformed messages;
+            ``param`` names it as the caller sent it. Ranges are checked later, by ``SamplingParams``.
+    """
+    litellm_params = litellm_params or {}
+    flat = merge_extra_body(optional_params)
+    names = _names_as_sent(flat, compat.sent_params(logging_obj))
+    with named_as_sent(names):
+        return _parse(messages, flat, litellm.drop_params is True or litellm_params.get("drop_params") is True,
+                      litellm_params.get("text_completion") is True, names, logging_obj)
+
+
+def _parse(messages: Any, flat: dict[str, Any], drop: bool, raw: bool, names: dict[str, str],
+           logging_obj: Any) -> ChatRequest:
+    """``parse_request`` of the merged keys ``flat``."""
+    # The legacy completions' logprobs (an integer, 0 included) are not built yet.
+    if raw and flat.get("logprobs") not in (None, False):
+        if not drop:
+            raise InvalidRequestError("logprobs are not supported on text completions yet; a chat completion "
+                                      "returns them", param="logprobs")
+        flat = {k: v for k, v in flat.items() if k not in ("logprobs", "top_logprobs")}
+    parts: dict[str, dict[str, Any]] = {SAMPLING: {}, THINKING: {}, OUTPUT: {}, OPTION: {}}
+    for name, value in flat.items():
+        key = KEYS.get(name)
+        if value is None or (key is not None and (key.kind == IGNORED or (key.kind == NEUTRAL_ONLY and drop))):
+            continue
+        if key is None:
+            raise InvalidRequestError(f"unknown or unsupported parameter {name!r} for provider flm", param=name)
+        if key.kind == NEUTRAL_ONLY:
+            if not _is_neutral(value, key.neutral):
+                raise InvalidRequestError(f"{key.why}; got {name}={value!r}", param=name)
+            continue
+        parts[key.kind][name] = key.read(name, value) if key.kind == OPTION else value
+    options = parts[OPTION]
+    if raw and options.get("return_token_ids"):
+        if not drop:
+            raise InvalidRequestError("return_token_ids is not supported on text completions; a chat completion "
+                                      "returns them", param="return_token_ids")
+        options["return_token_ids"] = False
+    sampling = sampling_fields(parts[SAMPLING])
+    thinking = requested_thinking(parts[THINKING])
+    output = output_format(parts[OUTPUT])
+    suffix = options.get("suffix")
+    if suffix is not None and not raw:
+        raise InvalidRequestError("suffix (fill-in-the-middle) is a text completion parameter; a chat completion "
+                                  "takes none", param="suffix")
+    return ChatRequest(
+        messages=None if raw else normalize_messages(compat.sent_messages(messages, logging_obj)),
+        prompts=raw_prompts(messages, allow_empty=suffix is not None) if raw else None,
+        sampling=sampling, thinking=thinking, output=output, drop=drop, names=names, **options)
+
+
 def merge_extra_body(optional_params: Mapping[str, Any]) -> dict[str, Any]:
     """Flatten ``extra_body`` into the top level; a key given in both places with two values is an error."""
     flat = {k: v for k, v in optional_params.items() if k != "extra_body"}
@@ -157,51 +313,49 @@ def merge_extra_body(optional_params: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def request_fields(optional_params: Mapping[str, Any], drop_unsupported: bool = False) -> dict[str, Any]:
-    """Validate LiteLLM's ``optional_params`` into the ``SamplingParams`` fields the request sets.
+def _names_as_sent(flat: Mapping[str, Any], sent: Mapping[str, Any]) -> dict[str, str]:
+    """The runtime's name -> the caller's, of a ``max_tokens`` the caller sent as
+    ``max_completion_tokens``: given so (and not with ``max_tokens``, an error of its own), or
+    renamed by LiteLLM (``sent``, the caller's keys, has it; ``flat`` has ``max_tokens``)."""
+    if "max_tokens" in flat and "max_completion_tokens" in flat:
+        return {}
+    if "max_completion_tokens" in flat or (sent.get("max_completion_tokens") is not None
+                                           and sent.get("max_tokens") is None):
+        return {"max_tokens": "max_completion_tokens"}
+    return {}
 
-    Args:
-        optional_params: as LiteLLM passes them to a ``CustomLLM`` (``extra_body`` nested).
-        drop_unsupported: the caller's ``drop_params``: leave out the known OpenAI parameters we do
-            not support (``NEUTRAL_ONLY``) at any value instead of refusing them. Unknown keys are
-            still refused, as LiteLLM's own ``drop_params`` drops only OpenAI parameters.
 
-    Returns:
-        ``SamplingParams`` keyword arguments, runtime names, only those the request gave (``stop``
-        as a tuple). The model's default sampler fills the rest: ``Engine.sampling_params``, field
-        by field (a request setting only ``temperature=0.7`` keeps the model's top_k / top_p).
-        ``max_tokens`` left unset means up to the context: no hidden cap (docs/design.md,
-        "Contract", 4).
+@contextmanager
+def named_as_sent(names: Mapping[str, str]) -> Iterator[None]:
+    """Re-raise an ``InvalidRequestError`` of the block with each parameter the runtime names
+    otherwise than the caller sent it (``names``: the runtime's name -> the caller's) named as
+    sent, in its ``param`` and its message."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        message = str(e)
+        for ours, theirs in names.items():
+            e.param = theirs if e.param == ours else e.param
+            message = re.sub(rf"\b{re.escape(ours)}\b", theirs, message)
+        e.args = (message,)
+        raise
+
+
+def sampling_fields(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``SAMPLING`` keys the request gave (not None) -> ``SamplingParams`` keyword arguments
+    (``ChatRequest.sampling``).
 
     Raises:
-        InvalidRequestError: an unknown, unsupported or mistyped parameter; ``param`` names it as the
-            caller spelled it. Ranges are checked later, by ``SamplingParams`` itself.
+        InvalidRequestError: a mistyped value, ``max_tokens`` and ``max_completion_tokens`` both,
+            too many or empty stop strings, a ``logit_bias`` key that is no token id; ``param``
+            names it (the runtime's name: ``parse_request`` renames it as sent).
     """
-    flat = {k: v for k, v in merge_extra_body(optional_params).items()
-            if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS and k not in REASONING_PARAMS
-            and k not in OUTPUT_KEYS and k not in (CHOICES_KEY, TOKEN_IDS_KEY, SUFFIX_KEY)}
-    mapped: dict[str, Any] = {}
-    for key, value in flat.items():
-        if key in OPENAI_TO_RUNTIME:
-            mapped[key] = value
-        elif key in NEUTRAL_ONLY and drop_unsupported:
-            continue
-        elif key in NEUTRAL_ONLY:
-            neutral, why = NEUTRAL_ONLY[key]
-            if not _is_neutral(value, neutral):
-                raise InvalidRequestError(f"{why}; got {key}={value!r}", param=key)
-        else:
-            raise InvalidRequestError(f"unknown or unsupported parameter {key!r} for provider flm", param=key)
-    renamed = "max_completion_tokens" in mapped
-    if renamed:
-        if "max_tokens" in mapped:
-            raise InvalidRequestError("give max_tokens or max_completion_tokens, not both", param="max_tokens")
-        mapped["max_tokens"] = mapped.pop("max_completion_tokens")
-
+    if "max_tokens" in given and "max_completion_tokens" in given:
+        raise InvalidRequestError("give max_tokens or max_completion_tokens, not both", param="max_tokens")
     try:
-        checked = ChatParams(**mapped)
+        checked = ChatParams(**{KEYS[k].field: v for k, v in given.items()})
     except ValidationError as e:
-        raise _first_error(e, "max_completion_tokens" if renamed else "max_tokens") from e
+        raise _first_error(e) from e
     fields = checked.model_dump(exclude_none=True)
     if "stop" in fields:
         fields["stop"] = _stop_tuple(checked.stop)
@@ -210,9 +364,10 @@ def request_fields(optional_params: Mapping[str, Any], drop_unsupported: bool = 
     return fields
 
 
-def requested_thinking(optional_params: Mapping[str, Any]) -> tuple[bool, str] | None:
-    """Whether the request turns a reasoning model's thinking on (True) or off (False), and the
-    parameter that says so; None leaves the model's chat template to its default.
+def requested_thinking(given: Mapping[str, Any]) -> tuple[bool, str] | None:
+    """Whether the ``THINKING`` keys the request gave (not None) turn a reasoning model's thinking
+    on (True) or off (False), and the parameter that says so; None leaves the model's chat
+    template to its default.
 
     ``reasoning_effort`` maps through ``REASONING_EFFORTS``; Anthropic's ``thinking`` is
     ``{"type": "enabled", "budget_tokens": N}`` (on), ``{"type": "disabled"}`` (off) or
@@ -224,16 +379,15 @@ def requested_thinking(optional_params: Mapping[str, Any]) -> tuple[bool, str] |
         InvalidRequestError: a value not understood (``param`` names it, e.g. ``thinking.type``),
             or the two parameters asking for opposite things (``param`` ``thinking``).
     """
-    flat = merge_extra_body(optional_params)
     asked: list[tuple[bool, str]] = []
-    effort = flat.get("reasoning_effort")
+    effort = given.get("reasoning_effort")
     if effort is not None:
         if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
             raise InvalidRequestError(f"reasoning_effort must be one of {list(REASONING_EFFORTS)}, got {effort!r}",
                                       param="reasoning_effort")
         if REASONING_EFFORTS[effort] is not None:
             asked.append((REASONING_EFFORTS[effort], "reasoning_effort"))
-    thinking = flat.get("thinking")
+    thinking = given.get("thinking")
     if thinking is not None and (on := _thinking_type(thinking)) is not None:
         asked.append((on, "thinking"))
     if len(asked) == 2 and asked[0][0] != asked[1][0]:
@@ -263,70 +417,6 @@ def _thinking_type(thinking: Any) -> bool | None:
     return THINKING_TYPES[thinking["type"]]
 
 
-def choices_of(optional_params: Mapping[str, Any]) -> int:
-    """OpenAI's ``n``: how many choices to generate for each prompt (1 when unset). The engine
-    bounds it by how many sequences it runs at once (``max_active``).
-
-    Raises:
-        InvalidRequestError: not an integer >= 1 (``param`` is ``n``).
-    """
-    value = merge_extra_body(optional_params).get(CHOICES_KEY)
-    if value is None:
-        return 1
-    if type(value) is not int or value < 1:
-        raise InvalidRequestError(f"n must be an integer >= 1, got {value!r}", param=CHOICES_KEY)
-    return value
-
-
-def returns_token_ids(optional_params: Mapping[str, Any]) -> bool:
-    """vLLM's ``return_token_ids`` (via ``extra_body``; False when unset): the response carries
-    ``prompt_token_ids`` and each choice its ``token_ids`` (``litellm_flm.llm``).
-
-    Raises:
-        InvalidRequestError: not a boolean (``param`` is ``return_token_ids``).
-    """
-    value = merge_extra_body(optional_params).get(TOKEN_IDS_KEY)
-    if value is None:
-        return False
-    if type(value) is not bool:
-        raise InvalidRequestError(f"return_token_ids must be true or false, got {value!r}", param=TOKEN_IDS_KEY)
-    return value
-
-
-def fim_suffix(optional_params: Mapping[str, Any]) -> str | None:
-    """A text completion's ``suffix`` (top level or ``extra_body``): the text that follows the
-    one to generate, for a fill-in-the-middle prompt; None when unset. An empty suffix is a gap at
-    the end of the text.
-
-    Raises:
-        InvalidRequestError: not a string (``param`` is ``suffix``).
-    """
-    value = merge_extra_body(optional_params).get(SUFFIX_KEY)
-    if value is not None and not isinstance(value, str):
-        raise InvalidRequestError(f"suffix must be a string, got {value!r}", param=SUFFIX_KEY)
-    return value
-
-
-def backend_of(optional_params: Mapping[str, Any]) -> str | None:
-    """The ``backend`` the deployment or request names (``auto``, ``cpu``, ``npu``), or None
-    (then ``$FLM_BACKEND``, default ``auto``, decides).
-
-    Raises:
-        InvalidRequestError: another value (``param`` is ``backend``).
-    """
-    value = merge_extra_body(optional_params).get("backend")
-    return None if value is None else requested_backend(value)
-
-
-def to_sampling_params(optional_params: Mapping[str, Any], defaults: SamplingDefaults | None = None) -> SamplingParams:
-    """``request_fields`` resolved against a default sampler (``FALLBACK_SAMPLING`` when None).
-
-    Raises:
-        InvalidRequestError: as ``request_fields``, or a value out of range, naming the parameter.
-    """
-    return (defaults or FALLBACK_SAMPLING).resolve(**request_fields(optional_params))
-
-
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
     # Equal is not enough (in Python True == 1 and False == 0): the value must have the neutral one's type too.
     return any(type(value) is type(n) and value == n for n in neutral)
@@ -351,12 +441,10 @@ def _token_ids(bias: dict[str | int, float]) -> dict[int, float]:
     return out
 
 
-def _first_error(e: ValidationError, max_tokens_name: str) -> InvalidRequestError:
-    """The first pydantic error, named as the caller spelled the parameter."""
+def _first_error(e: ValidationError) -> InvalidRequestError:
+    """The first pydantic error, naming its parameter."""
     err = e.errors()[0]
     param = str(err["loc"][0]) if err["loc"] else "request"
-    if param == "max_tokens":
-        param = max_tokens_name
     return InvalidRequestError(f"{param}: {err['msg']}, got {err.get('input')!r}", param=param)
 
 
@@ -463,30 +551,46 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def encoding_format(optional_params: Mapping[str, Any], request_body: Mapping[str, Any] | None) -> str:
-    """The embedding's ``encoding_format``: ``float`` (the default) or ``base64`` (little-endian
-    float32 bytes, as OpenAI's).
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """An embedding call as ``parse_embedding_request`` read it.
+
+    Attributes:
+        inputs: one item per text: a string, or a text already tokenized (``embedding_inputs``).
+        encoding_format: ``float`` or ``base64`` (little-endian float32 bytes, as OpenAI's).
+        backend: as ``ChatRequest.backend``.
+    """
+
+    inputs: list[str | list[int]]
+    encoding_format: str = "float"
+    backend: str | None = None
+
+
+def parse_embedding_request(input: Any, optional_params: Mapping[str, Any],
+                            litellm_params: Mapping[str, Any] | None = None) -> EmbeddingRequest:
+    """A LiteLLM embedding call -> the ``EmbeddingRequest``: of ``KEYS`` it takes the ``IGNORED``
+    ones and ``backend``, and ``encoding_format`` besides.
 
     LiteLLM refuses ``encoding_format`` for a custom provider unless it is dropped (``drop_params``,
     or ``additional_drop_params: [encoding_format]`` on the deployment), and a dropped one never
     reaches the handler; behind the proxy the caller's value is still in the HTTP request's body
-    (``request_body``, the proxy's ``proxy_server_request["body"]``), so it is read from there.
+    (``compat.proxy_request_body``), so it is read from there.
 
     Raises:
-        InvalidRequestError: another value, or another parameter in ``optional_params`` (an
-            embedding takes no sampling parameter); ``param`` names it.
+        InvalidRequestError: another ``encoding_format`` than ``ENCODING_FORMATS``, another
+            parameter (an embedding takes no sampling parameter), bad input; ``param`` names it.
     """
     flat = {k: v for k, v in merge_extra_body(optional_params).items()
-            if v is not None and k not in IGNORED and k not in DEPLOYMENT_KEYS}
+            if v is not None and (k not in KEYS or KEYS[k].kind != IGNORED)}
+    backend = flat.pop("backend", None)
     value = flat.pop("encoding_format", None)
     if flat:
         key = next(iter(flat))
         raise InvalidRequestError(f"unknown or unsupported embedding parameter {key!r} for provider flm", param=key)
-    if value is None and isinstance(request_body, Mapping):
-        value = request_body.get("encoding_format")
     if value is None:
-        return "float"
-    if value not in ENCODING_FORMATS:
+        value = compat.proxy_request_body(litellm_params).get("encoding_format")
+    if value is not None and value not in ENCODING_FORMATS:
         raise InvalidRequestError(f"encoding_format must be one of {list(ENCODING_FORMATS)}, got {value!r}",
                                   param="encoding_format")
-    return value
+    return EmbeddingRequest(embedding_inputs(input), value or "float",
+                            None if backend is None else backend_name("backend", backend))

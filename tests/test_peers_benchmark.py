@@ -32,12 +32,13 @@ def test_bad_arguments_exit_with_usage(argv, capsys):
     assert "usage:" in capsys.readouterr().err
 
 
-def test_the_environment_sets_both_thread_counts_and_unsets_the_openblas_workarounds_unless_kept():
+def test_the_environment_sets_every_thread_count_and_unsets_the_openblas_workarounds_unless_kept():
     environ = {"PATH": "/bin", "OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "512"}
     env = peers._wanted_env(peers.parse_args(["--threads", "3"]), environ)
-    assert env == {"PATH": "/bin", "NUMBA_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "3"}
+    # FLM_THREADS: our steps run on the kernel team, not on numba's threads.
+    assert env == {"PATH": "/bin", "FLM_THREADS": "3", "NUMBA_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "3"}
     kept = peers._wanted_env(peers.parse_args(["--keep-openblas-env"]), environ)
-    assert kept == environ | {"NUMBA_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2"}
+    assert kept == environ | {"FLM_THREADS": "2", "NUMBA_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2"}
     assert environ["OPENBLAS_CORETYPE"] == "Haswell"  # the caller's mapping is not changed
 
 

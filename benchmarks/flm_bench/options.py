@@ -28,6 +28,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+OPENBLAS_WORKAROUNDS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")  # older-CPU settings that slow a current OpenBLAS
+
+
+def thread_env(environ, threads: int, keep_openblas_env: bool) -> dict[str, str]:
+    """A copy of ``environ`` in which our kernel team (``FLM_THREADS``), numba and OpenBLAS each run
+    ``threads`` threads and, unless ``keep_openblas_env``, ``OPENBLAS_WORKAROUNDS`` are unset.
+
+    For the scripts that compare us with llama.cpp on one thread count: they re-execute themselves
+    with it, since numba and numpy read their counts when they load."""
+    env = dict(environ) | {name: str(threads) for name in ("FLM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    if not keep_openblas_env:
+        for name in OPENBLAS_WORKAROUNDS:
+            env.pop(name, None)
+    return env
+
+
 def cost_curve(text: str) -> list[float]:
     """An ``argparse`` type: comma-separated verify costs in decode steps, each finite, at least 1 and
     none below the one before (``1.16,1.27,1.38``: passes of 2, 3, 4 rows)."""

@@ -63,7 +63,7 @@ from tqdm import tqdm
 from flm_bench import report, workloads
 from flm_bench.documents import load_documents
 from flm_bench.llama_server import SPEC_CONFIGS, LlamaServer
-from flm_bench.options import parse_modes
+from flm_bench.options import parse_modes, thread_env
 from flm_bench.soak import PROVIDER_PREFIX
 from flm_bench.workloads import Answer, Task
 from flm_runtime import InvalidRequestError, get_engine, pull
@@ -185,8 +185,8 @@ class SpecOffWorker:
     """``flm_send`` in a process of its own started with ``FLM_SPECULATION=0``: one JSON line in
     (request, sampler), one out (the Reply, or the error that ended it); ``close`` ends it."""
 
-    def __init__(self, tag: str):
-        env = dict(os.environ, FLM_SPECULATION="0")
+    def __init__(self, tag: str, threads: int):
+        env = thread_env(os.environ, threads, keep_openblas_env=True) | {"FLM_SPECULATION": "0"}
         self.proc = subprocess.Popen([sys.executable, "-m", "flm_bench.peer_workloads", tag], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -493,8 +493,7 @@ def main(args: argparse.Namespace) -> int:
     modes = parse_modes(args.modes)
     configs = parse_configs(args.llama_configs) if args.llama_server else []
     max_tokens = args.max_tokens or PEER_MAX_TOKENS
-    # Every engine gets the same threads; FLM_THREADS is read when the first engine starts, here
-    # and in the worker.
+    # Every engine gets the same threads; FLM_THREADS is read when the first engine starts.
     args.threads = args.threads or Settings.from_env().positive("threads") or default_threads()
     os.environ["FLM_THREADS"] = str(args.threads)
     fim_tokens = fim_tokens_of(args.tag) if "fim" in names else None
@@ -511,7 +510,7 @@ def main(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         engines: dict[str, Send] = {FLM: lambda request, sampler: flm_send(args.tag, request, sampler)}
         if args.spec_off:
-            off = SpecOffWorker(args.tag)
+            off = SpecOffWorker(args.tag, args.threads)
             stack.callback(off.close)
             engines[FLM_OFF] = off.send
         gguf = pull.locate(args.tag)

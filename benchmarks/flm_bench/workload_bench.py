@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import litellm
-import litellm_flm  # noqa: F401 - registers the flm/ provider with LiteLLM
+from litellm_flm import compat  # importing the package registers the flm/ provider with LiteLLM
 from tqdm import tqdm
 
 from flm_bench import ceiling, report, workloads
@@ -92,7 +92,7 @@ class Reply:
         choice = response.choices[0]
         calls = tuple((c.function.name, c.function.arguments) for c in choice.message.tool_calls or ())
         return cls(Answer(choice.message.content, calls), response.usage.completion_tokens,
-                   response._hidden_params["flm_stats"], tuple(response.prompt_token_ids), tuple(choice.token_ids))
+                   compat.request_stats(response), tuple(response.prompt_token_ids), tuple(choice.token_ids))
 
     @property
     def decoded(self) -> int:
@@ -263,7 +263,7 @@ def verify_curve(tag: str, drafted: int) -> list[float] | None:
     (``speculation.costs``, kept when an engine of the tag first started on this host):
     ``verify_ratio``, ``drafted`` values; None when none was kept for this host and that many
     (every engine of the tag started with ``FLM_HOST_COSTS=0`` or a calibrated table)."""
-    costs = load_host_costs(paths.host_costs_file(tag, "cpu"), host_id(), tag, "cpu", drafted)
+    costs = load_host_costs(paths.host_costs_file(tag, "cpu"), host_id(), tag, "cpu", drafted, drafted)
     return None if costs is None else costs.verify_ratio
 
 

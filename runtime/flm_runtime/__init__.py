@@ -28,7 +28,7 @@ _SOURCES = {
     "get_engine": "flm_runtime.api",
     "drain": "flm_runtime.api",
     "load_model": "flm_runtime.api",
-    "load_draft": "flm_runtime.api",
+    "load_draft": "flm_runtime.speculation.decoders",
     "LoadedModel": "flm_runtime.api",
     "Settings": "flm_runtime.settings",
     "requested_backend": "flm_runtime.settings",

@@ -47,6 +47,13 @@ class SamplingParams:
         logprobs: record each emitted token's log-probability (``TokenLogprob``).
         top_logprobs: also this many of the most likely tokens at each position; [0, 20], > 0 only
             with ``logprobs``.
+        speculation: let the engine take speculative steps where its policy expects them to pay
+            (the default); False decodes one token per step. Either way the tokens are the same:
+            speculation is exact (greedy) and lossless (sampled).
+        prediction: token ids of a predicted output (OpenAI's predicted outputs: the text the
+            answer is expected to repeat, such as a file being edited), which the ``prediction``
+            proposer offers for verification; never trusted, each token verified as any other
+            proposal's. Empty: none.
 
     The order these apply in, and what the log-probabilities are: ``processors.request_processors``
     and ``sampler.sample_with_logprob``.
@@ -69,6 +76,8 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
+    speculation: bool = True
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.temperature, "temperature", 0.0, 2.0)
@@ -95,6 +104,10 @@ class SamplingParams:
                                       f"{self.top_logprobs!r}", param="top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if not isinstance(self.speculation, bool):
+            raise InvalidRequestError(f"speculation must be a boolean, got {self.speculation!r}", param="speculation")
+        if not isinstance(self.prediction, tuple) or not all(_is_int(t) and t >= 0 for t in self.prediction):
+            raise InvalidRequestError("prediction must be a tuple of token ids (integers >= 0)", param="prediction")
 
     def _check_logit_bias(self) -> None:
         """A ``Mapping`` of integer ids >= 0 to values in [-100, 100]; kept as a copy."""
@@ -134,9 +147,9 @@ def _check(value, name: str, low: float, high: float, low_open: bool = False, hi
 
 
 # The proposers a speculative step verifies the tokens of: the DFlash draft, the retrieval
-# proposers (prompt lookup, the suffix proposer) and a grammar's forced tokens alone, as
-# ``StepRecord.proposer`` names them.
-PROPOSERS = ("draft", "ngram", "suffix", "grammar")
+# proposers (a predicted output, prompt lookup, the suffix proposer) and a grammar's forced tokens
+# alone, as ``StepRecord.proposer`` names them.
+PROPOSERS = ("draft", "prediction", "ngram", "suffix", "grammar")
 
 
 @dataclass

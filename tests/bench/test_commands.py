@@ -99,7 +99,6 @@ def test_a_speed_row_and_note_show_every_proposers_steps_and_al_and_the_forced_t
 
 
 def test_bench_plot_with_matplotlib(run_cli, random_draft, tmp_path):
-    pytest.importorskip("matplotlib")
     status, *_ = run_cli("bench", "--draft", random_draft, "--contexts", "short", "--max-tokens", 2,
                          "--prompts-per-context", 1, "--modes", "greedy", "--out", tmp_path, "--quiet")
     assert status == 0 and (tmp_path / "speed.png").read_bytes()[:4] == b"\x89PNG"

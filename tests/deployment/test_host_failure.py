@@ -39,12 +39,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import proxy_process
 import pytest
+import redis
 import yaml
-
-httpx = pytest.importorskip("httpx")
-redis = pytest.importorskip("redis")
 
 pytestmark = pytest.mark.deployment
 

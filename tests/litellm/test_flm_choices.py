@@ -10,11 +10,9 @@ from __future__ import annotations
 import litellm
 import pytest
 
-pytest.importorskip("flm_runtime.api", reason="flm_runtime.api (get_engine) is not there yet")
-
-from flm_runtime.api import get_engine  # noqa: E402
-from flm_runtime.sampling.sampler import choice_seed  # noqa: E402
-from stream_choices import joined_choices  # noqa: E402
+from flm_runtime.api import get_engine
+from flm_runtime.sampling.sampler import choice_seed
+from stream_choices import joined_choices
 
 QUESTION = [{"role": "user", "content": "Name a colour and say why you like it."}]
 SAMPLED = {"temperature": 1.0, "top_p": 0.95, "max_tokens": 16, "seed": 1234}

@@ -11,7 +11,9 @@ import litellm
 import pytest
 from litellm.utils import get_optional_params
 
-from litellm_flm.params import IGNORED, NEUTRAL_ONLY, SUPPORTED_OPENAI_PARAMS
+from litellm_flm.params import IGNORED, KEYS, NEUTRAL_ONLY, SUPPORTED_OPENAI_PARAMS
+
+UNSUPPORTED_KEYS = [k for k, key in KEYS.items() if key.kind == NEUTRAL_ONLY]
 
 MODEL = "flm/smollm2:135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -54,15 +56,15 @@ def test_every_parameter_litellm_forwards_is_supported_ignored_or_droppable():
     # What LiteLLM forwards to any custom provider (litellm 1.110.2: one OpenAI-compatible list);
     # extra_headers is LiteLLM's own and never reaches optional_params.
     forwarded = set(litellm.utils.get_supported_openai_params(model="smollm2:135m", custom_llm_provider="flm"))
-    known = set(SUPPORTED_OPENAI_PARAMS) | set(NEUTRAL_ONLY) | IGNORED
+    known = set(SUPPORTED_OPENAI_PARAMS) | set(UNSUPPORTED_KEYS) | {k for k, key in KEYS.items() if key.kind == IGNORED}
     assert forwarded - known == {"extra_headers"}
-    assert not set(SUPPORTED_OPENAI_PARAMS) & set(NEUTRAL_ONLY)
+    assert not set(SUPPORTED_OPENAI_PARAMS) & set(UNSUPPORTED_KEYS)
 
 
 def test_readme_lists_every_supported_and_unsupported_parameter():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     section = readme.split("### Parameters", 1)[1].split("\n### ", 1)[0]
-    assert [p for p in (*SUPPORTED_OPENAI_PARAMS, *NEUTRAL_ONLY) if f"`{p}`" not in section] == []
+    assert [p for p in (*SUPPORTED_OPENAI_PARAMS, *UNSUPPORTED_KEYS) if f"`{p}`" not in section] == []
 
 
 @pytest.mark.parametrize("name", UNSUPPORTED)

@@ -13,9 +13,7 @@ import asyncio
 import litellm
 import pytest
 
-pytest.importorskip("flm_runtime.api", reason="flm_runtime.api (get_engine) is not there yet")
-
-from flm_runtime.api import get_engine  # noqa: E402
+from flm_runtime.api import get_engine
 
 TAG = "smollm2:135m"
 MODEL = f"flm/{TAG}"

@@ -16,10 +16,8 @@ from pathlib import Path
 import litellm
 import pytest
 
-pytest.importorskip("flm_runtime.api", reason="flm_runtime.api (get_engine) is not there yet")
-
-from flm_runtime.api import get_engine  # noqa: E402
-from flm_runtime.sampling.sampler import choice_seed  # noqa: E402
+from flm_runtime.api import get_engine
+from flm_runtime.sampling.sampler import choice_seed
 
 TAG = "qwen2.5-coder:0.5b"
 MODEL = f"flm/{TAG}"

@@ -11,10 +11,8 @@ import litellm
 import numpy as np
 import pytest
 
-pytest.importorskip("flm_runtime.api", reason="flm_runtime.api (get_engine) is not there yet")
-
-from flm_runtime.backends import decode, prefill  # noqa: E402
-from flm_runtime.sampling.sampler import choice_seed  # noqa: E402
+from flm_runtime.backends import decode, prefill
+from flm_runtime.sampling.sampler import choice_seed
 
 MODEL = "flm/smollm2:135m"
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]

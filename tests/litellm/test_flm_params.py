@@ -1,4 +1,5 @@
-"""OpenAI parameters -> SamplingParams, on payloads shaped the way litellm 1.110.2 passes them."""
+"""A request's parameters -> its ``ChatRequest`` (``parse_request``) and SamplingParams, on payloads
+shaped the way litellm 1.110.2 passes them."""
 
 from __future__ import annotations
 
@@ -6,12 +7,23 @@ import pytest
 
 from flm_runtime.errors import InvalidRequestError
 from flm_runtime.sampling.sampler import FALLBACK_SAMPLING, SamplingDefaults
-from litellm_flm.params import (NEUTRAL_ONLY, OPENAI_TO_RUNTIME, SUPPORTED_OPENAI_PARAMS, choices_of, normalize_messages,
-                                request_fields, to_sampling_params)
+from litellm_flm.params import (KEYS, NEUTRAL_ONLY, OPTION, SUPPORTED_OPENAI_PARAMS, ChatRequest, normalize_messages,
+                                parse_request)
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def parse(optional_params: dict, **litellm_params) -> ChatRequest:
+    return parse_request(CHAT, optional_params, litellm_params)
+
+
+def to_sampling_params(optional_params: dict, defaults: SamplingDefaults = FALLBACK_SAMPLING):
+    """The request's sampling fields resolved as the engine resolves them against its model's defaults."""
+    return defaults.resolve(**parse(optional_params).sampling)
 
 
 def test_empty_request_sets_nothing_and_gets_the_default_sampler_with_no_token_cap():
-    assert request_fields({}) == {}
+    assert parse({}).sampling == {}
     p = to_sampling_params({})
     assert (p.temperature, p.top_k, p.top_p, p.min_p) == (
         FALLBACK_SAMPLING.temperature, FALLBACK_SAMPLING.top_k, FALLBACK_SAMPLING.top_p, FALLBACK_SAMPLING.min_p
@@ -59,7 +71,7 @@ def test_request_values_override_the_default_per_field():
 
 
 def test_max_completion_tokens_is_max_tokens():
-    assert OPENAI_TO_RUNTIME["max_completion_tokens"] == "max_tokens"
+    assert KEYS["max_completion_tokens"].field == "max_tokens"
     assert to_sampling_params({"max_completion_tokens": 9}).max_tokens == 9
 
 
@@ -82,7 +94,7 @@ def test_ignored_params_are_ignored():
         "user": "u1", "metadata": {"k": "v"}, "max_retries": 2, "stream": True, "stream_options": {"include_usage": True},
         "safety_identifier": "s", "store": True,
     }
-    assert request_fields(ignored) == {}
+    assert parse(ignored).sampling == {}
 
 
 @pytest.mark.parametrize(
@@ -132,8 +144,8 @@ def test_drop_unsupported_leaves_out_every_unsupported_openai_param_at_any_value
         "audio": {"voice": "alloy"},
         "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
     }
-    assert set(unsupported) == set(NEUTRAL_ONLY)
-    assert request_fields({**unsupported, "temperature": 0, "max_tokens": 3}, drop_unsupported=True) == {
+    assert set(unsupported) == {k for k, key in KEYS.items() if key.kind == NEUTRAL_ONLY}
+    assert parse({**unsupported, "temperature": 0, "max_tokens": 3}, drop_params=True).sampling == {
         "temperature": 0, "max_tokens": 3
     }
 
@@ -146,7 +158,7 @@ def test_drop_unsupported_leaves_out_every_unsupported_openai_param_at_any_value
 def test_drop_unsupported_still_refuses_unknown_keys_and_bad_values(params, name):
     # LiteLLM's drop_params drops only OpenAI parameters; a mistyped supported one stays an error.
     with pytest.raises(InvalidRequestError) as info:
-        request_fields(params, drop_unsupported=True)
+        parse(params, drop_params=True)
     assert info.value.param == name
 
 
@@ -188,13 +200,28 @@ def test_bad_messages_are_named(messages, name):
 
 
 def test_n_is_the_choices_per_prompt_not_a_sampling_field():
-    assert "n" in SUPPORTED_OPENAI_PARAMS and "n" not in NEUTRAL_ONLY
-    assert [choices_of(p) for p in ({}, {"n": None}, {"n": 1}, {"n": 3}, {"extra_body": {"n": 2}})] == [1, 1, 1, 3, 2]
-    assert request_fields({"n": 3, "temperature": 0.5}) == {"temperature": 0.5}
+    assert "n" in SUPPORTED_OPENAI_PARAMS and KEYS["n"].kind != NEUTRAL_ONLY
+    assert [parse(p).n for p in ({}, {"n": None}, {"n": 1}, {"n": 3}, {"extra_body": {"n": 2}})] == [1, 1, 1, 3, 2]
+    assert parse({"n": 3, "temperature": 0.5}).sampling == {"temperature": 0.5}
 
 
 @pytest.mark.parametrize("n", [0, -1, 2.0, "2", True])
 def test_bad_n_is_named(n):
     with pytest.raises(InvalidRequestError) as info:
-        choices_of({"n": n})
+        parse({"n": n})
     assert info.value.param == "n" and str(info.value) == f"n must be an integer >= 1, got {n!r}"
+
+
+def test_each_option_is_the_chat_request_field_of_its_name():
+    request = parse({"n": 2, "extra_body": {"return_token_ids": True, "backend": "cpu"}})
+    assert (request.n, request.return_token_ids, request.suffix, request.backend) == (2, True, None, "cpu")
+    assert {k for k, key in KEYS.items() if key.kind == OPTION} == {"n", "return_token_ids", "suffix", "backend"}
+
+
+def test_max_completion_tokens_is_named_as_sent_after_the_parse_too():
+    # ChatRequest.names: the engine's later errors (a range, the context) name max_tokens.
+    assert parse({"max_completion_tokens": 9}).names == {"max_tokens": "max_completion_tokens"}
+    assert parse({"max_tokens": 9}).names == {}
+    with pytest.raises(InvalidRequestError) as info:
+        parse({"max_tokens": 1, "max_completion_tokens": 2})
+    assert (info.value.param, str(info.value)) == ("max_tokens", "give max_tokens or max_completion_tokens, not both")

@@ -2,7 +2,7 @@
 
 Starts ``litellm --config examples/proxy_config.yaml`` as a subprocess on a free local port (the
 proxy loads the model itself, in its own process; ``tests/proxy_process.py``), waits for
-``/health/liveliness``, and always terminates the proxy. Skipped when the proxy's own dependencies are not installed.
+``/health/liveliness``, and always terminates the proxy.
 
 The engine runs inside the proxy's process, so the tests read its stats from the proxy's output:
 with ``FLM_LOG_LEVEL=DEBUG`` the engine logs a line with its stats (JSON) whenever a request is
@@ -22,14 +22,13 @@ from pathlib import Path
 
 import litellm
 import numpy as np
+import openai
 import proxy_process
 import pytest
 from forced_speculation import write_always_speculate_policy
 from stream_choices import joined_choices
 from test_flm_fim import MIDDLE, PREFIX, SUFFIX, TEMPLATED_IDS
 
-pytest.importorskip("flm_runtime.api", reason="flm_runtime.api (get_engine) is not there yet")
-openai = pytest.importorskip("openai")
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "proxy_config.yaml"

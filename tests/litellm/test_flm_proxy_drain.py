@@ -1,7 +1,7 @@
 """Graceful drain of a real LiteLLM proxy serving flm (``litellm --config examples/proxy_config.yaml``)
 on SIGTERM, with streams under way.
 
-What is observable (``litellm_flm.shutdown``): within 0.1 s uvicorn closes the listening socket, so
+What is observable (``litellm_flm.compat.drain_on_sigterm``): within 0.1 s uvicorn closes the listening socket, so
 a new connection is refused; a request the server had begun to read (its headers in, its body
 still coming) reaches the handler and gets our 503, ``EngineDrainingError``'s message; the running
 streams end with their whole output, the same as an undisturbed greedy run; the engine logs its
@@ -21,11 +21,10 @@ import threading
 import time
 from pathlib import Path
 
+import openai
 import proxy_process
 import pytest
 from test_flm_proxy import CONFIG
-
-openai = pytest.importorskip("openai")
 
 DRAIN_S = 240  # FLM_DRAIN_TIMEOUT_S: ample for the streams on a busy machine
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?"]

@@ -18,7 +18,7 @@ import pytest
 
 from flm_runtime.errors import InvalidRequestError
 from flm_runtime.loading.chat_template import ThinkingFormat
-from litellm_flm.params import REASONING_EFFORTS, request_fields, requested_thinking
+from litellm_flm.params import REASONING_EFFORTS, parse_request
 from flm_runtime.request import StreamEvent, TokenLogprob
 from litellm_flm.llm import StreamChunks
 from litellm_flm.reasoning import (Reasoning, ReasoningSplitter, split_reasoning, starts_inside_thinking,
@@ -131,8 +131,9 @@ def test_starts_inside_thinking():
     ],
 )
 def test_requested_thinking(params, asked):
-    assert requested_thinking(params) == asked
-    assert request_fields({**params, "temperature": 0}) == {"temperature": 0}  # not sampling fields
+    request = parse_request(QUESTION, {**params, "temperature": 0})
+    assert request.thinking == asked
+    assert request.sampling == {"temperature": 0}  # not sampling fields
 
 
 @pytest.mark.parametrize(
@@ -152,7 +153,7 @@ def test_requested_thinking(params, asked):
 )
 def test_bad_thinking_values_are_named(params, name):
     with pytest.raises(InvalidRequestError) as info:
-        requested_thinking(params)
+        parse_request(QUESTION, params)
     assert info.value.param == name
 
 

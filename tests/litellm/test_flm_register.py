@@ -87,11 +87,11 @@ def test_the_real_registry_is_registered():
 
 def test_model_info_lists_the_parameters_the_handler_supports():
     """Not LiteLLM's one list for every custom provider, which holds ``functions``, ``audio``, ..."""
-    from litellm_flm.params import NEUTRAL_ONLY, SUPPORTED_OPENAI_PARAMS
+    from litellm_flm.params import KEYS, NEUTRAL_ONLY, SUPPORTED_OPENAI_PARAMS
 
     litellm_flm.register()
     assert litellm.get_model_info("flm/smollm2:135m")["supported_openai_params"] == list(SUPPORTED_OPENAI_PARAMS)
-    assert set(NEUTRAL_ONLY) <= set(litellm.get_model_info("openai/gpt-4o-mini")["supported_openai_params"])
+    assert {k for k, key in KEYS.items() if key.kind == NEUTRAL_ONLY} <= set(litellm.get_model_info("openai/gpt-4o-mini")["supported_openai_params"])
 
 
 def test_completion_cost_is_zero(fake_registry, fake_engine):

@@ -1,4 +1,4 @@
-"""``litellm_flm.shutdown``: SIGTERM drains the engines, chained before the server's own handler,
+"""``litellm_flm.compat.drain_on_sigterm``: SIGTERM drains the engines, chained before the server's own handler,
 and only in a proxy's process; a drained engine's refusal is a 503 through LiteLLM."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import litellm
 import pytest
 
 from flm_runtime.errors import EngineDrainingError
-from litellm_flm import shutdown
+from litellm_flm import compat
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_an_sdk_process_keeps_its_sigterm_handler():
 
 
 def test_in_a_proxy_sigterm_starts_the_drain_then_calls_the_servers_handler(monkeypatch, sigterm):
-    monkeypatch.setitem(sys.modules, shutdown.PROXY_SERVER, types.ModuleType(shutdown.PROXY_SERVER))
+    monkeypatch.setitem(sys.modules, compat.PROXY_SERVER, types.ModuleType(compat.PROXY_SERVER))
     order, drained = [], threading.Event()
 
     def server_handler(signum, frame):
@@ -45,22 +45,22 @@ def test_in_a_proxy_sigterm_starts_the_drain_then_calls_the_servers_handler(monk
         return True
 
     signal.signal(signal.SIGTERM, server_handler)
-    assert shutdown.drain_on_sigterm(drain) is True
+    assert compat.drain_on_sigterm(drain) is True
     wrapper = signal.getsignal(signal.SIGTERM)
-    assert shutdown.drain_on_sigterm(drain) is True and signal.getsignal(signal.SIGTERM) is wrapper  # idempotent
+    assert compat.drain_on_sigterm(drain) is True and signal.getsignal(signal.SIGTERM) is wrapper  # idempotent
     os.kill(os.getpid(), signal.SIGTERM)
     assert drained.wait(timeout=10)
     assert sorted(order) == [("drain", None), ("server", signal.SIGTERM)]
 
 
 def test_no_wrapper_outside_a_proxy_or_without_a_handler_to_chain_to(monkeypatch, sigterm):
-    monkeypatch.delitem(sys.modules, shutdown.PROXY_SERVER, raising=False)
+    monkeypatch.delitem(sys.modules, compat.PROXY_SERVER, raising=False)
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     handler = signal.getsignal(signal.SIGTERM)
-    assert shutdown.drain_on_sigterm() is False and signal.getsignal(signal.SIGTERM) is handler
-    monkeypatch.setitem(sys.modules, shutdown.PROXY_SERVER, types.ModuleType(shutdown.PROXY_SERVER))
+    assert compat.drain_on_sigterm() is False and signal.getsignal(signal.SIGTERM) is handler
+    monkeypatch.setitem(sys.modules, compat.PROXY_SERVER, types.ModuleType(compat.PROXY_SERVER))
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    assert shutdown.drain_on_sigterm() is False and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert compat.drain_on_sigterm() is False and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_a_draining_engine_is_a_503_through_litellm(monkeypatch):

@@ -16,10 +16,9 @@ import json
 import os
 import secrets
 
+import openai
 import proxy_process
 import pytest
-
-openai = pytest.importorskip("openai")
 
 MODEL = "qwen-coder"
 REQUEST_S = 600  # the first request also loads the model in the proxy process

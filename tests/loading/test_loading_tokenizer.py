@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import regex
 from tiny_llama_files import random_hf_weights, tiny_config, write_tiny_gguf, write_tiny_hf_dir
 from tokenizers import pre_tokenizers
 
@@ -124,7 +125,6 @@ def test_smollm2_token_bytes_agree_with_gguf_vocab(smollm2_gguf, smollm2_tokeniz
 
 def _reference_bpe_ids(text: str, tokens: list[str], merges: list[str]) -> list[int]:
     """A plain-Python byte-level BPE (digits isolated, GPT-2 regex, lowest-rank merge first)."""
-    regex = pytest.importorskip("regex")
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     byte_char = {b: chr(b) for b in printable}
     others = [b for b in range(256) if b not in byte_char]

@@ -9,8 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
+torch = pytest.importorskip("torch", reason="torch (the [train] extra) is not installed; CI leaves it out, see README")
 
 from flm_runtime import paths
 from flm_runtime.backends import prefill_chunks

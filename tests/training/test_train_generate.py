@@ -10,8 +10,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
-
 from flm_runtime.request import SamplingParams
 from flm_runtime.sampling.sampler import FALLBACK_SAMPLING
 from flm_runtime.scheduling.engine import Engine

@@ -7,8 +7,6 @@ import json
 
 import pytest
 
-pytest.importorskip("flm_train", reason="flm_train (the training/ directory) is not installed")
-
 from flm_train.pipeline import parse_args, stage_prompts
 from flm_train.prompts import load_mt_bench, make_prompts, overlap_report, parse_mix
 
