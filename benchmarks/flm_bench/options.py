@@ -104,11 +104,11 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"--llama-server: its speculation settings to run, some of {', '.join(SPEC_CONFIGS)} "
                         "(default all; the best is compared)")
     p.add_argument("--spec-off", action="store_true",
-                   help="--workloads against llama-server: also run the tag with FLM_SPECULATION=0 (a process of its "
-                        "own) and count identical greedy answers")
+                   help="--workloads: also run the tag with FLM_SPECULATION=0 (a process of its own), with or without "
+                        "--llama-server, and count identical greedy answers")
     p.add_argument("--threads", type=positive_int, metavar="N",
-                   help="--llama-server: threads of every engine (llama-server's -t/-tb, FLM_THREADS; default: "
-                        "FLM_THREADS, else the CPUs this process may use)")
+                   help="--llama-server or --spec-off: threads of every engine (llama-server's -t/-tb, FLM_THREADS; "
+                        "default: FLM_THREADS, else the CPUs this process may use)")
     p.add_argument("--requests", type=positive_int, default=WORKLOAD_REQUESTS,
                    help=f"--workloads: tasks (requests or conversations) per workload (default {WORKLOAD_REQUESTS})")
     p.add_argument("--ceiling-curve", type=cost_curve, metavar="R2,R3,...",
