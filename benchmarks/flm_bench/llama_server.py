@@ -113,7 +113,8 @@ class LlamaServer:
 
     def _env(self) -> dict[str, str]:
         libs = str(self.binary.parent)
-        return dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [libs, os.environ.get("LD_LIBRARY_PATH")])))
+        paths = os.pathsep.join(filter(None, [libs, os.environ.get("LD_LIBRARY_PATH")]))
+        return dict(os.environ, LD_LIBRARY_PATH=paths)
 
     def __enter__(self) -> LlamaServer:
         self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=self._env())
@@ -126,7 +127,8 @@ class LlamaServer:
                 time.sleep(0.5)
         self.proc.kill()
         self.proc.wait()
-        raise RuntimeError(f"llama-server did not start; its log: {self.log.name}\n{Path(self.log.name).read_text()[-3000:]}")
+        log = Path(self.log.name).read_text()[-3000:]
+        raise RuntimeError(f"llama-server did not start; its log: {self.log.name}\n{log}")
 
     def __exit__(self, kind, *exc) -> None:
         self.proc.terminate()

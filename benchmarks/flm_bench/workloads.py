@@ -18,7 +18,7 @@ data that ships with the package, none of it ever trained on.
   "content": <the file sent>}``), as editors send it;
 - ``fim``: fill-in-the-middle while typing: a function of the file typed into it top to bottom,
   at each of ``FIM_PAUSES`` pauses a text completion (``prompt`` = the file up to the cursor,
-  ``suffix`` = the file after the function) of up to ``FIM_MAX_TOKENS`` tokens;
+  ``suffix`` = the ``FIM_SUFFIX_LINES`` lines after the function) of up to ``FIM_MAX_TOKENS`` tokens;
 - ``rag``: a question or a summary over a passage of a bench document (``documents.py``);
 - ``agent``: tools with JSON Schema parameters (``TOOLS``), ``tool_choice`` ``required`` or
   ``auto``; each tool call gets a result (``tool_result``, computed from the arguments) and the
@@ -76,6 +76,7 @@ SEARCH_REPLACE_SYSTEM = (
     "of them to be found in one place only), then a line `=======`, then the lines that replace them, then a "
     "line `>>>>>>> REPLACE`. Put the blocks in the order their lines appear in the file.")
 FIM_PAUSES = 6  # completions per typed function
+FIM_SUFFIX_LINES = 40  # the suffix's lines: editor plugins send a window after the cursor, not the rest of the file
 FIM_MAX_TOKENS = 48  # an editor's inline suggestion: a line or a few
 
 RAG_SYSTEM = "Answer the user's request using only the document they give."
@@ -336,7 +337,8 @@ def without_docstring(source: str) -> str:
     """``source`` (one function) without the lines of its docstring; unchanged if it has none."""
     fn = _function_node(source)
     first = fn.body[0]
-    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)):
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
         return source
     lines = source.splitlines(keepends=True)
     return "".join(lines[:first.lineno - 1] + lines[first.end_lineno:])
@@ -394,7 +396,8 @@ def search_replace(n: int, max_tokens: int, *, predicted: bool = False) -> list[
         name, edit = edit_pair(i)
         text = edited_source(name, edit)
         messages = [{"role": "system", "content": SEARCH_REPLACE_SYSTEM},
-                    {"role": "user", "content": f"{EDIT_FILE_NAME}\n```python\n{text}```\n\n{edit_instruction(name, edit)}"}]
+                    {"role": "user",
+                     "content": f"{EDIT_FILE_NAME}\n```python\n{text}```\n\n{edit_instruction(name, edit)}"}]
         request = {"messages": messages, "max_tokens": max_tokens}
         if predicted:
             request["prediction"] = {"type": "content", "content": text}
@@ -405,12 +408,12 @@ def search_replace(n: int, max_tokens: int, *, predicted: bool = False) -> list[
 def fim_pauses(name: str, pauses: int) -> list[tuple[str, str]]:
     """The (prefix, suffix) of each pause while function ``name`` of ``EDIT_SOURCE_FILE`` is typed
     into the file top to bottom: ``pauses`` lines of its code (after the signature and the
-    docstring), spread evenly (blank lines skipped), the cursor in the middle of each line's text; the prefix is the file up
-    to the cursor, the suffix a newline and the file after the function (what is not typed yet
-    of the function is not there).
+    docstring), spread evenly (blank lines skipped), the cursor in the middle of each line's text;
+    the prefix is the file up to the cursor, the suffix a newline and the ``FIM_SUFFIX_LINES``
+    lines of the file after the function (what is not typed yet of the function is not there).
 
     Raises:
-        ValueError: the function has fewer than ``pauses`` non-blank lines after its first.
+        ValueError: the function has fewer than ``pauses`` non-blank lines of code.
     """
     first, last = edit_functions()[name]
     lines = edit_file().splitlines(keepends=True)
@@ -419,7 +422,7 @@ def fim_pauses(name: str, pauses: int) -> list[tuple[str, str]]:
     body = [k for k in range(code, last + 1) if lines[k].strip()]
     if len(body) < pauses:
         raise ValueError(f"{name} has {len(body)} lines to pause in, fewer than {pauses}")
-    before, after = "".join(lines[:first]), "".join(lines[last + 1:])
+    before, after = "".join(lines[:first]), "".join(lines[last + 1:last + 1 + FIM_SUFFIX_LINES])
     out = []
     for j in range(pauses):
         k = body[j * len(body) // pauses]

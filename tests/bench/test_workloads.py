@@ -113,7 +113,7 @@ def test_fim_types_a_function_into_the_file_pausing_mid_line():
     text = workloads.edit_file()
     first, last = workloads.edit_functions()["group_by_window"]
     lines = text.splitlines(keepends=True)
-    after = "\n" + "".join(lines[last + 1:])
+    after = "\n" + "".join(lines[last + 1:last + 41])
     pauses = workloads.fim_pauses("group_by_window", 6)
     assert len(pauses) == 6 and all(suffix == after for _, suffix in pauses)
     # Each prefix is the file up to a point inside the function, ending mid-line, further each time.
