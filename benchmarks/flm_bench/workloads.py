@@ -176,11 +176,6 @@ class Task:
         """Requests in the longest conversation this task can make."""
         return 1 + len(self.user_turns) + self.tool_rounds + len(self.next_requests)
 
-    @property
-    def text_completion(self) -> bool:
-        """Its requests are text completions (``prompt``, ``suffix``), not chat."""
-        return "prompt" in self.request
-
 
 @dataclass(frozen=True)
 class Answer:
