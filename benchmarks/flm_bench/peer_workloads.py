@@ -145,7 +145,8 @@ def flm_send(tag: str, request: dict, sampler: dict) -> Reply:
             response = litellm.completion(**kwargs, extra_body={"return_token_ids": True})
     except litellm.BadRequestError as e:
         if "prediction" in request and "prediction" in str(e):
-            return Reply(None, (), 0, 0, time.perf_counter() - t0, error=f"not supported: {e}")
+            reason = str(e).split("; got ")[0][:200]  # not the file it echoes
+            return Reply(None, (), 0, 0, time.perf_counter() - t0, error=f"not supported: {reason}")
         raise
     return Reply.of(response, time.perf_counter() - t0)
 
