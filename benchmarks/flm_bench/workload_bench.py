@@ -186,10 +186,14 @@ def converse(task: Task, mode: str, tags: tuple[str, str], seed: int, k: int, *,
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.llama_server or args.spec_off:
+        from flm_bench import peer_workloads
+
+        return peer_workloads.main(args)
     if args.quick or args.baseline_only or args.no_ngram or args.contexts or args.stop_at_eos:
         raise InvalidRequestError("--workloads runs both tags through LiteLLM and takes none of --quick, "
                                   "--baseline-only, --no-ngram, --contexts, --stop-at-eos", param="--workloads")
-    names = workloads.parse_workloads(args.workloads)
+    names = workloads.parse_workloads(args.workloads, workloads.DFLASH_WORKLOADS, workloads.CHAT_WORKLOADS)
     modes = parse_modes(args.modes)
     max_tokens = args.max_tokens or WORKLOAD_MAX_TOKENS
     docs = load_documents(args.documents)

@@ -138,7 +138,7 @@ def test_bench_workloads_through_litellm_one_task_each(run_cli, random_draft, tm
     assert [(r["workload"], r["turn"]) for r in rows] == [
         ("chat", "1"), *(("multi-turn", str(t)) for t in range(1, 5)), ("code-edit", "1"), ("rag", "1"), ("agent", "1"),
         ("extraction", "1")]
-    assert {r["mode"] for r in rows} == {"greedy"} and rows[5]["task"] == "linecache.getline rename"
+    assert {r["mode"] for r in rows} == {"greedy"} and rows[5]["task"] == "parse_duration rename-and-hints"
     assert all(r["plain_tokens"] == r["dflash_tokens"] == "3" and r["identical"] == "yes" for r in rows)
     # Every token after the first: a verify step's or a plain step's.
     assert all(sum(int(r[f"{k}_pushed"]) for k in PROPOSERS) + int(r["plain_steps"]) == 2
