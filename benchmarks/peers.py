@@ -14,7 +14,7 @@ that machine noise hits all of them; each figure is the median over rounds, and 
 (ours / llama.cpp) is the median of the per-round ratios. Token ids are drawn at random from the
 vocabulary (speed does not depend on them), the same ids for every engine.
 
-Ours: ``LlamaModel.forward`` / ``prefill`` on the cpu backend, loaded once per weight kind asked
+Ours: ``flm_runtime.backends.forward`` / ``prefill`` on the cpu backend, loaded once per weight kind asked
 (``--weights``, default ``auto,q8``: ``auto`` is what a user gets by default, the GGUF's own
 precision class). llama.cpp: llama-cpp-python's C bindings (``llama_decode`` of one batch,
 ``llama_memory_seq_rm`` to roll back), contexts with the default flash-attention and f16 KV cache

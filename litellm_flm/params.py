@@ -76,19 +76,25 @@ class Key(NamedTuple):
     why: str = ""
 
 
+# Readers of an OPTION: the value of request key ``key`` as the field holds it; each raises
+# InvalidRequestError naming ``key`` for a value it does not take.
+
 def positive_int(key: str, value: Any) -> int:
+    """An integer of at least 1 (not a bool, not a float)."""
     if type(value) is not int or value < 1:
         raise InvalidRequestError(f"{key} must be an integer >= 1, got {value!r}", param=key)
     return value
 
 
 def boolean(key: str, value: Any) -> bool:
+    """True or False (not 0 or 1)."""
     if type(value) is not bool:
         raise InvalidRequestError(f"{key} must be true or false, got {value!r}", param=key)
     return value
 
 
 def string(key: str, value: Any) -> str:
+    """A string, the empty one included."""
     if not isinstance(value, str):
         raise InvalidRequestError(f"{key} must be a string, got {value!r}", param=key)
     return value
@@ -108,7 +114,7 @@ def predicted_content(key: str, value: Any) -> str:
 
 
 def backend_name(key: str, value: Any) -> str:
-    """``auto``, ``cpu`` or ``npu``, as ``FLM_BACKEND`` (``flm_runtime.requested_backend``)."""
+    """``auto``, ``cpu`` or ``npu``, as ``FLM_BACKEND`` (``flm_runtime.requested_backend`` names ``backend``)."""
     return requested_backend(value)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import litellm
 import pytest
 
+from flm_runtime import api
 from flm_runtime.api import get_engine
 from flm_runtime.sampling.sampler import choice_seed
 
@@ -34,7 +35,17 @@ GREEDY = {"temperature": 0, "max_tokens": 40}
 
 @pytest.fixture(scope="module")
 def engine(qwen_coder_gguf):
-    return get_engine(TAG)
+    """The process's engine of ``TAG`` with the default (quantized) weights, whatever the suite's
+    ``FLM_WEIGHTS``: every assertion here is an equality between two paths, or the greedy fill-in,
+    which our runs gave the same on float32 and default weights (2026-12-07); float32 took minutes longer.
+    Dropped afterwards, so that no later test gets it for a float32 one."""
+    api.default_runtime.forget(TAG)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("FLM_WEIGHTS", "auto")
+        engine = get_engine(TAG)
+    assert engine.model.quantized, "an earlier test loaded this model's float32 target into the process's runtime"
+    yield engine
+    api.default_runtime.forget(TAG)
 
 
 def test_the_templated_prompt_is_tokenized_with_the_fim_tokens_as_single_ids(engine):
