@@ -25,8 +25,7 @@ request, so that machine noise hits all alike; a conversation (``agent``) goes o
 with that engine's own answers (``workloads.follow_up``); ``fim``'s pauses follow one another
 whatever the answers. Greedy requests have ``temperature`` 0, sampled ones ``temperature``
 ``SAMPLED_TEMPERATURE`` and a seed (``--seed`` + 100 per conversation + its turn; the same on
-every engine). A request our provider refuses because it sends ``prediction`` (which it does not
-accept yet) is reported "not supported" and its workload has no figure for us.
+every engine).
 
 Measured per request: wall seconds from sending it to the whole response (not streamed: the
 end-to-end time, prefill included), completion and prompt tokens (``usage``), our answer's token
@@ -138,16 +137,10 @@ def flm_send(tag: str, request: dict, sampler: dict) -> Reply:
     """
     kwargs = {"model": PROVIDER_PREFIX + tag, "timeout": REQUEST_TIMEOUT_S, **request, **sampler}
     t0 = time.perf_counter()
-    try:
-        if "prompt" in request:
-            response = litellm.text_completion(**kwargs)
-        else:
-            response = litellm.completion(**kwargs, extra_body={"return_token_ids": True})
-    except litellm.BadRequestError as e:
-        if "prediction" in request and "prediction" in str(e):
-            reason = str(e).split("; got ")[0][:200]  # not the file it echoes
-            return Reply(None, (), 0, 0, time.perf_counter() - t0, error=f"not supported: {reason}")
-        raise
+    if "prompt" in request:
+        response = litellm.text_completion(**kwargs)
+    else:
+        response = litellm.completion(**kwargs, extra_body={"return_token_ids": True})
     return Reply.of(response, time.perf_counter() - t0)
 
 

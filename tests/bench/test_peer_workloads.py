@@ -104,9 +104,9 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
-def test_spec_off_runs_our_tag_twice_and_reports_prediction_as_not_supported(run_cli, tmp_path):
-    """Our tag in this process and with FLM_SPECULATION=0 in a worker: greedy answers identical;
-    ``prediction`` reaches our provider, which refuses it today (another change adds it)."""
+def test_spec_off_runs_our_tag_twice_with_and_without_a_prediction(run_cli, tmp_path):
+    """Our tag in this process and with FLM_SPECULATION=0 in a worker: greedy answers identical,
+    with ``prediction`` too (our provider proposes it; without speculation it has no effect)."""
     status, out, _ = run_cli("bench", "--workloads", "chat,prediction", "--spec-off", "--requests", 1,
                              "--max-tokens", 3, "--modes", "greedy", "--out", tmp_path, "--quiet")
     assert status == 0
@@ -117,8 +117,7 @@ def test_spec_off_runs_our_tag_twice_and_reports_prediction_as_not_supported(run
     chat = [r for r in rows if r["workload"] == "chat"]
     assert [r["completion_tokens"] for r in chat] == ["3", "3"] and chat[0]["prompt_tokens"] == chat[1]["prompt_tokens"]
     predicted = [r for r in rows if r["workload"] == "prediction"]
-    if any(r["error"] for r in predicted):  # until the provider accepts prediction
-        assert all(r["error"].startswith("not supported: ") and "prediction" in r["error"] for r in predicted)
+    assert not any(r["error"] for r in predicted) and len({r["completion_tokens"] for r in predicted}) == 1
     md = (tmp_path / "peer_workloads.md").read_text()
     assert "| chat | greedy | 1 |" in md and "| 1 of 1 |" in md
     assert "litellm-flm bench --workloads chat,prediction --tag smollm2:135m --threads" in md and "--spec-off" in md
