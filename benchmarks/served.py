@@ -28,8 +28,19 @@ What is measured (each figure per round; the table gives medians over ``--rounds
    stopping at the end of turn): the TTFT of each turn. flm runs it twice, with its prefix cache
    on (this process) and off (a worker process, ``python served.py --worker-chat``, started with
    ``FLM_PREFIX_CACHE=0``). llama-server runs it with ``cache_prompt`` on. The prompt tokens of each turn (from ``usage``)
-   are in the row labels, flm's / llama-server's: the histories differ where the answers do;
-4. cold start: the wall time of ``subprocess.run`` of a new process ``litellm-flm run <tag> "Hi"
+   are in the row labels, flm's / llama-server's: the histories differ where the answers do; turn
+   1's prompt tokens / its TTFT is the prefill rate;
+4. decode against the read-bandwidth bound: each round, once other processes are quiet, this
+   process streams a 1 GiB float32 matrix through the 1-row product a decode step uses and through
+   a numpy sum (``decode_bandwidth.read_bandwidth``, the faster of the two: the read bandwidth this
+   process gets with its threads). An engine's bound is that bandwidth / its bytes per decode
+   token, and its figure the round's single-stream decode tokens/s / the bound. flm's bytes per
+   token are what its weights stream per decode step (``model.nbytes_per_token``: every layer,
+   the final norm and the LM head as the engine holds them, not the embedding row); llama-server's
+   are the GGUF's tensor bytes (``gguf_bytes_per_token``: all of them but ``token_embd`` when the
+   file has an ``output`` tensor, since then only one row of it is read per token). The KV cache a
+   step reads (a short prompt's) is left out of both;
+5. cold start: the wall time of ``subprocess.run`` of a new process ``litellm-flm run <tag> "Hi"
    --temperature 0``, run twice, the second reported (caches warm). flm only.
 
 Every prompt of a round starts with a tag of its own (``Request 2-5.``, ``Conversation 2.``), so
@@ -61,18 +72,9 @@ and that slow a current OpenBLAS, hence numpy) for its own process and the proce
 unless ``--keep-openblas-env``; its header says which. Nothing outside the script's processes is
 changed.
 
-llama-server is built from the sources of the ``llama-cpp-python`` sdist (its ``vendor/llama.cpp``),
-the same llama.cpp that benchmarks/peers.py measures through the Python bindings, with the flags
-peers.py gives (the native build otherwise uses AMX, which faults on our AVX-512 host although the
-CPU reports it). ``--build-llama-server DIR`` does it (``build_llama_server``: about 15 minutes on
-2 cores; an existing build in DIR is reused) and measures with the result; by hand it is:
-
-    pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d DIR
-    tar xzf DIR/llama_cpp_python-0.3.36.tar.gz -C DIR && cd DIR/llama_cpp_python-0.3.36/vendor/llama.cpp
-    cmake -B build -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release \\
-        -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \\
-        -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
-    cmake --build build --target llama-server -j 2      # -> build/bin/llama-server
+llama-server is built from the sources of the ``llama-cpp-python`` sdist, native without AMX
+(``flm_bench.llama_server`` holds the recipe); ``--build-llama-server DIR`` builds it there
+(about 15 minutes on 2 cores; an existing build in DIR is reused) and measures with the result.
 
 Usage (``--quick``: one round of everything, smaller, to check that it runs):
 
@@ -89,23 +91,20 @@ import asyncio
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from flm_bench.llama_server import LLAMA_CPP_PYTHON, LlamaServer, build_llama_server
 from flm_bench.options import positive_int, thread_env
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm must not fetch it
 
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 FLM, NOCACHE, LLAMA = "flm", "flm, prefix cache off", "llama-server"
+PROBE = "read-bandwidth probe"  # not an engine: the process's read bandwidth, per round
 LLAMA_CTX = 16384  # llama-server's unified KV buffer, shared by its slots
 SETTLE_S = 0.5  # pause between engines: idle OpenMP / OpenBLAS workers spin for ~0.1-0.2 s
 QUIET_CPUS = 0.25  # other processes busier than this (in CPUs, over a second) delay the next engine's turn
@@ -166,30 +165,18 @@ def _counts(text: str) -> list[int]:
     return values
 
 
-def build_llama_server(directory: Path, jobs: int = 2) -> Path:
-    """llama-server built from the ``LLAMA_CPP_PYTHON`` sdist's ``vendor/llama.cpp`` in
-    ``directory`` (downloaded with pip, unpacked, configured native without AMX, the one target
-    built); an existing binary there is returned as it is. Takes ~15 minutes on 2 cores.
+def gguf_bytes_per_token(gguf: Path) -> int:
+    """Bytes of ``gguf``'s tensors that a decode step reads: all of them, less ``token_embd.weight``
+    when the file has an ``output.weight`` (the embedding is then only gathered, a row per token).
 
     Raises:
-        subprocess.CalledProcessError: a step failed (its output is on the terminal).
+        ValueError: (gguf) not a GGUF file.
     """
-    directory = directory.expanduser().resolve()
-    name, version = LLAMA_CPP_PYTHON.split("==")
-    source = directory / f"{name.replace('-', '_')}-{version}" / "vendor" / "llama.cpp"
-    binary = source / "build" / "bin" / "llama-server"
-    if binary.exists():
-        return binary
-    directory.mkdir(parents=True, exist_ok=True)
-    if not source.exists():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                        LLAMA_CPP_PYTHON, "-d", str(directory)], check=True)
-        sdist = directory / f"{name.replace('-', '_')}-{version}.tar.gz"
-        subprocess.run(["tar", "xzf", str(sdist), "-C", str(directory)], check=True)
-    subprocess.run(["cmake", "-B", "build", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release",
-                    f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"], cwd=source, check=True)
-    subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "-j", str(jobs)], cwd=source, check=True)
-    return binary
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(gguf).tensors}
+    gathered = tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0
+    return sum(tensors.values()) - gathered
 
 
 def wanted_env(args: argparse.Namespace, environ) -> dict[str, str]:
@@ -369,45 +356,6 @@ def wait_for_quiet(ours: list[int], max_wait: float) -> float:
 # --- The peers: llama-server, and flm with its prefix cache off in a process of its own ------------
 
 
-class LlamaServer:
-    """llama-server on ``gguf`` at a free port of 127.0.0.1, its log in a temporary file (removed at
-    the end unless something failed); a context manager that stops it."""
-
-    def __init__(self, binary: Path, gguf: Path, threads: int, parallel: int):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.binary = binary
-        self.command = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-                        "--host", "127.0.0.1", "--port", str(self.port), "--parallel", str(parallel),
-                        "--kv-unified", "--ctx-size", str(LLAMA_CTX), "--cache-prompt", "--no-webui"]
-        self.log = tempfile.NamedTemporaryFile(prefix="served-llama-server-", suffix=".log", delete=False)
-        self.target = {"model": "openai/llama-server", "api_base": f"http://127.0.0.1:{self.port}/v1",
-                       "api_key": "none", "extra_body": {"cache_prompt": True}}
-
-    def __enter__(self) -> LlamaServer:
-        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return self
-            except OSError:
-                time.sleep(0.5)
-        self.proc.kill()
-        raise RuntimeError(f"llama-server did not start; its log: {self.log.name}\n{Path(self.log.name).read_text()[-3000:]}")
-
-    def __exit__(self, kind, *exc) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        if kind is None:  # kept when something failed
-            Path(self.log.name).unlink()
-
-    def version(self) -> str:
-        out = subprocess.run([str(self.binary), "--version"], capture_output=True, text=True)
-        return " ".join((out.stdout + out.stderr).split())
-
-
 class CacheOffChat:
     """flm with ``FLM_PREFIX_CACHE=0`` in a worker process (``--worker-chat``) that runs the chat on
     request: one JSON line in (the chat), one out (``chat``'s result)."""
@@ -448,11 +396,19 @@ def worker_chat(tag: str) -> int:
 
 
 async def measure(args: argparse.Namespace, llama: dict, cache_off: CacheOffChat, tokenizer,
-                  ours: list[int], others: list[float]) -> tuple[dict[str, dict[str, list]], int]:
-    """Warm every engine up, then ``args.rounds`` interleaved rounds; returns per engine, per
-    figure, the values of every round, and the turns run again because of other processes; appends
-    to ``others`` the CPUs that processes other than ``ours`` kept busy during each round's turns
-    (``Noise``)."""
+                  bytes_per_token: dict[str, int], ours: list[int],
+                  others: list[float]) -> tuple[dict[str, dict[str, list]], int]:
+    """Warm every engine up, then ``args.rounds`` interleaved rounds; returns per engine (and
+    ``PROBE``: the read bandwidth, bytes/s), per figure, the values of every round, and the turns
+    run again because of other processes; appends to ``others`` the CPUs that processes other than
+    ``ours`` kept busy during each round's turns (``Noise``).
+
+    Args:
+        bytes_per_token: per engine (``FLM``, ``LLAMA``), the weight bytes a decode step reads.
+    """
+    import numpy as np
+    from decode_bandwidth import PROBE_BYTES, read_bandwidth  # benchmarks/, this script's folder
+
     from flm_bench.documents import SHORT_PROMPTS
 
     flm = {"model": f"flm/{args.tag}"}
@@ -466,7 +422,13 @@ async def measure(args: argparse.Namespace, llama: dict, cache_off: CacheOffChat
         await concurrent(target, list(SHORT_PROMPTS), 2, 4, "warm-up")
     await cache_off.chat(warm_doc, [], 4)
 
-    values: dict[str, dict[str, list]] = {FLM: {}, NOCACHE: {}, LLAMA: {}}
+    values: dict[str, dict[str, list]] = {FLM: {}, NOCACHE: {}, LLAMA: {}, PROBE: {}}
+    rng = np.random.default_rng(0)
+    matrix = rng.standard_normal((PROBE_BYTES // 4 // 4096, 4096), dtype=np.float32)
+    vector = rng.standard_normal(4096, dtype=np.float32)
+
+    async def probe(_attempt: int) -> float:
+        return read_bandwidth(matrix, vector)
 
     def keep(engine: str, figure: str, value) -> None:
         values[engine].setdefault(figure, []).append(value)
@@ -479,6 +441,9 @@ async def measure(args: argparse.Namespace, llama: dict, cache_off: CacheOffChat
             result = await noise.turn(lambda a: single(targets[name], question, args.max_tokens, f"{r + 1}.{a}"))
             for figure, value in result.items():
                 keep(name, figure, value)
+        keep(PROBE, "bandwidth", await noise.turn(probe))
+        for name in (FLM, LLAMA):
+            keep(name, "bound", values[name]["decode"][-1] * bytes_per_token[name] / values[PROBE]["bandwidth"][-1])
         for n in args.streams:
             for name in order:
                 keep(name, f"streams_{n}", await noise.turn(lambda a: concurrent(
@@ -494,15 +459,17 @@ async def measure(args: argparse.Namespace, llama: dict, cache_off: CacheOffChat
             for turn, (ttft, prompt) in enumerate(zip(result["ttft"], result["prompt_tokens"]), 1):
                 keep(name, f"chat_{turn}", ttft)
                 keep(name, f"chat_{turn}_prompt", prompt)
+            if name != NOCACHE:
+                keep(name, "prefill", result["prompt_tokens"][0] / result["ttft"][0])
         others.append(noise.take())
         print(f"round {r + 1}/{args.rounds}, other processes {others[-1]:.1f} CPUs: " + "; ".join(
-            f"{name}: {values[name]['decode'][-1]:.1f} tokens/s, "
+            f"{name}: {values[name]['decode'][-1]:.1f} tokens/s ({values[name]['bound'][-1]:.2f} of its bound), "
             + ", ".join(f"{n} streams {values[name][f'streams_{n}'][-1]:.1f}" for n in args.streams)
             + f", chat turn {args.turns} TTFT {values[name][f'chat_{args.turns}'][-1]:.2f} s"
             for name in (FLM, LLAMA)), flush=True)
         if r + 1 < args.rounds:  # the table so far, should the run be cut short
             keys = [key for key, _, _ in figures(args.streams, args.turns)]
-            print(format_table(summarize(values, keys), args.streams, args.turns, None), flush=True)
+            print(format_table(summarize(values, keys), args.streams, args.turns, None, bytes_per_token), flush=True)
     return values, noise.repeated
 
 
@@ -512,9 +479,11 @@ async def measure(args: argparse.Namespace, llama: dict, cache_off: CacheOffChat
 def figures(streams: list[int], turns: int) -> list[tuple[str, str, str]]:
     """The table's rows in order: (figure key, row label, format of a value)."""
     rows = [("decode", "1 stream: decode tokens/s after the first token", ".1f"),
+            ("bound", "1 stream: decode / the read-bandwidth bound", ".2f"),
             ("ttft", "1 stream: TTFT s, short prompt", ".3f")]
     rows += [(f"streams_{n}", f"{n} concurrent streams: aggregate tokens/s", ".1f") for n in streams]
     rows += [(f"chat_{t}", f"chat turn {t}: TTFT s", ".3f") for t in range(1, turns + 1)]
+    rows.append(("prefill", "chat turn 1: prefill tokens/s (prompt tokens / TTFT)", ",.0f"))
     return rows
 
 
@@ -538,10 +507,11 @@ def summarize(values: dict[str, dict[str, list]], keys: list[str]) -> dict[str, 
 
 
 def format_table(summary: dict[str, dict[str, float]], streams: list[int], turns: int,
-                 cold: float | None) -> str:
-    """The markdown table: a row per figure with flm, llama-server and their ratio; the chat rows
-    again for flm with the prefix cache off, then the cache on / off ratio of each turn and the
-    cold start (flm's alone)."""
+                 cold: float | None, bytes_per_token: dict[str, int]) -> str:
+    """The markdown table: a row per figure with flm, llama-server and their ratio; each engine's
+    bytes per decode token and the probe's read bandwidth (the bound's terms); the chat rows again
+    for flm with the prefix cache off, then the cache on / off ratio of each turn and the cold
+    start (flm's alone)."""
     flm, off, llama = summary[FLM], summary.get(NOCACHE, {}), summary[LLAMA]
     lines = [f"| figure | {FLM} | {LLAMA} | ratio {FLM} / {LLAMA} |", "|---|---|---|---|"]
     rows = figures(streams, turns)
@@ -549,6 +519,11 @@ def format_table(summary: dict[str, dict[str, float]], streams: list[int], turns
         if key.startswith("chat_"):
             label += f" (prompt {flm[key + '_prompt']:,.0f} / {llama[key + '_prompt']:,.0f} tokens)"
         lines.append(f"| {label} | {flm[key]:{fmt}} | {llama[key]:{fmt}} | {flm[f'ratio_{key}']:.2f}x |")
+    ours, theirs = bytes_per_token[FLM], bytes_per_token[LLAMA]
+    lines.append(f"| bytes per decode token, MB (flm: its weights as held; llama-server: the GGUF's tensors) | "
+                 f"{ours / 1e6:,.1f} | {theirs / 1e6:,.1f} | {ours / theirs:.2f}x |")
+    lines.append(f"| read bandwidth of this process, GB/s (the probe; bound = bandwidth / bytes per token) | "
+                 f"{summary[PROBE]['bandwidth'] / 1e9:.1f} | – | – |")
     chat = [(key, label, fmt) for key, label, fmt in rows if key.startswith("chat_") and key in off]
     for key, label, fmt in chat:
         lines.append(f"| {label.replace('chat', 'chat, FLM_PREFIX_CACHE=0,', 1)} | {off[key]:{fmt}} | "
@@ -585,7 +560,7 @@ def header(args: argparse.Namespace, argv: list[str], gguf: Path, server: LlamaS
         f"up to {args.retries} times each, when above {NOISY_CPUS}); {elapsed:.0f} s",
         f"model {args.tag} ({gguf}); {args.threads} threads for both engines; {args.rounds} round(s), interleaved",
         f"llama-server {server.binary} ({server.version()}): "
-        f"{' '.join(server.command[3:7] + server.command[11:])}, cache_prompt true",
+        f"{server.flags}, cache_prompt true",
         f"single and concurrent streams: {args.max_tokens} tokens each, end of turn ignored; chat: "
         f"{args.turns} turns, {args.document_tokens} document tokens, answers of {args.turn_tokens} tokens at most",
         f"cold start runs: {', '.join(f'{s:.2f} s' for s in cold)} (the second is reported)",
@@ -620,25 +595,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, argv: list[str], binary: Path) -> int:
-    """Start llama-server and the cache-off worker, measure, run the cold starts, print the table."""
+    """Start llama-server and the cache-off worker, measure, run the cold starts, print the table
+    (Markdown ready for docs/benchmarks.md: a heading, the header's lines as a list, the table)."""
     import litellm_flm  # noqa: F401 - registers the flm provider
     from flm_runtime import get_engine, pull
 
     gguf = pull.locate(args.tag)
-    tokenizer = get_engine(args.tag).tokenizer  # the engine flm/<tag> serves with (one per process)
+    engine = get_engine(args.tag)  # the engine flm/<tag> serves with (one per process)
+    tokenizer = engine.tokenizer
+    bytes_per_token = {FLM: engine.model.nbytes_per_token, LLAMA: gguf_bytes_per_token(gguf)}
     started, others = time.time(), []
     cache_off = CacheOffChat(args.tag)
     try:
-        with LlamaServer(binary, gguf, args.threads, max(args.streams)) as server:
+        with LlamaServer(binary, gguf, args.threads, max(args.streams), LLAMA_CTX) as server:
             ours = [os.getpid(), cache_off.proc.pid, server.proc.pid]
-            values, repeated = asyncio.run(measure(args, server.target, cache_off, tokenizer, ours, others))
+            values, repeated = asyncio.run(measure(args, server.target, cache_off, tokenizer, bytes_per_token, ours,
+                                                   others))
     finally:
         cache_off.close()
     print("cold starts ...", flush=True)
     cold = cold_start(args.tag, args.max_wait)
     summary = summarize(values, [key for key, _, _ in figures(args.streams, args.turns)])
     lines = header(args, argv, gguf, server, others, repeated, time.time() - started, cold)
-    print("\n" + "\n".join(lines) + "\n\n" + format_table(summary, args.streams, args.turns, cold[-1]))
+    table = format_table(summary, args.streams, args.turns, cold[-1], bytes_per_token)
+    print(f"\n#### `{args.tag}` through LiteLLM against llama-server\n\n" + "\n".join(f"- {line}" for line in lines)
+          + f"\n\n{table}")
     return 0
 
 

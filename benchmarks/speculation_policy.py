@@ -26,6 +26,7 @@ import argparse
 import statistics
 
 from flm_runtime import api, registry
+from flm_runtime.speculation import decoders
 from flm_bench.calibrate import step_costs
 from flm_runtime.request import SamplingParams
 from flm_runtime.scheduling.engine import Engine
@@ -48,7 +49,7 @@ def main() -> int:
     entry = registry.resolve(a.draft_tag)
     baseline = api.get_engine(entry.base, "cpu")
     model, tok = baseline.model, baseline.tokenizer
-    draft = api.load_draft(entry.tag, model)
+    draft = decoders.load_draft(entry.tag, model)
     costs = step_costs(SpeculativeDecoder(model, draft), 64, 5, np.random.default_rng(0))
     ratio = (costs["propose"] + costs["verify"][-1]) / costs["decode"]
     table = PolicyTable(model=entry.tag, backend="cpu", buckets=[Bucket(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import time
 import uuid
 import weakref
@@ -108,6 +109,9 @@ def _start(model: str, messages: list, optional_params: dict, timeout: Any,
     with named_as_sent(request.names):
         engine = _get_engine(model, request.backend)
         params = engine.sampling_params(**request.sampling)  # the model's default sampler fills unset fields
+        predicted = () if request.prediction is None else engine.tokenizer.encode(request.prediction, add_bos=False,
+                                                                                   parse_special=False)
+        params = dataclasses.replace(params, speculation=request.speculation, prediction=tuple(predicted))
         prompt_ids, reasoning = _render(engine, request)
         return _submit(engine, request, params, prompt_ids, reasoning, timeout)
 
@@ -152,14 +156,16 @@ def _submit(engine, request: ChatRequest, params, prompt_ids: list[list[int]], r
     def grammar() -> list:  # each choice's own matcher: its state follows that choice's tokens
         return [compiler.processor(grammar_text, param=output.param)] if compiler else []
 
+    from flm_runtime import with_output_limit  # deferred, as in _get_engine: it loads the engine's modules
+
     groups: list[list] = []
     raw = request.text_completion
     try:
         for i, ids in enumerate(prompt_ids):
             # The engine names a prompt "messages": a text completion's is "prompt", or "prompt[i]" of several.
             with named_as_sent({"messages": "prompt" if len(prompt_ids) == 1 else f"prompt[{i}]"} if raw else {}):
-                groups.append(engine.submit_choices(ids, params, request.n, timeout=_timeout_seconds(timeout),
-                                                    processors=grammar))
+                groups.append(engine.submit_choices(ids, with_output_limit(engine, params, len(ids), request.n),
+                                                    request.n, timeout=_timeout_seconds(timeout), processors=grammar))
     except BaseException:
         _cancel(groups)
         raise
@@ -254,15 +260,15 @@ def usage_fields(groups: list[list[Completion | StreamEvent]]) -> dict:
     ``StreamEvent``s (same fields). Each prompt counts once, however many choices share it; every
     choice's completion tokens count.
 
-    With speculative decoding (``stats.spec`` set) ``completion_tokens_details`` says
-    how the proposals fared (the draft's and the n-gram proposer's together):
-    ``accepted_prediction_tokens`` = drafted tokens the target kept, ``rejected_prediction_tokens``
-    = the other drafted tokens. These are OpenAI's "predicted outputs" fields applied to the
-    proposers' predictions; unlike OpenAI's, rejected tokens are not
-    part of ``completion_tokens`` (always the tokens delivered). The full per-request stats
-    (acceptance length and all) are in ``_hidden_params["flm_stats"]``. Prompt tokens taken from
-    the prefix cache instead of computed are ``prompt_tokens_details.cached_tokens`` (OpenAI's
-    field), present when there are any.
+    With a predicted output (OpenAI's ``prediction``: ``SpecStats.proposers`` has the
+    ``prediction`` proposer), ``completion_tokens_details`` says how it fared, in OpenAI's fields:
+    ``accepted_prediction_tokens``, its tokens the verifier kept, and
+    ``rejected_prediction_tokens``, its tokens verified and rejected (OpenAI counts every predicted
+    token the answer lacks, which a verifier that stops at the first mismatch cannot know); like
+    OpenAI's, they are not added to ``completion_tokens`` (always the tokens delivered). Every
+    proposer's figures (acceptance length and all) are in ``_hidden_params["flm_stats"]``. Prompt
+    tokens taken from the prefix cache instead of computed are
+    ``prompt_tokens_details.cached_tokens`` (OpenAI's field), present when there are any.
     """
     dones = [done for group in groups for done in group]
     prompt_tokens = sum(group[0].prompt_tokens for group in groups)
@@ -272,11 +278,12 @@ def usage_fields(groups: list[list[Completion | StreamEvent]]) -> dict:
     cached = sum(group[0].stats.cached_tokens for group in groups if group[0].stats is not None)
     if cached:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    spec = [done.stats.spec for done in dones if done.stats is not None and done.stats.spec is not None]
-    if spec:
-        accepted = sum(s.accepted for s in spec)
+    predicted = [done.stats.spec.proposers["prediction"] for done in dones if done.stats is not None
+                 and done.stats.spec is not None and "prediction" in done.stats.spec.proposers]
+    if predicted:
+        accepted = sum(c.accepted for c in predicted)
         usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                              "rejected_prediction_tokens": sum(s.drafted for s in spec) - accepted}
+                                              "rejected_prediction_tokens": sum(c.drafted for c in predicted) - accepted}
     return usage
 
 

@@ -100,6 +100,19 @@ def string(key: str, value: Any) -> str:
     return value
 
 
+def predicted_content(key: str, value: Any) -> str:
+    """OpenAI's predicted output, ``{"type": "content", "content": text}`` (the text a string or a
+    list of ``{"type": "text", "text": ...}`` parts, joined): the text."""
+    content = value.get("content") if isinstance(value, Mapping) and value.get("type") == "content" else None
+    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise InvalidRequestError(f'{key} must be {{"type": "content", "content": <text or text parts>}}, '
+                                  f"got {value!r}", param=key)
+    return content
+
+
 def backend_name(key: str, value: Any) -> str:
     """``auto``, ``cpu`` or ``npu``, as ``FLM_BACKEND`` (``flm_runtime.requested_backend`` names ``backend``)."""
     return requested_backend(value)
@@ -121,8 +134,9 @@ class ChatRequest:
         prompts: a text completion's prompts (``raw_prompts``, one engine request each); None for a chat.
         sampling: the ``SamplingParams`` fields the request sets (runtime names, ``stop`` a tuple,
             ``logit_bias`` keyed by token id); the model's default sampler fills the rest
-            (``Engine.sampling_params``, field by field). ``max_tokens`` left unset means up to the
-            context: no hidden cap (docs/design.md, "Contract", 4).
+            (``Engine.sampling_params``, field by field). ``max_tokens`` left unset takes the
+            model's default output limit, cut to what the prompt leaves of the context
+            (``flm_runtime.with_output_limit``; docs/design.md, "Contract", 4).
         thinking: (on, the parameter that asked) or None: the template's default (``requested_thinking``).
         output: what the output is held to, and whether its answers hold tool calls.
         drop: the caller's ``drop_params``: what the request asks that the model cannot do is left
@@ -134,6 +148,10 @@ class ChatRequest:
         suffix: a text completion's fill-in-the-middle suffix (empty: a gap at the end of the text).
         backend: the backend the deployment or request names (a Router deployment's
             ``litellm_params`` arrive at the top level); None: ``$FLM_BACKEND`` decides.
+        prediction: OpenAI's predicted output, its text (``predicted_content``), which the engine
+            proposes for verification (``SamplingParams.prediction``); None: none.
+        speculation: False (``extra_body``): decode this request plainly
+            (``SamplingParams.speculation``); the tokens are the same either way.
     """
 
     messages: list[dict[str, Any]] | None
@@ -148,6 +166,8 @@ class ChatRequest:
     return_token_ids: bool = option(False, boolean)
     suffix: str | None = option(None, string)
     backend: str | None = option(None, backend_name)
+    prediction: str | None = option(None, predicted_content, listed=True)
+    speculation: bool = option(True, boolean)
 
     @property
     def text_completion(self) -> bool:
@@ -193,7 +213,6 @@ KEYS: dict[str, Key] = {
     "function_call": Key(NEUTRAL_ONLY, neutral=("none",), why="function_call is not supported (functions are not supported)"),
     "modalities": Key(NEUTRAL_ONLY, neutral=(["text"],), why="only text output is supported (modalities=['text'])"),
     "audio": Key(NEUTRAL_ONLY, why="audio output is not supported"),
-    "prediction": Key(NEUTRAL_ONLY, why="prediction (predicted outputs) is not supported"),
     "web_search_options": Key(NEUTRAL_ONLY, why="web_search_options (web search) is not supported"),
 }
 

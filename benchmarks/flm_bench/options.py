@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
+from flm_bench.llama_server import SPEC_CONFIGS
 from flm_runtime.errors import InvalidRequestError
 
 DEFAULT_TAG = "smollm2:135m"
@@ -92,7 +94,21 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
                         "about 30 decoded tokens, mean ± std over --iterations")
     p.add_argument("--workloads", nargs="?", const="all", metavar="NAMES",
                    help="the workload table instead, through LiteLLM: all (the default) or some of chat, multi-turn, "
-                        "code-edit, rag, agent, extraction, comma-separated")
+                        "code-edit, search-replace, rag, agent, extraction, comma-separated (with --llama-server or "
+                        "--spec-off also prediction and fim)")
+    p.add_argument("--llama-server", type=Path, metavar="PATH",
+                   help="--workloads: the tag against llama-server (this binary) on the same GGUF, through LiteLLM, "
+                        "once per --llama-configs entry; all (the default) is then chat, code-edit, search-replace, "
+                        "prediction, fim, agent")
+    p.add_argument("--llama-configs", default=",".join(SPEC_CONFIGS), metavar="NAMES",
+                   help=f"--llama-server: its speculation settings to run, some of {', '.join(SPEC_CONFIGS)} "
+                        "(default all; the best is compared)")
+    p.add_argument("--spec-off", action="store_true",
+                   help="--workloads: also run the tag with FLM_SPECULATION=0 (a process of its own), with or without "
+                        "--llama-server, and count identical greedy answers")
+    p.add_argument("--threads", type=positive_int, metavar="N",
+                   help="--llama-server or --spec-off: threads of every engine (llama-server's -t/-tb, FLM_THREADS; "
+                        "default: FLM_THREADS, else the CPUs this process may use)")
     p.add_argument("--requests", type=positive_int, default=WORKLOAD_REQUESTS,
                    help=f"--workloads: tasks (requests or conversations) per workload (default {WORKLOAD_REQUESTS})")
     p.add_argument("--ceiling-curve", type=cost_curve, metavar="R2,R3,...",

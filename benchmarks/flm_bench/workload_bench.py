@@ -186,10 +186,14 @@ def converse(task: Task, mode: str, tags: tuple[str, str], seed: int, k: int, *,
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.llama_server or args.spec_off:
+        from flm_bench import peer_workloads
+
+        return peer_workloads.main(args)
     if args.quick or args.baseline_only or args.no_ngram or args.contexts or args.stop_at_eos:
         raise InvalidRequestError("--workloads runs both tags through LiteLLM and takes none of --quick, "
                                   "--baseline-only, --no-ngram, --contexts, --stop-at-eos", param="--workloads")
-    names = workloads.parse_workloads(args.workloads)
+    names = workloads.parse_workloads(args.workloads, workloads.DFLASH_WORKLOADS, workloads.CHAT_WORKLOADS)
     modes = parse_modes(args.modes)
     max_tokens = args.max_tokens or WORKLOAD_MAX_TOKENS
     docs = load_documents(args.documents)
@@ -259,7 +263,7 @@ def verify_curve(tag: str, drafted: int) -> list[float] | None:
     (``speculation.costs``, kept when an engine of the tag first started on this host):
     ``verify_ratio``, ``drafted`` values; None when none was kept for this host and that many
     (every engine of the tag started with ``FLM_HOST_COSTS=0`` or a calibrated table)."""
-    costs = load_host_costs(paths.host_costs_file(tag, "cpu"), host_id(), tag, "cpu", drafted)
+    costs = load_host_costs(paths.host_costs_file(tag, "cpu"), host_id(), tag, "cpu", drafted, drafted)
     return None if costs is None else costs.verify_ratio
 
 

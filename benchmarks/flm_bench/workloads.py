@@ -1,5 +1,5 @@
-"""The requests of ``litellm-flm bench --workloads``: six kinds of use, built at run time from
-data that ships with the package or is on every machine, none of it ever trained on.
+"""The requests of ``litellm-flm bench --workloads``: nine kinds of use, built at run time from
+data that ships with the package, none of it ever trained on.
 
 - ``chat``: one-turn chat requests of our own (``texts/chat_prompts.jsonl``, eight categories as
   MT-Bench's), or with a path the first turns of MT-Bench's ``question.jsonl`` (same format:
@@ -7,11 +7,18 @@ data that ships with the package or is on every machine, none of it ever trained
 - ``multi-turn``: the conversations of ``texts/conversations.jsonl`` (ours), four user turns each,
   the later ones asking to revise the earlier answers; each turn resends the whole history (the
   tag's own answers), as a chat client does;
-- ``code-edit``: a function of Python's standard library, its source as ``inspect.getsource``
-  gives it on this machine (``CODE_FUNCTIONS``), with one of four instructions (``EDITS``):
-  rename it, add type hints, add a docstring (its own docstring removed first), or fix a bug
-  injected into it (``inject_bug``: the first comparison of its body inverted); the answer is
+- ``code-edit``: a function of ``texts/edit_source.py`` (ours, in the manner of the standard
+  library, 40-90 lines each) with one of two instructions (``EDITS``): rename a variable and add
+  type hints, or add a docstring (its own removed first); the answer, the whole function, is
   mostly a copy of the source;
+- ``search-replace``: the same edits on the whole file (~340 lines), the answer asked as
+  search/replace blocks in Aider's edit format (``<<<<<<< SEARCH`` / ``=======`` /
+  ``>>>>>>> REPLACE``);
+- ``prediction``: the same requests with OpenAI's ``prediction`` (``{"type": "content",
+  "content": <the file sent>}``), as editors send it;
+- ``fim``: fill-in-the-middle while typing: a function of the file typed into it top to bottom,
+  at each of ``FIM_PAUSES`` pauses a text completion (``prompt`` = the file up to the cursor,
+  ``suffix`` = the ``FIM_SUFFIX_LINES`` lines after the function) of up to ``FIM_MAX_TOKENS`` tokens;
 - ``rag``: a question or a summary over a passage of a bench document (``documents.py``);
 - ``agent``: tools with JSON Schema parameters (``TOOLS``), ``tool_choice`` ``required`` or
   ``auto``; each tool call gets a result (``tool_result``, computed from the arguments) and the
@@ -19,8 +26,8 @@ data that ships with the package or is on every machine, none of it ever trained
 - ``extraction``: ``response_format`` ``json_schema`` (``EXTRACTION_SCHEMA``) filled from a
   shorter passage of a bench document.
 
-Never trained on: the draft's training prompts (``flm_train``) read none of these files, and its
-standard-library passages come from other modules than ``CODE_FUNCTIONS``' (a test checks it).
+Never trained on: the draft's training prompts (``flm_train``) read none of these files (its
+standard-library passages come from Python's own modules; a test checks that none is ours).
 
 A ``Task`` is the first request of a conversation (LiteLLM keyword arguments without the model
 and the sampler); ``follow_up`` gives the next request from an answer, or None when the
@@ -33,8 +40,6 @@ request a prompt the engine has not answered before.
 from __future__ import annotations
 
 import ast
-import importlib
-import inspect
 import json
 import zlib
 from collections.abc import Sequence
@@ -44,23 +49,35 @@ from pathlib import Path
 from flm_bench.documents import TEXTS_DIR, Document
 from flm_runtime import InvalidRequestError
 
-WORKLOADS = ("chat", "multi-turn", "code-edit", "rag", "agent", "extraction")
+WORKLOADS = ("chat", "multi-turn", "code-edit", "search-replace", "prediction", "fim", "rag", "agent", "extraction")
+# ``all`` of the DFlash comparison (the plain tag against its DFlash tag), and of the comparison
+# with llama-server (the speculation issue's workloads).
+DFLASH_WORKLOADS = ("chat", "multi-turn", "code-edit", "rag", "agent", "extraction")
+PEER_WORKLOADS = ("chat", "code-edit", "search-replace", "prediction", "fim", "agent")
+# Those sent as chat completions without ``prediction``: what the DFlash comparison takes.
+CHAT_WORKLOADS = tuple(w for w in WORKLOADS if w not in ("prediction", "fim"))
 CHAT_PROMPTS_FILE = TEXTS_DIR / "chat_prompts.jsonl"
 CONVERSATIONS_FILE = TEXTS_DIR / "conversations.jsonl"
 
-# Module-level functions in pure Python that Python 3.10 to 3.13 ship as source files (frozen
-# modules such as posixpath have none), each with a comparison in its body, from modules that
-# flm_train's standard-library passages do not read.
-CODE_FUNCTIONS = (
-    "linecache.getline", "getopt.short_has_arg", "getopt.long_has_args", "base64.b64encode",
-    "inspect.cleandoc", "wsgiref.util.shift_path_info", "urllib.request.parse_http_list",
-    "urllib.request.parse_keqv_list",
-)
-EDITS = ("rename", "type-hints", "docstring", "fix-bug")
-# Each comparison operator and the one that inverts it (ast class -> source text).
-INVERSE_OPS = {ast.Eq: ("==", "!="), ast.NotEq: ("!=", "=="), ast.Lt: ("<", ">="), ast.GtE: (">=", "<"),
-               ast.Gt: (">", "<="), ast.LtE: ("<=", ">"), ast.Is: ("is", "is not"), ast.IsNot: ("is not", "is"),
-               ast.In: ("in", "not in"), ast.NotIn: ("not in", "in")}
+# The code workloads' file: functions of our own in the manner of the standard library, 40-90 lines
+# each, every one with a docstring; the prompts call it EDIT_FILE_NAME.
+EDIT_SOURCE_FILE = TEXTS_DIR / "edit_source.py"
+EDIT_FILE_NAME = "textutils.py"
+EDITS = ("rename-and-hints", "docstring")
+# Per function of EDIT_SOURCE_FILE: the local variable its rename edit renames, and the new name.
+RENAMES = {"parse_duration": ("stripped", "remaining"), "wrap_paragraphs": ("room", "line_room"),
+           "read_ini_sections": ("stripped", "content"), "group_by_window": ("current", "run"),
+           "format_table": ("cells", "text_cells"), "split_command": ("word", "chars"),
+           "percentiles": ("data", "ordered")}
+# Aider's search/replace edit format, described in our own words.
+SEARCH_REPLACE_SYSTEM = (
+    "You edit code. Answer with one or more search/replace blocks and nothing else. Each block is the file's "
+    "name on a line of its own, then a line `<<<<<<< SEARCH`, then lines copied exactly from the file (enough "
+    "of them to be found in one place only), then a line `=======`, then the lines that replace them, then a "
+    "line `>>>>>>> REPLACE`. Put the blocks in the order their lines appear in the file.")
+FIM_PAUSES = 6  # completions per typed function
+FIM_SUFFIX_LINES = 40  # the suffix's lines: editor plugins send a window after the cursor, not the rest of the file
+FIM_MAX_TOKENS = 48  # an editor's inline suggestion: a line or a few
 
 RAG_SYSTEM = "Answer the user's request using only the document they give."
 RAG_QUESTIONS = (
@@ -143,6 +160,8 @@ class Task:
             ``response_format``.
         user_turns: the user messages sent after each answer, in order (``multi-turn``).
         tool_rounds: requests at most that send tool results back after the first (``agent``).
+        next_requests: the requests sent after each answer whatever it is, in order (``fim``: the
+            pauses after the first).
     """
 
     workload: str
@@ -150,11 +169,12 @@ class Task:
     request: dict
     user_turns: tuple[str, ...] = ()
     tool_rounds: int = 0
+    next_requests: tuple[dict, ...] = ()
 
     @property
     def max_requests(self) -> int:
         """Requests in the longest conversation this task can make."""
-        return 1 + len(self.user_turns) + self.tool_rounds
+        return 1 + len(self.user_turns) + self.tool_rounds + len(self.next_requests)
 
 
 @dataclass(frozen=True)
@@ -171,8 +191,9 @@ def build(workload: str, n: int, *, max_tokens: int, documents: Sequence[Documen
     ``n`` is larger than it.
 
     Tasks differ from one another up to: ``chat`` the file's questions (12 of ours, 80 of
-    MT-Bench's), ``multi-turn`` 6, ``code-edit`` 32 (8 functions x 4 edits), ``agent`` 8,
-    ``rag`` and ``extraction`` the passages of the documents (dozens).
+    MT-Bench's), ``multi-turn`` 6, ``code-edit``, ``search-replace`` and ``prediction`` 14 (7
+    functions x 2 edits), ``fim`` 7, ``agent`` 8, ``rag`` and ``extraction`` the passages of the
+    documents (dozens).
 
     Args:
         documents: the passages of ``rag`` and ``extraction`` come from these, in turn.
@@ -182,7 +203,10 @@ def build(workload: str, n: int, *, max_tokens: int, documents: Sequence[Documen
         FileNotFoundError: ``chat_prompts`` does not exist.
     """
     builders = {"chat": lambda: chat(n, max_tokens, chat_prompts), "multi-turn": lambda: multi_turn(n, max_tokens),
-                "code-edit": lambda: code_edit(n, max_tokens), "rag": lambda: rag(n, max_tokens, documents),
+                "code-edit": lambda: code_edit(n, max_tokens),
+                "search-replace": lambda: search_replace(n, max_tokens),
+                "prediction": lambda: search_replace(n, max_tokens, predicted=True), "fim": lambda: fim(n, max_tokens),
+                "rag": lambda: rag(n, max_tokens, documents),
                 "agent": lambda: agent(n, max_tokens), "extraction": lambda: extraction(n, max_tokens, documents)}
     if workload not in builders:
         raise InvalidRequestError(f"unknown workload {workload!r}; the workloads are {', '.join(WORKLOADS)}",
@@ -190,18 +214,20 @@ def build(workload: str, n: int, *, max_tokens: int, documents: Sequence[Documen
     return builders[workload]()
 
 
-def parse_workloads(text: str) -> list[str]:
-    """``all`` or comma-separated names of ``WORKLOADS`` -> the names, in ``WORKLOADS``' order.
+def parse_workloads(text: str, every: Sequence[str] = DFLASH_WORKLOADS,
+                    allowed: Sequence[str] = WORKLOADS) -> list[str]:
+    """``all`` (``every``) or comma-separated names of ``allowed`` -> the names, in ``WORKLOADS``'
+    order.
 
     Raises:
-        InvalidRequestError: an unknown name, or none.
+        InvalidRequestError: a name not in ``allowed``, or none.
     """
     names = [w.strip() for w in text.split(",") if w.strip()]
     if names == ["all"]:
-        return list(WORKLOADS)
-    unknown = [w for w in names if w not in WORKLOADS]
+        names = list(every)
+    unknown = [w for w in names if w not in allowed]
     if unknown or not names:
-        raise InvalidRequestError(f"--workloads takes all or some of {', '.join(WORKLOADS)}, got {text!r}",
+        raise InvalidRequestError(f"--workloads takes all or some of {', '.join(allowed)}, got {text!r}",
                                   param="--workloads")
     return [w for w in WORKLOADS if w in names]
 
@@ -218,8 +244,11 @@ def follow_up(task: Task, request: dict, answer: Answer, answered: int) -> dict 
         ``agent`` (while the answer calls tools and ``task.tool_rounds`` allow): the history, the
         answer's calls as an assistant message (ids ``call_<round>_<k>``, the same on both tags)
         and one ``tool`` message per call with its ``tool_result``; the last round lets the model
-        choose (``tool_choice`` ``auto``) so that it can answer.
+        choose (``tool_choice`` ``auto``) so that it can answer; ``fim``: the next pause's request,
+        whatever the answer.
     """
+    if task.next_requests:
+        return task.next_requests[answered - 1] if answered <= len(task.next_requests) else None
     messages = request["messages"]
     if answered <= len(task.user_turns):
         turn = [{"role": "assistant", "content": answer.content or ""},
@@ -273,12 +302,18 @@ def multi_turn(n: int, max_tokens: int) -> list[Task]:
             for i in range(n)]
 
 
-# --- code edit -----------------------------------------------------------------------------------
+# --- code edits and fill-in-the-middle ----------------------------------------------------------
 
-def function_source(qualified: str) -> str:
-    """``inspect.getsource`` of the function ``module.name``."""
-    module, name = qualified.rsplit(".", 1)
-    return inspect.getsource(getattr(importlib.import_module(module), name))
+def edit_file() -> str:
+    """The text of ``EDIT_SOURCE_FILE``."""
+    return EDIT_SOURCE_FILE.read_text(encoding="utf-8")
+
+
+def edit_functions() -> dict[str, tuple[int, int]]:
+    """Each top-level function of ``EDIT_SOURCE_FILE``: its name -> its first and last line
+    (0-based, the last included), in the file's order."""
+    tree = ast.parse(edit_file())
+    return {n.name: (n.lineno - 1, n.end_lineno - 1) for n in tree.body if isinstance(n, ast.FunctionDef)}
 
 
 def _function_node(source: str) -> ast.FunctionDef:
@@ -287,73 +322,125 @@ def _function_node(source: str) -> ast.FunctionDef:
     return node
 
 
-def _docstring_node(fn: ast.FunctionDef) -> ast.Expr | None:
-    first = fn.body[0]
-    is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-    return first if is_doc and isinstance(first.value.value, str) else None
+def function_source(name: str) -> str:
+    """The lines of function ``name`` of ``EDIT_SOURCE_FILE``, each ending with a newline."""
+    first, last = edit_functions()[name]
+    return "".join(edit_file().splitlines(keepends=True)[first:last + 1])
 
 
 def without_docstring(source: str) -> str:
     """``source`` (one function) without the lines of its docstring; unchanged if it has none."""
-    doc = _docstring_node(_function_node(source))
-    if doc is None:
+    fn = _function_node(source)
+    first = fn.body[0]
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
         return source
     lines = source.splitlines(keepends=True)
-    return "".join(lines[:doc.lineno - 1] + lines[doc.end_lineno:])
+    return "".join(lines[:first.lineno - 1] + lines[first.end_lineno:])
 
 
-def inject_bug(source: str) -> str:
-    """``source`` (one function) with the first comparison after its docstring inverted
-    (``INVERSE_OPS``: ``==`` becomes ``!=``, ``<`` becomes ``>=``, ``is`` becomes ``is not``, ...),
-    in place: only the operator's text changes.
-
-    Raises:
-        ValueError: the body has no comparison.
-    """
-    fn = _function_node(source)
-    body = fn.body[1:] if _docstring_node(fn) else fn.body
-    compare = next((n for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Compare)), None)
-    if compare is None:
-        raise ValueError(f"function {fn.name} has no comparison to invert")
-    left, right = compare.left, compare.comparators[0]
-    assert left.end_lineno == right.lineno, "an operator split over lines"
-    lines = source.splitlines(keepends=True)
-    line = lines[left.end_lineno - 1].encode()  # ast offsets count UTF-8 bytes
-    old, new = INVERSE_OPS[type(compare.ops[0])]
-    between = line[left.end_col_offset:right.col_offset].decode()
-    assert between.split() == old.split(), f"{between!r} is not {old!r}"
-    lines[left.end_lineno - 1] = (line[:left.end_col_offset].decode() + between.replace(old, new, 1)
-                                  + line[right.col_offset:].decode())
-    return "".join(lines)
+def edit_pair(i: int) -> tuple[str, str]:
+    """Task ``i``'s function of ``EDIT_SOURCE_FILE`` and edit of ``EDITS`` (each cycled): function
+    ``i % functions``, edit ``i % functions + i // functions``, so that every pair comes once in 2 x
+    functions tasks."""
+    names = list(edit_functions())
+    return names[i % len(names)], EDITS[(i % len(names) + i // len(names)) % len(EDITS)]
 
 
-def code_edit_prompt(qualified: str, edit: str) -> str:
-    """The user message of editing function ``qualified`` (``module.name``) by ``edit`` (a name of
-    ``EDITS``)."""
-    module, name = qualified.rsplit(".", 1)
-    source = function_source(qualified)
-    instruction = {
-        "rename": f"Rename the function `{name}` to `{module.rsplit('.', 1)[-1]}_{name}`; change nothing else.",
-        "type-hints": "Add type hints to the parameters and the return value of this function; change nothing else.",
-        "docstring": "Add a docstring to this function that says what it does, its arguments and what it returns.",
-        "fix-bug": "This function has a bug: one comparison is wrong. Find it and fix it.",
-    }[edit]
-    if edit == "docstring":
-        source = without_docstring(source)
-    elif edit == "fix-bug":
-        source = inject_bug(source)
-    return (f"Here is a function from Python's `{module}` module:\n\n```python\n{source}```\n\n{instruction} "
-            "Reply with the whole function in one code block.")
+def edit_instruction(name: str, edit: str) -> str:
+    """What editing function ``name`` by ``edit`` (a name of ``EDITS``) asks."""
+    if edit == "rename-and-hints":
+        old, new = RENAMES[name]
+        return (f"In `{name}`, rename the variable `{old}` to `{new}` everywhere it is used, and add type hints to "
+                "the function's parameters and return value. Change nothing else.")
+    return (f"Add a docstring to `{name}` that says what it does, what each argument means, what it returns and "
+            "which errors it raises. Change nothing else.")
+
+
+def edited_source(name: str, edit: str) -> str:
+    """The file as an edit of function ``name`` sends it: without that function's docstring for a
+    ``docstring`` edit, as it is otherwise."""
+    text = edit_file()
+    return text.replace(function_source(name), without_docstring(function_source(name)), 1) if edit == "docstring" \
+        else text
 
 
 def code_edit(n: int, max_tokens: int) -> list[Task]:
-    """Task ``i`` edits function ``i`` (cycled) by edit ``i + i // 8`` (cycled): every pair of a
-    function and an edit once in 32 tasks."""
+    """Task ``i``: one function of ``EDIT_SOURCE_FILE`` edited (``edit_pair``), the answer asked as
+    the whole function."""
     tasks = []
     for i in range(n):
-        fn, edit = CODE_FUNCTIONS[i % len(CODE_FUNCTIONS)], EDITS[(i + i // len(CODE_FUNCTIONS)) % len(EDITS)]
-        messages = [{"role": "user", "content": code_edit_prompt(fn, edit)}]
-        tasks.append(Task("code-edit", f"{fn} {edit}", {"messages": messages, "max_tokens": max_tokens}))
+        name, edit = edit_pair(i)
+        source = function_source(name)
+        if edit == "docstring":
+            source = without_docstring(source)
+        prompt = (f"Here is a function from `{EDIT_FILE_NAME}`:\n\n```python\n{source}```\n\n"
+                  f"{edit_instruction(name, edit)} Reply with the whole function in one code block.")
+        tasks.append(Task("code-edit", f"{name} {edit}",
+                          {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}))
+    return tasks
+
+
+def search_replace(n: int, max_tokens: int, *, predicted: bool = False) -> list[Task]:
+    """Task ``i``: the edit of ``edit_pair(i)`` on the whole ``EDIT_SOURCE_FILE``
+    (``edited_source``), the answer asked as search/replace blocks in Aider's format
+    (``SEARCH_REPLACE_SYSTEM``). ``predicted``: the ``prediction`` workload, the same request with
+    OpenAI's ``prediction`` set to the file sent."""
+    tasks = []
+    for i in range(n):
+        name, edit = edit_pair(i)
+        text = edited_source(name, edit)
+        messages = [{"role": "system", "content": SEARCH_REPLACE_SYSTEM},
+                    {"role": "user",
+                     "content": f"{EDIT_FILE_NAME}\n```python\n{text}```\n\n{edit_instruction(name, edit)}"}]
+        request = {"messages": messages, "max_tokens": max_tokens}
+        if predicted:
+            request["prediction"] = {"type": "content", "content": text}
+        tasks.append(Task("prediction" if predicted else "search-replace", f"{name} {edit}", request))
+    return tasks
+
+
+def fim_pauses(name: str, pauses: int) -> list[tuple[str, str]]:
+    """The (prefix, suffix) of each pause while function ``name`` of ``EDIT_SOURCE_FILE`` is typed
+    into the file top to bottom: ``pauses`` lines of its code (after the signature and the
+    docstring), spread evenly (blank lines skipped), the cursor in the middle of each line's text;
+    the prefix is the file up to the cursor, the suffix a newline and the ``FIM_SUFFIX_LINES``
+    lines of the file after the function (what is not typed yet of the function is not there).
+
+    Raises:
+        ValueError: the function has fewer than ``pauses`` non-blank lines of code.
+    """
+    first, last = edit_functions()[name]
+    lines = edit_file().splitlines(keepends=True)
+    source = function_source(name)
+    code = first + source.count("\n") - without_docstring(source).count("\n") + 1  # after the docstring
+    body = [k for k in range(code, last + 1) if lines[k].strip()]
+    if len(body) < pauses:
+        raise ValueError(f"{name} has {len(body)} lines to pause in, fewer than {pauses}")
+    before, after = "".join(lines[:first]), "".join(lines[last + 1:last + 1 + FIM_SUFFIX_LINES])
+    out = []
+    for j in range(pauses):
+        k = body[j * len(body) // pauses]
+        text = lines[k].rstrip("\n")
+        indent = len(text) - len(text.lstrip())
+        cursor = indent + (len(text) - indent) // 2
+        out.append((before + "".join(lines[first:k]) + text[:cursor], "\n" + after))
+    return out
+
+
+def fim(n: int, max_tokens: int) -> list[Task]:
+    """Task ``i``: function ``i`` of ``EDIT_SOURCE_FILE`` (cycled) typed into the file, a text
+    completion (``prompt`` = the prefix, ``suffix``) of ``min(max_tokens, FIM_MAX_TOKENS)``
+    tokens at each of ``FIM_PAUSES`` pauses (``fim_pauses``), one request after the other
+    whatever the answers."""
+    names = list(edit_functions())
+    tokens = min(max_tokens, FIM_MAX_TOKENS)
+    tasks = []
+    for i in range(n):
+        name = names[i % len(names)]
+        requests = [{"prompt": prefix, "suffix": suffix, "max_tokens": tokens}
+                    for prefix, suffix in fim_pauses(name, FIM_PAUSES)]
+        tasks.append(Task("fim", f"{name} typed", requests[0], next_requests=tuple(requests[1:])))
     return tasks
 
 

@@ -9,16 +9,14 @@
 One engine per tag per process, created on first use and shared by every caller (the LiteLLM
 handler, the CLI, tests): the engines and loaded models live in a ``Runtime``, and the module's
 ``get_engine`` asks ``default_runtime``. A test makes a ``Runtime`` of its own and closes it
-(or ``forget``s one tag's engines). Loading holds a lock so concurrent first calls load once.
+(or ``forget``s one tag's engines). Concurrent first calls load once, and a load never blocks an
+engine already served (``Runtime``).
 
-A DFlash tag (``X-dflash:size``) gets its own engine that decodes speculatively with the draft of
-``registry.locate_draft(tag)``, over the *same* target object as the base tag's engine: a target is
-loaded once per process whichever of the two tags comes first. Its speculation policy (when a
-speculative step pays, by context; ``flm_runtime.speculation.policy``) is ``load_policy``'s table;
-on the cpu backend the shipped table takes this host's verify costs, measured the first time such
-an engine is built on the host (``flm_runtime.speculation.costs``), and a tag without a table
-starts from the estimate those costs give (``flm_runtime.speculation.estimate``);
-``$FLM_HOST_COSTS=0`` keeps the table's costs, and whole blocks for a tag without one.
+Every engine decodes speculatively where it pays, with the decoder
+``flm_runtime.speculation.decoders`` builds for its tag: the proposers that need no draft for
+every tag, and a DFlash tag (``X-dflash:size``) adds the draft of ``registry.locate_draft(tag)``.
+A DFlash tag's engine runs over the *same* target object as the base tag's engine: a target is
+loaded once per process whichever of the two tags comes first.
 
 Settings (``flm_runtime.settings``): a ``Runtime`` given a ``Settings`` uses those; without, it
 reads the environment's at each ``get_engine`` (so the process's runtime sees a variable a test or
@@ -44,9 +42,8 @@ Shutdown: ``drain`` (``Runtime.drain``) stops every engine admitting, lets what 
 from __future__ import annotations
 
 import ctypes
-import functools
+import dataclasses
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -58,17 +55,12 @@ from flm_runtime.backends.select import log_once, select_backend
 from flm_runtime.errors import BackendUnavailableError, EngineDrainingError, InvalidRequestError, ModelFormatError
 from flm_runtime.loading import Tokenizer, load_model_files
 from flm_runtime.loading.chat_template import thinking_format
-from flm_runtime.models.dflash import DFlashDraft
 from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.request import SamplingParams
+from flm_runtime.sampling.sampler import default_sampling
 from flm_runtime.scheduling.engine import Engine
 from flm_runtime.settings import Settings, requested_backend
-from flm_runtime.speculation import costs
-from flm_runtime.speculation.costs import HostCosts
-from flm_runtime.speculation.estimate import first_run_table
-from flm_runtime.speculation.policy import ALWAYS_SPECULATE, PolicyTable, SpeculationPolicy
-from flm_runtime.speculation.policy import FILE_NAME as POLICY_FILE
-from flm_runtime.speculation.speculative import SpeculativeDecoder
-from flm_runtime.speculation.suffix import SuffixIndex
+from flm_runtime.speculation.decoders import decoder_for
 
 
 @dataclass(frozen=True)
@@ -93,6 +85,7 @@ def load_model(tag: str, models: registry.Registry | None = None) -> LoadedModel
         ModelFilesMissingError: its files are absent and cannot be pulled.
         ModelDownloadError: pulling failed.
         ModelFormatError: the files are unreadable or unsupported.
+        DiskSpaceError: no room for the download or for the kept conversion of its weights.
     """
     models = models or registry.current()
     entry = models.resolve(tag)
@@ -118,26 +111,6 @@ def _return_free_memory() -> None:
         pass
 
 
-def load_draft(tag: str, target: LlamaModel, models: registry.Registry | None = None) -> DFlashDraft:
-    """Load the DFlash draft of ``tag`` for ``target`` (the base tag's loaded model), as ``models``
-    (default ``registry.current()``) defines it.
-
-    The draft's ``target_sha256`` is compared with the base entry's recorded sha256 (which
-    ``pull.locate`` has verified on the file) when the base is one file with a recorded hash;
-    otherwise only the geometry is checked (an HF directory has no single recorded hash).
-
-    Raises:
-        ModelFilesMissingError: the draft's files are absent.
-        ModelFormatError: unreadable draft files, or a draft that does not fit ``target``.
-    """
-    models = models or registry.current()
-    entry = models.resolve(tag)
-    assert entry.base is not None, f"{tag} is not a DFlash tag"
-    base = models.resolve(entry.base)
-    sha = base.files[0].sha256 if len(base.files) == 1 else None
-    return DFlashDraft.load(models.locate_draft(tag), target, target_sha256=sha)
-
-
 def load_npu_model(tag: str, cpu_model: LlamaModel):
     """The ``NpuModel`` of plain ``tag`` over its loaded cpu model, from the kernel build that
     ``xclbins/flm_xclbins/manifest.json`` (or ``$FLM_XCLBIN_PATH``) has for it.
@@ -156,37 +129,18 @@ def load_npu_model(tag: str, cpu_model: LlamaModel):
     return NpuModel(cpu_model, manifest, check.build)
 
 
-def load_policy(tag: str, backend: str, models: registry.Registry | None = None, *,
-                host_costs: Callable[[], HostCosts] | None = None) -> SpeculationPolicy:
-    """The speculation policy table of DFlash ``tag`` on ``backend``: the user's calibration
-    (``paths.policy_file``) if there is one, else the table shipped in the draft directory
-    (``policy-<backend>.json``; ``models``, default ``registry.current()``, says where that is),
-    with this host's verify costs (``host_costs()``, ``speculation.costs``) when given; without a
-    table, the estimate from this host's costs when given (``estimate.first_run_table``), else
-    ``ALWAYS_SPECULATE`` (the null policy: whole blocks, always).
-
-    Raises:
-        ValueError: a table file exists but is not a valid table (naming the file).
-    """
-    user = paths.policy_file(tag, backend)
-    if user.is_file():
-        return PolicyTable.load(user)  # calibrated on this host: its costs are the host's already
-    shipped = (models or registry.current()).locate_draft(tag) / POLICY_FILE.format(backend=backend)
-    if not shipped.is_file():
-        return ALWAYS_SPECULATE if host_costs is None else first_run_table(tag, backend, host_costs())
-    table = PolicyTable.load(shipped)
-    if host_costs is None:
-        return table
-    costs = host_costs()
-    return table.on_host(costs.verify_ratio, costs.context)
-
-
 class Runtime:
     """The engines and loaded models of one process (``default_runtime``) or one test.
 
     An engine per (tag, backend that runs it), each plain tag's target loaded once per backend
     and shared by its plain and DFlash engines, and each (tag, requested backend)'s backend
     choice, made once.
+
+    Loads never block what is already served: the runtime's lock guards its tables only, for
+    microseconds; building an engine (pull, load, warm-up, the host's costs) holds a lock of its
+    own (its name), and loading a target one of its own (tag, backend), so a
+    request for a loaded engine never waits on another tag's load, and concurrent first requests
+    for one tag build it once.
 
     Args:
         settings: the ``FLM_*`` settings its engines are made with; None reads the environment's
@@ -200,12 +154,15 @@ class Runtime:
         self._targets: dict[tuple[str, str], LoadedModel] = {}  # (canonical plain tag, backend) -> its model
         self._choices: dict[tuple[str, str], str] = {}  # (plain tag, requested backend) -> backend that runs it
         self._keys: dict[tuple[str, str], str] = {}  # (tag as asked, requested backend) -> engine name
+        self._building: dict[tuple, threading.Lock] = {}  # ("engine", name) | ("target", tag, backend) -> lock
         self._draining = False
 
     def get_engine(self, tag: str, backend: str | None = None) -> Engine:
         """The engine serving ``tag`` on ``backend``, loading the model on first use; one registry
         (``registry.current()``) answers every lookup of the call. The engine's context is the
-        tag's ``context_length`` (a DFlash tag without one: its base's), else the model's own.
+        tag's ``context_length`` (a DFlash tag without one: its base's), else the model's own; its
+        default sampler is the (base) tag's, with the default output limit ``$FLM_MAX_TOKENS``
+        (``Settings.output_limit``) where the tag sets none (``with_output_limit`` applies it).
 
         Args:
             tag: a registry tag.
@@ -214,7 +171,8 @@ class Runtime:
         Raises:
             InvalidRequestError: ``backend`` (or ``$FLM_BACKEND``) is not auto, cpu or npu; or
                 ``$FLM_KV_BUDGET`` / ``$FLM_MAX_QUEUE`` (the new engine's limits, see
-                ``flm_runtime.scheduling.admission``) is not a positive integer.
+                ``flm_runtime.scheduling.admission``) or ``$FLM_MAX_TOKENS`` is not a positive
+                integer.
             BackendUnavailableError: ``npu`` was asked for and cannot run (says what is missing).
             EngineDrainingError: the runtime is shutting down (``drain``).
             ModelFormatError: the ``context_length`` the engine takes is more than the model's
@@ -223,46 +181,65 @@ class Runtime:
         """
         settings = self.settings
         requested = requested_backend(backend, settings)
+        engine = self._served(tag, requested)
+        if engine is not None:
+            return engine
+        models = registry.current()
+        entry = models.resolve(tag)
+        name = self._backend_for(entry.base or entry.tag, requested, models)
+        key = tag if name == "cpu" else f"{tag}[{name}]"
+        with self._build_lock("engine", key):  # one build of this engine; other tags go on
+            with self._lock:
+                engine = self._engines.get(key)  # built while this call waited
+            if engine is None:
+                engine = self._build(tag, key, name, settings, models)
+            with self._lock:
+                if self._draining:  # drained while it was built: it serves nothing
+                    engine.close()
+                    raise _draining(tag)
+                self._engines[key] = engine
+                self._keys[(tag, requested)] = key
+            return engine
+
+    def _served(self, tag: str, requested: str) -> Engine | None:
+        """The engine already built for ``tag`` on ``requested``, None if none.
+
+        Raises:
+            EngineDrainingError: the runtime is shutting down.
+        """
         with self._lock:
             if self._draining:
-                raise EngineDrainingError(f"this process is shutting down and serves no new request for {tag!r}; "
-                                          "retry on another deployment")
+                raise _draining(tag)
             key = self._keys.get((tag, requested))
-            engine = self._engines.get(key) if key is not None else None
-            if engine is None:
-                models = registry.current()
-                entry = models.resolve(tag)
-                base = entry.base or entry.tag
-                name = self._backend_for(base, requested, models)
-                key = self._keys[(tag, requested)] = tag if name == "cpu" else f"{tag}[{name}]"
-                engine = self._engines.get(key)
-            if engine is None:
-                if entry.is_dflash:
-                    pull.locate(tag, models=models)  # the draft's and the base's files, pulling the base if need be
-                    loaded = self._target(base, name, models)
-                    cap = settings.suffix_cache_cap()
-                    draft = load_draft(tag, loaded.model, models)
-                    measure = None
-                    if name == "cpu" and settings.host_costs_on():  # an NPU's table is the device's own
-                        measure = functools.partial(costs.host_costs, paths.host_costs_file(tag, name),
-                                                    loaded.model, draft, model=tag, backend=name)
-                    speculative = SpeculativeDecoder(loaded.model, draft,
-                                                     policy=load_policy(tag, name, models, host_costs=measure),
-                                                     suffix=SuffixIndex(cap) if cap else None)
-                else:
-                    loaded, speculative = self._target(base, name, models), None
-                plain = models.resolve(base)  # a draft keeps its target's sampler
-                capped = entry if entry.context_length else plain  # a DFlash tag's context, else its base's
-                try:
-                    engine = Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
-                                    default_sampling=plain.sampling, prefix_cache=settings.prefix_cache_on(),
-                                    context_length=capped.context_length, **settings.engine_limits())
-                except InvalidRequestError as e:
-                    if e.param != "context_length":
-                        raise
-                    raise ModelFormatError(f"{capped.tag} ({capped.origin}): {e}") from e
-                self._engines[key] = engine
-            return engine
+            return self._engines.get(key) if key is not None else None
+
+    def _build_lock(self, *what: str) -> threading.Lock:
+        """The lock that serializes building ``what`` (``("engine", engine name)`` or
+        ``("target", tag, backend)``), made on first use."""
+        with self._lock:
+            return self._building.setdefault(what, threading.Lock())
+
+    def _build(self, tag: str, key: str, backend: str, settings: Settings, models: registry.Registry) -> Engine:
+        """A new engine named ``key`` for ``tag`` on ``backend`` (``get_engine``'s contract)."""
+        entry = models.resolve(tag)
+        base = entry.base or entry.tag
+        if entry.is_dflash:
+            pull.locate(tag, models=models)  # the draft's and the base's files, pulling the base if need be
+        loaded = self._target(base, backend, models)
+        speculative = decoder_for(tag, loaded.model, backend, settings, models)
+        plain = models.resolve(base)  # a draft keeps its target's sampler
+        capped = entry if entry.context_length else plain  # a DFlash tag's context, else its base's
+        sampling = default_sampling(plain.sampling)
+        if sampling.max_tokens is None:
+            sampling = dataclasses.replace(sampling, max_tokens=settings.output_limit())
+        try:
+            return Engine(loaded.model, loaded.tokenizer, name=key, speculative=speculative,
+                          default_sampling=sampling, prefix_cache=settings.prefix_cache_on(),
+                          context_length=capped.context_length, **settings.engine_limits())
+        except InvalidRequestError as e:
+            if e.param != "context_length":
+                raise
+            raise ModelFormatError(f"{capped.tag} ({capped.origin}): {e}") from e
 
     @property
     def settings(self) -> Settings:
@@ -322,12 +299,13 @@ class Runtime:
             self._keys.clear()
 
     def _backend_for(self, tag: str, requested: str, models: registry.Registry) -> str:
-        """The backend that runs plain ``tag`` for ``requested``, decided once (lock held).
+        """The backend that runs plain ``tag`` for ``requested``, decided once.
 
         ``auto`` that selects npu but whose npu model then fails to start falls back to cpu; ``npu``
         raises instead, and is not remembered (a later call tries again).
         """
-        name = self._choices.get((tag, requested))
+        with self._lock:
+            name = self._choices.get((tag, requested))
         if name is None:
             name = select_backend(requested, tag).name
             if name == "npu":
@@ -338,24 +316,53 @@ class Runtime:
                         raise
                     log_once(f"backend auto chose cpu for {tag}: the npu backend failed to start: {e}")
                     name = "cpu"
-            self._choices[(tag, requested)] = name
+            with self._lock:
+                self._choices[(tag, requested)] = name
         return name
 
     def _target(self, tag: str, backend: str, models: registry.Registry) -> LoadedModel:
-        """The loaded model of plain ``tag`` (canonical) on ``backend``, loaded once (lock held)."""
-        loaded = self._targets.get((tag, backend))
-        if loaded is None:
-            if backend == "cpu":
-                loaded = load_model(tag, models)
-            else:
-                assert backend == "npu", backend
-                cpu = self._target(tag, "cpu", models)
-                loaded = LoadedModel(tag, load_npu_model(tag, cpu.model), cpu.tokenizer)
-            self._targets[(tag, backend)] = loaded
-        return loaded
+        """The loaded model of plain ``tag`` (canonical) on ``backend``, loaded once."""
+        with self._build_lock("target", tag, backend):
+            with self._lock:
+                loaded = self._targets.get((tag, backend))
+            if loaded is None:
+                if backend == "cpu":
+                    loaded = load_model(tag, models)
+                else:
+                    assert backend == "npu", backend
+                    cpu = self._target(tag, "cpu", models)
+                    loaded = LoadedModel(tag, load_npu_model(tag, cpu.model), cpu.tokenizer)
+                with self._lock:
+                    self._targets[(tag, backend)] = loaded
+            return loaded
+
+
+def _draining(tag: str) -> EngineDrainingError:
+    return EngineDrainingError(f"this process is shutting down and serves no new request for {tag!r}; "
+                               "retry on another deployment")
 
 
 default_runtime = Runtime()  # the process's: the one the LiteLLM handler, the CLI and get_engine use
+
+
+def with_output_limit(engine: Engine, params: SamplingParams, prompt_tokens: int, n: int = 1) -> SamplingParams:
+    """``params`` for a prompt of ``prompt_tokens`` tokens and ``n`` choices on ``engine``: an
+    unset ``max_tokens`` becomes the engine's default output limit
+    (``engine.default_sampling.max_tokens``: a ``Runtime``'s engines have one, ``get_engine``),
+    cut to what the context and the KV pool leave each choice (what the engine gives an unset
+    ``max_tokens``: ``KVBudget.generated_tokens``), so the limit ends an answer with
+    ``finish_reason`` ``length`` and never refuses a prompt. ``params`` as given when its
+    ``max_tokens`` is set (a request's own value is refused when the prompt leaves less) or the
+    engine has no default limit.
+
+    Raises:
+        ContextLengthError: the prompt leaves no room for a completion.
+    """
+    limit = engine.default_sampling.max_tokens
+    if params.max_tokens is not None or limit is None:
+        return params
+    room = engine.kv.generated_tokens(prompt_tokens, None, engine.pool.block_tokens, n)
+    return dataclasses.replace(params, max_tokens=min(limit, room))
 
 
 def get_engine(tag: str, backend: str | None = None) -> Engine:

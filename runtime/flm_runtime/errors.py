@@ -113,6 +113,25 @@ class BackendUnavailableError(FlmError):
     """The chosen backend cannot run (no device, failed kernel load, engine stopped)."""
 
 
+class DiskSpaceError(BackendUnavailableError):
+    """A file the runtime keeps (a model being pulled, a model's converted weights) does not fit
+    on its disk: nothing of it was left there. A 503 through LiteLLM: this host cannot serve the
+    model until space is freed, another may.
+
+    Attributes:
+        path: the file that was being written; need_bytes: its size (bytes); free_bytes: what its
+            folder's file system had free for this user when the write failed (bytes).
+    """
+
+    def __init__(self, path, *, need_bytes: int, free_bytes: int):
+        super().__init__(f"not enough disk space for {path}: it needs {need_bytes:,} bytes and "
+                         f"{path.parent} has {free_bytes:,} free; free some space there, or set "
+                         "FLM_MODEL_PATH to a folder on a larger disk")
+        self.path = path
+        self.need_bytes = need_bytes
+        self.free_bytes = free_bytes
+
+
 class EngineDrainingError(BackendUnavailableError):
     """The engine is shutting down (``Engine.drain``): it takes no new request, and a request it
     could not finish within the drain's bound ends with this error; retry on another deployment."""

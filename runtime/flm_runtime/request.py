@@ -32,7 +32,9 @@ class SamplingParams:
         top_p: nucleus mass to keep, (0, 1]; 1 disables.
         min_p: drop tokens whose probability is below ``min_p * p(top-1)``; [0, 1); 0 disables.
         seed: seed of the request's own RNG (numpy PCG64); None draws one from the OS.
-        max_tokens: completion tokens at most; None means up to the context length.
+        max_tokens: completion tokens at most; None means up to the context length (the engine's
+            own rule; served requests get the default output limit instead,
+            ``flm_runtime.api.with_output_limit``).
         stop: strings that end the output; the stop string itself is not delivered.
         ignore_eos: keep generating past EOS / end-of-turn tokens (benchmarks).
         presence_penalty: subtracted once from the logit of every token generated so far
@@ -47,6 +49,13 @@ class SamplingParams:
         logprobs: record each emitted token's log-probability (``TokenLogprob``).
         top_logprobs: also this many of the most likely tokens at each position; [0, 20], > 0 only
             with ``logprobs``.
+        speculation: let the engine take speculative steps where its policy expects them to pay
+            (the default); False decodes one token per step. Either way the tokens are the same:
+            speculation is exact (greedy) and lossless (sampled).
+        prediction: token ids of a predicted output (OpenAI's predicted outputs: the text the
+            answer is expected to repeat, such as a file being edited), which the ``prediction``
+            proposer offers for verification; never trusted, each token verified as any other
+            proposal's. Empty: none.
 
     The order these apply in, and what the log-probabilities are: ``processors.request_processors``
     and ``sampler.sample_with_logprob``.
@@ -69,6 +78,8 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
+    speculation: bool = True
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.temperature, "temperature", 0.0, 2.0)
@@ -95,6 +106,10 @@ class SamplingParams:
                                       f"{self.top_logprobs!r}", param="top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if not isinstance(self.speculation, bool):
+            raise InvalidRequestError(f"speculation must be a boolean, got {self.speculation!r}", param="speculation")
+        if not isinstance(self.prediction, tuple) or not all(_is_int(t) and t >= 0 for t in self.prediction):
+            raise InvalidRequestError("prediction must be a tuple of token ids (integers >= 0)", param="prediction")
 
     def _check_logit_bias(self) -> None:
         """A ``Mapping`` of integer ids >= 0 to values in [-100, 100]; kept as a copy."""
@@ -134,9 +149,9 @@ def _check(value, name: str, low: float, high: float, low_open: bool = False, hi
 
 
 # The proposers a speculative step verifies the tokens of: the DFlash draft, the retrieval
-# proposers (prompt lookup, the suffix proposer) and a grammar's forced tokens alone, as
-# ``StepRecord.proposer`` names them.
-PROPOSERS = ("draft", "ngram", "suffix", "grammar")
+# proposers (a predicted output, prompt lookup, the suffix proposer) and a grammar's forced tokens
+# alone, as ``StepRecord.proposer`` names them.
+PROPOSERS = ("draft", "prediction", "ngram", "suffix", "grammar")
 
 
 @dataclass
@@ -178,8 +193,9 @@ class SpecStats:
 
     Attributes:
         proposers: per proposer whose tokens speculative steps verified (a name of ``PROPOSERS``:
-            the draft, prompt lookup ``"ngram"``, the suffix proposer ``"suffix"``, a grammar's
-            forced tokens alone ``"grammar"``), the counts of those steps (``counts``); the totals
+            the draft, a predicted output ``"prediction"`` (present from the start where the
+            request gave one), prompt lookup ``"ngram"``, the suffix proposer ``"suffix"``, a
+            grammar's forced tokens alone ``"grammar"``), the counts of those steps (``counts``); the totals
             (``steps``, ``drafted``, ``accepted``, ``emitted``, ``forced``, ``forced_accepted``)
             are their sums.
         gated: plain steps the confidence gate made (the draft ran, nothing was verified).
@@ -259,7 +275,8 @@ class SpecStats:
         """The per-proposer figures, keys ``SPEC_FIGURE_KEYS`` in order: ``forced_tokens`` and
         ``forced_accepted_tokens`` (the drafted and accepted tokens a grammar forced, in any
         proposer's steps), ``draft_acceptance_length`` (the draft's steps), then per other
-        proposer ``P`` (``ngram``: prompt lookup; ``suffix``; ``grammar``: forced tokens alone)
+        proposer ``P`` (``prediction``: a predicted output; ``ngram``: prompt lookup; ``suffix``;
+        ``grammar``: forced tokens alone)
         ``P_steps``, ``P_drafted_tokens``, ``P_accepted_tokens``, ``P_acceptance_length`` (its
         steps, n-gram-only ones included). An AL over no step is None: AL counts the bonus token,
         so a number is at least 1."""

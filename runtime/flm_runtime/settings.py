@@ -22,18 +22,26 @@ Variables (name: default; meaning):
         ``manifest.json`` (``flm_runtime.backends.npu.manifest``).
     FLM_PREFIX_CACHE: ``1``; ``0`` (``false``, ``off``) turns the engines' prefix caching off
         (``flm_runtime.scheduling.prefix_cache``).
+    FLM_SPECULATION: ``1``; ``0`` (``false``, ``off``) decodes every tag plainly, a DFlash tag
+        with its target alone (``flm_runtime.speculation.decoders``); a request can ask the same
+        for itself (``SamplingParams.speculation``).
     FLM_SUFFIX_CACHE_TOKENS: ``SUFFIX_CACHE_TOKENS`` (16384); tokens of finished requests each
-        DFlash engine keeps for its suffix proposer (``flm_runtime.speculation.suffix``); ``0``
-        turns the suffix proposer off.
-    FLM_HOST_COSTS: ``1``; ``0`` (``false``, ``off``) keeps the shipped speculation policy table's
-        verify costs instead of measuring this host's the first time a DFlash engine is built
-        (``flm_runtime.speculation.costs``).
+        speculating engine keeps for its suffix proposer (``flm_runtime.speculation.suffix``);
+        ``0`` turns the suffix proposer off.
+    FLM_HOST_COSTS: ``1``; ``0`` (``false``, ``off``) does not measure this host's verify costs
+        the first time an engine of a tag is built (``flm_runtime.speculation.costs``): a DFlash
+        tag keeps its shipped policy table's, and a tag without a draft, which has no table,
+        decodes plainly.
     FLM_THREADS: the CPUs the process may run on (and at most that); the threads of the kernel team
         that runs every compiled model step of the process (``flm_runtime.kernels.team``).
     FLM_DRAIN_TIMEOUT_S: ``DRAIN_TIMEOUT_S`` (25); seconds a shutting-down process lets its running
         requests finish (``Runtime.drain``: a LiteLLM proxy's SIGTERM, ``litellm_flm.compat.drain_on_sigterm``);
         keep it below the server's own bound (LiteLLM's ``GRACEFUL_SHUTDOWN_TIMEOUT``, 30 s by
         default), after which the server cancels what is left.
+    FLM_MAX_TOKENS: ``MAX_TOKENS`` (4096); the default output limit: completion tokens at most for
+        a request that sets no ``max_tokens``, of a tag whose models-file entry sets none
+        (``sampling: max_tokens``); fewer where the prompt leaves less of the context
+        (``flm_runtime.api.with_output_limit``).
     FLM_LOG_LEVEL: unset (no handler); the level of ``flm_runtime`` and ``litellm_flm`` records sent
         to stderr (``litellm_flm.configure_logging``).
 
@@ -57,6 +65,11 @@ SUFFIX_CACHE_TOKENS = 16384
 # The drain's default bound in seconds: below LiteLLM's GRACEFUL_SHUTDOWN_TIMEOUT default (30 s),
 # so that the requests it cuts end with an error of ours before uvicorn cancels them.
 DRAIN_TIMEOUT_S = 25.0
+# The default output limit in tokens: LiteLLM's own (litellm.constants.DEFAULT_MAX_TOKENS, what it
+# sends a provider that requires one), so that a model that repeats itself ends with
+# finish_reason "length" in minutes rather than filling a long context (32,768 for Qwen2.5-Coder)
+# past a client's timeout.
+MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -65,8 +78,8 @@ class Settings:
 
     Attributes (each named after its variable, ``FLM_`` and upper case dropped): ``backend``,
     ``weights``, ``kv_budget``, ``max_queue``, ``model_path``, ``models_file``, ``xclbin_path``,
-    ``prefix_cache``, ``suffix_cache_tokens``, ``host_costs``, ``threads``, ``drain_timeout_s``,
-    ``log_level``.
+    ``prefix_cache``, ``speculation``, ``suffix_cache_tokens``, ``host_costs``, ``threads``,
+    ``drain_timeout_s``, ``max_tokens``, ``log_level``.
     """
 
     backend: str | None = None
@@ -77,10 +90,12 @@ class Settings:
     models_file: str | None = None
     xclbin_path: str | None = None
     prefix_cache: str | None = None
+    speculation: str | None = None
     suffix_cache_tokens: str | None = None
     host_costs: str | None = None
     threads: str | None = None
     drain_timeout_s: str | None = None
+    max_tokens: str | None = None
     log_level: str | None = None
 
     @classmethod
@@ -103,6 +118,10 @@ class Settings:
     def prefix_cache_on(self) -> bool:
         """``FLM_PREFIX_CACHE``: on unless ``0``, ``false`` or ``off`` (``switch``)."""
         return self.switch("prefix_cache")
+
+    def speculation_on(self) -> bool:
+        """``FLM_SPECULATION``: on unless ``0``, ``false`` or ``off`` (``switch``)."""
+        return self.switch("speculation")
 
     def host_costs_on(self) -> bool:
         """``FLM_HOST_COSTS``: on unless ``0``, ``false`` or ``off`` (``switch``)."""
@@ -136,6 +155,15 @@ class Settings:
             raise InvalidRequestError(f"{variable('suffix_cache_tokens')} must be a non-negative integer, got {raw!r}",
                                       param=variable("suffix_cache_tokens"))
         return int(raw)
+
+    def output_limit(self) -> int:
+        """``FLM_MAX_TOKENS``: the default output limit in tokens, ``MAX_TOKENS`` when unset.
+
+        Raises:
+            InvalidRequestError: a value that is not a positive integer (``param`` names the
+                variable).
+        """
+        return self.positive("max_tokens") or MAX_TOKENS
 
     def drain_timeout(self) -> float:
         """``FLM_DRAIN_TIMEOUT_S``: seconds, ``DRAIN_TIMEOUT_S`` when unset.

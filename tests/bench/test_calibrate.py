@@ -2,7 +2,7 @@
 acceptance records are right where they are known exactly (a proposer replaying the greedy output
 is always accepted; a random draft almost never), the decision per bucket (draft length and
 confidence gate) follows from the measured costs and the records, and the command writes a table
-the engine then reads (``api.load_policy``)."""
+the engine then reads (``decoders.load_policy``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from dflash_files import draft_config_dict, random_draft_weights, write_draft_dir  # tests/models, on sys.path
 
 from flm_runtime import api, paths, registry
+from flm_runtime.speculation import decoders
 from flm_bench import calibrate
 from flm_runtime.models.dflash import DFlashDraft
 from flm_runtime.request import SamplingParams
@@ -182,7 +183,7 @@ def test_the_command_writes_the_table_the_engine_reads(run_cli, random_draft, tm
         written = tmp_path / "config" / "policy" / "smollm2-rnd-dflash" / "135m-cpu.json"
         assert f"wrote {written}" in out
         table = PolicyTable.load(written)
-        assert api.load_policy("smollm2-rnd-dflash:135m", "cpu") == table
+        assert decoders.load_policy("smollm2-rnd-dflash:135m", "cpu") == table
         assert api.default_runtime.forget("smollm2-rnd-dflash:135m")  # an engine reads its table when it starts
         assert api.get_engine("smollm2-rnd-dflash:135m", "cpu").speculative.policy == table
     finally:

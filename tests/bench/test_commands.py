@@ -89,13 +89,14 @@ def test_a_speed_row_and_note_show_every_proposers_steps_and_al_and_the_forced_t
     assert tuple(pair.row()) == speed.COLUMNS
     assert {k: pair.row()[k] for k in speed.COLUMNS[12:]} == {
         "acceptance_length": "3.6364", "verify_steps": 11, "forced_tokens": 12, "forced_accepted_tokens": 9,
-        "draft_acceptance_length": "2.0000", "ngram_steps": 6, "ngram_drafted_tokens": 42,
+        "draft_acceptance_length": "2.0000", "prediction_steps": 0, "prediction_drafted_tokens": 0,
+        "prediction_accepted_tokens": 0, "prediction_acceptance_length": "", "ngram_steps": 6, "ngram_drafted_tokens": 42,
         "ngram_accepted_tokens": 19, "ngram_acceptance_length": "4.1667", "suffix_steps": 0,
         "suffix_drafted_tokens": 0, "suffix_accepted_tokens": 0, "suffix_acceptance_length": "",
         "grammar_steps": 3, "grammar_drafted_tokens": 9, "grammar_accepted_tokens": 8,
         "grammar_acceptance_length": "3.6667"}
     assert speed._proposer_share(ctx, [pair, pair]) == (
-        "48: 22 steps, ngram 12 (AL 4.17), suffix 0, grammar 6 (AL 3.67), 24 forced tokens, 18 kept")
+        "48: 22 steps, prediction 0, ngram 12 (AL 4.17), suffix 0, grammar 6 (AL 3.67), 24 forced tokens, 18 kept")
 
 
 def test_bench_plot_with_matplotlib(run_cli, random_draft, tmp_path):
@@ -138,7 +139,7 @@ def test_bench_workloads_through_litellm_one_task_each(run_cli, random_draft, tm
     assert [(r["workload"], r["turn"]) for r in rows] == [
         ("chat", "1"), *(("multi-turn", str(t)) for t in range(1, 5)), ("code-edit", "1"), ("rag", "1"), ("agent", "1"),
         ("extraction", "1")]
-    assert {r["mode"] for r in rows} == {"greedy"} and rows[5]["task"] == "linecache.getline rename"
+    assert {r["mode"] for r in rows} == {"greedy"} and rows[5]["task"] == "parse_duration rename-and-hints"
     assert all(r["plain_tokens"] == r["dflash_tokens"] == "3" and r["identical"] == "yes" for r in rows)
     # Every token after the first: a verify step's or a plain step's.
     assert all(sum(int(r[f"{k}_pushed"]) for k in PROPOSERS) + int(r["plain_steps"]) == 2

@@ -5,8 +5,6 @@ Schema and compiled by the provider's grammar; tool messages sent through LiteLL
 from __future__ import annotations
 
 import ast
-import importlib
-import inspect
 import json
 import textwrap
 
@@ -35,15 +33,15 @@ def test_each_workload_is_deterministic_and_sends_no_prompt_twice(name, docs):
     """A run of 3 tasks greedy and 3 more sampled asks six different things per workload."""
     tasks = build(name, 6, docs)
     assert tasks == build(name, 6, docs) and len(tasks) == 6
-    assert all(t.workload == name and t.request["max_tokens"] == 64 for t in tasks)
-    assert len({json.dumps(t.request["messages"]) for t in tasks}) == 6
+    assert all(t.workload == name and t.request["max_tokens"] == (48 if name == "fim" else 64) for t in tasks)
+    assert len({json.dumps(t.request) for t in tasks}) == 6
 
 
 def test_task_names_and_request_fields(docs):
     assert [t.name for t in build("chat", 2, docs)] == ["chat-1", "chat-2"]
-    assert [t.name for t in build("code-edit", 10, docs)][::3] == [
-        "linecache.getline rename", "base64.b64encode fix-bug", "urllib.request.parse_http_list docstring",
-        "getopt.short_has_arg docstring"]
+    edits = [t.name for t in build("code-edit", 14, docs)]
+    assert edits[5::4] == ["split_command docstring", "read_ini_sections docstring",
+                           "percentiles docstring"] and len(set(edits)) == 14  # every function and edit
     assert [t.name for t in build("rag", 4, docs)] == [
         "doyle_scandal_in_bohemia.txt #1", "darwin_origin_of_species.txt #1", "smith_wealth_of_nations.txt #1",
         "doyle_scandal_in_bohemia.txt #2"]
@@ -62,54 +60,73 @@ def test_chat_takes_mt_bench_first_turns(mt_bench_path, docs):
 
 
 def test_parse_workloads():
-    assert workloads.parse_workloads("all") == list(workloads.WORKLOADS)
+    assert workloads.parse_workloads("all") == list(workloads.DFLASH_WORKLOADS)
+    assert workloads.parse_workloads("all", workloads.PEER_WORKLOADS) == [
+        "chat", "code-edit", "search-replace", "prediction", "fim", "agent"]
     assert workloads.parse_workloads("agent, chat") == ["chat", "agent"]
     with pytest.raises(InvalidRequestError, match="summaries"):
         workloads.parse_workloads("chat,summaries")
+    with pytest.raises(InvalidRequestError, match="fim"):
+        workloads.parse_workloads("fim", allowed=workloads.CHAT_WORKLOADS)
 
 
-# --- code edit -----------------------------------------------------------------------------------
+# --- code edits and fill-in-the-middle ----------------------------------------------------------
 
-def _first_compare(tree: ast.Module) -> ast.Compare:
-    """The first comparison after the docstring of the function ``tree`` holds."""
-    fn = tree.body[0]
-    body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
-    return next(n for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Compare))
-
-
-@pytest.mark.parametrize("fn", workloads.CODE_FUNCTIONS)
-def test_code_edit_sends_the_real_source_and_injects_one_inverted_comparison(fn):
-    module, name = fn.rsplit(".", 1)
-    source = inspect.getsource(getattr(importlib.import_module(module), name))
-    assert workloads.function_source(fn) == source
-    assert f"```python\n{source}```" in workloads.code_edit_prompt(fn, "rename")
-    buggy = workloads.inject_bug(source)
-    assert f"```python\n{buggy}```" in workloads.code_edit_prompt(fn, "fix-bug")
-    assert sum(a != b for a, b in zip(source.splitlines(), buggy.splitlines(), strict=True)) == 1
-    # The first comparison's operator is inverted, and nothing else in the tree moved.
-    op_class = {text: cls for cls, (text, _) in workloads.INVERSE_OPS.items()}
-    orig, bug = ast.parse(source), ast.parse(buggy)
-    before, after = _first_compare(orig), _first_compare(bug)
-    assert type(after.ops[0]) is op_class[workloads.INVERSE_OPS[type(before.ops[0])][1]]
-    after.ops[0] = type(before.ops[0])()
-    assert ast.dump(bug) == ast.dump(orig)
+def test_the_edited_file_is_ours_its_functions_40_to_90_lines_each_with_a_docstring_and_the_renamed_variable():
+    text = workloads.edit_file()
+    tree = ast.parse(text)
+    spans = workloads.edit_functions()
+    assert list(spans) == list(workloads.RENAMES) and 300 <= len(text.splitlines()) <= 400
+    for node in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
+        assert 40 <= node.end_lineno - node.lineno + 1 <= 90 and ast.get_docstring(node)
+        names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        old, new = workloads.RENAMES[node.name]
+        assert old in names and new not in names, node.name
+        assert workloads.function_source(node.name) == ast.get_source_segment(text, node) + "\n"
 
 
-def test_inject_bug_and_docstring_removal_exactly():
+def test_code_edit_and_search_replace_send_the_function_or_the_file_with_the_edit():
+    code = workloads.code_edit(2, 64)
+    assert [t.name for t in code] == ["parse_duration rename-and-hints", "wrap_paragraphs docstring"]
+    assert f"```python\n{workloads.function_source('parse_duration')}```" in code[0].request["messages"][0]["content"]
+    assert "rename the variable `stripped` to `remaining`" in code[0].request["messages"][0]["content"]
+    stripped = workloads.without_docstring(workloads.function_source("wrap_paragraphs"))
+    assert f"```python\n{stripped}```" in code[1].request["messages"][0]["content"]
+    edits = workloads.search_replace(2, 64)
+    predicted = workloads.search_replace(2, 64, predicted=True)
+    system, user = edits[1].request["messages"]
+    assert "<<<<<<< SEARCH" in system["content"] and ">>>>>>> REPLACE" in system["content"]
+    file = workloads.edit_file().replace(workloads.function_source("wrap_paragraphs"), stripped)
+    assert user["content"].startswith(f"textutils.py\n```python\n{file}```") and file != workloads.edit_file()
+    assert [t.workload for t in predicted] == ["prediction"] * 2
+    assert predicted[1].request == edits[1].request | {"prediction": {"type": "content", "content": file}}
+    assert "prediction" not in edits[1].request
+
+
+def test_without_docstring_exactly():
     src = 'def f(a, b=None):\n    """Doc\n    string."""\n    if b is not None:\n        return a == 1\n'
-    assert workloads.inject_bug(src) == src.replace("b is not None", "b is None")
     assert workloads.without_docstring(src) == "def f(a, b=None):\n    if b is not None:\n        return a == 1\n"
-    assert workloads.inject_bug("def g(x):\n    return 1 <= x <= 3\n") == "def g(x):\n    return 1 > x <= 3\n"
-    with pytest.raises(ValueError, match="no comparison"):
-        workloads.inject_bug("def h(x):\n    return x\n")
+    assert workloads.without_docstring("def g(x):\n    return x\n") == "def g(x):\n    return x\n"
 
 
-def test_docstring_edit_sends_the_source_without_its_docstring():
-    prompt = workloads.code_edit_prompt("inspect.cleandoc", "docstring")
-    source = workloads.function_source("inspect.cleandoc")
-    stripped = workloads.without_docstring(source)
-    assert ast.get_docstring(ast.parse(source).body[0]) and ast.get_docstring(ast.parse(stripped).body[0]) is None
-    assert f"```python\n{stripped}```" in prompt and "Add a docstring" in prompt
+def test_fim_types_a_function_into_the_file_pausing_mid_line():
+    text = workloads.edit_file()
+    first, last = workloads.edit_functions()["group_by_window"]
+    lines = text.splitlines(keepends=True)
+    after = "\n" + "".join(lines[last + 1:last + 41])
+    pauses = workloads.fim_pauses("group_by_window", 6)
+    assert len(pauses) == 6 and all(suffix == after for _, suffix in pauses)
+    # Each prefix is the file up to a point inside the function, ending mid-line, further each time.
+    assert all(text.startswith(prefix) for prefix, _ in pauses)
+    ends = [len(prefix) for prefix, _ in pauses]
+    assert ends == sorted(set(ends)) and len("".join(lines[:first + 1])) < ends[0] < len("".join(lines[:last + 1]))
+    assert pauses[1][0].endswith('\n    if key is None:\n        def key')  # the line's text cut in half
+    task = workloads.fim(8, 64)[7]
+    assert (task.name, task.max_requests, task.request["max_tokens"]) == ("parse_duration typed", 6, 48)
+    assert follow_up(task, task.request, Answer("anything"), 1) == task.next_requests[0]
+    assert follow_up(task, task.next_requests[-1], Answer("x"), 6) is None
+    with pytest.raises(ValueError, match="fewer than 99"):
+        workloads.fim_pauses("percentiles", 99)
 
 
 def test_code_edit_functions_are_not_in_the_drafts_training_passages():
@@ -117,7 +134,7 @@ def test_code_edit_functions_are_not_in_the_drafts_training_passages():
     from flm_train.composed_prompts import stdlib_passages
 
     _, codes = stdlib_passages()
-    ours = {textwrap.dedent(workloads.function_source(fn)).rstrip() for fn in workloads.CODE_FUNCTIONS}
+    ours = {textwrap.dedent(workloads.function_source(fn)).rstrip() for fn in workloads.edit_functions()}
     assert len(codes) > 100 and not ours & set(codes)
 
 

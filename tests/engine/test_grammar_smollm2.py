@@ -12,7 +12,7 @@ import llguidance
 import numpy as np
 import pytest
 
-from flm_runtime import api
+from flm_runtime.speculation import decoders
 from flm_runtime.request import SamplingParams
 from flm_runtime.sampling.grammar import compiler_for, json_object_grammar, json_schema_grammar, lark_grammar
 from flm_runtime.speculation.speculative import SpeculativeDecoder
@@ -45,7 +45,7 @@ MAX_TOKENS = 160
 def engines(smollm2_quantized, smollm2_tokenizer):
     from flm_runtime.scheduling.engine import Engine
 
-    decoder = SpeculativeDecoder(smollm2_quantized, api.load_draft("smollm2-dflash:135m", smollm2_quantized))
+    decoder = SpeculativeDecoder(smollm2_quantized, decoders.load_draft("smollm2-dflash:135m", smollm2_quantized))
     plain = Engine(smollm2_quantized, smollm2_tokenizer, name="grammar-plain")
     spec = Engine(smollm2_quantized, smollm2_tokenizer, name="grammar-spec", speculative=decoder)
     yield plain, spec
@@ -135,7 +135,7 @@ def test_drafted_tokens_the_grammar_forbids_are_cut_from_the_proposals(smollm2_q
     def proposer(draft_cache, anchor_id, start):
         return np.array([forbidden if p % 3 == 0 else truth.get(p, forbidden) for p in range(start + 1, start + 8)])
 
-    decoder = SpeculativeDecoder(smollm2_quantized, api.load_draft("smollm2-dflash:135m", smollm2_quantized),
+    decoder = SpeculativeDecoder(smollm2_quantized, decoders.load_draft("smollm2-dflash:135m", smollm2_quantized),
                                  proposer=proposer)
     engine = Engine(smollm2_quantized, tok, name="grammar-forbidden", speculative=decoder)
     try:

@@ -1,9 +1,11 @@
 """This host's costs (``speculation.costs``) in the policy: the table's ratios rescaled to the
 host's curve, a cheap host verifying longer proposals than an expensive one, the curves measured
 once per host (exact ratios from a target and a draft whose passes take known times) and kept, a
-DFlash engine whose shipped table takes the curve while a calibrated one does not, and the
-first-run estimate of a tag without a table (``speculation.estimate``): the draft length of the
-most expected tokens per unit of cost under the prior, exactly, for blocks of 8 and 16."""
+DFlash engine whose shipped table takes the curve while a calibrated one does not, the first-run
+estimate of a tag without a table (``speculation.estimate``): the draft length of the most
+expected tokens per unit of cost under the prior, exactly, for blocks of 8 and 16; and a tag
+without a draft, which speculates on this host's verify curve alone, unless ``FLM_HOST_COSTS`` or
+``FLM_SPECULATION`` say no."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 
 from flm_runtime import api, paths
 from flm_runtime.settings import Settings
-from flm_runtime.speculation import costs, estimate
+from flm_runtime.speculation import costs, decoders, estimate
 from flm_runtime.speculation.policy import Bucket, PolicyTable
 
 DFLASH_TAG = "smollm2-dflash:135m"
@@ -174,7 +176,7 @@ def test_a_dflash_engine_takes_this_hosts_costs_unless_calibrated_here(tmp_path,
     monkeypatch.setattr(paths, "config_dir", lambda: tmp_path)
     monkeypatch.setattr(costs, "measure_verify_ratio", lambda target, taps, drafted, context: CHEAP[:drafted])
     monkeypatch.setattr(costs, "measure_propose_ratio", lambda target, draft, drafted, context: PROPOSE[:drafted])
-    shipped = api.load_policy(DFLASH_TAG, "cpu")
+    shipped = decoders.load_policy(DFLASH_TAG, "cpu")
     if calibrated:
         user = shipped.model_copy(update={"min_speedup": 1.5})
         user.save(paths.policy_file(DFLASH_TAG, "cpu"))
@@ -269,3 +271,33 @@ def test_an_engine_of_a_tag_without_a_table_starts_from_the_estimate(tmp_path, m
     assert (kept.verify_ratio, kept.propose_ratio) == (flat.verify_ratio, flat.propose_ratio)
     assert spec.policy == estimate.first_run_table("smollm2-k15-dflash:135m", "cpu", kept)
     assert (spec.policy.buckets[0].draft_length, spec.policy.block_size) == (7, 16)
+
+
+@pytest.mark.parametrize("speculation, host_costs", [("1", "1"), ("1", "0"), ("0", "1")])
+def test_a_tag_without_a_draft_speculates_on_this_hosts_verify_curve(tmp_path, monkeypatch, speculation, host_costs):
+    """``smollm2:135m``: with the host's costs measured, its engine decodes with the proposers alone
+    (no draft, no taps, prefix caching on), priced by the verify curve measured for it and kept
+    (no propose costs: nothing proposes by running a model); without them, or with
+    ``FLM_SPECULATION=0`` (which leaves a DFlash tag its target alone too), it decodes plainly.
+    Quantized weights: batch-invariant, so the prefix cache is on."""
+    monkeypatch.setattr(paths, "config_dir", lambda: tmp_path)
+    monkeypatch.setattr(costs, "measure_verify_ratio", lambda target, taps, drafted, context: CHEAP[:drafted])
+    monkeypatch.setattr(costs, "measure_propose_ratio", lambda target, draft, drafted, context: PROPOSE[:drafted])
+    monkeypatch.setenv("FLM_WEIGHTS", "auto")
+    runtime = api.Runtime(Settings(speculation=speculation, host_costs=host_costs))
+    try:
+        engine = runtime.get_engine("smollm2:135m", "cpu")
+        dflash = runtime.get_engine(DFLASH_TAG, "cpu").speculative if speculation == "0" else None
+    finally:
+        runtime.close()
+    kept = paths.host_costs_file("smollm2:135m", "cpu")
+    if "0" in (speculation, host_costs):
+        assert engine.speculative is None and dflash is None and not kept.exists()
+        return
+    spec = engine.speculative
+    assert (spec.draft, spec.taps, spec.block_size, engine.prefix) == (None, (), decoders.LOOKUP_BLOCK, True)
+    assert [b.model_dump(exclude_defaults=True) for b in spec.policy.buckets] == [
+        {"max_context": 256, "speculate": False, "verify_ratio": CHEAP}]
+    assert spec.suffix is not None and spec.ngram
+    curve = costs.HostCosts.model_validate_json(kept.read_text())
+    assert (curve.model, curve.verify_ratio, curve.propose_ratio) == ("smollm2:135m", CHEAP, [])

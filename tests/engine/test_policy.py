@@ -115,7 +115,7 @@ def test_a_table_with_verify_ratios_round_trips_and_checks_their_length(tmp_path
     assert (old.block_size, old.buckets[0].verify_ratio, old.min_speedup) == (None, None, MIN_SPEEDUP)
     assert old.lookup_step(100, np.ones(7, dtype=np.float32)) is None
     assert ALWAYS_SPECULATE.lookup_step(100, np.ones(7, dtype=np.float32)) is None
-    assert table.lookup_step(100, np.ones(7, dtype=np.float32)) == (7, 8 / VERIFY_RATIO[6])
+    assert table.lookup_step(100, np.ones(7, dtype=np.float32)) == (7, 8 / VERIFY_RATIO[6], 7.0)
     assert table.lookup_step(1000, np.ones(7, dtype=np.float32)) is None  # its bucket has no verify_ratio
 
 

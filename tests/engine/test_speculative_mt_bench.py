@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from flm_runtime import api
+from flm_runtime.speculation import decoders
 from flm_runtime.backends import prefill
 from flm_runtime.request import SamplingParams
 from flm_runtime.speculation.speculative import SpeculativeDecoder
@@ -68,7 +68,7 @@ def test_speculative_equals_baseline_on_mt_bench_first_turns(weights, mt_bench_p
     want, margins = greedy_baseline(smollm2_model, prompts, N_NEW, set(tok.stop_token_ids))
     t_baseline = time.perf_counter() - t0
 
-    decoder = SpeculativeDecoder(smollm2_model, api.load_draft("smollm2-dflash:135m", smollm2_model))
+    decoder = SpeculativeDecoder(smollm2_model, decoders.load_draft("smollm2-dflash:135m", smollm2_model))
     engine = make_engine(smollm2_model, tok, speculative=decoder, max_active=80, max_queue=80)
     with engine.held():  # hold the engine thread back until all are queued: one batch
         handles = [engine.submit(p, SamplingParams(max_tokens=N_NEW)) for p in prompts]

@@ -17,6 +17,7 @@ import yaml
 from spec_fakes import draft_config_dict, random_draft_weights, replay_proposer, spec_generate, write_draft_dir
 
 from flm_runtime import api, registry
+from flm_runtime.speculation import decoders
 from flm_runtime.backends import decode, prefill
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.request import SamplingParams
@@ -170,7 +171,7 @@ def test_eight_batched_speculative_requests_equal_each_alone(make_engine, smollm
     (mixed prompts and budgets, greedy beside sampled with other seeds) through the shipped draft
     give the tokens each gives alone, and their verify rows did share target passes (8 lanes drafted
     together and verified in one ``forward_batch``)."""
-    decoder = SpeculativeDecoder(smollm2_model, api.load_draft("smollm2-dflash:135m", smollm2_model))
+    decoder = SpeculativeDecoder(smollm2_model, decoders.load_draft("smollm2-dflash:135m", smollm2_model))
     engine = make_engine(smollm2_model, smollm2_tokenizer, speculative=decoder)
     prompts = [p for p, _, _ in chats] + [smollm2_tokenizer.encode(t) for t in
                                           ("Once upon a time,", "def add(a, b):", "1, 2, 3,", "Dear team,", "The weather today")]
@@ -196,7 +197,7 @@ def test_penalties_bias_and_logprobs_speculative_and_batched_equal_plain(make_en
     """The shipped draft verifying whole blocks at every step (``ALWAYS_SPECULATE``), requests with
     penalties, a logit bias and logprobs, greedy and seeded-sampled, run together: each gives the
     tokens and logprobs (within 1e-4) that plain decoding gives it alone."""
-    decoder = SpeculativeDecoder(smollm2_model, api.load_draft("smollm2-dflash:135m", smollm2_model))
+    decoder = SpeculativeDecoder(smollm2_model, decoders.load_draft("smollm2-dflash:135m", smollm2_model))
     engine = make_engine(smollm2_model, smollm2_tokenizer, speculative=decoder)
     shared = dict(logprobs=True, top_logprobs=5, max_tokens=16, ignore_eos=True)
     params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.5, logit_bias={28: 3.0}, **shared),
@@ -229,7 +230,7 @@ def test_prompt_lookup_on_a_copying_prompt_equals_plain(make_engine, smollm2_eng
     proposer's steps were verified and kept more than one token each."""
     tok = smollm2_tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": COPY}], add_generation_prompt=True))
-    draft = api.load_draft("smollm2-dflash:135m", smollm2_model)
+    draft = decoders.load_draft("smollm2-dflash:135m", smollm2_model)
     params = [SamplingParams(max_tokens=48, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=48, ignore_eos=True)]
     for p in params:
@@ -257,7 +258,7 @@ def test_ngram_only_steps_on_a_copying_prompt_equal_plain(make_engine, smollm2_e
     plain."""
     tok = smollm2_tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": COPY}], add_generation_prompt=True))
-    draft = api.load_draft("smollm2-dflash:135m", smollm2_model)
+    draft = decoders.load_draft("smollm2-dflash:135m", smollm2_model)
     asked = []
     draft.draft_blocks = lambda *a, **kw: asked.append(a)  # (a request whose draft ran would fail)
     params = [SamplingParams(max_tokens=48, ignore_eos=True),

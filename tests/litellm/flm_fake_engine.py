@@ -100,9 +100,10 @@ class FakeEngine:
     stats: RequestStats | None = None  # stats of every request (on the final event and the result)
     submitted: list[tuple[list[int], SamplingParams, float | None]] = field(default_factory=list)
     handles: list[FakeHandle] = field(default_factory=list)
+    default_sampling = FALLBACK_SAMPLING  # no default output limit: ``max_tokens`` reaches submit as sent
 
     def sampling_params(self, **given) -> SamplingParams:
-        return FALLBACK_SAMPLING.resolve(**given)
+        return self.default_sampling.resolve(**given)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, timeout: float | None,
                processors=()) -> FakeHandle:

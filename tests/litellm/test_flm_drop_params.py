@@ -25,7 +25,7 @@ FUNCTION = {"name": "capital", "parameters": {"type": "object", "properties": {}
 UNSUPPORTED = {
     "functions": {"functions": [FUNCTION]},
     "modalities": {"modalities": ["text", "audio"]},
-    "prediction": {"prediction": {"type": "content", "content": "Paris"}},
+    "audio": {"audio": {"voice": "alloy", "format": "wav"}},
 }
 
 
@@ -102,12 +102,12 @@ def test_router_deployment_drops_or_names_the_parameter(plain, router, name):
 
 async def test_router_request_drop_params_async(plain, router):
     r = await router().acompletion(
-        model="local", messages=QUESTION, drop_params=True, **GREEDY, **UNSUPPORTED["prediction"]
+        model="local", messages=QUESTION, drop_params=True, **GREEDY, **UNSUPPORTED["audio"]
     )
     assert r.choices[0].message.content == plain
 
 
-@pytest.mark.parametrize("name", ["modalities", "prediction"])
+@pytest.mark.parametrize("name", ["modalities", "audio"])
 def test_drop_params_does_what_litellm_does_for_a_builtin_provider(plain, name):
     """ollama_chat does not support these either: LiteLLM's own rule (get_optional_params)
     refuses each without drop_params and drops it with; flm gives the same two outcomes."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import litellm
 import pytest
 
@@ -18,6 +20,8 @@ CASES = [
     (rt.BackendUnavailableError("npu: no device"), litellm.ServiceUnavailableError, 503),
     (rt.EngineDrainingError("engine 'smollm2:135m' is shutting down"), litellm.ServiceUnavailableError, 503),
     (rt.ModelDownloadError("sha256 mismatch"), litellm.ServiceUnavailableError, 503),
+    (rt.DiskSpaceError(Path("/m/.converted/k-auto.flmw"), need_bytes=10, free_bytes=2), litellm.ServiceUnavailableError,
+     503),
     (rt.UnknownModelError("no model 'nope:1b'"), litellm.NotFoundError, 404),
     (rt.ModelFilesMissingError("missing model.gguf"), litellm.NotFoundError, 404),
     (rt.ModelFormatError("unsupported quant Q2_K"), litellm.BadRequestError, 400),

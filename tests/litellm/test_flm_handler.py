@@ -224,6 +224,9 @@ SPEC_STATS = RequestStats(prompt_tokens=9, completion_tokens=12, generated_token
                           spec=SpecStats(proposers={
                               "draft": ProposerCounts(3, 21, 4, 7, 2, 1), "ngram": ProposerCounts(1, 7, 5, 6),
                               "grammar": ProposerCounts(1, 3, 3, 4, 3, 3)}))
+# A request that gave a predicted output: its proposer's counts beside the others'.
+PREDICTED_STATS = replace(SPEC_STATS, spec=SpecStats(proposers={
+    **SPEC_STATS.spec.proposers, "prediction": ProposerCounts(2, 14, 9, 11)}))
 
 
 def test_flm_stats_keys():
@@ -234,7 +237,9 @@ def test_flm_stats_keys():
     assert SPEC_STATS.as_dict() == {**plain, "spec_steps": 5, "drafted_tokens": 31, "accepted_tokens": 12,
                                     "acceptance_length": 3.4, "gated_steps": 0, "spec_switches_off": 0,
                                     "al_estimate": None, "forced_tokens": 5, "forced_accepted_tokens": 4,
-                                    "draft_acceptance_length": 7 / 3, "ngram_steps": 1,
+                                    "draft_acceptance_length": 7 / 3, "prediction_steps": 0,
+                                    "prediction_drafted_tokens": 0, "prediction_accepted_tokens": 0,
+                                    "prediction_acceptance_length": None, "ngram_steps": 1,
                                     "ngram_drafted_tokens": 7, "ngram_accepted_tokens": 5,
                                     "ngram_acceptance_length": 6.0, "suffix_steps": 0, "suffix_drafted_tokens": 0,
                                     "suffix_accepted_tokens": 0, "suffix_acceptance_length": None,
@@ -254,24 +259,28 @@ def test_cached_prompt_tokens_reach_the_usage():
     assert "prompt_tokens_details" not in usage_fields([[done(0)]])
 
 
-def test_speculative_stats_reach_the_usage(fake_engine):
-    """A speculative engine's stats: all in _hidden_params["flm_stats"]; drafted tokens kept and
-    rejected in usage.completion_tokens_details (completion_tokens stays the tokens delivered)."""
-    fake_engine.stats = SPEC_STATS
+def test_a_predicted_outputs_figures_reach_the_usage(fake_engine):
+    """A speculative engine's stats: all in _hidden_params["flm_stats"]; the predicted output's
+    tokens kept and rejected in usage.completion_tokens_details, OpenAI's fields (completion_tokens
+    stays the tokens delivered); the other proposers' are not predicted outputs."""
+    fake_engine.stats = PREDICTED_STATS
     r = litellm.completion(model=MODEL, messages=MESSAGES, max_tokens=12)
-    assert r._hidden_params["flm_stats"] == SPEC_STATS.as_dict()
+    assert r._hidden_params["flm_stats"] == PREDICTED_STATS.as_dict()
     details = r.usage.completion_tokens_details
-    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (12, 19)
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (9, 5)
     assert r.usage.completion_tokens == 12
     chunks = list(litellm.completion(model=MODEL, messages=MESSAGES, stream=True, max_tokens=12,
                                      stream_options={"include_usage": True}))
     usage = chunks[-1].usage
     assert usage.completion_tokens == 12
-    assert usage.completion_tokens_details.accepted_prediction_tokens == 12
-    assert usage.completion_tokens_details.rejected_prediction_tokens == 19
+    assert usage.completion_tokens_details.accepted_prediction_tokens == 9
+    assert usage.completion_tokens_details.rejected_prediction_tokens == 5
 
 
-def test_plain_engine_usage_has_no_prediction_details(fake_engine):
+@pytest.mark.parametrize("stats", ["plain", "speculative"])
+def test_usage_without_a_predicted_output_has_no_prediction_details(fake_engine, stats):
+    if stats == "speculative":
+        fake_engine.stats = SPEC_STATS
     r = litellm.completion(model=MODEL, messages=MESSAGES, max_tokens=12)
     details = r.usage.completion_tokens_details
     assert details is None or details.accepted_prediction_tokens is None
@@ -406,13 +415,11 @@ def test_a_list_of_prompts_gives_one_choice_per_prompt_in_order_with_usage_summe
     assert [s["prompt_tokens"] for s in r._hidden_params["flm_stats"]] == [2, 3, 1]
 
 
-def test_speculative_prediction_details_are_summed_over_prompts(fake_engine):
-    fake_engine.stats = SPEC_STATS
+def test_prediction_details_are_summed_over_prompts(fake_engine):
+    fake_engine.stats = PREDICTED_STATS
     r = litellm.text_completion(model=MODEL, prompt=["ab", "cd"], max_tokens=20)
     details = r.usage.completion_tokens_details
-    accepted = SPEC_STATS.spec.accepted
-    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (
-        2 * accepted, 2 * (SPEC_STATS.spec.drafted - accepted))
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (2 * 9, 2 * 5)
 
 
 async def test_atext_completion_of_a_list(fake_engine):

@@ -255,7 +255,7 @@ def test_a_damaged_or_unwritable_keep_costs_only_a_conversion(tmp_path):
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the directory would be")
     _same_bytes(load_gguf(path, weights="auto", keep=blocked).weights, fresh)
-    assert list(tmp_path.glob("**/.*.tmp")) == []  # no temporary file left behind
+    assert list(tmp_path.glob("**/.*.part")) == []  # no temporary file left behind (files.written_whole's name)
 
 
 def test_smollm2_config_matches_design_facts(smollm2_bundle):

@@ -15,7 +15,8 @@ import pytest
 from dflash_public_files import BLOCK_SIZE, CASES, CONTEXT, draft_config, draft_tensors, write_case, write_draft_dir
 from family_files import write_gguf, write_hf_dir
 
-from flm_runtime import api, registry
+from flm_runtime import registry
+from flm_runtime.speculation import decoders
 from flm_runtime.backends import decode, prefill
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.gguf import load_gguf
@@ -116,9 +117,9 @@ def test_a_models_file_pairs_a_target_gguf_with_a_public_draft(tmp_path, monkeyp
         assert registry.locate_draft("tinypub-dflash:qwen3") == draft_dir
         loaded = load_gguf(gguf, weights="q8")
         target = LlamaModel(loaded.config, loaded.weights)
-        draft = api.load_draft("tinypub-dflash:qwen3", target)
+        draft = decoders.load_draft("tinypub-dflash:qwen3", target)
         assert draft.quantized and target.quantized
-        policy = api.load_policy("tinypub-dflash:qwen3", "cpu")
+        policy = decoders.load_policy("tinypub-dflash:qwen3", "cpu")
     finally:
         registry.reload()
     assert policy is ALWAYS_SPECULATE

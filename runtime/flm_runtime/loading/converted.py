@@ -13,9 +13,16 @@ One file per (source file, weight kind) in the caller's directory (``paths.conve
 ``.verified`` records: nothing is written beside a user's files). Its header records the
 source's size, mtime and inode and a digest of the code whose rules the bytes follow
 (``kernels/quant.py``, ``loading/gguf.py``, gguf-py's version); a file that does not match them
-all, or that is unreadable, is not used, and the next ``save`` replaces it. A ``save`` writes a
-temporary file and renames it, so a failed or concurrent write never leaves a partial file under
-the name; a cache that cannot be written only costs the conversion next time.
+all, or that is unreadable or of another length than its header says (a copy cut short), is not
+used, saying why, and the next ``save`` replaces it.
+
+A ``save`` writes through ``flm_runtime.files.written_whole``: unnamed while written (Linux's
+``O_TMPFILE``; elsewhere a temporary name, removed by a later ``save`` once its process is gone,
+saying so), its whole length reserved before the first byte, fsynced, then renamed into place. So
+a load killed while converting (SIGKILL included) leaves no file under the name, and the next
+load converts again; a disk without room for the file is a ``DiskSpaceError`` naming it, the
+bytes it needs and the bytes free, with nothing left; any other write failure (a read-only cache)
+only costs the conversion next time.
 
 Layout: ``MAGIC``, the header's length (8 bytes, little-endian), the header (JSON: each array's
 dtype, shape and offset), then the data from a 64-byte aligned offset: every matrix's codes one
@@ -28,7 +35,6 @@ type), their pages read from the page cache and shared by every process that map
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -36,7 +42,6 @@ import json
 import logging
 import mmap
 import os
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
@@ -44,6 +49,7 @@ from typing import NamedTuple
 import numpy as np
 
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.files import remove_stale, written_whole
 from flm_runtime.kernels import quant
 from flm_runtime.kernels.quant import QuantWeight, Weight
 
@@ -62,21 +68,34 @@ def cache_file(directory: Path, source: Path, kind: str) -> Path:
 
 def load(directory: Path, source: Path, kind: str) -> dict[str, Weight] | None:
     """The weights ``save`` kept in ``directory`` for ``source`` as it is now and ``kind``, mapped
-    from disk; None when there are none, or they are stale or unreadable."""
+    from disk; None when there are none, or they are stale (logged at INFO: the source or the
+    code changed) or unusable (a WARNING naming the file and why: another length than its header
+    says, not a kept file, unreadable)."""
     path = cache_file(directory, source, kind)
     try:
         with path.open("rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # unreadable, or empty (mmap refuses length 0)
+        log.warning("not using the kept conversion %s (%s); converting again", path, e)
+        return None
+    try:
         if mapped[:len(MAGIC)] != MAGIC:
-            return None
+            raise ValueError("not a kept conversion of this format")
         n = int.from_bytes(mapped[len(MAGIC):len(MAGIC) + 8], "little")
         header = json.loads(mapped[len(MAGIC) + 8:len(MAGIC) + 8 + n])
         start = _aligned(len(MAGIC) + 8 + n)
-        if header["stamp"] != _stamp(source, kind) or start + header["length"] != len(mapped):
+        if start + header["length"] != len(mapped):
+            raise ValueError(f"{len(mapped):,} bytes where its header says {start + header['length']:,}: "
+                             "cut short or damaged")
+        if header["stamp"] != _stamp(source, kind):
+            log.info("the kept conversion %s is of another version of %s or of this code; converting again",
+                     path, source)
             return None
         return {name: _weight(mapped, start, spec) for name, spec in header["tensors"].items()}
-    except (OSError, ValueError, KeyError, TypeError) as e:  # missing, truncated or foreign: convert again
-        log.debug("not using %s: %s", path, e)
+    except (ValueError, KeyError, TypeError) as e:  # truncated or foreign: convert again
+        log.warning("not using the kept conversion %s (%s); converting again", path, e)
         return None
 
 
@@ -99,7 +118,8 @@ class Entry(NamedTuple):
 def save(directory: Path, source: Path, kind: str, entries: dict[str, Entry],
          parts: Iterable[tuple[str, int, Weight]]) -> bool:
     """Keep the weights converted from ``source`` as ``kind`` in ``directory`` for ``load``,
-    written part by part as ``parts`` gives them (best effort, atomic; the directory is created).
+    written part by part as ``parts`` gives them (atomic: ``files.written_whole``; the directory
+    is created, and temporary files that ended processes left in it removed).
 
     Args:
         entries: every tensor's format and shape; their order is the layout's (``_layout``).
@@ -108,33 +128,34 @@ def save(directory: Path, source: Path, kind: str, entries: dict[str, Entry],
 
     Returns:
         Whether the weights were kept; False (nothing written under the name): the directory or
-        the file cannot be written, or ``parts`` did not cover every row.
+        the file cannot be written (a read-only cache), or ``parts`` did not cover every row.
+
+    Raises:
+        DiskSpaceError: the directory's disk has no room for the file; nothing is left of it.
+        ModelFormatError: from ``parts`` (the source's).
     """
     path = cache_file(directory, source, kind)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tensors, length = _layout(entries)
     header = json.dumps({"stamp": _stamp(source, kind), "length": length, "tensors": tensors}).encode()
     start = _aligned(len(MAGIC) + 8 + len(header))
     rows = dict.fromkeys(entries, 0)  # written so far, per tensor
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tmp.open("wb") as f:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in remove_stale(directory):
+            log.warning("removed %s, a conversion left unfinished by a process that ended while writing it", stale)
+        with written_whole(path, start + length) as f:
             f.write(MAGIC + len(header).to_bytes(8, "little") + header)
-            f.truncate(start + length)
+            f.flush()
             for name, first, part in parts:
                 rows[name] += _write_part(f.fileno(), start, tensors[name], first, part)
-        if rows != {name: e.shape[0] for name, e in entries.items()}:
-            raise ValueError(f"rows written {rows} are not the tensors' rows")
-        os.replace(tmp, path)
+            if rows != {name: e.shape[0] for name, e in entries.items()}:
+                raise ValueError(f"rows written {rows} are not the tensors' rows")
         return True
     except ModelFormatError:  # the source's, not the cache's
         raise
-    except (OSError, ValueError) as e:  # a read-only or full cache only costs the conversion next time
+    except (OSError, ValueError) as e:  # a read-only cache only costs the conversion next time
         log.debug("cannot write %s: %s", path, e)
         return False
-    finally:  # gone once renamed; else never left behind, whatever stopped the writing
-        with contextlib.suppress(OSError):
-            tmp.unlink()
 
 
 def _layout(entries: dict[str, Entry]) -> tuple[dict, int]:

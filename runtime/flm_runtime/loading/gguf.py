@@ -110,6 +110,7 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f3
             type), a config value of the wrong type or out of range, an unsupported quantization
             type or tensor, shapes inconsistent with the metadata (checked before any tensor is
             converted), or a weight that is not finite; each named.
+        DiskSpaceError: ``keep``'s disk has no room for the converted file (``converted.save``).
     """
     # Deferred: the registry imports this package (chat templates), and importing the provider
     # must load no kernel, which the families' layer types would (tests/test_public_api.py).
@@ -423,6 +424,7 @@ def load_gguf_weights(gguf_file: GGUFFile, config: LlamaConfig, family: Llama, *
 
     Raises:
         ModelFormatError: an unsupported tensor name or quantization type.
+        DiskSpaceError: ``keep``'s disk has no room for the converted file.
     """
     assert kind in WEIGHT_KINDS, f"weight kind {kind!r} not in {WEIGHT_KINDS}"
     tensors = {family.hf_name(t.name, source): t for t in gguf_file.tensors if t.name not in ROPE_TENSORS}

@@ -238,12 +238,25 @@ class SamplingDefaults:
     that sets only ``temperature=0.7`` keeps this entry's top_k/top_p/min_p. An explicit
     ``temperature=0`` is greedy whatever the defaults say. The registry entry of a model may
     define its own; ``FALLBACK_SAMPLING`` is used otherwise.
+
+    ``max_tokens`` is the default output limit (completion tokens, >= 1; None: none), which
+    ``resolve`` leaves alone: unlike a request's own value it is cut to what a prompt leaves of
+    the context, never refused, so it needs the prompt (``flm_runtime.api.with_output_limit``).
+
+    Raises:
+        ValueError: ``max_tokens`` not None nor an integer >= 1.
     """
 
     temperature: float = 1.0
     top_k: int = 64
     top_p: float = 0.95
     min_p: float = 0.0
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
 
     def resolve(self, **given) -> SamplingParams:
         """``SamplingParams`` from the request's fields; a field given as None (or absent) takes

@@ -44,11 +44,12 @@ request. Shutdown: ``drain`` stops admitting (``EngineDrainingError``), lets the
 requests finish within a bound, then closes with the KV pool free.
 
 Speculative decoding: an engine given a ``Stepper`` (``step.py``; ``api`` passes the
-``SpeculativeDecoder`` of ``flm_runtime.speculation`` for a DFlash tag, which this package never
-imports) runs every sequence's decoding through it, a step as prepare -> one batched target pass ->
-complete (draft K, verify K+1, greedy or
-sampled; or a plain step where its policy says a block does not pay, whose token is sampled as in
-an engine without a draft), and hands it each finished request's prompt and generated tokens
+``SpeculativeDecoder`` that ``flm_runtime.speculation.decoders`` builds for the tag, a package this
+one never imports) runs every sequence's decoding through it, a step as prepare -> one batched
+target pass -> complete (propose K, verify K+1, greedy or sampled; or a plain step where its
+policy says a proposal does not pay, whose token is sampled as in an engine without a stepper;
+every step plain for a request that asks for it), and hands it each finished request's prompt and
+generated tokens
 (``Stepper.finish``: the suffix proposer's index of earlier requests). ``on_step`` hands each
 step's ``StepTiming`` to benchmarks.
 """
@@ -183,7 +184,8 @@ class Engine:
         if self.context_length > own:
             raise InvalidRequestError(f"context_length={context_length} is more than the model's {own} positions",
                                       param="context_length")
-        draft_config = speculative.draft.config if speculative is not None else None
+        draft = speculative.draft if speculative is not None else None
+        draft_config = draft.config if draft is not None else None
         self.kv = admission.KVBudget(name, self.context_length,
                                      admission.kv_bytes_per_token(model.config, draft_config,
                                                                   np.dtype(model.kv_dtype).itemsize),
@@ -191,7 +193,9 @@ class Engine:
         self.pool = model.new_pool(self.kv.positions)
         self.block_bytes = self.pool.block_tokens * self.kv.bytes_per_token
         exact = getattr(model, "batch_invariant", False)
-        self.prefix = prefix_cache and exact and speculative is None and isinstance(self.pool, KVPool)
+        # A cached prefix has no draft context: prefix caching only where no draft runs.
+        self.prefix = (prefix_cache and exact and (speculative is None or not speculative.taps)
+                       and isinstance(self.pool, KVPool))
         self._cv = threading.Condition()      # guards _waiting, _active, _counts, _closed, pool
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._active: list[Sequence] = []
@@ -441,7 +445,11 @@ class Engine:
                 seq.cached_tokens = cached
         seq.cache.reserve(len(seq.prefill_ids) - seq.cache.length)
         if self.speculative is not None:
-            seq.spec = self.speculative.new_state(len(seq.prefill_ids))
+            params = seq.params
+            seq.spec = self.speculative.new_state(len(seq.prefill_ids), speculate=params.speculation,
+                                                  prediction=params.prediction)
+            if seq.cache.length:  # the cached prefix's tokens, for the retrieval proposers
+                self.speculative.add_prompt(seq.cache, seq.spec, seq.prefill_ids[: seq.cache.length], None)
 
     def _step(self) -> None:
         """Advance every active sequence with ONE batched forward pass: prepare, the pass, then
@@ -656,8 +664,11 @@ class Engine:
                 self._active.remove(seq)
                 if heir is None and seq.cache is not None:
                     if self.prefix and (error is None or count in ("cancelled", "timed_out")):
-                        # a request that stopped between steps left a whole cache
-                        prefix_cache.keep(seq.cache, seq.context_ids())
+                        # a request that stopped between steps left a whole cache; a speculative
+                        # step that stopped inside its accepted tokens left the rest in it
+                        context = seq.context_ids()
+                        seq.cache.trim(len(context))
+                        prefix_cache.keep(seq.cache, context)
                     seq.cache.release()
             elif seq in self._waiting:
                 if heir is None:

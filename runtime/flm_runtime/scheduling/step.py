@@ -6,7 +6,7 @@ and ``Lane.decode_plain`` takes the token. An engine given a ``Stepper`` (the sp
 ``flm_runtime.speculation``) asks it for every decoding sequence's record (``Stepper.prepare``),
 runs the records' rows in the step's one batched target pass, and hands each sequence its rows'
 logits and taps (``Stepper.complete``). The engine itself never imports the speculation package:
-``flm_runtime.api`` wires a decoder in for a DFlash tag.
+``flm_runtime.api`` wires a decoder in (``flm_runtime.speculation.setup``).
 """
 
 from __future__ import annotations
@@ -113,8 +113,10 @@ class Stepper(Protocol):
 
     Attributes:
         target: the target model (the engine's ``model``).
-        draft: the draft model; its ``config`` sizes the KV bytes per token (``admission``).
-        taps: the target layers whose hidden states each pass records for the stepper.
+        draft: the draft model, whose ``config`` sizes the KV bytes per token (``admission``);
+            None: the stepper runs no draft.
+        taps: the target layers whose hidden states each pass records for the stepper; empty:
+            none, so a prompt's cached prefix needs no pass (the engine's prefix caching).
         block_size: rows of a whole speculative block (the anchor and K drafted tokens); a
             sequence reserves KV for K positions past its budget.
     """
@@ -124,11 +126,13 @@ class Stepper(Protocol):
     taps: tuple[int, ...]
     block_size: int
 
-    def new_state(self, capacity: int = 0) -> StepperState:
-        """Fresh state for one sequence (``capacity``: a hint in tokens)."""
+    def new_state(self, capacity: int = 0, *, speculate: bool = True, prediction: tuple[int, ...] = ()) -> StepperState:
+        """Fresh state for one sequence (``capacity``: a hint in tokens; ``speculate`` and
+        ``prediction``: the request's ``SamplingParams.speculation`` and ``prediction``)."""
 
-    def add_prompt(self, cache: KVCache, state: StepperState, ids: np.ndarray, taps: np.ndarray) -> None:
-        """A prompt chunk ``ids`` ``[T]`` the target ``cache`` now holds, with its taps."""
+    def add_prompt(self, cache: KVCache, state: StepperState, ids: np.ndarray, taps: np.ndarray | None) -> None:
+        """A prompt chunk ``ids`` ``[T]`` the target ``cache`` now holds, with its taps (None
+        for a prefix adopted from the prefix cache, without ``taps``)."""
 
     def prepare(self, lanes: list[Lane]) -> list[StepRecord]:
         """Every lane's record for this step; the engine runs ``record.rows(lane.anchor_id)`` of

@@ -9,8 +9,8 @@ spare per weight read, eight rows cost little more than one; where compute binds
 several decodes (docs/benchmarks.md, "`benchmarks/skinny_gemm.py`"). A policy table
 calibrated on one host therefore drafts too short or too long on another.
 
-So the first time a DFlash engine is built on a host, its curves are measured there, K = block
-size - 1 (7 or 15): the target's (``measure_verify_ratio``: interleaved rounds of a one-row pass
+So the first time an engine of a tag that speculates is built on a host, its curves are measured
+there, K = block size - 1 (7 or 15; a tag without a draft, ``decoders.LOOKUP_BLOCK`` - 1): the target's (``measure_verify_ratio``: interleaved rounds of a one-row pass
 and passes of 2 .. K + 1 rows at ``CONTEXT`` tokens, medians: a prefill of ``CONTEXT`` tokens and
 ``(ROUNDS + 1) * (K + 1)`` passes) and the draft's (``measure_propose_ratio``: proposals of 1 .. K
 tokens, each after a one-row target pass, the draft's own passes a fraction of the target's), and
@@ -54,13 +54,13 @@ class HostCosts(BaseModel):
 
     Attributes:
         host: ``host_id()`` of the machine that measured it.
-        model: the DFlash tag whose target was timed.
+        model: the tag whose target was timed.
         backend: ``"cpu"`` or ``"npu"``.
         context: tokens in the KV cache during the timed passes.
         verify_ratio: ``t_verify(n+1) / t_decode`` for ``n = 1 .. K`` (K = block size - 1).
         propose_ratio: ``t_propose(n) / t_decode`` for ``n = 1 .. K``: the draft catching up one
-            position and drafting ``n`` tokens. A file without it (written before it was measured)
-            is measured again.
+            position and drafting ``n`` tokens; empty for a tag without a draft. A DFlash tag's
+            file without it (written before it was measured) is measured again.
         date: when it was measured (ISO date).
     """
 
@@ -71,7 +71,7 @@ class HostCosts(BaseModel):
     backend: str
     context: int = Field(gt=0)
     verify_ratio: list[PositiveFloat] = Field(min_length=1)
-    propose_ratio: list[PositiveFloat] = Field(min_length=1)
+    propose_ratio: list[PositiveFloat] = Field(default_factory=list)
     date: str
 
 
@@ -167,10 +167,10 @@ def measure_propose_ratio(target: TargetModel, draft: DFlashDraft, drafted: int,
     return [round(t / decode_time, 4) for t in propose]
 
 
-def load(path: Path, host: str, model: str, backend: str, drafted: int) -> HostCosts | None:
+def load(path: Path, host: str, model: str, backend: str, drafted: int, proposed: int) -> HostCosts | None:
     """The curves kept at ``path`` if they are this host's, model's and backend's, with ``drafted``
-    values each; None otherwise (no file, another host, a file that does not parse: they are
-    measured again and replaced)."""
+    verify and ``proposed`` propose values (``drafted``, or 0 without a draft); None otherwise (no
+    file, another host, a file that does not parse: they are measured again and replaced)."""
     try:
         costs = HostCosts.model_validate(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError) as e:
@@ -178,29 +178,34 @@ def load(path: Path, host: str, model: str, backend: str, drafted: int) -> HostC
             log.warning("ignoring %s, it will be measured again: %s", path, e)
         return None
     if (costs.host, costs.model, costs.backend, len(costs.verify_ratio), len(costs.propose_ratio)) != (
-            host, model, backend, drafted, drafted):
+            host, model, backend, drafted, proposed):
         return None
     return costs
 
 
-def host_costs(path: Path, target: TargetModel, draft: DFlashDraft, *, model: str, backend: str) -> HostCosts:
+def host_costs(path: Path, target: TargetModel, draft: DFlashDraft | None, *, model: str, backend: str,
+               block_size: int | None = None) -> HostCosts:
     """This host's curves for ``model``'s target and ``draft`` (``drafted`` = its block size - 1
-    values each): those kept at ``path``, else measured now (``measure_verify_ratio``,
-    ``measure_propose_ratio``) and written there (a temporary name, then renamed). A measurement
-    takes seconds (20 s for ``smollm2-dflash:135m`` on a busy 2-core host), in the first request's
-    time: it is said on stderr as it starts."""
-    host, drafted = host_id(), int(draft.config.block_size) - 1
-    costs = load(path, host, model, backend, drafted)
+    values each; without a draft, ``block_size - 1`` verify values and no propose ones): those
+    kept at ``path``, else measured now (``measure_verify_ratio``, ``measure_propose_ratio``) and
+    written there (a temporary name, then renamed). A measurement takes seconds (20 s for
+    ``smollm2-dflash:135m`` on a busy 2-core host), in the first request's time: it is said on
+    stderr as it starts."""
+    host = host_id()
+    drafted = int(draft.config.block_size if draft is not None else block_size) - 1
+    proposed = drafted if draft is not None else 0
+    costs = load(path, host, model, backend, drafted, proposed)
     if costs is not None:
         return costs
     context = min(CONTEXT, target.config.max_position_embeddings - drafted - 1)
-    print(f"litellm-flm: timing this host's verify and draft passes for {model} once, seconds (kept in {path}; "
+    passes = "verify and draft passes" if draft is not None else "verify passes"
+    print(f"litellm-flm: timing this host's {passes} for {model} once, seconds (kept in {path}; "
           "FLM_HOST_COSTS=0 skips it)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
     costs = HostCosts(host=host, model=model, backend=backend, context=context,
-                      verify_ratio=measure_verify_ratio(target, tuple(draft.config.target_layer_ids), drafted,
-                                                        context=context),
-                      propose_ratio=measure_propose_ratio(target, draft, drafted, context=context),
+                      verify_ratio=measure_verify_ratio(target, taps, drafted, context=context),
+                      propose_ratio=measure_propose_ratio(target, draft, drafted, context=context) if proposed else [],
                       date=datetime.date.today().isoformat())
     log.info("measured %s's verify and propose costs on this host in %.1f s: %s, %s (kept in %s)", model,
              time.perf_counter() - t0, costs.verify_ratio, costs.propose_ratio, path)

@@ -1,4 +1,5 @@
-"""The first-run policy of a DFlash tag without a table: this host's costs and a prior of the draft.
+"""The policies built from this host's costs alone: a DFlash tag's without a table (this host's
+costs and a prior of the draft), and a tag's without a draft (``lookup_table``).
 
 A tag with neither a shipped table nor one the user calibrated (a draft added through the
 registry, such as a public DFlash draft of block size 16) would otherwise speculate whole blocks
@@ -71,3 +72,14 @@ def first_run_table(model: str, backend: str, costs: HostCosts, *, acceptance: f
                        min_speedup=min_speedup, measured={
                            "estimate": {"acceptance_prior": acceptance, "expected_speedup": round(float(speedup), 4)},
                            "host_costs": costs.model_dump()})
+
+
+def lookup_table(model: str, backend: str, costs: HostCosts, *, min_speedup: float = MIN_SPEEDUP) -> PolicyTable:
+    """The policy of ``model``, a tag without a draft, on ``backend``: one bucket for every
+    context that never drafts and prices n-gram-only steps by this host's verify curve
+    (``costs.verify_ratio``, block size ``len(costs.verify_ratio) + 1``): a retrieval proposal
+    or a grammar's forced tokens are verified where their expected speed-up exceeds
+    ``min_speedup`` (``policy.paying_step``)."""
+    bucket = Bucket(max_context=costs.context, speculate=False, verify_ratio=list(costs.verify_ratio))
+    return PolicyTable(model=model, backend=backend, buckets=[bucket], block_size=len(costs.verify_ratio) + 1,
+                       min_speedup=min_speedup, measured={"host_costs": costs.model_dump()})

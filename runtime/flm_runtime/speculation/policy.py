@@ -85,15 +85,35 @@ class LookupStep(NamedTuple):
 
     Attributes:
         length: the proposal's leading tokens to verify (0: none pays, a plain decode step).
-        speedup: its expected tokens per decode step's cost, ``(1 + E(length)) /
-            verify_ratio[length-1]`` (1.0 for a plain step: one token for one decode).
+        speedup: its expected speed-up of the pass (``paying_step``); for a lane alone, its
+            expected tokens per decode step's cost, ``(1 + E(length)) / verify_ratio[length-1]``
+            (1.0 for a plain step: one token for one decode).
+        gained: ``E(length)``, the expected accepted tokens of its rows (0.0 for a plain step).
     """
 
     length: int
     speedup: float
+    gained: float = 0.0
 
 
 PLAIN_STEP = LookupStep(0, 1.0)
+
+
+class PassLoad(NamedTuple):
+    """The rows of a batched decoding pass planned so far, and the tokens they are expected to
+    give: what one more lane's proposal is priced against (``paying_step``).
+
+    Attributes:
+        rows: target rows in the pass (one per decoding lane, plus the verify rows planned).
+        tokens: the tokens those rows are expected to give (one per lane, plus the accepted
+            ones expected).
+    """
+
+    rows: int
+    tokens: float
+
+
+ALONE = PassLoad(1, 1.0)  # a lane alone in its pass
 
 
 class SpeculationPolicy(Protocol):
@@ -115,11 +135,12 @@ class SpeculationPolicy(Protocol):
         """A speculative step (or a gated one, ``emitted`` = 1) at ``context`` kept ``emitted``
         tokens, the bonus included."""
 
-    def lookup_step(self, context: int, confidence: np.ndarray) -> LookupStep | None:
+    def lookup_step(self, context: int, confidence: np.ndarray, load: PassLoad = ALONE) -> LookupStep | None:
         """Where ``plan`` is plain: the leading tokens of a retrieval proposal (or of a grammar's
         forced tokens) with these per-token confidences (``[g]``) that an n-gram-only step at
-        ``context`` verifies, and its expected speed-up (``PLAIN_STEP``: none pays, the step
-        decodes plainly); None: n-gram-only steps are off at this context."""
+        ``context`` verifies in a pass of ``load``, and its expected speed-up of that pass
+        (``PLAIN_STEP``: none pays, the step decodes plainly); None: n-gram-only steps are off at
+        this context."""
 
     def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
         """A step planned plain (K = 0) generated ``emitted`` tokens: a plain decode step one, an
@@ -142,7 +163,7 @@ class AlwaysSpeculate:
     def record_step(self, context: int, tracker: AcceptanceTracker, emitted: int) -> None:
         pass
 
-    def lookup_step(self, context: int, confidence: np.ndarray) -> LookupStep | None:
+    def lookup_step(self, context: int, confidence: np.ndarray, load: PassLoad = ALONE) -> LookupStep | None:
         return None
 
     def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
@@ -206,24 +227,46 @@ def confident_length(confidence: np.ndarray, min_confidence: float) -> int | np.
     return int(kept) if np.ndim(confidence) == 1 else kept
 
 
-def paying_step(confidence: np.ndarray, verify_ratio: list[float], min_speedup: float) -> LookupStep:
-    """The n-gram-only step: the ``n`` in ``1 .. min(g, len(verify_ratio))`` with the best
-    expected speed-up ``(1 + expected_accepted(confidence[:n])) / verify_ratio[n-1]`` (the
-    shortest of equal ones) and that speed-up, if it exceeds ``min_speedup``; else
-    ``PLAIN_STEP``.
+def pass_cost(verify_ratio: list[float], rows: int) -> float:
+    """A target pass of ``rows`` rows in decode steps: 1.0 for one row, ``verify_ratio[rows-2]``
+    up to ``len(verify_ratio) + 1`` rows, and beyond, the curve's last value plus its mean slope
+    (``(verify_ratio[-1] - 1) / len(verify_ratio)``) per row: past a few rows a pass is bound by
+    the integer work, which grows with the rows."""
+    if rows <= 1:
+        return 1.0
+    k = len(verify_ratio)
+    if rows <= k + 1:
+        return float(verify_ratio[rows - 2])
+    return float(verify_ratio[-1]) + (rows - k - 1) * (float(verify_ratio[-1]) - 1.0) / k
+
+
+def paying_step(confidence: np.ndarray, verify_ratio: list[float], min_speedup: float,
+                load: PassLoad = ALONE) -> LookupStep:
+    """The n-gram-only step of one lane in a pass of ``load``: the ``n`` in ``1 .. min(g,
+    len(verify_ratio))`` with the best expected speed-up of the pass, ``(load.tokens + E(n)) /
+    load.tokens * pass_cost(load.rows) / pass_cost(load.rows + n)`` (``E(n) =
+    expected_accepted(confidence[:n])``; the shortest of equal ones), if that exceeds
+    ``min_speedup``; else ``PLAIN_STEP``. Alone (``ALONE``) that is ``(1 + E(n)) /
+    verify_ratio[n-1]``; in a batch the rows slow every lane of the pass, so a proposal pays
+    less the fuller the pass, and not at all once rows cost as much as the tokens they add.
 
     Args:
         confidence: ``[g]`` per-token confidence of the proposal (``Lookup.confidence``).
         verify_ratio: the bucket's ``verify_ratio``.
         min_speedup: the speed-up to exceed (``PolicyTable.min_speedup``).
+        load: the pass planned so far, this lane's own row included.
     """
     n = min(len(confidence), len(verify_ratio))
     if not n:
         return PLAIN_STEP
-    tokens = 1.0 + np.cumsum(np.cumprod(confidence[:n], dtype=np.float64))  # [n]: 1 + E(1 .. n)
-    speedup = tokens / np.asarray(verify_ratio[:n], dtype=np.float64)
+    gained = np.cumsum(np.cumprod(confidence[:n], dtype=np.float64))  # [n]: E(1 .. n)
+    cost = np.array([pass_cost(verify_ratio, load.rows + i) for i in range(1, n + 1)]) / pass_cost(verify_ratio,
+                                                                                                 load.rows)
+    speedup = (load.tokens + gained) / load.tokens / cost
     best = int(np.argmax(speedup))
-    return LookupStep(best + 1, float(speedup[best])) if speedup[best] > min_speedup else PLAIN_STEP
+    if speedup[best] <= min_speedup:
+        return PLAIN_STEP
+    return LookupStep(best + 1, float(speedup[best]), float(gained[best]))
 
 
 @dataclass
@@ -420,11 +463,11 @@ class PolicyTable(BaseModel):
         """``SpeculationPolicy.record_step``: into the request's tracker, against the bucket."""
         tracker.record_step(self.bucket(context), emitted)
 
-    def lookup_step(self, context: int, confidence: np.ndarray) -> LookupStep | None:
+    def lookup_step(self, context: int, confidence: np.ndarray, load: PassLoad = ALONE) -> LookupStep | None:
         """``SpeculationPolicy.lookup_step``: ``paying_step`` with the bucket's ``verify_ratio``
         and the table's ``min_speedup``; None where the bucket has none."""
         ratio = self.bucket(context).verify_ratio
-        return None if ratio is None else paying_step(confidence, ratio, self.min_speedup)
+        return None if ratio is None else paying_step(confidence, ratio, self.min_speedup, load)
 
     def record_plain(self, tracker: AcceptanceTracker, emitted: int = 1) -> None:
         """``SpeculationPolicy.record_plain``: into the request's tracker."""

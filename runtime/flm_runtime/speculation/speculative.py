@@ -38,6 +38,12 @@ Its tokens are verified as the draft's (the verifier only compares tokens), and 
 positions' taps join the pending ones as after a plain step, so the draft resumes from them.
 Every proposal, verified or not, is scored against the kept tokens by its proposer.
 
+Without a draft (a tag that has none, ``decoders.py``) every step is planned plain and is an
+n-gram-only step or a plain one; the retrieval proposers include the request's predicted output
+(``prediction.py``) where it gave one. A lane's n-gram-only step is priced against the pass the
+lanes before it planned (``policy.PassLoad``, ``policy.paying_step``): rows slow every lane of a
+batch.
+
 Grammar-aware proposals: under a grammar (``response_format``, tools: the request's
 ``GrammarProcessor`` among its picker's processors) every proposal is first made what the grammar
 lets the step verify (``constrain``): cut at the first token the grammar forbids (the verifier
@@ -88,13 +94,14 @@ import numpy as np
 from flm_runtime.backends import prefill_chunks
 from flm_runtime.core import Proposal
 from flm_runtime.kv_cache import KVCache
-from flm_runtime.request import SpecStats
+from flm_runtime.request import ProposerCounts, SpecStats
 from flm_runtime.sampling.grammar import GrammarProcessor
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.step import NO_CONFIDENCE, NO_FORCED, PLAIN, Lane, StepRecord
 from flm_runtime.speculation.ngram import PromptLookup
-from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, PLAIN_STEP, AcceptanceTracker, LookupTracker, Plan,
-                                            SpeculationPolicy, confident_length, expected_accepted)
+from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, PLAIN_STEP, AcceptanceTracker, LookupTracker, PassLoad,
+                                            Plan, SpeculationPolicy, confident_length, expected_accepted)
+from flm_runtime.speculation.prediction import PredictionLookup
 from flm_runtime.speculation.retrieval import Lookup, Retrieval
 from flm_runtime.speculation.suffix import SuffixIndex, SuffixProposer
 
@@ -149,28 +156,32 @@ class SpecState:
     each retrieval proposer.
 
     Attributes:
-        draft_cache: the draft's context K/V.
+        draft_cache: the draft's context K/V; None in a decoder without a draft.
         pending: ``[P, n*E]`` float32 taps of committed tokens not yet in ``draft_cache``.
         tracker: the request's acceptance estimate and speculate / plain decision (policy.py).
         stats: the request's speculation counters.
         proposers: the retrieval proposers over the tokens of the target cache, in the order
             that breaks ties between their proposals (the earlier wins); empty: the draft alone.
         lookups: the request's payoff of its n-gram-only steps of retrieval proposals (policy.py).
+        speculate: False: the request asked for plain decoding (``SamplingParams.speculation``),
+            every step is a plain one.
     """
 
-    draft_cache: KVCache
+    draft_cache: KVCache | None
     pending: np.ndarray
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     stats: SpecStats = field(default_factory=SpecStats)
     proposers: tuple[Retrieval, ...] = ()
     lookups: LookupTracker = field(default_factory=LookupTracker)
+    speculate: bool = True
 
     def copy(self) -> SpecState:
         """An independent state with the same draft context, pending taps, trackers, counters and
         proposers (the engine's ``n`` > 1: each choice continues from a copy of the prompt's
         state)."""
-        return SpecState(self.draft_cache.copy(), self.pending.copy(), copy.deepcopy(self.tracker),
-                         self.stats.copy(), tuple(p.copy() for p in self.proposers), copy.deepcopy(self.lookups))
+        return SpecState(None if self.draft_cache is None else self.draft_cache.copy(), self.pending.copy(),
+                         copy.deepcopy(self.tracker), self.stats.copy(), tuple(p.copy() for p in self.proposers),
+                         copy.deepcopy(self.lookups), self.speculate)
 
     def report(self) -> SpecStats:
         """The counters with the tracker's figures (``switches_off``, ``al_estimate``), a copy."""
@@ -193,16 +204,21 @@ class LaneStep(NamedTuple):
 
 
 class SpeculativeDecoder:
-    """Drives a target and a DFlash draft through prefill and (batched) decoding steps.
+    """Drives a target, with or without a DFlash draft, through prefill and (batched) decoding
+    steps.
 
     Args:
         target: a ``TargetModel``: ``forward_batch(rows, caches, taps=)``, ``prefill_chunk``,
             ``config``.
         draft: ``DFlashDraft``-like: ``config`` (``target_layer_ids``, ``block_size``),
-            ``new_cache``, ``add_context``, ``draft_blocks``.
+            ``new_cache``, ``add_context``, ``draft_blocks``; None: the retrieval proposers and a
+            grammar's forced tokens alone, in n-gram-only steps (a tag without a draft), which
+            takes a ``policy`` that never drafts and a ``block_size``.
         policy: the speculation policy of this tag and backend (a ``PolicyTable``); the default
             ``ALWAYS_SPECULATE`` drafts the whole block (K = block_size - 1) at every context,
             verifies all of it and never switches off.
+        block_size: the rows of a whole step without a draft (the anchor and up to
+            ``block_size - 1`` proposed tokens); with a draft, the draft's.
         proposer: replaces the draft's proposals (tests), called per sequence as
             ``proposer(draft_cache, anchor_id, start)``; the draft still keeps its context cache.
         ngram: prompt lookup beside the draft (``ngram.py``; module docstring); False: not
@@ -218,16 +234,19 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target, draft, *, policy: SpeculationPolicy = ALWAYS_SPECULATE,
-                 proposer: Proposer | None = None, ngram: bool = True, suffix: SuffixIndex | None = None):
+                 proposer: Proposer | None = None, ngram: bool = True, suffix: SuffixIndex | None = None,
+                 block_size: int | None = None):
+        assert (draft is None) == (block_size is not None), "a block size without a draft, the draft's with one"
+        assert draft is not None or not policy.drafts, "a policy that drafts needs a draft"
         self.target = target
         self.draft = draft
-        self.taps = tuple(draft.config.target_layer_ids) if policy.drafts else ()
-        self.block_size = int(draft.config.block_size)
+        self.taps = tuple(draft.config.target_layer_ids) if draft is not None and policy.drafts else ()
+        self.block_size = int(draft.config.block_size) if draft is not None else block_size
         self._policy = policy
         self.proposer = proposer
         self.ngram = ngram
         self.suffix = suffix
-        self._tap_width = len(draft.config.target_layer_ids) * int(target.config.hidden_size)
+        self._tap_width = 0 if draft is None else len(draft.config.target_layer_ids) * int(target.config.hidden_size)
 
     @property
     def policy(self) -> SpeculationPolicy:
@@ -235,14 +254,21 @@ class SpeculativeDecoder:
         from it (a decoder for another policy is a new ``SpeculativeDecoder``)."""
         return self._policy
 
-    def new_state(self, capacity: int = 0) -> SpecState:
+    def new_state(self, capacity: int = 0, *, speculate: bool = True, prediction: tuple[int, ...] = ()) -> SpecState:
         """Fresh state for one sequence (``capacity``: a hint in tokens; no room is reserved in a
-        draft cache that stays empty, without ``self.taps``)."""
-        proposers = [PromptLookup()] if self.ngram else []
+        draft cache that stays empty, without ``self.taps``). ``speculate`` False: every step of
+        the sequence is plain; ``prediction``: the request's predicted output's ids, proposed by
+        a ``PredictionLookup`` ahead of the other retrieval proposers (it wins their ties)."""
+        proposers = [PredictionLookup(prediction)] if prediction else []
+        if self.ngram:
+            proposers.append(PromptLookup())
         if self.suffix is not None:
             proposers.append(SuffixProposer(self.suffix))
-        draft_cache = self.draft.new_cache(capacity if self.taps else 0)
-        return SpecState(draft_cache, self._no_taps(), proposers=tuple(proposers))
+        draft_cache = None if self.draft is None else self.draft.new_cache(capacity if self.taps else 0)
+        state = SpecState(draft_cache, self._no_taps(), proposers=tuple(proposers), speculate=speculate)
+        if prediction:  # counted from the start: a prediction never verified reports its zeros
+            state.stats.proposers["prediction"] = ProposerCounts()
+        return state
 
     def finish(self, prompt_ids: np.ndarray, generated_ids: np.ndarray) -> None:
         """A finished request's generated tokens ``[G]``, after the last ``depth - 1`` of its
@@ -260,7 +286,8 @@ class SpeculativeDecoder:
         Returns:
             ``[V]`` float32 logits of the last prompt position.
         """
-        assert cache.length == state.draft_cache.length == 0 and len(state.pending) == 0
+        assert cache.length == 0 and (state.draft_cache is None or state.draft_cache.length == 0)
+        assert len(state.pending) == 0
         start = 0
         for out in prefill_chunks(self.target, prompt_ids, cache, taps=self.taps):
             self.add_prompt(cache, state, prompt_ids[start : cache.length], out.taps)
@@ -318,15 +345,19 @@ class SpeculativeDecoder:
                                     [lane.anchor_id for lane in drafting],
                                     max(plan.draft_length for plan in plans)) if drafting else None  # [S, max K]
         rows = iter(range(len(drafting)))  # the proposal's row of each drafting lane, in order
+        load = PassLoad(len(lanes), float(len(lanes)))  # a row and a token per lane, then what each adds
         records = []
         for lane, grammar, (k, min_confidence) in zip(lanes, grammars, plans):
             if not k:
-                records.append(self._lookup_only(lane, grammar))
-                continue
-            row = next(rows)
-            draft = StepRecord(proposal.ids[row, :k], k, proposal.confidence[row, :k])
-            lookups = {p.name: p.find(lane.anchor_id, k, min_confidence) for p in lane.state.proposers}
-            records.append(choose(draft, lookups, grammar, min_confidence, self.block_size - 1))
+                record, gained = self._lookup_only(lane, grammar, load)
+            else:
+                row = next(rows)
+                draft = StepRecord(proposal.ids[row, :k], k, proposal.confidence[row, :k])
+                lookups = {p.name: p.find(lane.anchor_id, k, min_confidence) for p in lane.state.proposers}
+                record = choose(draft, lookups, grammar, min_confidence, self.block_size - 1)
+                gained = expected_accepted(record.confidence[: len(record.ids)])
+            load = PassLoad(load.rows + len(record.ids), load.tokens + gained)
+            records.append(record)
         return records
 
     def complete(self, lane: Lane, record: StepRecord, logits: np.ndarray, taps: np.ndarray) -> LaneStep:
@@ -382,35 +413,40 @@ class SpeculativeDecoder:
         return LaneStep(record, n_accepted, finished)
 
     def _plan(self, lane: Lane) -> Plan:
-        """The policy's plan for ``lane``'s next step; plain near the context end."""
+        """The policy's plan for ``lane``'s next step; plain near the context end and for a
+        request that asked for plain decoding."""
         cache = lane.cache
-        if cache.length + self.block_size > cache.max_length:
+        if cache.length + self.block_size > cache.max_length or not lane.state.speculate:
             return Plan(0, 0.0)
         return self.policy.plan(cache.length, lane.state.tracker, self.block_size - 1)
 
-    def _lookup_only(self, lane: Lane, grammar: GrammarProcessor | None) -> StepRecord:
+    def _lookup_only(self, lane: Lane, grammar: GrammarProcessor | None, load: PassLoad) -> tuple[StepRecord, float]:
         """A lane planned plain: an n-gram-only step of the first ``n`` tokens of a retrieval
         proposal, or of the tokens the request's ``grammar`` forces (each as the grammar lets the
         step verify it, ``constrain``; at most ``block_size - 1``, and the rows must fit in the
-        context), ``n`` from ``policy.lookup_step``, of the proposal with the best expected
-        speed-up (the earlier proposer on a tie, the grammar's last), a retrieval proposal only
-        above the bar of the request's ``LookupTracker``; else a plain step, which carries the
-        proposals for ``complete`` to score, unless there were none or n-gram-only steps are off at
-        this context (``PLAIN``, as without retrieval proposers and grammar). The draft does not
-        run."""
+        context), ``n`` from ``policy.lookup_step`` in a pass of ``load``, of the proposal with the
+        best expected speed-up (the earlier proposer on a tie, the grammar's last), a retrieval
+        proposal only above the bar of the request's ``LookupTracker``; else a plain step, which
+        carries the proposals for ``complete`` to score, unless there were none, n-gram-only steps
+        are off at this context or the request asked for plain decoding (``PLAIN``, as without
+        retrieval proposers and grammar). The draft does not run.
+
+        Returns:
+            the record, and the accepted tokens it expects (``LookupStep.gained``).
+        """
         proposers, cache = lane.state.proposers, lane.cache
-        if not proposers and grammar is None:
-            return PLAIN
+        if not proposers and grammar is None or not lane.state.speculate:
+            return PLAIN, 0.0
         most = min(self.block_size - 1, cache.max_length - cache.length - 1)  # positions after the anchor's
         lookups = {p.name: p.find(lane.anchor_id, most, 0.0) for p in proposers}
         candidates = {name: constrain(Candidate(lookup.ids, lookup.confidence), grammar, most)
                       for name, lookup in lookups.items()}
         if grammar is not None:
             candidates[GRAMMAR] = constrain(NO_CANDIDATE, grammar, most)
-        steps = {name: self.policy.lookup_step(cache.length, c.confidence) for name, c in candidates.items()}
+        steps = {name: self.policy.lookup_step(cache.length, c.confidence, load) for name, c in candidates.items()}
         proposed = any(lookup.match for lookup in lookups.values()) or any(len(c.ids) for c in candidates.values())
         if None in steps.values() or not proposed:
-            return PLAIN
+            return PLAIN, 0.0
         paying = [name for name, step in steps.items() if step.length and name != GRAMMAR]
         if paying:  # while the request backs off, a retrieval proposal must clear its bar
             bar = lane.state.lookups.chance()
@@ -418,7 +454,8 @@ class SpeculativeDecoder:
         best = max(steps, key=lambda name: steps[name].speedup)  # the first of equal ones
         if best != GRAMMAR and steps[best].length:
             lane.state.lookups.take(steps[best].speedup)
-        return _proposed(dataclasses.replace(PLAIN, lookups=lookups), best, candidates[best].cut(steps[best].length))
+        record = _proposed(dataclasses.replace(PLAIN, lookups=lookups), best, candidates[best].cut(steps[best].length))
+        return record, steps[best].gained
 
     def _complete_plain(self, lane: Lane, record: StepRecord, start: int, taps: np.ndarray, token: int) -> None:
         """A plain step's row (at position ``start``), which gave ``token``: its taps become
@@ -465,8 +502,9 @@ class SpeculativeDecoder:
 
     def _check(self, cache: KVCache, state: SpecState) -> None:
         drafted_over = cache.length if self.taps else 0  # the context the draft holds or will
-        assert state.draft_cache.length + len(state.pending) == drafted_over, (
-            f"draft cache {state.draft_cache.length} + pending {len(state.pending)} != {drafted_over}")
+        held = 0 if state.draft_cache is None else state.draft_cache.length
+        assert held + len(state.pending) == drafted_over, (
+            f"draft cache {held} + pending {len(state.pending)} != {drafted_over}")
         for p in state.proposers:
             assert len(p) == cache.length, f"{p.name} proposer {len(p)} != anchor position {cache.length}"
 
