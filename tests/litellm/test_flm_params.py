@@ -141,8 +141,7 @@ def test_rejected_params_are_named(params, name):
 def test_drop_unsupported_leaves_out_every_unsupported_openai_param_at_any_value():
     unsupported = {
         "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
-        "audio": {"voice": "alloy"},
-        "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+        "audio": {"voice": "alloy"}, "web_search_options": {},
     }
     assert set(unsupported) == {k for k, key in KEYS.items() if key.kind == NEUTRAL_ONLY}
     assert parse({**unsupported, "temperature": 0, "max_tokens": 3}, drop_params=True).sampling == {
@@ -215,7 +214,8 @@ def test_bad_n_is_named(n):
 def test_each_option_is_the_chat_request_field_of_its_name():
     request = parse({"n": 2, "extra_body": {"return_token_ids": True, "backend": "cpu"}})
     assert (request.n, request.return_token_ids, request.suffix, request.backend) == (2, True, None, "cpu")
-    assert {k for k, key in KEYS.items() if key.kind == OPTION} == {"n", "return_token_ids", "suffix", "backend"}
+    assert {k for k, key in KEYS.items() if key.kind == OPTION} == {"n", "return_token_ids", "suffix", "backend",
+                                                                  "prediction", "speculation"}
 
 
 def test_max_completion_tokens_is_named_as_sent_after_the_parse_too():
