@@ -264,9 +264,12 @@ def usage_fields(groups: list[list[Completion | StreamEvent]]) -> dict:
     ``prediction`` proposer), ``completion_tokens_details`` says how it fared, in OpenAI's fields:
     ``accepted_prediction_tokens``, its tokens the verifier kept, and
     ``rejected_prediction_tokens``, its tokens verified and rejected (OpenAI counts every predicted
-    token the answer lacks, which a verifier that stops at the first mismatch cannot know); like
-    OpenAI's, they are not added to ``completion_tokens`` (always the tokens delivered). Every
-    proposer's figures (acceptance length and all) are in ``_hidden_params["flm_stats"]``. Prompt
+    token the answer lacks, which a verifier that stops at the first mismatch cannot know).
+    Without one, a speculating engine's (``stats.spec`` set) say the same of every proposer's
+    tokens together (our own predictions: the only per-request speculation figures a stream or a
+    proxy's client gets). Like OpenAI's, they are not added to ``completion_tokens`` (always the
+    tokens delivered). Every proposer's figures (acceptance length and all) are in
+    ``_hidden_params["flm_stats"]``. Prompt
     tokens taken from the prefix cache instead of computed are
     ``prompt_tokens_details.cached_tokens`` (OpenAI's field), present when there are any.
     """
@@ -278,12 +281,13 @@ def usage_fields(groups: list[list[Completion | StreamEvent]]) -> dict:
     cached = sum(group[0].stats.cached_tokens for group in groups if group[0].stats is not None)
     if cached:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    predicted = [done.stats.spec.proposers["prediction"] for done in dones if done.stats is not None
-                 and done.stats.spec is not None and "prediction" in done.stats.spec.proposers]
-    if predicted:
-        accepted = sum(c.accepted for c in predicted)
+    spec = [done.stats.spec for done in dones if done.stats is not None and done.stats.spec is not None]
+    predicted = any("prediction" in s.proposers for s in spec)
+    counts = [s.counts("prediction") if predicted else s for s in spec]
+    if counts:
+        accepted = sum(c.accepted for c in counts)
         usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                              "rejected_prediction_tokens": sum(c.drafted for c in predicted) - accepted}
+                                              "rejected_prediction_tokens": sum(c.drafted for c in counts) - accepted}
     return usage
 
 

@@ -277,10 +277,14 @@ def test_a_predicted_outputs_figures_reach_the_usage(fake_engine):
     assert usage.completion_tokens_details.rejected_prediction_tokens == 5
 
 
-@pytest.mark.parametrize("stats", ["plain", "speculative"])
-def test_usage_without_a_predicted_output_has_no_prediction_details(fake_engine, stats):
-    if stats == "speculative":
-        fake_engine.stats = SPEC_STATS
+def test_without_a_predicted_output_every_proposers_tokens_reach_the_usage(fake_engine):
+    """Speculating without a prediction: the proposers' tokens kept and rejected, all together."""
+    fake_engine.stats = SPEC_STATS
+    details = litellm.completion(model=MODEL, messages=MESSAGES, max_tokens=12).usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (12, 19)
+
+
+def test_plain_engine_usage_has_no_prediction_details(fake_engine):
     r = litellm.completion(model=MODEL, messages=MESSAGES, max_tokens=12)
     details = r.usage.completion_tokens_details
     assert details is None or details.accepted_prediction_tokens is None
