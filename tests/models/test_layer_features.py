@@ -217,13 +217,13 @@ def _numpy_forward(model: Tiny, x: np.ndarray) -> np.ndarray:
 def test_the_float32_and_quantized_paths_match_numpy():
     """A 40-row prefill then a decode row: the float32 reference within float32 rounding of the
     numpy forward pass, the quantized stack within its activations' quantization and its float16
-    keys and values (one int8 level: 1.5e-2 of the logits' spread on this model)."""
+    keys and values (3.2e-4 of the logits' spread on this model)."""
     model = Tiny(COMPILED)
     rng = np.random.default_rng(3)
     x = _hidden(rng, 41)
     want = _numpy_forward(model, x)[[39, 40]]  # [2, V]
     spread = np.abs(want).max()
-    for path, cache, bound in (("float", model.new_cache(np.float32), 1e-5), ("stack", model.new_cache(), 3e-2)):
+    for path, cache, bound in (("float", model.new_cache(np.float32), 1e-5), ("stack", model.new_cache(), 5e-3)):
         got = np.concatenate([model.step([x[:40]], [cache], [1], path=path)[0],
                               model.step([x[40:]], [cache], [1], path=path)[0]])
         assert np.abs(got - want).max() < bound * spread, (path, np.abs(got - want).max() / spread)

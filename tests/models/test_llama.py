@@ -40,16 +40,13 @@ def test_perplexity_matches_transformers_reference(model, request, smollm2_token
     assert abs(ppl / REFERENCE_PERPLEXITY - 1) < 0.01, ppl
 
 
-# The float32 path checks the way tests/models/perplexity.py computes llama.cpp's figure; the
-# default weights (one int8 activation level, as llama.cpp's) are held to it (docs/design.md).
-@pytest.mark.parametrize("model", ["smollm2_model", "smollm2_quantized"])
-def test_llama_perplexity_figure_matches_llama_cpps(model, request, smollm2_tokenizer):
+def test_llama_perplexity_figure_matches_llama_cpps(smollm2_model, smollm2_tokenizer):
     """The way tests/models/perplexity.py computes llama.cpp's figure (chunks, scored halves),
     checked on a model both load: within 1% of llama-perplexity -c 128 on the same GGUF."""
     reference = llama_cpp_fixture("smollm2_135m_llama_cpp_perplexity.json")
     tok = smollm2_tokenizer
     ids = tok.encode(passage_as_llama_perplexity_reads_it())
-    ppl, n_chunks = llama_perplexity(request.getfixturevalue(model), ids, reference["n_ctx"], tok.bos_token_id if tok.add_bos else None)
+    ppl, n_chunks = llama_perplexity(smollm2_model, ids, reference["n_ctx"], tok.bos_token_id if tok.add_bos else None)
     assert n_chunks == reference["chunks"]
     assert abs(ppl / reference["perplexity"] - 1) < 0.01, ppl
 

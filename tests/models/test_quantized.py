@@ -67,9 +67,7 @@ def test_tiny_model_is_batch_invariant_and_near_float32(rows):
     got = forward(q8, ids, q8.new_cache(), all_logits=True).logits
     cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
     assert cos.mean() > 0.999 and cos.min() > 0.99, (cos.mean(), cos.min())
-    # A random tiny model's logits are nearly flat: one int8 activation level flips 5 of its 60
-    # picks; the agreement contract on real text is tests/models/test_agreement.py's.
-    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
 
 
 GIB = 1 << 30
@@ -144,8 +142,5 @@ def test_agreement_of_the_quantized_verify_pass_with_float32_decoding(smollm2_qu
     ids = np.array(smollm2_tokenizer.encode(PASSAGE.read_text()))
     a = teacher_forced(smollm2_quantized, ids, 200, 128, 8, reference=smollm2_model)
     assert a.positions == 128
-    # one int8 activation level (llama.cpp's contract, tests/models/test_agreement.py): 96.1%, the
-    # other picks all within a near-tie
-    assert a.same_top1_pct >= 95 and a.beyond_near_tie == 0 and a.mean_cosine > 0.999, (a.same_top1_pct,
-                                                                                         a.mean_cosine)
+    assert a.same_top1_pct >= 98 and a.mean_cosine > 0.999, (a.same_top1_pct, a.mean_cosine)
     assert a.same_top1 < a.positions or a.max_abs_diff > 0  # a real comparison of two weight kinds

@@ -1,18 +1,19 @@
 """Integer products of the cpu backend: ``x @ w.T`` with ``w`` a ``QuantWeight`` (tiles of 16
 rows, ``kernels/quant.py``) and ``x`` float32 rows quantized at the product's input.
 
-Activations. Each row of ``x`` is quantized per block of 32 to int8 by llama.cpp's Q8_0 rule:
-``q = rint(x / dx)`` with ``dx = max|x| / 127`` (kept in float32), so that ``x ~ dx * q`` to half
-a step. The fidelity contract is llama.cpp's, not float32's (docs/design.md, "Quantized
-weights"). A row's quantization depends on that row alone.
+Activations. Each row of ``x`` is quantized per block of 32 in two int8 levels: ``q1 =
+rint(x / dx)`` with ``dx = max|x| / 127`` (llama.cpp's Q8_0 rule), then what that left, ``q2 =
+rint((x - dx * q1) / step)`` with ``step = dx / 128``, so that ``x ~ step * (128 * q1 + q2)`` to
+about 1/32768 of the block's largest magnitude (one level drifts measurably over a deep model;
+docs/design.md, "Quantized weights"). A row's quantization depends on that row alone.
 
-The dot product of weight row ``n`` and an activation row is, per block ``b``, with the integers
-``i_b = sum(code * q)`` and ``S_b = sum(q)``:
+The dot product of weight row ``n`` and an activation row is, per block ``b``, with the integer
+``i_b = 128 * sum(code * q1) + sum(code * q2)`` and ``S_b = 128 * sum(q1) + sum(q2)``:
 
-- stored mins: ``acc = fma(float(i_b), scale_b * dx_b, acc)``, then ``acc = fma(min_b, dx_b *
+- stored mins: ``acc = fma(float(i_b), scale_b * step_b, acc)``, then ``acc = fma(min_b, step_b *
   float(S_b), acc)``;
 - symmetric (``min = -zero_point * scale``): ``acc = fma(float(i_b - zero_point * S_b), scale_b *
-  dx_b, acc)``: the zero point is taken out exactly, in integers.
+  step_b, acc)``: the zero point is taken out exactly, in integers.
 
 Blocks run in order, ``acc`` starting at 0. The integer sums run on the host's dot-product
 instructions and are exact; the float32 steps are the same on every instruction set and for any
@@ -28,13 +29,10 @@ Paths, fastest first; ``select_isa`` takes the first the host has (``cpu_feature
 
 - ``avx512vnni``: ``vpdpbusd`` on 512-bit vectors (a whole tile per instruction);
 - ``avxvnni``: ``vpdpbusd`` on 256-bit vectors (VEX or EVEX encoded), half a tile at a time;
-- ``avx2``: ``vpmaddubsw`` (unsigned codes times int8, pairs summed into int16, saturating), then
-  ``vpmaddwd`` by ones into int32 (``_avx2_dots``). 4-bit codes: a pair is at most ``2 * 15 *
-  127 = 3810`` in magnitude, so a block's 8 groups add up in int16 (at most 30480) before one
-  ``vpmaddwd``. 8-bit codes: a pair of ``255 * 127`` would saturate, so the codes are taken as
-  ``c - 128`` (magnitude at most 128) with their sign moved onto the activation (``vpsignb``):
-  a pair is at most ``2 * 128 * 127 = 32512``, and the sum is ``i_b - 128 * S_b``, the symmetric
-  weight's own integer, from which a stored-min weight's ``i_b`` is ``128 * S_b`` away;
+- ``avx2``: ``vpmaddwd`` on 16-bit words: the codes widened, the two levels joined into one
+  word ``128 * q1 + q2`` (``quantize_activations``' ``xw``), one multiply per code pair where
+  bytes would take a ``vpmaddubsw`` + ``vpmaddwd`` per level (two of each with 8-bit codes,
+  split into nibbles against the 16-bit saturation of ``vpmaddubsw``);
 - ``portable``: plain numba code (any CPU), the same arithmetic lane by lane.
 
 AMX is never used: its tile instructions fault on some hosts that report them.
@@ -66,8 +64,9 @@ _ISA_FEATURES = {"avx512vnni": ("avx512vnni", "avx512bw", "avx512f", "f16c", "fm
                  "avxvnni": ("avxvnni", "avx2", "f16c", "fma"),
                  "avx2": ("avx2", "f16c", "fma"),
                  "portable": ()}
+LEVEL_SHIFT = 7  # step = dx / 2**7: the second level's integers join the first's exactly
 _GROUPS = BLOCK // GROUP  # code vectors per block of a tile
-_CHAINS = 2  # integer accumulators per row
+_CHAINS = 2  # integer accumulators per level and row
 _PREFETCH_BLOCKS = 4  # how far ahead a multi-row kernel step prefetches its codes
 
 
@@ -86,13 +85,14 @@ def select_isa() -> str:
 
 @numba.njit(cache=True, nogil=True)
 def quantize_activations(x, padded):  # pragma: no cover - compiled
-    """``x`` ``[M, K]`` float32 in int8 per block of 32 (module docstring), a block at a time on
-    whole vectors (``_quantize_block``).
+    """``x`` ``[M, K]`` float32 in two int8 levels per block of 32 (module docstring), a block at a
+    time on whole vectors (``_quantize_block``).
 
     Returns:
-        ``xq`` ``[M, Kp]`` int8 (input order, padding zeros); ``dx`` ``[M, Kp/32]`` float32, each
-        block's step; ``sx`` ``[M, Kp/32]`` float32, ``dx * S``; ``s`` ``[M, Kp/32]`` int32, ``S``
-        (``Kp = padded``).
+        ``xq`` ``[M, 2 * Kp]`` int8 (``q1`` in columns ``0 .. Kp-1``, ``q2`` in ``Kp ..``, input
+        order, padding zeros); ``xw`` ``[M, Kp]`` int16, the two levels joined, ``128 * q1 + q2``
+        (``|xw| <= 16383``); ``step`` ``[M, Kp/32]`` float32; ``sx`` ``[M, Kp/32]`` float32,
+        ``step * S``; ``s`` ``[M, Kp/32]`` int32, ``S`` (``Kp = padded``).
     """
     m = x.shape[0]
     acts = new_activations(m, padded)
@@ -103,16 +103,17 @@ def quantize_activations(x, padded):  # pragma: no cover - compiled
 
 @numba.njit(inline="always")
 def new_activations(m, padded):  # pragma: no cover - compiled
-    """Empty ``(xq, dx, sx, s)`` for ``m`` rows of padded width ``padded``
+    """Empty ``(xq, xw, step, sx, s)`` for ``m`` rows of padded width ``padded``
     (``quantize_activations``' shapes)."""
     nb = padded // BLOCK
-    return (np.empty((m, padded), dtype=np.int8), np.empty((m, nb), dtype=np.float32),
-            np.empty((m, nb), dtype=np.float32), np.empty((m, nb), dtype=np.int32))
+    return (np.empty((m, 2 * padded), dtype=np.int8), np.empty((m, padded), dtype=np.int16),
+            np.empty((m, nb), dtype=np.float32), np.empty((m, nb), dtype=np.float32),
+            np.empty((m, nb), dtype=np.int32))
 
 
 @numba.njit(nogil=True)
-def quantize_row(x, r, padded, xq, dx, sx, s):  # pragma: no cover - compiled
-    """Row ``r`` of ``x`` quantized into row ``r`` of ``(xq, dx, sx, s)``
+def quantize_row(x, r, padded, xq, xw, step, sx, s):  # pragma: no cover - compiled
+    """Row ``r`` of ``x`` quantized into row ``r`` of ``(xq, xw, step, sx, s)``
     (``quantize_activations``' arithmetic and layout); it reads and writes that row alone."""
     row = x[r]
     k = row.shape[0]
@@ -121,24 +122,25 @@ def quantize_row(x, r, padded, xq, dx, sx, s):  # pragma: no cover - compiled
         padded_row[:k] = row
         row = padded_row
     for b in range(padded // BLOCK):
-        step, total = _quantize_block(row, xq, r, b)
-        dx[r, b] = step
+        st, total = _quantize_block(row, xq, xw, r, b, padded)
+        step[r, b] = st
         s[r, b] = total
-        sx[r, b] = step * np.float32(total)  # float(S) is exact: |S| < 2**24
+        sx[r, b] = st * np.float32(total)  # exact: |S| < 2**24
 
 
 @intrinsic
-def _quantize_block(typingctx, row, xq, r, b):  # pragma: no cover - compiled
-    """``_quantize_block(row, xq, r, b) -> (dx, S)``: inputs ``32b .. 32b+31`` of ``row`` (1-D
-    float32) quantized (module docstring), written to ``xq[r, 32b ..]``, as ``<32 x float>``
-    vector IR (the scalar loop's max and rounding did not vectorize). ``S = sum(q)``, in
-    integers."""
-    sig = types.Tuple((types.float32, types.int32))(row, xq, r, b)
+def _quantize_block(typingctx, row, xq, xw, r, b, padded):  # pragma: no cover - compiled
+    """``_quantize_block(row, xq, xw, r, b, padded) -> (step, S)``: inputs ``32b .. 32b+31`` of
+    ``row`` (1-D float32) in two levels (module docstring), written to ``xq[r, 32b ..]`` (``q1``),
+    ``xq[r, padded + 32b ..]`` (``q2``) and ``xw[r, 32b ..]`` (``128 * q1 + q2``), as ``<32 x
+    float>`` vector IR (the scalar loop's max and rounding did not vectorize). ``S = sum(128 *
+    q1 + q2)``, in integers."""
+    sig = types.Tuple((types.float32, types.int32))(row, xq, xw, r, b, padded)
 
     def codegen(context, builder, signature, args):
-        row_t, xq_t = signature.args[:2]
-        row_v, xq_v, r_v, b_v = args
-        r_v, b_v = as_i64(builder, r_v), as_i64(builder, b_v)
+        row_t, xq_t, xw_t = signature.args[:3]
+        row_v, xq_v, xw_v, r_v, b_v, padded_v = args
+        r_v, b_v, padded_v = (as_i64(builder, v) for v in (r_v, b_v, padded_v))
         vf, vi = vec(F32, BLOCK), vec(I32, BLOCK)
         f32 = lambda v: ir.Constant(F32, v)  # noqa: E731
         data = data_ptr(context, builder, row_t, row_v, F32)
@@ -147,16 +149,29 @@ def _quantize_block(typingctx, row, xq, r, b):  # pragma: no cover - compiled
         amax = builder.call(declare(builder, "llvm.vector.reduce.fmax.v32f32", F32, [vf]),
                             [builder.call(declare(builder, "llvm.fabs.v32f32", vf, [vf]), [v])])
         dx = builder.fdiv(amax, f32(127.0))
-        inv = builder.select(builder.fcmp_ordered(">", dx, f32(0.0)), builder.fdiv(f32(1.0), dx), f32(0.0))
+        st = builder.fmul(dx, f32(1.0 / (1 << LEVEL_SHIFT)))  # exact: a power of two
+
+        def inverse(a):  # 1 / a, or 0 for an all-zero block
+            return builder.select(builder.fcmp_ordered(">", a, f32(0.0)), builder.fdiv(f32(1.0), a), f32(0.0))
+
         rint = declare(builder, "llvm.rint.v32f32", vf, [vf])
         lo = declare(builder, "llvm.maxnum.v32f32", vf, [vf, vf])
         hi = declare(builder, "llvm.minnum.v32f32", vf, [vf, vf])
-        q = builder.call(rint, [builder.fmul(v, broadcast(builder, inv, BLOCK))])
-        q = builder.fptosi(builder.call(hi, [builder.call(lo, [q, splat(F32, BLOCK, -127.0)]),
-                                             splat(F32, BLOCK, 127.0)]), vi)
-        store(builder, builder.trunc(q, vec(I8, BLOCK)), row_ptr(context, builder, xq_t, xq_v, r_v, I8), first)
-        total = builder.call(declare(builder, "llvm.vector.reduce.add.v32i32", I32, [vi]), [q])
-        return context.make_tuple(builder, signature.return_type, [dx, total])
+
+        def level(a, inv):  # clamp(rint(a * inv), -127, 127)
+            q = builder.call(rint, [builder.fmul(a, broadcast(builder, inv, BLOCK))])
+            return builder.call(hi, [builder.call(lo, [q, splat(F32, BLOCK, -127.0)]), splat(F32, BLOCK, 127.0)])
+
+        q1 = level(v, inverse(dx))
+        q2 = level(builder.fsub(v, builder.fmul(broadcast(builder, dx, BLOCK), q1)), inverse(st))
+        i1, i2 = builder.fptosi(q1, vi), builder.fptosi(q2, vi)
+        out = row_ptr(context, builder, xq_t, xq_v, r_v, I8)
+        for column, q in ((first, i1), (builder.add(padded_v, first), i2)):
+            store(builder, builder.trunc(q, vec(I8, BLOCK)), out, column)
+        joined = builder.add(builder.shl(i1, splat(I32, BLOCK, LEVEL_SHIFT)), i2)
+        store(builder, builder.trunc(joined, vec(I16, BLOCK)), row_ptr(context, builder, xw_t, xw_v, r_v, I16), first)
+        total = builder.call(declare(builder, "llvm.vector.reduce.add.v32i32", I32, [vi]), [joined])
+        return context.make_tuple(builder, signature.return_type, [st, total])
 
     return sig, codegen
 
@@ -169,52 +184,49 @@ def _dot4(builder, acc, codes, x):
     return builder.call(declare(builder, name, v, [v, v, v]), [acc, builder.bitcast(codes, v), builder.bitcast(x, v)])
 
 
-def _group_inputs(builder, xrow, x0, k, width):
-    """Inputs ``x0 + 4k .. x0 + 4k + 3`` of an activation row (``xrow``: its ``xq`` row) broadcast
-    to each of ``width`` 32-bit lanes, as ``<4 * width x i8>``."""
-    word = load(builder, xrow, builder.add(x0, ir.Constant(I64, GROUP * k)), I32)
-    return builder.bitcast(broadcast(builder, word, width), vec(I8, 4 * width))
-
-
-def _vnni_dots(builder, tile_codes, xrow, x0):
-    """A block's integer sums ``sum(code * q)`` (``<n x i32>``, a lane a weight row) of one
-    activation row (``xrow``: its ``xq`` row; ``x0`` the block's first input), on the VNNI
-    paths: one ``vpdpbusd`` per code vector."""
+def _byte_dots(builder, tile_codes, xrow, x0, padded):
+    """A block's integer sums ``128 * sum(code * q1) + sum(code * q2)`` (``<n x i32>``, a lane a
+    weight row) of one activation row (``xrow``, its ``xq`` row; ``x0`` the block's first input),
+    on the VNNI paths: a dot product of bytes per level."""
     width = tile_codes[0].type.count // 4
-    chains = [ir.Constant(vec(I32, width), None)] * _CHAINS  # independent sums: the adds overlap
-    for k, c in enumerate(tile_codes):
-        chains[k % _CHAINS] = _dot4(builder, chains[k % _CHAINS], c, _group_inputs(builder, xrow, x0, k, width))
-    return builder.add(*chains)
+    levels = []
+    for level in range(2):
+        start = builder.add(x0, padded) if level else x0
+        chains = [ir.Constant(vec(I32, width), None)] * _CHAINS  # independent sums: the adds overlap
+        for k, c in enumerate(tile_codes):
+            word = load(builder, xrow, builder.add(start, ir.Constant(I64, GROUP * k)), I32)
+            x_k = builder.bitcast(broadcast(builder, word, width), c.type)
+            chains[k % _CHAINS] = _dot4(builder, chains[k % _CHAINS], c, x_k)
+        levels.append(builder.add(*chains))
+    return builder.add(builder.shl(levels[0], splat(I32, width, LEVEL_SHIFT)), levels[1])
 
 
-def _avx2_dots(builder, bits, tile_codes, xrows, x0):
-    """AVX2's block sums for every activation row (``xrows``: their ``xq`` rows), ``<8 x i32>``
-    each, a lane a weight row: ``sum(code * q)`` for 4-bit codes, ``sum((code - 128) * q)`` for
-    8-bit ones (module docstring: why, and why no int16 sum saturates)."""
-    v16, v8 = vec(I16, 16), vec(I8, 32)
-    maddubs = declare(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
-    madd = declare(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [v16, v16])
-    ones = splat(I16, 16, 1)
-    if bits == 8:
-        signed = [builder.xor(c, splat(I8, 32, -128)) for c in tile_codes]  # code - 128, as int8
-        absolute = declare(builder, "llvm.abs.v32i8", v8, [v8, I1])
-        magnitudes = [builder.call(absolute, [w, ir.Constant(I1, 0)]) for w in signed]  # -128 -> 128 unsigned
-        sign = declare(builder, "llvm.x86.avx2.psign.b", v8, [v8, v8])
+def _word_dots(builder, tile_codes, wrows, x0):
+    """AVX2's form of ``_byte_dots`` for every activation row at once (``wrows``: their ``xw``
+    rows), the same integers: codes and the joined levels ``128 * q1 + q2`` as 16-bit words
+    into ``vpmaddwd``. One multiply per code pair and row, where the bytes' form takes two
+    levels of ``vpmaddubsw`` + ``vpmaddwd`` (four with 8-bit codes, split into nibbles against
+    saturation); ``|code * xw|`` sums stay far inside int32.
+
+    Each code vector (8 weight rows x 4 codes) is spread by one in-lane byte shuffle into the
+    words of its codes 0-1 and of its codes 2-3, so that a 32-bit lane still holds one weight
+    row; the words of inputs ``4k, 4k+1`` (then ``4k+2, 4k+3``) are broadcast against them."""
+    i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
+    pmaddwd = declare(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16)] * 2)
+    zero = ir.Constant(vec(I8, 32), None)
+    spreads = [ir.Constant(vec(I32, 32), [4 * (i // 4) + pair + i % 4 // 2 if i % 2 == 0 else 32 for i in range(32)])
+               for pair in (0, 2)]  # lane bytes (c0, 0, c1, 0) and (c2, 0, c3, 0)
+    words = [[builder.bitcast(builder.shuffle_vector(c, zero, spread), vec(I16, 16)) for spread in spreads]
+             for c in tile_codes]
     totals = []
-    for xrow in xrows:
-        if bits == 4:  # a block's pairs summed in int16, widened once
-            chains = [ir.Constant(v16, None)] * _CHAINS
-            for k, c in enumerate(tile_codes):
-                x_k = _group_inputs(builder, xrow, x0, k, 8)
-                chains[k % _CHAINS] = builder.add(chains[k % _CHAINS], builder.call(maddubs, [c, x_k]))
-            totals.append(builder.call(madd, [builder.add(*chains), ones]))
-        else:  # each group's pairs widened at once: two of them could overflow int16
-            chains = [ir.Constant(vec(I32, 8), None)] * _CHAINS
-            for k in range(len(tile_codes)):
-                x_k = builder.call(sign, [_group_inputs(builder, xrow, x0, k, 8), signed[k]])
-                pairs = builder.call(maddubs, [magnitudes[k], x_k])
-                chains[k % _CHAINS] = builder.add(chains[k % _CHAINS], builder.call(madd, [pairs, ones]))
-            totals.append(builder.add(*chains))
+    for wrow in wrows:
+        chains = [ir.Constant(vec(I32, 8), None)] * _CHAINS
+        for k, pairs in enumerate(words):
+            for half, code_words in enumerate(pairs):
+                word = load(builder, wrow, builder.add(x0, i64(GROUP * k + 2 * half)), I32)  # two int16
+                x_k = builder.bitcast(broadcast(builder, word, 8), vec(I16, 16))
+                chains[half] = builder.add(chains[half], builder.call(pmaddwd, [code_words, x_k]))
+        totals.append(builder.add(*chains))
     return totals
 
 
@@ -236,8 +248,8 @@ def _tile_codes(builder, bits, width, wrow, b, part):
 
 def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
     """IR of ``_tile_dots``: tile ``t`` against activation rows ``r0 .. r0+group-1``."""
-    codes_t, scales_t, mins_t, _, xq_t, dx_t, sx_t, s_t, _, out_t = sig.args
-    codes, scales, mins, t, xq, dx, sx, s, r0, out = args
+    codes_t, scales_t, mins_t, _, xq_t, xw_t, step_t, sx_t, s_t, _, out_t = sig.args
+    codes, scales, mins, t, xq, xw, step, sx, s, r0, out = args
     width = 16 if isa == "avx512vnni" else 8
     vf = vec(F32, width)
     fma = declare(builder, f"llvm.fma.v{width}f32", vf, [vf] * 3)
@@ -250,13 +262,11 @@ def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
     wrow = row_ptr(context, builder, codes_t, codes, t, I8)
     srow = row_ptr(context, builder, scales_t, scales, t, F16)
     mrow = row_ptr(context, builder, mins_t, mins, t, F16) if has_mins else None
-    xrows, dxs, sxs, ss, outs = (rows_of(xq_t, xq, I8), rows_of(dx_t, dx, F32), rows_of(sx_t, sx, F32),
-                                 rows_of(s_t, s, I32), rows_of(out_t, out, F32))
+    xrows, wrows, steps, sxs, ss, outs = (rows_of(xq_t, xq, I8), rows_of(xw_t, xw, I16), rows_of(step_t, step, F32),
+                                          rows_of(sx_t, sx, F32), rows_of(s_t, s, I32), rows_of(out_t, out, F32))
     shape = cgutils.unpack_tuple(builder, context.make_array(scales_t)(context, builder, scales).shape, 2)
     n_blocks = builder.sdiv(shape[1], i64(TILE))
-    # AVX2's sums of 8-bit codes come centred, i_b - 128 S_b (``_avx2_dots``): the zero point's
-    # own integer; a weight with stored mins adds 128 S_b back.
-    centred = isa == "avx2" and bits == 8
+    padded = builder.mul(n_blocks, i64(BLOCK))
     n_out = cgutils.unpack_tuple(builder, context.make_array(out_t)(context, builder, out).shape, 2)[1]
     masked_store = declare(builder, f"llvm.masked.store.v{width}f32.p0", ir.VoidType(),
                        [vf, F32.as_pointer(), I32, vec(I1, width)])
@@ -275,17 +285,16 @@ def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
             block_mins = builder.fpext(load(builder, mrow, lane0, vec(F16, width)), vf)
         x0 = builder.mul(b, i64(BLOCK))
         if isa == "avx2":
-            totals = _avx2_dots(builder, bits, tile_codes, xrows, x0)
+            totals = _word_dots(builder, tile_codes, wrows, x0)
         else:
-            totals = [_vnni_dots(builder, tile_codes, xrow, x0) for xrow in xrows]
+            totals = [_byte_dots(builder, tile_codes, xrow, x0, padded) for xrow in xrows]
         new_accs = []
         for g, total in enumerate(totals):
-            dx_g = broadcast(builder, load(builder, dxs[g], b, F32), width)
-            if has_mins == centred:  # the zero point's integer out (symmetric), or 128 S_b in (centred)
-                shift = splat(I32, width, ZERO_POINT[bits].bit_length() - 1)  # times the zero point
-                s_g = builder.shl(broadcast(builder, load(builder, ss[g], b, I32), width), shift)
-                total = builder.add(total, s_g) if centred else builder.sub(total, s_g)
-            acc = builder.call(fma, [builder.sitofp(total, vf), builder.fmul(scale, dx_g), accs[g]])
+            step_g = broadcast(builder, load(builder, steps[g], b, F32), width)
+            if not has_mins:  # take the zero point out in integers (module docstring)
+                s_g = broadcast(builder, load(builder, ss[g], b, I32), width)
+                total = builder.sub(total, builder.shl(s_g, splat(I32, width, ZERO_POINT[bits].bit_length() - 1)))
+            acc = builder.call(fma, [builder.sitofp(total, vf), builder.fmul(scale, step_g), accs[g]])
             if has_mins:
                 acc = builder.call(fma, [block_mins, broadcast(builder, load(builder, sxs[g], b, F32), width), acc])
             new_accs.append(acc)
@@ -300,15 +309,15 @@ def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
 
 
 @intrinsic
-def _tile_dots(typingctx, isa, bits, has_mins, group, codes, scales, mins, t, xq, dx, sx, s, r0,
+def _tile_dots(typingctx, isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0,
                out):  # pragma: no cover
-    """``_tile_dots(isa, bits, has_mins, group, codes, scales, mins, t, xq, dx, sx, s, r0, out)``
+    """``_tile_dots(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out)``
     writes ``out[r0 + g, 16t .. 16t+15]`` (the columns below ``out``'s width) for ``g < group``
     (the module docstring's arithmetic) on the vector path ``ISAS[isa]``; the first four are
     compile-time constants, ``mins`` is read only when ``has_mins``."""
     consts = (ISAS[literal(isa, "isa")], literal(bits, "bits"), literal(group, "group"),
               bool(literal(has_mins, "has_mins")))
-    sig = types.void(isa, bits, has_mins, group, codes, scales, mins, t, xq, dx, sx, s, r0, out)
+    sig = types.void(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out)
 
     def codegen(context, builder, signature, args):
         inner = signature.replace(args=signature.args[4:])
@@ -343,25 +352,28 @@ def _f16(typingctx, bits):  # pragma: no cover - compiled
 # A call, not inlined: each of the 15 rows of a tile's four group sizes would inline its own copy
 # (the compile time of the portable product, many times over); a call costs nothing beside its loops.
 @numba.njit(nogil=True)
-def _portable_tile(codes, scales, mins, t, xq, dx, sx, s, r, out, bits, has_mins):  # pragma: no cover
+def _portable_tile(codes, scales, mins, t, xq, step, sx, s, r, out, bits, has_mins):  # pragma: no cover
     """The module's arithmetic for one tile and one activation row, lane by lane."""
     nb = scales.shape[1] // TILE
+    padded = nb * BLOCK
     zero = 128 if bits == 8 else 8  # ZERO_POINT[bits]
     for lane in range(min(TILE, out.shape[1] - t * TILE)):
         acc = np.float32(0.0)
         for b in range(nb):
             total = 0
-            for g in range(_GROUPS):
-                for i in range(GROUP):
-                    if bits == 8:
-                        code = codes[t, b * TILE * BLOCK + 64 * g + 4 * lane + i]
-                    else:
-                        byte = codes[t, b * TILE * BLOCK // 2 + 64 * (g % 4) + 4 * lane + i]
-                        code = byte & 0x0F if g < 4 else byte >> 4
-                    total += np.int32(code) * np.int32(xq[r, b * BLOCK + GROUP * g + i])
+            for level in range(2):
+                total <<= LEVEL_SHIFT * level
+                for g in range(_GROUPS):
+                    for i in range(GROUP):
+                        if bits == 8:
+                            code = codes[t, b * TILE * BLOCK + 64 * g + 4 * lane + i]
+                        else:
+                            byte = codes[t, b * TILE * BLOCK // 2 + 64 * (g % 4) + 4 * lane + i]
+                            code = byte & 0x0F if g < 4 else byte >> 4
+                        total += np.int32(code) * np.int32(xq[r, level * padded + b * BLOCK + GROUP * g + i])
             if not has_mins:
                 total -= zero * s[r, b]
-            acc = _fma(np.float32(total), _f16(scales[t, b * TILE + lane]) * dx[r, b], acc)
+            acc = _fma(np.float32(total), _f16(scales[t, b * TILE + lane]) * step[r, b], acc)
             if has_mins:
                 acc = _fma(_f16(mins[t, b * TILE + lane]), sx[r, b], acc)
         out[r, t * TILE + lane] = acc
@@ -369,48 +381,48 @@ def _portable_tile(codes, scales, mins, t, xq, dx, sx, s, r, out, bits, has_mins
 
 # --- the kernels ----------------------------------------------------------------------------------
 
-def _tile_group(isa, bits, has_mins, group, codes, scales, mins, t, xq, dx, sx, s, r0, out):
+def _tile_group(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out):
     """Tile ``t`` against activation rows ``r0 .. r0+group-1`` (compiled: ``_tile_group_impl``)."""
 
 
 @overload(_tile_group, inline="always")
-def _tile_group_impl(isa, bits, has_mins, group, codes, scales, mins, t, xq, dx, sx, s, r0, out):
+def _tile_group_impl(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out):
     """The portable path row by row, the vector paths through ``_tile_dots``; chosen while typing
     (the four leading arguments are constants), so a host compiles only the path it runs."""
     if ISAS[literal(isa, "isa")] != "portable":
-        def vector(isa, bits, has_mins, group, codes, scales, mins, t, xq, dx, sx, s, r0, out):  # pragma: no cover
-            _tile_dots(isa, bits, has_mins, group, codes, scales, mins, t, xq, dx, sx, s, r0, out)
+        def vector(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out):  # pragma: no cover
+            _tile_dots(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out)
 
         return vector
 
-    def portable(isa, bits, has_mins, group, codes, scales, mins, t, xq, dx, sx, s, r0, out):  # pragma: no cover
+    def portable(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw, step, sx, s, r0, out):  # pragma: no cover
         for r in range(r0, r0 + group):
-            _portable_tile(codes, scales, mins, t, xq, dx, sx, s, r, out, bits, has_mins)
+            _portable_tile(codes, scales, mins, t, xq, step, sx, s, r, out, bits, has_mins)
 
     return portable
 
 
 @numba.njit(inline="always")
-def product(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, s, out):  # pragma: no cover - compiled
+def product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out):  # pragma: no cover - compiled
     """``out[r, n]`` for every activation row ``r`` and weight row ``n``, tiles over the threads
     (a ``prange``: call it from a ``parallel=True`` function with constant ``isa``, ``bits``,
-    ``has_mins``). ``codes, scales, mins`` are ``operands(w)``; ``xq, dx, sx, s``
+    ``has_mins``). ``codes, scales, mins`` are ``operands(w)``; ``xq, xw, step, sx, s``
     ``quantize_activations``'."""
     for t in numba.prange(codes.shape[0]):
-        product_tile(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, s, out, t)
+        product_tile(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out, t)
 
 
 @numba.njit(inline="always")
-def product_tiles(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, s, out, first,
+def product_tiles(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out, first,
                   stop):  # pragma: no cover - compiled
     """``product`` of tiles ``first .. stop-1`` alone, in this thread: one thread's share of a
     product split over a ``kernels.team``."""
     for t in range(first, stop):
-        product_tile(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, s, out, t)
+        product_tile(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out, t)
 
 
 @numba.njit(inline="always")
-def product_tile(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, s, out, t):  # pragma: no cover
+def product_tile(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out, t):  # pragma: no cover
     """Tile ``t``'s 16 output columns of every activation row, the rows in groups of 8, 4, 2, 1
     (a tile's codes read once a group)."""
     m = xq.shape[0]
@@ -418,16 +430,16 @@ def product_tile(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, s, out, t
     while r < m:
         rem = m - r
         if rem >= 8:
-            _tile_group(isa, bits, has_mins, 8, codes, scales, mins, t, xq, dx, sx, s, r, out)
+            _tile_group(isa, bits, has_mins, 8, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
             r += 8
         elif rem >= 4:
-            _tile_group(isa, bits, has_mins, 4, codes, scales, mins, t, xq, dx, sx, s, r, out)
+            _tile_group(isa, bits, has_mins, 4, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
             r += 4
         elif rem >= 2:
-            _tile_group(isa, bits, has_mins, 2, codes, scales, mins, t, xq, dx, sx, s, r, out)
+            _tile_group(isa, bits, has_mins, 2, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
             r += 2
         else:
-            _tile_group(isa, bits, has_mins, 1, codes, scales, mins, t, xq, dx, sx, s, r, out)
+            _tile_group(isa, bits, has_mins, 1, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
             r += 1
 
 
@@ -436,18 +448,18 @@ def compiled_linear(isa, bits, has_mins, codes, scales, mins, padded, n_out, x):
     """``x @ w.T`` of a quantized ``w`` (``codes, scales, mins``: ``operands(w)``; ``padded``, ``n_out``:
     its padded input width and its output width) inside compiled code: activations quantized,
     then ``product`` (a ``prange``: the caller is parallel, ``isa, bits, has_mins`` constants)."""
-    xq, dx, sx, s = quantize_activations(x, padded)
+    xq, xw, step, sx, s = quantize_activations(x, padded)
     out = np.empty((x.shape[0], n_out), dtype=np.float32)
-    product(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, s, out)
+    product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out)
     return out
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _matmul(codes, scales, mins, xq, dx, sx, s, out, isa, bits, has_mins):  # pragma: no cover - compiled
+def _matmul(codes, scales, mins, xq, xw, step, sx, s, out, isa, bits, has_mins):  # pragma: no cover - compiled
     numba.literally(isa)
     numba.literally(bits)
     numba.literally(has_mins)
-    product(isa, bits, has_mins, codes, scales, mins, xq, dx, sx, s, out)
+    product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out)
 
 
 @functools.cache
@@ -457,8 +469,8 @@ def _matmul_of(fmt: Format):
     isa, bits, has_mins = fmt
 
     @numba.njit(nogil=True, cache=True)  # its free variables are ints and a bool: numba's own key holds
-    def matmul(codes, scales, mins, xq, dx, sx, s, out):  # pragma: no cover - compiled
-        _matmul(codes, scales, mins, xq, dx, sx, s, out, isa, bits, has_mins)
+    def matmul(codes, scales, mins, xq, xw, step, sx, s, out):  # pragma: no cover - compiled
+        _matmul(codes, scales, mins, xq, xw, step, sx, s, out, isa, bits, has_mins)
 
     return matmul
 

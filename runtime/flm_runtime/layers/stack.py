@@ -184,7 +184,7 @@ def _matrix_views(codes, scales, mins, matrix, bits, has_mins):  # pragma: no co
 
 def _format_products(formats: tuple[qgemm.Format, ...]):
     """``linear(codes, scales, mins, matrix, acts, out, tid, n_threads) -> (first, stop)``: this
-    thread's tiles ``first .. stop-1`` of the product of ``acts`` (``quantize_row``'s four
+    thread's tiles ``first .. stop-1`` of the product of ``acts`` (``quantize_row``'s five
     arrays) and the stacked matrix ``matrix`` (a row of ``StackWeights.matrices``) into ``out``,
     on the kernel of the matrix's format. The formats are constants: one branch per distinct
     format, as each branch inlines a product (compile time grows with their number)."""
@@ -194,9 +194,9 @@ def _format_products(formats: tuple[qgemm.Format, ...]):
 
         @numba.njit(inline="always")
         def tiles(codes, scales, mins, matrix, acts, out, first, stop):  # pragma: no cover - compiled
-            xq, dx, sx, s = acts
+            xq, xw, step, sx, s = acts
             c, sc, mn = _matrix_views(codes, scales, mins, matrix, bits, has_mins)
-            qgemm.product_tiles(isa, bits, has_mins, c, sc, mn, xq, dx, sx, s, out, first, stop)
+            qgemm.product_tiles(isa, bits, has_mins, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
 
         return tiles
 
@@ -280,7 +280,7 @@ def compile_step(spec: LayerSpec, windows: tuple[int, ...], formats: tuple[qgemm
         quantization, then (past a barrier) its tiles of the product; returns past the next."""
         for r in range(tid, x.shape[0], n_threads):
             rms_norm_row(x, weight, eps, xn, r)
-            qgemm.quantize_row(xn, r, acts[0].shape[1], *acts)
+            qgemm.quantize_row(xn, r, acts[1].shape[1], *acts)
         barrier(sync, n_threads)
         linear(codes, scales, mins, matrix, acts, out, tid, n_threads)
         barrier(sync, n_threads)
@@ -336,7 +336,7 @@ def compile_step(spec: LayerSpec, windows: tuple[int, ...], formats: tuple[qgemm
                             attn[first:first + n], item - first * hkv)
             barrier(sync, n_threads)
             for r in range(tid, rows, n_threads):
-                qgemm.quantize_row(attn, r, acts_attn[0].shape[1], *acts_attn)
+                qgemm.quantize_row(attn, r, acts_attn[1].shape[1], *acts_attn)
             barrier(sync, n_threads)
             first, stop = linear(codes, scales, mins, mats[1], acts_attn, out, tid, n_threads)
             residual(x, out, first, stop, norms[layer, POST_ATTN_NORM if post_norms else ATTN_NORM], xn, sync, tid,
@@ -345,7 +345,7 @@ def compile_step(spec: LayerSpec, windows: tuple[int, ...], formats: tuple[qgemm
                            n_threads)
             for r in range(tid, rows, n_threads):
                 glu_row(gate_up, act, r, gelu)
-                qgemm.quantize_row(act, r, acts_f[0].shape[1], *acts_f)
+                qgemm.quantize_row(act, r, acts_f[1].shape[1], *acts_f)
             barrier(sync, n_threads)
             first, stop = linear(codes, scales, mins, mats[3], acts_f, out, tid, n_threads)
             residual(x, out, first, stop, norms[layer, POST_FFN_NORM if post_norms else FFN_NORM], xn, sync, tid,
@@ -357,7 +357,7 @@ def compile_step(spec: LayerSpec, windows: tuple[int, ...], formats: tuple[qgemm
         for i in range(tid, logit_rows.shape[0], n_threads):
             last[i] = x[logit_rows[i]]
             rms_norm_row(last, norms[layers, 0], eps, last, i)  # in place: a row is read whole first
-            qgemm.quantize_row(last, i, acts_last[0].shape[1], *acts_last)
+            qgemm.quantize_row(last, i, acts_last[1].shape[1], *acts_last)
         barrier(sync, n_threads)
         linear(codes, scales, mins, matrices[layers, 0], acts_last, logits, tid, n_threads)
         barrier(sync, n_threads)
