@@ -35,8 +35,8 @@ from flm_runtime.speculation.speculative import SpeculativeDecoder
 from flm_runtime.speculation.suffix import SuffixIndex
 
 # Rows of a whole n-gram-only step of a tag without a draft: the anchor and up to 7 proposed
-# tokens, as a DFlash block of 8. Longer copies pay no better where the verify curve is linear
-# (16 rows cost twice 8 on a 2-core AVX2 host), and a short block bounds a wrong proposal's cost.
+# tokens, as a DFlash block of 8. Longer copies pay no better where the verify curve is linear in
+# the rows (docs/design.md, "Speculation policy"), and a short block bounds a wrong proposal's cost.
 LOOKUP_BLOCK = 8
 
 
