@@ -9,13 +9,11 @@ import numpy as np
 import pytest
 from engine_fakes import EOS, FakeTokenizer
 from spec_fakes import PROMPT, ScriptTarget, plain_generate, spec_generate
-from test_speculative import chi_square_p_value
+from test_speculative import chi_square_p_value, first_two_emitted
 
 from flm_runtime.request import SamplingParams
 from flm_runtime.sampling import sampler
-from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.engine import Engine
-from flm_runtime.scheduling.step import Lane
 from flm_runtime.speculation.policy import ALONE, PLAIN_STEP, Bucket, PassLoad, PolicyTable, paying_step
 from flm_runtime.speculation.speculative import SpeculativeDecoder
 
@@ -109,23 +107,8 @@ def test_a_predicted_output_keeps_the_target_distribution():
     predicted = [int(np.argsort(-p1)[1]), int(np.argsort(-p2)[0]), 0, 1, 2, 3, 4]
     target = ScriptTarget([], prompt_len=2, vocab=12, rows=rows)
     decoder = draftless(target, ngram=False)
-    picker = Picker(params, sampler.new_rng(1234))
-    first, second = np.zeros(12, int), np.zeros(12, int)
-    emitted: list[int] = []
-
-    def emit(token: int) -> bool:
-        emitted.append(token)
-        return False
-
-    prompt_cache, prompt_state = target.new_cache(16), decoder.new_state(prediction=(7, *predicted))
-    anchor = picker.pick_and_accept(decoder.prefill(np.array([11, 10]), prompt_cache, prompt_state))
-    for _ in range(20_000):  # each trial continues from a copy of the prompt's cache and state
-        emitted.clear()
-        done = decoder.step(Lane(anchor, prompt_cache.copy(), prompt_state.copy(), picker, emit))
-        assert done.record.proposer == "prediction" and done.record.ids.tolist() == predicted
-        first[emitted[0]] += 1
-        if done.accepted >= 1:
-            second[emitted[1]] += 1
+    first, second = first_two_emitted(decoder, decoder.new_state(prediction=(7, *predicted)), params, "prediction",
+                                      predicted)
     assert 0.15 < first[predicted[0]] / first.sum() < 0.5 and second.sum() > 3000  # both branches exercised
     assert chi_square_p_value(first, p1) > 0.001
     assert chi_square_p_value(second, p2) > 0.001

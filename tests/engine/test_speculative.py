@@ -665,6 +665,30 @@ def test_the_suffix_proposer_equals_plain_decoding(tiny, params):
     assert suffix.accepted >= 7 and suffix.acceptance_length > 2.0, state.stats
 
 
+def first_two_emitted(decoder, state, params, proposer: str, proposal: list[int], trials: int = 20_000):
+    """Counts ``[12]`` of the first and (after an accepted first token) second emitted token over
+    ``trials`` seeded steps after the prompt ``[11, 10]``, each from a copy of the prompt's cache
+    and ``state``, every step verifying ``proposer``'s ``proposal`` (the losslessness tests)."""
+    picker = Picker(params, sampler.new_rng(1234))
+    first, second = np.zeros(12, int), np.zeros(12, int)
+    emitted: list[int] = []
+
+    def emit(token: int) -> bool:
+        emitted.append(token)
+        return False
+
+    prompt_cache = decoder.target.new_cache(16)
+    anchor = picker.pick_and_accept(decoder.prefill(np.array([11, 10]), prompt_cache, state))
+    for _ in range(trials):  # each trial continues from a copy of the prompt's cache and state
+        emitted.clear()
+        done = decoder.step(Lane(anchor, prompt_cache.copy(), state.copy(), picker, emit))
+        assert done.record.proposer == proposer and done.record.ids.tolist() == proposal
+        first[emitted[0]] += 1
+        if done.accepted >= 1:
+            second[emitted[1]] += 1
+    return first, second
+
+
 def test_the_suffix_proposer_emits_the_target_distribution():
     """Lossless with the suffix proposer: a target whose logits after the anchor are fixed random
     rows, a table that speculates nowhere (the draft never runs) and an index holding the prompt,
@@ -684,23 +708,7 @@ def test_the_suffix_proposer_emits_the_target_distribution():
     index.add([11, 10, 7, *proposal])
     decoder = SpeculativeDecoder(target, random_draft(target, taps=[0, 1]), ngram=False, suffix=index,
                                  policy=plain_table(CHEAP))
-    picker = Picker(params, sampler.new_rng(1234))
-    first, second = np.zeros(12, int), np.zeros(12, int)
-    emitted: list[int] = []
-
-    def emit(token: int) -> bool:
-        emitted.append(token)
-        return False
-
-    prompt_cache, prompt_state = target.new_cache(16), decoder.new_state()
-    anchor = picker.pick_and_accept(decoder.prefill(np.array([11, 10]), prompt_cache, prompt_state))
-    for _ in range(20_000):  # each trial continues from a copy of the prompt's cache and state
-        emitted.clear()
-        done = decoder.step(Lane(anchor, prompt_cache.copy(), prompt_state.copy(), picker, emit))
-        assert done.record.proposer == "suffix" and done.record.ids.tolist() == proposal
-        first[emitted[0]] += 1
-        if done.accepted >= 1:
-            second[emitted[1]] += 1
+    first, second = first_two_emitted(decoder, decoder.new_state(), params, "suffix", proposal)
     assert 0.15 < first[proposal[0]] / first.sum() < 0.5 and second.sum() > 3000  # both branches exercised
     assert chi_square_p_value(first, p1) > 0.001
     assert chi_square_p_value(second, p2) > 0.001
