@@ -10,8 +10,8 @@ A burst of ``REQUESTS`` chat completions (120; ``FLM_BURST_REQUESTS`` sets anoth
 docs/benchmarks.md's run; every other one streamed, ``max_tokens`` 1 to 32, each prompt tagged
 ``[req N]``) goes to the front's ``/v1/chat/completions`` from ``CLIENTS`` threads. When
 ``KILL_AFTER`` (a fifth) are answered, host A gets SIGKILL and is started again at once. The last
-``HELD`` (a fifth) wait until it is back (ready, its model loaded, and one health-check interval
-for the front to probe it), so that the burst can show it rejoining.
+``HELD`` (a fifth) wait until it is back (ready, its model loaded, and a health probe of the
+front's passed), so that the burst can show it rejoining.
 
 What must hold: every request answered exactly once (one answer delivered by the front; one
 completion logged by the hosts, or two where host A finished it as it died and the answer died
@@ -164,6 +164,19 @@ def _served(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+def _wait_for_a_healthy_probe(log: Path, api_base: str, since: float) -> None:
+    """Until the front's log has a health probe of ``api_base`` that started after ``since`` and
+    passed, then a second for the front to end that round and mark the host healthy. (A fixed
+    sleep of one interval assumed a round of probes ends within it, which a loaded machine does
+    not promise.)"""
+    deadline = time.monotonic() + REQUEST_S
+    while not any(e["marker"] is None and e["api_base"] == api_base and e["event"] == "ok" and e["start"] >= since
+                  for e in _served(log)):
+        assert time.monotonic() < deadline, f"no health probe of {api_base} passed since it came back"
+        time.sleep(0.2)
+    time.sleep(1)
+
+
 def test_a_host_killed_mid_burst_costs_no_request(smollm2_gguf, redis_port, tmp_path):
     t_start = time.monotonic()
     front_config = yaml.safe_load((EXAMPLES / "front.yaml").read_text())
@@ -238,7 +251,7 @@ def test_a_host_killed_mid_burst_costs_no_request(smollm2_gguf, redis_port, tmp_
                 proxy_process.wait_ready(restarted, ports["A"], tmp_path / "host-A2.log")
                 t_listening = time.time()
                 load_model("A")
-                time.sleep(interval + 1)  # the front's next probe finds it healthy
+                _wait_for_a_healthy_probe(tmp_path / "served-front.jsonl", api_base["A"], t_listening)
             finally:
                 rejoined.set()  # a failure above lets the held requests go, so the pool ends
             for f in futures:

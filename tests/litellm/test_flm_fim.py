@@ -35,17 +35,20 @@ GREEDY = {"temperature": 0, "max_tokens": 40}
 
 @pytest.fixture(scope="module")
 def engine(qwen_coder_gguf):
-    """The process's engine of ``TAG`` with the default (quantized) weights, whatever the suite's
+    """The engine of ``TAG`` with the default (quantized) weights, whatever the suite's
     ``FLM_WEIGHTS``: every assertion here is an equality between two paths, or the greedy fill-in,
     which our runs gave the same on float32 and default weights (2026-12-07); float32 took minutes longer.
-    Dropped afterwards, so that no later test gets it for a float32 one."""
-    api.default_runtime.forget(TAG)
+    It lives in a runtime of its own, put in place of the process's for this module, so that no
+    target an earlier test loaded is reused and no later test gets this one."""
+    runtime = api.Runtime()
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("FLM_WEIGHTS", "auto")
-        engine = get_engine(TAG)
-    assert engine.model.quantized, "an earlier test loaded this model's float32 target into the process's runtime"
-    yield engine
-    api.default_runtime.forget(TAG)
+        env.setattr(api, "default_runtime", runtime)
+        with pytest.MonkeyPatch.context() as weights:
+            weights.setenv("FLM_WEIGHTS", "auto")
+            engine = get_engine(TAG)
+        assert engine.model.quantized
+        yield engine
+    runtime.close()
 
 
 def test_the_templated_prompt_is_tokenized_with_the_fim_tokens_as_single_ids(engine):
