@@ -4,6 +4,11 @@ rows beside it, and the product is within activation-quantization error of the f
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -99,3 +104,42 @@ def test_activations_are_quantized_by_the_two_level_rule(x):
     assert np.array_equal(s, (128 * q1 + q2).sum(-1).astype(np.int32))
     assert np.array_equal(sx, want_step * s.astype(np.float32))
     assert np.all(xq[3, :32] == 0) and np.all(xq[:, k:padded] == 0) and np.all(xq[:, padded + k:] == 0)
+
+
+# A process's product of one real weight (smollm2's first down projection, Q4_1 -> 4-bit with
+# mins) on three rows, saved to argv[2]: nothing parallel runs in it before the product.
+_PRODUCT_IN_A_NEW_PROCESS = """
+import sys
+import numpy as np
+from flm_runtime.kernels import qgemm
+from flm_runtime.loading import load_model_files
+w = load_model_files(sys.argv[1], weights="auto").weights["model.layers.0.mlp.down_proj.weight"]
+x = np.sin(np.arange(3 * w.in_features, dtype=np.float32)).reshape(3, w.in_features)
+np.save(sys.argv[2], qgemm.qlinear(x, w))
+"""
+
+
+def test_a_product_loaded_from_numbas_disk_cache_runs(smollm2_gguf, tmp_path):
+    # numba's disk cache, filled the way a second process fills it: the first process compiles
+    # and saves ``_matmul`` and its bound caller; the caller's entry gone, the second compiles the
+    # caller over the cached ``_matmul``; the third loads both. That third process crashed (a
+    # call to a null pointer, exit -11) until qgemm started numba's threads itself.
+    root = Path(qgemm.__file__).parents[2]  # this checkout's flm_runtime in the children too
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+
+    def product(run: int) -> np.ndarray:
+        out = tmp_path / f"{run}.npy"
+        done = subprocess.run([sys.executable, "-c", _PRODUCT_IN_A_NEW_PROCESS, str(smollm2_gguf), str(out)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (run, done.returncode, done.stderr[-2000:])
+        return np.load(out)
+
+    first = product(0)
+    callers = list((tmp_path / "numba").rglob("*_matmul_of.locals.matmul*"))
+    assert callers
+    for f in callers:
+        f.unlink()
+    second, third = product(1), product(2)
+    assert np.array_equal(first, second) and np.array_equal(first, third)
+    assert first.shape == (3, 576) and np.all(np.isfinite(first)) and np.abs(first).max() > 0.1

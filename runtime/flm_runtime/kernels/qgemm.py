@@ -52,6 +52,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
+from numba.np.ufunc.parallel import _launch_threads
 
 from flm_runtime.kernels import cpu_features
 from flm_runtime.kernels.irgen import (F16, F32, I1, I8, I16, I32, I64, as_i64, broadcast, counted_loop, data_ptr,
@@ -472,6 +473,11 @@ def _matmul_of(fmt: Format):
     def matmul(codes, scales, mins, xq, xw, step, sx, s, out):  # pragma: no cover - compiled
         _matmul(codes, scales, mins, xq, xw, step, sx, s, out, isa, bits, has_mins)
 
+    # numba starts its threads when it compiles or loads a parallel function, but a cached caller
+    # compiled over a cached ``_matmul`` does not: the callee's reload hook is not kept (numba
+    # 0.68). Loaded later into a process that has run nothing parallel, ``matmul`` would call the
+    # thread pool's unset entry point (a null pointer). Started here, before any call.
+    _launch_threads()
     return matmul
 
 
