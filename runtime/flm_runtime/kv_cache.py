@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -197,14 +198,22 @@ class BlockTable:
     """One sequence's blocks in a ``BlockPool``: positions ``0 .. length-1`` are held, in blocks
     ``blocks[p // block_tokens]``.
 
-    ``reserve(n)`` takes blocks for ``n`` more positions, ``commit(n)`` advances ``length`` once
-    they are written, ``trim(n)`` rolls back (a rejected speculative block) and gives back the
-    blocks past it, ``release()`` gives back every block.
+    ``fits(n)`` says whether the pool has the blocks of ``n`` more positions, ``reserve(n)``
+    takes them, ``commit(n)`` advances ``length`` once they are written, ``trim(n)`` rolls back (a
+    rejected speculative block) and gives back the blocks past it, ``release()`` gives back every
+    block.
+
+    ``copy``: a table whose storage can be copied (``KVCache``) defines ``copy()``, an independent
+    table holding the same positions; None (declared here: a table that only counts, or the npu
+    backend's cache in a buffer of its own) means it cannot be, and the engine prefills each choice
+    of a request itself.
 
     Args:
         pool: where its blocks come from.
         max_length: the model's context length (tokens); reserving past it is a bug (assert).
     """
+
+    copy: Callable[[], BlockTable] | None = None
 
     def __init__(self, pool: BlockPool, max_length: int):
         self.pool = pool
@@ -222,17 +231,25 @@ class BlockTable:
         """``blocks`` as an int64 array ``[n_blocks]`` (what the kernels take)."""
         return np.asarray(self.blocks, dtype=np.int64)
 
+    def fits(self, n_new: int) -> bool:
+        """Whether ``reserve(n_new)`` finds its blocks: the pool has them available, or grows."""
+        return self.pool.growable or self._missing(n_new) <= self.pool.available
+
     def reserve(self, n_new: int) -> None:
         """Make room for ``n_new`` more positions.
 
         Raises:
-            KVPoolExhausted: the pool has no free block (nothing is taken).
+            KVPoolExhausted: the pool has no free block (nothing is taken); ``fits`` tells before.
         """
-        need = self.length + n_new
-        assert need <= self.max_length, f"KV cache overflow: {need} > context length {self.max_length}"
-        more = self.pool.blocks_for(need) - len(self.blocks)
+        more = self._missing(n_new)
         if more > 0:
             self.blocks += self.pool.allocate(more)
+
+    def _missing(self, n_new: int) -> int:
+        """Blocks ``n_new`` more positions take beyond those held."""
+        need = self.length + n_new
+        assert need <= self.max_length, f"KV cache overflow: {need} > context length {self.max_length}"
+        return self.pool.blocks_for(need) - len(self.blocks)
 
     def commit(self, n_new: int) -> None:
         """Advance ``length`` by ``n_new`` positions written for every layer."""

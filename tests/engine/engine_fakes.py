@@ -133,6 +133,7 @@ class FakeModelBase:
 
     prefill_chunk = 256
     kv_dtype = np.float32
+    batch_invariant = False  # ``TargetModel``'s: no prefix caching unless a test turns it on
 
     def forward_batch(self, token_rows, caches: list[FakeCache], *, taps=(), logit_rows=None) -> ForwardOutput:
         """Sequence by sequence: appends each row group to its cache and gives the logits of its
