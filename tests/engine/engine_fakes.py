@@ -93,9 +93,12 @@ class FakeCache(BlockTable):
         super().trim(length)
         del self.tokens[length:]
 
-    def copy(self) -> "FakeCache":
-        """As ``KVCache.copy``: the same positions, independent from now on (blocks of its own)."""
+    def copy(self) -> "FakeCache | None":
+        """As ``KVCache.copy``: the same positions, independent from now on (blocks of its own);
+        None when the pool has no room for them."""
         out = FakeCache(self.capacity_hint, self.max_length, self.pool)
+        if not out.fits(len(self.tokens)):
+            return None
         out.append(self.tokens)
         out.prompt_length = self.prompt_length
         return out

@@ -73,6 +73,16 @@ def test_fits_tells_whether_reserve_finds_its_blocks():
     assert BlockTable(BlockPool(0, 16, growable=True), 1000).fits(500)
 
 
+def test_a_copy_with_no_block_left_for_its_last_block_is_none():
+    pool = KVPool(1, 1, 4, np.float32, n_blocks=2, block_tokens=16)
+    cache = KVCache(pool, 1000)
+    cache.reserve(20)
+    cache.commit(20)
+    assert cache.copy() is None and pool.used == 2
+    cache.trim(16)  # full blocks only: shared, nothing to copy
+    assert cache.copy().blocks == cache.blocks
+
+
 def test_a_copy_shares_the_full_blocks_and_copies_the_last():
     pool = KVPool(2, 1, 4, np.float32, n_blocks=8, block_tokens=16)
     cache = KVCache(pool, 1000)

@@ -43,12 +43,13 @@ class KVCacheLike(Protocol):
     them (``kv_cache.KVPoolExhausted`` when a fixed pool has none left), ``trim(n)`` rolls back to
     ``n`` positions (a rejected speculative block), ``release()`` gives every block back;
     appending past ``max_length`` (the context length) is a bug. ``copy``: ``copy()`` where the
-    backend can copy a cache (a request's choices then share one prefill), None where it cannot.
+    backend can copy a cache (a request's choices then share one prefill; None when the pool has
+    no block for the copy), None where it cannot.
     """
 
     length: int
     max_length: int
-    copy: Callable[[], KVCacheLike] | None
+    copy: Callable[[], KVCacheLike | None] | None
 
     def fits(self, n_new: int) -> bool: ...
 

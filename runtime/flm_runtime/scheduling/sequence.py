@@ -30,7 +30,6 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from flm_runtime.kv_cache import KVPoolExhausted
 from flm_runtime.request import Completion, RequestStats, SamplingParams, StreamEvent, TokenLogprob
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.picker import Picker
@@ -144,9 +143,8 @@ class Sequence:
         forked, alone = [], []
         for seq in followers:
             seq.leader = None
-            try:
-                seq.cache = self.cache.copy()
-            except KVPoolExhausted:
+            seq.cache = self.cache.copy()
+            if seq.cache is None:
                 seq.status = Status.WAITING
                 alone.append(seq)
                 continue
