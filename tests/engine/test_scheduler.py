@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from engine_fakes import FAKE_BLOCK, FakeCache, FakeTokenizer
 
-from flm_runtime.kv_cache import BlockPool
+from flm_runtime.kv_cache import BlockPool, BlockTable
 from flm_runtime.request import SamplingParams
 from flm_runtime.scheduling.handle import RequestHandle
 from flm_runtime.scheduling.scheduler import Scheduler, StepPlan
@@ -22,9 +22,11 @@ TOK = FakeTokenizer(vocab_size=300)
 
 
 def new_scheduler(blocks: int, *, max_active: int = 8, prefill_tokens: int = 64, prefill_chunk: int = 64,
-                  decode_rows: int = 1, prefix: bool = False) -> Scheduler:
+                  decode_rows: int = 1, prefix: bool = False,
+                  cache=lambda pool: FakeCache(0, CONTEXT, pool)) -> Scheduler:
+    """A scheduler over a pool of ``blocks`` blocks whose caches are ``cache(pool)``."""
     pool = BlockPool(blocks, FAKE_BLOCK)
-    return Scheduler(pool, lambda: FakeCache(0, CONTEXT, pool), max_active=max_active, prefill_tokens=prefill_tokens,
+    return Scheduler(pool, lambda: cache(pool), max_active=max_active, prefill_tokens=prefill_tokens,
                      prefill_chunk=prefill_chunk, decode_rows=decode_rows, prefix=prefix)
 
 
@@ -159,6 +161,17 @@ def test_a_prompt_forks_its_choices_and_one_without_room_goes_back_to_the_queue(
     assert f1.last_token == TOKEN and f1.cache.length == 20 and f2.cache is None and f2.leader is None
     assert scheduler.active == [head, f1] and list(scheduler.waiting) == [f2] and head.followers == []
     assert scheduler.schedule().decode == (head, f1)
+
+
+def test_caches_that_cannot_be_copied_give_each_choice_a_prefill_of_its_own():
+    """``BlockTable.copy`` None (the npu backend's caches): admitted, the three choices are on
+    their own, each with its prompt's blocks, and each prefills the prompt."""
+    scheduler = new_scheduler(16, cache=lambda pool: BlockTable(pool, CONTEXT))
+    head, f1, f2 = request(scheduler, 20, n=3)
+    assert admit(scheduler) == [[head, f1, f2]]
+    assert [s.status for s in (head, f1, f2)] == [Status.PREFILLING] * 3
+    assert head.followers == [] and f1.leader is f2.leader is None and scheduler.pool.used == 6
+    assert chunks(scheduler.schedule()) == [(head, 20, 1), (f1, 20, 1), (f2, 20, 1)]
 
 
 def test_a_head_that_ends_mid_prefill_hands_its_cache_and_choices_on():
