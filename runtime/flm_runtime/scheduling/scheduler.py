@@ -9,8 +9,9 @@ calls it with its lock held, and it calls no model (vLLM v1's ``Scheduler.schedu
 One engine step, as the engine drives it:
 
 1. ``admit``: queued requests, in arrival order, become running while slots are free for all
-   their choices and their prompts' blocks fit (``admittable``); the engine gives each
-   ``allocate``'s sequences their stepper state.
+   their choices and their prompts' blocks fit (``admittable``); ``allocate`` gives each its
+   caches (the engine then gives the sequences it returns their stepper state, and ends a request
+   whose start raised).
 2. ``schedule``: a ``StepPlan``. Every decoding sequence gets the blocks of its step's rows,
    oldest first; when none is left, the youngest running sequence is preempted (recompute
    preemption: its blocks go back and it waits at the head of the queue) until they fit, or the
