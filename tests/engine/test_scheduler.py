@@ -187,6 +187,19 @@ def test_a_head_that_ends_mid_prefill_hands_its_cache_and_choices_on():
     np.testing.assert_array_equal(plan.prefill[0].ids, f1.prompt_ids[16:32])
 
 
+def test_a_queued_head_that_ends_leaves_its_place_in_the_queue_to_the_next_choice():
+    scheduler = new_scheduler(8)
+    (running,) = request(scheduler, 60)  # 4 of the 8 blocks
+    admit(scheduler)
+    head, f1 = request(scheduler, 60, n=2)  # 4 blocks and a copy's: more than the 3 left
+    (later,) = request(scheduler, 10)
+    assert admit(scheduler) == [] and list(scheduler.waiting) == [head, later]
+    scheduler.finish(head, keep=False)
+    assert list(scheduler.waiting) == [f1, later] and f1.status is Status.WAITING and f1.leader is None
+    scheduler.finish(running, keep=False)
+    assert admit(scheduler) == [[f1], [later]]
+
+
 def test_a_finished_prompt_leaves_its_full_blocks_to_the_next_request():
     """With prefix caching, a 40-token prompt's two full blocks outlive its request: the same
     prompt again starts from them and prefills its last 8 tokens."""
