@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,7 +42,8 @@ BLOCK_TOKENS = 64  # positions per block: 4 key tiles; the prefix cache reuses w
 
 
 class KVPoolExhausted(Exception):
-    """No free block is left in a fixed-size pool: the engine preempts a sequence and retries."""
+    """No free block is left in a fixed-size pool. ``BlockPool.can_allocate`` and
+    ``BlockTable.fits`` say so beforehand, as a value (the engine's scheduler asks them)."""
 
 
 class BlockPool:
@@ -85,6 +87,10 @@ class BlockPool:
     def blocks_for(self, positions: int) -> int:
         """Blocks that hold ``positions`` positions."""
         return -(-positions // self.block_tokens)
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether ``allocate(n)`` finds its blocks: ``n`` available, or the pool grows."""
+        return self.growable or n <= self.available
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks, each referenced once: free ones first, then cached ones, least recently
@@ -197,14 +203,22 @@ class BlockTable:
     """One sequence's blocks in a ``BlockPool``: positions ``0 .. length-1`` are held, in blocks
     ``blocks[p // block_tokens]``.
 
-    ``reserve(n)`` takes blocks for ``n`` more positions, ``commit(n)`` advances ``length`` once
-    they are written, ``trim(n)`` rolls back (a rejected speculative block) and gives back the
-    blocks past it, ``release()`` gives back every block.
+    ``fits(n)`` says whether the pool has the blocks of ``n`` more positions, ``reserve(n)``
+    takes them, ``commit(n)`` advances ``length`` once they are written, ``trim(n)`` rolls back (a
+    rejected speculative block) and gives back the blocks past it, ``release()`` gives back every
+    block.
+
+    ``copy``: a table whose storage can be copied (``KVCache``) defines ``copy()``, an independent
+    table holding the same positions, or None when the pool has no block left for it; None
+    (declared here: a table that only counts, or the npu backend's cache in a buffer of its own)
+    means it cannot be, and the engine prefills each choice of a request itself.
 
     Args:
         pool: where its blocks come from.
         max_length: the model's context length (tokens); reserving past it is a bug (assert).
     """
+
+    copy: Callable[[], BlockTable | None] | None = None
 
     def __init__(self, pool: BlockPool, max_length: int):
         self.pool = pool
@@ -222,17 +236,25 @@ class BlockTable:
         """``blocks`` as an int64 array ``[n_blocks]`` (what the kernels take)."""
         return np.asarray(self.blocks, dtype=np.int64)
 
+    def fits(self, n_new: int) -> bool:
+        """Whether ``reserve(n_new)`` finds its blocks (``BlockPool.can_allocate``)."""
+        return self.pool.can_allocate(self._missing(n_new))
+
     def reserve(self, n_new: int) -> None:
         """Make room for ``n_new`` more positions.
 
         Raises:
-            KVPoolExhausted: the pool has no free block (nothing is taken).
+            KVPoolExhausted: the pool has no free block (nothing is taken); ``fits`` tells before.
         """
-        need = self.length + n_new
-        assert need <= self.max_length, f"KV cache overflow: {need} > context length {self.max_length}"
-        more = self.pool.blocks_for(need) - len(self.blocks)
+        more = self._missing(n_new)
         if more > 0:
             self.blocks += self.pool.allocate(more)
+
+    def _missing(self, n_new: int) -> int:
+        """Blocks ``n_new`` more positions take beyond those held."""
+        need = self.length + n_new
+        assert need <= self.max_length, f"KV cache overflow: {need} > context length {self.max_length}"
+        return self.pool.blocks_for(need) - len(self.blocks)
 
     def commit(self, n_new: int) -> None:
         """Advance ``length`` by ``n_new`` positions written for every layer."""
@@ -322,17 +344,17 @@ class KVCache(BlockTable):
         v = v.transpose(0, 2, 1, 3, 4).reshape(l, hkv, nb * b, d)[:, :, : self.length]
         return v if layer is None else v[layer]
 
-    def copy(self) -> "KVCache":
+    def copy(self) -> "KVCache | None":
         """An independent cache in the same pool holding the same positions (the engine's ``n`` >
         1: each choice decodes on its own copy of the prompt's keys and values): the full blocks
-        are shared, a last block in part is copied.
-
-        Raises:
-            KVPoolExhausted: no block left for the copy of the last block.
-        """
-        out = type(self)(self.pool, self.max_length)
+        are shared, a last block in part is copied. None when the pool has no block left for
+        that copy (nothing is taken)."""
         full = self.full_blocks()
-        if self.length > len(full) * self.pool.block_tokens:
+        partial = self.length > len(full) * self.pool.block_tokens
+        if partial and not self.pool.can_allocate(1):
+            return None
+        out = type(self)(self.pool, self.max_length)
+        if partial:
             (block,) = self.pool.allocate(1)
             last = self.blocks[len(full)]
             self.pool.k[:, block], self.pool.v[:, block] = self.pool.k[:, last], self.pool.v[:, last]

@@ -93,9 +93,12 @@ class FakeCache(BlockTable):
         super().trim(length)
         del self.tokens[length:]
 
-    def copy(self) -> "FakeCache":
-        """As ``KVCache.copy``: the same positions, independent from now on (blocks of its own)."""
+    def copy(self) -> "FakeCache | None":
+        """As ``KVCache.copy``: the same positions, independent from now on (blocks of its own);
+        None when the pool has no room for them."""
         out = FakeCache(self.capacity_hint, self.max_length, self.pool)
+        if not out.fits(len(self.tokens)):
+            return None
         out.append(self.tokens)
         out.prompt_length = self.prompt_length
         return out
@@ -133,6 +136,7 @@ class FakeModelBase:
 
     prefill_chunk = 256
     kv_dtype = np.float32
+    batch_invariant = False  # ``TargetModel``'s: no prefix caching unless a test turns it on
 
     def forward_batch(self, token_rows, caches: list[FakeCache], *, taps=(), logit_rows=None) -> ForwardOutput:
         """Sequence by sequence: appends each row group to its cache and gives the logits of its

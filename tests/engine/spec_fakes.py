@@ -37,6 +37,7 @@ class ScriptTarget:
 
     prefill_chunk = 256
     kv_dtype = np.float32
+    batch_invariant = False  # ``TargetModel``'s: no prefix caching unless a test turns it on
 
     def __init__(self, script: list[int], prompt_len: int, vocab: int = 300, context: int = 2048,
                  rows: np.ndarray | None = None):

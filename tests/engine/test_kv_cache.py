@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from flm_runtime.core import KEY_TILE
-from flm_runtime.kv_cache import BlockPool, KVCache, KVPool, KVPoolExhausted, block_digests
+from flm_runtime.kv_cache import BlockPool, BlockTable, KVCache, KVPool, KVPoolExhausted, block_digests
 
 
 def test_growth_keeps_contents_and_trim_rolls_back_and_gives_blocks_back():
@@ -61,6 +61,26 @@ def test_a_fixed_pool_runs_out_and_takes_nothing():
     a.trim(0)
     b.reserve(17)
     assert len(b.blocks) == 2 and pool.used == 2
+
+
+def test_fits_tells_whether_reserve_finds_its_blocks():
+    pool = BlockPool(3, 16)
+    a, b = BlockTable(pool, 1000), BlockTable(pool, 1000)
+    assert a.fits(48) and not a.fits(49)
+    a.reserve(40)
+    a.commit(40)
+    assert a.fits(8) and not a.fits(9) and not b.fits(1)
+    assert BlockTable(BlockPool(0, 16, growable=True), 1000).fits(500)
+
+
+def test_a_copy_with_no_block_left_for_its_last_block_is_none():
+    pool = KVPool(1, 1, 4, np.float32, n_blocks=2, block_tokens=16)
+    cache = KVCache(pool, 1000)
+    cache.reserve(20)
+    cache.commit(20)
+    assert cache.copy() is None and pool.used == 2
+    cache.trim(16)  # full blocks only: shared, nothing to copy
+    assert cache.copy().blocks == cache.blocks
 
 
 def test_a_copy_shares_the_full_blocks_and_copies_the_last():

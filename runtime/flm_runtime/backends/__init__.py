@@ -18,7 +18,7 @@ Nothing here imports ``pyxrt`` or the npu backend: importing this package stays 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -39,14 +39,19 @@ class KVCacheLike(Protocol):
     """One sequence's KV cache as the engine sees it: a ``kv_cache.BlockTable``, positions ``0 ..
     length-1`` held in blocks of its pool.
 
-    ``reserve(n)`` takes the blocks of ``n`` more positions (``kv_cache.KVPoolExhausted`` when a
-    fixed pool has none left), ``trim(n)`` rolls back to ``n`` positions (a rejected speculative
-    block), ``release()`` gives every block back; appending past ``max_length`` (the context
-    length) is a bug.
+    ``fits(n)`` says whether the pool has the blocks of ``n`` more positions, ``reserve(n)`` takes
+    them (``kv_cache.KVPoolExhausted`` when a fixed pool has none left), ``trim(n)`` rolls back to
+    ``n`` positions (a rejected speculative block), ``release()`` gives every block back;
+    appending past ``max_length`` (the context length) is a bug. ``copy``: ``copy()`` where the
+    backend can copy a cache (a request's choices then share one prefill; None when the pool has
+    no block for the copy), None where it cannot.
     """
 
     length: int
     max_length: int
+    copy: Callable[[], KVCacheLike | None] | None
+
+    def fits(self, n_new: int) -> bool: ...
 
     def reserve(self, n_new: int) -> None: ...
 
@@ -71,6 +76,9 @@ class TargetModel(Protocol):
             engine puts in one ``forward_batch`` (it bounds attention's score buffer).
         kv_dtype: the element type of its caches' keys and values, as the engine's KV budget
             counts them.
+        batch_invariant: a row's outputs are the same bits whatever rows run beside it in a pass
+            (docs/design.md, "Batch invariance"); only then does the engine cache prompt prefixes
+            (a cached prefix was computed beside other rows than a cold one).
     """
 
     config: LlamaConfig
@@ -80,6 +88,7 @@ class TargetModel(Protocol):
     norm: np.ndarray
     prefill_chunk: int
     kv_dtype: type
+    batch_invariant: bool
 
     def new_pool(self, positions: int) -> BlockPool:
         """The KV pool of one engine: ``positions // block_tokens`` blocks, a fixed number (a

@@ -6,7 +6,10 @@ stream of ``StreamEvent``s, so streamed and non-streamed outputs are the same by
 engine thread admits queued requests as ``Sequence``s and calls ``_step``, which runs ONE batched
 forward pass: a prompt chunk of each sequence still prefilling (within a per-step token budget) and
 the decode rows of every decoding sequence (continuous batching with chunked prefill: requests join
-and leave between steps, and a long prompt does not stall the others' decoding; see ``_step``). A
+and leave between steps, and a long prompt does not stall the others' decoding; see ``_step``).
+Which sequences run, with which rows, and what a pass does to their queue places and KV blocks is
+the ``Scheduler``'s (``scheduler.py``); the engine keeps the thread, submission, the pass and its
+fault isolation, and the stats. A
 ``Sequence`` holds everything that is per request (cache, RNG, output pipeline), so a request's
 output depends only on its own inputs and seed (docs/design.md, "Contract", item 6), up to the
 float rounding of a batched matrix product.
@@ -21,14 +24,15 @@ prompt is prefilled once, by the first, and its KV copied to the others, which t
 same batch, each with its own seed (``sampler.choice_seed``) and its own picker and logits
 processors (``sequence.py``).
 
-KV memory (``flm_runtime.kv_cache``, ``admission.py``): the engine's sequences hold their KV in
-one pool of fixed-size blocks (``model.new_pool``) of ``kv_budget`` bytes, taking blocks as they
-grow. At most ``max_queue`` requests wait and ``max_active`` sequences run; a request is admitted,
-in arrival order, when its prompt's blocks fit in what the pool has available, less a block for
-each running sequence. When a step finds no block left, the youngest sequence is preempted: its
-blocks go back, it waits at the head of the queue, and when admitted again it prefills its context
-again and goes on, emitting what it would have emitted (``Sequence.preempt``; vLLM's recompute
-preemption). A request that cannot fit even alone is refused at submit (``KVBudgetError``); a
+KV memory (``flm_runtime.kv_cache``, ``admission.py``, ``scheduler.py``): the engine's sequences
+hold their KV in one pool of fixed-size blocks (``model.new_pool``) of ``kv_budget`` bytes, taking
+blocks as they grow. At most ``max_queue`` requests wait and ``max_active`` sequences run; a
+request is admitted, in arrival order, when its prompt's blocks fit in what the pool has
+available, less a block for each running sequence. When a step finds no block left, the youngest
+sequence is preempted: its blocks go back, it waits at the head of the queue, and when admitted
+again it prefills its context again and goes on, emitting what it would have emitted
+(``Sequence.preempt``; vLLM's recompute preemption). A request that cannot fit even alone is
+refused at submit (``KVBudgetError``); a
 full queue is refused at submit too (``EngineOverloadedError``), so no caller ever hangs on a full
 engine. ``stats()`` counts what is running, waiting and held.
 
@@ -71,12 +75,13 @@ import numpy as np
 
 from flm_runtime.errors import (BackendUnavailableError, EngineDrainingError, EngineFaultError, EngineOverloadedError,
                                 FlmError, InvalidRequestError, RequestTimeoutError)
-from flm_runtime.kv_cache import KVPool, KVPoolExhausted
+from flm_runtime.kv_cache import KVPool
 from flm_runtime.request import SamplingParams
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.processors import LogitsProcessor, request_processors
-from flm_runtime.scheduling import admission, prefix_cache
+from flm_runtime.scheduling import admission
 from flm_runtime.scheduling.handle import RequestCancelledError, RequestHandle
+from flm_runtime.scheduling.scheduler import Scheduler
 from flm_runtime.scheduling.sequence import Sequence
 from flm_runtime.scheduling.step import PLAIN, Stepper, StepRecord
 
@@ -128,9 +133,9 @@ class Engine:
         model: implements ``config`` (``max_position_embeddings``, ``vocab_size``),
             ``new_pool(positions)`` (a ``kv_cache.BlockPool``), ``new_cache(pool=) -> cache``
             (a ``kv_cache.BlockTable`` into the pool; ``cache.length``: tokens held),
-            ``prefill_chunk`` (most rows of one sequence per pass) and ``forward_batch(rows,
-            caches, taps=, logit_rows=)`` (``backends.TargetModel``; when it raises, every
-            cache's length is as it was, whatever it wrote past it: ``_pass``).
+            ``prefill_chunk`` (most rows of one sequence per pass), ``batch_invariant`` and
+            ``forward_batch(rows, caches, taps=, logit_rows=)`` (``backends.TargetModel``; when it
+            raises, every cache's length is as it was, whatever it wrote past it: ``_pass``).
         tokenizer: implements ``token_bytes(id) -> bytes``, ``stop_token_ids`` and
             ``special_token_ids``.
         name: the model's name (thread name, stats, messages).
@@ -192,13 +197,14 @@ class Engine:
                                      speculative.block_size - 1 if speculative is not None else 0, kv_budget)
         self.pool = model.new_pool(self.kv.positions)
         self.block_bytes = self.pool.block_tokens * self.kv.bytes_per_token
-        exact = getattr(model, "batch_invariant", False)
         # A cached prefix has no draft context: prefix caching only where no draft runs.
-        self.prefix = (prefix_cache and exact and (speculative is None or not speculative.taps)
+        self.prefix = (prefix_cache and model.batch_invariant and (speculative is None or not speculative.taps)
                        and isinstance(self.pool, KVPool))
-        self._cv = threading.Condition()      # guards _waiting, _active, _counts, _closed, pool
-        self._waiting: collections.deque[Sequence] = collections.deque()
-        self._active: list[Sequence] = []
+        self.scheduler = Scheduler(self.pool, lambda: model.new_cache(pool=self.pool), max_active=self.max_active,
+                                   prefill_tokens=self.prefill_tokens, prefill_chunk=model.prefill_chunk,
+                                   decode_rows=speculative.block_size if speculative is not None else 1,
+                                   prefix=self.prefix)
+        self._cv = threading.Condition()      # guards scheduler (its queue, sequences, pool), _counts, _closed
         self._counts = collections.Counter()
         self._closed = False
         self._draining: float | None = None   # the drain's bound (s) once ``drain`` was called
@@ -272,6 +278,7 @@ class Engine:
         seq.followers = followers
         for follower in followers:
             follower.leader = seq
+        scheduler = self.scheduler
         with self._cv:
             if self._closed:
                 raise BackendUnavailableError(f"engine {self.name!r} is closed")
@@ -280,13 +287,13 @@ class Engine:
                                           "retry on another deployment")
             # Only requests that must wait count: those the engine thread would admit at its next
             # step (free slots and KV blocks) fill no queue place, so a burst uses every free slot.
-            backlog = len(self._waiting) - self._admittable()
+            backlog = len(scheduler.waiting) - scheduler.admittable()
             if backlog >= self.max_queue:
                 raise EngineOverloadedError(
                     f"engine {self.name!r} is full: {backlog} requests waiting (max_queue="
-                    f"{self.max_queue}), {len(self._active)} running (max_active={self.max_active}), "
+                    f"{self.max_queue}), {len(scheduler.active)} running (max_active={self.max_active}), "
                     f"{self.pool.used} of {self.pool.n_blocks} KV blocks in use; retry later")
-            self._waiting.append(seq)
+            scheduler.add(seq)
             self._cv.notify()
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("request queued; engine stats %s", json.dumps(self.stats()))
@@ -308,9 +315,9 @@ class Engine:
         - ``draining``: ``drain`` was called (``submit`` refuses).
         """
         with self._cv:
-            return {"name": self.name, "active": len(self._active),
-                    "queued": sum(len(s.group) for s in self._waiting),
-                    "kv_tokens": sum(s.kv_tokens for s in self._active), "kv_block_tokens": self.pool.block_tokens,
+            active = self.scheduler.active
+            return {"name": self.name, "active": len(active), "queued": len(self.scheduler.queued()),
+                    "kv_tokens": sum(s.kv_tokens for s in active), "kv_block_tokens": self.pool.block_tokens,
                     "kv_blocks": self.pool.n_blocks, "kv_blocks_used": self.pool.used,
                     "kv_bytes": self.pool.used * self.block_bytes, "kv_budget_bytes": self.kv.budget,
                     "kv_cached_bytes": self.pool.cached * self.block_bytes,
@@ -336,10 +343,10 @@ class Engine:
         with self._cv:
             if self._draining is None:
                 self._draining = timeout
-            running, queued = len(self._active), sum(len(s.group) for s in self._waiting)
+            running, queued = len(self.scheduler.active), len(self.scheduler.queued())
             log.info("engine %r draining: %d sequences running, %d queued; up to %s s", self.name, running, queued,
                      timeout)
-            finished = self._cv.wait_for(lambda: not (self._waiting or self._active), timeout)
+            finished = self._cv.wait_for(lambda: not self.scheduler.busy, timeout)
         self.close()
         log.info("engine %r drained: %s; engine stats %s", self.name,
                  "every request finished" if finished else f"the bound of {timeout} s cut the requests left",
@@ -370,7 +377,7 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._closed or self._waiting or self._active):
+                while not (self._closed or self.scheduler.busy):
                     self._cv.wait()
                 if self._closed:
                     break
@@ -391,72 +398,42 @@ class Engine:
     def _drop_waiting(self) -> None:
         """Queued requests (each choice of them) cancelled or past their deadline leave the queue."""
         now = time.monotonic()
-        for seq in [s for w in self._waiting for s in w.group]:
+        for seq in self.scheduler.queued():
             self._abort_if_needed(seq, now)
 
-    def _admittable(self) -> int:
-        """How many queued requests, from the head of the queue, fit now: slots free for all their
-        choices, and the blocks of their prompts (and of each further choice's copy of the last
-        one) within what the pool has available, less a block for each running sequence (what it
-        may take at its next step). Call with ``_cv`` held."""
-        available, active, fit = self.pool.available, len(self._active), 0
-        for first in self._waiting:
-            group = first.group
-            need = self.pool.blocks_for(len(first.prefill_ids)) + len(group) - 1
-            if active + len(group) > self.max_active or need > available - active:
-                break
-            available, active, fit = available - need, active + len(group), fit + 1
-        return fit
-
     def _admit(self) -> None:
-        """Move queued requests into the active set, in arrival order, while slots are free for
-        all its choices and its prompt's blocks fit (``_admittable``).
-
-        The first in line waits rather than being overtaken, so small requests cannot starve a
-        large one; it always fits once nothing runs (``submit`` refused any that would not).
-        """
-        for _ in range(self._admittable()):
-            group = self._waiting.popleft().group
+        """Admit the queued requests that fit (``Scheduler.admit``) and start them: their caches
+        (``Scheduler.allocate``), then their stepper states. A request whose start raises fails
+        alone."""
+        for group in self.scheduler.admit():
             t_admit = time.perf_counter()
             for seq in group:
                 seq.t_admit = seq.t_admit or t_admit  # a preempted sequence keeps its first admission
-                self._active.append(seq)
             try:
-                self._allocate(group[0])
-                if len(group) > 1 and not callable(getattr(group[0].cache, "copy", None)):
-                    # This backend's cache cannot be copied (npu): each choice prefills the prompt.
-                    group[0].followers = []
-                    for seq in group[1:]:
-                        seq.leader = None
-                        self._allocate(seq)
+                for seq in self.scheduler.allocate(group):
+                    self._start(seq)
             except Exception as e:       # noqa: BLE001 - one request's failure, not the engine's
                 for seq in reversed(group):  # followers first: nothing is handed over
                     self._end(seq, error=self._fault(e))
 
-    def _allocate(self, seq: Sequence) -> None:
-        """A new sequence's cache (and draft state) with the blocks of its whole prompt (so that
-        its prefill never waits for one): the registered blocks of its prompt's longest cached
-        prefix, if any, then new ones."""
-        seq.cache = self.model.new_cache(pool=self.pool)
-        if self.prefix:
-            blocks, cached = prefix_cache.take(self.pool, seq.prefill_ids)
-            seq.cache.adopt(blocks, cached)
-            if not seq.preemptions:
-                seq.cached_tokens = cached
-        seq.cache.reserve(len(seq.prefill_ids) - seq.cache.length)
-        if self.speculative is not None:
-            params = seq.params
-            seq.spec = self.speculative.new_state(len(seq.prefill_ids), speculate=params.speculation,
-                                                  prediction=params.prediction)
-            if seq.cache.length:  # the cached prefix's tokens, for the retrieval proposers
-                self.speculative.add_prompt(seq.cache, seq.spec, seq.prefill_ids[: seq.cache.length], None)
+    def _start(self, seq: Sequence) -> None:
+        """A sequence given a cache gets its stepper state, which learns the tokens of the cached
+        prefix the cache starts from (for the retrieval proposers)."""
+        if self.speculative is None:
+            return
+        params = seq.params
+        seq.spec = self.speculative.new_state(len(seq.prefill_ids), speculate=params.speculation,
+                                              prediction=params.prediction)
+        if seq.cache.length:
+            self.speculative.add_prompt(seq.cache, seq.spec, seq.prefill_ids[: seq.cache.length], None)
 
     def _step(self) -> None:
-        """Advance every active sequence with ONE batched forward pass: prepare, the pass, then
-        each sequence completes its step with its rows.
+        """Advance every active sequence with ONE batched forward pass: the scheduler's plan, the
+        decoding sequences' records, the pass, then each sequence completes its step with its
+        rows.
 
         Sequences still prefilling contribute their next prompt chunk, in admission order, while
-        the step's ``prefill_tokens`` last (``_prefill_parts``); every decoding sequence
+        the step's ``prefill_tokens`` last (``Scheduler.schedule``); every decoding sequence
         contributes its decode rows: one row, or with a ``SpeculativeDecoder`` the verify rows of
         a drafted block (all drafting sequences share one draft pass) or the single plain row
         where its policy says a block does not pay. All rows share one matrix product per weight
@@ -465,17 +442,18 @@ class Engine:
         """
         t0 = time.perf_counter()
         now = time.monotonic()
-        prefilling, decoding = [], []
-        for seq in list(self._active):
-            # A follower (a choice waiting for its prompt's KV) has no part in the step.
-            if not self._abort_if_needed(seq, now) and seq.leader is None:
-                (decoding if seq.prefilled else prefilling).append(seq)
-        decoding = self._make_room(decoding)
-        prefilling = [s for s in prefilling if s.cache is not None]  # the preempted went back
+        for seq in list(self.scheduler.active):
+            self._abort_if_needed(seq, now)
+        with self._cv:
+            plan = self.scheduler.schedule()
+            for seq in plan.preempted:
+                self._counts["preempted"] += 1
+                log.debug("preempted a sequence of %d tokens; engine stats %s", len(seq.prefill_ids),
+                          json.dumps(self.stats()))
         t_propose = time.perf_counter()
-        decode = self._decode_parts(decoding)
+        decode = self._decode_parts(list(plan.decode))
         t_forward = time.perf_counter()
-        parts = self._prefill_parts(prefilling) + decode
+        parts = [_Part(c.seq, c.ids, c.n_logits) for c in plan.prefill] + decode
         if not parts:
             return
         outputs = self._pass(parts)
@@ -486,57 +464,6 @@ class Engine:
             t_end = time.perf_counter()
             self.on_step(StepTiming(t_forward - t_propose, t_commit - t_forward, t_end - t_commit, t_end - t0,
                                     tuple(p.record for p in decode)))
-
-    def _make_room(self, decoding: list[Sequence]) -> list[Sequence]:
-        """Blocks for this step's rows of each decoding sequence, oldest first (the most rows a
-        step of it writes: 1, or a speculative block). When the pool has none left, the youngest
-        sequence is preempted (``_preempt``), until the rows fit or the one asking is the
-        youngest and goes itself. Prefilling sequences hold their prompt's blocks already.
-        Returns the sequences still running."""
-        rows = self.speculative.block_size if self.speculative is not None else 1
-        for seq in decoding:
-            while seq.cache is not None:
-                try:
-                    seq.cache.reserve(min(rows, seq.cache.max_length - seq.cache.length))
-                    break
-                except KVPoolExhausted:
-                    self._preempt(next(s for s in reversed(self._active) if s.leader is None))
-        return [s for s in decoding if s.cache is not None]
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Preempt ``seq`` (and its choices waiting for its prompt): its full blocks stay cached
-        for its return (prefix caching), the rest go back to the pool; it waits at the head of the
-        queue, to prefill its context again when admitted (``Sequence.preempt``)."""
-        with self._cv:
-            group = seq.group
-            if self.prefix:
-                prefix_cache.keep(seq.cache, seq.context_ids())
-            seq.preempt().release()
-            for s in group:
-                self._active.remove(s)
-            self._waiting.appendleft(seq)
-            self._counts["preempted"] += 1
-            log.debug("preempted a sequence of %d tokens; engine stats %s", len(seq.prefill_ids),
-                      json.dumps(self.stats()))
-
-    def _prefill_parts(self, prefilling: list[Sequence]) -> list[_Part]:
-        """The next prompt chunk of prefilling sequences, in admission order, each whose chunk
-        fits in what the step's budget leaves (the first always runs). A sequence's chunks are
-        always ``[k*C, (k+1)*C)`` past what its cache held when admitted, with ``C =
-        min(prefill_tokens, model.prefill_chunk)``, whatever runs beside it, so its prefill does
-        not depend on other requests. The last chunk asks for the logits of its last row, but
-        for a sequence preempted after its first token (``Sequence.resumed``)."""
-        size = min(self.prefill_tokens, self.model.prefill_chunk)
-        parts, budget = [], self.prefill_tokens
-        for seq in prefilling:
-            done = seq.cache.length
-            chunk = seq.prefill_ids[done : done + size]
-            if parts and len(chunk) > budget:
-                continue
-            budget -= len(chunk)
-            last = done + len(chunk) == len(seq.prefill_ids)
-            parts.append(_Part(seq, chunk, int(last and not seq.resumed)))
-        return parts
 
     def _decode_parts(self, decoding: list[Sequence]) -> list[_Part]:
         """Each decoding sequence's rows, from its ``StepRecord``: with a stepper, from its
@@ -604,23 +531,21 @@ class Engine:
     def _complete(self, part: _Part, logits: np.ndarray, taps: np.ndarray | None) -> None:
         """``part.seq`` completes its step with its rows' outputs: a decoding step through the
         stepper (verify and emit, or a plain step's token), or, without one, its token
-        (``Lane.decode_plain``); a prompt
-        chunk's taps go to the draft and the last chunk's logits give the first token, of each
-        choice of the request (``Sequence.fork``)."""
+        (``Lane.decode_plain``); a prompt chunk's taps go to the draft, the scheduler takes the
+        chunk (``Scheduler.prompt_written``), and the last chunk's logits give the first token, of
+        each choice of the request it forked."""
         seq, spec = part.seq, self.speculative
-        if part.record is not None and spec is not None:
-            spec.complete(seq.lane(), part.record, logits, taps)
+        if part.record is not None:
+            if spec is not None:
+                spec.complete(seq.lane(), part.record, logits, taps)
+            else:
+                seq.lane().decode_plain(logits[0])
             return
-        if part.record is None and spec is not None:
+        if spec is not None:
             spec.add_prompt(seq.cache, seq.spec, part.ids, taps)
-        if self.prefix and part.record is None and seq.cache.length == len(seq.prefill_ids):
-            prefix_cache.keep(seq.cache, seq.prefill_ids)  # the prompt's blocks, for requests beside it
+        with self._cv:
+            forked = self.scheduler.prompt_written(seq)
         if part.n_logits:
-            forked, alone = seq.fork()
-            for choice in alone:  # no block for its copy: it prefills the prompt itself
-                with self._cv:
-                    self._active.remove(choice)
-                    self._waiting.appendleft(choice)
             for choice in forked:
                 self._advance(choice, lambda c=choice: c.lane().decode_plain(logits[0]))
             seq.lane().decode_plain(logits[0])
@@ -656,26 +581,7 @@ class Engine:
         another process, such as a LiteLLM proxy's.
         """
         with self._cv:
-            if seq.leader is not None:
-                seq.leader.followers.remove(seq)
-                seq.leader = None
-            heir = seq.pass_prefill()
-            if seq in self._active:
-                self._active.remove(seq)
-                if heir is None and seq.cache is not None:
-                    if self.prefix and (error is None or count in ("cancelled", "timed_out")):
-                        # a request that stopped between steps left a whole cache; a speculative
-                        # step that stopped inside its accepted tokens left the rest in it
-                        context = seq.context_ids()
-                        seq.cache.trim(len(context))
-                        prefix_cache.keep(seq.cache, context)
-                    seq.cache.release()
-            elif seq in self._waiting:
-                if heir is None:
-                    self._waiting.remove(seq)
-                else:
-                    self._waiting[self._waiting.index(seq)] = heir
-            seq.cache = None
+            self.scheduler.finish(seq, keep=error is None or count in ("cancelled", "timed_out"))
             if error is None:
                 done = seq.completion()       # before freeing seq.spec: it holds the spec stats
                 seq.handle.end(dataclasses.replace(seq.final, stats=done.stats), done, None)
@@ -706,5 +612,5 @@ class Engine:
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:
-            for seq in [s for w in self._waiting for s in w.group] + list(self._active):
+            for seq in self.scheduler.queued() + list(self.scheduler.active):
                 self._end(seq, error=error)

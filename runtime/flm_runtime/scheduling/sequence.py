@@ -18,16 +18,18 @@ A sequence the engine preempts (its pool ran out of blocks) gives its cache back
 admitted again; then it prefills its context again, the prompt and the tokens it generated but the
 last (``prefill_ids``), with no token picked at the end, and goes on decoding from ``last_token``
 with its picker, stop checker and output as they were: it emits what it would have emitted.
+
+Where a sequence stands is its ``status`` (``Status``); the scheduler (``scheduler.py``) moves it.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Iterable
 
 import numpy as np
 
-from flm_runtime.kv_cache import KVPoolExhausted
 from flm_runtime.request import Completion, RequestStats, SamplingParams, StreamEvent, TokenLogprob
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.picker import Picker
@@ -36,6 +38,27 @@ from flm_runtime.scheduling.handle import RequestHandle
 from flm_runtime.scheduling.step import Lane, StepperState
 from flm_runtime.text.detokenizer import Detokenizer
 from flm_runtime.text.stop import StopChecker
+
+
+class Status(enum.Enum):
+    """Where a sequence stands; the scheduler moves it along
+    ``WAITING -> PREFILLING -> DECODING -> FINISHED`` (a choice: ``WAITING -> FOLLOWING ->
+    DECODING``).
+
+    - ``WAITING``: in the queue, holding no cache (new, preempted, or a choice that found no block
+      for its copy of the prompt); a queued request's choices wait with their leader.
+    - ``FOLLOWING``: admitted, a choice waiting for its leader's prompt KV (``fork``); no part in a
+      step, no cache.
+    - ``PREFILLING``: admitted; its next step runs a chunk of ``prefill_ids``.
+    - ``DECODING``: ``prefill_ids`` is in its cache; its steps decode from ``last_token``.
+    - ``FINISHED``: ended (with its final event or an error); it holds no cache.
+    """
+
+    WAITING = "waiting"
+    FOLLOWING = "following"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
 
 
 class Sequence:
@@ -53,6 +76,7 @@ class Sequence:
     def __init__(self, handle: RequestHandle, prompt_ids: np.ndarray, params: SamplingParams,
                  budget: int, tokenizer, processors: Iterable[LogitsProcessor] = ()):
         self.handle = handle
+        self.status = Status.WAITING
         self.prompt_ids = prompt_ids
         self.prefill_ids = prompt_ids         # what the cache must hold before decoding (preemption: more)
         self.preemptions = 0
@@ -83,12 +107,6 @@ class Sequence:
         return 0 if self.cache is None else int(self.cache.length)
 
     @property
-    def prefilled(self) -> bool:
-        """The prompt (after a preemption: the context) is in the cache: the next step decodes
-        ``last_token``."""
-        return self.last_token is not None and self.cache.length >= len(self.prefill_ids)
-
-    @property
     def resumed(self) -> bool:
         """Preempted after its first token: its prefill picks no token."""
         return self.last_token is not None
@@ -101,11 +119,14 @@ class Sequence:
 
     def preempt(self):
         """Let go of the cache and the draft state, to prefill the context again when admitted
-        (module docstring). Returns the cache, whose blocks the caller gives back."""
-        if self.prefilled:
+        (module docstring): ``WAITING``, as the choices waiting for its prompt. Returns the
+        cache, whose blocks the caller gives back."""
+        if self.status is Status.DECODING:
             self.prefill_ids = self.context_ids()
         cache, self.cache, self.spec = self.cache, None, None
         self.preemptions += 1
+        for seq in self.group:
+            seq.status = Status.WAITING
         return cache
 
     @property
@@ -115,33 +136,34 @@ class Sequence:
 
     def fork(self) -> tuple[list[Sequence], list[Sequence]]:
         """The prompt is in this sequence's cache: each follower gets a copy of the cache (and of
-        the draft's state) and stops waiting. Returns them, to take their first token, and the
-        followers the pool had no block left for the copy of: on their own now, each to prefill
-        the prompt itself."""
+        the draft's state) and stops waiting. Returns them, ``DECODING`` as this one, to take
+        their first token, and the followers the pool had no block left for the copy of:
+        ``WAITING`` on their own now, each to prefill the prompt itself."""
         followers, self.followers = self.followers, []
         forked, alone = [], []
         for seq in followers:
             seq.leader = None
-            try:
-                seq.cache = self.cache.copy()
-            except KVPoolExhausted:
+            seq.cache = self.cache.copy()
+            if seq.cache is None:
+                seq.status = Status.WAITING
                 alone.append(seq)
                 continue
             seq.spec = self.spec.copy() if self.spec is not None else None
+            seq.status = Status.DECODING
             forked.append(seq)
         return forked, alone
 
     def pass_prefill(self) -> Sequence | None:
         """This leader ends before its prompt KV was shared: the first follower takes over its
-        cache, draft state and remaining followers (the prefill so far is the same for every
-        choice). Returns the new leader, or None without followers."""
+        status, cache, draft state and remaining followers (the prefill so far is the same for
+        every choice). Returns the new leader, or None without followers."""
         if not self.followers:
             return None
         heir, *rest = self.followers
         heir.leader, heir.followers, self.followers = None, rest, []
         for seq in rest:
             seq.leader = heir
-        heir.cache, heir.spec = self.cache, self.spec
+        heir.status, heir.cache, heir.spec = self.status, self.cache, self.spec
         return heir
 
     def lane(self) -> Lane:

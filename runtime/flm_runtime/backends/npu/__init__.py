@@ -293,6 +293,7 @@ class NpuModel:
 
     backend = Backend.NPU
     kv_dtype = np.float32  # the cache is bfloat16; the KV budget counts it as float32 (conservative)
+    batch_invariant = False  # not shown on hardware: no prefix caching
 
     def __init__(self, cpu_model, manifest: Manifest, build: Build, *, pyxrt=None):
         c = self.config = cpu_model.config
