@@ -18,6 +18,7 @@ FORMATS = {  # name -> weight of 40 outputs x 160 inputs (40 rows: the last tile
     "q4 symmetric": lambda w: quant.quantize(w, 4),
     "q8 symmetric": lambda w: quant.quantize(w, 8),
     "q4 with mins": lambda w: quant.from_blocks(*_q4_with_mins(w), 4, w.shape[1]),
+    "q6 sub-scales": lambda w: quant.from_six_bit(*_q6_with_sub_scales(w), w.shape[1]),
 }
 
 
@@ -28,6 +29,20 @@ def _q4_with_mins(w: np.ndarray):
     scale = ((hi - lo) / 15).astype(np.float16)
     codes = np.clip(np.rint((blocks - lo[..., None]) / scale.astype(np.float32)[..., None]), 0, 15)
     return codes.astype(np.uint8).reshape(w.shape), scale, lo.astype(np.float16)
+
+
+def _q6_with_sub_scales(w: np.ndarray):
+    """Q6_K's form: per 16 inputs ``sub * scale`` with a signed 8-bit ``sub`` (its largest
+    magnitude -128, as llama.cpp quantizes), codes ``rint(w / (sub * scale)) + 32``."""
+    n, k = w.shape
+    halves = w.reshape(n, -1, 16)
+    amax = np.abs(halves).max(-1)  # [N, K/16]
+    scale = (amax.reshape(n, -1, 2).max(-1) / 32 / 128).astype(np.float16)  # [N, K/32]
+    per16 = np.repeat(scale.astype(np.float32), 2, axis=1)
+    subs = -np.clip(np.rint(amax / 32 / per16), 1, 128).astype(np.int16)  # negative: the sign flips codes
+    step = per16 * subs
+    codes = np.clip(np.rint(halves / step[..., None]) + 32, 0, 63).astype(np.uint8).reshape(n, k)
+    return codes, scale, np.maximum(subs, -128).astype(np.int8)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +61,9 @@ def x():
     return x
 
 
-# Every path on the two formats SmolLM2 serves with (each path and format compiles its own kernel),
-# against the portable one (which is the reference, so not compared with itself).
-@pytest.mark.parametrize("fmt", ["q4 with mins", "q8 symmetric"])
+# Every path on the two formats SmolLM2 serves with and Q6_K's (each path and format compiles its
+# own kernel), against the portable one (which is the reference, so not compared with itself).
+@pytest.mark.parametrize("fmt", ["q4 with mins", "q8 symmetric", "q6 sub-scales"])
 @pytest.mark.parametrize("isa", [isa for isa in qgemm.host_isas() if isa != "portable"])
 def test_every_path_gives_the_portable_bits(weights, x, fmt, isa):
     w = weights[fmt]
@@ -81,6 +96,15 @@ def test_product_is_within_activation_quantization_error(weights, x, fmt):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
 
 
+@pytest.mark.parametrize("isa", qgemm.host_isas())
+def test_the_largest_6_bit_block_sum_is_exact(isa):
+    # |sub * (code - 32) * xw| summed over a block is below 128 * 32 * 16383 * 32 < 2**31, so the
+    # int32 sums hold it (code 0 with sub -128 against activations all at their largest magnitude).
+    w = quant.from_six_bit(np.zeros((16, 64), np.uint8), np.ones((16, 2), np.float16), np.full((16, 4), -128, np.int8), 64)
+    x = np.array([[1.0] * 64, [-1.0] * 64], dtype=np.float32)
+    assert np.array_equal(qgemm.qlinear(x, w, isa), np.array([[4096.0 * 64] * 16, [-4096.0 * 64] * 16], np.float32))
+
+
 def test_an_unavailable_path_is_refused(weights, x):
     with pytest.raises(ValueError, match="not available here"):
         qgemm.qlinear(x, weights["q8 symmetric"], "sse9")
@@ -101,8 +125,9 @@ def test_activations_are_quantized_by_the_two_level_rule(x):
     assert np.array_equal(xq, np.concatenate([q1.reshape(16, -1), q2.reshape(16, -1)], axis=1).astype(np.int8))
     assert np.array_equal(xw, (128 * q1 + q2).reshape(16, -1).astype(np.int16))  # the joined levels
     assert np.array_equal(step, want_step)
-    assert np.array_equal(s, (128 * q1 + q2).sum(-1).astype(np.int32))
-    assert np.array_equal(sx, want_step * s.astype(np.float32))
+    joined = (128 * q1 + q2).reshape(16, -1, 16)  # per half block
+    assert np.array_equal(s, joined.sum(-1).reshape(16, -1).astype(np.int32))
+    assert np.array_equal(sx, want_step * s.reshape(16, -1, 2).sum(-1).astype(np.float32))
     assert np.all(xq[3, :32] == 0) and np.all(xq[:, k:padded] == 0) and np.all(xq[:, padded + k:] == 0)
 
 

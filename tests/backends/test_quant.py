@@ -52,6 +52,49 @@ def test_q4_k_folds_into_blocks_of_32():
     assert np.abs(got.dequantize() - want).max() > 0  # the rounding is real: not a copy of the reference
 
 
+def _q6_k_bytes(n: int, k: int, seed: int) -> np.ndarray:
+    """Random Q6_K super-blocks ``[n, k/256, 210]``: any bytes are, once ``d`` is finite, so every
+    code, high-bit plane and sub-scale sign is exercised."""
+    raw = np.random.default_rng(seed).integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    raw[..., 208:210] = np.float16(0.003).reshape(1).view(np.uint8)
+    return raw
+
+
+def test_q6_k_reads_as_it_is():
+    # ggml's dequantize_row_q6_K (through gguf-py), bit for bit: d * sc * (q - 32) in 6-bit blocks
+    # with their signed sub-scales, at 7 bits a weight (0.875 bytes).
+    raw = _q6_k_bytes(N, K, 11)
+    got = gguf_loader._read_q6_k(raw, K)
+    assert got.bits == 6 and got.mins is None
+    assert np.array_equal(got.dequantize(), dequantize(raw.reshape(N, -1), GGMLQuantizationType.Q6_K).reshape(N, K))
+    rows = -(-N // quant.TILE) * quant.TILE
+    assert got.nbytes == rows * K * 7 // 8
+    codes, scales, subs = got.six_bit_rows()
+    assert codes.max() == 63 and codes.min() == 0 and subs.min() < 0 < subs.max()
+    back = quant.from_six_bit(codes, scales, subs, K)
+    assert back.codes.tobytes() == got.codes.tobytes() and back.scales.tobytes() == got.scales.tobytes()
+
+
+def test_six_bit_rows_are_taken_and_stacked():
+    # The LM head of a reduced vocabulary (take_rows) and a fused matrix of 6-bit parts (whole
+    # tiles joined, a ragged last part tiled again) keep every weight; beside parts of another
+    # width a 6-bit part is held in 8 bits with stored mins, within half an 8-bit step.
+    six = gguf_loader._read_q6_k(_q6_k_bytes(40, 256, 12), 256)
+    rows = np.array([39, 0, 17, 16])
+    assert np.array_equal(six.take_rows(rows).dequantize(), six.dequantize()[rows])
+    for parts in ([six, six], [six.take_rows(np.arange(32)), six.take_rows(np.arange(5))]):
+        got = quant.stack_rows(parts)
+        assert got.bits == 6 and np.array_equal(got.dequantize(), np.concatenate([p.dequantize() for p in parts]))
+    four = quant.quantize(np.random.default_rng(13).standard_normal((16, 256)).astype(np.float32), 4)
+    assert quant.fused_format([four, six]) == (8, True)
+    fused = quant.stack_rows([four, six])
+    assert fused.bits == 8 and fused.mins is not None
+    assert np.array_equal(fused.dequantize()[:16], four.dequantize())
+    step = np.abs(six.dequantize()).reshape(40, -1, quant.BLOCK).max(-1) / 127  # Q8_0's step per block
+    err = np.abs(fused.dequantize()[16:] - six.dequantize()).reshape(40, -1, quant.BLOCK).max(-1)
+    assert np.all(err <= step * 0.5 * (1 + 1e-2))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantize_rounds_each_weight_to_its_block_grid(w, bits):
     q = quant.quantize(w, bits)

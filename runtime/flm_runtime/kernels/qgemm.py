@@ -13,7 +13,10 @@ The dot product of weight row ``n`` and an activation row is, per block ``b``, w
 - stored mins: ``acc = fma(float(i_b), scale_b * step_b, acc)``, then ``acc = fma(min_b, step_b *
   float(S_b), acc)``;
 - symmetric (``min = -zero_point * scale``): ``acc = fma(float(i_b - zero_point * S_b), scale_b *
-  step_b, acc)``: the zero point is taken out exactly, in integers.
+  step_b, acc)``: the zero point is taken out exactly, in integers;
+- 6-bit, per half block ``h`` (16 inputs) with its sub-scale: ``acc = fma(float(sum_h sub_h *
+  (i_h - 32 * S_h)), scale_b * step_b, acc)``, all in integers (``|.| < 128 * 32 * 16383 * 32 <
+  2**31``), so the file's weights ``scale * sub * (code - 32)`` are multiplied exactly.
 
 Blocks run in order, ``acc`` starting at 0. The integer sums run on the host's dot-product
 instructions and are exact; the float32 steps are the same on every instruction set and for any
@@ -58,7 +61,8 @@ from flm_runtime.kernels import cpu_features
 from flm_runtime.kernels.irgen import (F16, F32, I1, I8, I16, I32, I64, as_i64, broadcast, counted_loop, data_ptr,
                                         declare, literal, load, prefetch, row_ptr, splat, store, vec)
 from flm_runtime.kernels.lock import KERNEL_LOCK
-from flm_runtime.kernels.quant import BLOCK, GROUP, TILE, ZERO_POINT, QuantWeight
+from flm_runtime.kernels.quant import (BLOCK, GROUP, HIGH_BITS_AT, SUB_BLOCK, SUB_SCALES_AT, TILE, ZERO_POINT,
+                                       QuantWeight, block_bytes)
 
 ISAS = ("avx512vnni", "avxvnni", "avx2", "portable")
 _ISA_FEATURES = {"avx512vnni": ("avx512vnni", "avx512bw", "avx512f", "f16c", "fma"),
@@ -67,7 +71,6 @@ _ISA_FEATURES = {"avx512vnni": ("avx512vnni", "avx512bw", "avx512f", "f16c", "fm
                  "portable": ()}
 LEVEL_SHIFT = 7  # step = dx / 2**7: the second level's integers join the first's exactly
 _GROUPS = BLOCK // GROUP  # code vectors per block of a tile
-_CHAINS = 2  # integer accumulators per level and row
 _PREFETCH_BLOCKS = 4  # how far ahead a multi-row kernel step prefetches its codes
 
 
@@ -93,7 +96,7 @@ def quantize_activations(x, padded):  # pragma: no cover - compiled
         ``xq`` ``[M, 2 * Kp]`` int8 (``q1`` in columns ``0 .. Kp-1``, ``q2`` in ``Kp ..``, input
         order, padding zeros); ``xw`` ``[M, Kp]`` int16, the two levels joined, ``128 * q1 + q2``
         (``|xw| <= 16383``); ``step`` ``[M, Kp/32]`` float32; ``sx`` ``[M, Kp/32]`` float32,
-        ``step * S``; ``s`` ``[M, Kp/32]`` int32, ``S`` (``Kp = padded``).
+        ``step * S``; ``s`` ``[M, Kp/16]`` int32, ``S`` of each half block (``Kp = padded``).
     """
     m = x.shape[0]
     acts = new_activations(m, padded)
@@ -109,7 +112,7 @@ def new_activations(m, padded):  # pragma: no cover - compiled
     nb = padded // BLOCK
     return (np.empty((m, 2 * padded), dtype=np.int8), np.empty((m, padded), dtype=np.int16),
             np.empty((m, nb), dtype=np.float32), np.empty((m, nb), dtype=np.float32),
-            np.empty((m, nb), dtype=np.int32))
+            np.empty((m, 2 * nb), dtype=np.int32))
 
 
 @numba.njit(nogil=True)
@@ -123,20 +126,21 @@ def quantize_row(x, r, padded, xq, xw, step, sx, s):  # pragma: no cover - compi
         padded_row[:k] = row
         row = padded_row
     for b in range(padded // BLOCK):
-        st, total = _quantize_block(row, xq, xw, r, b, padded)
+        st, first_half, second_half = _quantize_block(row, xq, xw, r, b, padded)
         step[r, b] = st
-        s[r, b] = total
-        sx[r, b] = st * np.float32(total)  # exact: |S| < 2**24
+        s[r, 2 * b] = first_half
+        s[r, 2 * b + 1] = second_half
+        sx[r, b] = st * np.float32(first_half + second_half)  # exact: |S| < 2**24
 
 
 @intrinsic
 def _quantize_block(typingctx, row, xq, xw, r, b, padded):  # pragma: no cover - compiled
-    """``_quantize_block(row, xq, xw, r, b, padded) -> (step, S)``: inputs ``32b .. 32b+31`` of
-    ``row`` (1-D float32) in two levels (module docstring), written to ``xq[r, 32b ..]`` (``q1``),
-    ``xq[r, padded + 32b ..]`` (``q2``) and ``xw[r, 32b ..]`` (``128 * q1 + q2``), as ``<32 x
-    float>`` vector IR (the scalar loop's max and rounding did not vectorize). ``S = sum(128 *
-    q1 + q2)``, in integers."""
-    sig = types.Tuple((types.float32, types.int32))(row, xq, xw, r, b, padded)
+    """``_quantize_block(row, xq, xw, r, b, padded) -> (step, S0, S1)``: inputs ``32b .. 32b+31``
+    of ``row`` (1-D float32) in two levels (module docstring), written to ``xq[r, 32b ..]``
+    (``q1``), ``xq[r, padded + 32b ..]`` (``q2``) and ``xw[r, 32b ..]`` (``128 * q1 + q2``), as
+    ``<32 x float>`` vector IR (the scalar loop's max and rounding did not vectorize). ``S0``,
+    ``S1``: ``sum(128 * q1 + q2)`` over the block's first and second 16 inputs, in integers."""
+    sig = types.Tuple((types.float32, types.int32, types.int32))(row, xq, xw, r, b, padded)
 
     def codegen(context, builder, signature, args):
         row_t, xq_t, xw_t = signature.args[:3]
@@ -171,8 +175,10 @@ def _quantize_block(typingctx, row, xq, xw, r, b, padded):  # pragma: no cover -
             store(builder, builder.trunc(q, vec(I8, BLOCK)), out, column)
         joined = builder.add(builder.shl(i1, splat(I32, BLOCK, LEVEL_SHIFT)), i2)
         store(builder, builder.trunc(joined, vec(I16, BLOCK)), row_ptr(context, builder, xw_t, xw_v, r_v, I16), first)
-        total = builder.call(declare(builder, "llvm.vector.reduce.add.v32i32", I32, [vi]), [joined])
-        return context.make_tuple(builder, signature.return_type, [st, total])
+        add16 = declare(builder, "llvm.vector.reduce.add.v16i32", I32, [vec(I32, SUB_BLOCK)])
+        halves = [builder.call(add16, [builder.shuffle_vector(joined, joined, ir.Constant(
+            vec(I32, SUB_BLOCK), list(range(h * SUB_BLOCK, (h + 1) * SUB_BLOCK))))]) for h in range(2)]
+        return context.make_tuple(builder, signature.return_type, [st, *halves])
 
     return sig, codegen
 
@@ -187,27 +193,31 @@ def _dot4(builder, acc, codes, x):
 
 def _byte_dots(builder, tile_codes, xrow, x0, padded):
     """A block's integer sums ``128 * sum(code * q1) + sum(code * q2)`` (``<n x i32>``, a lane a
-    weight row) of one activation row (``xrow``, its ``xq`` row; ``x0`` the block's first input),
-    on the VNNI paths: a dot product of bytes per level."""
+    weight row) over its first and over its second 16 inputs, of one activation row (``xrow``,
+    its ``xq`` row; ``x0`` the block's first input), on the VNNI paths: a dot product of bytes per
+    level."""
     width = tile_codes[0].type.count // 4
-    levels = []
-    for level in range(2):
-        start = builder.add(x0, padded) if level else x0
-        chains = [ir.Constant(vec(I32, width), None)] * _CHAINS  # independent sums: the adds overlap
-        for k, c in enumerate(tile_codes):
-            word = load(builder, xrow, builder.add(start, ir.Constant(I64, GROUP * k)), I32)
-            x_k = builder.bitcast(broadcast(builder, word, width), c.type)
-            chains[k % _CHAINS] = _dot4(builder, chains[k % _CHAINS], c, x_k)
-        levels.append(builder.add(*chains))
-    return builder.add(builder.shl(levels[0], splat(I32, width, LEVEL_SHIFT)), levels[1])
+    halves = []
+    for half in range(2):  # groups 0-3, then 4-7: the two sums chain independently, their adds overlap
+        levels = []
+        for level in range(2):
+            start = builder.add(x0, padded) if level else x0
+            acc = ir.Constant(vec(I32, width), None)
+            for k in range(4 * half, 4 * half + 4):
+                word = load(builder, xrow, builder.add(start, ir.Constant(I64, GROUP * k)), I32)
+                x_k = builder.bitcast(broadcast(builder, word, width), tile_codes[k].type)
+                acc = _dot4(builder, acc, tile_codes[k], x_k)
+            levels.append(acc)
+        halves.append(builder.add(builder.shl(levels[0], splat(I32, width, LEVEL_SHIFT)), levels[1]))
+    return halves
 
 
 def _word_dots(builder, tile_codes, wrows, x0):
     """AVX2's form of ``_byte_dots`` for every activation row at once (``wrows``: their ``xw``
-    rows), the same integers: codes and the joined levels ``128 * q1 + q2`` as 16-bit words
-    into ``vpmaddwd``. One multiply per code pair and row, where the bytes' form takes two
-    levels of ``vpmaddubsw`` + ``vpmaddwd`` (four with 8-bit codes, split into nibbles against
-    saturation); ``|code * xw|`` sums stay far inside int32.
+    rows), the same integers (a pair per row: the block's halves): codes and the joined levels
+    ``128 * q1 + q2`` as 16-bit words into ``vpmaddwd``. One multiply per code pair and row, where
+    the bytes' form takes two levels of ``vpmaddubsw`` + ``vpmaddwd`` (four with 8-bit codes, split
+    into nibbles against saturation); ``|code * xw|`` sums stay far inside int32.
 
     Each code vector (8 weight rows x 4 codes) is spread by one in-lane byte shuffle into the
     words of its codes 0-1 and of its codes 2-3, so that a 32-bit lane still holds one weight
@@ -221,30 +231,50 @@ def _word_dots(builder, tile_codes, wrows, x0):
              for c in tile_codes]
     totals = []
     for wrow in wrows:
-        chains = [ir.Constant(vec(I32, 8), None)] * _CHAINS
+        chains = [ir.Constant(vec(I32, 8), None)] * 4  # per half block and code pair: independent adds
         for k, pairs in enumerate(words):
-            for half, code_words in enumerate(pairs):
-                word = load(builder, wrow, builder.add(x0, i64(GROUP * k + 2 * half)), I32)  # two int16
+            for pair, code_words in enumerate(pairs):
+                word = load(builder, wrow, builder.add(x0, i64(GROUP * k + 2 * pair)), I32)  # two int16
                 x_k = builder.bitcast(broadcast(builder, word, 8), vec(I16, 16))
-                chains[half] = builder.add(chains[half], builder.call(pmaddwd, [code_words, x_k]))
-        totals.append(builder.add(*chains))
+                chain = 2 * (k // 4) + pair
+                chains[chain] = builder.add(chains[chain], builder.call(pmaddwd, [code_words, x_k]))
+        totals.append([builder.add(chains[0], chains[1]), builder.add(chains[2], chains[3])])
     return totals
 
 
 def _tile_codes(builder, bits, width, wrow, b, part):
     """The ``_GROUPS`` code vectors ``<4 * width x i8>`` of block ``b`` of a tile (``wrow``: its
-    codes), lanes ``part * width ..`` of the tile, 4-bit codes unpacked."""
+    codes), lanes ``part * width ..`` of the tile, 4- and 6-bit codes unpacked."""
     i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
     n = 4 * width
     offset = part * n
+    base = builder.mul(b, i64(block_bytes(bits)))
     if bits == 8:
-        base = builder.mul(b, i64(TILE * BLOCK))
         return [load(builder, wrow, builder.add(base, i64(64 * g + offset)), vec(I8, n)) for g in range(_GROUPS)]
-    base = builder.mul(b, i64(TILE * BLOCK // 2))
     packed = [load(builder, wrow, builder.add(base, i64(64 * g + offset)), vec(I8, n)) for g in range(_GROUPS // 2)]
     mask = splat(I8, n, 0x0F)
-    return ([builder.and_(p, mask) for p in packed]
-            + [builder.and_(builder.lshr(p, splat(I8, n, 4)), mask) for p in packed])
+    codes = [builder.and_(p, mask) for p in packed] + [builder.lshr(p, splat(I8, n, 4)) for p in packed]
+    if bits == 4:
+        return codes
+    high = [load(builder, wrow, builder.add(base, i64(HIGH_BITS_AT + 64 * j + offset)), vec(I8, n)) for j in range(2)]
+
+    def high_bits(g):  # bits 2 (g % 4) of group g's plane byte, moved to bits 4-5 of its code
+        plane, shift = high[g // 4], 4 - 2 * (g % 4)
+        if shift > 0:
+            plane = builder.shl(plane, splat(I8, n, shift))
+        elif shift < 0:
+            plane = builder.lshr(plane, splat(I8, n, -shift))
+        return builder.and_(plane, splat(I8, n, 0x30))
+
+    return [builder.or_(c, high_bits(g)) for g, c in enumerate(codes)]
+
+
+def _sub_scales(builder, width, wrow, b, part):
+    """A 6-bit block's sub-scales of lanes ``part * width ..`` of the tile, a ``<width x i32>`` per
+    half block (quant's layout)."""
+    base = builder.add(builder.mul(b, ir.Constant(I64, block_bytes(6))), ir.Constant(I64, SUB_SCALES_AT + part * width))
+    return [builder.sext(load(builder, wrow, builder.add(base, ir.Constant(I64, TILE * h)), vec(I8, width)),
+                         vec(I32, width)) for h in range(2)]
 
 
 def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
@@ -275,9 +305,8 @@ def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
     for part in range(TILE // width):  # 256-bit paths: the tile's two halves, one after the other
         b, accs, close = counted_loop(builder, n_blocks, [ir.Constant(vf, None)] * group)
         if part == 0 and group > 1:  # several rows a block: the loads alone run too little ahead
-            block_bytes = TILE * BLOCK * bits // 8
-            ahead = builder.mul(builder.add(b, i64(_PREFETCH_BLOCKS)), i64(block_bytes))
-            for line in range(0, block_bytes, 64):
+            ahead = builder.mul(builder.add(b, i64(_PREFETCH_BLOCKS)), i64(block_bytes(bits)))
+            for line in range(0, block_bytes(bits), 64):
                 prefetch(builder, wrow, builder.add(ahead, i64(line)))
         tile_codes = _tile_codes(builder, bits, width, wrow, b, part)
         lane0 = builder.add(builder.mul(b, i64(TILE)), i64(part * width))
@@ -286,15 +315,24 @@ def _tile_codegen(isa, bits, group, has_mins, context, builder, sig, args):
             block_mins = builder.fpext(load(builder, mrow, lane0, vec(F16, width)), vf)
         x0 = builder.mul(b, i64(BLOCK))
         if isa == "avx2":
-            totals = _word_dots(builder, tile_codes, wrows, x0)
+            halves = _word_dots(builder, tile_codes, wrows, x0)
         else:
-            totals = [_byte_dots(builder, tile_codes, xrow, x0, padded) for xrow in xrows]
+            halves = [_byte_dots(builder, tile_codes, xrow, x0, padded) for xrow in xrows]
+        subs = _sub_scales(builder, width, wrow, b, part) if bits == 6 else None
         new_accs = []
-        for g, total in enumerate(totals):
+        for g, (h0, h1) in enumerate(halves):
             step_g = broadcast(builder, load(builder, steps[g], b, F32), width)
-            if not has_mins:  # take the zero point out in integers (module docstring)
-                s_g = broadcast(builder, load(builder, ss[g], b, I32), width)
-                total = builder.sub(total, builder.shl(s_g, splat(I32, width, ZERO_POINT[bits].bit_length() - 1)))
+            if has_mins:
+                total = builder.add(h0, h1)
+            else:  # take the zero point out in integers (module docstring)
+                zero_shift = splat(I32, width, ZERO_POINT[bits].bit_length() - 1)
+                s0, s1 = (broadcast(builder, load(builder, ss[g], builder.add(builder.add(b, b), i64(h)), I32), width)
+                          for h in range(2))
+                if bits == 6:  # per half block: its zero point out, then its sub-scale
+                    total = builder.add(*(builder.mul(builder.sub(h_i, builder.shl(s_i, zero_shift)), sub_i)
+                                          for h_i, s_i, sub_i in ((h0, s0, subs[0]), (h1, s1, subs[1]))))
+                else:
+                    total = builder.sub(builder.add(h0, h1), builder.shl(builder.add(s0, s1), zero_shift))
             acc = builder.call(fma, [builder.sitofp(total, vf), builder.fmul(scale, step_g), accs[g]])
             if has_mins:
                 acc = builder.call(fma, [block_mins, broadcast(builder, load(builder, sxs[g], b, F32), width), acc])
@@ -327,6 +365,9 @@ def _tile_dots(typingctx, isa, bits, has_mins, group, codes, scales, mins, t, xq
     return sig, codegen
 
 
+compiled_block_bytes = numba.njit(inline="always")(block_bytes)  # quant.block_bytes in compiled code
+
+
 # --- the portable path ----------------------------------------------------------------------------
 
 @intrinsic
@@ -357,23 +398,34 @@ def _portable_tile(codes, scales, mins, t, xq, step, sx, s, r, out, bits, has_mi
     """The module's arithmetic for one tile and one activation row, lane by lane."""
     nb = scales.shape[1] // TILE
     padded = nb * BLOCK
-    zero = 128 if bits == 8 else 8  # ZERO_POINT[bits]
+    stride = compiled_block_bytes(bits)
+    zero = 128 if bits == 8 else 32 if bits == 6 else 8  # ZERO_POINT[bits]
     for lane in range(min(TILE, out.shape[1] - t * TILE)):
         acc = np.float32(0.0)
         for b in range(nb):
+            base = b * stride
             total = 0
-            for level in range(2):
-                total <<= LEVEL_SHIFT * level
-                for g in range(_GROUPS):
-                    for i in range(GROUP):
-                        if bits == 8:
-                            code = codes[t, b * TILE * BLOCK + 64 * g + 4 * lane + i]
-                        else:
-                            byte = codes[t, b * TILE * BLOCK // 2 + 64 * (g % 4) + 4 * lane + i]
-                            code = byte & 0x0F if g < 4 else byte >> 4
-                        total += np.int32(code) * np.int32(xq[r, level * padded + b * BLOCK + GROUP * g + i])
-            if not has_mins:
-                total -= zero * s[r, b]
+            for h in range(2):
+                half = 0
+                for level in range(2):
+                    half <<= LEVEL_SHIFT * level
+                    for g in range(4 * h, 4 * h + 4):
+                        for i in range(GROUP):
+                            if bits == 8:
+                                code = np.int32(codes[t, base + 64 * g + 4 * lane + i])
+                            else:
+                                byte = np.int32(codes[t, base + 64 * (g % 4) + 4 * lane + i])
+                                code = byte & 0x0F if g < 4 else byte >> 4
+                                if bits == 6:
+                                    high = np.int32(codes[t, base + HIGH_BITS_AT + 64 * (g // 4) + 4 * lane + i])
+                                    code |= ((high >> (2 * (g % 4))) & 3) << 4
+                            half += code * np.int32(xq[r, level * padded + b * BLOCK + GROUP * g + i])
+                if bits == 6:
+                    sub = np.int32(codes[t, base + SUB_SCALES_AT + TILE * h + lane])
+                    half = (half - zero * s[r, 2 * b + h]) * (sub - 256 if sub > 127 else sub)
+                total += half
+            if bits != 6 and not has_mins:
+                total -= zero * (s[r, 2 * b] + s[r, 2 * b + 1])
             acc = _fma(np.float32(total), _f16(scales[t, b * TILE + lane]) * step[r, b], acc)
             if has_mins:
                 acc = _fma(_f16(mins[t, b * TILE + lane]), sx[r, b], acc)

@@ -2,29 +2,38 @@
 an optional float16 min, so that a weight is ``w = scale * code + min`` (docs/design.md,
 "Quantized weights").
 
-Two widths, one formula:
+Three widths:
 
 - 4-bit: codes 0..15, two per byte. GGUF's Q4_0 (``min = -8 * scale``), Q4_1 (its own min) and
   Q4_K (sub-block scales and mins folded into per-32 values, rounded to float16) load as they are.
+- 6-bit: GGUF's Q6_K as it is: codes 0..63, and per half block (16 inputs) a signed 8-bit
+  sub-scale ``sub``, so that ``w = scale * sub * (code - 32)`` with ``scale`` the super-block's
+  ``d`` (the block's float16 scale; no mins). 7 bits a weight where Q6_K's file takes 6.56 (its
+  ``d`` once per 256 inputs).
 - 8-bit: codes 0..255, one per byte. GGUF's Q8_0 (``min = -128 * scale``) loads as it is; every
-  other source (Q5/Q6 K-quants, F16, BF16, F32 GGUF tensors, safetensors) is quantized to it.
+  other source (Q5 K-quants, F16, BF16, F32 GGUF tensors, safetensors) is quantized to it.
 
 Layout: tiles of ``TILE`` = 16 output rows. A row's ``K`` inputs are padded with zero blocks to
 ``Kp``, a multiple of ``BLOCK``; the rows to ``Np``, a multiple of ``TILE`` (zero scales and mins).
 Within tile ``t`` and block ``b``, the codes of "group" ``g`` (inputs ``32b + 4g .. 32b + 4g + 3``)
 of the tile's 16 rows are one 64-byte vector, row after row, four codes each: a kernel multiplies
 it by four activations broadcast to every 32-bit lane, and lane ``l`` accumulates row ``16t + l``
-(the layout of llama.cpp's repacked CPU kernels, in tiles of 16 rows):
+(the layout of llama.cpp's repacked CPU kernels, in tiles of 16 rows). A tile's block takes
+``block_bytes(bits)`` bytes of ``codes``:
 
 - 8-bit: ``codes[t, 512b + 64g + 4l + i]`` is the code of row ``16t + l``, input ``32b + 4g + i``
   (``g < 8``).
 - 4-bit: ``codes[t, 256b + 64g + 4l + i]`` holds group ``g`` (``g < 4``) in its low nibble and
   group ``g + 4`` in its high nibble.
+- 6-bit: ``codes[t, 416b + ..]``: the codes' low four bits as 4-bit blocks pack them (256 bytes),
+  then their high two bits, group ``g``'s at bits ``2 (g % 4)`` of byte ``256 + 64 (g // 4) + 4l +
+  i`` (128 bytes), then the sub-scales, ``sub`` of row ``16t + l``, half ``h`` (groups ``4h ..
+  4h + 3``) at byte ``384 + 16h + l`` (32 bytes).
 - ``scales[t, 16b + l]`` / ``mins[t, 16b + l]``: row ``16t + l``, block ``b``. Without stored
   mins, ``min = -zero_point * scale`` (8 for 4-bit, 128 for 8-bit): a symmetric source needs no
   copy.
 
-Memory: 4-bit 0.5625 bytes a weight (0.625 with mins), 8-bit 1.0625.
+Memory: 4-bit 0.5625 bytes a weight (0.625 with mins), 6-bit 0.875, 8-bit 1.0625.
 """
 
 from __future__ import annotations
@@ -36,7 +45,16 @@ import numpy as np
 BLOCK = 32  # inputs per scale
 TILE = 16  # output rows per tile: one 32-bit lane each of a 512-bit vector
 GROUP = 4  # inputs per lane of one code vector (what vpdpbusd sums in a lane)
-ZERO_POINT = {4: 8, 8: 128}  # the code of weight 0 in a symmetric block
+ZERO_POINT = {4: 8, 6: 32, 8: 128}  # the code of weight 0 in a symmetric block
+SUB_BLOCK = 16  # inputs per sub-scale of a 6-bit block
+HIGH_BITS_AT = TILE * BLOCK // 2  # where a 6-bit tile block's high-bit planes start in its bytes
+SUB_SCALES_AT = HIGH_BITS_AT + TILE * BLOCK // 4  # and its sub-scales
+
+
+def block_bytes(bits: int) -> int:
+    """Bytes of ``codes`` per tile and block (module docstring): the codes, and a 6-bit block's
+    sub-scales."""
+    return TILE * BLOCK * bits // 8 + (TILE * BLOCK // SUB_BLOCK if bits == 6 else 0)
 
 
 @dataclass(frozen=True)
@@ -44,8 +62,8 @@ class QuantWeight:
     """A ``[out_features, in_features]`` linear weight in tiles of blocks (module docstring).
 
     Attributes:
-        bits: 4 or 8.
-        codes: ``[Np/16, Kp/32 * 16 * 32 * bits/8]`` uint8, C-contiguous.
+        bits: 4, 6 or 8.
+        codes: ``[Np/16, Kp/32 * block_bytes(bits)]`` uint8, C-contiguous.
         scales: ``[Np/16, Kp/32 * 16]`` float16.
         mins: like ``scales``, or None for ``-ZERO_POINT[bits] * scales``.
         in_features: ``K``, the unpadded input width.
@@ -64,8 +82,8 @@ class QuantWeight:
         assert self.bits in ZERO_POINT and self.scales.shape[1] == nb * TILE and self.scales.dtype == np.float16
         assert nb * BLOCK - BLOCK < self.in_features <= nb * BLOCK
         assert tiles * TILE - TILE < self.out_features <= tiles * TILE
-        assert self.codes.shape == (tiles, nb * TILE * BLOCK * self.bits // 8) and self.codes.dtype == np.uint8
-        assert self.mins is None or self.mins.shape == self.scales.shape
+        assert self.codes.shape == (tiles, nb * block_bytes(self.bits)) and self.codes.dtype == np.uint8
+        assert self.mins is None or (self.mins.shape == self.scales.shape and self.bits != 6)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -80,11 +98,11 @@ class QuantWeight:
         return self.codes.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
 
     def rows(self, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows ``rows`` (default all ``N``) in input order: codes ``[R, Kp]`` uint8, block scales
-        and block mins ``[R, Kp/32]`` float32 (stored mins, or ``-zero_point * scale``)."""
-        rows = np.arange(self.out_features) if rows is None else np.asarray(rows, dtype=np.int64)
-        t, lane = rows // TILE, rows % TILE
-        nb = self.scales.shape[1] // TILE
+        """A 4- or 8-bit weight's rows ``rows`` (default all ``N``) in input order: codes ``[R, Kp]``
+        uint8, block scales and block mins ``[R, Kp/32]`` float32 (stored mins, or ``-zero_point *
+        scale``). A 6-bit weight's: ``six_bit_rows``."""
+        assert self.bits != 6
+        t, lane, nb = self._lanes_of(rows)
         if self.bits == 8:
             codes = self.codes.reshape(-1, nb, BLOCK // GROUP, TILE, GROUP)[t, :, :, lane]  # [R, nb, 8, 4]
         else:
@@ -95,18 +113,46 @@ class QuantWeight:
             mins = np.float32(-ZERO_POINT[self.bits]) * scales
         else:
             mins = self.mins.reshape(-1, nb, TILE)[t, :, lane].astype(np.float32)
-        return codes.reshape(rows.size, -1), scales, mins
+        return codes.reshape(t.size, -1), scales, mins
+
+    def six_bit_rows(self, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A 6-bit weight's rows ``rows`` (default all ``N``) as ``from_six_bit`` takes them: codes
+        ``[R, Kp]`` uint8 (0..63), block scales ``[R, Kp/32]`` float32, sub-scales ``[R, Kp/16]``
+        int8."""
+        assert self.bits == 6
+        t, lane, nb = self._lanes_of(rows)
+        blocks = self.codes.reshape(-1, nb, block_bytes(6))
+        low = blocks[..., :HIGH_BITS_AT].reshape(-1, nb, BLOCK // GROUP // 2, TILE, GROUP)[t, :, :, lane]  # [R, nb, 4, 4]
+        high = blocks[..., HIGH_BITS_AT:SUB_SCALES_AT].reshape(-1, nb, 2, TILE, GROUP)[t, :, :, lane]  # [R, nb, 2, 4]
+        codes = np.concatenate([low & 0x0F, low >> 4], axis=2)  # [R, nb, 8, 4]
+        for g in range(BLOCK // GROUP):
+            codes[:, :, g] |= ((high[:, :, g // 4] >> (2 * (g % 4))) & 3) << 4
+        subs = blocks[..., SUB_SCALES_AT:].reshape(-1, nb, BLOCK // SUB_BLOCK, TILE)[t, :, :, lane].view(np.int8)  # [R, nb, 2]
+        scales = self.scales.reshape(-1, nb, TILE)[t, :, lane].astype(np.float32)
+        return codes.reshape(t.size, -1), scales, subs.reshape(t.size, -1)
+
+    def _lanes_of(self, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, int]:
+        """The tile and lane of each of ``rows`` (default all), and the blocks of a row."""
+        rows = np.arange(self.out_features) if rows is None else np.asarray(rows, dtype=np.int64)
+        return rows // TILE, rows % TILE, self.scales.shape[1] // TILE
 
     def dequantize(self, rows: np.ndarray | None = None) -> np.ndarray:
-        """The float32 weights ``[N, K]`` (or only ``rows``: ``[len(rows), K]``), ``scale * code + min``
-        in float32, as gguf-py computes them."""
-        codes, scales, mins = self.rows(rows)
-        blocks = codes.reshape(codes.shape[0], -1, BLOCK).astype(np.float32)  # [R, nb, 32]
-        return (scales[..., None] * blocks + mins[..., None]).reshape(codes.shape[0], -1)[:, : self.in_features]
+        """The float32 weights ``[N, K]`` (or only ``rows``: ``[len(rows), K]``) as gguf-py computes
+        them: ``scale * code + min`` in float32, 6-bit ones ``(scale * sub) * (code - 32)``."""
+        if self.bits == 6:
+            codes, scales, subs = self.six_bit_rows(rows)
+            halves = codes.reshape(codes.shape[0], -1, SUB_BLOCK).astype(np.float32) - np.float32(ZERO_POINT[6])
+            sub_scales = np.repeat(scales, BLOCK // SUB_BLOCK, axis=1) * subs.astype(np.float32)  # exact
+            w = sub_scales[..., None] * halves
+        else:
+            codes, scales, mins = self.rows(rows)
+            blocks = codes.reshape(codes.shape[0], -1, BLOCK).astype(np.float32)  # [R, nb, 32]
+            w = scales[..., None] * blocks + mins[..., None]
+        return w.reshape(codes.shape[0], -1)[:, : self.in_features]
 
     def take_rows(self, rows: np.ndarray) -> QuantWeight:
         """The weight of output rows ``rows`` (a permutation, a subset), still quantized."""
-        return _retile(self, [self.rows(rows)])
+        return _retile(self, [_fields(self, rows)])
 
 
 Weight = np.ndarray | QuantWeight  # a matrix: float32 ``[out, in]``, or this module's block format
@@ -115,7 +161,7 @@ Weight = np.ndarray | QuantWeight  # a matrix: float32 ``[out, in]``, or this mo
 def stack_rows(weights: list[QuantWeight]) -> QuantWeight:
     """Weights of one input width stacked along the output rows (the fused QKV and gate/up), in
     ``fused_format``: parts of different formats (a Q4_K_M file's 6-bit ``attn_v`` beside 4-bit q
-    and k) are tiled again in it (``as_format``), every weight keeping its value exactly."""
+    and k) are tiled again in it (``as_format``)."""
     first = weights[0]
     assert all(w.in_features == first.in_features for w in weights)
     fused = fused_format(weights)
@@ -130,22 +176,29 @@ def stack_rows(weights: list[QuantWeight]) -> QuantWeight:
         mins = None if parts[0].mins is None else stacked([w.mins for w in parts])
         return QuantWeight(parts[0].bits, stacked([w.codes for w in parts]), stacked([w.scales for w in parts]), mins,
                            first.in_features, sum(w.out_features for w in parts[:-1]) + parts[-1].out_features)
-    return _retile(parts[0], [w.rows() for w in parts])
+    return _retile(parts[0], [_fields(w) for w in parts])
 
 
 def fused_format(weights: list[QuantWeight]) -> tuple[int, bool]:
-    """``(bits, mins stored)`` of ``weights`` stacked by rows (``stack_rows``): the widest width,
-    with stored mins when one of them stores its own or the widths differ (their zero points do)."""
+    """``(bits, mins stored)`` of ``weights`` stacked by rows (``stack_rows``): their width when
+    they share it; else the widest, 6-bit counted as 8 (``as_format``), with stored mins (the
+    widths' zero points differ), as when one of them stores its own."""
     widths = {w.bits for w in weights}
-    return max(widths), len(widths) > 1 or any(w.mins is not None for w in weights)
+    if len(widths) > 1:
+        widths = {8 if bits == 6 else bits for bits in widths}
+    return max(widths), len({w.bits for w in weights}) > 1 or any(w.mins is not None for w in weights)
 
 
 def as_format(w: QuantWeight, bits: int, mins: bool) -> QuantWeight:
     """``w``'s weights as ``bits``-bit blocks with (``mins``) or without stored mins: ``w`` itself
     when it is held so, else tiled again with its mins stored, every weight keeping its value
-    exactly (a code is a code of the same block scale and min at a wider width)."""
+    exactly (a code is a code of the same block scale and min at a wider width). A 6-bit weight's
+    sub-scales have no place in 8-bit blocks: it is quantized to 8 bits (``quantize``), as every
+    Q6_K weight was before 6-bit blocks; a weight changes by at most half an 8-bit step."""
     if (w.bits, w.mins is not None) == (bits, mins):
         return w
+    if w.bits == 6:
+        return as_format(quantize(w.dequantize(), 8), bits, mins)
     assert mins and bits >= w.bits, f"{w.bits}-bit blocks are not held exactly as {bits}-bit ones without mins"
     return _tiled(*w.rows(), bits, w.in_features)
 
@@ -177,13 +230,20 @@ def tiled_shapes(bits: int, out_features: int, in_features: int) -> tuple[tuple[
     """The shapes of a ``QuantWeight``'s ``codes`` (uint8) and of its ``scales`` and ``mins``
     (float16) for an ``[out_features, in_features]`` matrix of ``bits``-bit codes."""
     tiles, blocks = -(-out_features // TILE), -(-in_features // BLOCK)
-    return (tiles, blocks * TILE * BLOCK * bits // 8), (tiles, blocks * TILE)
+    return (tiles, blocks * block_bytes(bits)), (tiles, blocks * TILE)
+
+
+def _fields(w: QuantWeight, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``w``'s rows ``rows`` (default all) untiled: ``six_bit_rows`` of a 6-bit weight, else ``rows``."""
+    return w.six_bit_rows(rows) if w.bits == 6 else w.rows(rows)
 
 
 def _retile(like: QuantWeight, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> QuantWeight:
-    """``QuantWeight.rows`` results stacked in order, tiled again in ``like``'s format."""
-    codes, scales, mins = (np.concatenate(a) for a in zip(*parts))
-    return _tiled(codes, scales, None if like.mins is None else mins, like.bits, like.in_features)
+    """``_fields`` results stacked in order, tiled again in ``like``'s format."""
+    codes, scales, third = (np.concatenate(a) for a in zip(*parts))
+    if like.bits == 6:
+        return from_six_bit(codes, scales, third, like.in_features)
+    return _tiled(codes, scales, None if like.mins is None else third, like.bits, like.in_features)
 
 
 def from_blocks(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, bits: int,
@@ -211,6 +271,27 @@ def from_packed(packed: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
     _by_lane(codes.view(np.uint32)[..., 0].transpose(0, 3, 1, 2), packed.view(np.uint32))
     return QuantWeight(bits, codes.reshape(codes.shape[0], -1), _lanes(scales), None if mins is None else _lanes(mins),
                        in_features, n)
+
+
+def from_six_bit(codes: np.ndarray, scales: np.ndarray, subs: np.ndarray, in_features: int) -> QuantWeight:
+    """A 6-bit ``QuantWeight`` (``w = scale * sub * (code - 32)``) from codes in input order ``[N,
+    Kp']`` (uint8, 0..63; ``Kp'`` a multiple of 32 covering ``in_features``), block scales ``[N,
+    Kp'/32]`` (any float dtype, stored as float16) and sub-scales ``[N, Kp'/16]`` (int8)."""
+    n, nb = scales.shape
+    assert codes.shape == (n, nb * BLOCK) and subs.shape == (n, nb * BLOCK // SUB_BLOCK) and codes.max(initial=0) < 64
+    pad = -n % TILE
+    tiles = (n + pad) // TILE
+    by_group = np.pad(codes.astype(np.uint8), ((0, pad), (0, 0))).reshape(tiles, TILE, nb, BLOCK // GROUP, GROUP)
+    by_group = by_group.transpose(0, 2, 3, 1, 4)  # [t, b, g, l, i]
+    half = BLOCK // GROUP // 2
+    low = (by_group[:, :, :half] & 0x0F) | ((by_group[:, :, half:] & 0x0F) << 4)  # [t, b, 4, l, i]
+    high = by_group >> 4
+    planes = np.stack([high[:, :, 4 * j] | high[:, :, 4 * j + 1] << 2 | high[:, :, 4 * j + 2] << 4
+                       | high[:, :, 4 * j + 3] << 6 for j in range(2)], axis=2)  # [t, b, 2, l, i]
+    sub_lanes = np.pad(subs.astype(np.int8), ((0, pad), (0, 0))).view(np.uint8)
+    sub_lanes = sub_lanes.reshape(tiles, TILE, nb, BLOCK // SUB_BLOCK).transpose(0, 2, 3, 1)  # [t, b, h, l]
+    blocks = np.concatenate([a.reshape(tiles, nb, -1) for a in (low, planes, sub_lanes)], axis=2)
+    return QuantWeight(6, np.ascontiguousarray(blocks.reshape(tiles, -1)), _lanes(scales), None, in_features, n)
 
 
 def _lanes(a: np.ndarray) -> np.ndarray:

@@ -172,7 +172,7 @@ def _matrix_views(codes, scales, mins, matrix, bits, has_mins):  # pragma: no co
     the stacked arrays (``matrix``: its row of ``StackWeights.matrices``; ``bits``, ``has_mins``:
     its format's)."""
     tiles, blocks = matrix[TILES], matrix[BLOCKS]
-    width = blocks * TILE * BLOCK * bits // 8
+    width = blocks * qgemm.compiled_block_bytes(bits)
     c = codes[matrix[CODES]:matrix[CODES] + tiles * width].reshape((tiles, width))
     s = scales[matrix[SCALES]:matrix[SCALES] + tiles * blocks * TILE].reshape((tiles, blocks * TILE))
     if has_mins:

@@ -8,7 +8,9 @@ Every matrix is kept quantized in the cpu backend's block format (``flm_runtime.
 or dequantized to float32, as the weight kind asks (``WEIGHT_KINDS``):
 
 - ``auto`` (what a served model gets unless asked otherwise): each tensor keeps its own precision class: Q4_0, Q4_1 and Q4_K stay
-  4-bit (their blocks are read as they are), Q8_0 stays 8-bit, everything else becomes 8-bit;
+  4-bit (their blocks are read as they are), Q6_K stays 6-bit (read as it is, but for a part of a
+  fused matrix of other widths: ``quant.as_format``), Q8_0 stays 8-bit, everything else becomes
+  8-bit;
 - ``q4`` / ``q8``: every matrix 4-bit / 8-bit (read as it is where the source has that width; a
   4-bit source widened to 8-bit codes with its own scales and mins, exactly; otherwise dequantized
   and quantized again);
@@ -521,9 +523,10 @@ def release_pages(view: np.ndarray) -> None:
     mapped.madvise(mmap.MADV_DONTNEED, start, min(offset + view.nbytes, len(mapped)) - start)
 
 
-# GGUF block types read as they are: type -> (bits, bytes per block of 32).
-_NATIVE_BLOCKS = {GGMLQuantizationType.Q4_0: (4, 18), GGMLQuantizationType.Q4_1: (4, 20),
-                  GGMLQuantizationType.Q8_0: (8, 34)}
+# GGUF block types read as they are: type -> bits.
+_NATIVE_BLOCKS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
+# K-quants read as they are, in super-blocks of 256 (their sub-scales folded or kept): type -> bits.
+_NATIVE_K_QUANTS = {GGMLQuantizationType.Q4_K: 4, GGMLQuantizationType.Q6_K: 6}
 
 
 def quantized_tensor(tensor: GGUFTensor, kind: str, source: str = "GGUF") -> Weight:
@@ -538,7 +541,7 @@ def quantized_tensor(tensor: GGUFTensor, kind: str, source: str = "GGUF") -> Wei
     n, k = reversed(tensor.shape)
     if k % quant.BLOCK:
         return dequantize_tensor(tensor, source)
-    native = _NATIVE_BLOCKS.get(qtype, (4, None) if qtype == GGMLQuantizationType.Q4_K else (8, None))[0]
+    native = _NATIVE_BLOCKS.get(qtype, _NATIVE_K_QUANTS.get(qtype, 8))
     bits = native if kind == "auto" else int(kind[1:])
     if native == 4:  # read as it is; 8-bit blocks hold a 4-bit source exactly (quant.widen)
         if qtype == GGMLQuantizationType.Q4_K:
@@ -547,6 +550,10 @@ def quantized_tensor(tensor: GGUFTensor, kind: str, source: str = "GGUF") -> Wei
             w = _read_blocks(np.asarray(tensor.data).reshape(n, k // quant.BLOCK, -1), qtype, k)
         _check_finite(tensor, source, w.scales, w.mins)
         return w if bits == 4 else quant.widen(w)
+    if bits == native == 6:
+        w = _read_q6_k(np.asarray(tensor.data).reshape(n, k // 256, -1), k)
+        _check_finite(tensor, source, w.scales)
+        return w
     if bits == native and qtype in _NATIVE_BLOCKS:
         w = _read_blocks(np.asarray(tensor.data).reshape(n, k // quant.BLOCK, -1), qtype, k)
         _check_finite(tensor, source, w.scales, w.mins)
@@ -578,6 +585,24 @@ def _read_q4_k(blocks: np.ndarray, k: int) -> QuantWeight:
     scales = (d * sc.astype(np.float32)).reshape(n, k // quant.BLOCK)
     mins = (-dmin * mn.astype(np.float32)).reshape(n, k // quant.BLOCK)
     return quant.from_blocks(codes, scales, mins, 4, k)
+
+
+def _read_q6_k(blocks: np.ndarray, k: int) -> QuantWeight:
+    """Q6_K super-blocks ``[N, K/256, 210]`` as a 6-bit ``QuantWeight``, unchanged: ``w = d * sc *
+    (q - 32)`` with ``q`` six bits (low four in ``ql``, high two in ``qh``), ``sc`` a signed byte
+    per 16 inputs and ``d`` float16 per 256 (ggml's ``dequantize_row_q6_K``: each half of 128
+    inputs holds quarters ``j`` of 32 in nibble ``j // 2`` of ``ql[32 (j % 2) + l]`` and bits
+    ``2j`` of ``qh[l]``)."""
+    n, ns, _ = blocks.shape
+    flat = blocks.reshape(n * ns, -1)
+    ql = flat[:, :128].reshape(-1, 2, 2, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    low = (ql & 0x0F).transpose(0, 1, 3, 2, 4).reshape(-1, 2, 4, 32)  # [n*ns, half, quarter j, l]
+    qh = flat[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    codes = (low | (qh & 3) << 4).reshape(n, k)
+    subs = flat[:, 192:208].view(np.int8).reshape(n, k // quant.SUB_BLOCK)
+    d = flat[:, 208:210].copy().view(np.float16)  # [n*ns, 1]
+    scales = np.repeat(d, 256 // quant.BLOCK, axis=1).reshape(n, k // quant.BLOCK)
+    return quant.from_six_bit(codes, scales, subs, k)
 
 
 def dequantize_tensor(tensor: GGUFTensor, source: str = "GGUF") -> np.ndarray:
