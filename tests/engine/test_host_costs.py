@@ -162,13 +162,15 @@ def test_the_curve_is_measured_once_per_host_and_kept(tmp_path, monkeypatch, cap
     assert curve() == first and measured == [256] and capsys.readouterr().err == ""  # kept: not measured again
     path.write_text(first.model_copy(update={"host": "another machine"}).model_dump_json())
     assert curve().host == costs.host_id() and measured == [256, 256]  # another host's: measured here
+    path.write_text(first.model_copy(update={"kernels": "other code"}).model_dump_json())
+    assert curve().kernels == costs.kernels_digest() and len(measured) == 3  # other kernels' curve: measured again
     path.write_text("{not json")
-    assert curve().verify_ratio == CHEAP and len(measured) == 3  # a broken file: measured again
+    assert curve().verify_ratio == CHEAP and len(measured) == 4  # a broken file: measured again
     assert costs.host_costs(path, target, draft_of(4), model=DFLASH_TAG, backend="cpu").verify_ratio == CHEAP[:3]
     old = json.loads(path.read_text())
     del old["propose_ratio"]  # a file written before the draft's costs were measured
     path.write_text(json.dumps(old))
-    assert curve().propose_ratio == PROPOSE[:7] and len(measured) == 5
+    assert curve().propose_ratio == PROPOSE[:7] and len(measured) == 6
 
 
 @pytest.mark.parametrize("calibrated", [False, True])

@@ -15,7 +15,8 @@ and passes of 2 .. K + 1 rows at ``CONTEXT`` tokens, medians: a prefill of ``CON
 ``(ROUNDS + 1) * (K + 1)`` passes) and the draft's (``measure_propose_ratio``: proposals of 1 .. K
 tokens, each after a one-row target pass, the draft's own passes a fraction of the target's), and
 kept (``HostCosts``, JSON, ``paths.host_costs_file``) for the later processes of the same host,
-keyed by ``host_id``. ``PolicyTable.on_host`` applies the verify curve to the shipped table; a tag
+keyed by ``host_id`` and by the code that runs the passes (``kernels_digest``: new kernels or a
+new weight format change the curve, so it is measured again). ``PolicyTable.on_host`` applies the verify curve to the shipped table; a tag
 without a table starts from the estimate both curves give (``speculation.estimate``). A
 table the user calibrated (``litellm-flm calibrate``, ``paths.policy_file``) was measured on their
 host already and is used as it is. ``FLM_HOST_COSTS=0`` turns the measurement off. A curve timed
@@ -26,6 +27,8 @@ longer ones): deleting the file measures it again at the next start.
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -37,6 +40,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
+import flm_runtime
 from flm_runtime.backends import KVCacheLike, TargetModel, forward
 from flm_runtime.kernels.cpu_features import cpu_model, host_features
 from flm_runtime.models.dflash import DFlashDraft
@@ -62,6 +66,8 @@ class HostCosts(BaseModel):
             position and drafting ``n`` tokens; empty for a tag without a draft. A DFlash tag's
             file without it (written before it was measured) is measured again.
         date: when it was measured (ISO date).
+        kernels: ``kernels_digest()`` of the code that ran the passes; empty in a file written
+            before it was kept (measured again).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -73,6 +79,7 @@ class HostCosts(BaseModel):
     verify_ratio: list[PositiveFloat] = Field(min_length=1)
     propose_ratio: list[PositiveFloat] = Field(default_factory=list)
     date: str
+    kernels: str = ""
 
 
 def host_id() -> str:
@@ -80,6 +87,18 @@ def host_id() -> str:
     has, and the CPUs the process may run on."""
     features = ",".join(f for f in KERNEL_FEATURES if f in host_features())
     return f"{cpu_model()} | {features} | {len(os.sched_getaffinity(0))} CPUs"
+
+
+@functools.cache
+def kernels_digest() -> str:
+    """A digest of the code a pass runs: the runtime's ``kernels/`` and ``layers/`` (the products,
+    the compiled step) and its GGUF reader (which width each weight is held in)."""
+    root = Path(flm_runtime.__file__).parent
+    h = hashlib.sha256()
+    for source in sorted([*(root / "kernels").glob("*.py"), *(root / "layers").glob("*.py")]) + [
+            root / "loading" / "gguf.py"]:
+        h.update(source.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def measure_verify_ratio(target: TargetModel, taps: tuple[int, ...], drafted: int, *, context: int = CONTEXT,
@@ -168,17 +187,18 @@ def measure_propose_ratio(target: TargetModel, draft: DFlashDraft, drafted: int,
 
 
 def load(path: Path, host: str, model: str, backend: str, drafted: int, proposed: int) -> HostCosts | None:
-    """The curves kept at ``path`` if they are this host's, model's and backend's, with ``drafted``
-    verify and ``proposed`` propose values (``drafted``, or 0 without a draft); None otherwise (no
-    file, another host, a file that does not parse: they are measured again and replaced)."""
+    """The curves kept at ``path`` if they are this host's, model's and backend's, measured by this
+    code (``kernels_digest``), with ``drafted`` verify and ``proposed`` propose values
+    (``drafted``, or 0 without a draft); None otherwise (no file, another host or code, a file
+    that does not parse: they are measured again and replaced)."""
     try:
         costs = HostCosts.model_validate(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError) as e:
         if path.exists():
             log.warning("ignoring %s, it will be measured again: %s", path, e)
         return None
-    if (costs.host, costs.model, costs.backend, len(costs.verify_ratio), len(costs.propose_ratio)) != (
-            host, model, backend, drafted, proposed):
+    if (costs.host, costs.model, costs.backend, costs.kernels, len(costs.verify_ratio), len(costs.propose_ratio)) != (
+            host, model, backend, kernels_digest(), drafted, proposed):
         return None
     return costs
 
@@ -206,7 +226,7 @@ def host_costs(path: Path, target: TargetModel, draft: DFlashDraft | None, *, mo
     costs = HostCosts(host=host, model=model, backend=backend, context=context,
                       verify_ratio=measure_verify_ratio(target, taps, drafted, context=context),
                       propose_ratio=measure_propose_ratio(target, draft, drafted, context=context) if proposed else [],
-                      date=datetime.date.today().isoformat())
+                      date=datetime.date.today().isoformat(), kernels=kernels_digest())
     log.info("measured %s's verify and propose costs on this host in %.1f s: %s, %s (kept in %s)", model,
              time.perf_counter() - t0, costs.verify_ratio, costs.propose_ratio, path)
     path.parent.mkdir(parents=True, exist_ok=True)
