@@ -70,7 +70,7 @@ def test_calibrate_decides_each_bucket_from_its_measurements(smollm2_model, smol
     records = calibrate.acceptance_records
     monkeypatch.setattr(calibrate, "acceptance_records", lambda *a: recorded.append(records(*a)) or recorded[-1])
     table = calibrate.calibrate(SpeculativeDecoder(smollm2_model, draft), smollm2_tokenizer, tag="t-dflash:1",
-                                backend="cpu", contexts=[16, 150], rounds=1, max_new=16, spells=2, spell_gap=0.0,
+                                backend="cpu", contexts=[16, 150], rounds=1, max_new=4, spells=2, spell_gap=0.0,
                                 prompts=PROMPT)
     assert [b.max_context for b in table.buckets] == [16, smollm2_model.config.max_position_embeddings]
     by_context = table.measured["by_context"]
@@ -114,7 +114,7 @@ def test_calibrate_handles_a_draft_of_block_size_16(smollm2_model, smollm2_token
     records = calibrate.acceptance_records
     monkeypatch.setattr(calibrate, "acceptance_records", lambda *a: recorded.append(records(*a)) or recorded[-1])
     table = calibrate.calibrate(SpeculativeDecoder(smollm2_model, draft16), tok, tag="t-dflash:1", backend="cpu",
-                                contexts=[16], rounds=1, max_new=16, prompts=PROMPT)
+                                contexts=[16], rounds=1, max_new=4, prompts=PROMPT)
     (bucket,) = table.buckets
     (measured,) = table.measured["by_context"]["16"]["step_costs"]
     assert table.block_size == 16 and len(measured["propose_ms"]) == len(measured["verify_ms"]) == 15
@@ -178,7 +178,7 @@ def test_the_command_writes_the_table_the_engine_reads(run_cli, random_draft, tm
     registry.reload()
     try:
         status, out, _ = run_cli("calibrate", "--tag", "smollm2-rnd-dflash:135m", "--backend", "cpu",
-                                 "--contexts", "32", "--rounds", "1", "--max-new", "12")
+                                 "--contexts", "32", "--rounds", "1", "--max-new", "3")
         assert status == 0 and "| contexts up to | speculate |" in out
         written = tmp_path / "config" / "policy" / "smollm2-rnd-dflash" / "135m-cpu.json"
         assert f"wrote {written}" in out

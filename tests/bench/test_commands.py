@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from flm_bench import agreement, quick, speed
-from flm_bench import soak, workload_bench
+from flm_bench import soak, workload_bench, workloads
 from flm_bench.documents import Prompt
 from flm_bench.engines import Context, Run
 from flm_runtime.request import PROPOSERS, ProposerCounts, SpecStats
@@ -127,10 +127,15 @@ def test_bench_quick_baseline_only_needs_no_draft(run_cli, tmp_path):
     assert [r["tag"] for r in rows] == ["smollm2:135m"] and rows[0]["acceptance_length"] == ""
 
 
-def test_bench_workloads_through_litellm_one_task_each(run_cli, random_draft, tmp_path, forget_dflash_engine):
+def test_bench_workloads_through_litellm_one_task_each(run_cli, random_draft, tmp_path, forget_dflash_engine,
+                                                       monkeypatch):
     """One task per workload, greedy, 3 tokens a request: every turn of a conversation is a row;
     an agent's call cannot finish in 3 tokens, so its conversation ends after the first request.
     The DFlash step is exact: every greedy answer is identical on both tags."""
+    # Passages of one paragraph or so: the command handles a RAG or extraction prompt alike at any
+    # length, and their full passages (about 960 prompt tokens) were half the prefill on two engines.
+    monkeypatch.setattr(workloads, "RAG_PASSAGE_CHARS", 300)
+    monkeypatch.setattr(workloads, "EXTRACTION_PASSAGE_CHARS", 300)
     status, out, _ = run_cli("bench", "--workloads", "--draft", random_draft, "--requests", 1, "--max-tokens", 3,
                              "--modes", "greedy", "--out", tmp_path, "--quiet")
     assert status == 0

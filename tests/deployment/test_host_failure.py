@@ -3,10 +3,10 @@
 Everything on 127.0.0.1: Redis (Debian's ``redis-server``, started here on a free port, nothing
 saved), three host proxies (``examples/deployment/host.yaml``) and the front proxy
 (``examples/deployment/front.yaml``), each config as docs/deployment.md shows it, plus the
-test's callback (``served_log.py``), which logs every call each proxy ends. The four proxies
-start together.
+test's callback (``served_log.py``), which logs every call each proxy ends. The three hosts
+start together, the front once the model's compiled step is cached.
 
-A burst of ``REQUESTS`` chat completions (120; ``FLM_BURST_REQUESTS`` sets another count, 300 for
+A burst of ``REQUESTS`` chat completions (60; ``FLM_BURST_REQUESTS`` sets another count, 300 for
 docs/benchmarks.md's run; every other one streamed, ``max_tokens`` 1 to 32, each prompt tagged
 ``[req N]``) goes to the front's ``/v1/chat/completions`` from ``CLIENTS`` threads. When
 ``KILL_AFTER`` (a fifth) are answered, host A gets SIGKILL and is started again at once. The last
@@ -49,9 +49,10 @@ pytestmark = pytest.mark.deployment
 
 EXAMPLES = proxy_process.REPO / "examples" / "deployment"
 HOSTS = ("A", "B", "C")
-# 120: every client thread has a request in flight at the kill, and hosts B and C have requests
-# to serve while host A restarts (what the checks need); more only lengthen the burst.
-REQUESTS = int(os.environ.get("FLM_BURST_REQUESTS", "120"))
+# 60: every client thread has a request in flight at the kill (60 - HELD - KILL_AFTER = 36 of them
+# are sent before the hold, more than CLIENTS), and hosts B and C have requests to serve while host
+# A restarts (what the checks need); more only lengthen the burst.
+REQUESTS = int(os.environ.get("FLM_BURST_REQUESTS", "60"))
 CLIENTS = 24
 KILL_AFTER = REQUESTS // 5  # answered requests before host A is killed
 HELD = REQUESTS // 5        # the last requests of the burst, sent once host A is back
@@ -208,17 +209,20 @@ def test_a_host_killed_mid_burst_costs_no_request(smollm2_gguf, redis_port, tmp_
         assert r.status_code == 200, r.text
 
     # The compiled model step is cached on disk by its first process; this one compiles it (when
-    # the cache is cold) while the proxies import, so the hosts load it instead of each compiling it.
+    # the cache is cold) while the hosts import, so the hosts load it instead of each compiling it.
+    # A host loads the model at its first request, and the front's health probes are requests: the
+    # front starts once the step is cached (at once when it already was), or four processes would
+    # compile it side by side (minutes on 2 cores).
     warm = subprocess.Popen([str(Path(sys.executable).with_name("litellm-flm")), "run", "smollm2:135m", "Hi",
                              "--max-tokens", "1"], env=host_env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     procs = {name: start_host(name, 1) for name in HOSTS}
-    front = proxy_process.start(front_config_path, front_port, front_env, tmp_path / "front.log")
-    restarted = None
+    front = restarted = None
     try:
+        assert warm.wait(timeout=REQUEST_S) == 0
+        front = proxy_process.start(front_config_path, front_port, front_env, tmp_path / "front.log")
         for name in HOSTS:
             proxy_process.wait_ready(procs[name], ports[name], tmp_path / f"host-{name}1.log")
         proxy_process.wait_ready(front, front_port, tmp_path / "front.log")
-        assert warm.wait(timeout=REQUEST_S) == 0
         for name in HOSTS:
             load_model(name)
         t_ready = time.monotonic()
@@ -282,7 +286,7 @@ def test_a_host_killed_mid_burst_costs_no_request(smollm2_gguf, redis_port, tmp_
     failed_attempts = collections.Counter(f"{host_of.get(e['api_base'])} {e['error'].split(':')[0]}" for e in routed
                                           if e["event"] == "failed")
 
-    print(f"\nstartup (4 proxies in parallel, models loaded) {t_ready - t_start:.1f} s; burst {t_end - t_burst:.1f} s; "
+    print(f"\nstartup (4 proxies, models loaded) {t_ready - t_start:.1f} s; burst {t_end - t_burst:.1f} s; "
           f"host A down {t_listening - t_kill:.1f} s until its new process listened")
     print(f"requests {REQUESTS} ({REQUESTS // 2} streamed), clients {CLIENTS}: answered "
           f"{sum(o.sends[-1] == 'answered' for o in outcomes)}, unanswered {len(unanswered)}; sends: {dict(ends)}")
