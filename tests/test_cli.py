@@ -66,7 +66,7 @@ def fake_pullable(isolated, monkeypatch):
 
 def table(out: str) -> dict[str, list[str]]:
     lines = out.strip().splitlines()
-    assert lines[0].split() == ["TAG", "FAMILY", "FORMAT", "SIZE", "INSTALLED", "PATH"]
+    assert lines[0].split() == ["TAG", "FAMILY", "FORMAT", "SIZE", "INSTALLED", "PATH", "WEIGHTS", "HELD", "AS"]
     return {ln.split()[0]: ln.split() for ln in lines[1:]}
 
 
@@ -76,11 +76,11 @@ def test_list_shows_every_tag_with_format_size_state_and_path(capsys):
     assert set(rows) == {"smollm2:135m", "smollm2-dflash:135m", "gemma3:270m", "nemotron3.5-bolt:e4b",
                          "nemotron3.5-bolt-dflash:e4b", "qwen2.5-coder:0.5b", "qwen2.5-coder:1.5b"}
     coder = str(paths.model_dir() / "qwen2.5-coder" / "1.5b" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
-    assert rows["qwen2.5-coder:1.5b"] == ["qwen2.5-coder:1.5b", "?", "gguf", "1.1", "GB", "no", coder]
+    assert rows["qwen2.5-coder:1.5b"] == ["qwen2.5-coder:1.5b", "?", "gguf", "1.1", "GB", "no", coder, "-"]
     gemma3 = str(paths.model_dir() / "gemma3" / "270m" / "gemma-3-270m-q4_k_m.gguf")
-    assert rows["gemma3:270m"] == ["gemma3:270m", "?", "gguf", "253.1", "MB", "no", gemma3]
+    assert rows["gemma3:270m"] == ["gemma3:270m", "?", "gguf", "253.1", "MB", "no", gemma3, "-"]
     gguf = str(paths.model_dir() / "smollm2" / "135m" / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert rows["smollm2:135m"] == ["smollm2:135m", "?", "gguf", "98.4", "MB", "no", gguf]
+    assert rows["smollm2:135m"] == ["smollm2:135m", "?", "gguf", "98.4", "MB", "no", gguf, "-"]
     assert rows["nemotron3.5-bolt:e4b"][1:5] == ["?", "hf", "?", "no"]
     assert rows["smollm2-dflash:135m"][2] == "gguf+dflash"
     # The shipped draft's files have no recorded size: measured where they are, plus the target's.
@@ -102,7 +102,8 @@ def test_list_json(fake_pullable, capsys):
     assert cli.main(["list", "--json"]) == 0
     rows = {r["tag"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     assert rows["fake:1m"] == {"tag": "fake:1m", "family": None, "format": "gguf", "size": len(DATA), "installed": False,
-                               "broken": None, "path": str(fake_pullable.location()), "origin": "built-in"}
+                               "broken": None, "held": None, "path": str(fake_pullable.location()),
+                               "origin": "built-in"}
 
 
 def test_list_shows_user_tags(isolated, capsys):
@@ -111,7 +112,7 @@ def test_list_shows_user_tags(isolated, capsys):
     (isolated / "models.yaml").write_text(f"mine:1b: {gguf}\n")
     registry.reload()
     assert cli.main(["list"]) == 0
-    assert table(capsys.readouterr().out)["mine:1b"][1:] == ["unsupported", "gguf", "25.6", "KB", "yes", str(gguf)]
+    assert table(capsys.readouterr().out)["mine:1b"][1:7] == ["unsupported", "gguf", "25.6", "KB", "yes", str(gguf)]
 
 
 def test_list_shows_a_file_that_is_not_gguf_as_broken(isolated, capsys):
@@ -120,14 +121,14 @@ def test_list_shows_a_file_that_is_not_gguf_as_broken(isolated, capsys):
     (isolated / "models.yaml").write_text(f"notes:1b: {notes}\n")
     registry.reload()
     assert cli.main(["list"]) == 0
-    assert table(capsys.readouterr().out)["notes:1b"][1:] == ["?", "gguf", "12", "B", "broken", str(notes)]
+    assert table(capsys.readouterr().out)["notes:1b"][1:] == ["?", "gguf", "12", "B", "broken", str(notes), "-"]
     assert cli.main(["list", "--json"]) == 0
     rows = {r["tag"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     assert (rows["notes:1b"]["installed"], rows["notes:1b"]["broken"]) == (
         False, f"{notes}: not a readable GGUF file (GGUF magic invalid)")
 
 
-def test_list_names_the_family_of_installed_files(isolated, capsys):
+def test_list_names_the_family_of_installed_files_and_how_their_weights_are_held(isolated, capsys, monkeypatch):
     config = tiny_config()
     gguf = write_tiny_gguf(isolated / "tiny.gguf", config, random_hf_weights(config))
     mistral = write_tiny_gguf(isolated / "window.gguf", config, random_hf_weights(config),
@@ -137,6 +138,10 @@ def test_list_names_the_family_of_installed_files(isolated, capsys):
     assert cli.main(["list"]) == 0
     rows = table(capsys.readouterr().out)
     assert rows["tiny:1m"][1] == "llama" and rows["window:1m"][1] == "mistral"
+    assert rows["tiny:1m"][7:] == ["float32"]  # the suite's weight kind (FLM_WEIGHTS=f32)
+    monkeypatch.setenv("FLM_WEIGHTS", "auto")
+    assert cli.main(["list"]) == 0
+    assert table(capsys.readouterr().out)["tiny:1m"][7:] == ["F32", "8-bit", "(quantized", "again)"]
 
 
 @pytest.mark.parametrize("argv, fragment", [

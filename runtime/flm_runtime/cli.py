@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import contextlib
 import gc
 import importlib.util
@@ -126,11 +127,38 @@ def _family(entry: registry.ModelEntry) -> str:
         return "unsupported"
 
 
+def _held(entry: registry.ModelEntry) -> str | None:
+    """How the cpu backend holds an installed GGUF's matrices (``loading.gguf.held_as``, for the
+XX
+    whose own blocks the kernels do not read marked ``(quantized again)``; ``float32`` for the
+    ``f32`` kind; None for other formats.
+
+    Raises:
+        ModelFormatError, OSError, InvalidRequestError: the file cannot be read, or the kind is
+            not one (``list_rows`` shows the tag as broken).
+    """
+    from flm_runtime.loading.gguf import held_as, open_gguf
+    from flm_runtime.loading.weights import weight_kind
+
+    if entry.format != "gguf":
+        return None
+    kind = weight_kind(entry.weights)
+    if kind == "f32":
+        return "float32"
+    counts = collections.Counter(t.tensor_type for t in open_gguf(entry.location()).tensors if len(t.shape) == 2)
+    parts = []
+    for qtype, _ in counts.most_common():
+        bits, read = held_as(qtype, kind)
+        parts.append(f"{qtype.name} {bits}-bit" + ("" if read else " (quantized again)"))
+    return ", ".join(parts)
+
+
 def list_rows() -> list[dict]:
     """One dict per known tag: tag, family (``_family``, of installed files; a DFlash tag's is its
     target's), format, size (bytes, recorded or else measured on disk; None when neither is known;
     a DFlash tag's includes its target's), installed, broken (why installed files cannot be read,
-    else None: the tag is then not installed), path, origin."""
+    else None: the tag is then not installed), held (``_held``, of installed files; None
+    otherwise), path, origin."""
     entries = {e.tag: e for e in registry.list_entries()}
     rows = []
     for e in entries.values():
@@ -143,10 +171,10 @@ def list_rows() -> list[dict]:
             installed = registry.is_installed(e)
         except FlmError:  # e.g. a DFlash entry whose base is unknown
             installed = False
-        family = broken = None
+        family = broken = held = None
         if base is not None and installed:
             try:
-                family = _family(base)
+                family, held = _family(base), _held(base)
             except (OSError, ValueError, FlmError) as why:
                 installed, broken = False, " ".join(str(why).split())
         rows.append({
@@ -156,6 +184,7 @@ def list_rows() -> list[dict]:
             "size": size,
             "installed": installed,
             "broken": broken,
+            "held": held,
             "path": str(e.location()),
             "origin": e.origin,
         })
@@ -169,12 +198,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         for row in rows:
             print(json.dumps(row))
         return 0
-    table = [("TAG", "FAMILY", "FORMAT", "SIZE", "INSTALLED", "PATH")]
+    table = [("TAG", "FAMILY", "FORMAT", "SIZE", "INSTALLED", "PATH", "WEIGHTS HELD AS")]
     table += [(r["tag"], r["family"] or "?", r["format"], _size_text(r["size"]),
-               "broken" if r["broken"] else "yes" if r["installed"] else "no", r["path"]) for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(5)]
+               "broken" if r["broken"] else "yes" if r["installed"] else "no", r["path"], r["held"] or "-")
+              for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(6)]
     for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:6], widths, strict=True)) + "  " + row[6])
     return 0
 
 

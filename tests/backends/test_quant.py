@@ -75,6 +75,17 @@ def test_q6_k_reads_as_it_is():
     assert back.codes.tobytes() == got.codes.tobytes() and back.scales.tobytes() == got.scales.tobytes()
 
 
+@pytest.mark.parametrize("qtype, kind, held", [
+    ("Q4_K", "auto", (4, True)), ("Q6_K", "auto", (6, True)), ("Q8_0", "auto", (8, True)),
+    ("Q5_0", "auto", (8, False)), ("F16", "auto", (8, False)),
+    ("Q4_0", "q8", (8, True)), ("Q6_K", "q8", (8, False)), ("Q8_0", "q4", (4, False)), ("Q6_K", "q4", (4, False)),
+])
+def test_each_gguf_type_is_held_in_its_own_blocks_where_the_kernels_have_them(qtype, kind, held):
+    # What `litellm-flm list` reports and quantized_tensor does: a 4-bit type widened exactly to
+    # 8 bits is still read as it is; any other change of width is a quantization again.
+    assert gguf_loader.held_as(GGMLQuantizationType[qtype], kind) == held
+
+
 def test_six_bit_rows_are_taken_and_stacked():
     # The LM head of a reduced vocabulary (take_rows) and a fused matrix of 6-bit parts (whole
     # tiles joined, a ragged last part tiled again) keep every weight; beside parts of another

@@ -541,24 +541,25 @@ def quantized_tensor(tensor: GGUFTensor, kind: str, source: str = "GGUF") -> Wei
     n, k = reversed(tensor.shape)
     if k % quant.BLOCK:
         return dequantize_tensor(tensor, source)
-    native = _NATIVE_BLOCKS.get(qtype, _NATIVE_K_QUANTS.get(qtype, 8))
-    bits = native if kind == "auto" else int(kind[1:])
-    if native == 4:  # read as it is; 8-bit blocks hold a 4-bit source exactly (quant.widen)
-        if qtype == GGMLQuantizationType.Q4_K:
-            w = _read_q4_k(np.asarray(tensor.data).reshape(n, k // 256, -1), k)
-        else:
-            w = _read_blocks(np.asarray(tensor.data).reshape(n, k // quant.BLOCK, -1), qtype, k)
-        _check_finite(tensor, source, w.scales, w.mins)
-        return w if bits == 4 else quant.widen(w)
-    if bits == native == 6:
-        w = _read_q6_k(np.asarray(tensor.data).reshape(n, k // 256, -1), k)
-        _check_finite(tensor, source, w.scales)
-        return w
-    if bits == native and qtype in _NATIVE_BLOCKS:
+    bits, read = held_as(qtype, kind)
+    if not read:
+        return quant.quantize(dequantize_tensor(tensor, source), bits)
+    if qtype in _NATIVE_K_QUANTS:
+        read_k_quant = _read_q4_k if qtype == GGMLQuantizationType.Q4_K else _read_q6_k
+        w = read_k_quant(np.asarray(tensor.data).reshape(n, k // 256, -1), k)
+    else:
         w = _read_blocks(np.asarray(tensor.data).reshape(n, k // quant.BLOCK, -1), qtype, k)
-        _check_finite(tensor, source, w.scales, w.mins)
-        return w
-    return quant.quantize(dequantize_tensor(tensor, source), bits)
+    _check_finite(tensor, source, w.scales, w.mins)
+    return w if w.bits == bits else quant.widen(w)  # 8-bit blocks hold a 4-bit source exactly
+
+
+def held_as(qtype: GGMLQuantizationType, kind: str) -> tuple[int, bool]:
+    """How a matrix of GGUF type ``qtype`` is held for weight kind ``kind`` (not ``f32``): its
+    code width, and whether its own blocks are read (widened exactly where a 4-bit type is held
+    8-bit) rather than dequantized and quantized again (the module docstring's rules)."""
+    native = _NATIVE_BLOCKS.get(qtype, _NATIVE_K_QUANTS.get(qtype))
+    bits = (native or 8) if kind == "auto" else int(kind[1:])
+    return bits, native is not None and (bits == native or (native == 4 and bits == 8))
 
 
 def _read_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType, k: int) -> QuantWeight:
