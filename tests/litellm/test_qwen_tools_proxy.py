@@ -5,12 +5,13 @@ their results for the next turn (a round trip), which the model's own template r
 ``<tool_response>`` turns.
 
 The proxy serves ``flm/qwen2.5-coder:0.5b`` from a config written here (``tests/proxy_process.py``
-starts it) with the default (quantized) weights, not the suite's float32 (``FLM_WEIGHTS``,
-tests/conftest.py): our runs gave every answer below the same on both (2026-12-07), and float32
-took minutes longer. What the 0.5B model answers is what it answers under llama.cpp for the same
-prompt: left free (``auto``) it writes a call as bare JSON text, without ``<tool_call>``, so it is
-content, and after a tool's result it writes JSON again rather than a sentence (the 1.5B answers
-in words)."""
+starts it) with the suite's float32 weights (``FLM_WEIGHTS``, tests/conftest.py): the answers
+below are the file's weights' own. The default weights gave them all too until Q6_K was held as
+6-bit blocks; since, one near-tie goes the other way (``get_time``'s arguments gain a ``unit``),
+which is this test's subject no more than any other near-tie. What the 0.5B model answers is what
+it answers under llama.cpp for the same prompt: left free (``auto``) it writes a call as bare JSON
+text, without ``<tool_call>``, so it is content, and after a tool's result it writes JSON again
+rather than a sentence (the 1.5B answers in words)."""
 
 from __future__ import annotations
 
@@ -54,9 +55,7 @@ def client(qwen_coder_gguf, tmp_path_factory):
         "litellm_settings": {"custom_provider_map": [{"provider": "flm", "custom_handler": "litellm_flm.handler"}]},
     }))
     port, key = proxy_process.free_port(), f"sk-{secrets.token_hex(32)}"
-    # FLM_WEIGHTS: the default weights (the module docstring says why).
-    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_MASTER_KEY=key, FLM_BACKEND="cpu",
-               FLM_WEIGHTS="auto")
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_MASTER_KEY=key, FLM_BACKEND="cpu")
     proc = proxy_process.start(config, port, env, log)
     try:
         proxy_process.wait_ready(proc, port, log)
