@@ -184,9 +184,9 @@ def fused_format(weights: list[QuantWeight]) -> tuple[int, bool]:
     they share it; else the widest, 6-bit counted as 8 (``as_format``), with stored mins (the
     widths' zero points differ), as when one of them stores its own."""
     widths = {w.bits for w in weights}
-    if len(widths) > 1:
-        widths = {8 if bits == 6 else bits for bits in widths}
-    return max(widths), len({w.bits for w in weights}) > 1 or any(w.mins is not None for w in weights)
+    if len(widths) == 1:
+        return widths.pop(), any(w.mins is not None for w in weights)
+    return max(8 if bits == 6 else bits for bits in widths), True
 
 
 def as_format(w: QuantWeight, bits: int, mins: bool) -> QuantWeight:
