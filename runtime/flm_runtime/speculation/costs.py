@@ -40,9 +40,10 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
-import flm_runtime
 from flm_runtime.backends import KVCacheLike, TargetModel, forward
 from flm_runtime.kernels.cpu_features import cpu_model, host_features
+from flm_runtime.layers.jit import sources_key
+from flm_runtime.loading import gguf
 from flm_runtime.models.dflash import DFlashDraft
 
 log = logging.getLogger(__name__)
@@ -91,13 +92,10 @@ def host_id() -> str:
 
 @functools.cache
 def kernels_digest() -> str:
-    """A digest of the code a pass runs: the runtime's ``kernels/`` and ``layers/`` (the products,
-    the compiled step) and its GGUF reader (which width each weight is held in)."""
-    root = Path(flm_runtime.__file__).parent
-    h = hashlib.sha256()
-    for source in sorted([*(root / "kernels").glob("*.py"), *(root / "layers").glob("*.py")]) + [
-            root / "loading" / "gguf.py"]:
-        h.update(source.read_bytes())
+    """A digest of the code a pass runs: the kernels' and the layers' sources (``jit.sources_key``:
+    the products, the compiled step) and the GGUF reader (which width each weight is held in)."""
+    h = hashlib.sha256(sources_key().encode())
+    h.update(Path(gguf.__file__).read_bytes())
     return h.hexdigest()[:16]
 
 
