@@ -62,7 +62,6 @@ CODES, SCALES, MINS, TILES, BLOCKS, FORMAT = range(6)
 # Slots of a layer's row of ``StackWeights.norms``: its RMSNorms' weights (the post norms' only
 # with ``LayerSpec.post_norms``).
 ATTN_NORM, FFN_NORM, POST_ATTN_NORM, POST_FFN_NORM = range(4)
-_MAX_FORMATS = 4
 _WORKSPACES = 8  # step shapes whose work arrays are kept (decode, verify, prefill chunks, batches)
 
 
@@ -80,7 +79,8 @@ class StackWeights(NamedTuple):
         qk_norms: float32 ``[L, 2, D]``: layer ``l``'s query and key head norms, or ``[0, 2, 0]``
             without QK-norm.
         biases: float32 ``[L, (H + 2 Hkv) D]``: layer ``l``'s Q/K/V bias, or ``[0, 0]`` without.
-        formats: the distinct ``qgemm.Format`` of the matrices (at most 4), the slots of ``FORMAT``.
+        formats: the distinct ``qgemm.Format`` of the matrices (at most 5: 4- and 8-bit with and
+            without mins, 6-bit), the slots of ``FORMAT``.
     """
 
     codes: np.ndarray
@@ -101,15 +101,13 @@ def stack_weights(layers: list[LayerWeights], final_norm: np.ndarray,
     (``quant.joined``; kept weights are laid out so: ``loading.converted``).
 
     Raises:
-        ValueError: a matrix is not quantized, the model has more than 4 formats, or the layers
-            differ in which optional vectors they have.
+        ValueError: a matrix is not quantized, or the layers differ in which optional vectors they
+            have.
     """
     matrices = [m for layer in layers for m in layer.matrices] + [lm_head]
     if not all(isinstance(m, QuantWeight) for m in matrices):
         raise ValueError("a stacked model's matrices are all quantized")
     formats = tuple(dict.fromkeys(qgemm.format_of(m) for m in matrices))
-    if len(formats) > _MAX_FORMATS:
-        raise ValueError(f"a stacked model has at most {_MAX_FORMATS} matrix formats, got {formats}")
     codes = joined([m.codes for m in matrices])
     scales = joined([m.scales for m in matrices]).view(np.uint16)
     mins = joined([m.mins for m in matrices if m.mins is not None] or [np.zeros(0, np.float16)]).view(np.uint16)
