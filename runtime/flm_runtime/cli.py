@@ -35,6 +35,7 @@ from flm_runtime import registry
 from flm_runtime.errors import FlmError, InvalidRequestError, ModelFormatError
 
 if TYPE_CHECKING:  # the engine's modules load only when a command needs them
+    from flm_runtime.loading.gguf import GGUFFile
     from flm_runtime.request import RequestStats
 
 PROG = "litellm-flm"
@@ -105,20 +106,20 @@ def _size(entry: registry.ModelEntry) -> int | None:
     return size if size is not None else entry.size_on_disk()
 
 
-def _family(entry: registry.ModelEntry) -> str:
+def _family(entry: registry.ModelEntry, header: GGUFFile | None) -> str:
     """The model family (``models.families``) of an installed entry's files: its GGUF header's
-    architecture or its config.json's ``model_type``; ``unsupported`` when no family runs them.
+    (``header``, the entry's GGUF parsed) architecture or its config.json's ``model_type``;
+    ``unsupported`` when no family runs them.
 
     Raises:
         ModelFormatError, OSError, ValueError: the files cannot be read (not a GGUF file, a
             config.json that is not JSON): ``list_rows`` shows the tag as broken.
     """
-    from flm_runtime.loading.gguf import open_gguf
     from flm_runtime.models import families
 
     path = entry.location()
-    if entry.format == "gguf":
-        lookup, key = families.for_gguf, open_gguf(path).metadata
+    if header is not None:
+        lookup, key = families.for_gguf, header.metadata
     else:
         lookup, key = families.for_model_type, json.loads((path / "config.json").read_text()).get("model_type")
     try:
@@ -127,25 +128,26 @@ def _family(entry: registry.ModelEntry) -> str:
         return "unsupported"
 
 
-def _held(entry: registry.ModelEntry) -> str | None:
-    """How the cpu backend holds an installed GGUF's matrices (``loading.gguf.held_as``, for the
-XX
-    whose own blocks the kernels do not read marked ``(quantized again)``; ``float32`` for the
-    ``f32`` kind; None for other formats.
+def _held(entry: registry.ModelEntry, header: GGUFFile | None) -> str | None:
+    """How the cpu backend holds an installed GGUF's matrices (``header``: the GGUF parsed), for
+    the entry's weight kind (``loading.gguf.held_as``), per GGUF type of its matrices, the most
+    common first: ``Q4_K 4-bit, Q6_K 6-bit``, a type whose own blocks the kernels do not read
+    marked ``(quantized again)`` (a part of a fused matrix of other widths aside:
+    ``quant.as_format``); ``float32`` for the ``f32`` kind; None for other formats.
 
     Raises:
-        ModelFormatError, OSError, InvalidRequestError: the file cannot be read, or the kind is
-            not one (``list_rows`` shows the tag as broken).
+        InvalidRequestError: the entry's weight kind is not one (``list_rows`` shows the tag as
+            broken).
     """
-    from flm_runtime.loading.gguf import held_as, open_gguf
+    from flm_runtime.loading.gguf import held_as
     from flm_runtime.loading.weights import weight_kind
 
-    if entry.format != "gguf":
+    if header is None:
         return None
     kind = weight_kind(entry.weights)
     if kind == "f32":
         return "float32"
-    counts = collections.Counter(t.tensor_type for t in open_gguf(entry.location()).tensors if len(t.shape) == 2)
+    counts = collections.Counter(t.tensor_type for t in header.tensors if len(t.shape) == 2)
     parts = []
     for qtype, _ in counts.most_common():
         bits, read = held_as(qtype, kind)
@@ -159,6 +161,8 @@ def list_rows() -> list[dict]:
     a DFlash tag's includes its target's), installed, broken (why installed files cannot be read,
     else None: the tag is then not installed), held (``_held``, of installed files; None
     otherwise), path, origin."""
+    from flm_runtime.loading.gguf import open_gguf
+
     entries = {e.tag: e for e in registry.list_entries()}
     rows = []
     for e in entries.values():
@@ -174,7 +178,8 @@ def list_rows() -> list[dict]:
         family = broken = held = None
         if base is not None and installed:
             try:
-                family, held = _family(base), _held(base)
+                header = open_gguf(base.location()) if base.format == "gguf" else None
+                family, held = _family(base, header), _held(base, header)
             except (OSError, ValueError, FlmError) as why:
                 installed, broken = False, " ".join(str(why).split())
         rows.append({
