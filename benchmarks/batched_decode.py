@@ -1,6 +1,6 @@
 """Continuous batching on the cpu backend: aggregate decode tokens/s of B concurrent sequences.
 
-One ``LlamaModel.forward_batch`` decode step of ``B`` rows (one token per sequence, each sequence with its
+One ``CausalLM.forward_batch`` decode step of ``B`` rows (one token per sequence, each sequence with its
 own cache at context ``--context``) is timed for every B of ``--batches``, rounds interleaved in
 one run so that machine noise hits all alike; each step is then rolled back (``trim``). Aggregate
 tokens/s is ``B / t_step``; the ratio to ``B = 1`` is what batching buys. Medians and minima are

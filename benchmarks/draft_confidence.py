@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from flm_runtime.api import get_engine
 from flm_bench import calibrate, documents
-from flm_runtime.speculation.policy import confident_length
+from flm_runtime.outputs import confident_length
 from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95, 1.0)

@@ -31,7 +31,7 @@ A fifth figure: decode at context 256 against the bandwidth bound, ``tokens/s / 
 bytes per token)``. The read bandwidth is measured in every round, before the engines: the best of
 three streaming reads of 1 GiB by the same number of threads (numba ``prange``, a sum of 64-bit
 words). Bytes per token are the weights each engine streams in a decode step: ours as held
-(``LlamaModel.nbytes_per_token``: 6-bit GGUF blocks are held 8-bit, 4-bit ones with float32
+(``CausalLM.nbytes_per_token``: 6-bit GGUF blocks are held 8-bit, 4-bit ones with float32
 scales), llama.cpp's the GGUF's own tensors (all but the embedding, unless it is the LM head); the
 KV cache's read at context 256 (under 2% here) is left out.
 
@@ -71,7 +71,7 @@ from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.loading import load_model_files
 from flm_runtime.loading.gguf import open_gguf
 from flm_runtime.loading.weights import WEIGHT_KINDS
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.models.causal_lm import CausalLM
 
 CONTEXTS = (256, 4096)  # decode contexts (positions already in the KV cache)
 PASS_ROWS = 8  # positions of the verify-sized pass, appended at PASS_CONTEXT
@@ -333,7 +333,7 @@ class Ours:
 
     def __init__(self, path: Path, kind: str):
         bundle = load_model_files(path, weights=kind)
-        self.model = LlamaModel(bundle.config, bundle.weights)
+        self.model = CausalLM(bundle.config, bundle.weights)
         m = self.model
         matrices = [w for layer in m.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)] + [m.lm_head]
         self.held = "/".join(f"q{b}" for b in sorted({w.bits for w in matrices if isinstance(w, QuantWeight)})) or "f32"

@@ -6,7 +6,7 @@ The model is loaded once before the first reading (compiled kernels, imports), t
     python benchmarks/weights_memory.py [--tag smollm2:135m] [--kinds auto,q8,q4,f32]
 
 Prints a markdown table: MB added, bytes per parameter, and the bytes of the matrices and
-vectors themselves (``LlamaModel.nbytes``-style sum over every array the model holds).
+vectors themselves (``CausalLM.nbytes``-style sum over every array the model holds).
 """
 
 from __future__ import annotations

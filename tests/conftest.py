@@ -89,7 +89,7 @@ def smollm2_engine(smollm2_gguf):
 
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2_engine):
-    """The loaded SmolLM2 target model (``LlamaModel``), shared with the engine: read only."""
+    """The loaded SmolLM2 target model (``CausalLM``), shared with the engine: read only."""
     return smollm2_engine.model
 
 
@@ -98,10 +98,10 @@ def smollm2_quantized(smollm2_gguf):
     """SmolLM2 with the default weights (``auto``: its Q4_1 layers 4-bit, its Q8_0 embedding and
     LM head 8-bit), running the compiled layers; a model of its own, read only."""
     from flm_runtime.loading import load_model_files
-    from flm_runtime.models.causal_lm import LlamaModel
+    from flm_runtime.models.causal_lm import CausalLM
 
     bundle = load_model_files(smollm2_gguf, weights="auto")
-    return LlamaModel(bundle.config, bundle.weights)
+    return CausalLM(bundle.config, bundle.weights)
 
 
 @pytest.fixture(scope="session")

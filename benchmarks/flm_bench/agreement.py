@@ -46,7 +46,7 @@ from flm_runtime import pull
 from flm_runtime.backends import decode, forward, prefill
 from flm_runtime.cli import Command
 from flm_runtime.loading import load_model_files
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.models.causal_lm import CausalLM
 
 NEAR_TIE_STEPS = 2
 BF16_MANTISSA_BITS = 7  # explicit fraction bits of bfloat16 (8 significant bits with the implicit one)
@@ -187,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
     reference = None
     if args.reference == "f32":
         bundle = load_model_files(pull.locate(args.tag), weights="f32")
-        reference = LlamaModel(bundle.config, bundle.weights)
+        reference = CausalLM(bundle.config, bundle.weights)
     prefills = 1 if reference is None else 2
     work = sum(prefills * c.tokens + 2 * args.positions for c in contexts) * len(docs)  # prefilled, compared twice
     bar = tqdm(total=work, desc="agreement", unit="tok", disable=args.quiet, file=sys.stderr)

@@ -23,7 +23,7 @@ Two measurements, then one decision per context bucket (``flm_runtime.speculatio
    can flip the decision (docs/benchmarks.md).
 
 Per bucket (contexts above the previous measured one, up to this one): the draft length K and
-confidence gate g (``GATES``; ``policy.confident_length``) maximising ``AL(K, g) / r(K, g)`` over
+confidence gate g (``GATES``; ``outputs.confident_length``) maximising ``AL(K, g) / r(K, g)`` over
 the bucket's own records, where ``AL`` is the mean tokens per step and the cost ratio ``r`` the
 mean of ``(t_propose(K) + t_verify(k'+1)) / t_decode`` (``t_decode`` for ``k' = 0``), the
 largest measured at the bucket's edges (the first bucket: its upper edge only) over all spells;
@@ -63,10 +63,11 @@ from flm_runtime import SamplingParams, SpeculativeDecoder
 from flm_runtime import paths
 from flm_runtime.backends import forward
 from flm_runtime.cli import Command
+from flm_runtime.outputs import confident_length
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.step import Lane
-from flm_runtime.speculation.policy import MIN_SPEEDUP, Bucket, PolicyTable, confident_length
+from flm_runtime.speculation.policy import MIN_SPEEDUP, Bucket, PolicyTable
 
 # Our own prompts, one or two per kind of chat use (writing, roleplay, reasoning, math, coding,
 # extraction, STEM, humanities); none is from MT-Bench.

@@ -41,7 +41,7 @@ def _report(stage: str) -> None:
 
 
 def _read_every_weight_page(model) -> None:
-    """Read a byte of every page of every weight array of ``model`` (a ``LlamaModel``)."""
+    """Read a byte of every page of every weight array of ``model`` (a ``CausalLM``)."""
     from flm_runtime.kernels.quant import QuantWeight
 
     for w in [model.embed, model.lm_head, model.norm, *(a for layer in model.layers for a in vars(layer).values())]:
@@ -59,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here, so that the first stage's seconds count the imports.
     from flm_runtime.kv_cache import BLOCK_TOKENS
     from flm_runtime.loading import load_model_files
-    from flm_runtime.models.causal_lm import LlamaModel
+    from flm_runtime.models.causal_lm import CausalLM
 
     _report("imports")
     bundle = load_model_files(args.gguf, weights="auto", keep=args.keep)
     _report("files")
-    model = LlamaModel(bundle.config, bundle.weights)
+    model = CausalLM(bundle.config, bundle.weights)
     del bundle
     _report("model")
     if args.step:

@@ -23,7 +23,7 @@ reads the environment's at each ``get_engine`` (so the process's runtime sees a 
 a proxy's config sets after import), and passes them down.
 
 Backends (``flm_runtime.backends``): ``get_engine(tag, backend=...)`` with ``auto`` (default, or
-``$FLM_BACKEND``), ``cpu`` or ``npu``. The cpu target is the ``LlamaModel``; an npu target is an
+``$FLM_BACKEND``), ``cpu`` or ``npu``. The cpu target is the ``CausalLM``; an npu target is an
 ``NpuModel`` built on top of it (it keeps the cpu model's embedding and LM head on the host). The
 choice for a (model, requested backend) pair is made once per process; ``auto`` falls back to cpu
 when the npu backend is not there or fails to start, logging why once.
@@ -55,7 +55,7 @@ from flm_runtime.backends.select import log_once, select_backend
 from flm_runtime.errors import BackendUnavailableError, EngineDrainingError, InvalidRequestError, ModelFormatError
 from flm_runtime.loading import Tokenizer, load_model_files
 from flm_runtime.loading.chat_template import thinking_format
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.models.causal_lm import CausalLM
 from flm_runtime.request import SamplingParams
 from flm_runtime.sampling.sampler import default_sampling
 from flm_runtime.scheduling.engine import Engine
@@ -67,7 +67,7 @@ from flm_runtime.speculation.decoders import decoder_for
 class LoadedModel:
     """A target model ready to run, with its tokenizer (chat template included).
 
-    ``model`` is a ``LlamaModel`` (``backend`` cpu) or an ``NpuModel`` (npu); both implement
+    ``model`` is a ``CausalLM`` (``backend`` cpu) or an ``NpuModel`` (npu); both implement
     ``flm_runtime.backends.TargetModel``.
     """
 
@@ -90,7 +90,7 @@ def load_model(tag: str, models: registry.Registry | None = None) -> LoadedModel
     models = models or registry.current()
     entry = models.resolve(tag)
     bundle = load_model_files(pull.locate(tag, models=models), weights=entry.weights, keep=paths.converted_dir())
-    model, tokenizer = LlamaModel(bundle.config, bundle.weights), bundle.tokenizer
+    model, tokenizer = CausalLM(bundle.config, bundle.weights), bundle.tokenizer
     if entry.thinking is not None:  # the entry's markers replace the defaults the template was read with
         tokenizer.thinking = thinking_format(tokenizer.chat_template, entry.thinking)
     del bundle  # the model holds what it needs: views of the kept file's mapping (copies if none was kept)
@@ -111,7 +111,7 @@ def _return_free_memory() -> None:
         pass
 
 
-def load_npu_model(tag: str, cpu_model: LlamaModel):
+def load_npu_model(tag: str, cpu_model: CausalLM):
     """The ``NpuModel`` of plain ``tag`` over its loaded cpu model, from the kernel build that
     ``xclbins/flm_xclbins/manifest.json`` (or ``$FLM_XCLBIN_PATH``) has for it.
 

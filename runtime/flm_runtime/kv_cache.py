@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from flm_runtime.core import KEY_TILE
+KEY_TILE = 16  # positions per tile of the key cache: one 16-lane float32 vector per head dimension
 
 BLOCK_TOKENS = 64  # positions per block: 4 key tiles; the prefix cache reuses whole blocks
 

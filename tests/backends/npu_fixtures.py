@@ -11,10 +11,10 @@ import numpy as np
 from flm_runtime.backends.npu import manifest as mf
 from flm_runtime.backends.npu import reference as npu_reference
 from flm_runtime.backends.npu.layout import from_bf16, to_bf16, unpack
-from flm_runtime.core import LlamaConfig
-from flm_runtime.models.llama import FAMILY as LLAMA
+from flm_runtime.model_config import ModelConfig
+from flm_runtime.models.causal_lm import CausalLM
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft, draft_weight_shapes
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.models.llama import FAMILY as LLAMA
 
 from fake_pyxrt import make_fake_pyxrt
 from xclbin_files import write_build
@@ -22,9 +22,9 @@ from xclbin_files import write_build
 TAG = "tiny:1m"
 
 
-def tiny_model(*, max_positions: int = 128, seed: int = 0) -> LlamaModel:
+def tiny_model(*, max_positions: int = 128, seed: int = 0) -> CausalLM:
     """Random weights already on the bfloat16 grid, so packing them for the NPU loses nothing."""
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    config = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                          rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
     rng = np.random.default_rng(seed)
@@ -33,7 +33,7 @@ def tiny_model(*, max_positions: int = 128, seed: int = 0) -> LlamaModel:
         w = rng.standard_normal(shape).astype(np.float32) * (0.3 if len(shape) == 2 else 0.1)
         w = w + 1.0 if name.endswith("norm.weight") else w
         weights[name] = from_bf16(to_bf16(w))
-    return LlamaModel(config, weights)
+    return CausalLM(config, weights)
 
 
 class ByteTokenizer:
@@ -61,7 +61,7 @@ def random_draft(target) -> DFlashDraft:
                        max_positions=c.max_position_embeddings)
 
 
-def write_tiny_build(folder: Path, model: LlamaModel, **build_kwargs) -> mf.Manifest:
+def write_tiny_build(folder: Path, model: CausalLM, **build_kwargs) -> mf.Manifest:
     """Synthetic xclbins for ``model`` and a manifest (the repository's, plus this build)."""
     kernels = write_build(folder, **build_kwargs)
     raw = json.loads((mf.xclbin_dir() / "manifest.json").read_text())
@@ -103,6 +103,6 @@ def sim_kernels(manifest: mf.Manifest, geometry: dict, fail: str | None = None) 
     return kernels
 
 
-def fake_pyxrt_for(manifest: mf.Manifest, model: LlamaModel, **kwargs):
+def fake_pyxrt_for(manifest: mf.Manifest, model: CausalLM, **kwargs):
     fail = kwargs.pop("fail", None)
     return make_fake_pyxrt(sim_kernels(manifest, mf.geometry_of(model.config), fail), **kwargs)

@@ -12,7 +12,7 @@ from flm_runtime import api, registry
 from flm_runtime.backends import npu, select
 from flm_runtime.backends.npu import NpuModel
 from flm_runtime.errors import BackendUnavailableError, InvalidRequestError
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.models.causal_lm import CausalLM
 
 from npu_fixtures import TAG, ByteTokenizer, fake_pyxrt_for, tiny_model, write_tiny_build
 
@@ -71,7 +71,7 @@ def test_auto_without_pyxrt_is_cpu_with_one_log_line(tiny_api, monkeypatch, capl
     monkeypatch.setitem(sys.modules, "pyxrt", None)
     caplog.set_level(logging.INFO, logger="flm_runtime.backends.select")
     engines = {api.get_engine(TAG) for _ in range(3)}
-    assert len(engines) == 1 and isinstance(engines.pop().model, LlamaModel)
+    assert len(engines) == 1 and isinstance(engines.pop().model, CausalLM)
     (record,) = caplog.records
     assert record.getMessage().startswith(f"backend auto chose cpu for {TAG}: pyxrt is not importable")
 
@@ -82,7 +82,7 @@ def test_auto_falls_back_when_the_npu_model_fails_to_start(tiny_api, tmp_path, m
     monkeypatch.setenv("FLM_XCLBIN_PATH", str(tmp_path / "xclbins"))
     monkeypatch.setitem(sys.modules, "pyxrt", fake_pyxrt_for(manifest, other))
     caplog.set_level(logging.INFO, logger="flm_runtime.backends.select")
-    assert isinstance(api.get_engine(TAG).model, LlamaModel)
+    assert isinstance(api.get_engine(TAG).model, CausalLM)
     (record,) = caplog.records
     assert "the npu backend failed to start: the NPU kernel build for tiny:1m does not fit this model: " \
            "max_positions: build 256, model 128" in record.getMessage()

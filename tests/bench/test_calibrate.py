@@ -19,7 +19,7 @@ from flm_bench import calibrate
 from flm_runtime.models.dflash import DFlashDraft
 from flm_runtime.request import SamplingParams
 from flm_runtime.speculation.policy import PolicyTable
-from flm_runtime.speculation.speculative import Proposer, SpeculativeDecoder
+from flm_runtime.speculation.speculative import DraftStandIn, SpeculativeDecoder
 
 PROMPT = ("Explain in simple terms why the sky looks blue during the day.",)
 
@@ -37,7 +37,7 @@ def draft16(tmp_path_factory, smollm2_model):
                                             random_draft_weights(cfg, seed=5, scale=0.05)), smollm2_model)
 
 
-def replayed_greedy_output(engine, tok, drafted: int) -> tuple[list[int], Proposer]:
+def replayed_greedy_output(engine, tok, drafted: int) -> tuple[list[int], DraftStandIn]:
     """``PROMPT[0]``'s ids, and a stand-in proposer that drafts the next ``drafted`` tokens of the
     engine's greedy answer to it (40 tokens; 0 past them): every drafted token is accepted."""
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT[0]}]))

@@ -22,8 +22,9 @@ import weakref
 
 import numpy as np
 
-from flm_runtime.core import ForwardOutput, LlamaConfig
 from flm_runtime.kv_cache import BlockPool, BlockTable
+from flm_runtime.model_config import ModelConfig
+from flm_runtime.outputs import ForwardOutput
 
 EOS, EOT, BOT = 256, 257, 258
 SPECIALS = {EOS: b"<eos>", EOT: b"<|im_end|>", BOT: b"<|im_start|>"}
@@ -104,8 +105,8 @@ class FakeCache(BlockTable):
         return out
 
 
-def fake_config(vocab: int, context: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+def fake_config(vocab: int, context: int) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=context)
 
 

@@ -16,11 +16,12 @@ import numpy as np
 from engine_fakes import EOS, FAKE_BLOCK
 
 from flm_runtime.backends import decode, prefill
-from flm_runtime.core import ForwardOutput, LlamaConfig
 from flm_runtime.kv_cache import KVCache, KVPool
 from flm_runtime.loading.safetensors_loader import load_hf_dir
+from flm_runtime.model_config import ModelConfig
+from flm_runtime.models.causal_lm import CausalLM
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.outputs import ForwardOutput
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.step import Lane
@@ -41,7 +42,7 @@ class ScriptTarget:
 
     def __init__(self, script: list[int], prompt_len: int, vocab: int = 300, context: int = 2048,
                  rows: np.ndarray | None = None):
-        self.config = LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+        self.config = ModelConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=context)
         rng = np.random.default_rng(0)
         self.embed = rng.standard_normal((vocab, 8)).astype(np.float32)  # [V, E]
@@ -84,25 +85,25 @@ class ScriptTarget:
 
 
 # A tiny random Llama (``tiny_model``) and a prompt for it.
-TINY300 = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+TINY300 = ModelConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=300,
                       rope_theta=500.0, rms_norm_eps=1e-6)
 PROMPT = [5, 17, 200, 33, 9, 140, 71, 2, 250, 64]
 
 
-def tiny_model() -> LlamaModel:
+def tiny_model() -> CausalLM:
     from test_llama import tiny_weights  # tests/models is on sys.path (above)
 
-    return LlamaModel(TINY300, tiny_weights(TINY300, seed=4))
+    return CausalLM(TINY300, tiny_weights(TINY300, seed=4))
 
 
-def family_model(directory: Path, case: str) -> LlamaModel:
+def family_model(directory: Path, case: str) -> CausalLM:
     """The float32 model of the tiny checkpoint ``case`` of ``family_files.CASES`` (a model family
     with its features), written as a Hugging Face directory under ``directory``."""
     from family_files import write_hf_dir  # tests/models is on sys.path (above)
 
     loaded = load_hf_dir(write_hf_dir(directory / case, case), weights="f32")
-    return LlamaModel(loaded.config, loaded.weights)
+    return CausalLM(loaded.config, loaded.weights)
 
 
 def random_draft(target, *, taps: list[int], layers: int = 1, seed: int = 0, block_size: int = 8) -> DFlashDraft:

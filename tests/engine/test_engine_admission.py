@@ -17,8 +17,8 @@ from engine_fakes import HashModel
 from spec_fakes import ScriptTarget, random_draft
 from test_engine_core import idle, wait_until
 
-from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import EngineOverloadedError, InvalidRequestError, KVBudgetError, RequestTimeoutError
+from flm_runtime.model_config import ModelConfig
 from flm_runtime.request import SamplingParams
 from flm_runtime.scheduling import admission
 from flm_runtime.settings import Settings
@@ -30,9 +30,9 @@ BYTES_PER_TOKEN = 32  # the fake models' float32 K and V of one position
 def test_kv_bytes_per_token_of_smollm2_with_and_without_a_draft():
     # SmolLM2-135M (docs/design.md, "The embedded model"): 30 layers, 3 KV heads of 64; a 1-layer
     # draft of the same heads.
-    target = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    target = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
-    draft = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
+    draft = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
     assert admission.kv_bytes_per_token(target) == 2 * 30 * 3 * 64 * 4 == 46_080
     assert admission.kv_bytes_per_token(target, draft) == 46_080 + 2 * 1 * 3 * 64 * 4

@@ -5,7 +5,7 @@ digests and least-recently-used reuse, and the digests' chaining."""
 import numpy as np
 import pytest
 
-from flm_runtime.core import KEY_TILE
+from flm_runtime.kv_cache import KEY_TILE
 from flm_runtime.kv_cache import BlockPool, BlockTable, KVCache, KVPool, KVPoolExhausted, block_digests
 
 

@@ -11,9 +11,10 @@ from engine_fakes import FakeTokenizer
 from pydantic import ValidationError
 from spec_fakes import ScriptTarget, random_draft, replay_proposer
 
+from flm_runtime.outputs import confident_length
 from flm_runtime.request import SamplingParams
 from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, MIN_SPEEDUP, PLAIN_STEP, AcceptanceTracker, Bucket,
-                                            LookupTracker, PolicyTable, confident_length, paying_step)
+                                            LookupTracker, PolicyTable, paying_step)
 from flm_runtime.speculation.speculative import SpeculativeDecoder
 
 PAYS_AT_2 = Bucket(max_context=1 << 20, speculate=True, draft_length=7, cost_ratio=2.0, expected_al=3.0)

@@ -13,12 +13,13 @@ from engine_fakes import EOS, FakeTokenizer
 from spec_fakes import PROMPT, ScriptTarget, family_model, plain_generate, random_draft, replay_proposer, spec_generate
 
 from flm_runtime.backends import forward
+from flm_runtime.outputs import expected_accepted
 from flm_runtime.request import SamplingParams
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.grammar import GrammarCompiler, json_schema_grammar, lark_grammar
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.step import PLAIN, Lane, StepRecord
-from flm_runtime.speculation.policy import ALWAYS_SPECULATE, Bucket, PolicyTable, expected_accepted
+from flm_runtime.speculation.policy import ALWAYS_SPECULATE, Bucket, PolicyTable
 from flm_runtime.speculation.retrieval import NO_LOOKUP, Lookup
 from flm_runtime.speculation.speculative import SpeculativeDecoder, choose, verify
 from flm_runtime.speculation.suffix import SuffixIndex

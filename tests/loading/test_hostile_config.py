@@ -1,6 +1,6 @@
 """Hostile hyper-parameters in a Hugging Face ``config.json`` and in GGUF metadata: each refused at
 load with ``ModelFormatError`` naming the file, the key and the value (the same check of the config,
-``core.LlamaConfig``, for both formats); an absurd context length is refused before anything is
+``model_config.ModelConfig``, for both formats); an absurd context length is refused before anything is
 sized by it, and the longest one accepted makes a KV pool of a known size."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tiny_llama_files import random_hf_weights, tiny_config, write_tiny_gguf, wr
 
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading import load_model_files
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.models.causal_lm import CausalLM
 from flm_runtime.scheduling.engine import Engine
 
 CONFIG = tiny_config()  # hidden 64, 4 heads of 16, 2 key/value heads, context 128
@@ -207,7 +207,7 @@ def test_the_longest_context_accepted_makes_a_kv_pool_of_four_such_contexts(tmp_
     contexts of it: 65,536 blocks of 64 positions, 512 bytes a position (2 layers x K and V x 2
     heads x 16 x 4 bytes), 2 GiB of zeroed pages that cost nothing until written."""
     bundle = load_model_files(write_hf(tmp_path / "model", {"max_position_embeddings": 2**20}), weights="f32")
-    engine = Engine(LlamaModel(bundle.config, bundle.weights), bundle.tokenizer, name="longest")
+    engine = Engine(CausalLM(bundle.config, bundle.weights), bundle.tokenizer, name="longest")
     try:
         stats = engine.stats()
         assert engine.context_length == 2**20

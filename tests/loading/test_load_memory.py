@@ -26,18 +26,18 @@ import pytest
 from tiny_llama_files import gguf_name, llama_gguf_writer, tiny_config
 
 from flm_bench.shaped_gguf import random_blocks
-from flm_runtime.core import LlamaConfig
 from flm_runtime.kernels import quant
 from flm_runtime.loading import converted
 from flm_runtime.loading import gguf as gguf_loader
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.model_config import ModelConfig
+from flm_runtime.models.causal_lm import CausalLM
 from flm_runtime.models.llama import FAMILY as LLAMA
 
 Q = gguf.GGMLQuantizationType
 MB = 1 << 20
 PEAK_RATIO, STEADY_RATIO, FIXED = 1.15, 1.10, 300 * MB  # the issue's bounds: size * ratio + fixed
 
-CONFIG = LlamaConfig(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hidden_layers=36,
+CONFIG = ModelConfig(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hidden_layers=36,
                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
                      rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 # A Q4_0 file's matrices with the other types this loader reads (the LM head Q6_K, as llama.cpp's
@@ -59,7 +59,7 @@ def _q4_k_m(name: str) -> Q:
     return Q.Q4_K
 
 
-def write_blocks_gguf(path, config: LlamaConfig, qtype: Callable[[str], Q] = _q4_0, seed: int = 0):
+def write_blocks_gguf(path, config: ModelConfig, qtype: Callable[[str], Q] = _q4_0, seed: int = 0):
     """A Llama GGUF of random blocks (``qtype`` of each matrix's Hugging Face name; norms F32),
     written tensor by tensor."""
     rng = np.random.default_rng(seed)
@@ -133,7 +133,7 @@ def test_weights_converted_slice_by_slice_are_the_whole_conversions_and_the_mode
                 assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
     mixed = range(0, config.num_hidden_layers, 2) if qtype is _q4_k_m else ()  # layers with a Q6_K v_proj
     assert reformatted == {f"model.layers.{i}.self_attn.{m}_proj.weight" for i in mixed for m in "qkv"}
-    in_memory, mapped = LlamaModel(config, fresh).stack.weights, LlamaModel(config, kept).stack.weights
+    in_memory, mapped = CausalLM(config, fresh).stack.weights, CausalLM(config, kept).stack.weights
     mins = tie or qtype is _q4_k_m  # Q4_K's stored mins in the stack: the tied embedding's, or the layers'
     assert (mapped.mins.size > 0) == mins
     for a, b in zip(in_memory[:2 + mins], mapped[:2 + mins]):  # codes, scales (and mins)

@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from flm_runtime.core import LlamaConfig
+from flm_runtime.model_config import ModelConfig
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "w"), ("o", "r"), ("Ġw", "or")]
@@ -33,16 +33,16 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, [f"{a} {b}" for a, b in MERGES], types
 
 
-def tiny_config(**overrides) -> LlamaConfig:
+def tiny_config(**overrides) -> ModelConfig:
     values = dict(vocab_size=len(tiny_vocab()[0]), hidden_size=64, intermediate_size=96,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=128, rope_theta=10000.0, rms_norm_eps=1e-5,
                   tie_word_embeddings=True)
     values.update(overrides)
-    return LlamaConfig(**values)
+    return ModelConfig(**values)
 
 
-def random_hf_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+def random_hf_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights under Hugging Face names, in Hugging Face layout."""
     from flm_runtime.models.llama import FAMILY as LLAMA
 
@@ -79,7 +79,7 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_BLOCK[rest.removesuffix('.weight')]}.weight"
 
 
-def write_tiny_gguf(path: Path, config: LlamaConfig, weights: dict[str, np.ndarray], *,
+def write_tiny_gguf(path: Path, config: ModelConfig, weights: dict[str, np.ndarray], *,
                     qtype=gguf.GGMLQuantizationType.F32, arch: str = "llama",
                     pre: str = "smollm", extra_tensors: dict | None = None,
                     replace: dict | None = None, extra_kv: dict | None = None,
@@ -115,7 +115,7 @@ def write_tiny_gguf(path: Path, config: LlamaConfig, weights: dict[str, np.ndarr
     return path
 
 
-def llama_gguf_writer(path: Path, config: LlamaConfig, *, arch: str = "llama", pre: str = "smollm",
+def llama_gguf_writer(path: Path, config: ModelConfig, *, arch: str = "llama", pre: str = "smollm",
                       chat_template: str | None = CHATML) -> gguf.GGUFWriter:
     """A ``GGUFWriter`` of ``path`` holding a Llama's metadata (``config``) and the tiny tokenizer's
     (``chat_template`` None: none); the caller adds the tensors and writes the file."""
@@ -137,7 +137,7 @@ def _add_tensor(writer, name: str, w: np.ndarray, qtype) -> None:
         writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
 
 
-def _add_llama_kv(writer, c: LlamaConfig, arch: str) -> None:
+def _add_llama_kv(writer, c: ModelConfig, arch: str) -> None:
     writer.add_uint32(f"{arch}.block_count", c.num_hidden_layers)
     writer.add_uint32(f"{arch}.context_length", c.max_position_embeddings)
     writer.add_uint32(f"{arch}.embedding_length", c.hidden_size)
@@ -188,7 +188,7 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "
     path.write_bytes(struct.pack("<Q", len(blob)) + blob + b"".join(chunks))
 
 
-def write_tiny_hf_dir(path: Path, config: LlamaConfig, weights: dict[str, np.ndarray], *,
+def write_tiny_hf_dir(path: Path, config: ModelConfig, weights: dict[str, np.ndarray], *,
                       dtype: str = "F32", shards: int = 1, chat_template: str = CHATML) -> Path:
     """A Hugging Face style directory: config.json, safetensors (sharded if asked), tokenizer."""
     path.mkdir(parents=True, exist_ok=True)

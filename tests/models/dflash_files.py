@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from flm_runtime.core import LlamaConfig
+from flm_runtime.model_config import ModelConfig
 
 
 def tap_layers(n_layers: int, n_taps: int) -> list[int]:
@@ -20,7 +20,7 @@ def tap_layers(n_layers: int, n_taps: int) -> list[int]:
     return [round(1 + i * (n_layers - 4) / (n_taps - 1)) for i in range(n_taps)]
 
 
-def draft_config_dict(target: LlamaConfig, *, layers: int = 1, taps: list[int] | None = None,
+def draft_config_dict(target: ModelConfig, *, layers: int = 1, taps: list[int] | None = None,
                       mask_token_id: int = 1, target_tag: str = "tiny:test",
                       target_sha256: str | None = None, **overrides) -> dict:
     """A ``config.json`` mapping for a draft of ``target`` (geometry copied from it)."""

@@ -137,7 +137,7 @@ _GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's ``LlamaModel.permute``: rotate-half row order -> interleaved pairs, per head."""
+    """llama.cpp's ``CausalLM.permute``: rotate-half row order -> interleaved pairs, per head."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -206,7 +206,7 @@ def write_gguf(path: Path, case: str) -> Path:
 
 
 def llama3_freq_factors(c: dict) -> np.ndarray:
-    """llama.cpp's ``rope_freqs`` of a llama3-scaled config (``LlamaModel.generate_extra_tensors``):
+    """llama.cpp's ``rope_freqs`` of a llama3-scaled config (``CausalLM.generate_extra_tensors``):
     per frequency, the divisor of its base frequency; float32 ``[D/2]``."""
     s = c["rope_scaling"]
     d = c["head_dim"]

@@ -15,10 +15,10 @@ from test_llama import TINY, tiny_weights
 from test_quantized import TINY_Q
 
 from flm_runtime.backends import forward
-from flm_runtime.kernels import quant
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.kernels import quant
+from flm_runtime.models.causal_lm import CausalLM
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft, read_config
-from flm_runtime.models.causal_lm import LlamaModel
 
 
 def naive_draft_logits(cfg: dict, w: dict, embed: np.ndarray, lm_head: np.ndarray, taps: np.ndarray,
@@ -68,11 +68,11 @@ def naive_draft_logits(cfg: dict, w: dict, embed: np.ndarray, lm_head: np.ndarra
 
 
 @pytest.fixture(scope="module")
-def tiny_target() -> LlamaModel:
-    return LlamaModel(TINY, tiny_weights(TINY))
+def tiny_target() -> CausalLM:
+    return CausalLM(TINY, tiny_weights(TINY))
 
 
-def tiny_draft(target: LlamaModel, layers: int = 2, seed: int = 1) -> tuple[dict, dict, DFlashDraft]:
+def tiny_draft(target: CausalLM, layers: int = 2, seed: int = 1) -> tuple[dict, dict, DFlashDraft]:
     cfg = draft_config_dict(TINY, layers=layers, taps=[1, 0], mask_token_id=5)
     weights = random_draft_weights(cfg, seed=seed, scale=0.3)
     draft = DFlashDraft(DFlashConfig.from_dict(cfg), weights, embed=target.embed, lm_head=target.lm_head,
@@ -217,7 +217,7 @@ def test_an_8_bit_draft_is_batch_invariant_and_near_the_float32_draft(tmp_path):
     logits are the same bits alone or beside other sequences (one compiled call a layer alone,
     two in a batch), and close to the float32 draft's."""
     weights = tiny_weights(TINY_Q)
-    target = LlamaModel(TINY_Q, {k: quant.quantize(v, 8) if v.ndim == 2 else v for k, v in weights.items()})
+    target = CausalLM(TINY_Q, {k: quant.quantize(v, 8) if v.ndim == 2 else v for k, v in weights.items()})
     cfg = draft_config_dict(TINY_Q, layers=2, taps=[1, 0], mask_token_id=5)
     draft_weights = random_draft_weights(cfg, seed=4, scale=0.3)
     q8 = DFlashDraft.load(write_draft_dir(tmp_path / "d", cfg, draft_weights, dtype=np.float32), target)

@@ -16,17 +16,17 @@ from dflash_public_files import BLOCK_SIZE, CASES, CONTEXT, draft_config, draft_
 from family_files import write_gguf, write_hf_dir
 
 from flm_runtime import registry
-from flm_runtime.speculation import decoders
 from flm_runtime.backends import decode, prefill
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.gguf import load_gguf
 from flm_runtime.loading.safetensors_loader import load_hf_dir
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.models.causal_lm import CausalLM
 from flm_runtime.models.dflash import PUBLIC_ARCHITECTURE, DFlashDraft
 from flm_runtime.request import SamplingParams
 from flm_runtime.sampling import sampler
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.step import Lane
+from flm_runtime.speculation import decoders
 from flm_runtime.speculation.policy import ALWAYS_SPECULATE
 from flm_runtime.speculation.speculative import SpeculativeDecoder
 
@@ -38,10 +38,10 @@ def golden(case: str, field: str) -> np.ndarray:
     return GOLDEN[f"{case}_{field}"]
 
 
-def hf_target(directory: Path, case: str) -> LlamaModel:
+def hf_target(directory: Path, case: str) -> CausalLM:
     """The float32 target of draft ``case``, from its Hugging Face directory (as the reference loads it)."""
     loaded = load_hf_dir(write_hf_dir(directory / "target", CASES[case].target), weights="f32")
-    return LlamaModel(loaded.config, loaded.weights)
+    return CausalLM(loaded.config, loaded.weights)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -116,7 +116,7 @@ def test_a_models_file_pairs_a_target_gguf_with_a_public_draft(tmp_path, monkeyp
         assert entry.is_dflash and entry.base == "tinypub:qwen3"
         assert registry.locate_draft("tinypub-dflash:qwen3") == draft_dir
         loaded = load_gguf(gguf, weights="q8")
-        target = LlamaModel(loaded.config, loaded.weights)
+        target = CausalLM(loaded.config, loaded.weights)
         draft = decoders.load_draft("tinypub-dflash:qwen3", target)
         assert draft.quantized and target.quantized
         policy = decoders.load_policy("tinypub-dflash:qwen3", "cpu")

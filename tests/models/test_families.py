@@ -19,8 +19,8 @@ from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.gguf import load_gguf
 from flm_runtime.loading.safetensors_loader import load_hf_dir
 from flm_runtime.models import families, rope
-from flm_runtime.models.causal_lm import LlamaModel
-from flm_runtime.models.family import RopeTable
+from flm_runtime.models.causal_lm import CausalLM
+from flm_runtime.models.checkpoint import RopeTable
 
 GOLDEN = dict(np.load(Path(__file__).parents[1] / "reference" / "golden_families.npz"))
 F32_TOLERANCE = 1e-4
@@ -36,7 +36,7 @@ def _load(tmp_path: Path, case: str, source: str, weights: str = "f32"):
 
 def _logits(config, weights) -> np.ndarray:
     """Every position's logits of the golden sequence in one prefill, first ``GOLDEN_VOCAB``."""
-    model = LlamaModel(config, weights)
+    model = CausalLM(config, weights)
     return model.forward_batch([golden_tokens()], [model.new_cache()]).logits[:, :GOLDEN_VOCAB]
 
 
@@ -67,7 +67,7 @@ def test_q8_logits_stay_near_transformers(tmp_path, case):
     """The quantized path (8-bit matrices, the compiled one-call step) within ``Q8_TOLERANCE``
     of the golden logits, and farther than it from every other Llama RoPE scaling's."""
     config, weights = _load(tmp_path, case, "hf", weights="q8")
-    model = LlamaModel(config, weights)
+    model = CausalLM(config, weights)
     assert model.quantized and model.stack is not None
     logits = model.forward_batch([golden_tokens()], [model.new_cache()]).logits[:, :GOLDEN_VOCAB]
     bound = Q8_TOLERANCE * GOLDEN[case].std()

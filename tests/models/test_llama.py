@@ -11,9 +11,9 @@ import pytest
 from perplexity import llama_cpp_fixture, llama_perplexity, passage_as_llama_perplexity_reads_it
 
 from flm_runtime.backends import decode, forward, prefill
-from flm_runtime.core import LlamaConfig
 from flm_runtime.loading.gguf import load_gguf
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.model_config import ModelConfig
+from flm_runtime.models.causal_lm import CausalLM
 
 PASSAGE = Path(__file__).resolve().parents[1] / "data" / "wizard_of_oz_ch1.txt"
 # Golden value: tests/reference/perplexity_transformers.py (Hugging Face transformers 5.24.0,
@@ -22,7 +22,7 @@ REFERENCE_TOKENS = 338
 REFERENCE_PERPLEXITY = 20.2241
 
 
-def perplexity(model: LlamaModel, ids: list[int]) -> float:
+def perplexity(model: CausalLM, ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of ids[1:] given their prefixes, in float64."""
     logits = forward(model, np.array(ids), model.new_cache(), all_logits=True).logits[:-1].astype(np.float64)
     logits -= logits.max(axis=-1, keepdims=True)
@@ -54,7 +54,7 @@ def test_llama_perplexity_figure_matches_llama_cpps(smollm2_model, smollm2_token
 def test_wrong_rope_convention_fails_perplexity(smollm2_gguf, smollm2_tokenizer):
     """Keeping llama.cpp's interleaved-pair Q/K layout under our rotate-half RoPE breaks the model."""
     raw = load_gguf(smollm2_gguf, unpermute_qk=False)
-    ppl = perplexity(LlamaModel(raw.config, raw.weights), smollm2_tokenizer.encode(PASSAGE.read_text()))
+    ppl = perplexity(CausalLM(raw.config, raw.weights), smollm2_tokenizer.encode(PASSAGE.read_text()))
     assert ppl > 2 * REFERENCE_PERPLEXITY, ppl
 
 
@@ -76,14 +76,14 @@ def test_prefill_decode_and_verify_paths_agree(smollm2_model, smollm2_tokenizer)
     assert np.array_equal(np.argmax(verify, axis=-1), np.argmax(full[292:], axis=-1))
 
 
-TINY = LlamaConfig(
+TINY = ModelConfig(
     vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
     num_key_value_heads=2, max_position_embeddings=300, rope_theta=500.0, rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
 
 
-def tiny_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+def tiny_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     c, d = config, config.head_dim
 
@@ -108,7 +108,7 @@ def tiny_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def naive_forward(c: LlamaConfig, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+def naive_forward(c: ModelConfig, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
     """Float64, position by position and head by head, straight from the Llama paper's equations."""
     w = {k: v.astype(np.float64) for k, v in w.items()}
     d, n = c.head_dim, len(ids)
@@ -151,7 +151,7 @@ def naive_forward(c: LlamaConfig, w: dict[str, np.ndarray], ids: list[int]) -> n
 
 def test_tiny_model_matches_naive_reference():
     weights = tiny_weights(TINY)
-    model = LlamaModel(TINY, weights)
+    model = CausalLM(TINY, weights)
     ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
     expected = naive_forward(TINY, weights, ids)  # [12, V]
 
@@ -173,7 +173,7 @@ def test_taps_are_the_residual_stream_after_the_layers():
     from flm_runtime.kernels.cpu import rms_norm
 
     weights = tiny_weights(TINY)
-    model = LlamaModel(TINY, weights)
+    model = CausalLM(TINY, weights)
     ids = np.array([3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26])
     e, eps = TINY.hidden_size, TINY.rms_norm_eps
     plain = forward(model, ids, model.new_cache(), all_logits=True).logits  # [12, V]
@@ -181,7 +181,7 @@ def test_taps_are_the_residual_stream_after_the_layers():
     np.testing.assert_array_equal(out.logits, plain)
     assert out.taps.dtype == np.float32 and out.taps.shape == (len(ids), 2 * e)
     np.testing.assert_allclose(rms_norm(out.taps[:, :e], model.norm, eps) @ model.lm_head.T, plain, rtol=0, atol=1e-5)
-    one = LlamaModel(replace(TINY, num_hidden_layers=1), weights)
+    one = CausalLM(replace(TINY, num_hidden_layers=1), weights)
     np.testing.assert_allclose(rms_norm(out.taps[:, e:], model.norm, eps) @ model.lm_head.T,
                                forward(one, ids, one.new_cache(), all_logits=True).logits, rtol=0, atol=1e-5)
 
@@ -197,7 +197,7 @@ def test_batched_decode_rows_equal_single_decodes():
     """Sequences at different lengths (one empty) decoded in one ``forward_batch`` step of one
     row each give, row by row, the logits of their own 1-token decode, and each cache grows by
     exactly one position."""
-    model = LlamaModel(TINY, tiny_weights(TINY))
+    model = CausalLM(TINY, tiny_weights(TINY))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, TINY.vocab_size, n) for n in (1, 7, 0, 23, 4)]
     tokens = [5, 17, 42, 95, 0]
@@ -228,7 +228,7 @@ def test_forward_batch_mixes_prefill_chunks_and_decode_rows():
     """One ``forward_batch`` of a middle prompt chunk (no logits), a last prompt chunk (its last
     row's logits), a decode row and a verify block (all its rows' logits) gives each sequence's
     selected rows and every row's taps as its own ``forward``; each cache grows by its rows."""
-    model = LlamaModel(TINY, tiny_weights(TINY))
+    model = CausalLM(TINY, tiny_weights(TINY))
     rng = np.random.default_rng(2)
     held = [0, 9, 5, 3]                                   # prompt tokens already in each cache
     new = [rng.integers(0, TINY.vocab_size, n) for n in (6, 4, 1, 3)]
@@ -254,8 +254,8 @@ def test_missing_and_misshapen_tensors_are_named():
     weights = tiny_weights(TINY)
     del weights["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ModelFormatError, match="model.layers.1.mlp.up_proj.weight"):
-        LlamaModel(TINY, weights)
+        CausalLM(TINY, weights)
     weights = tiny_weights(TINY)
     weights["model.norm.weight"] = weights["model.norm.weight"][:-1]
     with pytest.raises(ModelFormatError, match=r"model.norm.weight.*\(47,\).*\(48,\)"):
-        LlamaModel(TINY, weights)
+        CausalLM(TINY, weights)

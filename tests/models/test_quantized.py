@@ -17,7 +17,7 @@ from test_llama import PASSAGE, TINY, tiny_weights
 
 from flm_runtime.backends import forward
 from flm_runtime.kernels import quant
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.models.causal_lm import CausalLM
 
 
 def _rows_alone_in_a_pass_and_in_a_batch(model, ids, rows=8):
@@ -52,8 +52,8 @@ TINY_Q = dataclasses.replace(TINY, hidden_size=64, intermediate_size=96, num_att
 @pytest.mark.parametrize("rows", [8, 16])
 def test_tiny_model_is_batch_invariant_and_near_float32(rows):
     weights = tiny_weights(TINY_Q)
-    f32 = LlamaModel(TINY_Q, weights)
-    q8 = LlamaModel(TINY_Q, {k: quant.quantize(v, 8) if v.ndim == 2 and v.shape[1] % 32 == 0 else v
+    f32 = CausalLM(TINY_Q, weights)
+    q8 = CausalLM(TINY_Q, {k: quant.quantize(v, 8) if v.ndim == 2 and v.shape[1] % 32 == 0 else v
                              for k, v in weights.items()})
     assert q8.quantized and all(d.ops.compiled for d in q8.decoders)
     ids = np.random.default_rng(1).integers(0, TINY_Q.vocab_size, 60)
@@ -115,13 +115,13 @@ def test_a_gguf_too_big_for_float32_loads_quantized(tmp_path):
         import resource, sys
         import numpy as np
         from flm_runtime.loading.gguf import load_gguf
-        from flm_runtime.models.causal_lm import LlamaModel
+        from flm_runtime.models.causal_lm import CausalLM
         # RLIMIT_DATA counts the data segment and private mappings: VmData, not the RSS.
         used = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmData:"))
         resource.setrlimit(resource.RLIMIT_DATA, (used + int(0.9 * {GIB}), resource.RLIM_INFINITY))
         try:
             model = load_gguf(sys.argv[1], weights=sys.argv[2])
-            LlamaModel(model.config, model.weights)
+            CausalLM(model.config, model.weights)
         except MemoryError:
             print("MemoryError")
         else:

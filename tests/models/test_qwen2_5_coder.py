@@ -9,7 +9,7 @@ from perplexity import llama_cpp_fixture, llama_perplexity, passage_as_llama_per
 
 from flm_runtime import paths, registry
 from flm_runtime.loading import load_model_files
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.models.causal_lm import CausalLM
 from flm_runtime.pull import locate
 
 # Recorded once by tests/reference/llama_cpp.py (command, date, llama.cpp commit inside).
@@ -26,6 +26,6 @@ def test_perplexity_with_the_default_weights_is_within_1_percent_of_llama_cpps(t
     tok = bundle.tokenizer
     assert not tok.add_bos  # so llama-perplexity keeps each chunk's first token, as we do (bos=None)
     ids = tok.encode(passage_as_llama_perplexity_reads_it())
-    ppl, n_chunks = llama_perplexity(LlamaModel(bundle.config, bundle.weights), ids, reference["n_ctx"], None)
+    ppl, n_chunks = llama_perplexity(CausalLM(bundle.config, bundle.weights), ids, reference["n_ctx"], None)
     assert n_chunks == reference["chunks"]
     assert abs(ppl / reference["perplexity"] - 1) < 0.01, (ppl, reference["perplexity"])

@@ -4,7 +4,7 @@ default), so the draft learns the target as it is served. No torch.
 
 Continuous batching with chunked prefill, as the runtime's engine schedules it: ``slots``
 sequences run together, each with its own ``KVCache``; every step is ONE
-``LlamaModel.forward_batch`` of each decoding sequence's last token and the next prompt chunk of
+``CausalLM.forward_batch`` of each decoding sequence's last token and the next prompt chunk of
 sequences still prefilling (``prefill_tokens`` prompt rows a step at most); a finished slot takes
 the next prompt at once. The taps (residual stream after each tapped layer) are recorded *in the
 same passes*: the runtime's kernels compute every row in an order independent of the batch
@@ -46,7 +46,7 @@ import numba
 import numpy as np
 from flm_runtime import LoadedModel, SamplingParams, load_model
 from flm_runtime.kv_cache import KVCache
-from flm_runtime.models.causal_lm import LlamaModel
+from flm_runtime.models.causal_lm import CausalLM
 from flm_runtime.models.dflash import build_target_layer_ids
 from flm_runtime.sampling import sampler
 from tqdm import tqdm
@@ -144,7 +144,7 @@ class _Seq:
         self.top_ids, self.top_logprobs, self.cache = self.top_ids[:n], self.top_logprobs[:n], None
 
 
-def generate_stream(model: LlamaModel, items: list[tuple[int, list[int], bool]], *, tap_layers: list[int],
+def generate_stream(model: CausalLM, items: list[tuple[int, list[int], bool]], *, tap_layers: list[int],
                     max_new: int, slots: int, seed: int, sampling: SamplingParams, with_taps: bool = True,
                     prefill_tokens: int | None = None, progress: tqdm | None = None) -> Iterator[tuple[int, _Seq]]:
     """Generate responses for ``items`` = (prompt id, prompt token ids, greedy?).
@@ -228,13 +228,13 @@ def pack_shard(seqs: list[_Seq]) -> dict[str, np.ndarray]:
     return shard
 
 
-def generate_shard(model: LlamaModel, items: list[tuple[int, list[int], bool]], **kw) -> dict[str, np.ndarray]:
+def generate_shard(model: CausalLM, items: list[tuple[int, list[int], bool]], **kw) -> dict[str, np.ndarray]:
     """All of ``items`` as one shard (``generate_stream``'s arguments), in the order of ``items``."""
     done = dict(generate_stream(model, items, **kw))
     return pack_shard([done[i] for i in range(len(items))])
 
 
-def run_generation(model: LlamaModel, tokenizer, shards: dict[int, list[dict]], out_dir: Path, *,
+def run_generation(model: CausalLM, tokenizer, shards: dict[int, list[dict]], out_dir: Path, *,
                    greedy_fraction: float, **kw) -> None:
     """Generate the shards ``{index: prompts}`` that ``out_dir`` lacks, in one stream of slots
     (``generate_stream``'s keyword arguments ``kw``).
@@ -280,7 +280,7 @@ def run_generation(model: LlamaModel, tokenizer, shards: dict[int, list[dict]], 
                 f.write(json.dumps(rec) + "\n")
 
 
-def causal_taps(model: LlamaModel, tap_layers: list[int], sequences: list[np.ndarray]) -> list[np.ndarray]:
+def causal_taps(model: CausalLM, tap_layers: list[int], sequences: list[np.ndarray]) -> list[np.ndarray]:
     """The taps generation records for each of ``sequences`` (token ids ``[T]``, ``T >= 2``), from
     one causal forward of each: one ``forward_batch``, each sequence a span of its own on a fresh
     cache, over all its positions but the last (the one generation never feeds).
@@ -295,7 +295,7 @@ def causal_taps(model: LlamaModel, tap_layers: list[int], sequences: list[np.nda
     return [out.taps[e - len(r): e] for r, e in zip(rows, ends)]
 
 
-def check_taps(model: LlamaModel, shard: dict[str, np.ndarray], tap_layers: list[int], n_seq: int = 4) -> dict:
+def check_taps(model: CausalLM, shard: dict[str, np.ndarray], tap_layers: list[int], n_seq: int = 4) -> dict:
     """Stored taps of the first ``n_seq`` sequences of ``shard`` against one causal forward of each
     (``causal_taps``).
 

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from flm_runtime.kernels.quant import QuantWeight
+from flm_runtime.models.causal_lm import CausalLM
 from flm_runtime.models.dflash import DFlashConfig
-from flm_runtime.models.causal_lm import LlamaModel
 from flm_train.draft import DFlashDraft
 from flm_train.export import read_draft
 from flm_train.generate import causal_taps, default_tap_layers, load_target
@@ -106,7 +106,7 @@ class Shards:
         ValueError: a shard has no taps and ``target`` is None.
     """
 
-    def __init__(self, paths: list[Path], target: tuple[LlamaModel, list[int]] | None = None):
+    def __init__(self, paths: list[Path], target: tuple[CausalLM, list[int]] | None = None):
         self.tokens, self.seqs = [], []
         self.taps: list[np.ndarray | None] = []  # None: recomputed by `target`
         self.target = target

@@ -1,8 +1,8 @@
 """Backends: where a model step runs. One interface, ``TargetModel``, that both implement.
 
-- ``cpu``: ``flm_runtime.models.causal_lm.LlamaModel`` *is* the cpu backend's target (its layers
+- ``cpu``: ``flm_runtime.models.causal_lm.CausalLM`` *is* the cpu backend's target (its layers
   ``flm_runtime.layers``, its kernels ``flm_runtime.kernels``); it is the numerical reference for every other backend.
-- ``npu``: ``flm_runtime.backends.npu.NpuModel``, built from a loaded ``LlamaModel`` and a kernel
+- ``npu``: ``flm_runtime.backends.npu.NpuModel``, built from a loaded ``CausalLM`` and a kernel
   build of ``xclbins/flm_xclbins/manifest.json``; the same step on an AMD NPU through ``pyxrt``. Never run on
   hardware (see its module docstring).
 
@@ -23,8 +23,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from flm_runtime.core import ForwardOutput, LlamaConfig
 from flm_runtime.kv_cache import BlockPool
+from flm_runtime.model_config import ModelConfig
+from flm_runtime.outputs import ForwardOutput
 
 
 class Backend(enum.Enum):
@@ -66,7 +67,7 @@ class TargetModel(Protocol):
     ``forward_batch``.
 
     Attributes:
-        config: ``LlamaConfig`` (``vocab_size``, ``hidden_size``, ``max_position_embeddings``,
+        config: ``ModelConfig`` (``vocab_size``, ``hidden_size``, ``max_position_embeddings``,
             ``num_hidden_layers``, ...).
         backend: where the step runs.
         embed, lm_head: ``[V, E]`` float32 host arrays; the DFlash draft shares them (frozen).
@@ -81,7 +82,7 @@ class TargetModel(Protocol):
             (a cached prefix was computed beside other rows than a cold one).
     """
 
-    config: LlamaConfig
+    config: ModelConfig
     backend: Backend
     embed: np.ndarray
     lm_head: np.ndarray

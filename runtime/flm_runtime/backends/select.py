@@ -1,6 +1,6 @@
 """Choosing a backend: ``FLM_BACKEND=auto|cpu|npu``, or the same value per deployment.
 
-- ``cpu``: the numpy backend (``LlamaModel``), always available.
+- ``cpu``: the numpy backend (``CausalLM``), always available.
 - ``npu``: the npu backend, or ``BackendUnavailableError`` saying everything that is missing.
 - ``auto`` (the default): ``npu`` only when pyxrt imports, ``pyxrt.device(0)`` opens and the
   model's xclbins validate against ``xclbins/flm_xclbins/manifest.json``; otherwise ``cpu``, with the reason
@@ -63,8 +63,8 @@ class NpuProbe:
 
 def probe_npu(tag: str) -> NpuProbe:
     """Check, without raising, everything the npu backend needs for model ``tag``."""
-    from flm_runtime.backends.npu import manifest as mf
     from flm_runtime.backends import npu
+    from flm_runtime.backends.npu import manifest as mf
     from flm_runtime.backends.npu.device import detect_npu
 
     probe = NpuProbe(tag=tag, detection=detect_npu())

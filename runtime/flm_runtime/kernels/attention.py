@@ -20,11 +20,11 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from flm_runtime.core import KEY_TILE
 from flm_runtime.kernels import cpu_features
 from flm_runtime.kernels.elementwise import ELEMENTWISE, exp
 from flm_runtime.kernels.irgen import (F16, F32, I1, I32, I64, as_i64, broadcast, counted_loop, data_ptr, declare,
                                        literal, load, prefetch, store, vec)
+from flm_runtime.kv_cache import KEY_TILE
 
 
 def _contiguous(*array_types, cache=None):

@@ -21,7 +21,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # the gated FFN's activations: SwiGLU, GeGL
 
 
 class LayerConfig(Protocol):
-    """The hyper-parameters one decoder layer reads (``LlamaConfig`` and the draft's ``DFlashConfig``
+    """The hyper-parameters one decoder layer reads (``ModelConfig`` and the draft's ``DFlashConfig``
     both name them as a Hugging Face ``config.json`` does)."""
 
     hidden_size: int

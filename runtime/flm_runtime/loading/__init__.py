@@ -17,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading.gguf import load_gguf, open_gguf
 from flm_runtime.loading.safetensors_loader import load_hf_dir
 from flm_runtime.loading.tokenizer import Tokenizer
 from flm_runtime.loading.weights import Weight, weight_kind
+from flm_runtime.model_config import ModelConfig
 
 __all__ = ["ModelBundle", "Tokenizer", "load_model_files"]
 
@@ -39,7 +39,7 @@ class ModelBundle:
         source: the file or directory loaded.
     """
 
-    config: LlamaConfig
+    config: ModelConfig
     weights: dict[str, Weight]
     tokenizer: Tokenizer
     source: Path
@@ -88,7 +88,7 @@ def _load_hf_dir(path: Path, kind: str) -> ModelBundle:
     return ModelBundle(model.config, model.weights, tokenizer, path)
 
 
-def _check_vocab(config: LlamaConfig, tokenizer: Tokenizer, path: Path) -> None:
+def _check_vocab(config: ModelConfig, tokenizer: Tokenizer, path: Path) -> None:
     # The embedding may have padding rows beyond the tokenizer, never fewer rows.
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelFormatError(

@@ -27,7 +27,7 @@ each tensor (a tensor it has no place for is refused, named) and which rows were
 llama.cpp's RoPE factor tensors (``rope_freqs``, ``rope_factors_long`` / ``_short``) go to the
 config's RoPE scaling, not to the weights.
 
-RoPE. llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders the rows of every
+RoPE. llama.cpp's ``convert_hf_to_gguf.py`` (``CausalLM.permute``) reorders the rows of every
 ``q_proj``/``k_proj`` head of the Llama family (Mistral included; not Qwen2, Qwen3, Gemma 3 or
 Phi-3, which llama.cpp rotates the "neox" way) so that llama.cpp can rotate adjacent pairs
 ``(2i, 2i+1)``; Hugging Face rotates ``(i, i + D/2)`` ("rotate half"). ``unpermute_rope`` restores
@@ -54,12 +54,12 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 from gguf.quants import Q4_K, dequantize
 
+from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import quant
 from flm_runtime.kernels.quant import QuantWeight
-from flm_runtime.core import LlamaConfig
-from flm_runtime.errors import ModelFormatError
 from flm_runtime.loading import converted
 from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_shapes, check_weights
+from flm_runtime.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from flm_runtime.models.llama import Llama
@@ -78,7 +78,7 @@ class GGUFModel(NamedTuple):
         metadata: every key/value of the file (``tokenizer.ggml.tokens`` is a ``list[str]`` ...).
     """
 
-    config: LlamaConfig
+    config: ModelConfig
     weights: dict[str, Weight]
     metadata: dict[str, Any]
 
@@ -383,7 +383,7 @@ def _tensor_data(buf: mmap.mmap, offset: int, qtype: GGMLQuantizationType, shape
     return np.frombuffer(buf, np.uint8, nbytes, offset).reshape(*dims[:-1], dims[-1] // block * size)
 
 
-def config_from_gguf(gguf_file: GGUFFile, family: Llama, *, source: str = "GGUF") -> LlamaConfig:
+def config_from_gguf(gguf_file: GGUFFile, family: Llama, *, source: str = "GGUF") -> ModelConfig:
     """The config of a GGUF file of ``family`` (``families.for_gguf``): its ``{arch}.*`` keys and
     RoPE factor tensors, read by the family (``Llama.config_from_gguf``).
 
@@ -391,7 +391,7 @@ def config_from_gguf(gguf_file: GGUFFile, family: Llama, *, source: str = "GGUF"
         ModelFormatError: a missing key, or a feature the family refuses (mixture of experts,
             partial rotary, a RoPE scaling type we lack), naming it.
     """
-    from flm_runtime.models.family import GGUFMetadata  # deferred as in load_gguf
+    from flm_runtime.models.checkpoint import GGUFMetadata  # deferred as in load_gguf
 
     rope_tensors = {t.name: dequantize_tensor(t, source) for t in gguf_file.tensors if t.name in ROPE_TENSORS}
     meta = GGUFMetadata(gguf_file.metadata, gguf_file.metadata["general.architecture"],
@@ -399,7 +399,7 @@ def config_from_gguf(gguf_file: GGUFFile, family: Llama, *, source: str = "GGUF"
     return family.config_from_gguf(meta)
 
 
-def load_gguf_weights(gguf_file: GGUFFile, config: LlamaConfig, family: Llama, *, unpermute_qk: bool = True,
+def load_gguf_weights(gguf_file: GGUFFile, config: ModelConfig, family: Llama, *, unpermute_qk: bool = True,
                       kind: str = "f32", source: str = "GGUF",
                       keep: tuple[Path, Path] | None = None) -> dict[str, Weight]:
     """Every tensor (but the RoPE factors) under its Hugging Face name, as the weight kind
@@ -437,7 +437,7 @@ def load_gguf_weights(gguf_file: GGUFFile, config: LlamaConfig, family: Llama, *
             for name, tensor in tensors.items()}
 
 
-def _converted_into(directory: Path, source: Path, tensors: dict[str, GGUFTensor], config: LlamaConfig,
+def _converted_into(directory: Path, source: Path, tensors: dict[str, GGUFTensor], config: ModelConfig,
                     family: Llama, kind: str) -> dict[str, Weight] | None:
     """``load_gguf_weights``'s ``keep``: ``tensors`` (by Hugging Face name) converted into the kept
     file, laid out in the stacking order and each group of matrices the model fuses in the fused
@@ -470,7 +470,7 @@ def _converted_into(directory: Path, source: Path, tensors: dict[str, GGUFTensor
 _SLICE_WEIGHTS = 1 << 22
 
 
-def _converted_parts(tensors: dict[str, GGUFTensor], order: list[str], config: LlamaConfig, family: Llama,
+def _converted_parts(tensors: dict[str, GGUFTensor], order: list[str], config: ModelConfig, family: Llama,
                      convert: Callable[[str, GGUFTensor], Weight]) -> Iterator[tuple[str, int, Weight]]:
     """``converted.save``'s parts: the tensors in ``order``, converted (``convert(name, rows)``)
     slice by slice of rows (whole tiles; about ``_SLICE_WEIGHTS`` weights each), each slice's GGUF
@@ -494,7 +494,7 @@ def _rows(tensor: GGUFTensor, first: int, stop: int) -> GGUFTensor:
     return tensor._replace(shape=(tensor.shape[0], data.shape[0]), data=data)
 
 
-def _in_hf_order(name: str, tensor: GGUFTensor, config: LlamaConfig, family: Llama,
+def _in_hf_order(name: str, tensor: GGUFTensor, config: ModelConfig, family: Llama,
                  unpermute_qk: bool) -> GGUFTensor:
     """The tensor of Hugging Face name ``name`` with its rows in Hugging Face's order (un-permuted
     where llama.cpp's converter permuted them for ``family`` and ``unpermute_qk``: the stored rows
@@ -644,7 +644,7 @@ def _check_finite(tensor: GGUFTensor, source: str, *arrays: np.ndarray | None) -
 def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     """Hugging Face (rotate-half) row order -> llama.cpp (interleaved pairs) row order.
 
-    The forward permutation of llama.cpp ``convert_hf_to_gguf.py`` ``LlamaModel.permute``: inside
+    The forward permutation of llama.cpp ``convert_hf_to_gguf.py`` ``CausalLM.permute``: inside
     each head, row ``i`` (i < D/2) moves to ``2i`` and row ``D/2 + i`` to ``2i + 1``.
 
     Args:

@@ -18,11 +18,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from flm_runtime.kernels import quant
-from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.kernels import quant
 from flm_runtime.loading.hf_files import load_json
 from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_weights
+from flm_runtime.model_config import ModelConfig
 from flm_runtime.safetensors_file import iter_safetensors
 
 # Tensors some checkpoints carry that the model computes itself.
@@ -33,7 +33,7 @@ class HFModel(NamedTuple):
     """What ``load_hf_dir`` returns: config (its family's class), Hugging Face weights, raw
     config.json."""
 
-    config: LlamaConfig
+    config: ModelConfig
     weights: dict[str, Weight]
     config_dict: dict[str, Any]
 

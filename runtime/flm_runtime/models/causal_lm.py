@@ -1,4 +1,4 @@
-"""The decoder-only model every family runs (``LlamaModel``): an embedding, decoder layers (each
+"""The decoder-only model every family runs (``CausalLM``): an embedding, decoder layers (each
 of its family's ``LayerSpec``, on the RoPE table its family gives it), a final norm and an LM
 head, on the cpu backend.
 
@@ -7,7 +7,7 @@ Weights follow Hugging Face's names and layout (``model.layers.{i}.self_attn.q_p
 ``i`` with ``i + head_dim/2`` ("rotate half"). Loaders bring every format to this convention
 (GGUF stores Llama's Q/K permuted for interleaved pairs; ``flm_runtime.loading.gguf`` undoes it)
 and fold a ``1 + w`` norm's offset into its weight. The family (``models.families.of_config``)
-says how its tensors become each layer's weights (``models.family``).
+says how its tensors become each layer's weights (``models.checkpoint``).
 """
 
 from __future__ import annotations
@@ -15,17 +15,18 @@ from __future__ import annotations
 import numpy as np
 
 from flm_runtime.backends import Backend
-from flm_runtime.core import ForwardOutput, LlamaConfig
-from flm_runtime.kv_cache import BLOCK_TOKENS, KVCache, KVPool
 from flm_runtime.kernels import cpu
 from flm_runtime.kernels.quant import QuantWeight
+from flm_runtime.kv_cache import BLOCK_TOKENS, KVCache, KVPool
 from flm_runtime.layers.decoder import DecoderLayer, RowSpan, stack_arithmetic
 from flm_runtime.layers.stack import Stack, stack_weights
+from flm_runtime.model_config import ModelConfig
 from flm_runtime.models import families, rope
-from flm_runtime.models.family import WeightTaker
+from flm_runtime.models.checkpoint import WeightTaker
+from flm_runtime.outputs import ForwardOutput
 
 
-class LlamaModel:
+class CausalLM:
     """A target model of any family (``models.families``) on the cpu backend.
 
     Args:
@@ -43,7 +44,7 @@ class LlamaModel:
     backend = Backend.CPU
     prefill_chunk = 256  # positions per prefill forward; bounds the [Hkv, R*T, N] score buffer
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray]):
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
         self.config = config
         c = config
         family = families.of_config(c)

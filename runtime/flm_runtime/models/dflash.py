@@ -34,16 +34,17 @@ from pathlib import Path
 
 import numpy as np
 
-from flm_runtime.core import LlamaConfig, Proposal
-from flm_runtime.kv_cache import KVCache
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu, quant, team
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan, stack_arithmetic
 from flm_runtime.layers.ops import REFERENCE
 from flm_runtime.layers.spec import LayerSpec
+from flm_runtime.model_config import ModelConfig
 from flm_runtime.models import rope
-from flm_runtime.models.family import WeightTaker
+from flm_runtime.models.checkpoint import WeightTaker
 from flm_runtime.models.llama import KV_PROJ, fuse_layer, layer_weight_shapes, take_fused
+from flm_runtime.outputs import Proposal
 from flm_runtime.safetensors_file import read_safetensors
 
 log = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ class DFlashConfig:
         return self.block_size - 1
 
 
-def check_target(config: DFlashConfig, target: LlamaConfig, *, target_sha256: str | None = None,
+def check_target(config: DFlashConfig, target: ModelConfig, *, target_sha256: str | None = None,
                  source: str = "draft") -> None:
     """Refuse a draft that does not fit ``target``.
 
@@ -291,7 +292,7 @@ class DFlashDraft:
 
         Args:
             path: the draft directory.
-            target: the loaded target (``LlamaModel``): its config is checked against the draft's
+            target: the loaded target (``CausalLM``): its config is checked against the draft's
                 and its ``embed`` / ``lm_head`` arrays are shared; a quantized one (``kv_dtype``
                 float16) gets an 8-bit draft (``bits``).
             target_sha256: sha256 of the target's weight file when known cheaply (the registry's

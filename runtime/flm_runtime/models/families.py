@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flm_runtime.core import LlamaConfig
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.model_config import ModelConfig
 from flm_runtime.models import gemma3, llama, mistral, phi3, qwen2, qwen3
 
 FAMILIES = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, phi3.FAMILY)
@@ -53,6 +53,6 @@ def for_gguf(metadata: dict[str, Any], source: str) -> llama.Llama:
     raise ModelFormatError(f"{source}: architecture {arch!r} is not supported (supported: {', '.join(names)})")
 
 
-def of_config(config: LlamaConfig) -> llama.Llama:
+def of_config(config: ModelConfig) -> llama.Llama:
     """The family whose config class ``config`` is (each family has its own)."""
     return _BY_CONFIG[type(config)]

@@ -32,11 +32,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from flm_runtime.core import COUNT, NON_NEGATIVE, POSITIVE, ROPE_BASE, SIZE, Bound, LlamaConfig, require
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerSpec
-from flm_runtime.models.family import GGUFMetadata, RopePlan, RopeTable, WeightTaker, layer_windows
+from flm_runtime.model_config import COUNT, NON_NEGATIVE, POSITIVE, ROPE_BASE, SIZE, Bound, ModelConfig, require
+from flm_runtime.models.checkpoint import GGUFMetadata, RopePlan, RopeTable, WeightTaker, layer_windows
 from flm_runtime.models.llama import Llama, fuse_layer
 
 _PATTERN = 6  # Gemma 3's default: layers 6, 12, ... (1-based) are global
@@ -45,7 +45,7 @@ _LAYERS_27B = 62  # llama.cpp tells Gemma 3 27B, whose score scale differs, by i
 
 
 @dataclass(frozen=True)
-class Gemma3Config(LlamaConfig):
+class Gemma3Config(ModelConfig):
     """Llama's hyper-parameters and Gemma 3's (module docstring).
 
     Attributes:
@@ -62,7 +62,7 @@ class Gemma3Config(LlamaConfig):
     rope_local_base_freq: float = _LOCAL_BASE
     final_logit_softcapping: float = 0.0
 
-    BOUNDS: ClassVar[dict[str, Bound]] = {**LlamaConfig.BOUNDS, "query_pre_attn_scalar": POSITIVE,
+    BOUNDS: ClassVar[dict[str, Bound]] = {**ModelConfig.BOUNDS, "query_pre_attn_scalar": POSITIVE,
                                           "rope_local_base_freq": ROPE_BASE, "final_logit_softcapping": NON_NEGATIVE}
 
 
@@ -125,13 +125,13 @@ class Gemma3(Llama):
                 "rope_local_base_freq": meta.decimal(key["rope_local_base_freq"], _LOCAL_BASE, ROPE_BASE),
                 "final_logit_softcapping": meta.decimal(key["final_logit_softcapping"], 0.0)}
 
-    def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    def layer_shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes = super().layer_shapes(config)
         e, d = config.hidden_size, config.head_dim
         return {**shapes, "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
                 "pre_feedforward_layernorm.weight": (e,), "post_feedforward_layernorm.weight": (e,)}
 
-    def layer_weights(self, take: WeightTaker, config: LlamaConfig, prefix: str) -> LayerWeights:
+    def layer_weights(self, take: WeightTaker, config: ModelConfig, prefix: str) -> LayerWeights:
         shapes = self.layer_shapes(config)
 
         def one(name: str):
@@ -154,7 +154,7 @@ class Gemma3(Llama):
         tables = (RopeTable(config.rope_theta, config.rope_scaling), RopeTable(config.rope_local_base_freq, None))
         return RopePlan(tables, tuple(1 if w else 0 for w in config.layer_windows))
 
-    def embed_scale(self, config: LlamaConfig) -> float:
+    def embed_scale(self, config: ModelConfig) -> float:
         return math.sqrt(config.hidden_size)
 
     def final_softcap(self, config: Gemma3Config) -> float:

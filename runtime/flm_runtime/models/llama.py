@@ -1,6 +1,6 @@
-"""The Llama family (Llama 2/3, SmolLM2): the base every other family extends (``models.family``).
+"""The Llama family (Llama 2/3, SmolLM2): the base every other family extends (``models.checkpoint``).
 
-Hugging Face config keys: ``LlamaConfig``'s fields, ``rope_scaling`` (``models.rope``: linear,
+Hugging Face config keys: ``ModelConfig``'s fields, ``rope_scaling`` (``models.rope``: linear,
 dynamic, llama3, yarn), ``attention_bias`` and ``mlp_bias`` (refused: no bias of o_proj or of
 the FFN runs here). GGUF: ``llama.*`` keys, ``llama.rope.scaling.*`` and llama.cpp's
 ``rope_freqs.weight`` (its converter's form of llama3 scaling).
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from flm_runtime.core import CONTEXT, HEAD_DIM, LAYERS, POSITIVE, ROPE_BASE, SIZE, LlamaConfig, require
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerConfig, LayerSpec
+from flm_runtime.model_config import CONTEXT, HEAD_DIM, LAYERS, POSITIVE, ROPE_BASE, SIZE, ModelConfig, require
 from flm_runtime.models import rope
-from flm_runtime.models.family import GGUFMetadata, RopePlan, RopeTable, WeightTaker, config_refusals
+from flm_runtime.models.checkpoint import GGUFMetadata, RopePlan, RopeTable, WeightTaker, config_refusals
 
 KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
 QKV_PROJ = ("self_attn.q_proj.weight", *KV_PROJ)  # LayerWeights.wqkv's rows, in this order
@@ -87,11 +87,11 @@ GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_n
 
 class Llama:
     """The Llama family (module docstring); its methods are what a family says
-    (``models.family``), overridden by the families that differ."""
+    (``models.checkpoint``), overridden by the families that differ."""
 
     model_types: tuple[str, ...] = ("llama",)
     gguf_architectures: tuple[str, ...] = ("llama",)
-    config_class: type[LlamaConfig] = LlamaConfig
+    config_class: type[ModelConfig] = ModelConfig
     # GGUF tensor name below ``blk.{i}.`` -> Hugging Face name below ``model.layers.{i}.``
     gguf_block_names: dict[str, str] = {
         "attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
@@ -115,7 +115,7 @@ class Llama:
 
     # -- config -------------------------------------------------------------------------------
 
-    def config_from_hf(self, values: dict[str, Any], source: str) -> LlamaConfig:
+    def config_from_hf(self, values: dict[str, Any], source: str) -> ModelConfig:
         """The config of a ``config.json`` mapping of this family.
 
         Args:
@@ -123,7 +123,7 @@ class Llama:
 
         Raises:
             ModelFormatError: a feature this runtime does not run (named with its key), missing
-                keys, or a value of the wrong type or out of range (``core.LlamaConfig``), naming
+                keys, or a value of the wrong type or out of range (``model_config.ModelConfig``), naming
                 the key and the value.
         """
         with config_refusals(source, "key", str):
@@ -155,7 +155,7 @@ class Llama:
         values.setdefault("num_key_value_heads", values.get("num_attention_heads"))
         # a family lists each layer's window from it: bounded before any list is made
         values["num_hidden_layers"] = require(values.get("num_hidden_layers"), LAYERS, "num_hidden_layers")
-        # 2048: transformers' LlamaConfig default
+        # 2048: transformers' ModelConfig default
         positions = require(values.get("max_position_embeddings", 2048), CONTEXT, "max_position_embeddings")
         scaling = rope.scaling_from_hf(config.get("rope_scaling"), positions,
                                        original_max_position_embeddings=require(
@@ -167,7 +167,7 @@ class Llama:
                                                     "max_position_embeddings × rope_scaling.factor")
         return values
 
-    def config_from_gguf(self, meta: GGUFMetadata) -> LlamaConfig:
+    def config_from_gguf(self, meta: GGUFMetadata) -> ModelConfig:
         """The config of a GGUF file of this family (its ``{arch}.*`` keys).
 
         ``head_dim`` is ``{arch}.attention.key_length`` if present, else
@@ -176,7 +176,7 @@ class Llama:
 
         Raises:
             ModelFormatError: a missing key, partial rotary embedding, mixture of experts, a
-                RoPE scaling we lack, or a value of the wrong type or out of range (``core.LlamaConfig``),
+                RoPE scaling we lack, or a value of the wrong type or out of range (``model_config.ModelConfig``),
                 naming the key (and the value).
         """
         def key(field: str) -> str:  # a config field's GGUF key; a GGUF key refused as read is named already
@@ -248,13 +248,13 @@ class Llama:
 
     # -- tensors ------------------------------------------------------------------------------
 
-    def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    def layer_shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
         """The tensors of one layer of a checkpoint of this family, by Hugging Face name below
         ``model.layers.{i}.``, with their shapes, in the order a layer's modules run."""
         shapes = layer_weight_shapes(config)
         return {name: shapes[name] for name in RUN_ORDER}
 
-    def checkpoint_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    def checkpoint_shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint of this family must hold, by Hugging Face name, with its
         shape (``lm_head.weight`` only when the config does not tie it to the embedding)."""
         e = config.hidden_size
@@ -265,7 +265,7 @@ class Llama:
             shapes.update({f"model.layers.{i}.{name}": shape for name, shape in self.layer_shapes(config).items()})
         return shapes
 
-    def stacking_order(self, config: LlamaConfig) -> list[str]:
+    def stacking_order(self, config: ModelConfig) -> list[str]:
         """The checkpoint's matrices in the order a quantized model stacks them
         (``layers.stack.stack_weights``): each layer's in ``layer_shapes``' order, then the LM
         head (the embedding when tied). Kept weights laid out in this order are the stacked arrays
@@ -274,7 +274,7 @@ class Llama:
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         return [f"model.layers.{i}.{name}" for i in range(config.num_hidden_layers) for name in matrices] + [head]
 
-    def fused_matrices(self, config: LlamaConfig) -> list[tuple[str, ...]]:
+    def fused_matrices(self, config: ModelConfig) -> list[tuple[str, ...]]:
         """The checkpoint's matrices a model holds stacked by rows into one (``take_fused``), one
         tuple each, by full name: each layer's Q, K and V and its gate and up (none where the
         checkpoint has them fused already). Kept in one format, their kept weights are the fused
@@ -297,14 +297,14 @@ class Llama:
             return f"model.layers.{parts[1]}.{self.gguf_block_names[parts[2]]}"
         raise ModelFormatError(f"{source}: GGUF tensor {gguf_name!r} is not supported by the {self.name} family")
 
-    def permuted_heads(self, hf_name: str, config: LlamaConfig) -> int:
+    def permuted_heads(self, hf_name: str, config: ModelConfig) -> int:
         """The heads whose rows llama.cpp's converter permuted in this tensor (0: none)."""
         if not self.gguf_permuted:
             return 0
         return {"self_attn.q_proj.weight": config.num_attention_heads,
                 "self_attn.k_proj.weight": config.num_key_value_heads}.get(hf_name.split(".", 3)[-1], 0)
 
-    def layer_weights(self, take: WeightTaker, config: LlamaConfig, prefix: str) -> LayerWeights:
+    def layer_weights(self, take: WeightTaker, config: ModelConfig, prefix: str) -> LayerWeights:
         """One layer's ``LayerWeights`` from the tensors below ``prefix``.
 
         Raises:
@@ -314,19 +314,19 @@ class Llama:
 
     # -- what the layers run ------------------------------------------------------------------
 
-    def layer_spec(self, config: LlamaConfig, layer: int) -> LayerSpec:
+    def layer_spec(self, config: ModelConfig, layer: int) -> LayerSpec:
         """Layer ``layer``'s spec."""
         return LayerSpec.of(config)
 
-    def rope(self, config: LlamaConfig) -> RopePlan:
+    def rope(self, config: ModelConfig) -> RopePlan:
         """The RoPE tables and each layer's (one table here)."""
         return RopePlan((RopeTable(config.rope_theta, config.rope_scaling),), (0,) * config.num_hidden_layers)
 
-    def embed_scale(self, config: LlamaConfig) -> float:
+    def embed_scale(self, config: ModelConfig) -> float:
         """What the embedding rows are multiplied by (1: none)."""
         return 1.0
 
-    def final_softcap(self, config: LlamaConfig) -> float:
+    def final_softcap(self, config: ModelConfig) -> float:
         """The final logits' soft-cap ``c * tanh(z / c)`` (0: none)."""
         return 0.0
 

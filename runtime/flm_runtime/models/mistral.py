@@ -12,19 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from flm_runtime.core import SIZE, Bound, LlamaConfig
 from flm_runtime.layers.spec import LayerSpec
-from flm_runtime.models.family import GGUFMetadata
+from flm_runtime.model_config import SIZE, Bound, ModelConfig
+from flm_runtime.models.checkpoint import GGUFMetadata
 from flm_runtime.models.llama import Llama
 
 
 @dataclass(frozen=True)
-class MistralConfig(LlamaConfig):
+class MistralConfig(ModelConfig):
     """Llama's hyper-parameters and the window every layer attends (0: all positions)."""
 
     sliding_window: int = 0
 
-    BOUNDS: ClassVar[dict[str, Bound]] = {**LlamaConfig.BOUNDS, "sliding_window": SIZE}
+    BOUNDS: ClassVar[dict[str, Bound]] = {**ModelConfig.BOUNDS, "sliding_window": SIZE}
 
 
 class Mistral(Llama):

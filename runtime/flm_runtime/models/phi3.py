@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flm_runtime.core import LlamaConfig
 from flm_runtime.layers.decoder import LayerWeights
-from flm_runtime.models.family import WeightTaker
+from flm_runtime.model_config import ModelConfig
+from flm_runtime.models.checkpoint import WeightTaker
 from flm_runtime.models.mistral import Mistral, MistralConfig
 
 
@@ -41,7 +41,7 @@ class Phi3(Mistral):
                         "ffn_up.weight": "mlp.gate_up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
     gguf_permuted = False
 
-    def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    def layer_shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
         c = config
         e, f, d = c.hidden_size, c.intermediate_size, c.head_dim
         q_rows = c.num_attention_heads * d
@@ -50,7 +50,7 @@ class Phi3(Mistral):
                 "self_attn.o_proj.weight": (e, q_rows), "mlp.gate_up_proj.weight": (2 * f, e),
                 "mlp.down_proj.weight": (e, f)}
 
-    def layer_weights(self, take: WeightTaker, config: LlamaConfig, prefix: str) -> LayerWeights:
+    def layer_weights(self, take: WeightTaker, config: ModelConfig, prefix: str) -> LayerWeights:
         shapes = self.layer_shapes(config)
 
         def one(name: str):

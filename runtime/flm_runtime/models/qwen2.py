@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from flm_runtime.core import SIZE, LlamaConfig, require, require_flag
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerSpec
-from flm_runtime.models.family import WeightTaker, layer_windows
+from flm_runtime.model_config import SIZE, ModelConfig, require, require_flag
+from flm_runtime.models.checkpoint import WeightTaker, layer_windows
 from flm_runtime.models.llama import Llama
 
 QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
@@ -45,7 +45,7 @@ def qwen_layer_windows(config: dict[str, Any], n_layers: int, source: str) -> tu
 
 
 @dataclass(frozen=True)
-class Qwen2Config(LlamaConfig):
+class Qwen2Config(ModelConfig):
     """Llama's hyper-parameters and each layer's sliding window (``layer_windows``: 0 for full
     attention; empty: none anywhere)."""
 
@@ -73,7 +73,7 @@ class Qwen2(Llama):
         values["layer_windows"] = qwen_layer_windows(config, values["num_hidden_layers"], source)
         return values
 
-    def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    def layer_shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes = super().layer_shapes(config)
         d = config.head_dim
         shapes.update({"self_attn.q_proj.bias": (config.num_attention_heads * d,),
@@ -81,7 +81,7 @@ class Qwen2(Llama):
                        "self_attn.v_proj.bias": (config.num_key_value_heads * d,)})
         return shapes
 
-    def layer_weights(self, take: WeightTaker, config: LlamaConfig, prefix: str) -> LayerWeights:
+    def layer_weights(self, take: WeightTaker, config: ModelConfig, prefix: str) -> LayerWeights:
         shapes = self.layer_shapes(config)
         bias = np.concatenate([take(prefix + name, shapes[name]) for name in QKV_BIAS])
         return replace(super().layer_weights(take, config, prefix), qkv_bias=bias)

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from flm_runtime.core import LlamaConfig
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerSpec
-from flm_runtime.models.family import WeightTaker
+from flm_runtime.model_config import ModelConfig
+from flm_runtime.models.checkpoint import WeightTaker
 from flm_runtime.models.llama import Llama
 from flm_runtime.models.qwen2 import Qwen2Config, qwen_layer_windows
 
@@ -43,11 +43,11 @@ class Qwen3(Llama):
         values["layer_windows"] = qwen_layer_windows(config, values["num_hidden_layers"], source)
         return values
 
-    def layer_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    def layer_shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
         d = config.head_dim
         return {**super().layer_shapes(config), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
 
-    def layer_weights(self, take: WeightTaker, config: LlamaConfig, prefix: str) -> LayerWeights:
+    def layer_weights(self, take: WeightTaker, config: ModelConfig, prefix: str) -> LayerWeights:
         shapes = self.layer_shapes(config)
         return replace(super().layer_weights(take, config, prefix),
                        q_norm=take(prefix + "self_attn.q_norm.weight", shapes["self_attn.q_norm.weight"]),

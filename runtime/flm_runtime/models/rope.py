@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from flm_runtime.core import COUNT, NON_NEGATIVE, POSITIVE, Bound, ConfigValueError, require, require_flag
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import cpu
+from flm_runtime.model_config import COUNT, NON_NEGATIVE, POSITIVE, Bound, ConfigValueError, require, require_flag
 
 # Hugging Face's rope_type values we compute ("su" is LongRoPE's former name; "freq_factors" is a
 # GGUF's rope_freqs tensor).

@@ -37,7 +37,7 @@ def kv_bytes_per_token(config, draft_config=None, target_itemsize: int = FLOAT32
     """Bytes of KV cache one position takes: K and V of every layer (and draft layer).
 
     Args:
-        config: the target's ``LlamaConfig`` (``num_hidden_layers``, ``num_key_value_heads``,
+        config: the target's ``ModelConfig`` (``num_hidden_layers``, ``num_key_value_heads``,
             ``head_dim``).
         draft_config: the DFlash draft's ``DFlashConfig`` (same fields), or None.
         target_itemsize: bytes of one element of the target's cache (2: float16).

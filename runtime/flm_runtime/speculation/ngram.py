@@ -33,7 +33,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from flm_runtime.speculation.policy import confident_length
+from flm_runtime.outputs import confident_length
 from flm_runtime.speculation.retrieval import NO_LOOKUP, AcceptanceRecord, Lookup
 
 MAX_MATCH, MIN_MATCH = 4, 2  # n-gram lengths looked up, longest first (module docstring)

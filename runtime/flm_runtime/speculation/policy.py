@@ -213,20 +213,6 @@ class Bucket(BaseModel):
         return self.expected_al / self.cost_ratio
 
 
-def confident_length(confidence: np.ndarray, min_confidence: float) -> int | np.ndarray:
-    """The leading drafted tokens whose cumulative confidence is at least ``min_confidence``.
-
-    Args:
-        confidence: ``[K]`` the draft's probability of each drafted token (``Proposal.confidence``),
-            or ``[N, K]`` for N steps at once (calibration).
-        min_confidence: the bucket's gate; 0 keeps all K.
-    Returns:
-        k in ``0 .. K``: verify ``d1 .. dk`` (0: a plain decode step); ``[N]`` int64 for N steps.
-    """
-    kept = np.count_nonzero(np.cumprod(confidence, axis=-1, dtype=np.float64) >= min_confidence, axis=-1)
-    return int(kept) if np.ndim(confidence) == 1 else kept
-
-
 def pass_cost(verify_ratio: list[float], rows: int) -> float:
     """A target pass of ``rows`` rows in decode steps: 1.0 for one row, ``verify_ratio[rows-2]``
     up to ``len(verify_ratio) + 1`` rows, and beyond, the curve's last value plus its mean slope
@@ -349,19 +335,6 @@ class LookupTracker:
             self._steps.clear()
         elif self.after_backoff:  # a window after a back-off that paid
             self.after_backoff, self.wait = False, self.first_wait
-
-
-def expected_accepted(confidence: np.ndarray) -> float:
-    """The expected accepted tokens of a proposal whose tokens have these confidences (each the
-    chance that the token is accepted once those before it were): the sum over ``i`` of the
-    chance that the first ``i`` are all accepted, ``sum(cumprod(confidence))``.
-
-    Args:
-        confidence: ``[k]`` per-token confidence of the tokens a step would verify.
-    Returns:
-        0.0 to k (0.0 for k = 0).
-    """
-    return float(np.cumprod(confidence, dtype=np.float64).sum())
 
 
 class PolicyTable(BaseModel):

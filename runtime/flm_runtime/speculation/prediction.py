@@ -30,8 +30,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from flm_runtime.outputs import confident_length
 from flm_runtime.speculation.ngram import MAX_MATCH, MIN_MATCH
-from flm_runtime.speculation.policy import confident_length
 from flm_runtime.speculation.retrieval import NO_LOOKUP, AcceptanceRecord, Lookup, common_prefix
 
 ALIGNED = 1  # the match length of an aligned proposal (module docstring)

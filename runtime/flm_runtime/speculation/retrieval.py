@@ -7,8 +7,8 @@ target KV cache holds (``extend``, in step with the cache: ``len(proposer) == ca
 proposes tokens after the anchor with a confidence per token (``find``: a ``Lookup``), and scores
 each of its proposals against the tokens the step kept (``observe``), verified or not. The
 confidence is what the draft's softmax probability is to the draft's tokens: the chance that the
-token is accepted once those before it were, so the same gate (``policy.confident_length``) and
-the same expected-accepted figure (``policy.expected_accepted``) compare every proposal of a step
+token is accepted once those before it were, so the same gate (``outputs.confident_length``) and
+the same expected-accepted figure (``outputs.expected_accepted``) compare every proposal of a step
 (``speculative.choose``).
 """
 
@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from flm_runtime.speculation.policy import expected_accepted
+from flm_runtime.outputs import expected_accepted
 
 # Each observed proposal scales the earlier counts by this: a record follows about the last 16
 # proposals (the text may change from copying to free writing), as the policy's tracker does.
@@ -45,7 +45,7 @@ class Lookup(NamedTuple):
 
     @property
     def expected(self) -> float:
-        """The expected accepted tokens of ``ids`` (``policy.expected_accepted`` of their
+        """The expected accepted tokens of ``ids`` (``outputs.expected_accepted`` of their
         confidence), 0.0 without ids."""
         return expected_accepted(self.confidence)
 

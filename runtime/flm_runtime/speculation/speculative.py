@@ -27,7 +27,7 @@ draft: prompt lookup (``ngram.py``: the sequence's own earlier tokens, for text 
 context) and the suffix proposer (``suffix.py``: continuations seen in the engine's earlier
 requests, for requests that repeat one another; on when the decoder is given a ``SuffixIndex``).
 Per drafting lane and step each proposes tokens after the anchor with a confidence per token;
-the step verifies the proposal with the most expected accepted tokens (``policy.expected_accepted``
+the step verifies the proposal with the most expected accepted tokens (``outputs.expected_accepted``
 of the gated confidences), the draft's included, in the same verify pass (``choose``): there the
 plan holds for all, each proposal is at most K tokens and passes the same gate, and a verify pass
 costs the same whichever it verifies. A lane planned plain (K = 0) takes an *n-gram-only* step
@@ -92,15 +92,15 @@ from typing import NamedTuple
 import numpy as np
 
 from flm_runtime.backends import prefill_chunks
-from flm_runtime.core import Proposal
 from flm_runtime.kv_cache import KVCache
+from flm_runtime.outputs import Proposal, confident_length, expected_accepted
 from flm_runtime.request import ProposerCounts, SpecStats
 from flm_runtime.sampling.grammar import GrammarProcessor
 from flm_runtime.sampling.picker import Picker
 from flm_runtime.scheduling.step import NO_CONFIDENCE, NO_FORCED, PLAIN, Lane, StepRecord
 from flm_runtime.speculation.ngram import PromptLookup
 from flm_runtime.speculation.policy import (ALWAYS_SPECULATE, PLAIN_STEP, AcceptanceTracker, LookupTracker, PassLoad,
-                                            Plan, SpeculationPolicy, confident_length, expected_accepted)
+                                            Plan, SpeculationPolicy)
 from flm_runtime.speculation.prediction import PredictionLookup
 from flm_runtime.speculation.retrieval import Lookup, Retrieval
 from flm_runtime.speculation.suffix import SuffixIndex, SuffixProposer
@@ -112,7 +112,7 @@ PENDING_FLUSH = 64
 
 # proposer(draft_cache, anchor_id, start) -> [K] int64 drafted ids: a stand-in for the draft's
 # proposals (tests replay known tokens to force long acceptances).
-Proposer = Callable[[KVCache, int, int], np.ndarray]
+DraftStandIn = Callable[[KVCache, int, int], np.ndarray]
 
 DRAFT = "draft"      # the draft's proposal among a step's candidates (``StepRecord.proposer`` None)
 GRAMMAR = "grammar"  # ``StepRecord.proposer`` of a step whose tokens a grammar forced, all of them
@@ -234,7 +234,7 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target, draft, *, policy: SpeculationPolicy = ALWAYS_SPECULATE,
-                 proposer: Proposer | None = None, ngram: bool = True, suffix: SuffixIndex | None = None,
+                 proposer: DraftStandIn | None = None, ngram: bool = True, suffix: SuffixIndex | None = None,
                  block_size: int | None = None):
         assert (draft is None) == (block_size is not None), "a block size without a draft, the draft's with one"
         assert draft is not None or not policy.drafts, "a policy that drafts needs a draft"
@@ -525,7 +525,7 @@ class Candidate(NamedTuple):
 
     @property
     def expected(self) -> float:
-        """Its expected accepted tokens (``policy.expected_accepted``)."""
+        """Its expected accepted tokens (``outputs.expected_accepted``)."""
         return expected_accepted(self.confidence)
 
     def cut(self, n: int) -> Candidate:

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from flm_runtime.speculation.policy import confident_length
+from flm_runtime.outputs import confident_length
 from flm_runtime.speculation.retrieval import NO_LOOKUP, AcceptanceRecord, Lookup
 
 # Tokens on a trie path: the longest pattern matched plus the tokens proposed after it (a pattern

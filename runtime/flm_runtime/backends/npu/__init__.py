@@ -44,12 +44,12 @@ from pathlib import Path
 import numpy as np
 
 from flm_runtime.backends import Backend
-from flm_runtime.kernels import cpu
-from flm_runtime.backends.npu.manifest import Build, KernelFiles, Manifest, RoleSpec, geometry_mismatch
 from flm_runtime.backends.npu.layout import layout_entries, pack, step_array
-from flm_runtime.core import ForwardOutput
+from flm_runtime.backends.npu.manifest import Build, KernelFiles, Manifest, RoleSpec, geometry_mismatch
 from flm_runtime.errors import BackendUnavailableError
+from flm_runtime.kernels import cpu
 from flm_runtime.kv_cache import BLOCK_TOKENS, BlockPool, BlockTable
+from flm_runtime.outputs import ForwardOutput
 
 VERIFY_POSITIONS = 8
 XRT_PYTHON_DIRS = ("/opt/xilinx/xrt/python",)  # where XRT installs pyxrt (not on PyPI)
@@ -276,13 +276,13 @@ class NpuKVCache(BlockTable):
 
 
 class NpuModel:
-    """A Llama-family target whose step runs on the NPU; the same step API as ``LlamaModel``.
+    """A Llama-family target whose step runs on the NPU; the same step API as ``CausalLM``.
 
     Built from the loaded cpu model (its config, fused float32 weights, embedding and LM head,
     which the host and the DFlash draft keep using) and a validated manifest build.
 
     Args:
-        cpu_model: the ``LlamaModel`` of the same tag.
+        cpu_model: the ``CausalLM`` of the same tag.
         manifest, build: the kernels to run (``validate_build`` passed on them).
         pyxrt: the module (tests pass a fake); default ``import_pyxrt()``.
 

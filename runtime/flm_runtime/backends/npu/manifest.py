@@ -207,7 +207,7 @@ def eval_dim(dim: int | str, symbols: dict) -> int:
 
 
 def geometry_of(config) -> dict:
-    """The manifest's geometry symbols of a ``LlamaConfig``."""
+    """The manifest's geometry symbols of a ``ModelConfig``."""
     return {"E": config.hidden_size, "H": config.num_attention_heads, "Hkv": config.num_key_value_heads,
             "D": config.head_dim, "F": config.intermediate_size, "V": config.vocab_size,
             "L": config.num_hidden_layers, "max_positions": config.max_position_embeddings,

@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from flm_runtime.core import COUNT, NON_NEGATIVE, SIZE, Bound, ConfigValueError, require
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels.quant import QuantWeight, Weight
+from flm_runtime.model_config import COUNT, NON_NEGATIVE, SIZE, Bound, ConfigValueError, require
 from flm_runtime.models.rope import RopeScaling
 
 

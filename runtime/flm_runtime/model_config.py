@@ -1,10 +1,6 @@
-"""The types every layer shares: a model's hyper-parameters (``LlamaConfig``, which each model
-family's config in ``flm_runtime.models`` extends with its own keys) and what each must be
-(``Bound``), the key tile of the KV cache (``KEY_TILE``), what a target step returns
-(``ForwardOutput``) and what a draft proposes (``Proposal``). It imports nothing of
-``flm_runtime``: the backends, the models, the engine and the loaders all build on it.
-
-Axis legend (whole runtime): L layers, Hkv key/value heads, B positions per KV block, D head dim.
+"""A model's hyper-parameters (``ModelConfig``, which each model family's config in
+``flm_runtime.models`` extends with its own keys) and what each must be (``Bound``). It imports
+nothing of ``flm_runtime``: the backends, the models, the engine and the loaders all build on it.
 """
 
 from __future__ import annotations
@@ -13,9 +9,7 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, NamedTuple
-
-import numpy as np
+from typing import Any, ClassVar
 
 # The longest context (positions) a model may declare: the RoPE tables (positions x D/2 x 8 bytes
 # per table) and the engine's default KV budget (4 contexts) are sized from it, so a larger value
@@ -30,9 +24,9 @@ MAX_LAYERS = 1 << 10
 
 class ConfigValueError(ValueError):
     """A model config's hyper-parameter of the wrong type or out of range, named as the config
-    names it (``LlamaConfig`` refuses it, or a family's reader of a file: ``require``). The
+    names it (``ModelConfig`` refuses it, or a family's reader of a file: ``require``). The
     loaders re-raise it as a ``flm_runtime.errors.ModelFormatError`` naming the file and the key
-    as the file spells it (``describe``; ``models.family.config_refusals``).
+    as the file spells it (``describe``; ``models.checkpoint.config_refusals``).
 
     Attributes:
         field: the hyper-parameter (``num_hidden_layers``, ``rope_scaling.factor``).
@@ -118,7 +112,7 @@ def require_flag(value: Any, field: str) -> bool:
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class ModelConfig:
     """The hyper-parameters every model family has, named as in a Hugging Face ``config.json``
     (unknown keys are ignored). A family's own keys live in its config, a subclass
     (``flm_runtime.models``); this class is the Llama family's.
@@ -184,7 +178,7 @@ class LlamaConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // heads)
 
     @classmethod
-    def from_dict(cls, config: dict) -> "LlamaConfig":
+    def from_dict(cls, config: dict) -> "ModelConfig":
         """Build from a ``config.json`` mapping, ignoring keys this class does not name and null
         values (a field's default, if it has one).
 
@@ -199,37 +193,3 @@ class LlamaConfig:
     def n_rep(self) -> int:
         """Query heads per key/value head."""
         return self.num_attention_heads // self.num_key_value_heads
-
-
-KEY_TILE = 16  # positions per tile of the key cache: one 16-lane float32 vector per head dimension
-
-
-class ForwardOutput(NamedTuple):
-    """What a target step returns (``TargetModel.forward_batch`` and the helpers over it in
-    ``flm_runtime.backends``).
-
-    Attributes:
-        logits: float32 ``[N, V]`` of the rows the call asked logits for (or ``[V]`` of the one
-            next position: ``prefill``, ``decode``).
-        taps: ``[T, n_taps * E]`` float32, the tapped layers' outputs concatenated per position;
-            None when no taps were asked.
-    """
-
-    logits: np.ndarray
-    taps: np.ndarray | None
-
-
-class Proposal(NamedTuple):
-    """Drafted tokens of ``S`` sequences.
-
-    Attributes:
-        ids: ``[S, K]`` int64 target token ids ``d1 .. dK``.
-        confidence: ``[S, K]`` float32, the draft's softmax probability of each drafted token (its
-            top-1 probability over the draft vocabulary). The speculation policy reads it as an
-            estimate of that token's acceptance (EAGLE-2: Li et al. 2024, arXiv:2406.16858, find
-            draft confidence a good proxy of the acceptance rate, and so does
-            ``benchmarks/draft_confidence.py`` for ours: docs/dflash.md, "Confidence").
-    """
-
-    ids: np.ndarray
-    confidence: np.ndarray
