@@ -12,79 +12,55 @@ training pipeline build on. Everything else is the runtime's own and may move::
 
 Each name is imported on first use (PEP 562), so ``import flm_runtime`` loads none of the
 subpackages, and a caller that only needs the error types or ``SamplingParams`` never loads the
-kernels.
+kernels; the ``TYPE_CHECKING`` imports below name each one's module, for readers, type checkers and
+the import graph alike.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-# name -> the module that defines it (read through a string: the package's own modules never
-# import this file, so the public face adds no edge to their import graph)
-_SOURCES = {
+if TYPE_CHECKING:  # the public names: each imported on first use (``__getattr__``, which reads this block)
     # the runtime object: engines per tag, loaded models, settings
-    "Runtime": "flm_runtime.api",
-    "default_runtime": "flm_runtime.api",
-    "get_engine": "flm_runtime.api",
-    "with_output_limit": "flm_runtime.api",
-    "drain": "flm_runtime.api",
-    "load_model": "flm_runtime.api",
-    "load_draft": "flm_runtime.speculation.decoders",
-    "LoadedModel": "flm_runtime.api",
-    "Settings": "flm_runtime.settings",
-    "requested_backend": "flm_runtime.settings",
+    from flm_runtime.api import LoadedModel, Runtime, default_runtime, drain, get_engine, load_model, with_output_limit
+    from flm_runtime.settings import Settings, requested_backend
+    from flm_runtime.speculation.decoders import load_draft
     # engines and what flows through them
-    "Engine": "flm_runtime.scheduling.engine",
-    "StepTiming": "flm_runtime.scheduling.engine",
-    "RequestHandle": "flm_runtime.scheduling.handle",
-    "SpeculativeDecoder": "flm_runtime.speculation.speculative",
-    "SamplingParams": "flm_runtime.request",
-    "Completion": "flm_runtime.request",
-    "StreamEvent": "flm_runtime.request",
-    "TokenLogprob": "flm_runtime.request",
-    "RequestStats": "flm_runtime.request",
-    "SpecStats": "flm_runtime.request",
-    "SamplingDefaults": "flm_runtime.sampling.sampler",
-    "FALLBACK_SAMPLING": "flm_runtime.sampling.sampler",
-    "choice_seed": "flm_runtime.sampling.sampler",
+    from flm_runtime.request import Completion, RequestStats, SamplingParams, SpecStats, StreamEvent, TokenLogprob
+    from flm_runtime.sampling.sampler import FALLBACK_SAMPLING, SamplingDefaults, choice_seed
+    from flm_runtime.scheduling.engine import Engine, StepTiming
+    from flm_runtime.scheduling.handle import RequestHandle
+    from flm_runtime.speculation.speculative import SpeculativeDecoder
     # structured output and tools
-    "compiler_for": "flm_runtime.sampling.grammar",
-    "json_object_grammar": "flm_runtime.sampling.grammar",
-    "json_schema_grammar": "flm_runtime.sampling.grammar",
-    "lark_grammar": "flm_runtime.sampling.grammar",
-    "ToolCall": "flm_runtime.text.tool_format",
-    "ToolCallStream": "flm_runtime.text.tool_format",
-    "chat_messages": "flm_runtime.text.tool_format",
-    "check_tools": "flm_runtime.text.tool_format",
-    "chosen_functions": "flm_runtime.text.tool_format",
-    "marker_token_ids": "flm_runtime.text.tool_format",
-    "parse_tool_calls": "flm_runtime.text.tool_format",
-    "tool_grammar": "flm_runtime.text.tool_format",
-    "ThinkingFormat": "flm_runtime.loading.chat_template",
+    from flm_runtime.loading.chat_template import ThinkingFormat
+    from flm_runtime.sampling.grammar import compiler_for, json_object_grammar, json_schema_grammar, lark_grammar
+    from flm_runtime.text.tool_format import (ToolCall, ToolCallStream, chat_messages, check_tools, chosen_functions,
+                                              marker_token_ids, parse_tool_calls, tool_grammar)
     # models on disk
-    "list_entries": "flm_runtime.registry",
-    "ModelEntry": "flm_runtime.registry",
+    from flm_runtime.registry import ModelEntry, list_entries
     # embeddings
-    "embed": "flm_runtime.embedding",
+    from flm_runtime.embedding import embed
     # errors
-    "FlmError": "flm_runtime.errors",
-    "InvalidRequestError": "flm_runtime.errors",
-    "ContextLengthError": "flm_runtime.errors",
-    "KVBudgetError": "flm_runtime.errors",
-    "NoChatTemplateError": "flm_runtime.errors",
-    "UnknownModelError": "flm_runtime.errors",
-    "ModelFilesMissingError": "flm_runtime.errors",
-    "ModelDownloadError": "flm_runtime.errors",
-    "ModelFormatError": "flm_runtime.errors",
-    "EngineOverloadedError": "flm_runtime.errors",
-    "RequestTimeoutError": "flm_runtime.errors",
-    "BackendUnavailableError": "flm_runtime.errors",
-    "EngineDrainingError": "flm_runtime.errors",
-    "DiskSpaceError": "flm_runtime.errors",
-    "EngineFaultError": "flm_runtime.errors",
-    "RequestCancelledError": "flm_runtime.scheduling.handle",
-}
+    from flm_runtime.errors import (BackendUnavailableError, ContextLengthError, DiskSpaceError, EngineDrainingError,
+                                    EngineFaultError, EngineOverloadedError, FlmError, InvalidRequestError,
+                                    KVBudgetError, ModelDownloadError, ModelFilesMissingError, ModelFormatError,
+                                    NoChatTemplateError, RequestTimeoutError, UnknownModelError)
+    from flm_runtime.scheduling.handle import RequestCancelledError
 
+
+def _sources() -> dict[str, str]:
+    """name -> the module that defines it, read from the ``TYPE_CHECKING`` block above: one table
+    for readers, tools and ``__getattr__`` (the package's own modules never import this file, so
+    the public face adds no edge that runs back into them)."""
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING")
+    return {alias.name: node.module for node in block.body for alias in node.names}
+
+
+_SOURCES = _sources()
 __all__ = sorted(_SOURCES)
 
 

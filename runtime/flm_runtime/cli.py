@@ -107,7 +107,7 @@ def _size(entry: registry.ModelEntry) -> int | None:
 
 
 def _family(entry: registry.ModelEntry, header: GGUFFile | None) -> str:
-    """The model family (``models.families``) of an installed entry's files: its GGUF header's
+    """The model family (``families``) of an installed entry's files: its GGUF header's
     (``header``, the entry's GGUF parsed) architecture or its config.json's ``model_type``;
     ``unsupported`` when no family runs them.
 
@@ -115,7 +115,7 @@ def _family(entry: registry.ModelEntry, header: GGUFFile | None) -> str:
         ModelFormatError, OSError, ValueError: the files cannot be read (not a GGUF file, a
             config.json that is not JSON): ``list_rows`` shows the tag as broken.
     """
-    from flm_runtime.models import families
+    from flm_runtime import families
 
     path = entry.location()
     if header is not None:

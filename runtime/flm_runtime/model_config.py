@@ -26,7 +26,7 @@ class ConfigValueError(ValueError):
     """A model config's hyper-parameter of the wrong type or out of range, named as the config
     names it (``ModelConfig`` refuses it, or a family's reader of a file: ``require``). The
     loaders re-raise it as a ``flm_runtime.errors.ModelFormatError`` naming the file and the key
-    as the file spells it (``describe``; ``models.checkpoint.config_refusals``).
+    as the file spells it (``describe``; ``families.checkpoint.config_refusals``).
 
     Attributes:
         field: the hyper-parameter (``num_hidden_layers``, ``rope_scaling.factor``).
@@ -134,7 +134,7 @@ class ModelConfig:
         tie_word_embeddings: the LM head is the embedding matrix.
         head_dim: per-head width (D), even; None (absent): hidden_size / num_attention_heads,
             which must then be a whole even number.
-        rope_scaling: the RoPE scaling (``flm_runtime.models.rope.RopeScaling``), None for none.
+        rope_scaling: the RoPE scaling (``flm_runtime.families.rope.RopeScaling``), None for none.
 
     Raises:
         ConfigValueError: a value of the wrong type or out of its bound, H not a multiple of

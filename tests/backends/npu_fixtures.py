@@ -11,10 +11,10 @@ import numpy as np
 from flm_runtime.backends.npu import manifest as mf
 from flm_runtime.backends.npu import reference as npu_reference
 from flm_runtime.backends.npu.layout import from_bf16, to_bf16, unpack
+from flm_runtime.families.llama import FAMILY as LLAMA
 from flm_runtime.model_config import ModelConfig
 from flm_runtime.models.causal_lm import CausalLM
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft, draft_weight_shapes
-from flm_runtime.models.llama import FAMILY as LLAMA
 
 from fake_pyxrt import make_fake_pyxrt
 from xclbin_files import write_build

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 import litellm_flm  # noqa: F401  (registers the flm provider)
 from flm_runtime import api, registry
-from flm_runtime.models import families
+from flm_runtime import families
 
 TAG = "tiny-qwen3:1m"
 MODEL = f"flm/{TAG}"

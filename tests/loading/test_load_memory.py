@@ -26,12 +26,12 @@ import pytest
 from tiny_llama_files import gguf_name, llama_gguf_writer, tiny_config
 
 from flm_bench.shaped_gguf import random_blocks
+from flm_runtime.families.llama import FAMILY as LLAMA
 from flm_runtime.kernels import quant
 from flm_runtime.loading import converted
 from flm_runtime.loading import gguf as gguf_loader
 from flm_runtime.model_config import ModelConfig
 from flm_runtime.models.causal_lm import CausalLM
-from flm_runtime.models.llama import FAMILY as LLAMA
 
 Q = gguf.GGMLQuantizationType
 MB = 1 << 20

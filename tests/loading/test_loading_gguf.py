@@ -10,12 +10,12 @@ import pytest
 from tiny_llama_files import hand_permute, random_hf_weights, tiny_config, write_tiny_gguf
 
 from flm_runtime.errors import InvalidRequestError, ModelFormatError
+from flm_runtime.families.llama import FAMILY as LLAMA
 from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.loading import converted
 from flm_runtime.loading import gguf as gguf_loader
 from flm_runtime.loading.gguf import load_gguf, open_gguf, permute_rope, unpermute_rope
 from flm_runtime.loading.weights import weight_kind
-from flm_runtime.models.llama import FAMILY as LLAMA
 
 Q = gguf.GGMLQuantizationType
 

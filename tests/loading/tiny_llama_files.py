@@ -44,7 +44,7 @@ def tiny_config(**overrides) -> ModelConfig:
 
 def random_hf_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights under Hugging Face names, in Hugging Face layout."""
-    from flm_runtime.models.llama import FAMILY as LLAMA
+    from flm_runtime.families.llama import FAMILY as LLAMA
 
     rng = np.random.default_rng(seed)
     return {name: rng.standard_normal(shape).astype(np.float32)

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from family_files import CASES, GOLDEN_VOCAB, HF_ONLY, golden_tokens, hf_config, hf_tensors, write_gguf, write_hf_dir
 
+from flm_runtime import families
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.families import rope
+from flm_runtime.families.checkpoint import RopeTable
 from flm_runtime.loading.gguf import load_gguf
 from flm_runtime.loading.safetensors_loader import load_hf_dir
-from flm_runtime.models import families, rope
 from flm_runtime.models.causal_lm import CausalLM
-from flm_runtime.models.checkpoint import RopeTable
 
 GOLDEN = dict(np.load(Path(__file__).parents[1] / "reference" / "golden_families.npz"))
 F32_TOLERANCE = 1e-4

@@ -8,7 +8,7 @@ which ``tests/models/test_families.py`` compares our logits with.
 
 One forward over the sequence, except for the RoPE scalings that depend on the sequence's length
 (``dynamic``, ``longrope``): those run token by token through the KV cache, which is the reading
-our tables implement (``flm_runtime.models.rope``'s docstring).
+our tables implement (``flm_runtime.families.rope``'s docstring).
 
 Not run in CI and never imported by the tests. Run in its own environment:
     python3 -m venv .venv-ref

@@ -111,13 +111,13 @@ def test_the_torch_draft_layer_equals_the_runtime_layer(start):
     """One torch ``DraftLayer`` and the runtime's decoder layer (``layers.decoder``, non-causal, its
     context K/V in the cache) on the same weights and inputs: the same block states within
     float32 rounding, so the training's layer cannot drift from the one serving runs."""
+    from flm_runtime.families.checkpoint import WeightTaker
+    from flm_runtime.families.llama import KV_PROJ, fuse_layer, take_fused
     from flm_runtime.kernels import cpu
     from flm_runtime.kv_cache import KVCache
     from flm_runtime.layers.decoder import DecoderLayer, RowSpan
     from flm_runtime.layers.ops import REFERENCE
     from flm_runtime.layers.spec import LayerSpec
-    from flm_runtime.models.checkpoint import WeightTaker
-    from flm_runtime.models.llama import KV_PROJ, fuse_layer, take_fused
     from flm_train.draft import DraftLayer
 
     c = tiny_draft(1).c

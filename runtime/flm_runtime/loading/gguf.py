@@ -1,4 +1,4 @@
-"""GGUF reader for the model families we run (``flm_runtime.models.families``: llama, qwen2,
+"""GGUF reader for the model families we run (``flm_runtime.families``: llama, qwen2,
 qwen3, gemma3, phi3, and Mistral written as llama): weights under Hugging Face names.
 
 The file is memory-mapped and its header parsed here (``open_gguf``): gguf-py's ``GGUFReader`` makes
@@ -62,7 +62,7 @@ from flm_runtime.loading.weights import WEIGHT_KINDS, Weight, check_shapes, chec
 from flm_runtime.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from flm_runtime.models.llama import Llama
+    from flm_runtime.families.llama import Llama
 
 # llama.cpp's RoPE factor tensors: read into the config's RoPE scaling, not the weights.
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -116,7 +116,7 @@ def load_gguf(path: str | Path, *, unpermute_qk: bool = True, weights: str = "f3
     """
     # Deferred: the registry imports this package (chat templates), and importing the provider
     # must load no kernel, which the families' layer types would (tests/test_public_api.py).
-    from flm_runtime.models import families
+    from flm_runtime import families
 
     gguf_file = gguf_file or open_gguf(path)
     metadata = gguf_file.metadata
@@ -391,7 +391,7 @@ def config_from_gguf(gguf_file: GGUFFile, family: Llama, *, source: str = "GGUF"
         ModelFormatError: a missing key, or a feature the family refuses (mixture of experts,
             partial rotary, a RoPE scaling type we lack), naming it.
     """
-    from flm_runtime.models.checkpoint import GGUFMetadata  # deferred as in load_gguf
+    from flm_runtime.families.checkpoint import GGUFMetadata  # deferred as in load_gguf
 
     rope_tensors = {t.name: dequantize_tensor(t, source) for t in gguf_file.tensors if t.name in ROPE_TENSORS}
     meta = GGUFMetadata(gguf_file.metadata, gguf_file.metadata["general.architecture"],

@@ -1,5 +1,5 @@
 """Hugging Face model directory (config.json + *.safetensors) -> the weights of one of our model
-families (``flm_runtime.models.families``, by ``model_type``), float32 or blocks of the cpu
+families (``flm_runtime.families``, by ``model_type``), float32 or blocks of the cpu
 backend's format when the weight kind asks (``load_hf_dir``). The family reads the config and
 says which tensors the checkpoint must hold; a family whose norms scale by ``1 + w`` (Gemma) has
 the 1 folded into its norm weights here.
@@ -56,7 +56,7 @@ def load_hf_dir(path: str | Path, *, weights: str = "f32") -> HFModel:
             key), a config value of the wrong type or out of range (config.json, the key and the
             value named), malformed files, tensors missing, unexpected (named) or of the wrong shape.
     """
-    from flm_runtime.models import families  # deferred as in loading.gguf.load_gguf
+    from flm_runtime import families  # deferred as in loading.gguf.load_gguf
 
     path = Path(path)
     config_dict = load_json(path / "config.json")

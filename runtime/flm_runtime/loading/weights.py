@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flm_runtime.kernels.quant import QuantWeight, Weight
 from flm_runtime.errors import InvalidRequestError, ModelFormatError
+from flm_runtime.kernels.quant import QuantWeight, Weight
 from flm_runtime.settings import Settings, variable
 
 # How a model's matrices are held: "auto" keeps each source tensor's precision class (4-bit
@@ -44,7 +44,7 @@ def check_weights(expected: dict[str, tuple[int, ...]], weights: dict[str, Weigh
 
     Args:
         expected: name -> shape, what the model's family asks of its checkpoint
-            (``flm_runtime.models.llama.Llama.checkpoint_shapes``).
+            (``flm_runtime.families.llama.Llama.checkpoint_shapes``).
         weights: name -> weight in Hugging Face layout.
         source: file or directory the weights came from, for error messages.
 

@@ -6,28 +6,29 @@ Weights follow Hugging Face's names and layout (``model.layers.{i}.self_attn.q_p
 ``[out_features, in_features]``) and Hugging Face's RoPE convention: the rotation pairs dimension
 ``i`` with ``i + head_dim/2`` ("rotate half"). Loaders bring every format to this convention
 (GGUF stores Llama's Q/K permuted for interleaved pairs; ``flm_runtime.loading.gguf`` undoes it)
-and fold a ``1 + w`` norm's offset into its weight. The family (``models.families.of_config``)
-says how its tensors become each layer's weights (``models.checkpoint``).
+and fold a ``1 + w`` norm's offset into its weight. The family (``families.of_config``)
+says how its tensors become each layer's weights (``families.checkpoint``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from flm_runtime import families
 from flm_runtime.backends import Backend
+from flm_runtime.families import rope
+from flm_runtime.families.checkpoint import WeightTaker
 from flm_runtime.kernels import cpu
 from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.kv_cache import BLOCK_TOKENS, KVCache, KVPool
 from flm_runtime.layers.decoder import DecoderLayer, RowSpan, stack_arithmetic
 from flm_runtime.layers.stack import Stack, stack_weights
 from flm_runtime.model_config import ModelConfig
-from flm_runtime.models import families, rope
-from flm_runtime.models.checkpoint import WeightTaker
 from flm_runtime.outputs import ForwardOutput
 
 
 class CausalLM:
-    """A target model of any family (``models.families``) on the cpu backend.
+    """A target model of any family (``families``) on the cpu backend.
 
     Args:
         config: hyper-parameters: a family's config (its class names the family).

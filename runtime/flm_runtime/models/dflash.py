@@ -35,15 +35,15 @@ from pathlib import Path
 import numpy as np
 
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.families import rope
+from flm_runtime.families.checkpoint import WeightTaker
+from flm_runtime.families.llama import KV_PROJ, fuse_layer, layer_weight_shapes, take_fused
 from flm_runtime.kernels import cpu, quant, team
 from flm_runtime.kv_cache import KVCache
 from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan, stack_arithmetic
 from flm_runtime.layers.ops import REFERENCE
 from flm_runtime.layers.spec import LayerSpec
 from flm_runtime.model_config import ModelConfig
-from flm_runtime.models import rope
-from flm_runtime.models.checkpoint import WeightTaker
-from flm_runtime.models.llama import KV_PROJ, fuse_layer, layer_weight_shapes, take_fused
 from flm_runtime.outputs import Proposal
 from flm_runtime.safetensors_file import read_safetensors
 
@@ -76,7 +76,7 @@ class DFlashConfig:
             length); serving sizes its tables from the target instead.
         qk_norm: an RMSNorm over each query and key head before RoPE (``layers.{i}.self_attn.q_norm``
             / ``k_norm`` ``[D]``), on the block's keys and the context's alike (public drafts).
-        rope_scaling: a Hugging Face ``rope_scaling`` mapping (``models.rope``), or None.
+        rope_scaling: a Hugging Face ``rope_scaling`` mapping (``families.rope``), or None.
         input_embedding_scale: multiplies the block's input rows (anchor and masks).
         output_multiplier: multiplies the logits; final_logit_softcapping: ``c tanh(z / c)``
             after it (0: none).
@@ -169,7 +169,7 @@ class DFlashConfig:
 
     @property
     def scaling(self) -> rope.RopeScaling | None:
-        """``rope_scaling`` parsed (``models.rope.scaling_from_hf``), or None."""
+        """``rope_scaling`` parsed (``families.rope.scaling_from_hf``), or None."""
         return self._scaling
 
     @property

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from flm_runtime.families.checkpoint import WeightTaker, layer_windows
+from flm_runtime.families.llama import Llama
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerSpec
 from flm_runtime.model_config import SIZE, ModelConfig, require, require_flag
-from flm_runtime.models.checkpoint import WeightTaker, layer_windows
-from flm_runtime.models.llama import Llama
 
 QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flm_runtime.families.checkpoint import WeightTaker
+from flm_runtime.families.mistral import Mistral, MistralConfig
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.model_config import ModelConfig
-from flm_runtime.models.checkpoint import WeightTaker
-from flm_runtime.models.mistral import Mistral, MistralConfig
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from flm_runtime.families.checkpoint import WeightTaker
+from flm_runtime.families.llama import Llama
+from flm_runtime.families.qwen2 import Qwen2Config, qwen_layer_windows
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerSpec
 from flm_runtime.model_config import ModelConfig
-from flm_runtime.models.checkpoint import WeightTaker
-from flm_runtime.models.llama import Llama
-from flm_runtime.models.qwen2 import Qwen2Config, qwen_layer_windows
 
 
 @dataclass(frozen=True)

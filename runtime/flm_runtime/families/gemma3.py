@@ -33,11 +33,11 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.families.checkpoint import GGUFMetadata, RopePlan, RopeTable, WeightTaker, layer_windows
+from flm_runtime.families.llama import Llama, fuse_layer
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerSpec
 from flm_runtime.model_config import COUNT, NON_NEGATIVE, POSITIVE, ROPE_BASE, SIZE, Bound, ModelConfig, require
-from flm_runtime.models.checkpoint import GGUFMetadata, RopePlan, RopeTable, WeightTaker, layer_windows
-from flm_runtime.models.llama import Llama, fuse_layer
 
 _PATTERN = 6  # Gemma 3's default: layers 6, 12, ... (1-based) are global
 _LOCAL_BASE = 10000.0  # Gemma 3's and llama.cpp's default RoPE base of the sliding layers

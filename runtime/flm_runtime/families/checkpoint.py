@@ -1,13 +1,13 @@
-"""What every model family module (``models/llama.py``, ``qwen2.py`` ...) builds on: the named
+"""What every model family module (``families/llama.py``, ``qwen2.py`` ...) builds on: the named
 tensors a family takes its weights from (``WeightTaker``), a GGUF file's metadata as a family
 reads it (``GGUFMetadata``) and the RoPE tables a model gives its layers (``RopePlan``).
 
 A family is a class whose one instance (``FAMILY`` in its module) says, for checkpoints of its
 ``model_type`` / GGUF architecture: its config (HF keys and ``{arch}.*`` GGUF keys), its tensor
 names and shapes, how its tensors become ``LayerWeights``, the ``LayerSpec`` of each layer, its
-RoPE tables and its embedding scale. ``models.llama.Llama`` is the base the others extend;
-``models.families`` maps names to families. Imports: core, errors, kernels, layers and
-``models.rope`` only, so that the loaders can read the families.
+RoPE tables and its embedding scale. ``families.llama.Llama`` is the base the others extend;
+``flm_runtime.families`` maps names to families. Imports: model_config, errors, kernels, layers and
+``families.rope`` only, so that the loaders can read the families.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.families.rope import RopeScaling
 from flm_runtime.kernels.quant import QuantWeight, Weight
 from flm_runtime.model_config import COUNT, NON_NEGATIVE, SIZE, Bound, ConfigValueError, require
-from flm_runtime.models.rope import RopeScaling
 
 
 class WeightTaker:
@@ -113,7 +113,7 @@ def config_refusals(source: str, what: str, key: Callable[[str], str]) -> Iterat
 
 
 class RopeTable(NamedTuple):
-    """One RoPE table of a model: its base and scaling (``models.rope.rope_tables``)."""
+    """One RoPE table of a model: its base and scaling (``families.rope.rope_tables``)."""
 
     theta: float
     scaling: RopeScaling | None

@@ -3,7 +3,7 @@
 Hugging Face config keys beyond Llama's: ``sliding_window`` (None: full attention) and
 ``head_dim`` (None: hidden / heads). GGUF: llama.cpp converts Mistral as the ``llama``
 architecture, without the window; a ``llama`` GGUF with ``llama.attention.sliding_window`` is read
-as Mistral (``models.families.for_gguf``), one without it as Llama (full attention, as llama.cpp
+as Mistral (``families.for_gguf``), one without it as Llama (full attention, as llama.cpp
 runs it). Tensors, names and the Q/K permutation are Llama's.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+from flm_runtime.families.checkpoint import GGUFMetadata
+from flm_runtime.families.llama import Llama
 from flm_runtime.layers.spec import LayerSpec
 from flm_runtime.model_config import SIZE, Bound, ModelConfig
-from flm_runtime.models.checkpoint import GGUFMetadata
-from flm_runtime.models.llama import Llama
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Mistral(Llama):
     """The Mistral family (module docstring)."""
 
     model_types = ("mistral",)
-    gguf_architectures = ()  # llama.cpp writes Mistral as "llama" (models.families.for_gguf)
+    gguf_architectures = ()  # llama.cpp writes Mistral as "llama" (families.for_gguf)
     config_class = MistralConfig
     gguf_keys = {**Llama.gguf_keys, "sliding_window": "attention.sliding_window"}
 

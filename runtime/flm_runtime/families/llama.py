@@ -1,6 +1,6 @@
-"""The Llama family (Llama 2/3, SmolLM2): the base every other family extends (``models.checkpoint``).
+"""The Llama family (Llama 2/3, SmolLM2): the base every other family extends (``families.checkpoint``).
 
-Hugging Face config keys: ``ModelConfig``'s fields, ``rope_scaling`` (``models.rope``: linear,
+Hugging Face config keys: ``ModelConfig``'s fields, ``rope_scaling`` (``families.rope``: linear,
 dynamic, llama3, yarn), ``attention_bias`` and ``mlp_bias`` (refused: no bias of o_proj or of
 the FFN runs here). GGUF: ``llama.*`` keys, ``llama.rope.scaling.*`` and llama.cpp's
 ``rope_freqs.weight`` (its converter's form of llama3 scaling).
@@ -21,12 +21,12 @@ from __future__ import annotations
 from typing import Any
 
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.families import rope
+from flm_runtime.families.checkpoint import GGUFMetadata, RopePlan, RopeTable, WeightTaker, config_refusals
 from flm_runtime.kernels import cpu
 from flm_runtime.layers.decoder import LayerWeights
 from flm_runtime.layers.spec import LayerConfig, LayerSpec
 from flm_runtime.model_config import CONTEXT, HEAD_DIM, LAYERS, POSITIVE, ROPE_BASE, SIZE, ModelConfig, require
-from flm_runtime.models import rope
-from flm_runtime.models.checkpoint import GGUFMetadata, RopePlan, RopeTable, WeightTaker, config_refusals
 
 KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
 QKV_PROJ = ("self_attn.q_proj.weight", *KV_PROJ)  # LayerWeights.wqkv's rows, in this order
@@ -87,7 +87,7 @@ GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_n
 
 class Llama:
     """The Llama family (module docstring); its methods are what a family says
-    (``models.checkpoint``), overridden by the families that differ."""
+    (``families.checkpoint``), overridden by the families that differ."""
 
     model_types: tuple[str, ...] = ("llama",)
     gguf_architectures: tuple[str, ...] = ("llama",)

@@ -3,12 +3,12 @@ and by config class: the one table the loaders and the model look a family up in
 
 | family | model_type | GGUF architecture |
 |---|---|---|
-| ``models.llama`` | llama | llama |
-| ``models.mistral`` | mistral | llama with ``llama.attention.sliding_window`` (llama.cpp converts Mistral as llama) |
-| ``models.qwen2`` | qwen2 | qwen2 |
-| ``models.qwen3`` | qwen3 | qwen3 |
-| ``models.gemma3`` | gemma3_text | gemma3 |
-| ``models.phi3`` | phi3 | phi3 |
+| ``families.llama`` | llama | llama |
+| ``families.mistral`` | mistral | llama with ``llama.attention.sliding_window`` (llama.cpp converts Mistral as llama) |
+| ``families.qwen2`` | qwen2 | qwen2 |
+| ``families.qwen3`` | qwen3 | qwen3 |
+| ``families.gemma3`` | gemma3_text | gemma3 |
+| ``families.phi3`` | phi3 | phi3 |
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from flm_runtime.errors import ModelFormatError
+from flm_runtime.families import gemma3, llama, mistral, phi3, qwen2, qwen3
 from flm_runtime.model_config import ModelConfig
-from flm_runtime.models import gemma3, llama, mistral, phi3, qwen2, qwen3
 
 FAMILIES = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, phi3.FAMILY)
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
