@@ -1,16 +1,25 @@
-"""``litellm-flm soak``: back-to-back requests through LiteLLM, counting tokens, requests, verify
-passes, errors, stalls and the process's resident memory (a stability check).
+"""``litellm-flm soak``: requests through LiteLLM, counting tokens, requests, verify passes,
+errors, stalls and the process's resident memory (a stability check).
 
-Requests go one after the other through ``litellm.completion(model="flm/<tag>")``, the path a user's
-code takes, cycling through the kinds of ``SCHEDULE``: long generations (``--long-tokens``, 2048),
-short requests (``--short-tokens``), summaries of a ``--document-tokens`` excerpt of the shipped
-documents (long prompts, a new excerpt each time so that each is prefilled), structured output
-(``response_format`` with a JSON schema; a reply that ends with ``stop`` must parse and hold the
-schema's keys), and streams the client closes after ``--cancel-after`` chunks (``ignore_eos``, so
-that each is still generating when it is cancelled). Most are streamed, some are not; greedy and
-sampled alternate, sampled ones with the model's default sampler and seeds ``--seed`` and up. The
-soak goes on until it has run ``--min-requests`` requests *and* delivered ``--min-tokens``
-completion tokens (or reached ``--max-requests``).
+Requests go through ``litellm.completion(model="flm/<tag>")`` (``litellm.text_completion`` for
+fill-in-the-middle), the path a user's code takes, cycling through the kinds of a schedule
+(``--schedule``):
+
+- ``chat`` (``CHAT``): long generations (``--long-tokens``, 2048), short requests
+  (``--short-tokens``), summaries of a ``--document-tokens`` excerpt of the shipped documents
+  (long prompts, a new excerpt each time so that each is prefilled), structured output
+  (``response_format`` with a JSON schema; a reply that ends with ``stop`` must parse and hold the
+  schema's keys), and streams the client closes after ``--cancel-after`` chunks (``ignore_eos``,
+  so that each is still generating when it is cancelled);
+- ``coding`` (``CODING``), what a coding assistant sends (``flm_bench.workloads``' tasks): edits
+  that return a whole function (``--long-tokens``), fill-in-the-middle completions with a suffix
+  while a function is typed (each pause one request), tool calls with their results fed back
+  (each round one request), structured output and closed streams as above.
+
+Most are streamed, some are not; greedy and sampled alternate, sampled ones with the model's
+default sampler and seeds ``--seed`` and up. ``--concurrency`` clients send at once, each one
+request (or conversation) after the other. The soak goes on until it has run ``--min-requests``
+requests *and* delivered ``--min-tokens`` completion tokens (or reached ``--max-requests``).
 
 Per request:
 
@@ -23,8 +32,8 @@ Per request:
 - **error**: any exception out of LiteLLM, or structured output that does not parse (the request
   still counts);
 - **stall**: a gap of more than ``--stall-s`` seconds without a token: from the request's start to
-  its first content chunk, between two content chunks, or from the last one to the end of the
-  stream (``StallWatch``); a request that is not streamed is one gap, start to answer;
+  its first chunk with text or a tool call's part, between two such chunks, or from the last one to
+  the end of the stream (``StallWatch``); a request that is not streamed is one gap, start to answer;
 - **resident memory**: the process's resident set after the request (``/proc/self/statm``).
 
 The run passes with zero errors, zero stalls, both minimums reached, the engine left with no running
@@ -45,8 +54,10 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -54,7 +65,8 @@ import litellm
 import litellm_flm  # noqa: F401 - registers the flm/ provider with LiteLLM
 from tqdm import tqdm
 
-from flm_bench import documents, report
+from flm_bench import documents, report, workloads
+from flm_bench.options import positive_int
 from flm_runtime import InvalidRequestError, default_runtime, get_engine
 from flm_runtime import paths, registry
 from flm_runtime.cli import Command
@@ -65,20 +77,27 @@ PROVIDER_PREFIX = "flm/"
 
 @dataclass(frozen=True)
 class Kind:
-    """One entry of the schedule: what a request asks and how it is read."""
+    """One entry of a schedule: what a request asks and how it is read."""
 
-    name: str     # long, short, document, structured, cancelled
+    name: str     # chat: long, short, document; coding: edit, fim, agent; both: structured, cancelled
     mode: str     # greedy or sampled
     stream: bool
 
 
 # Successive requests, cycled: every kind in both modes over the cycle but the document and
 # cancelled ones (one each), two of eight not streamed.
-SCHEDULE = (
+CHAT = (
     Kind("long", "greedy", True), Kind("short", "sampled", False), Kind("document", "greedy", True),
     Kind("structured", "sampled", True), Kind("long", "sampled", True), Kind("cancelled", "sampled", True),
     Kind("structured", "greedy", False), Kind("short", "greedy", True),
 )
+# A coding assistant's requests: the edits, completions and tool rounds in both modes, streamed and not.
+CODING = (
+    Kind("edit", "greedy", True), Kind("fim", "sampled", False), Kind("agent", "greedy", True),
+    Kind("structured", "sampled", True), Kind("edit", "sampled", False), Kind("cancelled", "sampled", True),
+    Kind("fim", "greedy", True), Kind("agent", "sampled", False),
+)
+SCHEDULES = {"chat": CHAT, "coding": CODING}
 LONG_PROMPTS = (
     "Write a detailed, long essay on the history of the printing press and how it changed Europe.",
     "Write a long story about a family of sailors over three generations, with many chapters.",
@@ -175,56 +194,103 @@ COLUMNS = tuple(f.name for f in fields(Result))
 
 @dataclass(frozen=True)
 class Plan:
-    """What request ``i`` sends: its kind, its messages and its LiteLLM parameters.
+    """What one request sends: its kind, its LiteLLM keyword arguments (``messages``, or ``prompt``
+    and ``suffix`` for a text completion; the sampler and the limits) and what comes after it.
 
-    ``cancel_after``: for a stream the client closes, the content chunks read before closing it
-    (0: read to the end).
+    Attributes:
+        cancel_after: for a stream the client closes, the content chunks read before closing it
+            (0: read to the end).
+        task: the workload task of a coding request (``workloads.Task``), whose conversation
+            ``workloads.follow_up`` goes on with (a fill-in-the-middle pause, a tool round), or None.
+        answered: requests of ``task``'s conversation answered before this one.
     """
 
     kind: Kind
-    messages: list[dict]
-    params: dict
+    request: dict
     cancel_after: int = 0
+    task: workloads.Task | None = None
+    answered: int = 0
+
+    def next(self, answer: workloads.Answer) -> Plan | None:
+        """The request after this one got ``answer`` in its conversation, or None."""
+        if self.task is None:
+            return None
+        sampler = {k: v for k, v in self.request.items() if k in SAMPLER_KEYS}
+        sent = {k: v for k, v in self.request.items() if k not in SAMPLER_KEYS}
+        nxt = workloads.follow_up(self.task, sent, answer, self.answered + 1)
+        return None if nxt is None else Plan(self.kind, nxt | sampler, task=self.task, answered=self.answered + 1)
 
 
-def _content(chunk) -> str:
+SAMPLER_KEYS = ("temperature", "top_p", "top_k", "seed")
+
+
+def _text(chunk) -> str:
+    """The text a stream chunk carries: a chat chunk's ``delta.content``, a text completion's ``text``."""
     choices = getattr(chunk, "choices", None) or []
-    return (choices[0].delta.content or "") if choices else ""
+    if not choices:
+        return ""
+    delta = getattr(choices[0], "delta", None)
+    return (delta.content or "") if delta is not None else (getattr(choices[0], "text", None) or "")
 
 
-def one_request(completion: Callable, model: str, plan: Plan, result: Result, *, stall_s: float, timeout: float,
-                block_drafts: int, clock: Callable[[], float] = time.monotonic) -> Result:
-    """Send one request through ``completion`` (``litellm.completion``) and fill ``result``.
+def _has_token(chunk) -> bool:
+    """A chunk that carries text or a tool call's part: a token reached the client."""
+    choices = getattr(chunk, "choices", None) or []
+    delta = getattr(choices[0], "delta", None) if choices else None
+    return bool(_text(chunk) or (delta is not None and getattr(delta, "tool_calls", None)))
 
-    A streamed request is read chunk by chunk (``StallWatch`` at each content chunk), or closed
-    after ``plan.cancel_after`` content chunks (``finish_reason`` "cancelled"); one that is not
-    streamed is a single gap. Structured output (``response_format`` in ``plan.params``) that ends
-    with ``stop`` must parse as a JSON object holding the schema's required keys, or is an error.
+
+def _answer(response) -> workloads.Answer:
+    """What ``workloads.follow_up`` reads of a response: its text and its tool calls."""
+    choice = response.choices[0]
+    message = getattr(choice, "message", None)
+    if message is None:  # a text completion
+        return workloads.Answer(getattr(choice, "text", None))
+    calls = tuple((c.function.name, c.function.arguments) for c in (getattr(message, "tool_calls", None) or ()))
+    return workloads.Answer(message.content, calls)
+
+
+def one_request(model: str, plan: Plan, result: Result, *, stall_s: float, timeout: float, block_drafts: int,
+                clock: Callable[[], float] = time.monotonic, completion: Callable = litellm.completion,
+                text_completion: Callable = litellm.text_completion) -> workloads.Answer | None:
+    """Send one request through LiteLLM (``text_completion`` where ``plan.request`` has a
+    ``prompt``, else ``completion``) and fill ``result``; returns the answer (None after an error
+    or a closed stream).
+
+    A streamed request is read chunk by chunk (``StallWatch`` at each chunk that carries a token),
+    or closed after ``plan.cancel_after`` content chunks (``finish_reason`` "cancelled"); one that
+    is not streamed is a single gap. A streamed answer is rebuilt with ``litellm.stream_chunk_builder``
+    for its tool calls. Structured output (``response_format``) that ends with ``stop`` must
+    parse as a JSON object holding the schema's required keys, or is an error.
 
     Args:
         block_drafts: K, tokens drafted per verify pass (0 for a plain model).
     """
     watch = StallWatch(stall_s, clock)
+    send = text_completion if "prompt" in plan.request else completion
     t0 = clock()
     first = None
-    text = []
+    answer = None
     try:
         if not plan.kind.stream:
             watch.start()
-            response = completion(model=model, messages=plan.messages, stream=False, timeout=timeout, **plan.params)
+            response = send(model=model, stream=False, timeout=timeout, **plan.request)
             watch.mark()
             first = clock()
-            text.append(response.choices[0].message.content or "")
+            answer = _answer(response)
             result.finish_reason = response.choices[0].finish_reason or ""
             _take_usage(result, response.usage, block_drafts)
         else:
-            stream = completion(model=model, messages=plan.messages, stream=True,
-                                stream_options={"include_usage": True}, timeout=timeout, **plan.params)
-            for chunk in watch_stream(stream, watch, lambda c: bool(_content(c))):
-                if content := _content(chunk):
+            stream = send(model=model, stream=True, stream_options={"include_usage": True}, timeout=timeout,
+                          **plan.request)
+            chunks, texts = [], 0
+            for chunk in watch_stream(stream, watch, _has_token):
+                chunks.append(chunk)
+                if _has_token(chunk):
                     first = first if first is not None else clock()
-                    text.append(content)
-                    if len(text) == plan.cancel_after:
+                if _text(chunk):
+                    texts += 1
+                    if texts == plan.cancel_after:
                         stream.close()  # the client goes away mid-generation
                         result.finish_reason = "cancelled"
                         break
@@ -233,14 +299,19 @@ def one_request(completion: Callable, model: str, plan: Plan, result: Result, *,
                 usage = getattr(chunk, "usage", None)
                 if usage:
                     _take_usage(result, usage, block_drafts)
-        if "response_format" in plan.params and result.finish_reason == "stop":
-            _check_structured("".join(text))
+            if result.finish_reason != "cancelled":
+                # the tool calls of a streamed answer, for the next round: rebuilt as LiteLLM rebuilds a stream
+                answer = _answer(litellm.stream_chunk_builder(chunks)) if "tools" in plan.request else \
+                    workloads.Answer("".join(_text(c) for c in chunks))
+        if "response_format" in plan.request and result.finish_reason == "stop":
+            _check_structured(answer.content or "")
     except Exception as e:  # noqa: BLE001 - every failure is counted, the soak goes on
         result.error = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        answer = None
     result.seconds = clock() - t0
     result.ttft_s = (first - t0) if first is not None else 0.0
     result.max_gap_s, result.stalls = watch.max_gap, watch.stalls
-    return result
+    return answer
 
 
 def _check_structured(text: str) -> None:
@@ -261,35 +332,61 @@ def _take_usage(result: Result, usage, block_drafts: int) -> None:
     result.verify_passes = -(-(accepted + rejected) // block_drafts) if block_drafts else 0  # rounded up
 
 
-def request_plan(i: int, args: argparse.Namespace, defaults, excerpt: Callable[[int], str]) -> Plan:
-    """The request ``i`` of the soak.
+# The coding tasks, each kind's every distinct one (``workloads.build`` says how many its data holds).
+CODING_TASKS = {"edit": ("code-edit", 14), "fim": ("fim", 7), "agent": ("agent", 8)}
+
+
+def coding_tasks(long_tokens: int, short_tokens: int) -> dict[str, list[workloads.Task]]:
+    """The tasks of ``CODING``'s workload kinds, cycled by ``request_plan``: edits asked up to
+    ``long_tokens``, completions and tool rounds up to ``short_tokens`` (a completion at most
+    ``workloads.FIM_MAX_TOKENS``)."""
+    limits = {"edit": long_tokens, "fim": short_tokens, "agent": short_tokens}
+    return {kind: workloads.build(workload, n, max_tokens=limits[kind], documents=())
+            for kind, (workload, n) in CODING_TASKS.items()}
+
+
+def request_plan(i: int, args: argparse.Namespace, defaults, excerpt: Callable[[int], str],
+                 tasks: dict[str, list[workloads.Task]]) -> Plan:
+    """The request ``i`` of the soak's schedule (``args.schedule``), the first of its conversation.
 
     Args:
         defaults: the model's default sampler (``SamplingDefaults``), for the sampled requests.
         excerpt: ``excerpt(j)``, the text of the ``j``-th document excerpt.
+        tasks: the coding tasks (``coding_tasks``).
     """
-    kind = SCHEDULE[i % len(SCHEDULE)]
-    turn = i // len(SCHEDULE)
-    params: dict = {"max_tokens": args.short_tokens}
-    cancel_after = 0
-    if kind.name == "long":
-        text, params["max_tokens"] = LONG_PROMPTS[turn % len(LONG_PROMPTS)], args.long_tokens
+    schedule = SCHEDULES[args.schedule]
+    kind = schedule[i % len(schedule)]
+    turn = i // len(schedule)
+    request: dict = {"max_tokens": args.short_tokens}
+    cancel_after, task = 0, None
+    if kind.name in tasks:
+        task = tasks[kind.name][turn % len(tasks[kind.name])]
+        request = dict(task.request)
+    elif kind.name == "long":
+        request |= {"messages": _user(LONG_PROMPTS[turn % len(LONG_PROMPTS)]), "max_tokens": args.long_tokens}
     elif kind.name == "short":
-        text = SHORT_PROMPTS[turn % len(SHORT_PROMPTS)]
+        request["messages"] = _user(SHORT_PROMPTS[turn % len(SHORT_PROMPTS)])
     elif kind.name == "document":
-        text = documents.SUMMARY_INSTRUCTION + excerpt(turn)
+        request["messages"] = _user(documents.SUMMARY_INSTRUCTION + excerpt(turn))
     elif kind.name == "structured":
-        text, params["response_format"] = STRUCTURED_PROMPTS[turn % len(STRUCTURED_PROMPTS)], RESPONSE_FORMAT
-    else:  # cancelled
-        text, cancel_after = LONG_PROMPTS[turn % len(LONG_PROMPTS)], args.cancel_after
-        params |= {"max_tokens": args.long_tokens, "ignore_eos": True}
+        request |= {"messages": _user(STRUCTURED_PROMPTS[turn % len(STRUCTURED_PROMPTS)]),
+                    "response_format": RESPONSE_FORMAT}
+    else:  # cancelled: a long generation, or in the coding schedule an edit
+        messages = (tasks["edit"][turn % len(tasks["edit"])].request["messages"] if args.schedule == "coding"
+                    else _user(LONG_PROMPTS[turn % len(LONG_PROMPTS)]))
+        request |= {"messages": messages, "max_tokens": args.long_tokens, "ignore_eos": True}
+        cancel_after = args.cancel_after
     if kind.mode == "greedy":
-        params["temperature"] = 0.0
+        request["temperature"] = 0.0
     else:
-        params |= {"temperature": defaults.temperature, "top_p": defaults.top_p, "seed": args.seed + i}
+        request |= {"temperature": defaults.temperature, "top_p": defaults.top_p, "seed": args.seed + i}
         if defaults.top_k:
-            params["top_k"] = defaults.top_k
-    return Plan(kind, [{"role": "user", "content": text}], params, cancel_after)
+            request["top_k"] = defaults.top_k
+    return Plan(kind, request, cancel_after, task)
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
 
 
 def document_excerpts(tokenizer, n_tokens: int) -> Callable[[int], str]:
@@ -364,26 +461,53 @@ def soak(args: argparse.Namespace, tag: str) -> int:
     engine = get_engine(tag)  # load (and fail) before the clock starts; LiteLLM gets this same engine
     block_drafts = engine.speculative.block_size - 1 if engine.speculative is not None else 0
     excerpt = document_excerpts(engine.tokenizer, args.document_tokens)
+    tasks = coding_tasks(args.long_tokens, args.short_tokens) if args.schedule == "coding" else {}
     info = report.machine_info()
     cancelled_before = engine.stats()["cancelled"]
     results: list[Result] = []
-    tokens = 0
+    lock = threading.Lock()
+    counts = {"sent": 0, "conversations": 0, "tokens": 0}
     bar = tqdm(total=args.min_tokens, desc="soak", unit="tok", disable=args.quiet, file=sys.stderr)
+
+    def wanted() -> bool:
+        """Another request is to be sent (under ``lock``)."""
+        return counts["sent"] < args.max_requests and (len(results) < args.min_requests
+                                                        or counts["tokens"] < args.min_tokens)
+
+    def client() -> None:
+        """One client: conversations one after the other (a conversation's requests in turn) while
+        the soak wants requests."""
+        while True:
+            with lock:
+                if not wanted():
+                    return
+                plan = request_plan(counts["conversations"], args, engine.default_sampling, excerpt, tasks)
+                counts["conversations"] += 1
+            while plan is not None:
+                with lock:
+                    if not wanted():
+                        return
+                    counts["sent"] += 1
+                    r = Result(counts["sent"], plan.kind.name, plan.kind.mode, plan.kind.stream,
+                               plan.request["max_tokens"])
+                answer = one_request(args.model, plan, r, stall_s=args.stall_s, timeout=args.timeout,
+                                     block_drafts=block_drafts)
+                r.rss_mb = resident_mb()
+                with lock:
+                    results.append(r)
+                    counts["tokens"] += r.completion_tokens
+                    bar.update(min(r.completion_tokens, max(args.min_tokens - bar.n, 0)))
+                    bar.set_postfix_str(f"req {len(results)}, {r.kind} {r.mode}, errors "
+                                        f"{sum(bool(x.error) for x in results)}, stalls {sum(x.stalls for x in results)}")
+                plan = plan.next(answer) if answer is not None else None
+
     t0 = time.monotonic()
-    while (len(results) < args.min_requests or tokens < args.min_tokens) and len(results) < args.max_requests:
-        i = len(results)
-        plan = request_plan(i, args, engine.default_sampling, excerpt)
-        r = one_request(litellm.completion, args.model, plan,
-                        Result(i + 1, plan.kind.name, plan.kind.mode, plan.kind.stream, plan.params["max_tokens"]),
-                        stall_s=args.stall_s, timeout=args.timeout, block_drafts=block_drafts)
-        r.rss_mb = resident_mb()
-        results.append(r)
-        tokens += r.completion_tokens
-        bar.update(min(r.completion_tokens, max(args.min_tokens - bar.n, 0)))
-        bar.set_postfix_str(f"req {i + 1}, {plan.kind.name} {plan.kind.mode}, "
-                            f"errors {sum(bool(x.error) for x in results)}, stalls {sum(x.stalls for x in results)}")
+    with ThreadPoolExecutor(args.concurrency, thread_name_prefix="soak-client") as pool:
+        for done in [pool.submit(client) for _ in range(args.concurrency)]:
+            done.result()  # a client's own bug is raised, not counted
     bar.close()
     wall = time.monotonic() - t0
+    results.sort(key=lambda r: r.index)
     left = engine_left(engine, cancelled_before, sum(r.finish_reason == "cancelled" for r in results))
     out = report.output_dir(args.out)
     report.write_csv(out / "soak.csv", COLUMNS, (asdict(r) for r in results))
@@ -433,9 +557,12 @@ def summary(args: argparse.Namespace, results: list[Result], wall: float, left: 
     for r in results:
         k = kinds.setdefault((r.kind, r.mode, "streamed" if r.stream else "not streamed"), [0, 0, 0, 0])
         k[0], k[1], k[2], k[3] = k[0] + 1, k[1] + r.completion_tokens, k[2] + r.verify_passes, k[3] + bool(r.error)
-    line = (f"{tokens:,} tokens over {len(results)} back-to-back requests through LiteLLM (`{args.model}`: "
-            f"{args.long_tokens}-token generations, {args.short_tokens}-token answers, summaries of "
-            f"{args.document_tokens}-token excerpts, structured output, {cancelled} streams closed after "
+    kinds_sent = (f"{args.long_tokens}-token generations, {args.short_tokens}-token answers, summaries of "
+                  f"{args.document_tokens}-token excerpts, structured output" if args.schedule == "chat" else
+                  f"edits returning a whole function (up to {args.long_tokens} tokens), fill-in-the-middle "
+                  f"completions with a suffix, tool calls with their results fed back, structured output")
+    line = (f"{tokens:,} tokens over {len(results)} requests through LiteLLM from {args.concurrency} client(s) "
+            f"(`{args.model}`, the {args.schedule} schedule: {kinds_sent}, {cancelled} streams closed after "
             f"{args.cancel_after} chunks; greedy and sampled, streamed and not) and {passes:,} verify passes in one "
             f"session: {len(errors)} error(s), {stalls} stall(s) (a stall: more than {args.stall_s:g} s without a "
             f"token), resident memory {growth:+.1%} from the first to the last quarter.")
@@ -459,7 +586,8 @@ def summary(args: argparse.Namespace, results: list[Result], wall: float, left: 
 
 def command(args: argparse.Namespace) -> str:
     return report.command_text("soak", [
-        ("--model", args.model), ("--draft", args.draft), ("--min-requests", args.min_requests),
+        ("--model", args.model), ("--draft", args.draft), ("--schedule", args.schedule),
+        ("--concurrency", args.concurrency), ("--min-requests", args.min_requests),
         ("--min-tokens", args.min_tokens), ("--max-requests", args.max_requests),
         ("--long-tokens", args.long_tokens), ("--short-tokens", args.short_tokens),
         ("--document-tokens", args.document_tokens), ("--cancel-after", args.cancel_after), ("--stall-s", args.stall_s),
@@ -474,6 +602,12 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", metavar="DIR",
                    help="serve the model's DFlash tag with this draft directory for the run (through a "
                         "temporary models file that keeps your own entries)")
+    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="chat",
+                   help="the kinds of requests: chat (long and short answers, summaries, structured output, "
+                        "closed streams) or coding (whole-function edits, fill-in-the-middle, tool rounds, "
+                        "structured output, closed streams); default chat")
+    p.add_argument("--concurrency", type=positive_int, default=1,
+                   help="clients sending at once, each one request after the other (default 1)")
     p.add_argument("--min-requests", type=int, default=200, help="run at least this many requests (default 200)")
     p.add_argument("--min-tokens", type=int, default=100_000,
                    help="and at least this many completion tokens (default 100000)")
@@ -497,5 +631,5 @@ def arguments(p: argparse.ArgumentParser) -> None:
 
 
 # The subcommand ``litellm-flm soak`` (entry point ``soak`` of the group ``litellm_flm.commands``).
-COMMAND = Command("soak", "back-to-back requests through LiteLLM: tokens, requests, verify passes, errors, stalls",
+COMMAND = Command("soak", "requests through LiteLLM: tokens, requests, verify passes, errors, stalls, memory",
                   main, arguments)

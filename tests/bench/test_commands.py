@@ -18,6 +18,7 @@ from flm_bench import agreement, quick, speed
 from flm_bench import soak, workload_bench, workloads
 from flm_bench.documents import Prompt
 from flm_bench.engines import Context, Run
+from flm_runtime import api
 from flm_runtime.request import PROPOSERS, ProposerCounts, SpecStats
 
 
@@ -227,8 +228,33 @@ def test_soak_through_litellm_runs_every_kind_and_leaves_nothing(run_cli, random
     assert all(r["error"] == "" and r["stalls"] == "0" and float(r["rss_mb"]) > 0 for r in rows), rows
     assert all(int(r["verify_passes"]) >= 1 for r in rows if r["kind"] != "cancelled")
     md = (tmp_path / "soak.md").read_text()
-    assert "39 tokens over 8 back-to-back requests" in md and "1 streams closed after 2 chunks" in md
+    assert "39 tokens over 8 requests through LiteLLM from 1 client(s)" in md and "1 streams closed after 2 chunks" in md
     assert "Result: PASS" in md and "- left in the engine" not in md
+
+
+def test_the_coding_schedule_from_two_clients_sends_every_kind_and_leaves_nothing(run_cli, qwen_coder_gguf, tmp_path,
+                                                                                   monkeypatch):
+    """A coding assistant's requests on qwen2.5-coder:0.5b (fill-in-the-middle needs its FIM tokens),
+    two clients at once: edits, every pause of a typed function, tool rounds with their results
+    fed back, structured output, a closed stream; each request its own row, none failed."""
+    runtime = api.Runtime()  # a runtime of its own, on the default weights (as tests/litellm/test_flm_fim.py)
+    monkeypatch.setattr(api, "default_runtime", runtime)
+    monkeypatch.setenv("FLM_WEIGHTS", "auto")
+    try:
+        status, out, _ = run_cli("soak", "--model", "flm/qwen2.5-coder:0.5b", "--schedule", "coding",
+                                 "--concurrency", 2, "--min-requests", 16, "--min-tokens", 1, "--long-tokens", 8,
+                                 "--short-tokens", 6, "--cancel-after", 2, "--stall-s", 300, "--out", tmp_path,
+                                 "--quiet")
+    finally:
+        runtime.close()
+    assert status == 0, out
+    _, rows = read_csv(tmp_path / "soak.csv")
+    assert [int(r["index"]) for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 16
+    assert {r["kind"] for r in rows} == {"edit", "fim", "agent", "structured", "cancelled"}
+    assert all(r["error"] == "" for r in rows), rows
+    fim = [r for r in rows if r["kind"] == "fim"]
+    assert len(fim) >= soak.workloads.FIM_PAUSES and all(0 < int(r["completion_tokens"]) <= 6 for r in fim)
+    assert "the coding schedule" in (tmp_path / "soak.md").read_text()
 
 
 def test_soak_fails_when_the_minimum_is_not_reached(run_cli, tmp_path):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from flm_bench import soak
-from flm_bench.soak import Kind, Plan, Result, StallWatch, one_request, watch_stream
+from flm_bench.soak import Kind, Plan, Result, StallWatch, watch_stream
 
 
 class FakeClock:
@@ -68,7 +68,15 @@ def usage(completion_tokens, accepted=None, rejected=None):
 
 
 def plan(stream=True, cancel_after=0, **params):
-    return Plan(Kind("short", "greedy", stream), [{"role": "user", "content": "hi"}], params, cancel_after)
+    return Plan(Kind("short", "greedy", stream), {"messages": [{"role": "user", "content": "hi"}], **params},
+                cancel_after)
+
+
+def send(fake, plan, result, **kw):
+    """``one_request`` with ``fake`` as LiteLLM's completion and text completion; returns ``result``."""
+    soak.one_request("flm/x", plan, result, completion=fake, text_completion=fake,
+                     **{"stall_s": 10.0, "timeout": 60.0, "block_drafts": 7} | kw)
+    return result
 
 
 def test_one_request_counts_tokens_verify_passes_and_timing():
@@ -81,8 +89,7 @@ def test_one_request_counts_tokens_verify_passes_and_timing():
         calls.append(kw)
         return fake_stream(clock, steps)
 
-    r = one_request(completion, "flm/x", plan(max_tokens=12), Result(1, "short", "greedy", True, 12),
-                    stall_s=10.0, timeout=60.0, block_drafts=7, clock=clock)
+    r = send(completion, plan(max_tokens=12), Result(1, "short", "greedy", True, 12), clock=clock)
     assert calls[0]["stream"] is True and calls[0]["max_tokens"] == 12 and calls[0]["timeout"] == 60.0
     assert (r.completion_tokens, r.prompt_tokens, r.finish_reason) == (12, 30, "length")
     assert (r.verify_passes, r.accepted_tokens) == (8, 20)  # (20 + 36) drafted / 7 per pass
@@ -97,8 +104,7 @@ def test_one_request_counts_an_error_and_goes_on():
         yield chunk("a")
         raise RuntimeError("engine went away")
 
-    r = one_request(broken, "flm/x", plan(), Result(2, "long", "sampled", True, 8), stall_s=10.0, timeout=60.0,
-                    block_drafts=0, clock=clock)
+    r = send(broken, plan(), Result(2, "long", "sampled", True, 8), block_drafts=0, clock=clock)
     assert r.error == "RuntimeError: engine went away" and r.completion_tokens == 0 and r.verify_passes == 0
 
 
@@ -124,8 +130,7 @@ class ClosableStream:
 def test_a_cancelled_stream_is_closed_after_its_chunks():
     clock = FakeClock()
     stream = ClosableStream(clock, [(0.1, chunk("a")), (0.1, chunk("")), (0.1, chunk("b")), (0.1, chunk("c"))])
-    r = one_request(lambda **kw: stream, "flm/x", plan(cancel_after=2), Result(3, "cancelled", "sampled", True, 99),
-                    stall_s=10.0, timeout=60.0, block_drafts=7, clock=clock)
+    r = send(lambda **kw: stream, plan(cancel_after=2), Result(3, "cancelled", "sampled", True, 99), clock=clock)
     assert stream.closed and stream.read == 3  # "a", the empty chunk, "b": closed before "c"
     assert (r.finish_reason, r.completion_tokens, r.error) == ("cancelled", 0, "")
     assert r.seconds == pytest.approx(0.3) and r.ttft_s == pytest.approx(0.1)
@@ -142,8 +147,7 @@ def test_a_request_not_streamed_is_one_gap():
         return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason="stop")],
                                usage=usage(3, accepted=6, rejected=1))
 
-    r = one_request(completion, "flm/x", plan(stream=False, max_tokens=8), Result(4, "short", "greedy", False, 8),
-                    stall_s=10.0, timeout=60.0, block_drafts=7, clock=clock)
+    r = send(completion, plan(stream=False, max_tokens=8), Result(4, "short", "greedy", False, 8), clock=clock)
     assert calls[0]["stream"] is False and "stream_options" not in calls[0]
     assert (r.completion_tokens, r.verify_passes, r.accepted_tokens, r.finish_reason) == (3, 1, 6, "stop")
     assert (r.stalls, r.max_gap_s, r.ttft_s) == (1, 12.0, 12.0)  # 12 s before the answer: one stall
@@ -158,27 +162,87 @@ def test_a_request_not_streamed_is_one_gap():
 def test_structured_output_that_stops_must_parse_with_its_keys(text, finish, error):
     clock = FakeClock()
     steps = [(0.1, chunk(text[:5])), (0.1, chunk(text[5:], finish=finish))]
-    r = one_request(lambda **kw: fake_stream(clock, steps), "flm/x", plan(response_format=soak.RESPONSE_FORMAT),
-                    Result(5, "structured", "greedy", True, 64), stall_s=10.0, timeout=60.0, block_drafts=0,
-                    clock=clock)
+    r = send(lambda **kw: fake_stream(clock, steps), plan(response_format=soak.RESPONSE_FORMAT),
+             Result(5, "structured", "greedy", True, 64), block_drafts=0, clock=clock)
     assert r.error.startswith(error) and bool(r.error) == bool(error)
 
 
-def test_request_plan_cycles_the_schedule():
-    args = SimpleNamespace(long_tokens=2048, short_tokens=128, cancel_after=32, seed=10)
-    defaults = SimpleNamespace(temperature=0.2, top_p=0.9, top_k=0)
-    plans = [soak.request_plan(i, args, defaults, lambda j: f"<excerpt {j}>") for i in range(16)]
-    assert [p.kind for p in plans] == list(soak.SCHEDULE) * 2
-    assert [(p.params["max_tokens"], p.cancel_after) for p in plans[:8]] == [
+def plan_args(schedule="chat"):
+    return SimpleNamespace(schedule=schedule, long_tokens=2048, short_tokens=128, cancel_after=32, seed=10)
+
+
+DEFAULTS = SimpleNamespace(temperature=0.2, top_p=0.9, top_k=0)
+
+
+def test_request_plan_cycles_the_chat_schedule():
+    plans = [soak.request_plan(i, plan_args(), DEFAULTS, lambda j: f"<excerpt {j}>", {}) for i in range(16)]
+    assert [p.kind for p in plans] == list(soak.CHAT) * 2
+    assert [(p.request["max_tokens"], p.cancel_after) for p in plans[:8]] == [
         (2048, 0), (128, 0), (128, 0), (128, 0), (2048, 0), (2048, 32), (128, 0), (128, 0)]
     long_greedy, short_sampled, document, structured, _, cancelled, *_ = plans
-    assert long_greedy.params == {"max_tokens": 2048, "temperature": 0.0}
-    assert short_sampled.params == {"max_tokens": 128, "temperature": 0.2, "top_p": 0.9, "seed": 11}
-    assert structured.params["response_format"] == soak.RESPONSE_FORMAT and structured.params["seed"] == 13
-    assert cancelled.params["ignore_eos"] is True and "ignore_eos" not in long_greedy.params
-    assert document.messages == [{"role": "user", "content": soak.documents.SUMMARY_INSTRUCTION + "<excerpt 0>"}]
-    assert plans[10].messages[0]["content"].endswith("<excerpt 1>")  # each turn summarizes a new excerpt
-    assert plans[8].messages == [{"role": "user", "content": soak.LONG_PROMPTS[1]}]
+    user = {"messages": [{"role": "user", "content": soak.LONG_PROMPTS[0]}]}
+    assert long_greedy.request == user | {"max_tokens": 2048, "temperature": 0.0}
+    assert short_sampled.request == {"messages": [{"role": "user", "content": soak.SHORT_PROMPTS[0]}],
+                                     "max_tokens": 128, "temperature": 0.2, "top_p": 0.9, "seed": 11}
+    assert structured.request["response_format"] == soak.RESPONSE_FORMAT and structured.request["seed"] == 13
+    assert cancelled.request["ignore_eos"] is True and "ignore_eos" not in long_greedy.request
+    assert document.request["messages"] == [{"role": "user",
+                                             "content": soak.documents.SUMMARY_INSTRUCTION + "<excerpt 0>"}]
+    assert plans[10].request["messages"][0]["content"].endswith("<excerpt 1>")  # each turn a new excerpt
+    assert plans[8].request["messages"] == [{"role": "user", "content": soak.LONG_PROMPTS[1]}]
+    assert all(p.task is None and p.next(soak.workloads.Answer("x")) is None for p in plans)
+
+
+def test_request_plan_cycles_the_coding_schedule_over_the_workload_tasks():
+    tasks = soak.coding_tasks(512, 64)
+    assert {k: len(v) for k, v in tasks.items()} == {"edit": 14, "fim": 7, "agent": 8}
+    plans = [soak.request_plan(i, plan_args("coding"), DEFAULTS, lambda j: "", tasks) for i in range(16)]
+    assert [p.kind for p in plans] == list(soak.CODING) * 2
+    edit, fim, agent, structured, edit_sampled, cancelled, *_ = plans
+    assert edit.task is tasks["edit"][0] and edit.request == tasks["edit"][0].request | {"temperature": 0.0}
+    assert edit.request["max_tokens"] == 512 and fim.request["max_tokens"] == soak.workloads.FIM_MAX_TOKENS
+    assert fim.request["suffix"] and fim.request["seed"] == 11 and agent.request["tools"]
+    assert plans[8].task is tasks["edit"][1] and edit_sampled.task is tasks["edit"][0]
+    assert structured.request["response_format"] == soak.RESPONSE_FORMAT and structured.task is None
+    assert cancelled.request["messages"] == tasks["edit"][0].request["messages"] and cancelled.cancel_after == 32
+    assert cancelled.request["ignore_eos"] is True and cancelled.task is None
+
+
+def test_a_conversation_goes_on_with_its_sampler():
+    tasks = soak.coding_tasks(512, 64)
+    fim = soak.request_plan(1, plan_args("coding"), DEFAULTS, lambda j: "", tasks)
+    pauses = [fim]
+    while (nxt := pauses[-1].next(soak.workloads.Answer("x = 1"))) is not None:
+        pauses.append(nxt)
+    assert len(pauses) == soak.workloads.FIM_PAUSES and [p.answered for p in pauses] == list(range(6))
+    assert [p.request["prompt"] for p in pauses] == [r["prompt"] for r in (fim.task.request, *fim.task.next_requests)]
+    assert all(p.request["seed"] == 11 and p.request["temperature"] == 0.2 for p in pauses)
+    agent = soak.request_plan(2, plan_args("coding"), DEFAULTS, lambda j: "", tasks)
+    assert agent.next(soak.workloads.Answer("It is sunny.")) is None  # no tool call: the conversation ends
+    called = agent.next(soak.workloads.Answer(None, (("get_weather", '{"city": "Lisbon"}'),)))
+    assert [m["role"] for m in called.request["messages"][-2:]] == ["assistant", "tool"]
+    assert called.request["temperature"] == 0.0 and called.answered == 1
+
+
+def test_a_text_completion_goes_to_text_completion_and_a_tool_call_is_a_token():
+    clock = FakeClock()
+    text_chunk = SimpleNamespace(choices=[SimpleNamespace(text="ab", finish_reason=None)], usage=None)
+    calls = []
+
+    def completion(**kw):
+        calls.append(kw)
+        return fake_stream(clock, [(0.5, text_chunk), (0.2, chunk("", finish="length"))])
+
+    fim = Plan(Kind("fim", "greedy", True), {"prompt": "def f(", "suffix": "\n", "max_tokens": 4})
+    r = Result(6, "fim", "greedy", True, 4)
+    answer = soak.one_request("flm/x", fim, r, stall_s=10.0, timeout=60.0, block_drafts=0, clock=clock,
+                              completion=lambda **kw: pytest.fail("a text completion went to completion"),
+                              text_completion=completion)
+    assert calls[0]["prompt"] == "def f(" and calls[0]["suffix"] == "\n"
+    assert answer.content == "ab" and r.ttft_s == pytest.approx(0.5) and r.error == ""
+    delta = SimpleNamespace(content=None, tool_calls=[SimpleNamespace(index=0)])
+    assert soak._has_token(SimpleNamespace(choices=[SimpleNamespace(delta=delta, finish_reason=None)]))
+    assert not soak._has_token(chunk(""))
 
 
 def test_document_excerpts_are_distinct_windows_of_the_shipped_documents(smollm2_engine):
