@@ -1,28 +1,23 @@
 """Model tags -> model files.
 
-A tag has FastFlowLM's ``family:size`` form (``smollm2:135m``). ``X-dflash:size`` is the same
-weights as ``X:size`` decoded with a DFlash draft: its entry names the base tag and the draft
-directory instead of files of its own.
-
-Tags come from three layers, later ones winning a conflict as stated:
+A tag has FastFlowLM's ``family:size`` form (``smollm2:135m``); ``X-dflash:size`` is ``X:size``'s
+weights decoded with a DFlash draft, its entry naming the base tag and the draft directory. Tags
+come from three layers (docs/design.md, "Goals"):
 
 1. built-in entries (``builtin_entries``);
-2. the entry-point group ``litellm_flm.models``: each entry point loads to a dict ``{tag: spec}``
-   or a list of entries (``ModelEntry`` or dicts with a ``tag`` key). A plugin only *adds* tags:
-   one that redefines a tag is skipped with a warning; a broken plugin is logged and skipped;
-3. the user models file (YAML, so JSON too): ``$FLM_MODELS_FILE`` or ``<config dir>/models.yaml``
-   (examples: README.md, "Models"). It may redefine any tag. A file that is not a mapping is an
-   error naming the file; an invalid entry is logged (naming the file, the tag and the key) and
-   skipped, and looking its tag up raises that error.
+2. the entry-point group ``litellm_flm.models``, each loading to ``{tag: spec}`` or a list of
+   entries (``ModelEntry`` or dicts with a ``tag``): it only *adds* tags (a redefinition is skipped
+   with a warning; a broken plugin is logged and skipped);
+3. the user models file, YAML (so JSON too), ``$FLM_MODELS_FILE`` or ``<config dir>/models.yaml``
+   (README.md, "Models"), which may redefine any tag. Not a mapping: an error naming the file; an
+   invalid entry is logged (file, tag, key) and skipped, and looking its tag up raises that error.
 
 A spec is a path (a GGUF file or an HF directory) or a mapping of ``ModelEntry`` field names, plus
-the short keys ``draft`` (= ``draft_dir``) and ``sha256`` / ``size`` (of a GGUF ``path``). Relative
-paths are taken from the file's directory (the module's for an entry point).
-
-The layers are read once per process, on first use (``current()``, a ``Registry``); ``reload()``
-reads them again at the next lookup. A file is installed when it has the recorded size and, where
-a sha256 is recorded, hashed to it once: a marker (``_marker_path``) keeps the result while the
-file's size, mtime and inode are unchanged.
+``draft`` (= ``draft_dir``) and ``sha256`` / ``size`` (of a GGUF ``path``); relative paths are from
+the file's directory (the module's for an entry point). The layers are read once per process
+(``current()``, a ``Registry``; ``reload()`` reads them again). A file is installed when it has the
+recorded size and, where a sha256 is recorded, hashed to it once (a marker, ``_marker_path``, valid
+while its size, mtime and inode are).
 """
 
 from __future__ import annotations

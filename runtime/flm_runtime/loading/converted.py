@@ -2,25 +2,20 @@
 converting again (docs/design.md, "How weights are held").
 
 ``load`` gives the weights ``save`` wrote for the same source file and weight kind, or None; the
-caller then converts, ``save`` writing each part of a tensor into the file as it is converted, and
-maps the file, so the converted weights are never all in memory besides the mapping.
-
-One file per (source file, weight kind) in the caller's directory (``paths.converted_dir()``):
-``<key>-<kind>.flmw``, the key a digest of the source's absolute path (nothing is written beside a
-user's files). Its header records the source's size, mtime and inode and a digest of the code
-whose rules the bytes follow (``kernels/quant.py``, ``loading/gguf.py``, gguf-py's version); a file
-that does not match them all, is unreadable or has another length than its header says is not
-used, saying why, and the next ``save`` replaces it. ``save`` writes through
-``flm_runtime.files.written_whole`` (a killed load leaves no file under the name); a disk without
-room is a ``DiskSpaceError`` naming the file, the bytes needed and the bytes free; any other write
-failure only costs the conversion next time.
+caller then converts, ``save`` writing each part of a tensor as it is converted, and maps the file.
+One file per (source, kind) in the caller's directory (``paths.converted_dir()``):
+``<key>-<kind>.flmw``, the key a digest of the source's absolute path. Its header records the
+source's size, mtime and inode and a digest of the code whose rules the bytes follow
+(``kernels/quant.py``, ``loading/gguf.py``, gguf-py's version); a file that does not match them,
+is unreadable or has another length than its header says is not used, saying why. ``save`` writes
+through ``flm_runtime.files.written_whole``; a disk without room is a ``DiskSpaceError`` (nothing
+left), any other write failure only costs the conversion next time.
 
 Layout: ``MAGIC``, the header's length (8 bytes, little-endian), the header (JSON: each array's
-dtype, shape and offset), then the data from a 64-byte aligned offset: every matrix's codes in the
-caller's order, then their scales, then their mins, then each float32 array (``_layout``); in a
-quantized model's stacking order the stacked arrays are views of the mapping
-(``layers.stack.stack_weights``). The file is mapped copy-on-write: the arrays are writable views
-(numba compiles read-only arrays as another type), their pages shared through the page cache.
+dtype, shape and offset), then from a 64-byte aligned offset every matrix's codes in the caller's
+order, their scales, their mins, then each float32 array (``_layout``); in a quantized model's
+stacking order the stacked arrays are views of the mapping (``layers.stack.stack_weights``). The
+mapping is copy-on-write: writable views (numba compiles read-only arrays as another type).
 """
 
 from __future__ import annotations

@@ -1,27 +1,23 @@
 """The engine: a background thread that runs requests on one model and streams their tokens.
 
-A caller ``submit``s prompt ids and ``SamplingParams`` (``submit_choices`` for ``n`` choices: one
-prefill, the KV copied to each) and gets a ``RequestHandle`` (``handle.py``) per choice; sync
-iteration, ``aiter()``, ``result()`` and ``aresult()`` consume the same stream of
-``StreamEvent``s, so streamed and non-streamed outputs are the same. The engine thread admits
-queued requests as ``Sequence``s and runs ONE batched forward pass a step (``_step``): prompt
-chunks within a per-step token budget, and every decoding sequence's rows. What runs, and what a
-pass does to the queue and the KV blocks, is the ``Scheduler``'s (``scheduler.py``); the engine
-keeps the thread, submission, the pass and its fault isolation (``_pass``), and the stats
-(``stats()``; per request ``Completion.stats``, a ``request.RequestStats``, also on the final
-``StreamEvent``). A ``Sequence`` holds all per-request state, so a request's output depends only
-on its own inputs and seed (docs/design.md, "Contract", item 6).
+A caller ``submit``s prompt ids and ``SamplingParams`` (``submit_choices``: ``n`` choices, one
+prefill) and gets a ``RequestHandle`` (``handle.py``) per choice; iteration, ``aiter()``,
+``result()`` and ``aresult()`` consume the same ``StreamEvent``s, so streamed and non-streamed
+outputs are the same. Each step is ONE batched forward pass (``_step``): prompt chunks within a
+per-step token budget, and every decoding sequence's rows; what runs, and what a pass does to the
+queue and the KV blocks, is the ``Scheduler``'s (``scheduler.py``). A ``Sequence`` holds all
+per-request state, so a request's output depends only on its own inputs and seed
+(docs/design.md, "Contract", item 6). Stats: ``stats()``; per request ``Completion.stats``.
 
-Refused at submit: a queue of ``max_queue`` (``EngineOverloadedError``), a request that cannot fit
-in the KV pool even alone (``KVBudgetError``), a draining engine (``EngineDrainingError``). A
-request whose part of a step raises fails alone (``EngineFaultError``, chained); a fault of no
-single request fails every request. ``drain`` stops admitting and lets the running finish within a
-bound. KV pool, admission, preemption, prefix caching and faults: docs/design.md, "The KV pool".
+Refused at submit: a full queue (``EngineOverloadedError``), a request that cannot fit in the KV
+pool even alone (``KVBudgetError``), a draining engine (``EngineDrainingError``). A request whose
+part of a step raises fails alone (``EngineFaultError``, chained; ``_pass``); a fault of no single
+request fails every request. ``drain`` stops admitting and lets the running finish within a bound.
+KV pool, admission, preemption, prefix caching, faults: docs/design.md, "The KV pool".
 
-Decoding: plain, or through a ``Stepper`` (``step.py``; ``api`` passes the ``SpeculativeDecoder``
-of ``flm_runtime.speculation.decoders``, a package this one never imports): prepare -> one batched
-target pass -> complete, and ``Stepper.finish`` with each finished request's tokens. ``on_step``
-hands each step's ``StepTiming`` to benchmarks.
+Decoding is plain, or through a ``Stepper`` (``step.py``; ``api`` passes the
+``SpeculativeDecoder`` of ``flm_runtime.speculation.decoders``, a package this one never imports):
+prepare -> one batched target pass -> complete. ``on_step`` hands each ``StepTiming`` to benchmarks.
 """
 
 from __future__ import annotations

@@ -2,21 +2,18 @@
 
 The design and its reasons: docs/design.md, "Speculation policy".
 
-A step that drafts K tokens pays when ``AL * t_decode > t_propose + t_verify(K+1)``, i.e. when
-``AL > cost_ratio = (t_propose + t_verify(K+1)) / t_decode`` (AL bonus included). One interface,
-``SpeculationPolicy``: ``plan`` a step, or ``lookup_step`` an n-gram-only one where the plan is
-plain, then ``record_step`` or ``record_plain`` what it did. Implementations:
+A step that drafts K tokens pays when ``AL > cost_ratio = (t_propose + t_verify(K+1)) / t_decode``
+(AL bonus included). One interface, ``SpeculationPolicy``: ``plan`` a step, or ``lookup_step`` an
+n-gram-only one where the plan is plain, then ``record_step`` or ``record_plain`` what it did.
+``PolicyTable`` (per DFlash tag and backend, written by ``litellm-flm calibrate``) holds context
+buckets (``Bucket``: speculate or not, K, the gate, ``cost_ratio``, the calibrated AL,
+``verify_ratio``) and works with each request's ``AcceptanceTracker`` (its own AL: switches it to
+plain decoding, then probes) and ``LookupTracker`` (what its n-gram-only steps kept against their
+price). ``ALWAYS_SPECULATE`` is the null policy: whole blocks, no gate, no switch-off, no
+n-gram-only step.
 
-- ``PolicyTable``: per (DFlash tag, backend), context buckets (``Bucket``: speculate or not, K,
-  the confidence gate ``min_confidence``, ``cost_ratio``, the calibrated AL, ``verify_ratio``),
-  written by ``litellm-flm calibrate`` (``FILE_NAME``), with each request's trackers:
-  ``AcceptanceTracker`` (its own AL; switches it to plain decoding and probes again) and
-  ``LookupTracker`` (what its n-gram-only steps kept against their price).
-- ``ALWAYS_SPECULATE``: whole blocks, no gate, no switch-off, no n-gram-only step (a tag without a
-  table where this host's costs are not measured; where they are: ``estimate.py``).
-
-The gate verifies the leading drafted tokens whose cumulative confidence (``outputs.Proposal``)
-is at least ``min_confidence`` (docs/dflash.md, "Confidence"); none left is a plain step. An
+The gate verifies the leading drafted tokens whose cumulative confidence (``outputs.Proposal``) is
+at least ``min_confidence`` (docs/dflash.md, "Confidence"); none left is a plain step. An
 n-gram-only step of ``n`` tokens costs ``verify_ratio[n-1] = t_verify(n+1) / t_decode`` decode
 steps for ``1 + E(n)`` tokens (``outputs.expected_accepted``); ``lookup_step`` takes the ``n`` of
 the best ``(1 + E(n)) / verify_ratio[n-1]`` where it exceeds ``min_speedup`` (``MIN_SPEEDUP``),

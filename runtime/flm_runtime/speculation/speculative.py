@@ -5,20 +5,14 @@ arXiv:2602.06036 (2026); the draft model is ``flm_runtime.models.dflash``.
 
 One step (docs/dflash.md, "One speculative step"): the proposer drafts ``d1 .. dK`` from the
 anchor; the target runs ``[anchor, d1 .. dK]`` at ``start .. start+K`` in one pass (logits
-``[K+1, V]`` and taps); ``verify`` keeps a prefix of the draft plus one target token (the bonus);
-the target KV cache is trimmed past what was kept, and the kept positions' taps become the draft's
-pending context. Batched (docs/dflash.md, "Serving: batched steps and the speculation policy"):
-``prepare`` plans every lane with the policy and drafts for all drafting lanes in one draft pass
-(a ``StepRecord`` each), the engine runs each lane's ``StepRecord.rows`` in ONE target pass, and
-``complete`` verifies and commits lane by lane; ``step`` does all three for one lane.
-
-Proposals: the draft's, the retrieval proposers' (``retrieval.py``: prompt lookup, the suffix
-index, a predicted output) and a grammar's forced tokens (``constrain``); ``choose`` verifies the
-one with the most expected accepted tokens; a lane planned plain may take an n-gram-only step
-(docs/dflash.md, "Prompt lookup", "Grammar-aware proposals"; docs/design.md, "Speculation policy").
-
-Terms (docs/dflash.md, "Vocabulary"): drafted, accepted, bonus (the one target token of every
-step: vLLM's recovered or bonus token), AL (tokens kept per step, bonus included: 1 <= AL <= K+1).
+``[K+1, V]`` and taps); ``verify`` keeps a prefix of the draft plus one target token (the bonus:
+docs/dflash.md, "Vocabulary"); the target KV cache is trimmed past what was kept, and the kept
+positions' taps become the draft's pending context. Batched: ``prepare`` plans every lane and
+drafts for all drafting lanes in one draft pass (a ``StepRecord`` each), the engine runs every
+lane's ``StepRecord.rows`` in ONE target pass, ``complete`` verifies and commits lane by lane;
+``step`` does the three for one lane. Beside the draft, the retrieval proposers (``retrieval.py``)
+and a grammar's forced tokens (``constrain``); ``choose`` picks the proposal a step verifies
+(docs/dflash.md, "Serving: batched steps and the speculation policy" and the sections after it).
 
 Lossless (docs/design.md, "DFlash"): every position's token is taken by the request's ``Picker``
 as in plain decoding, row ``j`` processed with the state after the ``j`` tokens kept before it.
