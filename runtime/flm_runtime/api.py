@@ -6,37 +6,18 @@
     ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
     print(engine.submit(ids, SamplingParams(max_tokens=64)).result().text)
 
-One engine per tag per process, created on first use and shared by every caller (the LiteLLM
-handler, the CLI, tests): the engines and loaded models live in a ``Runtime``, and the module's
-``get_engine`` asks ``default_runtime``. A test makes a ``Runtime`` of its own and closes it
-(or ``forget``s one tag's engines). Concurrent first calls load once, and a load never blocks an
-engine already served (``Runtime``).
-
-Every engine decodes speculatively where it pays, with the decoder
-``flm_runtime.speculation.decoders`` builds for its tag: the proposers that need no draft for
-every tag, and a DFlash tag (``X-dflash:size``) adds the draft of ``registry.locate_draft(tag)``.
-A DFlash tag's engine runs over the *same* target object as the base tag's engine: a target is
-loaded once per process whichever of the two tags comes first.
-
-Settings (``flm_runtime.settings``): a ``Runtime`` given a ``Settings`` uses those; without, it
-reads the environment's at each ``get_engine`` (so the process's runtime sees a variable a test or
-a proxy's config sets after import), and passes them down.
-
-Backends (``flm_runtime.backends``): ``get_engine(tag, backend=...)`` with ``auto`` (default, or
-``$FLM_BACKEND``), ``cpu`` or ``npu``. The cpu target is the ``CausalLM``; an npu target is an
-``NpuModel`` built on top of it (it keeps the cpu model's embedding and LM head on the host). The
-choice for a (model, requested backend) pair is made once per process; ``auto`` falls back to cpu
-when the npu backend is not there or fails to start, logging why once.
-
-Engine limits (``flm_runtime.scheduling.admission``): ``$FLM_KV_BUDGET`` (KV bytes) and
-``$FLM_MAX_QUEUE`` (waiting requests), applied when an engine is created. They are per process, not
-per LiteLLM deployment: every deployment of a tag shares its one engine (one copy of the weights,
-one batch), so a per-deployment value would have to either split that engine or contradict another
-deployment's. A proxy sets them in its config's ``environment_variables``.
-
-Shutdown: ``drain`` (``Runtime.drain``) stops every engine admitting, lets what runs finish within
-``$FLM_DRAIN_TIMEOUT_S`` and closes the engines; a LiteLLM proxy calls it on SIGTERM
-(``litellm_flm.compat.drain_on_sigterm``).
+One engine per tag per process, created on first use and shared by every caller: the engines and
+loaded models live in a ``Runtime`` (the module's ``get_engine`` asks ``default_runtime``; a test
+makes its own and closes it, or ``forget``s a tag). Concurrent first calls load once, and a load
+never blocks an engine already served. Every engine gets the decoder
+``flm_runtime.speculation.decoders`` builds for its tag (a DFlash tag adds the draft of
+``registry.locate_draft``), and a DFlash tag's engine runs over the *same* target object as its
+base tag's. A ``Runtime`` without ``Settings`` reads the environment's at each ``get_engine``.
+Backends: ``auto`` (``$FLM_BACKEND``), ``cpu`` (a ``CausalLM``) or ``npu`` (an ``NpuModel`` over
+it), chosen once per (model, requested backend); ``auto`` falls back to cpu, logging why once.
+Engine limits (``$FLM_KV_BUDGET``, ``$FLM_MAX_QUEUE``) are per process (``flm_runtime.settings``).
+``drain`` stops admitting, lets what runs finish within ``$FLM_DRAIN_TIMEOUT_S`` and closes the
+engines (a LiteLLM proxy's SIGTERM: ``litellm_flm.compat.drain_on_sigterm``).
 """
 
 from __future__ import annotations

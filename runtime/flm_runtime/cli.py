@@ -257,8 +257,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """No cyclic garbage collection inside (its state restored after): a model's load makes ~10^5
-    long-lived objects (numba's types and code, the vocabulary) and no cycles to free, and the
-    collector's passes over them while they were made took ~0.15 s of a ``run``."""
+    long-lived objects (numba's types and code, the vocabulary) and no cycles to free, which the
+    collector would otherwise pass over again and again while they are made."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -383,8 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status.
 
     Without ``argv`` (the console script, whose process ends when this returns), every object
-    left is frozen out of the garbage collector (``gc.freeze``) on return: the interpreter's
-    last collections over a loaded model's objects took ~0.25 s of each ``run``'s exit.
+    left is frozen out of the garbage collector (``gc.freeze``) on return, so that the
+    interpreter's last collections do not walk a loaded model's objects at exit.
     """
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))

@@ -115,7 +115,7 @@ def require_flag(value: Any, field: str) -> bool:
 class ModelConfig:
     """The hyper-parameters every model family has, named as in a Hugging Face ``config.json``
     (unknown keys are ignored). A family's own keys live in its config, a subclass
-    (``flm_runtime.models``); this class is the Llama family's.
+    (``flm_runtime.families``); this class is the Llama family's.
 
     Every numeric field is checked against its bound (``BOUNDS``; a subclass adds its fields'),
     and the fields against each other, when the config is made: a config that exists holds

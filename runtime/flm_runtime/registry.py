@@ -1,51 +1,23 @@
 """Model tags -> model files.
 
-A tag has FastFlowLM's ``family:size`` form (``smollm2:135m``). ``X-dflash:size`` is the same
-weights as ``X:size`` decoded with a DFlash draft: its entry names the base tag and the draft
-directory instead of files of its own.
+A tag has FastFlowLM's ``family:size`` form (``smollm2:135m``); ``X-dflash:size`` is ``X:size``'s
+weights decoded with a DFlash draft, its entry naming the base tag and the draft directory. Tags
+come from three layers (docs/design.md, "Goals"):
 
-Tags come from three layers, later ones winning a conflict as stated:
+1. built-in entries (``builtin_entries``);
+2. the entry-point group ``litellm_flm.models``, each loading to ``{tag: spec}`` or a list of
+   entries (``ModelEntry`` or dicts with a ``tag``): it only *adds* tags (a redefinition is skipped
+   with a warning; a broken plugin is logged and skipped);
+3. the user models file, YAML (so JSON too), ``$FLM_MODELS_FILE`` or ``<config dir>/models.yaml``
+   (README.md, "Models"), which may redefine any tag. Not a mapping: an error naming the file; an
+   invalid entry is logged (file, tag, key) and skipped, and looking its tag up raises that error.
 
-1. built-in entries (``BUILTIN`` below);
-2. the entry-point group ``litellm_flm.models`` (read with the ``entrypoints`` package): each entry
-   point loads to a dict ``{tag: spec}`` or a list of entries (``ModelEntry`` or dicts with a
-   ``tag`` key). A plugin only *adds* tags: one that redefines an existing tag is skipped with a
-   warning, so an installed package cannot silently swap the model behind a tag. A broken plugin is
-   logged and skipped;
-3. the user models file, YAML read with PyYAML (a dependency of ours and of litellm):
-   ``$FLM_MODELS_FILE`` or ``<config dir>/models.yaml``; JSON is valid YAML, so
-   ``FLM_MODELS_FILE=models.json`` works too. It may redefine any tag: it is the user's own choice. A
-   file that cannot be read as a mapping is an error naming the file; an invalid entry in it is
-   logged (a warning naming the file, the tag and the key) and skipped, the other tags served,
-   and looking its tag up raises that error. Example::
-
-       mymodel:7b: ~/models/mymodel-7b.Q4_0.gguf        # a GGUF file
-       other:1b:                                        # an HF-style directory
-         path: /data/other-1b                           # config.json, tokenizer.json, *.safetensors
-         description: Other 1B instruct
-         context_length: 4096
-         weights: q8                                    # q4 | q8 | f32 | auto (the default)
-         thinking:                                      # only for a template whose switch or
-           switch: enable_thinking                      # markers differ from these defaults
-           start: <think>
-           end: </think>
-       other-dflash:1b:
-         base: other:1b
-         draft: /data/other-1b-dflash                   # the DFlash draft directory
-       base:1b:
-         path: ~/models/base-1b.gguf
-         chat: false                                    # a base model: its files hold no chat template
-
-   A spec is a path (string) or a mapping with the ``ModelEntry`` field names, plus the short
-   keys ``draft`` (= ``draft_dir``) and ``sha256``/``size`` (of a GGUF ``path``). Relative paths
-   are taken from the file's directory (from the module's directory for an entry point).
-
-The layers are read once per process, on first use (``current()``, a ``Registry``); ``reload()``
-reads them again at the next lookup, after the user models file or ``$FLM_MODELS_FILE`` changed.
-
-Files are "installed" when each exists with the recorded size and, where a sha256 is recorded, the
-content hashed to it once: the result is kept in a marker (see ``_marker_path``) that stays valid
-while the file's size, mtime and inode are unchanged, so a 98 MB file is not rehashed every start.
+A spec is a path (a GGUF file or an HF directory) or a mapping of ``ModelEntry`` field names, plus
+``draft`` (= ``draft_dir``) and ``sha256`` / ``size`` (of a GGUF ``path``); relative paths are from
+the file's directory (the module's for an entry point). The layers are read once per process
+(``current()``, a ``Registry``; ``reload()`` reads them again). A file is installed when it has the
+recorded size and, where a sha256 is recorded, hashed to it once (a marker, ``_marker_path``, valid
+while its size, mtime and inode are).
 """
 
 from __future__ import annotations

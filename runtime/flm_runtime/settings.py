@@ -1,53 +1,35 @@
 """The runtime's settings: every ``FLM_*`` environment variable, read in this module only.
 
 ``Settings.from_env()`` reads them all at once; the edges (``api.Runtime``, the CLI, the LiteLLM
-provider) take a ``Settings`` and pass its values down, and a library function that is given no
-value reads the current environment here, never ``os.environ`` of its own. Each value is checked
-where it is used, with the variable's name in the error.
+provider) pass its values down, and a library function given no value reads the environment here,
+never ``os.environ`` itself. Each value is checked where it is used, naming the variable. The
+engine limits are per process, shared by every LiteLLM deployment of a tag (a proxy sets them in
+its config's ``environment_variables``). Variables (default; meaning; where used):
 
-Variables (name: default; meaning):
-
-    FLM_BACKEND: ``auto``; the backend when a caller passes none: ``auto``, ``cpu`` or ``npu``
-        (``flm_runtime.backends.select``).
-    FLM_WEIGHTS: ``auto``; how the cpu backend holds a model's matrices when its registry entry
-        does not say: ``auto``, ``q4``, ``q8`` or ``f32`` (``flm_runtime.loading.weights``).
-    FLM_KV_BUDGET: 4 full contexts of the model; KV cache bytes per engine
-        (``flm_runtime.scheduling.admission``).
-    FLM_MAX_QUEUE: 64; requests waiting for admission per engine; one more is refused at once.
-    FLM_MODEL_PATH: the user cache directory of ``litellm-flm`` plus ``models``; where models are
-        kept (``flm_runtime.paths``).
-    FLM_MODELS_FILE: ``models.yaml`` in the user config directory of ``litellm-flm``; the user
-        models file (``flm_runtime.registry``).
-    FLM_XCLBIN_PATH: the package ``flm_xclbins``; the folder of the npu kernel builds and their
-        ``manifest.json`` (``flm_runtime.backends.npu.manifest``).
-    FLM_PREFIX_CACHE: ``1``; ``0`` (``false``, ``off``) turns the engines' prefix caching off
-        (``flm_runtime.scheduling.prefix_cache``).
-    FLM_SPECULATION: ``1``; ``0`` (``false``, ``off``) decodes every tag plainly, a DFlash tag
-        with its target alone (``flm_runtime.speculation.decoders``); a request can ask the same
-        for itself (``SamplingParams.speculation``).
-    FLM_SUFFIX_CACHE_TOKENS: ``SUFFIX_CACHE_TOKENS`` (16384); tokens of finished requests each
-        speculating engine keeps for its suffix proposer (``flm_runtime.speculation.suffix``);
-        ``0`` turns the suffix proposer off.
-    FLM_HOST_COSTS: ``1``; ``0`` (``false``, ``off``) does not measure this host's verify costs
-        the first time an engine of a tag is built (``flm_runtime.speculation.costs``): a DFlash
-        tag keeps its shipped policy table's, and a tag without a draft, which has no table,
-        decodes plainly.
-    FLM_THREADS: the CPUs the process may run on (and at most that); the threads of the kernel team
-        that runs every compiled model step of the process (``flm_runtime.kernels.team``).
-    FLM_DRAIN_TIMEOUT_S: ``DRAIN_TIMEOUT_S`` (25); seconds a shutting-down process lets its running
-        requests finish (``Runtime.drain``: a LiteLLM proxy's SIGTERM, ``litellm_flm.compat.drain_on_sigterm``);
-        keep it below the server's own bound (LiteLLM's ``GRACEFUL_SHUTDOWN_TIMEOUT``, 30 s by
-        default), after which the server cancels what is left.
-    FLM_MAX_TOKENS: ``MAX_TOKENS`` (4096); the default output limit: completion tokens at most for
-        a request that sets no ``max_tokens``, of a tag whose models-file entry sets none
-        (``sampling: max_tokens``); fewer where the prompt leaves less of the context
-        (``flm_runtime.api.with_output_limit``).
-    FLM_LOG_LEVEL: unset (no handler); the level of ``flm_runtime`` and ``litellm_flm`` records sent
+    FLM_BACKEND (``auto``): ``auto``, ``cpu`` or ``npu`` (``backends.select``).
+    FLM_WEIGHTS (``auto``): ``auto``, ``q4``, ``q8`` or ``f32``, where a registry entry does not
+        say (``loading.weights``).
+    FLM_KV_BUDGET (4 full contexts): KV cache bytes per engine (``scheduling.admission``).
+    FLM_MAX_QUEUE (64): requests waiting per engine; one more is refused at once.
+    FLM_MODEL_PATH (the user cache dir of ``litellm-flm``, ``/models``): where models are kept
+        (``paths``).
+    FLM_MODELS_FILE (``models.yaml`` in the user config dir): the user models file (``registry``).
+    FLM_XCLBIN_PATH (the package ``flm_xclbins``): npu kernel builds and their ``manifest.json``.
+    FLM_PREFIX_CACHE (``1``): ``0`` / ``false`` / ``off`` turns prefix caching off.
+    FLM_SPECULATION (``1``): ``0`` decodes every tag plainly, a DFlash tag with its target alone
+        (``speculation.decoders``; per request: ``SamplingParams.speculation``).
+    FLM_SUFFIX_CACHE_TOKENS (``SUFFIX_CACHE_TOKENS``, 16384): tokens of finished requests an
+        engine's suffix proposer keeps (``speculation.suffix``); ``0``: no suffix proposer.
+    FLM_HOST_COSTS (``1``): ``0`` does not time this host's verify costs (``speculation.costs``): a
+        DFlash tag keeps its shipped table's, a tag without a draft decodes plainly.
+    FLM_THREADS (the CPUs the process may use, and at most that): the kernel team's threads
+        (``kernels.team``).
+    FLM_DRAIN_TIMEOUT_S (``DRAIN_TIMEOUT_S``, 25): seconds ``Runtime.drain`` lets running requests
+        finish; keep it below the server's bound (LiteLLM's ``GRACEFUL_SHUTDOWN_TIMEOUT``, 30 s).
+    FLM_MAX_TOKENS (``MAX_TOKENS``, 4096): the default output limit of a request that sets no
+        ``max_tokens``, of a tag whose entry sets none (``api.with_output_limit``).
+    FLM_LOG_LEVEL (unset: no handler): the level of ``flm_runtime`` and ``litellm_flm`` records sent
         to stderr (``litellm_flm.configure_logging``).
-
-The engine limits are per process, not per LiteLLM deployment: every deployment of a tag shares
-its one engine (one copy of the weights, one batch). A proxy sets them in its config's
-``environment_variables``.
 """
 
 from __future__ import annotations

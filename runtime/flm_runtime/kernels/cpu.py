@@ -98,10 +98,8 @@ def forward_pass(rows: int) -> Iterator[None]:
     """Wrap one forward pass of ``rows`` rows (a model's ``forward`` / ``forward_batch``).
 
     A skinny pass (1..SKINNY_ROWS rows) runs its products (``linear``) on the skinny kernel's
-    threads; BLAS runs single-threaded meanwhile, because OpenBLAS's idle
-    workers spin for up to ~0.1 s after each call and would take a core from the kernel on a
-    2-core machine (a 1-row pass at 1k context took almost 3x as long). Skinny passes
-    of concurrent engines take turns (one lock); larger passes (prefill) run as they come, with
+    threads, BLAS single-threaded meanwhile (docs/design.md, "Backends"); skinny passes of
+    concurrent engines take turns (one lock); larger passes (prefill) run as they come, with
     BLAS's own threads.
 
     OpenBLAS's thread count is process-wide: after a skinny pass it is set back to numpy's count

@@ -1,36 +1,21 @@
 """A model file's converted weights, kept on disk so that a later load maps them instead of
-converting again.
+converting again (docs/design.md, "How weights are held").
 
-A GGUF's matrices are converted to the cpu backend's tiled blocks at every load (0.15 s for the
-embedded default on the AVX-512 host; a K-quant file's 6-bit matrices are dequantized and
-quantized again, slower still). ``load`` gives the weights ``save`` wrote for the same source file
-and weight kind, or None; the caller converts then, writing each part of a tensor into the file
-as it is converted (``save``), and maps the file: the converted weights are never all in memory
-besides the mapping (docs/design.md, "How weights are held").
-
-One file per (source file, weight kind) in the caller's directory (``paths.converted_dir()``):
-``<key>-<kind>.flmw``, the key a digest of the source's absolute path (as the registry's
-``.verified`` records: nothing is written beside a user's files). Its header records the
+``load`` gives the weights ``save`` wrote for the same source file and weight kind, or None; the
+caller then converts, ``save`` writing each part of a tensor as it is converted, and maps the file.
+One file per (source, kind) in the caller's directory (``paths.converted_dir()``):
+``<key>-<kind>.flmw``, the key a digest of the source's absolute path. Its header records the
 source's size, mtime and inode and a digest of the code whose rules the bytes follow
-(``kernels/quant.py``, ``loading/gguf.py``, gguf-py's version); a file that does not match them
-all, or that is unreadable or of another length than its header says (a copy cut short), is not
-used, saying why, and the next ``save`` replaces it.
-
-A ``save`` writes through ``flm_runtime.files.written_whole``: unnamed while written (Linux's
-``O_TMPFILE``; elsewhere a temporary name, removed by a later ``save`` once its process is gone,
-saying so), its whole length reserved before the first byte, fsynced, then renamed into place. So
-a load killed while converting (SIGKILL included) leaves no file under the name, and the next
-load converts again; a disk without room for the file is a ``DiskSpaceError`` naming it, the
-bytes it needs and the bytes free, with nothing left; any other write failure (a read-only cache)
-only costs the conversion next time.
+(``kernels/quant.py``, ``loading/gguf.py``, gguf-py's version); a file that does not match them,
+is unreadable or has another length than its header says is not used, saying why. ``save`` writes
+through ``flm_runtime.files.written_whole``; a disk without room is a ``DiskSpaceError`` (nothing
+left), any other write failure only costs the conversion next time.
 
 Layout: ``MAGIC``, the header's length (8 bytes, little-endian), the header (JSON: each array's
-dtype, shape and offset), then the data from a 64-byte aligned offset: every matrix's codes one
-after the other in the caller's order, then their scales, then their mins, then each float32
-array (``_layout``). Given in the order a quantized model stacks them, the stacked arrays are
-views of the mapping, not copies (``layers.stack.stack_weights``). The file is mapped
-copy-on-write: the arrays are writable views of it (numba compiles read-only arrays as another
-type), their pages read from the page cache and shared by every process that maps them.
+dtype, shape and offset), then from a 64-byte aligned offset every matrix's codes in the caller's
+order, their scales, their mins, then each float32 array (``_layout``); in a quantized model's
+stacking order the stacked arrays are views of the mapping (``layers.stack.stack_weights``). The
+mapping is copy-on-write: writable views (numba compiles read-only arrays as another type).
 """
 
 from __future__ import annotations

@@ -1,42 +1,23 @@
-"""GGUF reader for the model families we run (``flm_runtime.families``: llama, qwen2,
-qwen3, gemma3, phi3, and Mistral written as llama): weights under Hugging Face names.
+"""GGUF reader for the model families we run (``flm_runtime.families``: llama, qwen2, qwen3,
+gemma3, phi3, and Mistral written as llama): weights under Hugging Face names.
 
-The file is memory-mapped and its header parsed here (``open_gguf``): gguf-py's ``GGUFReader`` makes
-numpy views of every piece of every field, which takes seconds over a 49k-token vocabulary and its
-merges, paid at every load. gguf-py still supplies the format's constants and its dequantization.
-Every matrix is kept quantized in the cpu backend's block format (``flm_runtime.kernels.quant``)
-or dequantized to float32, as the weight kind asks (``WEIGHT_KINDS``):
+``open_gguf`` memory-maps the file and parses its header here; gguf-py supplies the format's
+constants and its dequantization (docs/design.md, "Model families"). Each matrix is kept in the
+cpu backend's block format (``flm_runtime.kernels.quant``) or as float32, as the weight kind asks
+(``WEIGHT_KINDS``; docs/design.md, "Quantized weights"):
 
-- ``auto`` (what a served model gets unless asked otherwise): each tensor keeps its own precision class: Q4_0, Q4_1 and Q4_K stay
-  4-bit (their blocks are read as they are), Q6_K stays 6-bit (read as it is, but for a part of a
-  fused matrix of other widths: ``quant.as_format``), Q8_0 stays 8-bit, everything else becomes
-  8-bit;
-- ``q4`` / ``q8``: every matrix 4-bit / 8-bit (read as it is where the source has that width; a
-  4-bit source widened to 8-bit codes with its own scales and mins, exactly; otherwise dequantized
-  and quantized again);
-- ``f32``: every tensor dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0, Q4_1,
-  Q5_0, Q5_1, Q8_0, the K-quants and what else gguf-py implements in numpy): the reference.
+- ``auto`` (the default for a served model): Q4_0, Q4_1 and Q4_K stay 4-bit, Q6_K 6-bit (but for a
+  part of a fused matrix of other widths: ``quant.as_format``), Q8_0 8-bit, everything else 8-bit;
+- ``q4`` / ``q8``: every matrix 4- / 8-bit (a 4-bit source widened to 8-bit codes with its own
+  scales and mins, exactly; another width dequantized and quantized again);
+- ``f32``: every tensor dequantized (``gguf.quants.dequantize``): the reference.
 
-Norm weights are float32 always.
-
-Layout. GGUF lists dimensions fastest-first (``ne[0]`` = in_features), so a tensor whose GGUF
-shape is ``[in, out]`` is the row-major numpy array ``[out, in]``: Hugging Face's layout.
-
-The family (from ``general.architecture``) says the config (its ``{arch}.*`` keys), the name of
-each tensor (a tensor it has no place for is refused, named) and which rows were permuted.
-llama.cpp's RoPE factor tensors (``rope_freqs``, ``rope_factors_long`` / ``_short``) go to the
-config's RoPE scaling, not to the weights.
-
-RoPE. llama.cpp's ``convert_hf_to_gguf.py`` (``CausalLM.permute``) reorders the rows of every
-``q_proj``/``k_proj`` head of the Llama family (Mistral included; not Qwen2, Qwen3, Gemma 3 or
-Phi-3, which llama.cpp rotates the "neox" way) so that llama.cpp can rotate adjacent pairs
-``(2i, 2i+1)``; Hugging Face rotates ``(i, i + D/2)`` ("rotate half"). ``unpermute_rope`` restores
-Hugging Face's order, which is what the models expect. Mixing the conventions gives
-fluent-looking text with a much higher perplexity (docs/design.md, "The embedded model"), so the
-raw order is available only on request.
-
-Norms. llama.cpp's converter stores Gemma 3's norm weights as ``1 + w`` (the multiplier), which
-is our convention: they are read as they are.
+Norm weights are float32 always; Gemma 3's are stored as ``1 + w``, our convention. GGUF lists
+dimensions fastest-first, so a GGUF shape ``[in, out]`` is the numpy array ``[out, in]``. The
+family says the config (its ``{arch}.*`` keys), each tensor's name (another tensor is refused,
+named) and which rows llama.cpp permuted: ``unpermute_rope`` restores Hugging Face's rotate-half
+order of the Llama family's Q/K rows. RoPE factor tensors (``rope_freqs``,
+``rope_factors_long`` / ``_short``) go to the config's RoPE scaling.
 
 Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """

@@ -1,61 +1,23 @@
 """The engine: a background thread that runs requests on one model and streams their tokens.
 
-A caller ``submit``s prompt ids and ``SamplingParams`` and gets a ``RequestHandle``
-(``handle.py``); sync iteration, ``aiter()``, ``result()`` and ``aresult()`` all consume the same
-stream of ``StreamEvent``s, so streamed and non-streamed outputs are the same by construction. The
-engine thread admits queued requests as ``Sequence``s and calls ``_step``, which runs ONE batched
-forward pass: a prompt chunk of each sequence still prefilling (within a per-step token budget) and
-the decode rows of every decoding sequence (continuous batching with chunked prefill: requests join
-and leave between steps, and a long prompt does not stall the others' decoding; see ``_step``).
-Which sequences run, with which rows, and what a pass does to their queue places and KV blocks is
-the ``Scheduler``'s (``scheduler.py``); the engine keeps the thread, submission, the pass and its
-fault isolation, and the stats. A
-``Sequence`` holds everything that is per request (cache, RNG, output pipeline), so a request's
-output depends only on its own inputs and seed (docs/design.md, "Contract", item 6), up to the
-float rounding of a batched matrix product.
+A caller ``submit``s prompt ids and ``SamplingParams`` (``submit_choices``: ``n`` choices, one
+prefill) and gets a ``RequestHandle`` (``handle.py``) per choice; iteration, ``aiter()``,
+``result()`` and ``aresult()`` consume the same ``StreamEvent``s, so streamed and non-streamed
+outputs are the same. Each step is ONE batched forward pass (``_step``): prompt chunks within a
+per-step token budget, and every decoding sequence's rows; what runs, and what a pass does to the
+queue and the KV blocks, is the ``Scheduler``'s (``scheduler.py``). A ``Sequence`` holds all
+per-request state, so a request's output depends only on its own inputs and seed
+(docs/design.md, "Contract", item 6). Stats: ``stats()``; per request ``Completion.stats``.
 
-Per-request stats: ``Completion.stats``, a ``request.RequestStats`` (token counts, queue and
-first-token times, decode seconds and tokens/s; with speculative decoding the ``SpecStats``
-counters: steps, drafted, accepted, AL, gated steps, and each proposer's steps and AL apart).
-The final ``StreamEvent`` carries the same stats.
+Refused at submit: a full queue (``EngineOverloadedError``), a request that cannot fit in the KV
+pool even alone (``KVBudgetError``), a draining engine (``EngineDrainingError``). A request whose
+part of a step raises fails alone (``EngineFaultError``, chained; ``_pass``); a fault of no single
+request fails every request. ``drain`` stops admitting and lets the running finish within a bound.
+KV pool, admission, preemption, prefix caching, faults: docs/design.md, "The KV pool".
 
-A request of ``n`` choices (``submit_choices``) is ``n`` sequences that are admitted together: the
-prompt is prefilled once, by the first, and its KV copied to the others, which then decode in the
-same batch, each with its own seed (``sampler.choice_seed``) and its own picker and logits
-processors (``sequence.py``).
-
-KV memory (``flm_runtime.kv_cache``, ``admission.py``, ``scheduler.py``): the engine's sequences
-hold their KV in one pool of fixed-size blocks (``model.new_pool``) of ``kv_budget`` bytes, taking
-blocks as they grow. At most ``max_queue`` requests wait and ``max_active`` sequences run; a
-request is admitted, in arrival order, when its prompt's blocks fit in what the pool has
-available, less a block for each running sequence. When a step finds no block left, the youngest
-sequence is preempted: its blocks go back, it waits at the head of the queue, and when admitted
-again it prefills its context again and goes on, emitting what it would have emitted
-(``Sequence.preempt``; vLLM's recompute preemption). A request that cannot fit even alone is
-refused at submit (``KVBudgetError``); a
-full queue is refused at submit too (``EngineOverloadedError``), so no caller ever hangs on a full
-engine. ``stats()`` counts what is running, waiting and held.
-
-Prefix caching (``prefix_cache.py``): full blocks are registered under the digest of their tokens
-and reused by any later request whose prompt starts with them.
-
-Faults: a request whose step raises (a kernel error, a bug) fails alone, with an
-``EngineFaultError`` chained to what was raised, and the engine goes on: a batched forward pass
-that raises runs again one sequence at a time (``_pass``, which says why the survivors' caches are
-intact), a stepper's ``prepare`` likewise, and each sequence completes its step apart. A fault of
-no single request (every part of a pass raises alone, or the step's own code raises) fails every
-request. Shutdown: ``drain`` stops admitting (``EngineDrainingError``), lets the submitted
-requests finish within a bound, then closes with the KV pool free.
-
-Speculative decoding: an engine given a ``Stepper`` (``step.py``; ``api`` passes the
-``SpeculativeDecoder`` that ``flm_runtime.speculation.decoders`` builds for the tag, a package this
-one never imports) runs every sequence's decoding through it, a step as prepare -> one batched
-target pass -> complete (propose K, verify K+1, greedy or sampled; or a plain step where its
-policy says a proposal does not pay, whose token is sampled as in an engine without a stepper;
-every step plain for a request that asks for it), and hands it each finished request's prompt and
-generated tokens
-(``Stepper.finish``: the suffix proposer's index of earlier requests). ``on_step`` hands each
-step's ``StepTiming`` to benchmarks.
+Decoding is plain, or through a ``Stepper`` (``step.py``; ``api`` passes the
+``SpeculativeDecoder`` of ``flm_runtime.speculation.decoders``, a package this one never imports):
+prepare -> one batched target pass -> complete. ``on_step`` hands each ``StepTiming`` to benchmarks.
 """
 
 from __future__ import annotations

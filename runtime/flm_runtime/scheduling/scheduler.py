@@ -1,34 +1,22 @@
-"""The scheduler: which sequences an engine runs, and what each step's forward pass does for each.
+"""The scheduler: which sequences an engine runs, and what each step's forward pass does for each
+(vLLM v1's ``Scheduler.schedule`` and ``update_from_output``; docs/design.md, "The KV pool").
 
-It holds the engine's queue (``waiting``: the head sequence of each queued request, its choices
-in its ``group``) and running set (``active``: oldest first) and their KV blocks in the engine's
-pool, and moves each sequence's ``Status`` (``sequence.py``). No thread, no model: the engine
-calls it with its lock held, and it calls no model (vLLM v1's ``Scheduler.schedule`` and
-``update_from_output``).
-
-One engine step, as the engine drives it:
+It holds the engine's queue (``waiting``: the head sequence of each queued request, its choices in
+its ``group``), its running set (``active``, oldest first) and their KV blocks in the engine's
+pool, and moves each sequence's ``Status`` (``sequence.py``). No thread and no model: the engine
+calls it with its lock held. One engine step:
 
 1. ``admit``: queued requests, in arrival order, become running while slots are free for all
-   their choices and their prompts' blocks fit (``admittable``); ``allocate`` gives each its
-   caches (the engine then gives the sequences it returns their stepper state, and ends a request
-   whose start raised).
-2. ``schedule``: a ``StepPlan``. Every decoding sequence gets the blocks of its step's rows,
-   oldest first; when none is left, the youngest running sequence is preempted (recompute
-   preemption: its blocks go back and it waits at the head of the queue) until they fit, or the
-   one asking is the youngest and goes itself. Then the prefilling sequences' next prompt chunks,
-   within the step's token budget.
-3. The engine runs the plan's pass; for each prompt chunk its sequence's cache took,
-   ``prompt_written`` (the prompt's blocks registered for prefix caching; at the prompt's end the
-   sequence decodes, its choices forked); ``finish`` for each sequence that ended.
-
-KV admission (``admission.py``): a request is admitted when its prompt's blocks fit in what the
-pool has available, less a block for each running sequence (what it may take at its next step);
-the first in line waits rather than being overtaken, so small requests cannot starve a large one,
-and it always fits once nothing runs (``submit`` refused any that would not).
-
-Prefix caching (``prefix_cache.py``, when ``prefix``): a sequence's full blocks are registered
-when its prompt is in its cache, when it is preempted and when it ends; a new cache starts from
-the registered blocks of its prompt's longest cached prefix.
+   their choices and their prompts' blocks fit (``admittable``: what the pool has available less
+   a block per running sequence; the head of the queue is never overtaken); ``allocate`` gives
+   each its caches.
+2. ``schedule``: a ``StepPlan``. Each decoding sequence, oldest first, gets the blocks of its
+   step's rows; when none is left the youngest running sequence is preempted (recompute: its
+   blocks go back, it waits at the head of the queue), or the one asking, if it is the youngest.
+   Then the prefilling sequences' next prompt chunks, within the step's token budget.
+3. After the pass: ``prompt_written`` for each prompt chunk (at the prompt's end its full blocks
+   are registered for prefix caching when ``prefix``, the sequence decodes, its choices fork);
+   ``finish`` for each sequence that ended. Full blocks are also registered at preemption and end.
 """
 
 from __future__ import annotations

@@ -206,9 +206,8 @@ def host_costs(path: Path, target: TargetModel, draft: DFlashDraft | None, *, mo
     """This host's curves for ``model``'s target and ``draft`` (``drafted`` = its block size - 1
     values each; without a draft, ``block_size - 1`` verify values and no propose ones): those
     kept at ``path``, else measured now (``measure_verify_ratio``, ``measure_propose_ratio``) and
-    written there (a temporary name, then renamed). A measurement takes seconds (20 s for
-    ``smollm2-dflash:135m`` on a busy 2-core host), in the first request's time: it is said on
-    stderr as it starts."""
+    written there (a temporary name, then renamed). A measurement takes seconds, in the first
+    request's time (docs/design.md, "Speculation policy"): it is said on stderr as it starts."""
     host = host_id()
     drafted = int(draft.config.block_size if draft is not None else block_size) - 1
     proposed = drafted if draft is not None else 0

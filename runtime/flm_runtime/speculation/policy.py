@@ -2,51 +2,22 @@
 
 The design and its reasons: docs/design.md, "Speculation policy".
 
-A speculative step costs ``t_propose + t_verify(K+1)`` and yields AL tokens (acceptance length,
-bonus included); plain decoding costs ``t_decode`` per token. Speculation pays when
-``AL * t_decode > t_propose + t_verify(K+1)``, i.e. when ``AL > cost_ratio`` with
-``cost_ratio = (t_propose + t_verify(K+1)) / t_decode``. Both sides move: the verify pass grows
-with context (attention over the cache: FastFlowLM's DFlash engine turns speculation off at 32k), and AL
-depends on the draft, the text, and the request.
+A step that drafts K tokens pays when ``AL > cost_ratio = (t_propose + t_verify(K+1)) / t_decode``
+(AL bonus included). One interface, ``SpeculationPolicy``: ``plan`` a step, or ``lookup_step`` an
+n-gram-only one where the plan is plain, then ``record_step`` or ``record_plain`` what it did.
+``PolicyTable`` (per DFlash tag and backend, written by ``litellm-flm calibrate``) holds context
+buckets (``Bucket``: speculate or not, K, the gate, ``cost_ratio``, the calibrated AL,
+``verify_ratio``) and works with each request's ``AcceptanceTracker`` (its own AL: switches it to
+plain decoding, then probes) and ``LookupTracker`` (what its n-gram-only steps kept against their
+price). ``ALWAYS_SPECULATE`` is the null policy: whole blocks, no gate, no switch-off, no
+n-gram-only step.
 
-So the rule is data: a ``PolicyTable`` per (DFlash tag, backend) of context buckets, each with
-whether to speculate, the draft length K, the confidence gate, the measured ``cost_ratio`` and the
-calibrated AL, written by ``litellm-flm calibrate`` (``flm_bench.calibrate``) and shipped
-for the embedded model. FastFlowLM's rule is one bucket: ``{"max_context": 32768, "speculate": false}``.
-
-The gate works step by step: the draft proposes K tokens with its confidence in each (its softmax
-probability of the token, ``models.dflash.Proposal``), and the step verifies only the leading ones
-whose cumulative confidence (the product, an estimate of the chance that the whole prefix is
-accepted) is at least the bucket's ``min_confidence``; none left is a plain decode step. A verify
-row costs little next to the pass itself (the weights are read once for all rows), but the first
-drafted row doubles the rows and the later ones are rarely kept: the gate spends rows where the
-draft is sure and skips the verify where it guesses (EAGLE-2, Li et al. 2024, arXiv:2406.16858,
-grows its draft tree by the same estimate).
-
-An n-gram-only step (prompt lookup, ``ngram.py``) runs where the plan is plain: the draft does
-not run, the target verifies ``[anchor, g1 .. gn]`` of the n-gram proposal, at ``verify_ratio[n-1]
-= t_verify(n+1) / t_decode`` decode steps for ``1 + E(n)`` tokens (``E(n)``: the expected accepted
-tokens of the first n, ``expected_accepted``). ``lookup_step`` takes the n with the best
-``(1 + E(n)) / verify_ratio[n-1]``, and only where that speed-up exceeds the table's
-``min_speedup`` (``calibrate``'s margin, ``MIN_SPEEDUP``); a bucket without ``verify_ratio`` (a
-table calibrated before they were recorded) takes none. With several retrieval proposals the
-decoder verifies the one of the best speed-up: the most tokens per unit of cost. Per request, a
-``LookupTracker`` judges what those steps kept against what they cost: a request whose n-gram-only
-steps do not realise ``min_speedup`` raises the price the next ones must clear for a while
-(``record_lookup``).
-
-The policy is an object with one interface (``SpeculationPolicy``: ``plan`` a step, or
-``lookup_step`` an n-gram-only one where the plan is plain, then ``record_step`` or
-``record_plain`` what it did): a ``PolicyTable`` with the request's tracker, or
-``ALWAYS_SPECULATE``, the null policy (whole blocks, no gate, no switch-off, no n-gram-only step)
-of a tag without a table where this host's costs are not measured; where they are, such a tag
-starts from an estimated table (``estimate.py``).
-
-Then, per request, an ``AcceptanceTracker`` follows that request's own AL (the mean of its last
-16 speculative steps, the window starting full of the table's AL). When ``AL_estimate /
-cost_ratio`` drops below 1 the request decodes plainly for ``probe_after`` tokens, then probes:
-speculation restarts with a fresh window; a probe switched off again within the window doubles the
-wait (up to ``max_probe_after``), one that lasts the window resets it.
+The gate verifies the leading drafted tokens whose cumulative confidence (``outputs.Proposal``) is
+at least ``min_confidence`` (docs/dflash.md, "Confidence"); none left is a plain step. An
+n-gram-only step of ``n`` tokens costs ``verify_ratio[n-1] = t_verify(n+1) / t_decode`` decode
+steps for ``1 + E(n)`` tokens (``outputs.expected_accepted``); ``lookup_step`` takes the ``n`` of
+the best ``(1 + E(n)) / verify_ratio[n-1]`` where it exceeds ``min_speedup`` (``MIN_SPEEDUP``),
+priced against the pass planned so far (``PassLoad``, ``paying_step``).
 """
 
 from __future__ import annotations
@@ -258,25 +229,18 @@ def paying_step(confidence: np.ndarray, verify_ratio: list[float], min_speedup: 
 @dataclass
 class LookupTracker:
     """One request's realised payoff of its n-gram-only steps of retrieval proposals, and the bar
-    it raises for them when they fall short.
+    it raises for them when they fall short (docs/design.md, "Speculation policy").
 
-    ``lookup_step`` prices a step by the proposal's confidence, which its proposer learns token by
-    token (``retrieval.AcceptanceRecord``); this checks the priced steps against what they kept.
-    An n-gram-only step of n tokens costs ``verify_ratio[n-1]`` decode steps, was priced at a
-    speed-up ``s`` (``LookupStep.speedup``: ``s * cost`` tokens expected) and keeps ``emitted``
-    tokens (the bonus included). Over the request's last ``window`` such steps the realised
-    speed-up is ``sum(emitted) / sum(cost)``. Once a full window realises no more than the table's
-    ``min_speedup`` (what the price asked of each step), the request backs off for its next
-    ``wait`` chances (steps planned plain where a retrieval proposal priced to pay): a step must
-    then be priced above ``bar = min_speedup * expected / kept`` (the window's tokens expected over
-    kept), so the steps priced like those that fell short are declined and a proposal priced far
-    above them (a long copy) is still taken. A window after a back-off that does not pay either
-    doubles the wait (up to ``max_wait``), one that pays resets it. The steps of a grammar's forced
-    tokens alone are exact (confidence 1) and neither judged nor declined.
+    A step of n tokens costs ``verify_ratio[n-1]`` decode steps, was priced at a speed-up ``s``
+    (``LookupStep.speedup``) and keeps ``emitted`` tokens (bonus included). Once a full ``window``
+    realises ``sum(emitted) / sum(cost)`` no more than ``min_speedup``, the request backs off for
+    its next ``wait`` chances (steps planned plain where a retrieval proposal priced to pay): a step
+    must be priced above ``bar = min_speedup * expected / kept`` (the window's tokens). A window
+    after a back-off that does not pay either doubles the wait (up to ``max_wait``), one that pays
+    resets it. Steps of a grammar's forced tokens alone are neither judged nor declined.
 
     Attributes:
-        window: n-gram-only steps judged together (one step keeps 1 .. n+1 tokens: one says
-            little). These three are our own choices, not tuned values.
+        window: n-gram-only steps judged together.
         first_wait, max_wait: chances of a first back-off, and the cap of the doubling.
         wait: chances of the next back-off.
         declining: chances of the back-off still to come (0: none).
@@ -477,27 +441,20 @@ class PolicyTable(BaseModel):
 
 @dataclass
 class AcceptanceTracker:
-    """One request's online acceptance estimate and its speculate / plain decision.
+    """One request's online acceptance estimate and its speculate / plain decision
+    (docs/design.md, "Speculation policy").
 
     The estimate is the mean AL over the request's last ``window`` speculative steps (a step the
-    confidence gate left plain counts, with its one token). Each time
-    speculation (re)starts, the window starts full of the bucket's calibrated ``expected_al``: a
-    prior worth ``window`` steps, which the request's own steps then push out. One step emits 1 to
-    K+1 tokens; at an AL of 1.45 (K = 1) or 1.60 (K = 2) that is a standard deviation of 0.50 or
-    0.75 tokens, so the mean of 16 steps is known to 0.12-0.19 tokens. One step alone says little:
-    more than half of them emit a single token even where speculation pays. A request whose AL is
-    far below the ``cost_ratio`` is switched off within about ten steps.
-
-    When the estimate drops below the bucket's ``cost_ratio`` the request decodes plainly for
-    ``probe_after`` tokens, then probes: speculation restarts with a fresh window. A probe that is
-    switched off again within ``window`` steps doubles the wait (up to ``max_probe_after``); one
-    that lasts ``window`` steps resets it.
+    confidence gate left plain counts, with its one token); each time speculation (re)starts, the
+    window starts full of the bucket's ``expected_al``. When the estimate drops below the bucket's
+    ``cost_ratio`` the request decodes plainly for ``probe_after`` tokens, then probes: speculation
+    restarts with a fresh window. A probe switched off again within ``window`` steps doubles the
+    wait (up to ``max_probe_after``); one that lasts ``window`` steps resets it.
 
     Attributes:
         window: speculative steps the estimate averages (and steps a probe must last).
         first_probe_after, max_probe_after: tokens of plain decoding before the first probe, and
-            the cap of its doubling. These three are our own choices (see above; a failed probe
-            costs a few percent at most), not tuned values from a paper.
+            the cap of its doubling.
         al: the estimate (mean AL over the window, tokens per speculative step, bonus included);
             None until speculation first starts; after a switch-off, the estimate that caused it.
         tokens: tokens this request generated through the tracker (plain and speculative).

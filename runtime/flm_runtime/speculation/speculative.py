@@ -1,84 +1,25 @@
 """DFlash speculative decoding: the verifier (pure functions) and the speculative step.
 
-DFlash: Jian Chen, Yesheng Liang, Zhijian Liu, "DFlash: Block Diffusion for Flash Speculative
-Decoding", arXiv:2602.06036 (2026); the draft model is ``flm_runtime.models.dflash``.
+DFlash: Chen, Liang, Liu, "DFlash: Block Diffusion for Flash Speculative Decoding",
+arXiv:2602.06036 (2026); the draft model is ``flm_runtime.models.dflash``.
 
-One step (docs/dflash.md, "One speculative step"): the proposer drafts ``d1 .. dK`` (K = block_size - 1: 7 or 15) from
-the anchor; the target runs ``[anchor, d1 .. dK]`` at positions ``start .. start+K`` in one pass
-(logits ``[K+1, V]`` and taps); the verifier keeps a prefix of the draft and adds one token of the
-target's own; the target KV cache is rolled back (``trim``) past what was kept, and the verify
-pass's taps of the kept positions become the draft's pending context.
+One step (docs/dflash.md, "One speculative step"): the proposer drafts ``d1 .. dK`` from the
+anchor; the target runs ``[anchor, d1 .. dK]`` at ``start .. start+K`` in one pass (logits
+``[K+1, V]`` and taps); ``verify`` keeps a prefix of the draft plus one target token (the bonus:
+docs/dflash.md, "Vocabulary"); the target KV cache is trimmed past what was kept, and the kept
+positions' taps become the draft's pending context. Batched: ``prepare`` plans every lane and
+drafts for all drafting lanes in one draft pass (a ``StepRecord`` each), the engine runs every
+lane's ``StepRecord.rows`` in ONE target pass, ``complete`` verifies and commits lane by lane;
+``step`` does the three for one lane. Beside the draft, the retrieval proposers (``retrieval.py``)
+and a grammar's forced tokens (``constrain``); ``choose`` picks the proposal a step verifies
+(docs/dflash.md, "Serving: batched steps and the speculation policy" and the sections after it).
 
-A step reads prepare (draft) -> verify -> complete (``SpeculativeDecoder.step`` for one lane, as gpt-fast's
-``speculative_decode``). Batched, the engine advances several sequences ("lanes") per step, split
-as vLLM v1 splits its proposer and its rejection sampler: ``prepare`` plans every lane with the
-speculation policy (``policy.py``: a table of context buckets plus the request's own acceptance
-estimate) and drafts for all drafting lanes in one draft pass, returning a ``StepRecord`` per lane;
-each lane contributes ``StepRecord.rows``, its verify rows ``[anchor, d1 .. dk]`` or the single row
-``[anchor]`` of a plain decode step, to ONE target pass (``TargetModel.forward_batch``, shared
-with other sequences' prefill chunks); ``complete`` then verifies (``verify``, pure) and completes lane
-by lane. The policy's confidence gate verifies only the first k <= K drafted tokens, those the
-draft is sure enough of (k = 0: the step decodes plainly, "gated"). A plain step samples its token
-as an engine without a draft does (``Lane.decode_plain``) and still records taps, so the draft can resume
-at any step.
-
-Retrieval proposers (``retrieval.py``), which copy tokens instead of running a model, beside the
-draft: prompt lookup (``ngram.py``: the sequence's own earlier tokens, for text that copies its
-context) and the suffix proposer (``suffix.py``: continuations seen in the engine's earlier
-requests, for requests that repeat one another; on when the decoder is given a ``SuffixIndex``).
-Per drafting lane and step each proposes tokens after the anchor with a confidence per token;
-the step verifies the proposal with the most expected accepted tokens (``outputs.expected_accepted``
-of the gated confidences), the draft's included, in the same verify pass (``choose``): there the
-plan holds for all, each proposal is at most K tokens and passes the same gate, and a verify pass
-costs the same whichever it verifies. A lane planned plain (K = 0) takes an *n-gram-only* step
-instead when the policy expects a proposal to pay for its verify rows (``policy.lookup_step``:
-the bucket's measured ``verify_ratio``), of the proposals the one of the best expected speed-up
-(tokens per unit of cost): the draft does not run, the target verifies ``[anchor, g1 .. gn]``.
-Its tokens are verified as the draft's (the verifier only compares tokens), and the kept
-positions' taps join the pending ones as after a plain step, so the draft resumes from them.
-Every proposal, verified or not, is scored against the kept tokens by its proposer.
-
-Without a draft (a tag that has none, ``decoders.py``) every step is planned plain and is an
-n-gram-only step or a plain one; the retrieval proposers include the request's predicted output
-(``prediction.py``) where it gave one. A lane's n-gram-only step is priced against the pass the
-lanes before it planned (``policy.PassLoad``, ``policy.paying_step``): rows slow every lane of a
-batch.
-
-Grammar-aware proposals: under a grammar (``response_format``, tools: the request's
-``GrammarProcessor`` among its picker's processors) every proposal is first made what the grammar
-lets the step verify (``constrain``): cut at the first token the grammar forbids (the verifier
-would reject it and all after it, so its rows would be spent for nothing), with the tokens the
-grammar forces (llguidance's fast-forward tokens: a property key, the separators after a value)
-in their places and after its end, up to ``block_size - 1`` tokens. A forced token costs a verify
-row but no draft, and its confidence is 1: it is the only token the mask leaves the target, so
-the verifier keeps it whatever the logits, greedy or sampled (one draw of probability 1, as plain
-decoding draws there). A step whose tokens are all forced is the ``"grammar"`` proposer's; where
-the plan is plain the forced tokens alone make an n-gram-only step when the policy prices it to
-pay. The verifier itself is unchanged, so exactness never rests on what was forced.
-
-Glossary (after vLLM's rejection sampler, ``vllm/v1/sample/rejection_sampler.py``):
-
-- **drafted** tokens: the K tokens the proposer offers each step;
-- **accepted** tokens: drafted tokens the verifier keeps (a prefix of the draft);
-- **recovered** token: the target's token at the first rejected position;
-- **bonus** token: the target's token after all K were accepted. This module calls the one target
-  token of every step (recovered or bonus) the *bonus*, as docs/dflash.md does;
-- **AL**, acceptance length: tokens kept per step *including the bonus* (1 <= AL <= K + 1);
-  acceptance rate would be accepted / drafted, without it.
-
-Losslessness: every position's token is taken by the request's ``Picker`` (``picker.py``) as in
-plain decoding: its logits processors (penalties, bias, a grammar mask), run on row ``j`` with the
-state after the ``j`` tokens kept before it, then the warp and draw. Greedy keeps the longest
-prefix that equals the processed target's argmax, so the output is plain greedy decoding's.
-Sampled decoding uses the rule for a one-hot (argmax) draft: at each position draw ``t ~ p'``
-(the target's processed and warped distribution, ``sampler.warp``, the baseline's) with the
-request's own RNG, accept while ``t`` equals the drafted token, emit ``t`` at the first
-mismatch. Each emitted token is then distributed exactly as ``p'`` of its position: this is
-speculative sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318)
-with ``draft_probs`` one-hot, where accepting ``d`` with ``min(1, target_probs(d) / 1)`` and
-resampling from the normalized ``max(0, target_probs - one_hot(d))`` is the same as drawing from
-``target_probs`` and comparing. One draw per emitted token, in order, as plain decoding does, so a
-seeded request gives the same tokens with or without speculation (up to float rounding of logits).
+Lossless (docs/design.md, "DFlash"): every position's token is taken by the request's ``Picker``
+as in plain decoding, row ``j`` processed with the state after the ``j`` tokens kept before it.
+Greedy output is plain greedy decoding's; sampled, each emitted token is distributed as the
+target's processed and warped ``p'`` (speculative sampling with a one-hot draft: Leviathan et al.
+2023, arXiv:2211.17192), one draw per emitted token with the request's RNG, so a seeded request
+gives the same tokens with or without speculation (up to float rounding of logits).
 """
 
 from __future__ import annotations

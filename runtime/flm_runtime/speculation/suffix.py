@@ -1,35 +1,21 @@
 """The suffix proposer: continuations seen in earlier requests of the engine, beside the draft and
-prompt lookup.
+prompt lookup (docs/dflash.md, "Suffix proposer: continuations of earlier requests").
 
-After SuffixDecoding (Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emerging
-AI Applications", arXiv:2411.04975): requests to one model repeat one another (agent loops,
-templated answers, the same question asked again), so a continuation that followed the current
-context in earlier requests is likely to follow it again. ``SuffixIndex`` is one engine's index
-of the token sequences of its recently finished requests (their outputs, each after the end of
-its prompt: ``SpeculativeDecoder.finish``): a suffix trie of
-bounded depth (every suffix of every sequence, truncated at ``depth`` tokens), each node
-counting the occurrences of the tokens on its path. Given the last tokens of a request's context
-it finds the longest suffix of them that occurs in the index and proposes the most frequent path
-below it, greedily by counts, each token with the empirical probability that it follows
-(``count(child) / count(node)``).
+After SuffixDecoding (Oliaro et al., arXiv:2411.04975). ``SuffixIndex`` is one engine's index of
+the outputs of its recently finished requests (each after the end of its prompt:
+``SpeculativeDecoder.finish``): a suffix trie of bounded depth (every suffix of every sequence,
+cut at ``depth`` tokens), each node counting the occurrences of its path. ``propose`` finds the
+longest suffix of a request's context that the index holds and follows the most frequent child,
+each token with probability ``count(child) / count(node)``.
 
-Bound: the index holds at most ``max_tokens`` tokens; adding a sequence evicts the oldest ones
-whole (their counts taken back exactly, nodes that reach 0 freed), and a sequence longer than the
-cap keeps its last ``max_tokens`` tokens. Each indexed token starts one path of at most
-``depth`` nodes, so the trie has at most ``depth * max_tokens`` nodes; inserting or evicting a
-token costs O(``depth``) dict and array operations (and, where an eviction lowers a node's best
-child, a scan of that node's children). A node takes about 150 bytes (its dict entry and key,
-six array slots), up to about 190 once evictions have grown the dict's table and the free list
-to their largest, so an index of ``max_tokens`` tokens holds at most about ``190 * depth *
-max_tokens`` bytes: 3 kB per token at ``DEPTH`` = 16 (text that repeats itself shares nodes and
-takes less).
+Bound: at most ``max_tokens`` tokens; adding a sequence evicts the oldest whole (their counts taken
+back exactly: the index is then the index of the others), and a sequence longer than the cap keeps
+its last ``max_tokens``. So at most ``depth * max_tokens`` nodes, of about 150-190 bytes; adding
+or evicting a token costs O(``depth``) dict and array operations.
 
-``SuffixProposer`` is one sequence's proposer over the engine's index (a ``retrieval.Retrieval``,
-beside prompt lookup, which covers the sequence's own tokens): it keeps the sequence's last
-tokens, the pattern's source, and its own acceptance record. A proposed token's confidence is
-the smaller of its probability in the index and the record's acceptance rate: the index says
-how often the continuation followed in other requests, the record how well the index has
-predicted this one (our choice; SuffixDecoding scores a path by the index's probabilities alone).
+``SuffixProposer`` is one sequence's proposer over the engine's index (a ``retrieval.Retrieval``):
+it keeps the sequence's last tokens and its own acceptance record; a token's confidence is the
+smaller of its probability in the index and the record's acceptance rate.
 """
 
 from __future__ import annotations

@@ -1,44 +1,29 @@
 """When a sequence stops, and what it delivers: stop strings, EOS / end-of-turn ids, the budget.
 
-Two layers:
-
 - ``StopStringMatcher`` works on text: it releases text as soon as it cannot be part of a stop
-  string, holds back a suffix that is a prefix of some stop string, and when a stop string
-  completes it releases the text before the earliest match and nothing after.
-- ``StopChecker`` works on tokens: detokenizer + matcher + end-of-turn ids + ``max_tokens``. The
-  engine (and later the speculative step, token by token through an accepted block) pushes each
-  generated token and gets a ``Delivery`` back.
+  string, holds back a suffix that is a prefix of one, and when a stop string completes releases
+  the text before the earliest match and nothing after.
+- ``StopChecker`` works on tokens (detokenizer + matcher + end-of-turn ids + ``max_tokens``): the
+  engine, and the speculative step token by token through an accepted block, pushes each
+  generated token and gets a ``Delivery``.
 
-Finish reasons: an EOS / end-of-turn token or a completed stop string -> "stop" (a stop string that
-completes in the very token that reaches ``max_tokens`` is still "stop"); the budget -> "length".
-The engine sets the budget to ``min(max_tokens, context - prompt)``, so a full context is "length".
+Finish reasons: an EOS / end-of-turn token or a completed stop string -> "stop" (even in the token
+that reaches ``max_tokens``); the budget, ``min(max_tokens, context - prompt)`` -> "length".
 
-*Delivered* tokens (docs/design.md, "Contract", 4: ``completion_tokens`` == tokens delivered). The
-output text is cut into characters, and each character belongs to the token whose bytes completed
-it. A generated token is delivered iff it is not an EOS / end-of-turn token (unless ``ignore_eos``)
-and some delivered character belongs to it or to a later token, or the sequence ends on
-``length``. So:
+*Delivered* tokens (docs/design.md, "Contract", items 4 and 8): each character of the output
+belongs to the token whose bytes completed it; a generated token is delivered iff it is not an
+EOS / end-of-turn token (unless ``ignore_eos``) and a delivered character belongs to it or to a
+later token, or the sequence ends on ``length``. So a token whose text runs into a stop string is
+delivered, tokens wholly inside or after it are not; a token holding a character's first bytes is
+delivered with the one completing it; a ``length`` cut inside a character ends the text at the
+last whole character, its tokens still delivered. An EOS / end-of-turn token after an incomplete
+character turns it into U+FFFD. The delivered tokens (one logprob entry each) are a prefix of the
+generated ones, and their bytes joined are the text's followed only by the rest of the token a
+stop string begins inside, or the first bytes of a character a ``length`` cut splits.
 
-- without a stop string, every generated token but the EOS / end-of-turn one is delivered;
-- a token whose text begins before a stop string and runs into it (``"x\\n"`` with stop ``"\\n"``)
-  is delivered: part of its text is;
-- tokens whose text lies wholly inside or after the stop string are not delivered, nor counted;
-- a token holding only the first bytes of a character is delivered with the token completing it;
-- a ``length`` cut inside a character drops that character's first bytes from the text (it ends
-  at the last whole character, not with U+FFFD), but the tokens holding them are delivered: they
-  were generated, so ``completion_tokens`` counts them, and their bytes run past the text. An EOS /
-  end-of-turn token after an incomplete character still turns it into U+FFFD: the model itself
-  ended the text there.
-
-So the delivered tokens (one logprob entry each) are a prefix of the generated ones, and their
-bytes joined are the text's followed only by the rest of the token a cut reaches into: a stop
-string that begins inside a token (``stop=["loyal"]``: text ``"A dog is a "``, last token
-``" loyal"``), or the first bytes of a character a ``length`` cut splits. (An EOS / end-of-turn
-token after an incomplete character is the one exception: the text has U+FFFD for its bytes.)
-
-Streaming releases a token in the event that releases its first delivered character; the rule
-depends only on how much text is released, which only grows, so the streamed and the final counts
-agree and the non-streamed result (the join of the events) is the same text and tokens.
+Streaming releases a token in the event that releases its first delivered character; since the
+released text only grows, streamed and final counts agree and the joined events are the
+non-streamed text and tokens.
 """
 
 from __future__ import annotations

@@ -4,34 +4,20 @@ No XRT is needed: the npu backend validates every xclbin against ``xclbins/flm_x
 it touches a device, and ``litellm-flm validate`` reports on them on machines without one.
 
 The layout is XRT's ``struct axlf`` (``src/runtime_src/core/include/xrt/detail/xclbin.h`` in
-github.com/Xilinx/XRT; every integer little-endian, sizes fixed by the static asserts there):
+github.com/Xilinx/XRT), every integer little-endian. The fields read (byte offsets): ``m_magic``
+``b"xclbin2\\0"`` @0; in ``axlf_header``, ``m_length`` u64 @304 (the file's size),
+``m_timeStamp`` u64 @312, ``m_versionPatch`` u16 @328, ``m_versionMajor`` u8 @330,
+``m_versionMinor`` u8 @331, ``m_platformVBNV`` 64 @352, ``uuid`` 16 @416, ``m_numSections``
+u32 @448; then from @456 one 40-byte ``axlf_section_header`` per section: ``m_sectionKind`` u32,
+``m_sectionName`` 16, ``m_sectionOffset`` u64 @+24, ``m_sectionSize`` u64 @+32. Two sections name
+the kernels:
 
-====== ====== =================================================================
-offset bytes  field
-====== ====== =================================================================
-0      8      ``m_magic``, ``b"xclbin2\\0"``
-8      4      ``m_signature_length`` (int32; -1 = unsigned)
-12     28     reserved
-40     256    ``m_keyBlock`` (signature)
-296    8      ``m_uniqueId``
-304    152    ``struct axlf_header``: ``m_length`` u64 @304 (file size), ``m_timeStamp`` u64 @312,
-              ``m_featureRomTimeStamp`` u64 @320, ``m_versionPatch`` u16 @328, ``m_versionMajor``
-              u8 @330, ``m_versionMinor`` u8 @331, ``m_mode`` u16 @332, ``m_actionMask`` u16 @334,
-              ``m_interface_uuid`` 16 @336, ``m_platformVBNV`` 64 @352, ``uuid`` 16 @416,
-              ``m_debug_bin`` 16 @432, ``m_numSections`` u32 @448, 4 bytes padding
-456    40 * n ``struct axlf_section_header``: ``m_sectionKind`` u32, ``m_sectionName`` 16,
-              4 bytes padding, ``m_sectionOffset`` u64 @+24, ``m_sectionSize`` u64 @+32
-====== ====== =================================================================
-
-Two sections name the kernels:
-
-- ``EMBEDDED_METADATA`` (kind 2): XML, ``project/platform/device/core/kernel`` elements with a
-  ``name`` and ``type`` (``dpu`` for an NPU kernel built by ``xclbinutil --add-kernel``), one
-  ``arg`` child per argument (``name``, ``id`` = argument index, ``addressQualifier`` 0 scalar /
-  1 global, ``type`` the C type, ``size``, ``offset``) and ``instance`` children. XRT itself takes
-  argument order from here (``xrt_core::xclbin::get_kernel_arguments``: args sorted by ``id``).
-- ``IP_LAYOUT`` (kind 8): ``int32 m_count``, 4 bytes padding, then ``m_count`` ``struct ip_data``
-  of 80 bytes: ``m_type`` u32 (1 ``IP_KERNEL``, 7 ``IP_PS_KERNEL``: NPU kernels), ``properties``
+- ``EMBEDDED_METADATA`` (kind 2): XML, ``project/platform/device/core/kernel`` elements (``name``,
+  ``type``: ``dpu`` for an NPU kernel), one ``arg`` child per argument (``name``, ``id`` = the
+  argument index, by which XRT orders them; ``addressQualifier``, ``type``, ``size``, ``offset``)
+  and ``instance`` children.
+- ``IP_LAYOUT`` (kind 8): ``int32 m_count``, 4 bytes padding, then ``m_count`` 80-byte
+  ``ip_data``: ``m_type`` u32 (1 ``IP_KERNEL``, 7 ``IP_PS_KERNEL``: NPU kernels), ``properties``
   u32, ``m_base_address`` u64, ``m_name`` 64 (``"kernel:instance"``, NUL-padded).
 """
 
