@@ -14,7 +14,7 @@ this package; ``flm_runtime.cli`` loads each command through the entry-point gro
 - ``agreement``: ``litellm-flm agreement``, the 8-token verify path against token-by-token
   decoding, teacher-forced on real text;
 - ``calibrate``: ``litellm-flm calibrate``, the speculation policy table the engine reads;
-- ``soak``: ``litellm-flm soak``, back-to-back requests through LiteLLM (stability);
+- ``soak``: ``litellm-flm soak``, chat or coding-assistant requests through LiteLLM (stability);
 - ``documents``: the prompts and the long public-domain documents (``texts/``) they use;
 - ``workloads``: the requests of ``bench --workloads``, built at run time;
 - ``engines``, ``report``, ``options``: the engines compared, report files, command-line options;
