@@ -20,6 +20,28 @@ def _exp_all(x):
     return out
 
 
+@numba.njit
+def _glu_rows(gate_up, gelu):
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
+    for i in range(gate_up.shape[0]):
+        elementwise.glu_row(gate_up, out, i, gelu)
+    return out
+
+
+@numba.njit
+def _store_kv_rows(k, v, k_pool, v_pool, table, start):
+    for t in range(k.shape[0]):
+        attention.store_kv_row(k, v, k_pool, v_pool, table, start, t)
+
+
+@numba.njit
+def _qk_norm_rows(qkv, q_norm, k_norm, h, hkv, d, eps):
+    out = qkv.copy()
+    for i in range(out.shape[0]):
+        elementwise.qk_norm_row(out, q_norm, k_norm, h, hkv, d, eps, i)
+    return out
+
+
 def test_exp_is_within_two_ulp_and_clamps_outside_float32_range():
     x = np.linspace(-87, 88, 400_001, dtype=np.float32)
     got, want = _exp_all(x), np.exp(x.astype(np.float64))
@@ -36,7 +58,7 @@ def test_the_compiled_glu_matches_numpy(gelu):
     rng = np.random.default_rng(4)
     gate_up = np.concatenate([np.linspace(-12, 12, 3 * 97, dtype=np.float32).reshape(3, 97),
                               rng.standard_normal((3, 97)).astype(np.float32)], axis=1)
-    got, want = elementwise.glu(gate_up, gelu), cpu.glu(gate_up.astype(np.float64), gelu)
+    got, want = _glu_rows(gate_up, gelu), cpu.glu(gate_up.astype(np.float64), gelu)
     assert got.dtype == np.float32 and got.shape == (3, 97)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -47,7 +69,7 @@ def test_the_compiled_qk_norm_matches_numpy():
     h, hkv, d = 3, 2, 16
     qkv = (3 * rng.standard_normal((4, (h + 2 * hkv) * d))).astype(np.float32)
     q_norm, k_norm = (rng.standard_normal(d).astype(np.float32) for _ in range(2))
-    got = elementwise.qk_norm(qkv, q_norm, k_norm, h, hkv, d, np.float32(1e-6))
+    got = _qk_norm_rows(qkv, q_norm, k_norm, h, hkv, d, np.float32(1e-6))
     np.testing.assert_allclose(got, cpu.qk_norm(qkv, q_norm, k_norm, h, hkv, d, 1e-6), rtol=1e-6, atol=1e-6)
     assert np.array_equal(got[:, (h + hkv) * d:], qkv[:, (h + hkv) * d:])
     heads = got[:, :(h + hkv) * d].reshape(4, h + hkv, d) / np.concatenate([[q_norm] * h, [k_norm] * hkv])
@@ -95,15 +117,15 @@ def test_attention_kernel_matches_numpy_and_is_row_invariant(head_dim, causal, h
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_the_compiled_kv_store_writes_what_the_cache_writes(dtype):
-    # store_kv (the compiled layers' write) against KVCache.write (the reference), across a tile
-    # edge and a block edge
+    # store_kv_row (the compiled step's write) against KVCache.write (the reference), across a
+    # tile edge and a block edge
     rng = np.random.default_rng(7)
     first, new = rng.standard_normal((2, 2, 13, 8)).astype(np.float32), rng.standard_normal((2, 9, 2, 8)).astype(np.float32)
     caches = [_cache_of(first[0], first[1], dtype, block_tokens=16) for _ in range(2)]
     for cache in caches:
         cache.reserve(9)
     caches[0].write(0, new[0].transpose(1, 0, 2), new[1].transpose(1, 0, 2))
-    attention.store_kv(new[0], new[1], *attention.cache_arrays(caches[1], 0), 13)
+    _store_kv_rows(new[0], new[1], *attention.cache_arrays(caches[1], 0), 13)
     for cache in caches:
         cache.commit(9)
     assert np.array_equal(caches[0].keys(), caches[1].keys()) and np.array_equal(caches[0].values(), caches[1].values())

@@ -132,7 +132,7 @@ def test_activations_are_quantized_by_the_two_level_rule(x):
 
 
 # A process's product of one real weight (smollm2's first down projection, Q4_1 -> 4-bit with
-# mins) on three rows, saved to argv[2]: nothing parallel runs in it before the product.
+# mins) on three rows, saved to argv[2]: nothing else runs in it before the product.
 _PRODUCT_IN_A_NEW_PROCESS = """
 import sys
 import numpy as np
@@ -145,10 +145,9 @@ np.save(sys.argv[2], qgemm.qlinear(x, w))
 
 
 def test_a_product_loaded_from_numbas_disk_cache_runs(smollm2_gguf, tmp_path):
-    # numba's disk cache, filled the way a second process fills it: the first process compiles
-    # and saves ``_matmul`` and its bound caller; the caller's entry gone, the second compiles the
-    # caller over the cached ``_matmul``; the third loads both. That third process crashed (a
-    # call to a null pointer, exit -11) until qgemm started numba's threads itself.
+    # numba's disk cache, filled the way processes fill it: the first process compiles and saves
+    # the product's team step (its format bound); its entry gone, the second compiles it again
+    # beside the team's cached functions; the third loads it. Each gives the same bits.
     root = Path(qgemm.__file__).parents[2]  # this checkout's flm_runtime in the children too
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
@@ -161,7 +160,7 @@ def test_a_product_loaded_from_numbas_disk_cache_runs(smollm2_gguf, tmp_path):
         return np.load(out)
 
     first = product(0)
-    callers = list((tmp_path / "numba").rglob("*_matmul_of.locals.matmul*"))
+    callers = list((tmp_path / "numba").rglob("*_product_step.locals.step*"))
     assert callers
     for f in callers:
         f.unlink()

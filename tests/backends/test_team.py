@@ -1,7 +1,6 @@
 """The kernel thread team (``kernels/team.py``): every thread runs each step, barriers order the
 threads' writes, a worker's failure reaches the caller without leaving anyone waiting, and steps
-launched from any thread run alike; ``on_calling_thread`` gives the caller's numba thread count back
-whatever happens inside, on any thread."""
+launched from any thread run alike."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import numba
 import numpy as np
 import pytest
 
-from flm_runtime.kernels.team import StepError, Team, barrier, on_calling_thread
+from flm_runtime.kernels.team import StepError, Team, barrier
 
 
 @numba.njit(nogil=True)
@@ -83,25 +82,3 @@ def test_close_stops_the_workers():
     team.run(_rounds, np.zeros((2, 3), dtype=np.int64), 1)
     team.close()
     assert not any(w.is_alive() for w in team._workers)
-
-
-def test_on_calling_thread_gives_the_count_back_after_a_raise_on_any_thread():
-    """The count is numba's per thread: a thread that never set one has numba's default, and a
-    draft pass that raises (inside) must not leave the engine's thread at one."""
-    seen = {}
-
-    def probe(name):
-        before = numba.get_num_threads()
-        with pytest.raises(ValueError), on_calling_thread():
-            seen[name, "inside"] = numba.get_num_threads()
-            raise ValueError("a pass fails")
-        seen[name, "after"] = (before, numba.get_num_threads())
-
-    main = numba.get_num_threads()  # numba's default, unless an earlier test set another
-    probe("main")
-    engine = threading.Thread(target=probe, args=("engine",))
-    engine.start()
-    engine.join()
-    n = numba.config.NUMBA_NUM_THREADS
-    assert seen == {("main", "inside"): 1, ("main", "after"): (main, main), ("engine", "inside"): 1,
-                    ("engine", "after"): (n, n)}

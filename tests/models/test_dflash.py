@@ -1,13 +1,13 @@
-"""The DFlash draft (numpy): against a naive float64 implementation written independently here from
-docs/dflash.md, its cache (context added in pieces, block scratch never committed), the 8-bit draft
-of a quantized target (batch invariant, near the float32 draft), loading a draft directory (float16,
-shared target arrays) and refusing drafts that do not fit the target."""
+"""The DFlash draft (``models/dflash.py``): against a naive float64 implementation written
+independently here from docs/dflash.md, its cache (context added in pieces, block scratch never
+committed), the 8-bit draft of a quantized target (batch invariant, near the float32 draft, on the
+kernel team), loading a draft directory (float16, shared target arrays) and refusing drafts that do
+not fit the target."""
 
 from __future__ import annotations
 
 import json
 
-import numba
 import numpy as np
 import pytest
 from dflash_files import draft_config_dict, random_draft_weights, tap_layers, write_draft_dir
@@ -17,6 +17,7 @@ from test_quantized import TINY_Q
 from flm_runtime.backends import forward
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import quant
+from flm_runtime.kernels.team import Team, default_team
 from flm_runtime.models.causal_lm import CausalLM
 from flm_runtime.models.dflash import DFlashConfig, DFlashDraft, read_config
 
@@ -212,10 +213,10 @@ def test_a_config_value_of_the_wrong_type_is_a_format_error_naming_the_key(tmp_p
     assert str(info.value) == f"{path}: {why}"
 
 
-def test_an_8_bit_draft_is_batch_invariant_and_near_the_float32_draft(tmp_path):
-    """The draft of a quantized target runs 8-bit compiled layers over a float16 cache: a block's
-    logits are the same bits alone or beside other sequences (one compiled call a layer alone,
-    two in a batch), and close to the float32 draft's."""
+def test_an_8_bit_draft_is_batch_invariant_and_near_the_float32_draft(tmp_path, monkeypatch):
+    """The draft of a quantized target runs 8-bit layers as one compiled step on the kernel team,
+    over float16 caches: a block's logits are the same bits alone or beside other sequences, and
+    close to the float32 draft's."""
     weights = tiny_weights(TINY_Q)
     target = CausalLM(TINY_Q, {k: quant.quantize(v, 8) if v.ndim == 2 else v for k, v in weights.items()})
     cfg = draft_config_dict(TINY_Q, layers=2, taps=[1, 0], mask_token_id=5)
@@ -244,17 +245,16 @@ def test_an_8_bit_draft_is_batch_invariant_and_near_the_float32_draft(tmp_path):
     assert cos.mean() > 0.998 and cos.min() > 0.99, (cos.mean(), cos.min())
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 12 / 14
 
-    # The 8-bit draft's passes run their compiled regions on the calling thread alone
-    # (team.on_calling_thread), and the caller's thread count comes back after each.
-    threads, seen = numba.get_num_threads(), []
-    cache, layer = q8.new_cache(), q8.decoders[0]
-    write = cache.write
-    cache.write = lambda *a: (seen.append(("context", numba.get_num_threads())), write(*a))[1]
-    q8.decoders[0] = lambda *a: (seen.append(("block", numba.get_num_threads())), layer(*a))[1]
+    # The 8-bit draft runs on the kernel team the target's steps run on (one set of threads for
+    # all the compiled work): each context product a step, then the block's layers as one step
+    # and the head's product.
+    team, steps = default_team(), []
+    monkeypatch.setattr(team, "run", lambda fn, *args: (steps.append(fn), Team.run(team, fn, *args))[1])
+    cache = q8.new_cache()
     q8.add_context(cache, taps[12], 0)
-    assert numba.get_num_threads() == threads
+    assert len(steps) == 3 and q8.stack._step not in steps  # fc, then each layer's context K/V
     q8.draft_blocks([cache], [3])
-    assert seen == [("context", 1), ("context", 1), ("block", 1)] and numba.get_num_threads() == threads
+    assert len(steps) == 5 and steps[3] is q8.stack._step and steps[4] is not q8.stack._step
 
 
 def test_load_float16_dir_shares_the_target_arrays(tiny_target, tmp_path):

@@ -1,9 +1,10 @@
 """The layer features of the families after Llama (``layers/spec.py``): Q/K/V bias, QK-norm, post
 norms, GeGLU, sliding window, softmax scale, and layers that differ in window and RoPE table (Gemma
-3), all at once on a tiny random quantized model. The one-call stack (``layers/stack.py``) gives the
-per-layer composition's bits (``layers/decoder.py``), alone or beside other sequences, on 1 and 2
-threads; the float32 reference and the quantized path are checked against a numpy forward pass
-written here from the formulas."""
+3), all at once on a tiny random quantized model, causal (a target's layers) and non-causal (a
+DFlash draft's, whose stack has no head of its own). The one-call stack (``layers/stack.py``) gives
+a row the same bits alone or beside other sequences, on any number of threads; it and the float32
+reference (``layers/decoder.py``) are checked against a numpy forward pass written here from the
+formulas, the stack within what its quantization explains."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.kernels import cpu, elementwise, quant
+from flm_runtime.kernels import cpu, quant
 from flm_runtime.kernels.team import Team
 from flm_runtime.kv_cache import KVCache
 from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan
@@ -27,24 +28,27 @@ BASE = LayerSpec(hidden_size=E, ffn_size=F, n_heads=H, n_kv_heads=HKV, head_dim=
 THETAS = (10000.0, 1e6)  # RoPE table 0 and 1
 
 # feature -> (the spec's fields, each layer's sliding window, each layer's RoPE table). Each spec
-# compiles a layer and a stack of its own (about a minute on 2 cores), so the compiled tests run
-# one: a Gemma 3 mix (sliding-window layers on one RoPE base around a global layer on another)
-# with Q/K/V bias as well, every feature on at once. A feature's code is there only when it is on,
-# so this one spec holds all of it. tests/models/test_families.py runs Q/K/V bias alone (qwen2),
-# QK-norm alone (qwen3) and a window alone (mistral) on the stack against transformers' logits.
+# compiles a stack of its own (about a minute on 2 cores), so the compiled tests run two: a Gemma 3
+# mix (sliding-window layers on one RoPE base around a global layer on another) with Q/K/V bias as
+# well, every feature on at once, and the same non-causal (no window: a draft's block attends it
+# all). A feature's code is there only when it is on, so these specs hold all of it.
+# tests/models/test_families.py runs Q/K/V bias alone (qwen2), QK-norm alone (qwen3) and a window
+# alone (mistral) on the stack against transformers' logits.
+EVERY = {"qkv_bias": True, "qk_norm": True, "post_norms": True, "activation": "gelu_tanh", "attn_scale": 0.2}
 FEATURES = {
     "llama": ({}, (0, 0, 0), (0, 0, 0)),
     "qkv_bias": ({"qkv_bias": True}, (0, 0, 0), (0, 0, 0)),
-    "every": ({"qkv_bias": True, "qk_norm": True, "post_norms": True, "activation": "gelu_tanh", "attn_scale": 0.2},
-              (20, 0, 20), (0, 1, 0)),
+    "every": (EVERY, (20, 0, 20), (0, 1, 0)),
+    "every non-causal": (EVERY | {"causal": False}, (0, 0, 0), (0, 1, 0)),
 }
-COMPILED = "every"
+COMPILED = ("every", "every non-causal")
 
 
 class Tiny:
     """A random model of ``LAYERS`` layers with ``feature`` on, with its rows given as hidden
-    states (no embedding): quantized (8-bit) and stacked, its per-layer compiled decoders, and
-    the float32 decoders of the same (dequantized) weights."""
+    states (no embedding): quantized (8-bit) and stacked, and the float32 decoders of the same
+    (dequantized) weights. A non-causal stack has no head: its final norm's rows go through the
+    LM head outside it, as a DFlash draft's do."""
 
     def __init__(self, feature: str, seed: int = 0):
         fields, windows, self.rope = FEATURES[feature]
@@ -67,9 +71,10 @@ class Tiny:
                                post_ffn_norm=norm(E) if spec.post_norms else None)
                   for _ in range(LAYERS)]
         self.final_norm = norm(E)
-        stacked, self.layers, self.lm_head = stack_weights(layers, self.final_norm, quant.quantize(w(V, E), 8))
-        self.stack = Stack(stacked, self.specs, V, rope=self.rope)
-        self.decoders = [DecoderLayer(layer, s) for layer, s in zip(self.layers, self.specs)]
+        lm_head = quant.quantize(w(V, E), 8)
+        stacked, self.layers, head = stack_weights(layers, self.final_norm, lm_head if spec.causal else None)
+        self.lm_head = lm_head if head is None else head
+        self.stack = Stack(stacked, self.specs, None if head is None else V, rope=self.rope)
         self.float_layers = [dataclasses.replace(layer, **{name: np.ascontiguousarray(getattr(layer, name).dequantize())
                                                            for name in ("wqkv", "wo", "w_gate_up", "w_down")})
                              for layer in self.layers]
@@ -83,8 +88,8 @@ class Tiny:
     def step(self, rows: list[np.ndarray], caches: list[KVCache], logit_rows: list[int], *, path: str = "stack",
              team: Team | None = None, taps: tuple[int, ...] = ()):
         """One step of the sequences' hidden-state rows ``rows`` ``[T_b, E]`` on ``path``
-        (``stack``, ``layers``: the per-layer compiled decoders, ``float``: the float32 ones):
-        the logits of each sequence's last ``logit_rows`` rows, and the taps."""
+        (``stack``, or ``float``: the float32 decoders): the logits of each sequence's last
+        ``logit_rows`` rows, and the taps."""
         ends = np.cumsum([r.shape[0] for r in rows])
         spans = [RowSpan(c, c.length, slice(int(e) - r.shape[0], int(e)), n)
                  for c, r, e, n in zip(caches, rows, ends, logit_rows)]
@@ -95,19 +100,19 @@ class Tiny:
         cos, sin = (np.ascontiguousarray(t[:, positions]) for t in (self.cos, self.sin))  # [2, R, D/2]
         last = np.concatenate([np.arange(s.rows.stop - s.n_logits, s.rows.stop) for s in spans])
         if path == "stack":
-            stack = self.stack if team is None else Stack(self.stack.weights, self.specs, V, team, rope=self.rope)
+            stack = self.stack if team is None else Stack(self.stack.weights, self.specs, self.stack.vocab, team,
+                                                          rope=self.rope)
             logits, tapped = stack(x, cos, sin, spans, taps)
+            if stack.vocab is None:  # the final norm's rows
+                logits = cpu.linear(logits, self.lm_head)
         else:
             tapped = []
-            for i, decoder in enumerate(self.float_decoders if path == "float" else self.decoders):
+            for i, decoder in enumerate(self.float_decoders):
                 x = decoder(i, x, spans, cos[self.rope[i]], sin[self.rope[i]])
                 if i in taps:
                     tapped.append(x)
             tapped = np.concatenate(tapped, axis=1) if taps else None
-            if path == "float":
-                logits = cpu.linear(cpu.rms_norm(x[last], self.final_norm, EPS), self.float_lm_head)
-            else:
-                logits = cpu.linear(elementwise.rms_norm_rows(x[last], self.final_norm, EPS), self.lm_head)
+            logits = cpu.linear(cpu.rms_norm(x[last], self.final_norm, EPS), self.float_lm_head)
         for s in spans:
             s.cache.commit(s.n_rows)
         return logits, tapped
@@ -123,8 +128,7 @@ def _hidden(rng, n):
 
 def _steps(model: Tiny, **kwargs):
     """A prefill of two sequences beside a third, a decode row beside a 3-row verify pass, then a
-    sequence's decode alone (the one-call layer of the per-layer path): each step's logits and
-    taps, and the caches' keys and values."""
+    sequence's decode alone: each step's logits and taps, and the caches' keys and values."""
     rng = np.random.default_rng(1)
     xs = [_hidden(rng, n) for n in (7, 40, 17, 1, 3, 1)]
     a, b, c = model.new_cache(), model.new_cache(), model.new_cache()
@@ -134,34 +138,38 @@ def _steps(model: Tiny, **kwargs):
     return out, [(x.keys(), x.values()) for x in (a, b, c)]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_the_stack_gives_the_per_layer_compositions_bits(threads):
-    model = Tiny(COMPILED)
-    (layers, layer_caches) = _steps(model, path="layers")
+@pytest.fixture(scope="module", params=COMPILED)
+def compiled_model(request) -> Tiny:
+    return Tiny(request.param)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_stack_gives_the_same_bits_on_any_number_of_threads(compiled_model, threads):
+    model = compiled_model
+    want, want_caches = _steps(model)
     team = Team(threads)
     try:
-        stacked, stack_caches = _steps(model, team=team)
+        got, got_caches = _steps(model, team=team)
     finally:
         team.close()
-    for (gl, gt), (wl, wt) in zip(stacked, layers):
+    for (gl, gt), (wl, wt) in zip(got, want):
         assert np.array_equal(gl, wl) and (gt is None and wt is None or np.array_equal(gt, wt))
-    for (gk, gv), (wk, wv) in zip(stack_caches, layer_caches):
+    for (gk, gv), (wk, wv) in zip(got_caches, want_caches):
         assert np.array_equal(gk, wk) and np.array_equal(gv, wv)
-    assert np.all(np.isfinite(stacked[0][0])) and stacked[0][0].shape == (6, V)
+    assert np.all(np.isfinite(got[0][0])) and got[0][0].shape == (6, V)
 
 
-def test_a_sequence_alone_gets_the_bits_it_gets_in_a_batch():
-    model = Tiny(COMPILED)
+def test_a_sequence_alone_gets_the_bits_it_gets_in_a_batch(compiled_model):
+    model = compiled_model
     rng = np.random.default_rng(2)
     other, x, more = _hidden(rng, 9), _hidden(rng, 40), _hidden(rng, 2)
-    for path in ("stack", "layers"):
-        alone_cache = model.new_cache()
-        alone = model.step([x], [alone_cache], [5], path=path)[0]
-        alone_next = model.step([more], [alone_cache], [2], path=path)[0]
-        caches = [model.new_cache(), model.new_cache()]
-        batched = model.step([other, x], caches, [1, 5], path=path)[0]
-        batched_next = model.step([other[:1], more], caches, [1, 2], path=path)[0]
-        assert np.array_equal(alone, batched[1:]) and np.array_equal(alone_next, batched_next[1:]), path
+    alone_cache = model.new_cache()
+    alone = model.step([x], [alone_cache], [5])[0]
+    alone_next = model.step([more], [alone_cache], [2])[0]
+    caches = [model.new_cache(), model.new_cache()]
+    batched = model.step([other, x], caches, [1, 5])[0]
+    batched_next = model.step([other[:1], more], caches, [1, 2])[0]
+    assert np.array_equal(alone, batched[1:]) and np.array_equal(alone_next, batched_next[1:])
 
 
 def _rms_norm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -169,8 +177,9 @@ def _rms_norm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def _numpy_forward(model: Tiny, x: np.ndarray) -> np.ndarray:
-    """The logits of one sequence's rows ``x`` ``[N, E]`` at positions ``0 .. N-1``, in float64
-    from the formulas (Hugging Face's Qwen2 / Qwen3 / Gemma 3 / Mistral layers), on the float32
+    """The logits of one sequence's rows ``x`` ``[N, E]`` at positions ``0 .. N-1``, in one step, in
+    float64 from the formulas (Hugging Face's Qwen2 / Qwen3 / Gemma 3 / Mistral layers; a
+    non-causal layer attends every position, as a DFlash draft's block), on the float32
     weights."""
     n, x = x.shape[0], x.astype(np.float64)
     positions = np.arange(n)
@@ -194,7 +203,7 @@ def _numpy_forward(model: Tiny, x: np.ndarray) -> np.ndarray:
         q, k = rope(q), rope(k)
         scale = spec.attn_scale or D ** -0.5
         p, j = positions[:, None], positions[None, :]
-        allowed = (j <= p) & ((p - j < spec.sliding_window) if spec.sliding_window else True)
+        allowed = ((j <= p) | (not spec.causal)) & ((p - j < spec.sliding_window) if spec.sliding_window else True)
         attn = np.empty((n, H, D))
         for head in range(H):
             kv = head // (H // HKV)
@@ -214,18 +223,23 @@ def _numpy_forward(model: Tiny, x: np.ndarray) -> np.ndarray:
     return _rms_norm(x, model.final_norm) @ model.float_lm_head.T
 
 
-def test_the_float32_and_quantized_paths_match_numpy():
-    """A 40-row prefill then a decode row: the float32 reference within float32 rounding of the
+def test_the_float32_and_quantized_paths_match_numpy(compiled_model):
+    """Causal: a 40-row prefill then a decode row; non-causal: a 40-row step (a later row would
+    change what the earlier ones attended): the float32 reference within float32 rounding of the
     numpy forward pass, the quantized stack within its activations' quantization and its float16
     keys and values (3.2e-4 of the logits' spread on this model)."""
-    model = Tiny(COMPILED)
+    model = compiled_model
     rng = np.random.default_rng(3)
     x = _hidden(rng, 41)
-    want = _numpy_forward(model, x)[[39, 40]]  # [2, V]
+    causal = model.specs[0].causal
+    want = _numpy_forward(model, x)[[39, 40]] if causal else _numpy_forward(model, x[:40])[[38, 39]]  # [2, V]
     spread = np.abs(want).max()
     for path, cache, bound in (("float", model.new_cache(np.float32), 1e-5), ("stack", model.new_cache(), 5e-3)):
-        got = np.concatenate([model.step([x[:40]], [cache], [1], path=path)[0],
-                              model.step([x[40:]], [cache], [1], path=path)[0]])
+        if causal:
+            got = np.concatenate([model.step([x[:40]], [cache], [1], path=path)[0],
+                                  model.step([x[40:]], [cache], [1], path=path)[0]])
+        else:
+            got = model.step([x[:40]], [cache], [2], path=path)[0]
         assert np.abs(got - want).max() < bound * spread, (path, np.abs(got - want).max() / spread)
 
 

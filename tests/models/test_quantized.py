@@ -1,4 +1,4 @@
-"""The quantized cpu path (default weights: ``kernels/quant.py``, ``qgemm.py``, ``layers/decoder.py``)
+"""The quantized cpu path (default weights: ``kernels/quant.py``, ``qgemm.py``, ``layers/stack.py``)
 against the float32 reference (its perplexity is in tests/models/test_llama.py): the batch
 invariance that makes greedy DFlash equal plain decoding bit for bit (a row's logits are the same
 bits alone, in a verify pass, or beside other sequences), agreement, and loading under a memory
@@ -55,7 +55,7 @@ def test_tiny_model_is_batch_invariant_and_near_float32(rows):
     f32 = CausalLM(TINY_Q, weights)
     q8 = CausalLM(TINY_Q, {k: quant.quantize(v, 8) if v.ndim == 2 and v.shape[1] % 32 == 0 else v
                              for k, v in weights.items()})
-    assert q8.quantized and all(d.ops.compiled for d in q8.decoders)
+    assert q8.quantized and q8.stack is not None
     ids = np.random.default_rng(1).integers(0, TINY_Q.vocab_size, 60)
     alone, verify, batched = _rows_alone_in_a_pass_and_in_a_batch(q8, ids, rows)
     assert np.array_equal(alone, verify) and np.array_equal(alone, batched)
@@ -68,6 +68,24 @@ def test_tiny_model_is_batch_invariant_and_near_float32(rows):
     cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
     assert cos.mean() > 0.999 and cos.min() > 0.99, (cos.mean(), cos.min())
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
+
+
+def test_quantized_layers_with_a_float32_head_run_as_a_stack_and_the_head_outside_it():
+    """A real file's head and first layer products share their input width, so they are quantized
+    alike; a model built with quantized layers and a float32 head stacks its layers without a head
+    and runs the float32 head (not copied) on the stack's final norm rows: near the model whose
+    head is quantized, and not batch invariant (float32 products round by row count)."""
+    weights = tiny_weights(TINY_Q)
+    q8 = CausalLM(TINY_Q, {k: quant.quantize(v, 8) if v.ndim == 2 else v for k, v in weights.items()})
+    float_head = CausalLM(TINY_Q, {k: quant.quantize(v, 8) if v.ndim == 2 and k != "lm_head.weight" else v
+                                   for k, v in weights.items()})
+    assert float_head.stack is not None and float_head.stack.vocab is None and float_head.quantized
+    assert float_head.lm_head is weights["lm_head.weight"] and not float_head.batch_invariant
+    ids = np.random.default_rng(2).integers(0, TINY_Q.vocab_size, 30)
+    got = forward(float_head, ids, float_head.new_cache(), all_logits=True).logits
+    want = forward(q8, ids, q8.new_cache(), all_logits=True).logits
+    cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert got.shape == (30, TINY_Q.vocab_size) and cos.min() > 0.999, cos.min()
 
 
 GIB = 1 << 30

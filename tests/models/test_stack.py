@@ -1,6 +1,6 @@
-"""The one-call stack (``layers/stack.py``) against the per-layer composition it replaces for a
-quantized model: the same bits for every row, alone or beside other sequences, with taps and
-logit rows chosen per sequence, on any number of kernel threads."""
+"""The one-call stack (``layers/stack.py``) of a quantized model: the same bits for every row, alone
+or beside other sequences, with taps and logit rows chosen per sequence, on any number of kernel
+threads."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from flm_runtime.kernels.team import Team
 from flm_runtime.layers.stack import Stack
+from flm_runtime.outputs import ForwardOutput
 
 
 def _steps(model, verify_rows=3):
@@ -30,13 +31,24 @@ def _assert_same(got, want):
         assert np.array_equal(gk, wk) and np.array_equal(gv, wv)
 
 
+def _alone(model, verify_rows=3):
+    """``_steps``' steps of each sequence alone, in ``_steps``' form."""
+    ids = np.arange(1, 41)
+    a, b, c = model.new_cache(), model.new_cache(), model.new_cache()
+    firsts = [model.forward_batch([rows], [cache], logit_rows=[n], taps=(1, 5))
+              for rows, cache, n in ((ids[:7], a, 1), (ids, b, 5), (ids[3:20], c, 0))]
+    seconds = [model.forward_batch([rows], [cache], logit_rows=[n])
+               for rows, cache, n in ((np.array([7]), a, 1), (np.arange(3, 3 + verify_rows), b, verify_rows))]
+    first = ForwardOutput(np.concatenate([f.logits for f in firsts]), np.concatenate([f.taps for f in firsts]))
+    second = ForwardOutput(np.concatenate([f.logits for f in seconds]), None)
+    return first, second, [(x.keys(), x.values()) for x in (a, b)]
+
+
 @pytest.mark.parametrize("verify_rows", [3, 16])
-def test_the_stack_gives_the_per_layer_compositions_bits(smollm2_quantized, monkeypatch, verify_rows):
+def test_a_batched_step_gives_each_sequence_its_bits_alone(smollm2_quantized, verify_rows):
     model = smollm2_quantized
     assert model.stack is not None
-    stacked = _steps(model, verify_rows)
-    monkeypatch.setattr(model, "stack", None)  # the per-layer composition (layers/decoder.py)
-    _assert_same(stacked, _steps(model, verify_rows))
+    _assert_same(_steps(model, verify_rows), _alone(model, verify_rows))
 
 
 def test_a_sequence_alone_gets_the_bits_it_gets_in_a_batch(smollm2_quantized):

@@ -115,8 +115,7 @@ def test_the_torch_draft_layer_equals_the_runtime_layer(start):
     from flm_runtime.families.llama import KV_PROJ, fuse_layer, take_fused
     from flm_runtime.kernels import cpu
     from flm_runtime.kv_cache import KVCache
-    from flm_runtime.layers.decoder import DecoderLayer, RowSpan
-    from flm_runtime.layers.ops import REFERENCE
+    from flm_runtime.layers.decoder import DecoderLayer, RowSpan, rope_heads
     from flm_runtime.layers.spec import LayerSpec
     from flm_train.draft import DraftLayer
 
@@ -147,7 +146,7 @@ def test_the_torch_draft_layer_equals_the_runtime_layer(start):
     hkv, d = c.num_key_value_heads, c.head_dim
     cache.reserve(start)
     kv = cpu.linear(ctx, take_fused(take, c, "", KV_PROJ))  # the context's K/V, as DFlashDraft.add_context
-    cache.write(0, REFERENCE.rope(kv, cos[:start], sin[:start], 0, hkv, d).transpose(1, 0, 2),
+    cache.write(0, rope_heads(kv, cos[:start], sin[:start], 0, hkv, d).transpose(1, 0, 2),
                 kv[:, hkv * d:].reshape(start, hkv, d).transpose(1, 0, 2))
     cache.commit(start)
     cache.reserve(c.block_size)

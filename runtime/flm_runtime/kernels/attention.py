@@ -2,11 +2,12 @@
 keys in tiles of 16 positions, a sequence's blocks named by its block table), and the K/V write
 of the compiled layers.
 
-``attend`` serves every layer of every model, float32 or quantized, target or draft
-(docs/design.md, "Quantized weights": attention over key tiles): one parallel item per query
-row and key-value head, each query's scores and sums in a fixed order that depends on its
-position alone, so a row's output is bit-identical whatever rows run beside it (docs/design.md,
-"Batch invariance").
+``attend_item`` serves every layer of every model, float32 or quantized, target or draft
+(docs/design.md, "Quantized weights": attention over key tiles): one item per query row and
+key-value head, each query's scores and sums in a fixed order that depends on its position
+alone, so a row's output is bit-identical whatever rows run beside it (docs/design.md, "Batch
+invariance"). The compiled step (``layers.stack``) splits the items over the kernel team; the
+numpy reference layer calls ``attend``, which runs them on numba's threads.
 
 Axis legend: T query rows of one sequence, N positions attended, H / Hkv query / key-value heads,
 D head dim, NB blocks of the pool, B positions per block.
@@ -343,20 +344,13 @@ def _cache_element_impl(cache, x):
     return lambda cache, x: x  # pragma: no cover - compiled
 
 
-@numba.njit(nogil=True, cache=True)
-def store_kv(k, v, k_pool, v_pool, table, start):  # pragma: no cover - compiled
-    """Write a step's keys and values ``k``, ``v`` ``[T, Hkv, D]`` float32 at positions ``start ..
-    start + T - 1`` of one layer of a sequence's cache (``cache_arrays``: the pool's layer, keys in
-    tiles, float32 or float16 bits rounded as numpy rounds; the sequence's blocks ``table``), as
-    ``KVCache.write`` does: the compiled layers' write (the reference writes through
-    ``KVCache.write``)."""
-    for t in range(k.shape[0]):
-        store_kv_row(k, v, k_pool, v_pool, table, start, t)
-
-
 @numba.njit(nogil=True)
 def store_kv_row(k, v, k_pool, v_pool, table, start, t):  # pragma: no cover - compiled
-    """``store_kv`` of row ``t`` alone."""
+    """Write row ``t`` of a step's keys and values ``k``, ``v`` ``[T, Hkv, D]`` float32 at position
+    ``start + t`` of one layer of a sequence's cache (``cache_arrays``: the pool's layer, keys in
+    tiles, float32 or float16 bits rounded as numpy rounds; the sequence's blocks ``table``), as
+    ``KVCache.write`` does: the compiled step's write (the reference writes through
+    ``KVCache.write``)."""
     block = v_pool.shape[2]
     position = start + t
     at, slot = table[position // block], position % block

@@ -2,9 +2,9 @@
 rotate-half RoPE, the gated FFN's activation (SwiGLU, GeGLU), and the float32 ``exp`` they and
 attention use.
 
-Each is computed row by row in an order fixed by the compiled code alone, the same for any number
-of rows (docs/design.md, "Batch invariance"). ``flm_runtime.layers.ops`` puts them in the
-compiled ops table; their numpy counterparts (``flm_runtime.kernels.cpu``) are the reference's.
+Each computes one row, in an order fixed by the compiled code alone, the same for any number of
+rows (docs/design.md, "Batch invariance"): the compiled step (``flm_runtime.layers.stack``) gives
+each thread its rows. Their numpy counterparts (``flm_runtime.kernels.cpu``) are the reference's.
 """
 
 from __future__ import annotations
@@ -53,18 +53,10 @@ def exp(x):  # pragma: no cover - compiled
     return (p * (f * f) + f + np.float32(1.0)) * _pow2(np.int32(n))
 
 
-@numba.njit(nogil=True, cache=True, **ELEMENTWISE)
-def rms_norm(x, weight, eps):  # pragma: no cover - compiled
-    """RMSNorm of each row of ``x`` ``[R, E]`` (as ``cpu.rms_norm``)."""
-    out = np.empty_like(x)
-    for i in range(x.shape[0]):
-        rms_norm_row(x, weight, eps, out, i)
-    return out
-
-
 @numba.njit(nogil=True, **ELEMENTWISE)
 def rms_norm_row(x, weight, eps, out, i):  # pragma: no cover - compiled
-    """``rms_norm`` of row ``i`` of ``x`` into row ``i`` of ``out``."""
+    """RMSNorm of row ``i`` of ``x`` ``[R, E]`` into row ``i`` of ``out`` (as ``cpu.rms_norm``;
+    ``out`` may be ``x``: the row is read whole first)."""
     e = x.shape[1]
     ss = np.float32(0.0)
     for j in range(e):
@@ -75,18 +67,10 @@ def rms_norm_row(x, weight, eps, out, i):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True)
-def rope(x, cos, sin, first, heads, d):  # pragma: no cover - compiled
-    """Rotate-half RoPE of ``heads`` heads of width ``d`` starting at column ``first`` of each
-    row of ``x`` (as ``cpu.apply_rope``); ``[R, heads, D]`` float32."""
-    out = np.empty((x.shape[0], heads, d), dtype=np.float32)
-    for i in range(x.shape[0]):
-        rope_row(x, cos, sin, first, heads, d, out, i)
-    return out
-
-
-@numba.njit(nogil=True)
 def rope_row(x, cos, sin, first, heads, d, out, i):  # pragma: no cover - compiled
-    """``rope`` of row ``i`` into ``out[i]`` ``[heads, D]``."""
+    """Rotate-half RoPE (as ``cpu.apply_rope``) of ``heads`` heads of width ``d`` starting at
+    column ``first`` of row ``i`` of ``x``, at row ``i`` of ``cos``, ``sin`` ``[R, D/2]``, into
+    ``out[i]`` ``[heads, D]``."""
     half = d // 2
     for h in range(heads):
         base = first + h * d
@@ -96,20 +80,11 @@ def rope_row(x, cos, sin, first, heads, d, out, i):  # pragma: no cover - compil
             out[i, h, half + j] = x2 * c + x1 * s
 
 
-@numba.njit(nogil=True, cache=True, **ELEMENTWISE)
-def qk_norm(qkv, q_norm, k_norm, h, hkv, d, eps):  # pragma: no cover - compiled
-    """RMSNorm of each of the ``h`` query heads (weight ``q_norm`` ``[D]``) and ``hkv`` key heads
-    (``k_norm``) of each row of the fused ``qkv`` ``[R, (H + 2 Hkv) D]`` (as ``cpu.qk_norm``); the
-    values are copied as they are. ``[R, (H + 2 Hkv) D]``, a new array."""
-    out = qkv.copy()
-    for i in range(out.shape[0]):
-        qk_norm_row(out, q_norm, k_norm, h, hkv, d, eps, i)
-    return out
-
-
 @numba.njit(nogil=True, **ELEMENTWISE)
 def qk_norm_row(qkv, q_norm, k_norm, h, hkv, d, eps, i):  # pragma: no cover - compiled
-    """``qk_norm`` of row ``i`` of ``qkv``, in place (a head is read whole before it is written)."""
+    """RMSNorm of each of the ``h`` query heads (weight ``q_norm`` ``[D]``) and ``hkv`` key heads
+    (``k_norm``) of row ``i`` of the fused ``qkv`` ``[R, (H + 2 Hkv) D]`` (as ``cpu.qk_norm``), in
+    place (a head is read whole before it is written); the values are left as they are."""
     for head in range(h + hkv):
         weight = q_norm if head < h else k_norm
         base = head * d
@@ -125,30 +100,15 @@ _SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
 _GELU_CUBIC = np.float32(0.044715)  # the cubic term of gelu's tanh approximation (Hendrycks & Gimpel 2016)
 
 
-@numba.njit(nogil=True, cache=True, **ELEMENTWISE)
-def glu(gate_up, gelu):  # pragma: no cover - compiled
-    """The gated FFN's activation times up, ``act(gate) * up``, of each row of the fused
-    ``gate_up`` ``[R, 2F]`` (gate first; as ``cpu.glu``): ``act`` silu (SwiGLU), or with ``gelu``
-    gelu's tanh approximation (GeGLU). ``[R, F]``."""
-    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
-    for i in range(gate_up.shape[0]):
-        glu_row(gate_up, out, i, gelu)
-    return out
-
-
 @numba.njit(nogil=True, **ELEMENTWISE)
 def glu_row(gate_up, out, i, gelu):  # pragma: no cover - compiled
-    """``glu`` of row ``i`` into row ``i`` of ``out``. Both activations are ``g * sigmoid(s)``:
-    silu with ``s = g``, gelu_tanh with ``s = 2 sqrt(2/pi) (g + 0.044715 g^3)``, since
-    ``(1 + tanh(y)) / 2 = sigmoid(2y)``; so both run on ``exp`` and vectorize."""
+    """The gated FFN's activation times up, ``act(gate) * up``, of row ``i`` of the fused
+    ``gate_up`` ``[R, 2F]`` (gate first; as ``cpu.glu``) into row ``i`` of ``out`` ``[R, F]``:
+    ``act`` silu (SwiGLU), or with ``gelu`` gelu's tanh approximation (GeGLU). Both activations
+    are ``g * sigmoid(s)``: silu with ``s = g``, gelu_tanh with ``s = 2 sqrt(2/pi) (g + 0.044715
+    g^3)``, since ``(1 + tanh(y)) / 2 = sigmoid(2y)``; so both run on ``exp`` and vectorize."""
     f = gate_up.shape[1] // 2
     for j in range(f):
         g = gate_up[i, j]
         s = np.float32(2.0) * _SQRT_2_OVER_PI * (g + _GELU_CUBIC * g * g * g) if gelu else g
         out[i, j] = g / (np.float32(1.0) + exp(-s)) * gate_up[i, f + j]
-
-
-def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm of each row ``[R, E]`` -> ``[R, E]`` float32, row by row (the compiled layer's): for a call from Python."""
-    return rms_norm(np.ascontiguousarray(x, dtype=np.float32), weight, np.float32(eps))
-

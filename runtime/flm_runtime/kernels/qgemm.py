@@ -40,8 +40,8 @@ Paths, fastest first; ``select_isa`` takes the first the host has (``cpu_feature
 
 AMX is never used: its tile instructions fault on some hosts that report them.
 
-Threads: tiles are split over numba's threads; every call holds ``lock.KERNEL_LOCK``
-(numba's workqueue layer aborts when two threads enter a parallel kernel at once).
+Threads: a product's tiles are split over the kernel team's threads (``kernels.team``), in a
+model's step (``layers.stack``) or, called from Python (``qlinear``), as a step of its own.
 """
 
 from __future__ import annotations
@@ -55,14 +55,13 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
-from numba.np.ufunc.parallel import _launch_threads
 
 from flm_runtime.kernels import cpu_features
 from flm_runtime.kernels.irgen import (F16, F32, I1, I8, I16, I32, I64, as_i64, broadcast, counted_loop, data_ptr,
                                         declare, literal, load, prefetch, row_ptr, splat, store, vec)
-from flm_runtime.kernels.lock import KERNEL_LOCK
 from flm_runtime.kernels.quant import (BLOCK, GROUP, HIGH_BITS_AT, SUB_BLOCK, SUB_SCALES_AT, TILE, ZERO_POINT,
                                        QuantWeight, block_bytes)
+from flm_runtime.kernels.team import barrier, default_team
 
 ISAS = ("avx512vnni", "avxvnni", "avx2", "portable")
 _ISA_FEATURES = {"avx512vnni": ("avx512vnni", "avx512bw", "avx512f", "f16c", "fma"),
@@ -456,20 +455,12 @@ def _tile_group_impl(isa, bits, has_mins, group, codes, scales, mins, t, xq, xw,
 
 
 @numba.njit(inline="always")
-def product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out):  # pragma: no cover - compiled
-    """``out[r, n]`` for every activation row ``r`` and weight row ``n``, tiles over the threads
-    (a ``prange``: call it from a ``parallel=True`` function with constant ``isa``, ``bits``,
-    ``has_mins``). ``codes, scales, mins`` are ``operands(w)``; ``xq, xw, step, sx, s``
-    ``quantize_activations``'."""
-    for t in numba.prange(codes.shape[0]):
-        product_tile(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out, t)
-
-
-@numba.njit(inline="always")
 def product_tiles(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out, first,
                   stop):  # pragma: no cover - compiled
-    """``product`` of tiles ``first .. stop-1`` alone, in this thread: one thread's share of a
-    product split over a ``kernels.team``."""
+    """Tiles ``first .. stop-1`` of ``x @ w.T``: ``out[r, 16t .. 16t+15]`` for every activation row
+    ``r`` and each tile ``t`` (one thread's share of a product split over a ``kernels.team``).
+    ``codes, scales, mins`` are ``operands(w)``; ``xq, xw, step, sx, s`` ``quantize_activations``';
+    ``isa``, ``bits``, ``has_mins`` constants of the caller."""
     for t in range(first, stop):
         product_tile(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out, t)
 
@@ -494,43 +485,6 @@ def product_tile(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, 
         else:
             _tile_group(isa, bits, has_mins, 1, codes, scales, mins, t, xq, xw, step, sx, s, r, out)
             r += 1
-
-
-@numba.njit(inline="always")
-def compiled_linear(isa, bits, has_mins, codes, scales, mins, padded, n_out, x):  # pragma: no cover - compiled
-    """``x @ w.T`` of a quantized ``w`` (``codes, scales, mins``: ``operands(w)``; ``padded``, ``n_out``:
-    its padded input width and its output width) inside compiled code: activations quantized,
-    then ``product`` (a ``prange``: the caller is parallel, ``isa, bits, has_mins`` constants)."""
-    xq, xw, step, sx, s = quantize_activations(x, padded)
-    out = np.empty((x.shape[0], n_out), dtype=np.float32)
-    product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out)
-    return out
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _matmul(codes, scales, mins, xq, xw, step, sx, s, out, isa, bits, has_mins):  # pragma: no cover - compiled
-    numba.literally(isa)
-    numba.literally(bits)
-    numba.literally(has_mins)
-    product(isa, bits, has_mins, codes, scales, mins, xq, xw, step, sx, s, out)
-
-
-@functools.cache
-def _matmul_of(fmt: Format):
-    """``_matmul`` with ``fmt`` bound: a call from Python cannot pass constants (numba would
-    retype the call every time), a compiled caller can (``_matmul`` itself is cached on disk)."""
-    isa, bits, has_mins = fmt
-
-    @numba.njit(nogil=True, cache=True)  # its free variables are ints and a bool: numba's own key holds
-    def matmul(codes, scales, mins, xq, xw, step, sx, s, out):  # pragma: no cover - compiled
-        _matmul(codes, scales, mins, xq, xw, step, sx, s, out, isa, bits, has_mins)
-
-    # numba starts its threads when it compiles or loads a parallel function, but a cached caller
-    # compiled over a cached ``_matmul`` does not: the callee's reload hook is not kept (numba
-    # 0.68). Loaded later into a process that has run nothing parallel, ``matmul`` would call the
-    # thread pool's unset entry point (a null pointer). Started here, before any call.
-    _launch_threads()
-    return matmul
 
 
 _NO_MINS = np.zeros((0, TILE), dtype=np.uint16)
@@ -562,8 +516,26 @@ def format_of(w: QuantWeight, isa: str | None = None) -> Format:
     return Format(ISAS.index(isa), w.bits, w.mins is not None)
 
 
+@functools.cache
+def _product_step(fmt: Format):
+    """The ``kernels.team`` step of a product of format ``fmt``: ``step(tid, n_threads, sync, codes,
+    scales, mins, xq, xw, step, sx, s, out)``, each thread its share of the tiles
+    (``product_tiles``), the format bound as constants."""
+    isa, bits, has_mins = fmt
+
+    @numba.njit(nogil=True, cache=True)  # its free variables are ints and a bool: numba's own key holds
+    def step(tid, n_threads, sync, codes, scales, mins, xq, xw, st, sx, s, out):  # pragma: no cover - compiled
+        tiles = codes.shape[0]
+        product_tiles(isa, bits, has_mins, codes, scales, mins, xq, xw, st, sx, s, out, tiles * tid // n_threads,
+                      tiles * (tid + 1) // n_threads)
+        barrier(sync, n_threads)
+
+    return step
+
+
 def qlinear(x: np.ndarray, w: QuantWeight, isa: str | None = None) -> np.ndarray:
-    """``x @ w.T`` on integer dot products.
+    """``x @ w.T`` on integer dot products, one step of the process's kernel team
+    (``team.default_team``: steps of concurrent callers run one after the other).
 
     Args:
         x: ``[M, K]`` float32 (any ``M >= 1``).
@@ -578,8 +550,7 @@ def qlinear(x: np.ndarray, w: QuantWeight, isa: str | None = None) -> np.ndarray
     assert x.ndim == 2 and x.shape[1] == w.in_features, f"shapes {x.shape} @ {w.shape}.T"
     acts = quantize_activations(np.ascontiguousarray(x, dtype=np.float32), w.padded_in_features)
     out = np.empty((x.shape[0], w.out_features), dtype=np.float32)
-    with KERNEL_LOCK:
-        _matmul_of(fmt)(*operands(w), *acts, out)
+    default_team().run(_product_step(fmt), *operands(w), *acts, out)
     return out
 
 

@@ -1,13 +1,16 @@
 """The kernel thread team: the threads that run a compiled step, one fork and one join per step.
 
-A step of a model (``layers.stack``) is one compiled function ``fn(tid, n_threads, sync,
-*args)`` that every thread of the team runs at once, each doing its share of every layer (its
-tiles of each matrix product, its rows of each norm, its heads of attention) and meeting the
-others at a ``barrier`` wherever one op needs another's whole output. This is how llama.cpp's
-ggml threads work, and why: numba's ``parallel=True`` regions fork and join once per region
-(dozens per token), and launched from any thread but the process's first one (the engine's, a
-server's) the OpenMP layer paid ~75 us per region on our 2-core hosts, against ~2 us from the
-main thread, so served decoding ran at a third of the kernels' speed.
+A step (``layers.stack``: a target's or a DFlash draft's layers) is one compiled function ``fn(tid,
+n_threads, sync, *args)`` that every thread of the team runs at once, each doing its share of
+every layer (its tiles of each matrix product, its rows of each norm, its heads of attention) and
+meeting the others at a ``barrier`` wherever one op needs another's whole output; a quantized
+product outside a step (``qgemm.qlinear``) is a step of its own. This is how llama.cpp's ggml
+threads work, and why: numba's ``parallel=True`` regions fork and join once per region (dozens
+per token), and launched from any thread but the process's first one (the engine's, a server's)
+the OpenMP layer paid ~75 us per region on our 2-core hosts, against ~2 us from the main thread,
+so served decoding ran at a third of the kernels' speed. One team for all the compiled quantized
+work also keeps a second pool of threads from spinning on the team's cores (numba's OpenMP
+workers spin after each region): only the float32 reference runs numba's parallel kernels.
 
 ``Team(n)`` starts ``n - 1`` worker threads; the thread that calls ``run`` is thread 0, so a step
 launched from any thread costs the same. Between steps the workers spin on the step counter for
@@ -23,13 +26,11 @@ returns at once and ``run`` raises, so a failed step never leaves the caller spi
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import platform
 import threading
-from collections.abc import Iterator
 
 import numba
 import numpy as np
@@ -223,25 +224,6 @@ def default_team() -> Team:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=default_team.cache_clear)
-
-
-@contextlib.contextmanager
-def on_calling_thread() -> Iterator[None]:
-    """Run the numba ``parallel=True`` regions launched inside on the calling thread alone
-    (``numba.set_num_threads(1)``, a per-thread setting, restored after).
-
-    For compiled code that runs between the team's steps (a DFlash draft's layers): numba's
-    OpenMP workers spin after each region instead of sleeping, and on a 2-core host they take a
-    core from the team's next step, which then waits at every barrier for the thread that has
-    none; a target pass right after a draft pass of the 2 OpenMP threads took about a decode
-    longer (docs/dflash.md, "Cost on the cpu backend").
-    """
-    before = numba.get_num_threads()
-    numba.set_num_threads(1)
-    try:
-        yield
-    finally:
-        numba.set_num_threads(before)
 
 
 class StepError(RuntimeError):

@@ -1,2 +1,3 @@
-"""Layer composition: one decoder layer (``decoder``) over an ops table (``ops``) for the features
-a checkpoint turns on (``spec``). The kernels it composes are ``flm_runtime.kernels``."""
+"""The decoder layers: what a checkpoint turns on in them (``spec``), their numpy reference
+(``decoder``) and a quantized model's layers as one compiled step on the kernel team (``stack``).
+The kernels they run are ``flm_runtime.kernels``."""

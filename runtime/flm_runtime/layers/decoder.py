@@ -1,20 +1,16 @@
-"""The decoder layer, written once: ``compose(ops, spec)`` over an ops table (``layers.ops``).
+"""The decoder layer's numpy reference: ``compose(spec)`` and ``DecoderLayer``.
 
-The float32 reference, the quantized path and the DFlash draft's layers all run this one
-composition; they differ only in the ops table and the spec. The reference runs it as plain
-Python over numpy ops. The quantized path compiles *the same source* with numba
-(``parallel=True``) over the compiled ops: the composition is a closure whose free variables are
-the ops (numba dispatchers) and the spec's values (ints, floats, bools), and numba takes a
-closure's free variables as compile-time constants, so each matrix's product is specialized to
-its format and a layer is one compiled call, with no second copy of the layer to keep in step.
-The compiled code calls its kernels in a fixed order that does not depend on the rows beside a
-row, so a row's result is bit-identical alone, batched or in a verify pass (docs/design.md, "Batch invariance").
+A layer's arithmetic has two definitions, one per kind of weights: this numpy one, for float32
+matrices (the numerical reference; its products on BLAS, the skinny kernel, or ``qgemm`` for a
+quantized matrix of a model whose layers are not all quantized), and the compiled step of
+``layers.stack`` for a model whose layers' matrices are all quantized (a target's layers and an
+8-bit DFlash draft's, non-causal, compile from it alike), run on the kernel team. Both take
+``LayerWeights`` and ``RowSpan``; tests hold both to the formulas
+(tests/models/test_layer_features.py).
 
-A step of one sequence (a decode, a verify pass, a prefill chunk) runs the whole layer in one call
-(``Composition.layer``: the K/V write into the cache and attention inside); a step of several
-sequences runs ``attention_in``, each sequence's K/V write and attention (``attend_spans``: their
-caches are separate arrays, which a compiled call does not take as a list cheaply), then
-``attention_out``.
+A step of several sequences runs ``attention_in`` over all their rows, each sequence's K/V write
+and attention over its own cache (``attention.attend_spans``), then ``attention_out`` over all
+the rows.
 
 Axis legend: R rows of the step, E hidden size, H / Hkv query / key-value heads, D head dim, F FFN
 width.
@@ -29,13 +25,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flm_runtime.kv_cache import KVCache
 from flm_runtime.errors import ModelFormatError
-from flm_runtime.kernels import attention
+from flm_runtime.kernels import attention, cpu
 from flm_runtime.kernels.lock import KERNEL_LOCK
-from flm_runtime.kernels.quant import Weight
-from flm_runtime.layers.jit import compiled, sources_key
-from flm_runtime.layers.ops import REFERENCE, Ops, ops_for
+from flm_runtime.kernels.quant import QuantWeight, Weight
+from flm_runtime.kv_cache import KVCache
 from flm_runtime.layers.spec import LayerSpec
 
 
@@ -69,12 +63,14 @@ class LayerWeights:
 
     @property
     def matrices(self) -> tuple[Weight, Weight, Weight, Weight]:
-        """The four matrices, in the order of an ops table's ``linears``."""
+        """The four matrices: QKV, O, gate/up, down."""
         return self.wqkv, self.wo, self.w_gate_up, self.w_down
 
     def check(self, spec: LayerSpec) -> None:
-        """Raise ``ModelFormatError`` unless the optional vectors are those ``spec``'s features
-        read, each of its shape."""
+        """Raise ``ModelFormatError`` unless ``spec`` is a layer this runtime runs
+        (``LayerSpec.check``) and the optional vectors are those its features read, each of its
+        shape."""
+        spec.check()
         h, hkv, d, e = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.hidden_size
         for feature, names, shape in (("qkv_bias", ("qkv_bias",), ((h + 2 * hkv) * d,)),
                                       ("qk_norm", ("q_norm", "k_norm"), (d,)),
@@ -86,10 +82,6 @@ class LayerWeights:
                                            f"{'missing' if w is None else 'given'}")
                 if w is not None and w.shape != shape:
                     raise ModelFormatError(f"the layer's {name} has shape {w.shape}, expected {shape}")
-
-
-# An optional vector a layer does not have, as its compiled composition takes it (never read).
-ABSENT = np.zeros(0, dtype=np.float32)
 
 
 class RowSpan(NamedTuple):
@@ -107,9 +99,21 @@ class RowSpan(NamedTuple):
         return self.rows.stop - self.rows.start
 
 
+def quantized(layers: list[LayerWeights]) -> bool:
+    """Every matrix of every layer is quantized: the layers run as one compiled step
+    (``layers.stack``), else on the numpy reference (``DecoderLayer``)."""
+    return all(isinstance(m, QuantWeight) for layer in layers for m in layer.matrices)
+
+
+def rope_heads(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, first: int, heads: int, d: int) -> np.ndarray:
+    """``heads`` heads of width ``d`` from column ``first`` of each row of ``x`` ``[R, *]``, RoPE
+    applied (``cpu.apply_rope``; ``cos``, ``sin`` ``[R, D/2]``): ``[R, heads, D]``."""
+    return cpu.apply_rope(x[:, first:first + heads * d].reshape(x.shape[0], heads, d), cos, sin)
+
+
 class Composition(NamedTuple):
-    """A layer composed over one ops table and spec. An optional vector the spec does not read
-    is passed as ``ABSENT`` (or None to the reference).
+    """A layer composed for one spec, in numpy. An optional vector the spec does not read is
+    passed as None.
 
     Attributes:
         attention_in: ``(x, attn_norm, wqkv, qkv_bias, q_norm, k_norm, cos, sin) -> (q [R, H, D],
@@ -117,102 +121,68 @@ class Composition(NamedTuple):
         attention_out: ``(x, attn [R, H*D], wo, post_attn_norm, ffn_norm, w_gate_up, w_down,
             post_ffn_norm) -> [R, E]``: O product, its post norm and the residual, norm, gate/up
             product, activation, down product, its post norm and the residual.
-        layer: ``(x, attn_norm, wqkv, qkv_bias, q_norm, k_norm, cos, sin, k_pool, v_pool, table,
-            start, wo, post_attn_norm, ffn_norm, w_gate_up, w_down, post_ffn_norm) -> [R, E]``:
-            the whole layer over one sequence's rows, its K/V written into one layer of its cache
-            (``attention.cache_arrays``: the pool's layer and the sequence's blocks) at
-            ``start ..``; compiled tables only (None for the reference, whose K/V go through
-            ``KVCache.write``).
     """
 
     attention_in: Callable
     attention_out: Callable
-    layer: Callable
 
 
 @functools.cache
-def compose(ops: Ops, spec: LayerSpec) -> Composition:
-    """The decoder layer of ``spec`` over ``ops`` (module docstring). The spec's features are
-    constants of the composition: a feature it does not turn on is not in the compiled code.
+def compose(spec: LayerSpec) -> Composition:
+    """The decoder layer of ``spec`` in numpy (module docstring); ``x`` ``[R, E]`` float32, the
+    matrices any ``kernels.quant.Weight`` (``cpu.linear``).
 
     Raises:
-        ModelFormatError: ``spec`` asks what the composition does not run (``LayerSpec.unsupported``).
+        ModelFormatError: ``spec`` asks what the layers do not run (``LayerSpec.check``).
     """
-    if unsupported := spec.unsupported():
-        raise ModelFormatError(f"the checkpoint's layers ask for {'; '.join(unsupported)}, which this runtime "
-                               "does not run")
-    norm, qk_norm, rope, glu = ops.norm, ops.qk_norm, ops.rope, ops.glu
-    qkv_linear, o_linear, gate_up_linear, down_linear = ops.linears
-    store_kv, attend = attention.store_kv, attention.attend
-    h, hkv, d, causal = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.causal
+    spec.check()
+    h, hkv, d = spec.n_heads, spec.n_kv_heads, spec.head_dim
     has_bias, has_qk_norm, post_norms = spec.qkv_bias, spec.qk_norm, spec.post_norms
-    gelu, scale = spec.activation == "gelu_tanh", spec.softmax_scale
-    # an int64, not a Python int (a literal to numba): ``attend`` compiles once for every path,
-    # while a literal would compile a variant whose reductions may vectorize in another order
-    window = np.int64(spec.sliding_window)
-    eps = np.float32(spec.rms_norm_eps)
+    gelu, eps, linear, norm = spec.activation == "gelu_tanh", np.float32(spec.rms_norm_eps), cpu.linear, cpu.rms_norm
 
     def attention_in(x, attn_norm, wqkv, qkv_bias, q_norm, k_norm, cos, sin):
-        qkv = qkv_linear(norm(x, attn_norm, eps), wqkv)  # [R, (H+2Hkv)*D]
+        qkv = linear(norm(x, attn_norm, eps), wqkv)  # [R, (H+2Hkv)*D]
         if has_bias:
             qkv = qkv + qkv_bias
         if has_qk_norm:
-            qkv = qk_norm(qkv, q_norm, k_norm, h, hkv, d, eps)
-        q = rope(qkv, cos, sin, 0, h, d)
-        k = rope(qkv, cos, sin, h * d, hkv, d)
+            qkv = cpu.qk_norm(qkv, q_norm, k_norm, h, hkv, d, eps)
+        q = rope_heads(qkv, cos, sin, 0, h, d)
+        k = rope_heads(qkv, cos, sin, h * d, hkv, d)
         v = qkv[:, (h + hkv) * d:].copy().reshape(x.shape[0], hkv, d)
         return q, k, v
 
     def attention_out(x, attn, wo, post_attn_norm, ffn_norm, w_gate_up, w_down, post_ffn_norm):
-        o = o_linear(attn, wo)
+        o = linear(attn, wo)
         if post_norms:
             o = norm(o, post_attn_norm, eps)
         x = x + o
-        down = down_linear(glu(gate_up_linear(norm(x, ffn_norm, eps), w_gate_up), gelu), w_down)
+        down = linear(cpu.glu(linear(norm(x, ffn_norm, eps), w_gate_up), gelu), w_down)
         if post_norms:
             down = norm(down, post_ffn_norm, eps)
         return x + down
 
-    if not ops.compiled:
-        return Composition(attention_in, attention_out, None)
-    key = f"{ops.key} {spec!r} {sources_key()}"
-    attention_in = compiled(attention_in, key, parallel=True, nogil=True)
-    attention_out = compiled(attention_out, key, parallel=True, nogil=True)
-
-    def layer(x, attn_norm, wqkv, qkv_bias, q_norm, k_norm, cos, sin, k_pool, v_pool, table, start, wo,
-              post_attn_norm, ffn_norm, w_gate_up, w_down, post_ffn_norm):
-        q, k, v = attention_in(x, attn_norm, wqkv, qkv_bias, q_norm, k_norm, cos, sin)
-        store_kv(k, v, k_pool, v_pool, table, start)
-        attn = np.empty((x.shape[0], h * d), dtype=np.float32)
-        attend(q, k_pool, v_pool, table, start, causal, window, scale, attn)
-        return attention_out(x, attn, wo, post_attn_norm, ffn_norm, w_gate_up, w_down, post_ffn_norm)
-
-    return Composition(attention_in, attention_out, compiled(layer, key, nogil=True))
+    return Composition(attention_in, attention_out)
 
 
 class DecoderLayer:
-    """One decoder layer: its weights, its spec, its ops table (``ops_for`` its matrices) and the
-    composition over them.
+    """One decoder layer on the numpy reference: its weights, its spec and ``compose(spec)``.
 
     Args:
         weights: the layer's weights.
         spec: its geometry and features (``causal`` False for the DFlash draft's block).
 
     Raises:
-        ModelFormatError: the spec asks what the composition does not run, or the weights lack
-            a vector its features read (``LayerWeights.check``).
+        ModelFormatError: the spec asks what the layers do not run, or the weights lack a vector
+            its features read (``LayerWeights.check``).
     """
 
     def __init__(self, weights: LayerWeights, spec: LayerSpec):
         weights.check(spec)
         self.weights, self.spec = weights, spec
-        self.ops = ops_for(*weights.matrices)
-        self._in, self._out, self._layer = compose(self.ops, spec)
-        wqkv, wo, w_gate_up, w_down = (self.ops.operand(w) for w in weights.matrices)
+        self._in, self._out = compose(spec)
         w = weights
-        self._in_weights = (w.attn_norm, wqkv, *(ABSENT if v is None else v for v in (w.qkv_bias, w.q_norm, w.k_norm)))
-        self._out_weights = (wo, ABSENT if w.post_attn_norm is None else w.post_attn_norm, w.ffn_norm, w_gate_up,
-                             w_down, ABSENT if w.post_ffn_norm is None else w.post_ffn_norm)
+        self._in_weights = (w.attn_norm, w.wqkv, w.qkv_bias, w.q_norm, w.k_norm)
+        self._out_weights = (w.wo, w.post_attn_norm, w.ffn_norm, w.w_gate_up, w.w_down, w.post_ffn_norm)
         self._attention = (spec.causal, spec.sliding_window, spec.softmax_scale)
 
     def __call__(self, index: int, x: np.ndarray, spans: list[RowSpan], cos: np.ndarray,
@@ -225,40 +195,7 @@ class DecoderLayer:
         Returns:
             ``[R, E]``, a new array.
         """
-        if not self.ops.compiled:  # its products take the kernel lock themselves (skinny_gemm, qgemm)
-            q, k, v = self._in(x, *self._in_weights, cos, sin)
-            with KERNEL_LOCK:
-                attn = attention.attend_spans(index, q, k, v, spans, *self._attention)
-            return self._out(x, attn, *self._out_weights)
+        q, k, v = self._in(x, *self._in_weights, cos, sin)  # its products take the kernel lock themselves
         with KERNEL_LOCK:
-            if len(spans) == 1:  # one sequence: one call
-                s = spans[0]
-                return self._layer(x, *self._in_weights, cos, sin, *attention.cache_arrays(s.cache, index), s.start,
-                                   *self._out_weights)
-            q, k, v = self._in(x, *self._in_weights, cos, sin)
             attn = attention.attend_spans(index, q, k, v, spans, *self._attention)
-            return self._out(x, attn, *self._out_weights)
-
-
-class StackArithmetic(NamedTuple):
-    """What a model's stack of layers decides once for the whole model (``stack_arithmetic``).
-
-    Attributes:
-        quantized: every layer runs on the compiled ops (all its matrices quantized).
-        kv_dtype: the KV cache's element type: float16 for a quantized stack (half the bytes
-            attention reads), float32 for the reference.
-        final_norm: the RMSNorm before the LM head, ``(x [R, E], w [E], eps) -> [R, E]``, in the
-            stack's arithmetic.
-    """
-
-    quantized: bool
-    kv_dtype: type
-    final_norm: Callable
-
-
-def stack_arithmetic(decoders: list[DecoderLayer]) -> StackArithmetic:
-    """The arithmetic of a model whose layers are ``decoders`` (the target's and the draft's
-    alike): quantized only when every layer is."""
-    quantized = all(d.ops.compiled for d in decoders)
-    ops = decoders[-1].ops if quantized else REFERENCE
-    return StackArithmetic(quantized, np.float16 if quantized else np.float32, ops.norm_rows)
+        return self._out(x, attn, *self._out_weights)

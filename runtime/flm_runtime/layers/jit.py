@@ -1,9 +1,9 @@
-"""Compiled functions cached on disk under a key of our own: the composed decoder layer
-(``layers.decoder``) and the one-call stack (``layers.stack``) are closures, and numba's own cache
-key pickles a closure's free variables (numba dispatchers, which pickle differently in every
-process), so they would compile at every load (seconds). The key names what the free variables
-are instead, plus the compile options and the sources they were compiled from. This relies on
-numba's private ``dispatcher._cache`` (numba is pinned).
+"""Compiled functions cached on disk under a key of our own: the one-call stack's step
+(``layers.stack``) is a closure, and numba's own cache key pickles a closure's free variables
+(numba dispatchers, which pickle differently in every process), so it would compile at every load
+(seconds). The key names what the free variables are instead, plus the compile options and the
+sources they were compiled from. This relies on numba's private ``dispatcher._cache`` (numba is
+pinned).
 """
 
 from __future__ import annotations

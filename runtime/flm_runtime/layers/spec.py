@@ -1,12 +1,13 @@
 """What a checkpoint turns on in its decoder layers: ``LayerSpec``.
 
-The composition (``layers.decoder``) reads a layer's geometry and features from here and nothing
-else, so a model family that differs from Llama by a feature is a spec, not a new layer: Qwen2's
-Q/K/V bias, Qwen3's and Gemma 3's QK-norm, Gemma's sandwich norms, GeGLU, a softmax scale of its
-own and sliding-window layers, Mistral's sliding window. A Gemma checkpoint's ``(1 + w)`` norm
-weights are folded into ``w`` at load (as llama.cpp's converter does for GGUF), so the layer has
-one kind of norm. ``LayerSpec.unsupported`` names what the composition does not run, so that
-loading such a checkpoint fails instead of running a different model.
+The layers (the numpy reference, ``layers.decoder``, and the compiled step, ``layers.stack``)
+read a layer's geometry and features from here and nothing else, so a model family that differs
+from Llama by a feature is a spec, not a new layer: Qwen2's Q/K/V bias, Qwen3's and Gemma 3's
+QK-norm, Gemma's sandwich norms, GeGLU, a softmax scale of its own and sliding-window layers,
+Mistral's sliding window. A Gemma checkpoint's ``(1 + w)`` norm weights are folded into ``w`` at
+load (as llama.cpp's converter does for GGUF), so the layer has one kind of norm.
+``LayerSpec.unsupported`` names what the layers do not run, so that loading such a checkpoint
+fails instead of running a different model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from flm_runtime.errors import ModelFormatError
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gated FFN's activations: SwiGLU, GeGLU
 
@@ -89,7 +92,7 @@ class LayerSpec:
         return np.float32(self.attn_scale or 1.0 / math.sqrt(self.head_dim))
 
     def unsupported(self) -> list[str]:
-        """What this spec asks that the composition does not run (empty when it runs it all)."""
+        """What this spec asks that the layers do not run (empty when they run it all)."""
         problems = []
         if self.activation not in ACTIVATIONS:
             problems.append(f"activation {self.activation!r} (runs {', '.join(ACTIVATIONS)})")
@@ -100,3 +103,10 @@ class LayerSpec:
         if self.attn_scale < 0:
             problems.append(f"attn_scale {self.attn_scale} (a scale is >= 0)")
         return problems
+
+    def check(self) -> None:
+        """Raise ``ModelFormatError`` naming what this spec asks that the layers do not run
+        (``unsupported``)."""
+        if unsupported := self.unsupported():
+            raise ModelFormatError(f"the checkpoint's layers ask for {'; '.join(unsupported)}, which this runtime "
+                                   "does not run")

@@ -1,22 +1,27 @@
-"""A quantized model's whole stack (every decoder layer, the final norm and the LM head) as one
-compiled call per step, run by the kernel thread team (``kernels.team``).
+"""The compiled decoder layers: a quantized model's whole stack (every decoder layer, the final norm
+and, unless the caller runs its own, the LM head) as one compiled call per step, run by the
+kernel thread team (``kernels.team``). A target's layers and an 8-bit DFlash draft's (the same
+layers, non-causal, without a head) compile from this one definition; ``layers.decoder`` is the
+numpy reference of the same layer.
 
 Every thread of the team runs ``step`` at once: for each layer, its rows of each norm and
 activation quantization, its tiles of each matrix product (with the residual add of its own
 columns), its rows of RoPE and the K/V write, its (row, key-value head) items of attention,
 meeting the others at a ``barrier`` wherever an op needs another's whole output (nine a layer,
 eleven with post norms). A token pays one fork and one join, not a parallel region per op. Each
-op is the same compiled kernel the per-layer composition (``layers.decoder``) calls, over the
-same rows in the same order: ``quantize_row``, ``product_tile``, ``rms_norm_row``,
-``qk_norm_row``, ``rope_row``, ``store_kv_row``, ``attend_item``, ``glu_row``. So a row's result
-is bit-identical to the per-layer path's, alone or beside other rows, whatever the number of
-threads (docs/design.md, "Batch invariance").
+op is a row's or an item's compiled kernel (``quantize_row``, ``product_tile``,
+``rms_norm_row``, ``qk_norm_row``, ``rope_row``, ``store_kv_row``, ``attend_item``,
+``glu_row``) whose arithmetic depends on that row alone, and a product's tiles are the ones
+``qgemm.qlinear`` makes. So a row's result is bit-identical alone or beside other rows, in a
+decode or a verify pass, whatever the number of threads (docs/design.md, "Batch invariance"), and
+a head the caller runs with ``qlinear`` on the final norm's rows gives the bits the step's own
+head would.
 
 The layers share one spec but for their sliding window and the RoPE table they read (Gemma 3
 interleaves sliding-window layers with global ones, each kind with its RoPE base): the windows
 are constants of the compiled step, the tables an argument (``cos``, ``sin`` ``[T, R, D/2]``
-and each layer's table). The spec's features are constants too: a feature the layers do not turn
-on is not in the compiled code.
+and each layer's table). The spec's features are constants too (``causal`` among them): a
+feature the layers do not turn on is not in the compiled code.
 
 The weights are stacked per kind (``StackWeights``): the codes, scales and mins of every matrix in
 one array each, a table of where each matrix starts and which format it has, the norms in one
@@ -26,7 +31,7 @@ whatever the depth, and the layers' own weights are views into them (no second c
 Each sequence's rows find its KV cache through the step's span table: the addresses and size of
 its pool's key and value arrays and where its block table starts in the step's one array of
 block tables (``kv_cache``), so one call serves every sequence of a batched step, whether they
-share the engine's pool or each has its own.
+share the engine's pool or each has its own (a DFlash draft's caches).
 
 Axis legend: R rows of the step, E hidden size, H / Hkv query / key-value heads, D head dim, F FFN
 width, V vocabulary, L layers.
@@ -73,7 +78,8 @@ class StackWeights(NamedTuple):
         scales, mins: uint16 ``[*]``: their float16 scales and mins as bits (mins: only of the
             matrices that store them).
         matrices: int64 ``[L + 1, 4, 6]``: row ``l`` the QKV, O, gate/up and down matrices of
-            layer ``l`` (columns ``CODES .. FORMAT``); row ``L``, role 0, the LM head.
+            layer ``l`` (columns ``CODES .. FORMAT``); row ``L``, role 0, the LM head (zeros
+            without one).
         norms: float32 ``[L + 1, 2 or 4, E]``: layer ``l``'s norms in the slots ``ATTN_NORM ..
             POST_FFN_NORM`` (4 slots with post norms); row ``L``, slot 0: the final norm.
         qk_norms: float32 ``[L, 2, D]``: layer ``l``'s query and key head norms, or ``[0, 2, 0]``
@@ -94,17 +100,18 @@ class StackWeights(NamedTuple):
 
 
 def stack_weights(layers: list[LayerWeights], final_norm: np.ndarray,
-                  lm_head: QuantWeight) -> tuple[StackWeights, list[LayerWeights], QuantWeight]:
+                  lm_head: QuantWeight | None) -> tuple[StackWeights, list[LayerWeights], QuantWeight | None]:
     """The stacked weights of a quantized model, and its layers and LM head rebuilt as views
     into them (so that the originals can be freed). The matrices' arrays are not copied when they
     already lie one after the other, layer by layer (QKV, O, gate/up, down), then the LM head
-    (``quant.joined``; kept weights are laid out so: ``loading.converted``).
+    (``quant.joined``; kept weights are laid out so: ``loading.converted``). Without ``lm_head``
+    the table's head row is empty: a stack whose caller runs its own head (``Stack``).
 
     Raises:
         ValueError: a matrix is not quantized, or the layers differ in which optional vectors they
             have.
     """
-    matrices = [m for layer in layers for m in layer.matrices] + [lm_head]
+    matrices = [m for layer in layers for m in layer.matrices] + ([] if lm_head is None else [lm_head])
     if not all(isinstance(m, QuantWeight) for m in matrices):
         raise ValueError("a stacked model's matrices are all quantized")
     formats = tuple(dict.fromkeys(qgemm.format_of(m) for m in matrices))
@@ -146,7 +153,8 @@ def stack_weights(layers: list[LayerWeights], final_norm: np.ndarray,
                             post_attn_norm=norms[i, POST_ATTN_NORM] if post else None,
                             post_ffn_norm=norms[i, POST_FFN_NORM] if post else None)
                for i in range(len(layers))]
-    return StackWeights(codes, scales, mins, table, norms, qk_norms, biases, formats), rebuilt, views[-1]
+    head = None if lm_head is None else views[-1]
+    return StackWeights(codes, scales, mins, table, norms, qk_norms, biases, formats), rebuilt, head
 
 
 def shared_spec(specs: Sequence[LayerSpec]) -> LayerSpec:
@@ -154,8 +162,11 @@ def shared_spec(specs: Sequence[LayerSpec]) -> LayerSpec:
     takes those per layer).
 
     Raises:
-        ModelFormatError: the layers differ in anything else, named.
+        ModelFormatError: a spec asks what the layers do not run (``LayerSpec.check``), or the
+            layers differ in anything else, named.
     """
+    for spec in specs:
+        spec.check()
     shared = [dataclasses.replace(s, sliding_window=0, rope_theta=0.0) for s in specs]
     differ = [f.name for f in dataclasses.fields(LayerSpec) if len({getattr(s, f.name) for s in shared}) > 1]
     if differ:
@@ -239,13 +250,14 @@ def _half_pointer(typingctx, address):  # pragma: no cover - compiled
 
 
 @functools.cache
-def compile_step(spec: LayerSpec, windows: tuple[int, ...], formats: tuple[qgemm.Format, ...]):
+def compile_step(spec: LayerSpec, windows: tuple[int, ...], formats: tuple[qgemm.Format, ...], head: bool):
     """The compiled step of a stack of layers of ``spec`` (``shared_spec``) and sliding windows
-    ``windows`` (one a layer, 0: none) whose matrices have ``formats``:
+    ``windows`` (one a layer, 0: none) whose matrices have ``formats``, with the LM head or
+    without (``head``):
 
     ``step(tid, n_threads, sync, codes, scales, mins, matrices, norms, qk_norms, biases, x, cos,
-    sin, rope, spans, tables, row_span, logit_rows, taps, tapped, logits, work)``, run by every
-    thread of a ``Team``: the rows ``x`` ``[R, E]`` (updated in place: the residual stream)
+    sin, rope, spans, tables, row_span, logit_rows, taps, tapped, normed, logits, work)``, run by
+    every thread of a ``Team``: the rows ``x`` ``[R, E]`` (updated in place: the residual stream)
     through every layer, layer ``l`` reading the RoPE table ``rope[l]`` of ``cos``, ``sin`` ``[T,
     R, D/2]`` (T tables at the rows' positions). ``spans`` ``[S, 8]`` int64 says which rows belong
     to which sequence (``FIRST .. TABLE``: its rows ``FIRST .. FIRST+ROWS-1`` take positions
@@ -253,8 +265,9 @@ def compile_step(spec: LayerSpec, windows: tuple[int, ...], formats: tuple[qgemm
     ``[L, POOL_BLOCKS, Hkv, BLOCK_TOKENS/16, D, 16]`` and values ``[L, POOL_BLOCKS, Hkv,
     BLOCK_TOKENS, D]`` are at the given addresses), ``row_span`` ``[R]`` the span of each row. Each
     row's K/V is written into its sequence's cache; the residual stream after layer ``taps[j]``
-    goes to columns ``j*E ..`` of ``tapped`` ``[R, n*E]``; the LM head's logits of the rows
-    ``logit_rows`` ``[N]`` go to ``logits`` ``[N, V]``. ``work`` is ``Workspace``'s arrays.
+    goes to columns ``j*E ..`` of ``tapped`` ``[R, n*E]``; the final norm of the rows
+    ``logit_rows`` ``[N]`` goes to ``normed`` ``[N, E]``, and with ``head`` the LM head's logits
+    of them to ``logits`` ``[N, V]`` (not read without). ``work`` is ``Workspace``'s arrays.
     """
     linear = _format_products(formats)
     h, hkv, d, causal = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.causal
@@ -300,8 +313,8 @@ def compile_step(spec: LayerSpec, windows: tuple[int, ...], formats: tuple[qgemm
         barrier(sync, n_threads)
 
     def step(tid, n_threads, sync, codes, scales, mins, matrices, norms, qk_norms, biases, x, cos, sin, rope, spans,
-             tables, row_span, logit_rows, taps, tapped, logits, work):  # pragma: no cover - compiled
-        xn, qkv, q, k, v, attn, out, gate_up, act, acts_e, acts_attn, acts_f, last, acts_last = work
+             tables, row_span, logit_rows, taps, tapped, normed, logits, work):  # pragma: no cover - compiled
+        xn, qkv, q, k, v, attn, out, gate_up, act, acts_e, acts_attn, acts_f, acts_last = work
         rows, e = x.shape
         layers = matrices.shape[0] - 1
         for layer in range(layers):
@@ -353,16 +366,18 @@ def compile_step(spec: LayerSpec, windows: tuple[int, ...], formats: tuple[qgemm
                     for r in range(tid, rows, n_threads):
                         tapped[r, j * e:(j + 1) * e] = x[r]
         for i in range(tid, logit_rows.shape[0], n_threads):
-            last[i] = x[logit_rows[i]]
-            rms_norm_row(last, norms[layers, 0], eps, last, i)  # in place: a row is read whole first
-            qgemm.quantize_row(last, i, acts_last[1].shape[1], *acts_last)
+            normed[i] = x[logit_rows[i]]
+            rms_norm_row(normed, norms[layers, 0], eps, normed, i)  # in place: a row is read whole first
+            if head:
+                qgemm.quantize_row(normed, i, acts_last[1].shape[1], *acts_last)
         barrier(sync, n_threads)
-        linear(codes, scales, mins, matrices[layers, 0], acts_last, logits, tid, n_threads)
-        barrier(sync, n_threads)
+        if head:
+            linear(codes, scales, mins, matrices[layers, 0], acts_last, logits, tid, n_threads)
+            barrier(sync, n_threads)
 
     # No fastmath here: the products' IR is inlined into this function and must keep the exact
     # arithmetic it has everywhere; the fastmath ops (norm, activation, attention) are calls.
-    return compiled(step, f"stack {formats!r} {spec!r} {windows!r} {sources_key()}", nogil=True)
+    return compiled(step, f"stack {formats!r} {spec!r} {windows!r} head={head} {sources_key()}", nogil=True)
 
 
 @numba.njit(inline="always")
@@ -388,8 +403,7 @@ class Workspace(NamedTuple):
     acts_e: tuple  # quantized activations of width E, of H D and of F (``qgemm.new_activations``)
     acts_attn: tuple
     acts_f: tuple
-    last: np.ndarray  # [R_logits, E] the final norm's output
-    acts_last: tuple
+    acts_last: tuple  # the final norm's rows quantized for the LM head
 
     @classmethod
     def of(cls, spec: LayerSpec, rows: int, logit_rows: int) -> Workspace:
@@ -403,7 +417,7 @@ class Workspace(NamedTuple):
 
         return cls(empty(rows, e), empty(rows, (h + 2 * hkv) * d), empty(rows, h, d), empty(rows, hkv, d),
                    empty(rows, hkv, d), empty(rows, h * d), empty(rows, e), empty(rows, 2 * f), empty(rows, f),
-                   acts(rows, e), acts(rows, h * d), acts(rows, f), empty(logit_rows, e), acts(logit_rows, e))
+                   acts(rows, e), acts(rows, h * d), acts(rows, f), acts(logit_rows, e))
 
 
 class Stack:
@@ -412,21 +426,24 @@ class Stack:
     Args:
         weights: the stacked weights (``stack_weights``).
         specs: each layer's spec; they may differ only in ``sliding_window`` and ``rope_theta``.
-        vocab: the LM head's output width (V).
+        vocab: the LM head's output width (V); None when the weights hold no head (the caller
+            runs its own on the final norm's rows: a DFlash draft scoring the target's head, a
+            model whose head is not quantized).
         team: the threads that run its steps; None: the process's (``default_team``, looked up
             at each step, so that a forked child uses its own).
         rope: int ``[L]``, the RoPE table each layer reads of a step's ``cos``, ``sin``; None: the
             first for every layer.
 
     Raises:
-        ModelFormatError: the specs differ in more (``shared_spec``), or the weights lack a
-            vector their features read.
+        ModelFormatError: a spec asks what the layers do not run or the specs differ in more
+            (``shared_spec``), or the weights lack a vector their features read.
     """
 
-    def __init__(self, weights: StackWeights, specs: Sequence[LayerSpec], vocab: int, team: Team | None = None, *,
-                 rope: Sequence[int] | None = None):
+    def __init__(self, weights: StackWeights, specs: Sequence[LayerSpec], vocab: int | None,
+                 team: Team | None = None, *, rope: Sequence[int] | None = None):
         layers = weights.matrices.shape[0] - 1
         assert len(specs) == layers, f"{len(specs)} specs for {layers} layers"
+        assert (vocab is None) == (weights.matrices[layers, 0, TILES] == 0), "a vocabulary is a head's"
         self.spec = spec = shared_spec(specs)
         present = {"qkv_bias": weights.biases.shape[0] == layers, "qk_norm": weights.qk_norms.shape[0] == layers,
                    "post_norms": weights.norms.shape[1] == 4}
@@ -435,7 +452,7 @@ class Stack:
         self.weights, self.specs, self.vocab, self.team = weights, tuple(specs), vocab, team
         self.rope = np.zeros(layers, dtype=np.int64) if rope is None else np.asarray(rope, dtype=np.int64)
         assert self.rope.shape == (layers,) and self.rope.min(initial=0) >= 0, f"rope tables {rope}"
-        self._step = compile_step(spec, tuple(s.sliding_window for s in specs), weights.formats)
+        self._step = compile_step(spec, tuple(s.sliding_window for s in specs), weights.formats, vocab is not None)
         self._workspaces: dict[tuple[int, int], Workspace] = {}  # by (rows, logit rows), least recently used first
         self._workspaces_lock = threading.Lock()  # two engines (a tag and its DFlash tag) share a target
 
@@ -448,8 +465,9 @@ class Stack:
 
         Returns:
             logits ``[sum n_logits, V]`` float32 of each span's last ``n_logits`` rows, span after
-            span (a new array); the residual stream after the layers ``taps`` ``[R, len(taps) *
-            E]``, or None.
+            span (a new array), or without a head (``vocab`` None) the final norm of those rows
+            ``[sum n_logits, E]``; the residual stream after the layers ``taps`` ``[R, len(taps)
+            * E]``, or None.
         """
         rows, e = x.shape
         assert cos.shape == sin.shape and cos.ndim == 3 and cos.shape[0] > self.rope.max(initial=0) and (
@@ -468,10 +486,12 @@ class Stack:
                           for s, offset in zip(spans, offsets)], dtype=np.int64)
         assert all(s.cache.pool.k.dtype == np.float16 and s.cache.pool.k.flags.c_contiguous for s in spans)
         row_span = np.repeat(np.arange(len(spans)), [s.n_rows for s in spans])
-        logits = np.empty((logit_rows.size, self.vocab), dtype=np.float32)
+        normed = np.empty((logit_rows.size, e), dtype=np.float32)
+        logits = np.empty((logit_rows.size, self.vocab or 0), dtype=np.float32)
         tapped = np.empty((rows, len(taps) * e), dtype=np.float32)
         w = self.weights
         (self.team or default_team()).run(self._step, w.codes, w.scales, w.mins, w.matrices, w.norms, w.qk_norms,
                                           w.biases, x, cos, sin, self.rope, table, np.concatenate(tables), row_span,
-                                          logit_rows, np.asarray(taps, dtype=np.int64), tapped, logits, tuple(work))
-        return logits, (tapped if taps else None)
+                                          logit_rows, np.asarray(taps, dtype=np.int64), tapped, normed, logits,
+                                          tuple(work))
+        return (normed if self.vocab is None else logits), (tapped if taps else None)

@@ -21,7 +21,7 @@ from flm_runtime.families.checkpoint import WeightTaker
 from flm_runtime.kernels import cpu
 from flm_runtime.kernels.quant import QuantWeight
 from flm_runtime.kv_cache import BLOCK_TOKENS, KVCache, KVPool
-from flm_runtime.layers.decoder import DecoderLayer, RowSpan, stack_arithmetic
+from flm_runtime.layers.decoder import DecoderLayer, RowSpan, quantized
 from flm_runtime.layers.stack import Stack, stack_weights
 from flm_runtime.model_config import ModelConfig
 from flm_runtime.outputs import ForwardOutput
@@ -65,21 +65,26 @@ class CausalLM:
         self.rope_sin = np.stack([sin for _, sin in tables])
         self.layer_rope = plan.layer_table  # [L] the table of each layer
         specs = [family.layer_spec(c, i) for i in range(c.num_hidden_layers)]
-        # Each layer runs on the ops table its weights call for (layers.ops.ops_for): compiled when
-        # its matrices are quantized, else the numpy reference.
-        self.decoders = [DecoderLayer(w, spec) for w, spec in zip(self.layers, specs)]
-        self.stack = None  # a quantized model's one-call step (layers.stack), else None
-        if all(isinstance(m, QuantWeight) for layer in self.layers for m in layer.matrices) and isinstance(
-                self.lm_head, QuantWeight):
-            stacked, self.layers, lm_head = stack_weights(self.layers, self.norm, self.lm_head)
-            self.lm_head = lm_head
-            if c.tie_word_embeddings:
-                self.embed = lm_head
-            self.stack = Stack(stacked, specs, c.vocab_size, rope=self.layer_rope)
-        self.quantized, self.kv_dtype, self._final_norm = stack_arithmetic(self.decoders)
+        for w, spec in zip(self.layers, specs):
+            w.check(spec)
+        # Layers whose matrices are all quantized run as one compiled step (layers.stack), the
+        # LM head in it when it is quantized too; else every layer runs the numpy reference.
+        self.quantized = quantized(self.layers)
+        self.stack, self.decoders = None, None
+        if self.quantized:
+            head = self.lm_head if isinstance(self.lm_head, QuantWeight) else None
+            stacked, self.layers, head = stack_weights(self.layers, self.norm, head)
+            if head is not None:
+                self.lm_head = head
+                if c.tie_word_embeddings:
+                    self.embed = head
+            self.stack = Stack(stacked, specs, None if head is None else c.vocab_size, rope=self.layer_rope)
+        else:
+            self.decoders = [DecoderLayer(w, spec) for w, spec in zip(self.layers, specs)]
+        self.kv_dtype = np.float16 if self.quantized else np.float32  # half the bytes attention reads
         # A row's results do not depend on the rows beside it, bit for bit (docs/design.md,
         # "Batch invariance"): the quantized path's promise; float32 products round by row count.
-        self.batch_invariant = self.quantized
+        self.batch_invariant = self.quantized and isinstance(self.lm_head, QuantWeight)
 
     @property
     def nbytes_per_token(self) -> int:
@@ -165,6 +170,8 @@ class CausalLM:
             x *= self.embed_scale
         if self.stack is not None:
             logits, taps_out = self.stack(x, cos, sin, spans, taps)
+            if self.stack.vocab is None:  # the final norm's rows, for the float32 head
+                logits = np.ascontiguousarray(cpu.linear(logits, self.lm_head))
         else:
             logits, taps_out = self._layers(x, cos, sin, spans, taps)
         if self.final_softcap:
@@ -175,9 +182,9 @@ class CausalLM:
 
     def _layers(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, spans: list[RowSpan],
                 taps: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
-        """The rows ``x`` ``[R, E]`` through the decoders one by one (layer ``l`` on the table
-        ``layer_rope[l]`` of ``cos``, ``sin`` ``[T, R, D/2]``), the final norm and the LM head
-        over each span's last ``n_logits`` rows: the logits and the taps, as ``_run``'s."""
+        """The rows ``x`` ``[R, E]`` through the reference decoders one by one (layer ``l`` on the
+        table ``layer_rope[l]`` of ``cos``, ``sin`` ``[T, R, D/2]``), the final norm and the LM
+        head over each span's last ``n_logits`` rows: the logits and the taps, as ``_run``'s."""
         tapped = {}
         for i, decoder in enumerate(self.decoders):
             t = self.layer_rope[i]
@@ -186,6 +193,6 @@ class CausalLM:
                 tapped[i] = x
         if sum(s.n_logits for s in spans) < x.shape[0]:
             x = x[np.concatenate([np.arange(s.rows.stop - s.n_logits, s.rows.stop) for s in spans])]
-        logits = np.ascontiguousarray(cpu.linear(self._final_norm(x, self.norm, self.config.rms_norm_eps),
+        logits = np.ascontiguousarray(cpu.linear(cpu.rms_norm(x, self.norm, self.config.rms_norm_eps),
                                                  self.lm_head))  # [sum n_logits, V]
         return logits, (np.concatenate([tapped[i] for i in taps], axis=-1) if taps else None)  # [R, n*E]

@@ -1,4 +1,5 @@
-"""The DFlash draft model in numpy: a few Llama layers that draft a whole block in one forward pass.
+"""The DFlash draft model on the cpu backend: a few Llama layers that draft a whole block in one
+forward pass (float32 on the numpy reference layer, 8-bit as one compiled step on the kernel team).
 
 DFlash (Jian Chen, Yesheng Liang, Zhijian Liu, "DFlash: Block Diffusion for Flash Speculative
 Decoding", arXiv:2602.06036, 2026) drafts ``block_size - 1`` tokens at once: the block
@@ -25,7 +26,6 @@ embedding), which ``public_config`` maps onto a ``DFlashConfig``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -38,11 +38,11 @@ from flm_runtime.errors import ModelFormatError
 from flm_runtime.families import rope
 from flm_runtime.families.checkpoint import WeightTaker
 from flm_runtime.families.llama import KV_PROJ, fuse_layer, layer_weight_shapes, take_fused
-from flm_runtime.kernels import cpu, quant, team
+from flm_runtime.kernels import cpu, quant
 from flm_runtime.kv_cache import KVCache
-from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan, stack_arithmetic
-from flm_runtime.layers.ops import REFERENCE
+from flm_runtime.layers.decoder import DecoderLayer, LayerWeights, RowSpan, quantized, rope_heads
 from flm_runtime.layers.spec import LayerSpec
+from flm_runtime.layers.stack import Stack, stack_weights
 from flm_runtime.model_config import ModelConfig
 from flm_runtime.outputs import Proposal
 from flm_runtime.safetensors_file import read_safetensors
@@ -233,15 +233,19 @@ class DFlashDraft:
         lm_head: ``[V, E]`` the target's LM head (shared, not copied; with a draft vocabulary its
             ``Vd`` rows are gathered once into ``head``).
         max_positions: the target's context length (tokens): caches and RoPE tables span it.
-        bits: None keeps the file's float32 matrices and runs the numpy reference layer (training
-            compares against it); 8 quantizes every matrix (``quant.quantize``, symmetric 8-bit
-            blocks) and runs the layers compiled over a float16 cache, as the quantized target's
-            layers run (``layers.decoder``). ``load`` picks 8 for a quantized target.
+        bits: None keeps the file's float32 matrices and runs the numpy reference layer
+            (``layers.decoder``; training compares against it); 8 quantizes every matrix
+            (``quant.quantize``, symmetric 8-bit blocks) and runs the layers as the quantized
+            target's run, one compiled step on the kernel team (``layers.stack``, non-causal,
+            without a head: the draft scores ``head`` itself), over float16 caches. ``load``
+            picks 8 for a quantized target.
 
     Attributes:
         vocab: ``[Vd]`` int64 target ids of the draft vocabulary (ascending), or None (all ``V``).
         head: ``[Vd, E]`` the LM head rows the draft scores.
-        layers: the layers' weights; decoders: the layers (non-causal ``DecoderLayer``).
+        layers: the layers' weights.
+        stack: an 8-bit draft's layers and final norm (``layers.stack.Stack``), else None.
+        decoders: a float32 draft's layers (non-causal ``DecoderLayer``), else None.
         quantized: an 8-bit draft (its layers compiled).
         kv_dtype: its caches' element type (float16 for an 8-bit draft, else float32).
 
@@ -277,8 +281,16 @@ class DFlashDraft:
         self.norm = take("norm.weight", (e,))
         self.layers = [_layer_weights(take, c, f"layers.{i}.") for i in range(c.num_hidden_layers)]
         spec = replace(LayerSpec.of(c, causal=False), qk_norm=c.qk_norm)
-        self.decoders = [DecoderLayer(w, spec) for w in self.layers]
-        self.quantized, self.kv_dtype, self._final_norm = stack_arithmetic(self.decoders)
+        for w in self.layers:
+            w.check(spec)
+        self.quantized = quantized(self.layers)
+        self.stack, self.decoders = None, None
+        if self.quantized:  # the target's head is scored outside the step: never a second copy of it
+            stacked, self.layers, _ = stack_weights(self.layers, self.norm, None)
+            self.stack = Stack(stacked, [spec] * c.num_hidden_layers, None)
+        else:
+            self.decoders = [DecoderLayer(w, spec) for w in self.layers]
+        self.kv_dtype = np.float16 if self.quantized else np.float32
         # add_context's projection, each layer's Wk and Wv alone: a product of all wqkv's rows rounds differently
         self.context_kv = [take_fused(take, c, f"layers.{i}.", KV_PROJ) for i in range(c.num_hidden_layers)]  # [2*Hkv*D, E]
         self.rope_cos, self.rope_sin = rope.rope_tables(d, max_positions, c.rope_theta, c.scaling)  # [P, D/2]
@@ -318,12 +330,6 @@ class DFlashDraft:
         except ModelFormatError as e:
             raise ModelFormatError(f"{path / WEIGHTS_FILE}: {e}") from e
 
-    def _threads(self):
-        """Where a pass's compiled regions run: an 8-bit draft's on the calling thread alone
-        (``team.on_calling_thread``: the target's team keeps the cores), the float32 draft's numpy
-        as it comes."""
-        return team.on_calling_thread() if self.quantized else contextlib.nullcontext()
-
     def new_cache(self, capacity: int = 0) -> DraftCache:
         """An empty context K/V cache for one sequence (``capacity`` in tokens is a hint)."""
         c = self.config
@@ -347,7 +353,7 @@ class DFlashDraft:
         assert cache.length == start_position, f"draft cache holds {cache.length}, taps start at {start_position}"
         if t == 0:
             return
-        with cpu.forward_pass(t), self._threads():
+        with cpu.forward_pass(t):
             ctx = cpu.rms_norm(cpu.linear(taps, self.fc), self.hidden_norm, c.rms_norm_eps)  # [T, E]
             cos = self.rope_cos[start_position : start_position + t]  # [T, D/2]
             sin = self.rope_sin[start_position : start_position + t]
@@ -357,7 +363,7 @@ class DFlashDraft:
                 kv = cpu.linear(ctx, wkv)  # [T, 2*Hkv*D]
                 if c.qk_norm:  # the key heads' norm, as the block's keys get it in the layer
                     kv = cpu.qk_norm(kv, self.layers[i].k_norm, self.layers[i].k_norm, 0, hkv, d, c.rms_norm_eps)
-                k = REFERENCE.rope(kv, cos, sin, 0, hkv, d)  # [T, Hkv, D]
+                k = rope_heads(kv, cos, sin, 0, hkv, d)  # [T, Hkv, D]
                 cache.write(i, k.transpose(1, 0, 2), kv[:, hkv * d:].reshape(t, hkv, d).transpose(1, 0, 2))
             cache.commit(t)
 
@@ -405,15 +411,19 @@ class DFlashDraft:
         x = x.reshape(n_seq * b, c.hidden_size)  # [S*B, E]
         positions = (np.asarray(starts)[:, None] + np.arange(b)).reshape(-1)  # [S*B]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [S*B, D/2]
-        # the LM head runs on the rows ``hidden`` picks below, not on a span's last rows: n_logits 0
-        spans = [RowSpan(cache, st, slice(s * b, (s + 1) * b), 0) for s, (cache, st) in enumerate(zip(caches, starts))]
-        with cpu.forward_pass(n_seq * b), self._threads():
+        # rows 1..K of each block, its span's last K rows, are those the final norm and the head take
+        spans = [RowSpan(cache, st, slice(s * b, (s + 1) * b), k_out)
+                 for s, (cache, st) in enumerate(zip(caches, starts))]
+        with cpu.forward_pass(n_seq * b):
             for cache in caches:
                 cache.reserve(b)  # the block's K/V go past `length` as scratch: never committed
-            for i, decoder in enumerate(self.decoders):
-                x = decoder(i, x, spans, cos, sin)  # [S*B, E]
-            hidden = x.reshape(n_seq, b, -1)[:, 1:].reshape(n_seq * k_out, -1)  # rows 1..K of each block
-            h_out = self._final_norm(hidden, self.norm, c.rms_norm_eps)  # [S*K, E]
+            if self.stack is not None:
+                h_out, _ = self.stack(x, cos[None], sin[None], spans, ())  # [S*K, E] the final norm's rows
+            else:
+                for i, decoder in enumerate(self.decoders):
+                    x = decoder(i, x, spans, cos, sin)  # [S*B, E]
+                hidden = x.reshape(n_seq, b, -1)[:, 1:].reshape(n_seq * k_out, -1)  # rows 1..K of each block
+                h_out = cpu.rms_norm(hidden, self.norm, c.rms_norm_eps)  # [S*K, E]
             logits = cpu.linear(h_out, self.head) * np.float32(c.output_multiplier)  # [S*K, Vd]
             if softcap := np.float32(c.final_logit_softcapping):
                 logits = np.tanh(logits / softcap) * softcap

@@ -18,7 +18,6 @@ import numpy as np
 from flm_runtime.backends.npu.layout import from_bf16, to_bf16
 from flm_runtime.kernels import cpu
 from flm_runtime.layers.decoder import compose
-from flm_runtime.layers.ops import REFERENCE
 from flm_runtime.layers.spec import LayerSpec
 
 
@@ -43,7 +42,7 @@ def decoder_layer(x_in: np.ndarray, x_out: np.ndarray, weights: dict[str, np.nda
     spec = LayerSpec(hidden_size=x_in.shape[1], ffn_size=weights["w_down"].shape[1], n_heads=h, n_kv_heads=hkv,
                      head_dim=d, rms_norm_eps=float(geometry["rms_norm_eps"]),
                      rope_theta=float(geometry["rope_theta"]))
-    layer = compose(REFERENCE, spec)  # the runtime's own layer, attention over the bfloat16 cache
+    layer = compose(spec)  # the runtime's own layer, attention over the bfloat16 cache
     x = x_in[:t]  # [T, E]
     cos, sin = cpu.rope_tables(d, start + t, spec.rope_theta)
     cos, sin = cos[start:], sin[start:]  # [T, D/2]
