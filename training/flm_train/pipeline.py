@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-size", type=int, default=64, help="prompts per shard")
     p.add_argument("--max-new", type=int, default=256, help="response tokens at most (MT-Bench AL is measured at 256)")
     p.add_argument("--slots", type=int, default=48, help="sequences decoded together per worker")
-    p.add_argument("--workers", type=int, default=2, help="generation processes (one numba thread each: one per core)")
+    p.add_argument("--workers", type=int, default=2, help="generation processes (one thread each: one per core)")
     p.add_argument("--nice", type=int, default=10, help="niceness added to each generation process")
     p.add_argument("--no-taps", action="store_true",
                    help="shards without taps (tokens and top-k only, ~100 B a token instead of ~5.9 KB; training recomputes them)")
@@ -160,10 +160,13 @@ def stage_prompts(a: argparse.Namespace) -> list[dict]:
 
 def _generate_worker(a: argparse.Namespace, prompts: list[dict], worker: int) -> None:
     """Generate worker ``worker``'s shards (every ``--workers``-th), at niceness ``--nice`` so that
-    the machine stays usable, on one numba thread: the runtime's kernels are numba-parallel regions
-    launched per layer and sequence, and on a busy machine each launch waits for its other threads
-    to be scheduled (docs/training.md, "Generation rate"); a process per core never waits."""
+    the machine stays usable, on one thread: a kernel team of one (``FLM_THREADS``, read when the
+    process's team is made, at its first step) and one numba thread (the float32 reference's
+    attention): a step of several threads waits at each barrier for them all to be scheduled, and
+    on a busy machine that is most of its time (docs/training.md, "Workers"); a process per core
+    never waits."""
     os.nice(a.nice)
+    os.environ["FLM_THREADS"] = "1"
     import numba
     from flm_runtime import registry
     from flm_runtime.sampling import sampler
