@@ -44,6 +44,23 @@ def test_stream_join_equals_result(make_engine, tok):
     assert (again.text, again.token_ids) == (done.text, done.token_ids)
 
 
+def test_idle_waits_for_the_last_steps_hook_after_the_result(make_engine, tok):
+    """A request's result reaches its caller before its last step's ``on_step`` returns;
+    ``idle`` waits for that too, and gives up after its timeout while a step runs."""
+    steps, inside = [], []
+
+    def slow_hook(timing):
+        inside.append(True)
+        time.sleep(0.3)
+        steps.append(timing)
+
+    engine = make_engine(HashModel(), tok, on_step=slow_hook)
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=3)).result()
+    wait_until(lambda: len(inside) == 3)  # the prefill and two decode steps have begun their hook
+    assert len(steps) == 2 and not engine.idle(timeout=0.05)  # the last hook still sleeps
+    assert engine.idle(timeout=10) and len(steps) == 3
+
+
 def test_max_tokens_exact_and_stats(make_engine, tok):
     engine = make_engine(HashModel(), tok)
     done = engine.submit([5] * 10, SamplingParams(max_tokens=17)).result()

@@ -43,7 +43,9 @@ def script_engine(make_engine, prompt_len: int = 14, **kw) -> Engine:
 
 
 def step_kinds(engine) -> list[tuple[int, str | None]]:
-    """Each decoding step's verified tokens and proposer."""
+    """Each decoding step's verified tokens and proposer (once the engine is idle: a request's
+    result can reach the caller before its last step's ``on_step``)."""
+    assert engine.idle(timeout=60)
     return [(len(r.ids), r.proposer) for t in engine.steps for r in t.records]
 
 

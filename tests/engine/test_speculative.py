@@ -260,6 +260,7 @@ def test_a_block_of_16_keeps_15_drafted_tokens_and_the_bonus(make_engine):
     steps = []
     engine.on_step = steps.append
     done = engine.submit([1, 2, 3], SamplingParams(max_tokens=35)).result()
+    assert engine.idle(timeout=60)  # the last step's on_step may come after the result
     assert done.token_ids == tuple((LETTERS * 2)[:35]) and done.finish_reason == "length"
     s = done.stats.spec
     assert (s.steps, s.drafted, s.accepted, s.emitted) == (3, 45, 32, 34)
@@ -276,10 +277,12 @@ def test_on_step_reports_each_pass_with_its_drafts(make_engine):
     steps = []
     engine.on_step = steps.append
     assert engine.submit([1, 2, 3], SamplingParams(max_tokens=25)).result().stats.spec.steps == 3
+    assert engine.idle(timeout=60)
     assert [[(len(d.ids), d.planned, d.gated) for d in t.records] for t in steps] == [[], *[[(7, 7, False)]] * 3]
     plain = make_engine(ScriptTarget(LETTERS, 3), FakeTokenizer(vocab_size=300), on_step=steps.append)
     steps.clear()
     assert plain.submit([1, 2, 3], SamplingParams(max_tokens=5)).result().text == "abcde"
+    assert plain.idle(timeout=60)
     assert [len(t.records) for t in steps] == [0, 1, 1, 1, 1] and all(d is PLAIN for t in steps for d in t.records)
 
 
@@ -433,6 +436,7 @@ def test_the_policy_plan_bounds_the_ngram_proposal(make_engine):
     steps = []
     engine.on_step = steps.append
     done = engine.submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
+    assert engine.idle(timeout=60)
     assert done.token_ids == tuple(COPIED)
     drafts = [d for t in steps for d in t.records]
     assert any(d.proposer == "ngram" for d in drafts) and all(len(d.ids) <= d.planned == 3 for d in drafts if d.planned)
@@ -491,6 +495,7 @@ def test_ngram_only_steps_where_the_table_speculates_nowhere(make_engine):
         steps = []
         engine.on_step = steps.append
         done = engine.submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
+        assert engine.idle(timeout=60)
         assert done.token_ids == tuple(COPIED) and asked == []
         stats[ratio is None] = done.stats.as_dict()
         drafts = [d for t in steps for d in t.records]
@@ -528,6 +533,7 @@ def test_an_ngram_only_step_verifies_as_many_tokens_as_pay(make_engine, ratio, m
     steps = []
     engine.on_step = steps.append
     done = engine.submit([1, 2, *COPIED], SamplingParams(max_tokens=12)).result()
+    assert engine.idle(timeout=60)
     assert done.token_ids == tuple(COPIED)
     drafts = [d for t in steps for d in t.records]
     assert [(d.lookups["ngram"].match if d.lookups else 0, len(d.ids), d.proposer == "ngram") for d in drafts] == want
@@ -828,6 +834,7 @@ def test_forced_tokens_make_steps_where_the_table_speculates_nowhere(make_engine
     steps = records_of(engine)
     params = SamplingParams(max_tokens=50, logprobs=True, top_logprobs=2)
     done = submit_json(engine, params).result()
+    assert engine.idle(timeout=60)
     plain = submit_json(make_engine(ScriptTarget(ADA, prompt_len=3), FakeTokenizer(vocab_size=300)), params).result()
     assert done.token_ids == plain.token_ids == tuple(ADA) and done.finish_reason == "stop" and asked == []
     assert done.logprobs == plain.logprobs

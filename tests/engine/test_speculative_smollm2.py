@@ -111,6 +111,7 @@ def test_a_repeated_request_takes_the_suffix_proposers_tokens(dflash_tag, chats,
     prompt, want, margins = chats[0]
     params = SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)
     first = engine.submit(prompt, params).result()
+    assert engine.idle(timeout=60)  # the index takes a finished request after its caller was told
     index = engine.speculative.suffix
     assert index.tokens == min(len(prompt), index.depth - 1) + N_TOKENS  # the answer after its prompt's end
     second = engine.submit(prompt, params).result()

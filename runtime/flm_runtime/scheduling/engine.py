@@ -169,6 +169,7 @@ class Engine:
         self._cv = threading.Condition()      # guards scheduler (its queue, sequences, pool), _counts, _closed
         self._counts = collections.Counter()
         self._closed = False
+        self._stepping = False                # the engine thread is inside a step (``idle``)
         self._draining: float | None = None   # the drain's bound (s) once ``drain`` was called
         self._thread = threading.Thread(target=self._run, name=f"flm-engine-{name}", daemon=True)
         self._thread.start()
@@ -286,6 +287,13 @@ class Engine:
                     **{k: self._counts[k] for k in ("finished", "failed", "cancelled", "timed_out", "preempted")},
                     "draining": self._draining is not None}
 
+    def idle(self, timeout: float | None = None) -> bool:
+        """Wait until the engine thread has nothing running or queued and has finished its last
+        step: what follows a request's end on that thread (the step's ``on_step``, the suffix
+        index taking the finished request) is done. Returns False if ``timeout`` (s) passed first."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._closed or not (self._stepping or self.scheduler.busy), timeout)
+
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """Hold the engine thread back between steps for the block (re-entrant): the requests
@@ -345,10 +353,14 @@ class Engine:
                     break
                 self._drop_waiting()
                 self._admit()
+                self._stepping = True
             try:
                 self._step()
             except Exception as e:               # noqa: BLE001 - an engine bug: fail, don't hang
                 self._fail_all(self._fault(e, every=True))
+            with self._cv:
+                self._stepping = False
+                self._cv.notify_all()  # ``idle`` waits for the step's end
         if self._draining is None:
             self._fail_all(BackendUnavailableError(f"engine {self.name!r} was closed"))
         else:
