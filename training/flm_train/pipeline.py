@@ -163,7 +163,7 @@ def _generate_worker(a: argparse.Namespace, prompts: list[dict], worker: int) ->
     the machine stays usable, on one thread: a kernel team of one (``FLM_THREADS``, read when the
     process's team is made, at its first step) and one numba thread (the float32 reference's
     attention): a step of several threads waits at each barrier for them all to be scheduled, and
-    on a busy machine that is most of its time (docs/training.md, "Workers"); a process per core
+    on a busy machine that is most of its time (docs/training.md, "Data": workers); a process per core
     never waits."""
     os.nice(a.nice)
     os.environ["FLM_THREADS"] = "1"
