@@ -61,6 +61,7 @@ from flm_runtime.kernels.irgen import (F16, F32, I1, I8, I16, I32, I64, as_i64, 
                                         declare, literal, load, prefetch, row_ptr, splat, store, vec)
 from flm_runtime.kernels.quant import (BLOCK, GROUP, HIGH_BITS_AT, SUB_BLOCK, SUB_SCALES_AT, TILE, ZERO_POINT,
                                        QuantWeight, block_bytes)
+from flm_runtime.kernels.jit import compiled, sources_key
 from flm_runtime.kernels.team import barrier, default_team
 
 ISAS = ("avx512vnni", "avxvnni", "avx2", "portable")
@@ -122,7 +123,8 @@ def quantize_row(x, r, padded, xq, xw, step, sx, s):  # pragma: no cover - compi
     k = row.shape[0]
     if k < padded:  # a row whose width is not whole blocks, padded
         padded_row = np.zeros(padded, dtype=np.float32)
-        padded_row[:k] = row
+        for j in range(k):  # a loop, not a slice assignment: no shape check to compile
+            padded_row[j] = row[j]
         row = padded_row
     for b in range(padded // BLOCK):
         st, first_half, second_half = _quantize_block(row, xq, xw, r, b, padded)
@@ -517,20 +519,31 @@ def format_of(w: QuantWeight, isa: str | None = None) -> Format:
 
 
 @functools.cache
-def _product_step(fmt: Format):
-    """The ``kernels.team`` step of a product of format ``fmt``: ``step(tid, n_threads, sync, codes,
-    scales, mins, xq, xw, step, sx, s, out)``, each thread its share of the tiles
-    (``product_tiles``), the format bound as constants."""
+def format_product(fmt: Format):
+    """``product(codes, scales, mins, xq, xw, step, sx, s, out, first, stop)``: ``product_tiles``
+    on format ``fmt``'s kernel, the format bound as constants. A function of its own, called and
+    not inlined, so that a format's kernel is compiled once (and cached on disk) for every
+    product that runs it: a stack's step runs five products a layer."""
     isa, bits, has_mins = fmt
 
-    @numba.njit(nogil=True, cache=True)  # its free variables are ints and a bool: numba's own key holds
+    def product(codes, scales, mins, xq, xw, st, sx, s, out, first, stop):  # pragma: no cover - compiled
+        product_tiles(isa, bits, has_mins, codes, scales, mins, xq, xw, st, sx, s, out, first, stop)
+
+    return compiled(product, f"product {fmt!r} {sources_key()}", nogil=True)
+
+
+@functools.cache
+def _product_step(fmt: Format):
+    """The ``kernels.team`` step of a product of format ``fmt``: ``step(tid, n_threads, sync, codes,
+    scales, mins, xq, xw, step, sx, s, out)``, each thread its share of the tiles."""
+    product = format_product(fmt)
+
     def step(tid, n_threads, sync, codes, scales, mins, xq, xw, st, sx, s, out):  # pragma: no cover - compiled
         tiles = codes.shape[0]
-        product_tiles(isa, bits, has_mins, codes, scales, mins, xq, xw, st, sx, s, out, tiles * tid // n_threads,
-                      tiles * (tid + 1) // n_threads)
+        product(codes, scales, mins, xq, xw, st, sx, s, out, tiles * tid // n_threads, tiles * (tid + 1) // n_threads)
         barrier(sync, n_threads)
 
-    return step
+    return compiled(step, f"product step {fmt!r} {sources_key()}", nogil=True)
 
 
 def qlinear(x: np.ndarray, w: QuantWeight, isa: str | None = None) -> np.ndarray:

@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import numba
@@ -52,12 +53,12 @@ from numba.extending import intrinsic
 
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import attention, qgemm
+from flm_runtime.kernels.jit import compiled, sources_key
 from flm_runtime.kernels.elementwise import glu_row, qk_norm_row, rms_norm_row, rope_row
 from flm_runtime.kernels.quant import BLOCK, TILE, QuantWeight, joined
 from flm_runtime.kernels.team import Team, barrier, default_team
 from flm_runtime.kv_cache import KEY_TILE
 from flm_runtime.layers.decoder import LayerWeights, RowSpan
-from flm_runtime.layers.jit import compiled, sources_key
 from flm_runtime.layers.spec import LayerSpec
 
 # Columns of a ``StackWeights.matrices`` row: where a matrix's codes, scales and mins start in the
@@ -182,12 +183,11 @@ def _matrix_views(codes, scales, mins, matrix, bits, has_mins):  # pragma: no co
     its format's)."""
     tiles, blocks = matrix[TILES], matrix[BLOCKS]
     width = blocks * qgemm.compiled_block_bytes(bits)
-    c = codes[matrix[CODES]:matrix[CODES] + tiles * width].reshape((tiles, width))
-    s = scales[matrix[SCALES]:matrix[SCALES] + tiles * blocks * TILE].reshape((tiles, blocks * TILE))
-    if has_mins:
-        m = mins[matrix[MINS]:matrix[MINS] + tiles * blocks * TILE].reshape((tiles, blocks * TILE))
-    else:
-        m = mins[0:0].reshape((0, TILE))
+    # views from pointers, not reshaped slices: the same arrays, without reshape's shape check,
+    # whose error message numba compiles for seconds in every process that compiles a step
+    c = numba.carray(_element_pointer(codes, matrix[CODES]), (tiles, width))
+    s = numba.carray(_element_pointer(scales, matrix[SCALES]), (tiles, blocks * TILE))
+    m = numba.carray(_element_pointer(mins, matrix[MINS]), (tiles, blocks * TILE) if has_mins else (0, TILE))
     return c, s, m
 
 
@@ -195,17 +195,19 @@ def _format_products(formats: tuple[qgemm.Format, ...]):
     """``linear(codes, scales, mins, matrix, acts, out, tid, n_threads) -> (first, stop)``: this
     thread's tiles ``first .. stop-1`` of the product of ``acts`` (``quantize_row``'s five
     arrays) and the stacked matrix ``matrix`` (a row of ``StackWeights.matrices``) into ``out``,
-    on the kernel of the matrix's format. The formats are constants: one branch per distinct
-    format, as each branch inlines a product (compile time grows with their number)."""
+    on the kernel of the matrix's format (``qgemm.format_product``: a call, so that each format's
+    kernel is compiled once, not at each of a step's five products). The formats are constants:
+    one branch per distinct format."""
 
     def product(fmt: qgemm.Format):
-        isa, bits, has_mins = fmt
+        _, bits, has_mins = fmt
+        kernel = qgemm.format_product(fmt)
 
         @numba.njit(inline="always")
         def tiles(codes, scales, mins, matrix, acts, out, first, stop):  # pragma: no cover - compiled
             xq, xw, step, sx, s = acts
             c, sc, mn = _matrix_views(codes, scales, mins, matrix, bits, has_mins)
-            qgemm.product_tiles(isa, bits, has_mins, c, sc, mn, xq, xw, step, sx, s, out, first, stop)
+            kernel(c, sc, mn, xq, xw, step, sx, s, out, first, stop)
 
         return tiles
 
@@ -236,6 +238,18 @@ def _format_products(formats: tuple[qgemm.Format, ...]):
 # cache held before the step, the addresses of its pool's keys and values, the pool's blocks and
 # positions per block, and where the sequence's blocks start in the step's block tables.
 FIRST, ROWS, START, K_ADDRESS, V_ADDRESS, POOL_BLOCKS, BLOCK_TOKENS, TABLE = range(8)
+
+
+@intrinsic
+def _element_pointer(typingctx, array, index):  # pragma: no cover - compiled
+    """``&array[index]`` of a 1-D contiguous array, as a pointer to its dtype, for ``numba.carray``."""
+    sig = types.CPointer(array.dtype)(array, index)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.gep(data, [args[1]])
+
+    return sig, codegen
 
 
 @intrinsic
@@ -375,9 +389,10 @@ def compile_step(spec: LayerSpec, windows: tuple[int, ...], formats: tuple[qgemm
             linear(codes, scales, mins, matrices[layers, 0], acts_last, logits, tid, n_threads)
             barrier(sync, n_threads)
 
-    # No fastmath here: the products' IR is inlined into this function and must keep the exact
-    # arithmetic it has everywhere; the fastmath ops (norm, activation, attention) are calls.
-    return compiled(step, f"stack {formats!r} {spec!r} {windows!r} head={head} {sources_key()}", nogil=True)
+    # No fastmath here: the residual adds and biases keep the exact arithmetic of the reference;
+    # the fastmath ops (norm, activation, attention) are calls.
+    return compiled(step, f"stack {formats!r} {spec!r} {windows!r} head={head} {sources_key(Path(__file__).parent)}",
+                    nogil=True)
 
 
 @numba.njit(inline="always")

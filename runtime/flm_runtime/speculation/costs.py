@@ -42,7 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
 from flm_runtime.backends import KVCacheLike, TargetModel, forward
 from flm_runtime.kernels.cpu_features import cpu_model, host_features
-from flm_runtime.layers.jit import sources_key
+from flm_runtime.kernels.jit import sources_key
+from flm_runtime.layers import stack
 from flm_runtime.loading import gguf
 from flm_runtime.models.dflash import DFlashDraft
 
@@ -94,7 +95,7 @@ def host_id() -> str:
 def kernels_digest() -> str:
     """A digest of the code a pass runs: the kernels' and the layers' sources (``jit.sources_key``:
     the products, the compiled step) and the GGUF reader (which width each weight is held in)."""
-    h = hashlib.sha256(sources_key().encode())
+    h = hashlib.sha256(sources_key(Path(stack.__file__).parent).encode())
     h.update(Path(gguf.__file__).read_bytes())
     return h.hexdigest()[:16]
 

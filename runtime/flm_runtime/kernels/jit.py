@@ -1,9 +1,10 @@
 """Compiled functions cached on disk under a key of our own: the one-call stack's step
 (``layers.stack``) is a closure, and numba's own cache key pickles a closure's free variables
 (numba dispatchers, which pickle differently in every process), so it would compile at every load
-(seconds). The key names what the free variables are instead, plus the compile options and the
-sources they were compiled from. This relies on numba's private ``dispatcher._cache`` (numba is
-pinned).
+(seconds); and numba's own cache is stale when a module it inlined from changes (it checks the
+defining file's time alone). The key names what the free variables are instead, plus the compile
+options and the sources they were compiled from. This relies on numba's private
+``dispatcher._cache`` (numba is pinned).
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from pathlib import Path
 
 import numba
 from numba.core.caching import FunctionCache
-
-from flm_runtime.kernels import attention
 
 
 class _KeyedCache(FunctionCache):
@@ -38,12 +37,13 @@ def compiled(fn, key: str, **options):
 
 
 @functools.cache
-def sources_key() -> str:
-    """A digest of the kernels' and the layers' sources, for a key: a function cached from other
-    kernels, or from another version of its own module, is not loaded. Contents, not times: a
-    checkout or a new worktree of the same code loads what is cached."""
-    here = Path(__file__).parent
+def sources_key(*folders: Path) -> str:
+    """A digest of the kernels' sources and of the ``*.py`` files of ``folders`` (those of the
+    code compiled with them), for a key: a function cached from other kernels, or from another
+    version of its own module, is not loaded. Contents, not times: a checkout or a new worktree of
+    the same code loads what is cached."""
     digest = hashlib.sha256()
-    for f in sorted([*Path(attention.__file__).parent.glob("*.py"), *here.glob("*.py")]):
-        digest.update(f"{f.parent.name}/{f.name}\0".encode() + f.read_bytes())
+    for folder in (Path(__file__).parent, *folders):
+        for f in sorted(folder.glob("*.py")):
+            digest.update(f"{f.parent.name}/{f.name}\0".encode() + f.read_bytes())
     return digest.hexdigest()
