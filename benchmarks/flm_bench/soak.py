@@ -33,7 +33,8 @@ Per request:
   still counts);
 - **stall**: a gap of more than ``--stall-s`` seconds without a token: from the request's start to
   its first chunk with text or a tool call's part, between two such chunks, or from the last one to
-  the end of the stream (``StallWatch``); a request that is not streamed is one gap, start to answer;
+  the end of the stream (``StallWatch``); for a request that is not streamed, the same gaps as the
+  engine measured them (``flm_stats``: ``engine_gaps``);
 - **resident memory**: the process's resident set after the request (``/proc/self/statm``).
 
 The run passes with zero errors, zero stalls, both minimums reached, the engine left with no running
@@ -127,10 +128,11 @@ DOCUMENT_STRIDE = 331
 
 
 class StallWatch:
-    """The gaps between tokens of one stream, against a threshold.
+    """The gaps between tokens of one request, against a threshold.
 
     ``start()`` when the request is sent, ``mark()`` at each token (content chunk) and once more at
-    the end of the stream; every gap over ``threshold_s`` is one stall.
+    the end of the stream; or, for an answer that was not streamed, ``gap(s)`` with each gap the
+    engine measured (``engine_gaps``). Every gap over ``threshold_s`` is one stall.
 
     Args:
         threshold_s: seconds without a token that make a stall.
@@ -152,9 +154,29 @@ class StallWatch:
         assert self.last is not None, "start() first"
         now = self.clock()
         gap, self.last = now - self.last, now
-        self.max_gap = max(self.max_gap, gap)
-        self.stalls += gap > self.threshold_s
-        return gap
+        return self.gap(gap)
+
+    def gap(self, seconds: float) -> float:
+        """Record one gap of ``seconds`` without a token; returns it."""
+        self.max_gap = max(self.max_gap, seconds)
+        self.stalls += seconds > self.threshold_s
+        return seconds
+
+
+def engine_gaps(stats: dict, elapsed_s: float) -> tuple[float, float, float]:
+    """The gaps without a token of a request that was not streamed, from the engine's own clock
+    (``flm_stats``: ``ttft_s``, ``max_gap_s``, ``decode_tokens_per_s``' parts, ``total_s``):
+    before its first token (the time outside the engine counted here too: ``elapsed_s``, the
+    client's, less the engine's ``total_s``), the longest between two tokens, and after the last.
+    A client that does not stream sees one gap, start to answer, however steadily the tokens came.
+    """
+    ttft = stats.get("ttft_s")
+    outside = max(0.0, elapsed_s - stats["total_s"])
+    if ttft is None:  # no token generated: the whole request is one gap
+        return elapsed_s, 0.0, 0.0
+    decode = stats["generated_tokens"] - 1
+    decode_s = decode / stats["decode_tokens_per_s"] if decode > 0 and stats["decode_tokens_per_s"] else 0.0
+    return outside + ttft, stats["max_gap_s"], max(0.0, stats["total_s"] - ttft - decode_s)
 
 
 def watch_stream(chunks: Iterable, watch: StallWatch, has_token: Callable[[object], bool]) -> Iterator:
@@ -259,7 +281,7 @@ def one_request(model: str, plan: Plan, result: Result, *, stall_s: float, timeo
 
     A streamed request is read chunk by chunk (``StallWatch`` at each chunk that carries a token),
     or closed after ``plan.cancel_after`` content chunks (``finish_reason`` "cancelled"); one that
-    is not streamed is a single gap. A streamed answer is rebuilt with ``litellm.stream_chunk_builder``
+    is not streamed is judged by the engine's clock (``engine_gaps``). A streamed answer is rebuilt with ``litellm.stream_chunk_builder``
     for its tool calls. Structured output (``response_format``) that ends with ``stop`` must
     parse as a JSON object holding the schema's required keys, or is an error.
 
@@ -273,10 +295,10 @@ def one_request(model: str, plan: Plan, result: Result, *, stall_s: float, timeo
     answer = None
     try:
         if not plan.kind.stream:
-            watch.start()
             response = send(model=model, stream=False, timeout=timeout, **plan.request)
-            watch.mark()
             first = clock()
+            for gap in engine_gaps(response._hidden_params["flm_stats"], first - t0):
+                watch.gap(gap)
             answer = _answer(response)
             result.finish_reason = response.choices[0].finish_reason or ""
             _take_usage(result, response.usage, block_drafts)

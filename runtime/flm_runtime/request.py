@@ -310,6 +310,8 @@ class RequestStats:
         total_s: submit to the end.
         spec: the speculation counters; None without speculative decoding.
         cached_tokens: prompt tokens taken from the prefix cache instead of computed.
+        max_gap_s: the longest time between two generated tokens (a step's tokens come at once):
+            what a client that does not stream cannot see of its request's progress.
     """
 
     prompt_tokens: int
@@ -321,6 +323,7 @@ class RequestStats:
     total_s: float
     spec: SpecStats | None = None
     cached_tokens: int = 0
+    max_gap_s: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -330,7 +333,7 @@ class RequestStats:
     def as_dict(self) -> dict:
         """The flat JSON form (LiteLLM's ``_hidden_params["flm_stats"]``): ``prompt_tokens``,
         ``cached_tokens``, ``completion_tokens``, ``generated_tokens``, ``queue_s``, ``ttft_s``,
-        ``decode_tokens_per_s``, ``total_s``; with ``spec`` also ``spec_steps``,
+        ``max_gap_s``, ``decode_tokens_per_s``, ``total_s``; with ``spec`` also ``spec_steps``,
         ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length`` (all proposers together,
         n-gram-only steps included; None over no step), ``gated_steps``, ``spec_switches_off``
         and ``al_estimate`` (the tracker's, ``SpecStats``), then ``SpecStats.figures`` (the forced
@@ -338,7 +341,7 @@ class RequestStats:
         out = {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                "completion_tokens": self.completion_tokens,
                "generated_tokens": self.generated_tokens, "queue_s": self.queue_s, "ttft_s": self.ttft_s,
-               "decode_tokens_per_s": self.decode_tokens_per_s, "total_s": self.total_s}
+               "max_gap_s": self.max_gap_s, "decode_tokens_per_s": self.decode_tokens_per_s, "total_s": self.total_s}
         if self.spec is not None:
             s = self.spec
             out |= {"spec_steps": s.steps, "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,

@@ -69,6 +69,7 @@ def test_max_tokens_exact_and_stats(make_engine, tok):
     s = done.stats
     assert (s.prompt_tokens, s.completion_tokens, s.generated_tokens) == (10, 17, 17)
     assert 0 < s.ttft_s <= s.total_s and s.decode_tokens_per_s > 0
+    assert 0 < s.max_gap_s <= s.decode_s and s.as_dict()["max_gap_s"] == s.max_gap_s
 
 
 def test_eos_finishes_with_stop(make_engine, tok):

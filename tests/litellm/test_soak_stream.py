@@ -1,7 +1,7 @@
 """The soak's stall detector, per-request accounting and plan, on fake streams with a fake clock:
 gaps before the first token, between tokens and after the last one; tokens and verify passes
 from the final usage; an error mid-stream is counted, not raised; a request that is not streamed
-is one gap; a cancelled stream is closed after its chunks; structured output that ends with
+is judged by the engine's gaps; a cancelled stream is closed after its chunks; structured output that ends with
 ``stop`` must parse; the schedule's requests; resident memory growth between quarters."""
 
 from __future__ import annotations
@@ -136,21 +136,38 @@ def test_a_cancelled_stream_is_closed_after_its_chunks():
     assert r.seconds == pytest.approx(0.3) and r.ttft_s == pytest.approx(0.1)
 
 
-def test_a_request_not_streamed_is_one_gap():
+def test_a_request_not_streamed_is_judged_by_the_engines_gaps():
     clock = FakeClock()
     calls = []
 
-    def completion(**kw):
-        calls.append(kw)
-        clock.now += 12.0
-        message = SimpleNamespace(content="Paris.")
-        return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason="stop")],
-                               usage=usage(3, accepted=6, rejected=1))
+    def answer(seconds, stats):
+        def completion(**kw):
+            calls.append(kw)
+            clock.now += seconds
+            message = SimpleNamespace(content="Paris.")
+            return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason="stop")],
+                                   usage=usage(3, accepted=6, rejected=1), _hidden_params={"flm_stats": stats})
+        return completion
 
-    r = send(completion, plan(stream=False, max_tokens=8), Result(4, "short", "greedy", False, 8), clock=clock)
+    # 40 s to the answer, tokens every half second from 0.5 s on: no stall, though the client waited
+    steady = {"ttft_s": 0.5, "max_gap_s": 0.5, "generated_tokens": 79, "decode_tokens_per_s": 2.0, "total_s": 39.8}
+    r = send(answer(40.0, steady), plan(stream=False, max_tokens=8), Result(4, "short", "greedy", False, 8),
+             clock=clock)
     assert calls[0]["stream"] is False and "stream_options" not in calls[0]
     assert (r.completion_tokens, r.verify_passes, r.accepted_tokens, r.finish_reason) == (3, 1, 6, "stop")
-    assert (r.stalls, r.max_gap_s, r.ttft_s) == (1, 12.0, 12.0)  # 12 s before the answer: one stall
+    assert (r.stalls, r.ttft_s, r.seconds) == (0, 40.0, 40.0)
+    assert r.max_gap_s == pytest.approx(0.7)  # the first token: 0.5 s in the engine, 0.2 s outside it
+    # 12 s, one gap of 10.5 s between two tokens inside the engine: one stall (at 10 s)
+    stuck = {"ttft_s": 0.5, "max_gap_s": 10.5, "generated_tokens": 3, "decode_tokens_per_s": 2 / 11.0, "total_s": 12.0}
+    r = send(answer(12.0, stuck), plan(stream=False, max_tokens=8), Result(5, "short", "greedy", False, 8),
+             clock=clock)
+    assert (r.stalls, r.max_gap_s) == (1, 10.5)
+
+
+def test_engine_gaps_split_a_request_that_was_not_streamed():
+    stats = {"ttft_s": 2.0, "max_gap_s": 1.5, "generated_tokens": 11, "decode_tokens_per_s": 2.0, "total_s": 7.25}
+    assert soak.engine_gaps(stats, elapsed_s=7.5) == pytest.approx((2.25, 1.5, 0.25))
+    assert soak.engine_gaps(stats | {"ttft_s": None}, elapsed_s=7.5) == (7.5, 0.0, 0.0)  # no token at all
 
 
 @pytest.mark.parametrize("text, finish, error", [

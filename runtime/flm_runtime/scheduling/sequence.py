@@ -99,6 +99,7 @@ class Sequence:
         self.cached_tokens = 0                 # prompt tokens taken from the prefix cache, not computed
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs else None
         self.t_admit = self.t_first = self.t_last = None
+        self.max_gap_s = 0.0                   # the longest time between two generated tokens
         self.leader: Sequence | None = None    # the sibling choice whose prompt KV this one waits for
         self.followers: list[Sequence] = []    # sibling choices waiting for this one's prompt KV
 
@@ -176,7 +177,10 @@ class Sequence:
         finished (its final event waits in ``final``); a speculative step calls this for each
         token of an accepted block until it returns True."""
         assert self.final is None, "token accepted after the sequence finished"
-        self.t_last = time.perf_counter()
+        now = time.perf_counter()
+        if self.t_last is not None:
+            self.max_gap_s = max(self.max_gap_s, now - self.t_last)
+        self.t_last = now
         self.t_first = self.t_first or self.t_last
         self.last_token = token
         self.generated_ids.append(token)
@@ -209,4 +213,5 @@ class Sequence:
             generated_tokens=self.checker.generated, queue_s=(self.t_admit - t0) if self.t_admit else None,
             ttft_s=(self.t_first - t0) if self.t_first else None,
             decode_s=(self.t_last - self.t_first) if self.t_first else 0.0, total_s=time.perf_counter() - t0,
-            spec=self.spec.report() if self.spec is not None else None, cached_tokens=self.cached_tokens)
+            spec=self.spec.report() if self.spec is not None else None, cached_tokens=self.cached_tokens,
+            max_gap_s=self.max_gap_s)
