@@ -232,7 +232,7 @@ PREDICTED_STATS = replace(SPEC_STATS, spec=SpecStats(proposers={
 def test_flm_stats_keys():
     """The public keys of ``_hidden_params["flm_stats"]``, with and without speculation."""
     plain = {"prompt_tokens": 9, "cached_tokens": 0, "completion_tokens": 12, "generated_tokens": 13, "queue_s": 0.0,
-             "ttft_s": 0.1, "decode_tokens_per_s": 10.0, "total_s": 1.3}
+             "ttft_s": 0.1, "max_gap_s": 0.0, "decode_tokens_per_s": 10.0, "total_s": 1.3}
     assert replace(SPEC_STATS, spec=None).as_dict() == plain
     assert SPEC_STATS.as_dict() == {**plain, "spec_steps": 5, "drafted_tokens": 31, "accepted_tokens": 12,
                                     "acceptance_length": 3.4, "gated_steps": 0, "spec_switches_off": 0,
