@@ -59,9 +59,9 @@ from numba.extending import intrinsic, overload
 from flm_runtime.kernels import cpu_features
 from flm_runtime.kernels.irgen import (F16, F32, I1, I8, I16, I32, I64, as_i64, broadcast, counted_loop, data_ptr,
                                         declare, literal, load, prefetch, row_ptr, splat, store, vec)
+from flm_runtime.kernels.jit import compiled, sources_key
 from flm_runtime.kernels.quant import (BLOCK, GROUP, HIGH_BITS_AT, SUB_BLOCK, SUB_SCALES_AT, TILE, ZERO_POINT,
                                        QuantWeight, block_bytes)
-from flm_runtime.kernels.jit import compiled, sources_key
 from flm_runtime.kernels.team import barrier, default_team
 
 ISAS = ("avx512vnni", "avxvnni", "avx2", "portable")

@@ -53,8 +53,8 @@ from numba.extending import intrinsic
 
 from flm_runtime.errors import ModelFormatError
 from flm_runtime.kernels import attention, qgemm
-from flm_runtime.kernels.jit import compiled, sources_key
 from flm_runtime.kernels.elementwise import glu_row, qk_norm_row, rms_norm_row, rope_row
+from flm_runtime.kernels.jit import compiled, sources_key
 from flm_runtime.kernels.quant import BLOCK, TILE, QuantWeight, joined
 from flm_runtime.kernels.team import Team, barrier, default_team
 from flm_runtime.kv_cache import KEY_TILE
