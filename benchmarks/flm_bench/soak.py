@@ -281,8 +281,8 @@ def one_request(model: str, plan: Plan, result: Result, *, stall_s: float, timeo
 
     A streamed request is read chunk by chunk (``StallWatch`` at each chunk that carries a token),
     or closed after ``plan.cancel_after`` content chunks (``finish_reason`` "cancelled"); one that
-    is not streamed is judged by the engine's clock (``engine_gaps``). A streamed answer is rebuilt with ``litellm.stream_chunk_builder``
-    for its tool calls. Structured output (``response_format``) that ends with ``stop`` must
+    is not streamed is judged by the engine's clock (``engine_gaps``). A streamed answer is rebuilt
+    with ``litellm.stream_chunk_builder`` for its tool calls. Structured output (``response_format``) that ends with ``stop`` must
     parse as a JSON object holding the schema's required keys, or is an error.
 
     Args:
